@@ -1,0 +1,56 @@
+"""Engine options: plain typed values, validated once here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str                                  # checkpoint directory (HuggingFace format)
+    tokenizer: str | None = None                # defaults to `model`
+    dtype: str = "auto"                         # auto: float32 on CPU, the checkpoint's 16-bit type on CUDA
+    device: str = "auto"                        # auto: cuda if available, else cpu
+    max_model_len: int | None = None            # default: the model's max_position_embeddings
+    block_size: int = 16
+    num_kv_blocks: int | None = None            # fixed pool size; overrides the memory budget
+    kv_cache_memory_gib: float = 1.0            # CPU: KV budget
+    gpu_memory_utilization: float = 0.90        # CUDA: fraction of the device the process may use
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    seed: int = 0                               # for unseeded sampling
+
+    def __post_init__(self) -> None:
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        for name in ("max_model_len", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens"):
+            positive(name)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_gib <= 0:
+            raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device is cuda but no CUDA device is visible; use device='cpu'")
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolved_dtype(self, checkpoint_dtype: str) -> torch.dtype:
+        from engine.dtypes import parse_dtype
+        if self.dtype != "auto":
+            return parse_dtype(self.dtype)
+        if self.resolved_device().type == "cpu":
+            return torch.float32
+        ckpt = parse_dtype(checkpoint_dtype)
+        return torch.bfloat16 if ckpt == torch.float32 else ckpt

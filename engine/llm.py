@@ -1,0 +1,83 @@
+"""Offline API.
+
+    from engine import LLM, SamplingParams
+    llm = LLM(model="/path/to/checkpoint", dtype="float32")
+    outs = llm.generate(["Hello", "The capital of"], SamplingParams(max_tokens=32))
+    outs[0].text, outs[0].token_ids
+
+All prompts are scheduled together (continuous batching). A prompt is a string,
+a list of token ids, or {"prompt_token_ids": [...]}.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from engine.engine_config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_options: Any):
+        if model is None:
+            from engine.tiny_model import ensure_default_model
+            model = str(ensure_default_model())
+        self.engine = LLMEngine(EngineConfig(model=str(model), **engine_options))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """One finished output per prompt, in prompt order. Every prompt is
+        validated before any runs, so a bad one raises without starting the rest."""
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"got {len(params_list)} sampling params for {len(prompt_list)} prompts")
+        for prompt in prompt_list:
+            self.engine.validate_prompt(self.engine.tokenize(_prompt_value(prompt)))
+        ids = [self.engine.add_request(None, _prompt_value(p), sp) for p, sp in zip(prompt_list, params_list)]
+        finished = {o.request_id: o for o in self.engine.run_to_completion()}
+        return [finished[i] for i in ids]
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yields an output per generated chunk of one prompt; the last is finished.
+        Abandoning the iterator aborts the request."""
+        request_id = self.engine.add_request(None, _prompt_value(prompt), sampling_params)
+        finished = False
+        try:
+            while not finished:
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        finished = out.finished
+                        yield out
+        finally:
+            if not finished:
+                self.engine.abort_request(request_id)
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [prompts]  # a single token-id prompt
+    return prompts
+
+
+def _prompt_value(prompt: Prompt) -> str | list[int]:
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise ValueError("a dict prompt needs a 'prompt' or 'prompt_token_ids' key")
+    return prompt

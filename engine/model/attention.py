@@ -1,0 +1,69 @@
+"""Attention over the paged KV cache for a mixed batch of decode tokens and
+prefill chunks, in plain torch (scaled_dot_product_attention), so it runs on CPU
+and on CUDA alike.
+
+Per layer the cache is a tensor [2, num_blocks, block_size, kv_heads, head_dim]
+(K then V). New K/V are written to their slots first; then
+- decode tokens (batched): gather each sequence's blocks, attend with a length mask;
+- prefill chunks (one SDPA each): a fresh prompt attends causally to its own
+  K/V; a chunk after a cached prefix gathers the prefix from the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.model.attention_metadata import AttentionMetadata
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    # kv_cache: [2, num_blocks, block_size, kv_heads, D]; k, v: [T, kv_heads, D]; slot_mapping: [T]
+    kv_heads, head_dim = kv_cache.shape[-2:]
+    kv_cache[0].view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, heads, D]; k, v: [T, kv_heads, D] (this step's, already rotated).
+    Writes k, v into the cache and returns the attention output [T, heads, D]."""
+    write_kv(kv_cache, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    gqa = q.shape[1] != k.shape[1]
+    nd = meta.num_decode_tokens
+    if nd:
+        out[:nd] = _decode_attention(q[:nd], kv_cache, meta, scale, gqa)
+    for chunk in meta.prefills:
+        s, n = chunk.token_start, chunk.num_tokens
+        qc = q[s:s + n].transpose(0, 1)                               # [heads, n, D]
+        if chunk.has_cached_prefix:
+            kc, vc = _gather_context(kv_cache, chunk.block_table, chunk.context_len)
+            # query i sits at position context_len - n + i and sees keys 0..that position
+            q_pos = torch.arange(chunk.context_len - n, chunk.context_len, device=q.device)
+            mask = torch.arange(chunk.context_len, device=q.device)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        else:
+            kc, vc = k[s:s + n].transpose(0, 1), v[s:s + n].transpose(0, 1)
+            o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=gqa)
+        out[s:s + n] = o.transpose(0, 1)
+    return out
+
+
+def _gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, context_len: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    # -> k, v: [kv_heads, context_len, D]
+    kv = kv_cache[:, block_table]                                    # [2, nb, bs, kv_heads, D]
+    kv = kv.flatten(1, 2)[:, :context_len]                           # [2, ctx, kv_heads, D]
+    kv = kv.transpose(1, 2)                                          # [2, kv_heads, ctx, D]
+    return kv[0], kv[1]
+
+
+def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                      scale: float, gqa: bool) -> torch.Tensor:
+    # q: [B, heads, D] -> [B, heads, D]
+    kv = kv_cache[:, meta.decode_block_tables]                       # [2, B, nb, bs, kv_heads, D]
+    kv = kv.flatten(2, 3).transpose(2, 3)                            # [2, B, kv_heads, L, D]
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), kv[0], kv[1], attn_mask=meta.decode_key_mask,
+                                       scale=scale, enable_gqa=gqa)  # [B, heads, 1, D]
+    return o.squeeze(2)

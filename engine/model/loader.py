@@ -1,0 +1,91 @@
+"""Loads a HuggingFace safetensors checkpoint into our modules.
+
+Each checkpoint tensor is routed to the parameter that owns it (q/k/v into the
+fused qkv_proj, gate/up into gate_up_proj) and handed to that parameter's
+`weight_loader`, which keeps only this rank's slice. Tensors are read lazily
+from the files, one at a time, so a rank never holds the whole checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+
+class CheckpointError(ValueError):
+    """The checkpoint's files do not match the model its config.json describes."""
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({model_dir / name for name in weight_map.values()})
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {model_dir}; pdserve loads safetensors checkpoints")
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointError(f"the checkpoint index names files that do not exist: {missing}")
+    return files
+
+
+def load_weights(model: nn.Module, model_dir: str | Path) -> None:
+    """Fills every parameter of `model` from the checkpoint in `model_dir`.
+    Raises CheckpointError naming any parameter the checkpoint does not provide."""
+    model_dir = Path(model_dir)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    packed = getattr(model, "packed_modules", {})
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    loaded: set[str] = set()
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                if "rotary_emb.inv_freq" in name:
+                    continue
+                target, shard_id = name, None
+                for ckpt_part, (our_part, sid) in packed.items():
+                    if f".{ckpt_part}." in name:
+                        target, shard_id = name.replace(ckpt_part, our_part), sid
+                        break
+                if tied and name == "lm_head.weight":
+                    continue  # tied: the embedding's weight is the head's
+                param = params.get(target)
+                if param is None:
+                    continue  # tensors we do not use (e.g. a tied copy)
+                tensor = f.get_tensor(name)
+                weight_loader = getattr(param, "weight_loader", _copy)
+                try:
+                    weight_loader(param, tensor.to(param.dtype), shard_id)
+                except ValueError as exc:
+                    raise CheckpointError(f"{name} in {path.name}: {exc}") from None
+                loaded.add(f"{target}:{shard_id}")
+    _check_complete(params, packed, loaded, tied)
+
+
+def _copy(param: nn.Parameter, tensor: torch.Tensor, shard_id: object = None) -> None:
+    if param.shape != tensor.shape:
+        raise ValueError(f"checkpoint tensor has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    param.data.copy_(tensor)
+
+
+def _check_complete(params: dict[str, nn.Parameter], packed: dict, loaded: set[str], tied: bool) -> None:
+    missing = []
+    for name in params:
+        if tied and name == "lm_head.weight":
+            continue
+        shard_ids = [sid for part, (our, sid) in packed.items() if f".{our}." in name]
+        if shard_ids:
+            for part, (our, sid) in packed.items():
+                if f".{our}." in name and f"{name}:{sid}" not in loaded:
+                    missing.append(name.replace(our, part))
+        elif f"{name}:None" not in loaded:
+            missing.append(name)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")

@@ -1,0 +1,138 @@
+"""The model shape the runtime needs, read from a HuggingFace `config.json`.
+
+transformers parses the file (AutoConfig); this module turns the parts of it
+that change the forward pass into one flat, validated value, so the layers never
+look at a transformers object and an unsupported checkpoint fails here, with a
+message, rather than deep inside a forward pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# architecture name in config.json -> the flags that distinguish it from Llama
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+
+
+class ModelConfigError(ValueError):
+    """A checkpoint's config.json describes a model the runtime cannot run."""
+
+
+@dataclass(slots=True, frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_type: str = "default"
+    # llama3 / linear / dynamic parameters, as transformers names them
+    rope_params: dict[str, float] = field(default_factory=dict)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = "float32"
+    # Mistral's attention window; the engine caps max_model_len at it, since
+    # within the window sliding and full attention are the same computation.
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ModelConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelConfigError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ModelConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ModelConfigError(
+                f"rope type {self.rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V per token for the whole model in its checkpoint dtype."""
+        from engine.dtypes import dtype_size
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_size(self.torch_dtype)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
+        """Reads `model_dir/config.json` (offline) and validates it."""
+        path = Path(model_dir)
+        if not (path / "config.json").is_file():
+            raise ModelConfigError(
+                f"no config.json in {path}: point the model path at a HuggingFace checkpoint "
+                "directory (config.json, tokenizer files, *.safetensors)")
+        from transformers import AutoConfig
+        try:
+            hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        except (ValueError, KeyError) as exc:
+            raise ModelConfigError(f"cannot read {path / 'config.json'}: {exc}") from exc
+        return cls.from_hf_config(hf_config)
+
+    @classmethod
+    def from_hf_config(cls, hf: Any) -> "ModelConfig":
+        architectures = list(getattr(hf, "architectures", None) or [])
+        arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ModelConfigError(
+                f"unsupported architecture {architectures or getattr(hf, 'model_type', '?')}; "
+                f"pdserve runs: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        num_heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+        rope = _rope_parameters(hf)
+        eos = getattr(hf, "eos_token_id", None)
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        attention_bias = bool(getattr(hf, "attention_bias", False))
+        dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or "float32"
+        return cls(
+            architecture=arch,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            max_position_embeddings=hf.max_position_embeddings,
+            rms_norm_eps=hf.rms_norm_eps,
+            rope_theta=float(rope.pop("rope_theta")),
+            rope_type=rope.pop("rope_type"),
+            rope_params=rope,
+            qkv_bias=is_qwen2 or attention_bias,
+            o_bias=attention_bias and not is_qwen2,
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            bos_token_id=getattr(hf, "bos_token_id", None),
+            eos_token_ids=eos_ids,
+            torch_dtype=str(dtype).removeprefix("torch."),
+            sliding_window=getattr(hf, "sliding_window", None) if arch == "MistralForCausalLM" else None,
+        )
+
+
+def _rope_parameters(hf: Any) -> dict[str, Any]:
+    """rope_theta, rope_type and the scaling parameters, from either the
+    transformers-5 `rope_parameters` dict or the older `rope_scaling` + `rope_theta`."""
+    params = dict(getattr(hf, "rope_parameters", None) or {})
+    legacy = getattr(hf, "rope_scaling", None)
+    if legacy and not params.get("rope_type"):
+        params.update(legacy)
+    params.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type") or params.pop("type", None) or "default"
+    params.pop("type", None)
+    return params

@@ -1,0 +1,98 @@
+"""Turns sampled tokens into text and decides when a request is done.
+
+Per request: incremental detokenization, stop conditions (EOS, stop token ids,
+stop strings, max_tokens, context length), and streaming deltas. A stop string is
+cut from the text; while one could still be forming at the end of the text, those
+last characters are held back from the stream, so a client never sees a stop
+string it has to take back.
+"""
+
+from __future__ import annotations
+
+import time
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import RequestOutput
+from engine.sampler import TokenLogprobs
+from engine.sequence import Sequence
+
+
+class RequestTextState:
+    def __init__(self, seq: Sequence, tokenizer, max_model_len: int):
+        self.seq = seq
+        self.max_model_len = max_model_len
+        params = seq.params
+        self.detokenizer = IncrementalDetokenizer(tokenizer, seq.prompt_token_ids,
+                                                  skip_special_tokens=params.skip_special_tokens)
+        self.stop_strings = list(params.stop)
+        self.hold_back = max((len(s) for s in self.stop_strings), default=1) - 1
+        self.text = ""
+        self.num_emitted_chars = 0
+        self.num_emitted_tokens = 0
+        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+
+    def append(self, token_id: int, logprobs: TokenLogprobs | None) -> None:
+        """Adds a sampled token to the sequence; sets seq.finish_reason when it ends it."""
+        seq, params = self.seq, self.seq.params
+        seq.token_ids.append(token_id)
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.append(logprobs)
+        n_out = seq.num_output_tokens
+        past_min = n_out >= params.min_tokens
+        if past_min and not params.ignore_eos and token_id in seq.eos_token_ids:
+            self._finish("stop", None)
+            return
+        if past_min and token_id in params.stop_token_ids:
+            self._finish("stop", token_id)
+            return
+        prev_len = len(self.text)
+        self.text += self.detokenizer.add_token(token_id)
+        if past_min and self.stop_strings and self._check_stop_strings(prev_len):
+            return
+        if n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            self._finish("length", None)
+
+    def _check_stop_strings(self, prev_len: int) -> bool:
+        # a new match must end in the text this token added
+        window_start = max(0, prev_len - self.hold_back)
+        best = None
+        for stop in self.stop_strings:
+            i = self.text.find(stop, window_start)
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, stop)
+        if best is None:
+            return False
+        self.text = self.text[:best[0]]
+        self._finish("stop", best[1])
+        return True
+
+    def _finish(self, reason: str, stop_reason: int | str | None) -> None:
+        self.seq.finish_reason = reason
+        self.seq.stop_reason = stop_reason
+        if reason != "stop" or isinstance(stop_reason, int) or stop_reason is None:
+            self.text += self.detokenizer.flush()
+
+    def make_output(self, finished: bool) -> RequestOutput:
+        seq = self.seq
+        visible = len(self.text) if finished else max(self.num_emitted_chars, len(self.text) - self.hold_back)
+        delta_text = self.text[self.num_emitted_chars:visible]
+        self.num_emitted_chars = visible
+        out_ids = seq.output_token_ids
+        delta_ids = out_ids[self.num_emitted_tokens:]
+        self.num_emitted_tokens = len(out_ids)
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            text=self.text[:visible],
+            token_ids=list(out_ids),
+            delta_text=delta_text,
+            delta_token_ids=delta_ids,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            finished=finished,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            num_cached_tokens=seq.num_cached_prompt_tokens,
+            arrival_time=seq.arrival_time,
+            first_token_time=seq.first_token_time,
+            finished_time=time.monotonic() if finished else None,
+        )

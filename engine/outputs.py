@@ -1,0 +1,25 @@
+"""What the engine reports per request per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampler import TokenLogprobs
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str                         # all generated text so far (a matched stop string excluded)
+    token_ids: list[int]              # all generated token ids so far
+    delta_text: str = ""              # text new since the previous output of this request
+    delta_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None        # one per generated token, when asked for
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0        # prompt tokens served from the prefix cache
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finished_time: float | None = None

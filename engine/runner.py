@@ -1,0 +1,122 @@
+"""One engine step on one device: build the flat batch, run the model, sample.
+
+Input: a ScheduledStep (decodes first, then prefill chunks). Output: one sampled
+token per sequence whose last uncomputed token ran in this step (decodes, and
+prefills that reached the end of their tokens); chunks that stop mid-prompt
+produce nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_cache import KVCache
+from engine.model.attention_metadata import AttentionMetadata, PrefillChunk
+from engine.sampler import Sampler, SampleResult, SamplingRow
+from engine.scheduler import ScheduledStep
+from engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor       # [T]
+    positions: torch.Tensor       # [T]
+    meta: AttentionMetadata
+    sample_indices: torch.Tensor  # [S] rows of the hidden states that are sampled
+    sampled_seqs: list[Sequence]  # the S sequences, in row order
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
+                 sampler: Sampler):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.kv_layers = kv_cache.layer_views()
+        self.block_size = kv_cache.spec.block_size
+        self.device = device
+        self.sampler = sampler
+
+    def prepare(self, step: ScheduledStep) -> StepInputs:
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        sampled: list[Sequence] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillChunk] = []
+        for seq, n in zip(step.seqs, step.num_new_tokens):
+            start = seq.num_computed_tokens
+            end = start + n
+            token_start = len(ids)
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if n == 1 and start > 0:
+                decode_tables.append(table[: -(-end // bs)])
+                decode_lens.append(end)
+            else:
+                prefills.append(PrefillChunk(token_start, n, end, torch.tensor(table[: -(-end // bs)])
+                                             if start > 0 else _EMPTY))
+            if end == seq.num_tokens:
+                sample_rows.append(len(ids) - 1)
+                sampled.append(seq)
+
+        dev = self.device
+        nd = len(decode_lens)
+        if nd:
+            max_blocks = max(len(t) for t in decode_tables)
+            tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.long)
+            lens = torch.tensor(decode_lens, dtype=torch.long)
+            key_mask = (torch.arange(max_blocks * bs)[None, :] < lens[:, None])[:, None, None, :]
+            tables, lens, key_mask = tables.to(dev), lens.to(dev), key_mask.to(dev)
+        else:
+            tables = lens = key_mask = None
+        for chunk in prefills:
+            if chunk.has_cached_prefix:
+                chunk.block_table = chunk.block_table.to(dev)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decode_tokens=nd,
+            decode_block_tables=tables,
+            decode_context_lens=lens,
+            decode_key_mask=key_mask,
+            prefills=prefills,
+        )
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            meta=meta,
+            sample_indices=torch.tensor(sample_rows, dtype=torch.long, device=dev),
+            sampled_seqs=sampled,
+        )
+
+    @torch.inference_mode()
+    def execute(self, step: ScheduledStep) -> tuple[list[Sequence], SampleResult | None]:
+        """Runs the step; returns the sequences that sampled and their samples."""
+        inputs = self.prepare(step)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_layers, inputs.meta)
+        if not inputs.sampled_seqs:
+            return [], None
+        logits = self.model.compute_logits(hidden[inputs.sample_indices])   # [S, vocab]
+        result = self.sampler(logits, [sampling_row(seq) for seq in inputs.sampled_seqs])
+        return inputs.sampled_seqs, result
+
+
+_EMPTY = torch.empty(0, dtype=torch.long)
+
+
+def sampling_row(seq: Sequence) -> SamplingRow:
+    """The sampler's view of a sequence. Until min_tokens are out, EOS and the
+    stop token ids are banned so the sequence cannot end early."""
+    params = seq.params
+    banned: list[int] = []
+    if seq.num_output_tokens < params.min_tokens:
+        banned = [*seq.eos_token_ids, *params.stop_token_ids]
+    return SamplingRow(params=params, prompt_token_ids=seq.prompt_token_ids,
+                       output_token_ids=seq.output_token_ids, generator=seq.generator,
+                       banned_token_ids=banned)

@@ -1,0 +1,178 @@
+"""Continuous batching: which sequences run in the next step, and how many of
+their tokens.
+
+Queues:
+    waiting (FIFO; preempted sequences go back to the front)
+       --admitted when its blocks fit and the token budget allows-->
+    running (in admission order)
+       --finished--> gone, blocks freed
+       --out of blocks--> the most recently admitted running sequence is preempted
+                          (blocks freed, recomputed from scratch when readmitted)
+    reserved (decode role: blocks allocated for KV arriving from elsewhere)
+       --kv ready--> running
+
+A step gets at most `max_num_batched_tokens` tokens: first one token for every
+decoding sequence and the next chunk of every running prefill, then chunks of
+newly admitted prompts (chunked prefill splits a long prompt over steps).
+`schedule(prefill=..., decode=...)` can restrict a step to one phase, which is
+what dedicated prefill and decode workers run.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledStep:
+    """One step's work. `num_new_tokens[i]` tokens of `seqs[i]` run; decodes
+    (exactly one new token) come first in `seqs`."""
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool = True):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.reserved: dict[str, Sequence] = {}
+        self.num_preemptions = 0   # since start, for metrics
+
+    # ---- queue changes -----------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def reserve(self, seq: Sequence, num_filled_tokens: int) -> bool:
+        """Decode role: allocates blocks for `num_filled_tokens` tokens whose K/V will
+        be written from outside (a prefill worker). The sequence is not scheduled
+        until `mark_filled`. Returns False when the blocks do not fit now."""
+        if not self.block_manager.allocate(seq.block_table, num_filled_tokens):
+            return False
+        seq.status = SequenceStatus.RESERVED
+        self.reserved[seq.request_id] = seq
+        return True
+
+    def mark_filled(self, seq: Sequence, num_filled_tokens: int) -> None:
+        """The reserved blocks now hold K/V for the first `num_filled_tokens` tokens."""
+        del self.reserved[seq.request_id]
+        seq.num_computed_tokens = num_filled_tokens
+        seq.num_hashed_blocks = self.block_manager.cache_full_blocks(
+            seq.token_ids, seq.block_table, num_filled_tokens, seq.num_hashed_blocks)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def finish(self, seq: Sequence, *, keep_blocks: bool = False) -> None:
+        """Removes a sequence from every queue; frees its blocks unless `keep_blocks`."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq.request_id in self.reserved:
+            del self.reserved[seq.request_id]
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if not keep_blocks:
+            self.block_manager.free(seq.block_table)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.reserved)
+
+    # ---- the step --------------------------------------------------------------------
+    def schedule(self, *, prefill: bool = True, decode: bool = True) -> ScheduledStep:
+        step = ScheduledStep()
+        budget = self.max_num_batched_tokens
+        decodes: list[tuple[Sequence, int]] = []
+        prefills: list[tuple[Sequence, int]] = []
+
+        # 1. running sequences, oldest first; preempt the newest when blocks run out
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            remaining = seq.num_uncomputed_tokens
+            is_decode = remaining == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
+            if (is_decode and not decode) or (not is_decode and not prefill):
+                i += 1
+                continue
+            n = min(remaining, budget)
+            if n < remaining and not self.enable_chunked_prefill:
+                i += 1
+                continue
+            while not self.block_manager.allocate(seq.block_table, seq.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                step.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # seq preempted itself: nothing younger is left to schedule
+            (decodes if is_decode else prefills).append((seq, n))
+            budget -= n
+            i += 1
+
+        # 2. admit waiting prompts, unless this step already had to preempt
+        while (prefill and not step.preempted and self.waiting and budget > 0
+               and len(self.running) < self.max_num_seqs):
+            seq = self.waiting[0]
+            if seq.num_computed_tokens == 0 and not seq.block_table:
+                cached = self.block_manager.match_prefix(seq.token_ids, seq.block_table)
+                seq.num_computed_tokens = cached
+                seq.num_cached_prompt_tokens = min(cached, seq.num_prompt_tokens)
+            remaining = seq.num_uncomputed_tokens
+            n = min(remaining, budget)
+            if (n < remaining and not self.enable_chunked_prefill) or \
+                    not self.block_manager.allocate(seq.block_table, seq.num_computed_tokens + n):
+                self._undo_admission(seq)
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            prefills.append((seq, n))
+            budget -= n
+
+        for seq, n in decodes + prefills:
+            step.seqs.append(seq)
+            step.num_new_tokens.append(n)
+        return step
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute-style preemption: drop the sequence's K/V; it starts over later
+        (its generated tokens are kept and recomputed as part of its prompt)."""
+        self.running.remove(seq)
+        self.block_manager.free(seq.block_table)
+        seq.num_computed_tokens = 0
+        seq.num_hashed_blocks = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _undo_admission(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.block_manager.free(seq.block_table)
+        seq.num_computed_tokens = 0
+        seq.num_cached_prompt_tokens = 0
+
+    def after_step(self, step: ScheduledStep) -> None:
+        """Records the tokens the step computed and registers newly full blocks."""
+        for seq, n in zip(step.seqs, step.num_new_tokens):
+            seq.num_computed_tokens += n
+            seq.num_hashed_blocks = self.block_manager.cache_full_blocks(
+                seq.token_ids, seq.block_table, seq.num_computed_tokens, seq.num_hashed_blocks)

@@ -1,0 +1,73 @@
+"""A request's state inside the engine.
+
+Life cycle in one engine:
+    WAITING --scheduled--> RUNNING --EOS/stop/length--> FINISHED (blocks freed)
+       ^                      |
+       +------preempted-------+   (blocks freed, recomputed from scratch later)
+Disaggregated roles add two states:
+    prefill side: RUNNING --first token--> HELD (blocks kept until release_kv)
+    decode side:  RESERVED (blocks allocated, KV arriving) --kv ready--> RUNNING
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    RESERVED = "reserved"
+    HELD = "held"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    request_id: str
+    token_ids: list[int]                  # prompt followed by generated tokens
+    num_prompt_tokens: int
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0          # tokens whose K/V are in the cache
+    block_table: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0            # leading blocks registered for prefix caching
+    num_cached_prompt_tokens: int = 0     # prompt tokens served from the prefix cache
+    generator: torch.Generator | None = None
+    hold_kv: bool = False                 # prefill role: keep blocks after the first token
+    finish_reason: str | None = None      # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (SequenceStatus.FINISHED, SequenceStatus.HELD)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
