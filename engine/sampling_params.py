@@ -1,0 +1,171 @@
+"""Per-request sampling parameters, validated on construction (vLLM semantics)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field
+
+# Below this temperature a request is decoded greedily; dividing logits by a
+# near-zero temperature would only overflow towards the same argmax.
+GREEDY_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20
+_SEED_LIMIT = 2**63
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range or of the wrong type; the message names the field."""
+
+
+def _check_int(name: str, value: object, allowed: str) -> int:
+    # bool is an int subclass, but max_tokens=True is always a caller bug.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise SamplingParamsError(
+            f"{name} must be an int {allowed}, got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
+def _check_float(name: str, value: object, allowed: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise SamplingParamsError(
+            f"{name} must be a number {allowed}, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not math.isfinite(value):
+        raise SamplingParamsError(f"{name} must be a finite number {allowed}, got {value!r}")
+    return value
+
+
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise SamplingParamsError(
+            f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _out_of_range(name: str, value: object, allowed: str) -> SamplingParamsError:
+    return SamplingParamsError(f"{name} must be {allowed}, got {value!r}")
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens for one request.
+
+    Construction validates every field and normalises the convenience forms
+    (stop=None or a single str -> list, stop_token_ids=None -> [], top_k=-1 -> 0,
+    int floats -> float). Raises SamplingParamsError naming the field, the value
+    and the allowed range. Fields are not re-validated if mutated afterwards.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                      # 0 (or -1 on input) = disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0     # 1 = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None         # top-N to return; 0 = sampled token only
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self.max_tokens = _check_int("max_tokens", self.max_tokens, ">= 1")
+        if self.max_tokens < 1:
+            raise _out_of_range("max_tokens", self.max_tokens, ">= 1")
+
+        # `not (lo <= v)` rather than `v < lo` so that any NaN slipping through fails too.
+        self.temperature = _check_float("temperature", self.temperature, ">= 0")
+        if not self.temperature >= 0.0:
+            raise _out_of_range("temperature", self.temperature, ">= 0")
+
+        self.top_p = _check_float("top_p", self.top_p, "in (0, 1]")
+        if not 0.0 < self.top_p <= 1.0:
+            raise _out_of_range("top_p", self.top_p, "in (0, 1]")
+
+        top_k_allowed = "-1 or 0 (disabled), or >= 1"
+        self.top_k = _check_int("top_k", self.top_k, top_k_allowed)
+        if self.top_k < -1:
+            raise _out_of_range("top_k", self.top_k, top_k_allowed)
+        if self.top_k == -1:
+            self.top_k = 0
+
+        self.min_p = _check_float("min_p", self.min_p, "in [0, 1]")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise _out_of_range("min_p", self.min_p, "in [0, 1]")
+
+        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty, "> 0")
+        if not self.repetition_penalty > 0.0:
+            raise _out_of_range("repetition_penalty", self.repetition_penalty, "> 0")
+
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _check_float(name, getattr(self, name), "in [-2, 2]")
+            if not -2.0 <= value <= 2.0:
+                raise _out_of_range(name, value, "in [-2, 2]")
+            setattr(self, name, value)
+
+        if self.seed is not None:
+            self.seed = _check_int("seed", self.seed, "in [0, 2**63)")
+            if not 0 <= self.seed < _SEED_LIMIT:
+                raise _out_of_range("seed", self.seed, "in [0, 2**63)")
+
+        self.stop = self._normalise_stop(self.stop)
+        self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+        self.ignore_eos = _check_bool("ignore_eos", self.ignore_eos)
+
+        min_tokens_allowed = f"in [0, max_tokens={self.max_tokens}]"
+        self.min_tokens = _check_int("min_tokens", self.min_tokens, min_tokens_allowed)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise _out_of_range("min_tokens", self.min_tokens, min_tokens_allowed)
+
+        if self.logprobs is not None:
+            logprobs_allowed = f"None or in [0, {MAX_LOGPROBS}]"
+            self.logprobs = _check_int("logprobs", self.logprobs, logprobs_allowed)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise _out_of_range("logprobs", self.logprobs, logprobs_allowed)
+
+        self.skip_special_tokens = _check_bool("skip_special_tokens", self.skip_special_tokens)
+
+    @staticmethod
+    def _normalise_stop(stop: object) -> list[str]:
+        allowed = "None, a non-empty str or a list of non-empty str"
+        if stop is None:
+            return []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, (list, tuple)):
+            raise _out_of_range("stop", stop, allowed)
+        for s in stop:
+            # An empty stop string would match at every position and end generation at once.
+            if not isinstance(s, str) or not s:
+                raise SamplingParamsError(f"stop must be {allowed}, got element {s!r}")
+        return list(stop)  # a copy: the caller's list stays theirs
+
+    @staticmethod
+    def _normalise_stop_token_ids(ids: object) -> list[int]:
+        allowed = "None or a list of int >= 0"
+        if ids is None:
+            return []
+        if not isinstance(ids, (list, tuple)):
+            raise _out_of_range("stop_token_ids", ids, allowed)
+        for i in ids:
+            if isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0:
+                raise SamplingParamsError(f"stop_token_ids must be {allowed}, got element {i!r}")
+        return [int(i) for i in ids]
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when tokens are chosen by argmax (temperature below GREEDY_TEMPERATURE)."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+    def validate_against_vocab(self, vocab_size: int) -> None:
+        """Raise SamplingParamsError unless every stop_token_id is in [0, vocab_size)."""
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral) or vocab_size < 1:
+            raise ValueError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
+        for token_id in self.stop_token_ids:
+            if token_id >= vocab_size:
+                raise SamplingParamsError(
+                    f"stop_token_ids contains {token_id}, must be in [0, {vocab_size})")
