@@ -1,0 +1,188 @@
+"""Block manager properties: no leak, no double allocation, reference counts
+that match the sharing, and prefix hits that are verified against the tokens."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import pytest
+
+from engine.block_manager import BlockManager
+
+BS = 4
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    """Random interleavings of admit (with prefix matching), grow, cache, free."""
+
+    def __init__(self):
+        super().__init__()
+        self.bm = BlockManager(num_blocks=24, block_size=BS)
+        self.seqs: dict[int, tuple[list[int], list[int]]] = {}  # id -> (tokens, block_table)
+        self.next_id = 0
+
+    @rule(prefix=st.sampled_from([[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9]]),
+          tail=st.lists(st.integers(0, 3), min_size=1, max_size=9))
+    def admit(self, prefix, tail):
+        tokens = prefix + tail
+        table: list[int] = []
+        cached = self.bm.match_prefix(tokens, table)
+        assert cached % BS == 0 and cached < len(tokens)
+        if self.bm.allocate(table, len(tokens)):
+            self.bm.cache_full_blocks(tokens, table, len(tokens), 0)
+            self.seqs[self.next_id] = (tokens, table)
+            self.next_id += 1
+        else:
+            self.bm.free(table)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), extra=st.integers(1, 6))
+    def grow(self, data, extra):
+        sid = data.draw(st.sampled_from(sorted(self.seqs)))
+        tokens, table = self.seqs[sid]
+        before = list(table)
+        new_tokens = tokens + [7] * extra
+        if self.bm.allocate(table, len(new_tokens)):
+            tokens.extend([7] * extra)
+            self.bm.cache_full_blocks(tokens, table, len(tokens), 0)
+        else:
+            assert table == before, "a failed allocate must change nothing"
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def free(self, data):
+        sid = data.draw(st.sampled_from(sorted(self.seqs)))
+        _, table = self.seqs.pop(sid)
+        self.bm.free(table)
+        assert table == []
+
+    @invariant()
+    def ref_counts_match_tables(self):
+        counts = [0] * self.bm.num_blocks
+        for _, table in self.seqs.values():
+            assert len(set(table)) == len(table), "a sequence holds the same block twice"
+            for b in table:
+                counts[b] += 1
+        assert [blk.ref_count for blk in self.bm.blocks] == counts
+        # free list = exactly the unreferenced blocks: nothing leaks, nothing is handed out twice
+        assert self.bm.num_free_blocks == counts.count(0)
+
+    @invariant()
+    def shared_blocks_hold_identical_tokens(self):
+        owner: dict[int, tuple[int, ...]] = {}
+        for tokens, table in self.seqs.values():
+            for i, b in enumerate(table[: len(tokens) // BS]):
+                blk = self.bm.blocks[b]
+                if blk.hash is not None:
+                    chunk = tuple(tokens[i * BS:(i + 1) * BS])
+                    assert owner.setdefault(b, tuple(tokens[:(i + 1) * BS])) == tuple(tokens[:(i + 1) * BS]), \
+                        "two sequences with different prefixes share a block"
+                    assert blk.token_ids == chunk
+
+
+TestBlockManagerMachine = BlockManagerMachine.TestCase
+TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_prefix_hit_shares_blocks_and_counts_references():
+    bm = BlockManager(num_blocks=10, block_size=BS)
+    a_tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    a: list[int] = []
+    assert bm.match_prefix(a_tokens, a) == 0
+    assert bm.allocate(a, 9) and len(a) == 3
+    bm.cache_full_blocks(a_tokens, a, 9, 0)
+    b: list[int] = []
+    assert bm.match_prefix([1, 2, 3, 4, 5, 6, 7, 8, 0, 0], b) == 8
+    assert b == a[:2]
+    assert [bm.blocks[i].ref_count for i in a] == [2, 2, 1]
+    bm.free(a)
+    assert [bm.blocks[i].ref_count for i in b] == [1, 1]
+    assert bm.num_free_blocks == 10 - 2
+
+
+def test_full_prompt_hit_leaves_the_last_token_to_compute():
+    bm = BlockManager(num_blocks=10, block_size=BS)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8]
+    a: list[int] = []
+    bm.allocate(a, 8)
+    bm.cache_full_blocks(tokens, a, 8, 0)
+    b: list[int] = []
+    assert bm.match_prefix(tokens, b) == 4  # second block recomputed: it holds the last token
+
+
+def test_freed_cached_blocks_are_reused_until_evicted():
+    bm = BlockManager(num_blocks=3, block_size=BS)
+    tokens = [1, 2, 3, 4, 5]
+    a: list[int] = []
+    bm.allocate(a, 5)
+    bm.cache_full_blocks(tokens, a, 5, 0)
+    first = a[0]
+    bm.free(a)
+    assert bm.num_free_blocks == 3
+    b: list[int] = []
+    assert bm.match_prefix(tokens, b) == 4 and b == [first]
+    assert bm.num_free_blocks == 2
+    bm.free(b)
+    # fill the pool with other content: the cached block is evicted, no stale hit remains
+    c: list[int] = []
+    assert bm.allocate(c, 12)
+    bm.cache_full_blocks([9] * 12, c, 12, 0)
+    bm.free(c)
+    d: list[int] = []
+    assert bm.match_prefix(tokens, d) == 0
+
+
+def test_hash_collision_is_rejected_by_token_check(monkeypatch):
+    bm = BlockManager(num_blocks=6, block_size=BS)
+    a: list[int] = []
+    bm.allocate(a, 5)
+    bm.cache_full_blocks([1, 2, 3, 4, 0], a, 5, 0)
+    # forge a collision: make the cache think another prefix hashes to a's first block
+    forged = hash((None, (5, 6, 7, 8)))
+    bm._by_hash[forged] = a[0]
+    b: list[int] = []
+    assert bm.match_prefix([5, 6, 7, 8, 0], b) == 0 and b == []
+
+
+def test_chain_is_verified_not_just_the_block():
+    """A forged hash hit on a block with the right tokens but a different
+    preceding block is rejected: the chain, not the block alone, is verified."""
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    x = [1, 1, 1, 1, 2, 2, 2, 2, 0]
+    a: list[int] = []
+    bm.allocate(a, 9)
+    bm.cache_full_blocks(x, a, 9, 0)
+    y_first = [3, 3, 3, 3, 0]
+    b: list[int] = []
+    bm.allocate(b, 5)
+    bm.cache_full_blocks(y_first, b, 5, 0)
+    # forge: the hash of y's second block points at x's second block (same tokens, other parent)
+    bm._by_hash[hash((bm.blocks[b[0]].hash, (2, 2, 2, 2)))] = a[1]
+    c: list[int] = []
+    assert bm.match_prefix([3, 3, 3, 3, 2, 2, 2, 2, 0], c) == 4 and c == [b[0]]
+
+
+def test_allocate_is_all_or_nothing_and_double_free_is_caught():
+    bm = BlockManager(num_blocks=2, block_size=BS)
+    t: list[int] = []
+    assert not bm.allocate(t, 3 * BS) and t == [] and bm.num_free_blocks == 2
+    assert bm.allocate(t, 2 * BS)
+    kept = list(t)
+    bm.free(t)
+    with pytest.raises(RuntimeError, match="freed more often"):
+        bm.free(kept)
+
+
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=20))
+@settings(max_examples=100, deadline=None)
+def test_blocks_needed_matches_ceiling(lengths):
+    bm = BlockManager(num_blocks=1000, block_size=BS)
+    table: list[int] = []
+    total = 0
+    for n in lengths:
+        total += n
+        expected = -(-total // BS) - len(table)
+        assert bm.blocks_needed(table, total) == expected
+        assert bm.allocate(table, total)
+        assert len(table) == -(-total // BS)

@@ -1,0 +1,213 @@
+"""Engine behaviour beyond greedy parity: stop conditions, streaming, seeds,
+logprobs, aborts, and refusing bad input without disturbing other requests."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from engine import LLM, EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
+from engine.model import CheckpointError, ModelConfigError
+
+
+@pytest.fixture(scope="module")
+def llm(model_dirs) -> LLM:
+    return LLM(str(model_dirs["tiny"]), max_model_len=256)
+
+
+def _greedy(max_tokens=24, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+PROMPT = "The quick brown fox jumps over"
+
+
+# ---- stop conditions -------------------------------------------------------------------
+def test_stop_string_is_cut_and_never_streamed(llm):
+    full = llm.generate(PROMPT, _greedy())[0]
+    assert len(full.text) > 6
+    stop = full.text[3:6]
+    cut_at = full.text.index(stop)
+    out = llm.generate(PROMPT, _greedy(stop=[stop]))[0]
+    assert out.text == full.text[:cut_at]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    deltas = [o.delta_text for o in llm.stream(PROMPT, _greedy(stop=[stop]))]
+    assert "".join(deltas) == out.text
+    assert all(stop not in "".join(deltas[:i + 1]) for i in range(len(deltas)))
+
+
+def test_stop_token_id_ends_generation(llm):
+    full = llm.generate(PROMPT, _greedy())[0]
+    stop_id = full.token_ids[4]
+    first = full.token_ids.index(stop_id)
+    out = llm.generate(PROMPT, _greedy(stop_token_ids=[stop_id]))[0]
+    assert out.token_ids == full.token_ids[:first + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+
+
+def test_min_tokens_bans_stop_tokens_until_reached(llm):
+    full = llm.generate(PROMPT, _greedy())[0]
+    stop_id = full.token_ids[0]
+    out = llm.generate(PROMPT, _greedy(stop_token_ids=[stop_id], min_tokens=6))[0]
+    assert len(out.token_ids) >= 6
+    assert stop_id not in out.token_ids[:6]
+
+
+def test_max_tokens_ends_with_length(llm):
+    out = llm.generate(PROMPT, _greedy(max_tokens=5))[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_eos_ends_generation_unless_ignored(llm, reference):
+    import random
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(2, 30))] for _ in range(40)]
+    eos = llm.tokenizer.eos_token_id
+    ref = reference("tiny")
+    ending = [p for p in prompts if eos in ref.greedy(tuple(p), 40)]
+    assert ending, "some random prompt should reach EOS within 40 tokens"
+    p = ending[0]
+    stopped = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=40))[0]
+    assert stopped.token_ids == ref.greedy(tuple(p), 40)
+    assert (stopped.finish_reason, stopped.token_ids[-1]) == ("stop", eos)
+    assert "<|end_of_text|>" not in stopped.text
+    ignored = llm.generate([p], _greedy(max_tokens=40))[0]
+    assert len(ignored.token_ids) == 40 and ignored.token_ids[:len(stopped.token_ids)] == stopped.token_ids
+
+
+def test_context_length_ends_generation(model_dirs):
+    llm = LLM(str(model_dirs["tiny"]), max_model_len=40)
+    prompt = list(range(5, 35))
+    out = llm.generate([prompt], _greedy(max_tokens=100))[0]
+    assert len(out.token_ids) == 10 and out.finish_reason == "length"
+
+
+# ---- streaming and detokenization ------------------------------------------------------
+def test_stream_deltas_add_up_to_the_full_text(llm):
+    final = llm.generate(PROMPT, _greedy(max_tokens=40))[0]
+    chunks = list(llm.stream(PROMPT, _greedy(max_tokens=40)))
+    assert chunks[-1].finished and not any(c.finished for c in chunks[:-1])
+    assert "".join(c.delta_text for c in chunks) == final.text
+    assert [t for c in chunks for t in c.delta_token_ids] == final.token_ids
+    assert final.text == llm.tokenizer.decode(final.token_ids, skip_special_tokens=True)
+
+
+def test_prompt_forms_agree(llm):
+    ids = llm.tokenizer.encode(PROMPT)
+    a = llm.generate(PROMPT, _greedy())[0]
+    b = llm.generate([ids], _greedy())[0]
+    c = llm.generate({"prompt_token_ids": ids}, _greedy())[0]
+    assert a.token_ids == b.token_ids == c.token_ids
+    assert a.prompt_token_ids == ids
+
+
+# ---- sampling ----------------------------------------------------------------------------
+def test_seed_gives_same_output_in_any_batch(llm):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, seed=1234, ignore_eos=True)
+    alone = llm.generate(PROMPT, seeded)[0].token_ids
+    others = [SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True, seed=s) for s in (None, 1, 2)]
+    batch = llm.generate(["a b c", "hello", PROMPT, "x y"], [others[0], others[1], seeded, others[2]])
+    assert batch[2].token_ids == alone
+    other_seed = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, seed=99, ignore_eos=True)
+    assert llm.generate(PROMPT, other_seed)[0].token_ids != alone
+
+
+def test_logprobs_match_transformers(llm, reference):
+    ref = reference("tiny")
+    out = llm.generate(PROMPT, _greedy(max_tokens=5, logprobs=3))[0]
+    ids = llm.tokenizer.encode(PROMPT)
+    with torch.no_grad():
+        logits = ref.model(torch.tensor([ids + out.token_ids])).logits[0]
+    expected = torch.log_softmax(logits.float(), -1)[len(ids) - 1:-1]
+    assert len(out.logprobs) == 5
+    for step, lp in enumerate(out.logprobs):
+        assert lp.token_id == out.token_ids[step]
+        assert lp.rank == 1  # greedy picks the best
+        assert lp.logprob == pytest.approx(expected[step, lp.token_id].item(), abs=1e-4)
+        top_ids = expected[step].topk(3).indices.tolist()
+        assert [t for t, _ in lp.top] == top_ids
+
+
+# ---- aborts and bad input ----------------------------------------------------------------
+def test_abort_frees_blocks(model_dirs):
+    engine = LLMEngine(EngineConfig(model=str(model_dirs["tiny"]), max_model_len=256))
+    keep = engine.add_request("keep", PROMPT, _greedy(max_tokens=8))
+    gone = engine.add_request("gone", "another prompt here", _greedy(max_tokens=50))
+    engine.step()
+    engine.step()
+    assert engine.abort_request(gone)
+    assert not engine.abort_request("nope")
+    finals = engine.run_to_completion()
+    assert [o.request_id for o in finals] == [keep]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("prompt, match", [
+    ("", "prompt is empty"),
+    ([], "prompt is empty"),
+    ([1, 2, 10**6], r"token id 1000000 at position 2 is outside the vocabulary \[0, 512\)"),
+    ([-1], "token id -1 at position 0"),
+    (list(range(1, 257)), r"256 tokens but the model's context is 256 tokens.*at most 255"),
+])
+def test_bad_prompts_are_refused_and_others_continue(model_dirs, reference, prompt, match):
+    engine = LLMEngine(EngineConfig(model=str(model_dirs["tiny"]), max_model_len=256))
+    ids = engine.tokenizer.encode(PROMPT)
+    engine.add_request("good", ids, SamplingParams(temperature=0.0, max_tokens=12))
+    engine.step()
+    with pytest.raises(InvalidRequestError, match=match) as err:
+        engine.add_request("bad", prompt, _greedy())
+    assert err.value.param == "prompt"
+    (out,) = engine.run_to_completion()
+    assert out.token_ids == reference("tiny").greedy(tuple(ids), 12)
+
+
+def test_bad_stop_token_and_duplicate_id(llm):
+    engine = llm.engine
+    with pytest.raises(InvalidRequestError, match=r"stop_token_ids.*99999"):
+        engine.add_request("x", PROMPT, SamplingParams(stop_token_ids=[99999]))
+    engine.add_request("dup", PROMPT, _greedy(max_tokens=1))
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request("dup", PROMPT, _greedy())
+    engine.run_to_completion()
+
+
+def test_generate_validates_every_prompt_before_running(llm):
+    with pytest.raises(InvalidRequestError, match="prompt is empty"):
+        llm.generate(["fine", ""], _greedy())
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_unknown_architecture_is_named(model_dirs, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(model_dirs["tiny"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelConfigError, match=r"unsupported architecture.*GPT2LMHeadModel.*LlamaForCausalLM"):
+        LLM(str(d))
+
+
+def test_missing_tensor_is_named(model_dirs, tmp_path):
+    from safetensors.torch import load_file, save_file
+    d = tmp_path / "m"
+    shutil.copytree(model_dirs["tiny"], d)
+    (f,) = d.glob("*.safetensors")
+    tensors = load_file(f)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, f, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"missing 1 tensor\(s\): model.layers.1.mlp.up_proj.weight"):
+        LLM(str(d))
+
+
+def test_missing_config_and_bad_options(tmp_path, model_dirs):
+    with pytest.raises(ModelConfigError, match="no config.json"):
+        LLM(str(tmp_path))
+    with pytest.raises(ValueError, match=r"max_model_len \(5000\) is larger than the model supports \(1024\)"):
+        LLM(str(model_dirs["tiny"]), max_model_len=5000)
+    with pytest.raises(ValueError, match="fewer than one sequence"):
+        LLM(str(model_dirs["tiny"]), max_model_len=256, num_kv_blocks=3)
+    with pytest.raises(ValueError, match="block_size must be a positive integer"):
+        EngineConfig(model="x", block_size=0)
