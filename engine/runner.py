@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv_cache import KVCache
-from engine.model.attention_metadata import AttentionMetadata, PrefillChunk
+from engine.model.attention_metadata import AttentionMetadata, DecodeGroup, PrefillChunk
 from engine.sampler import Sampler, SampleResult, SamplingRow
 from engine.scheduler import ScheduledStep
 from engine.sequence import Sequence
@@ -40,15 +40,21 @@ class ModelRunner:
 
     def prepare(self, step: ScheduledStep) -> StepInputs:
         bs = self.block_size
+        dev = self.device
+        # decodes (one new token after a cached context) first, shortest context first,
+        # so that neighbours have similar lengths and can share a padded gather
+        work = list(zip(step.seqs, step.num_new_tokens))
+        decodes = sorted(((s, n) for s, n in work if n == 1 and s.num_computed_tokens > 0),
+                         key=lambda sn: sn[0].num_computed_tokens)
+        prefills = [(s, n) for s, n in work if not (n == 1 and s.num_computed_tokens > 0)]
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
         sampled: list[Sequence] = []
         decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillChunk] = []
-        for seq, n in zip(step.seqs, step.num_new_tokens):
+        chunks: list[PrefillChunk] = []
+        for seq, n in decodes + prefills:
             start = seq.num_computed_tokens
             end = start + n
             token_start = len(ids)
@@ -56,36 +62,21 @@ class ModelRunner:
             positions.extend(range(start, end))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if n == 1 and start > 0:
-                decode_tables.append(table[: -(-end // bs)])
-                decode_lens.append(end)
+            used = table[: -(-end // bs)]
+            if len(decode_tables) < len(decodes):
+                decode_tables.append(used)
             else:
-                prefills.append(PrefillChunk(token_start, n, end, torch.tensor(table[: -(-end // bs)])
-                                             if start > 0 else _EMPTY))
+                chunks.append(PrefillChunk(token_start, n, end,
+                                           torch.tensor(used, device=dev) if start > 0 else _EMPTY))
             if end == seq.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 sampled.append(seq)
-
-        dev = self.device
-        nd = len(decode_lens)
-        if nd:
-            max_blocks = max(len(t) for t in decode_tables)
-            tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.long)
-            lens = torch.tensor(decode_lens, dtype=torch.long)
-            key_mask = (torch.arange(max_blocks * bs)[None, :] < lens[:, None])[:, None, None, :]
-            tables, lens, key_mask = tables.to(dev), lens.to(dev), key_mask.to(dev)
-        else:
-            tables = lens = key_mask = None
-        for chunk in prefills:
-            if chunk.has_cached_prefix:
-                chunk.block_table = chunk.block_table.to(dev)
+        lens = [s.num_computed_tokens + 1 for s, _ in decodes]
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decode_tokens=nd,
-            decode_block_tables=tables,
-            decode_context_lens=lens,
-            decode_key_mask=key_mask,
-            prefills=prefills,
+            num_decode_tokens=len(decodes),
+            decode_groups=self._decode_groups(decode_tables, lens),
+            prefills=chunks,
         )
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
@@ -94,6 +85,30 @@ class ModelRunner:
             sample_indices=torch.tensor(sample_rows, dtype=torch.long, device=dev),
             sampled_seqs=sampled,
         )
+
+    def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
+        """Splits decodes (sorted by length) where padding to the group's longest
+        would waste more than a quarter of the gathered keys."""
+        groups = []
+        start = 0
+        while start < len(tables):
+            end, total = start + 1, len(tables[start])
+            while end < len(tables) and (end + 1 - start) * len(tables[end]) <= 1.25 * (total + len(tables[end])):
+                total += len(tables[end])
+                end += 1
+            groups.append(self._decode_group(start, tables[start:end], lens[start:end]))
+            start = end
+        return groups
+
+    def _decode_group(self, token_start: int, tables: list[list[int]], lens: list[int]) -> DecodeGroup:
+        bs = self.block_size
+        max_blocks = len(tables[-1])
+        padded = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
+        mask = None
+        if any(n != max_blocks * bs for n in lens):
+            mask = (torch.arange(max_blocks * bs)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
+            mask = mask.to(self.device)
+        return DecodeGroup(token_start, padded.to(self.device), mask)
 
     @torch.inference_mode()
     def execute(self, step: ScheduledStep) -> tuple[list[Sequence], SampleResult | None]:

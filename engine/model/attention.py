@@ -4,7 +4,8 @@ and on CUDA alike.
 
 Per layer the cache is a tensor [2, num_blocks, block_size, kv_heads, head_dim]
 (K then V). New K/V are written to their slots first; then
-- decode tokens (batched): gather each sequence's blocks, attend with a length mask;
+- decode tokens, in groups of similar length: gather each sequence's blocks,
+  attend with a length mask;
 - prefill chunks (one SDPA each): a fresh prompt attends causally to its own
   K/V; a chunk after a cached prefix gathers the prefix from the cache.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.model.attention_metadata import AttentionMetadata
+from engine.model.attention_metadata import AttentionMetadata, DecodeGroup
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -31,9 +32,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     write_kv(kv_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
-    nd = meta.num_decode_tokens
-    if nd:
-        out[:nd] = _decode_attention(q[:nd], kv_cache, meta, scale, gqa)
+    for group in meta.decode_groups:
+        s, n = group.token_start, group.block_tables.shape[0]
+        out[s:s + n] = _decode_attention(q[s:s + n], kv_cache, group, scale, gqa)
     for chunk in meta.prefills:
         s, n = chunk.token_start, chunk.num_tokens
         qc = q[s:s + n].transpose(0, 1)                               # [heads, n, D]
@@ -59,11 +60,11 @@ def _gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, context_l
     return kv[0], kv[1]
 
 
-def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup,
                       scale: float, gqa: bool) -> torch.Tensor:
     # q: [B, heads, D] -> [B, heads, D]
-    kv = kv_cache[:, meta.decode_block_tables]                       # [2, B, nb, bs, kv_heads, D]
+    kv = kv_cache[:, group.block_tables]                             # [2, B, nb, bs, kv_heads, D]
     kv = kv.flatten(2, 3).transpose(2, 3)                            # [2, B, kv_heads, L, D]
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), kv[0], kv[1], attn_mask=meta.decode_key_mask,
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), kv[0], kv[1], attn_mask=group.key_mask,
                                        scale=scale, enable_gqa=gqa)  # [B, heads, 1, D]
     return o.squeeze(2)

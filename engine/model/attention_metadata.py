@@ -26,10 +26,18 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Decode tokens [token_start, token_start + n) of sequences of similar
+    length, attended together: their block tables are padded to the group's
+    longest, so grouping by length keeps the padding (wasted gathers) small."""
+    token_start: int
+    block_tables: torch.Tensor    # [n, max_blocks] int64, padded with block 0
+    key_mask: torch.Tensor | None  # [n, 1, 1, max_blocks * block_size] bool; None when nothing is padded
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor              # [num_tokens] int64: cache slot each token's K/V goes to
     num_decode_tokens: int                  # the first num_decode_tokens tokens decode, one per sequence
-    decode_block_tables: torch.Tensor | None   # [num_decodes, max_blocks] int64 (padded with 0)
-    decode_context_lens: torch.Tensor | None   # [num_decodes] int64
-    decode_key_mask: torch.Tensor | None       # [num_decodes, 1, 1, max_blocks * block_size] bool
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]

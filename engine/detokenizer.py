@@ -1,0 +1,165 @@
+"""Incremental detokenization for streaming output.
+
+Decoding the whole output after every token costs O(length) per step; this decodes
+only a short window of recent tokens (the prefix_offset / read_offset scheme used by
+vLLM and TGI). ``read_offset`` marks the token boundary up to which text has been
+emitted exactly; the tokens between ``prefix_offset`` and ``read_offset`` are kept
+as context so that decoders whose output depends on the preceding token (e.g.
+SentencePiece dropping the leading space of the first token) see it.
+
+For byte-level BPE tokenizers (all of ``engine.tiny_model``'s, GPT-2/Llama-3/Qwen
+style) decoding concatenates token bytes and decodes them as lossy UTF-8, and the
+window is only ever cut where the decoder is between characters, so after
+``flush()`` the emitted text equals ``tokenizer.decode(output_ids)`` exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+_REPLACEMENT = "\ufffd"
+# Prompt tokens used as initial decoding context (vLLM uses the same number).
+_CONTEXT_TOKENS = 5
+# Once this many tokens past read_offset are undecided, settle all but the last
+# _LOOKBACK_TOKENS. A character is at most 4 bytes, so the bytes after a boundary
+# that far back have almost always decided it; _settle_undecided checks that they did.
+_MAX_UNDECIDED_TOKENS = 8
+_LOOKBACK_TOKENS = 4
+# Drop ids before the window once this many have accumulated, bounding memory.
+_COMPACT_AFTER = 64
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of generated token ids into text deltas.
+
+    ``tokenizer`` only needs ``decode(ids, skip_special_tokens=...)`` (a
+    transformers tokenizer or a ``tokenizers.Tokenizer``). Contracts:
+
+    - ``add_token`` returns the text that became final with this token, possibly "";
+      a delta never ends in a U+FFFD that later tokens could still turn into a
+      character (an incomplete UTF-8 sequence is held back until resolved);
+    - ``text`` is the concatenation of all deltas and contains output text only;
+    - ``flush()`` emits whatever is held back, decoded as the full decode would;
+      afterwards ``text == tokenizer.decode(output_ids, skip_special_tokens=...)``
+      for byte-level tokenizers. No tokens may be added after ``flush()``.
+
+    Cost per token is two decodes of a window of a few tokens.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        context = [int(t) for t in prompt_token_ids[-_CONTEXT_TOKENS:]]
+        # Context ending inside a character would glue its bytes to the output's
+        # first bytes, which the decode of the output alone never sees.
+        if context and self._decode(context).endswith(_REPLACEMENT):
+            context = []
+        self._ids: list[int] = context
+        # ids[prefix_offset:read_offset] is context; text up to read_offset is emitted.
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        # len(decode(ids[prefix_offset:read_offset])); None until needed.
+        self._prefix_len: int | None = None
+        # Characters past read_offset already emitted (settled text that precedes an
+        # unresolved tail inside the same window).
+        self._emitted_past_read = 0
+        self._pieces: list[str] = []
+        self._text = ""
+        self._flushed = False
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        if self._pieces:
+            self._text += "".join(self._pieces)
+            self._pieces.clear()
+        return self._text
+
+    def add_token(self, token_id: int) -> str:
+        """Append one generated token and return the newly final text (may be "")."""
+        if self._flushed:
+            raise RuntimeError("add_token() after flush()")
+        self._ids.append(int(token_id))
+        window = self._decode(self._ids[self._prefix_offset :])
+        prefix_len = self._window_prefix_len()
+        emitted_end = prefix_len + self._emitted_past_read
+
+        if window.endswith(_REPLACEMENT):
+            # Text before the trailing U+FFFD run ends in a real character, so the
+            # decoder is between characters there and that text is final.
+            delta = self._slice(window, emitted_end, len(window.rstrip(_REPLACEMENT)))
+            self._emitted_past_read += len(delta)
+            if len(self._ids) - self._read_offset > _MAX_UNDECIDED_TOKENS:
+                delta += self._settle_undecided(window)
+            return self._emit(delta)
+
+        delta = self._slice(window, emitted_end, len(window))
+        if len(window) > prefix_len or len(self._ids) - self._read_offset > _MAX_UNDECIDED_TOKENS:
+            # The window ends between characters: everything is emitted, and the
+            # tokens just read become the context for the next window.
+            self._advance(len(self._ids))
+        else:
+            # Nothing new yet (e.g. a skipped special token): keep the context.
+            self._emitted_past_read += len(delta)
+        return self._emit(delta)
+
+    def flush(self) -> str:
+        """Emit any held-back text, as the full decode renders it; idempotent."""
+        if self._flushed:
+            return ""
+        self._flushed = True
+        window = self._decode(self._ids[self._prefix_offset :])
+        emitted_end = self._window_prefix_len() + self._emitted_past_read
+        return self._emit(self._slice(window, emitted_end, len(window)))
+
+    # ------------------------------------------------------------------ internals
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+    def _window_prefix_len(self) -> int:
+        if self._prefix_len is None:
+            self._prefix_len = len(self._decode(self._ids[self._prefix_offset : self._read_offset]))
+        return self._prefix_len
+
+    @staticmethod
+    def _slice(window: str, start: int, end: int) -> str:
+        return window[start:end] if end > start else ""
+
+    def _advance(self, new_read_offset: int) -> None:
+        self._prefix_offset = self._read_offset
+        self._read_offset = new_read_offset
+        self._prefix_len = None
+        self._emitted_past_read = 0
+        if self._prefix_offset >= _COMPACT_AFTER:
+            del self._ids[: self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
+
+    def _settle_undecided(self, window: str) -> str:
+        """Move read_offset up to a boundary a few tokens back, if that is safe.
+
+        Without this, output that keeps ending in invalid bytes would grow the
+        window without bound. Splitting at token boundary ``cut`` is safe once the
+        bytes after it have already decided the character in flight there
+        (completed it or proved it invalid): exactly when decoding the two sides
+        separately reproduces the joint decode and the right side is non-empty.
+        Returns the text that becomes final, which may end in a U+FFFD that the
+        full decode has too.
+        """
+        cut = len(self._ids) - _LOOKBACK_TOKENS
+        head = self._decode(self._ids[self._prefix_offset : cut])
+        tail = self._decode(self._ids[cut:])
+        if not tail or head + tail != window:
+            return ""
+        emitted_end = self._window_prefix_len() + self._emitted_past_read
+        delta = self._slice(window, emitted_end, len(head))
+        already_past_cut = max(0, emitted_end - len(head))
+        self._advance(cut)
+        self._emitted_past_read = already_past_cut
+        return delta
+
+    def _emit(self, delta: str) -> str:
+        if delta:
+            self._pieces.append(delta)
+        return delta
