@@ -25,6 +25,7 @@ from dataclasses import replace
 import torch
 
 from engine.block_manager import BlockManager
+from engine.cpu_allocator import keep_freed_memory_in_heap
 from engine.engine_config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.kv_cache import GIB, KVCache, KVCacheSpec, gpu_kv_budget_bytes
@@ -46,6 +47,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tp: TensorParallel = SINGLE_PROCESS):
         self.config = config
         self.device = config.resolved_device()
+        if self.device.type == "cpu":
+            keep_freed_memory_in_heap()
         self.model_config = ModelConfig.from_pretrained(config.model)
         mc = self.model_config
         self.max_model_len = self._resolve_max_model_len(config, mc)

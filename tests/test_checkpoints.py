@@ -1,0 +1,117 @@
+"""Checkpoint variants the loader and model must handle: RoPE scalings given
+only in config.json, sharded safetensors with an index, 16-bit dtypes, and the
+`pdserve` command that makes checkpoints."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from tests.conftest import Reference
+
+
+def _prompts(n=4, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(rng.randint(3, 60))] for _ in range(n)]
+
+
+def _with_rope(src, dst, rope):
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_theta": 10000.0, **rope}
+    cfg.pop("rope_scaling", None)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "dynamic", "factor": 2.0},
+])
+def test_rope_scaling_variants_match_transformers(rope, model_dirs, tmp_path):
+    d = _with_rope(model_dirs["tiny"], tmp_path / rope["rope_type"], rope)
+    llm = LLM(str(d), max_model_len=512)
+    ref = Reference(d)
+    prompts = _prompts()
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == ref.greedy(tuple(p), 16)
+
+
+def test_rope_scaling_changes_the_output(model_dirs, tmp_path):
+    """Guards the test above: a scaled RoPE is not silently ignored."""
+    d = _with_rope(model_dirs["tiny"], tmp_path / "lin", {"rope_type": "linear", "factor": 4.0})
+    plain, scaled = LLM(str(model_dirs["tiny"]), max_model_len=512), LLM(str(d), max_model_len=512)
+    prompts = _prompts(6, seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    a = [o.token_ids for o in plain.generate(prompts, params)]
+    b = [o.token_ids for o in scaled.generate(prompts, params)]
+    assert a != b
+
+
+def test_sharded_checkpoint_with_index(model_dirs, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    src = model_dirs["tiny-qwen2"]
+    d = tmp_path / "sharded"
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    model.save_pretrained(str(d), max_shard_size="60KB")
+    AutoTokenizer.from_pretrained(str(src)).save_pretrained(str(d))
+    assert len(list(d.glob("*.safetensors"))) > 2 and (d / "model.safetensors.index.json").exists()
+    prompts = _prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    whole = [o.token_ids for o in LLM(str(src), max_model_len=256).generate(prompts, params)]
+    parts = [o.token_ids for o in LLM(str(d), max_model_len=256).generate(prompts, params)]
+    assert parts == whole
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs_close_to_float32(dtype, model_dirs):
+    prompts = _prompts(10, seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    fp32 = LLM(str(model_dirs["tiny"]), max_model_len=256, dtype="float32")
+    half = LLM(str(model_dirs["tiny"]), max_model_len=256, dtype=dtype)
+    assert half.engine.kv_cache.tensor.dtype == getattr(torch, dtype)
+    assert next(half.engine.model.parameters()).dtype == getattr(torch, dtype)
+    a = [o.token_ids[0] for o in fp32.generate(prompts, params)]
+    b = [o.token_ids[0] for o in half.generate(prompts, params)]
+    assert sum(x == y for x, y in zip(a, b)) >= 8, (a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_matches_cpu(model_dirs):
+    prompts = _prompts(6, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    cpu = LLM(str(model_dirs["tiny"]), max_model_len=256, device="cpu")
+    gpu = LLM(str(model_dirs["tiny"]), max_model_len=256, device="cuda", dtype="float32")
+    assert [o.token_ids for o in gpu.generate(prompts, params)] == \
+        [o.token_ids for o in cpu.generate(prompts, params)]
+
+
+def test_cli_makes_a_model_and_generates(tmp_path, capsys):
+    from cluster.cli import main
+    d = tmp_path / "cli-model"
+    assert main(["make-tiny-model", str(d), "--preset", "tiny-mqa"]) == 0
+    assert (d / "config.json").exists() and (d / "tokenizer.json").exists()
+    assert main(["generate", "--model", str(d), "--prompt", "Hello there", "--max-tokens", "7",
+                 "--ignore-eos"]) == 0
+    out = capsys.readouterr().out
+    assert "-> 7 tokens, finish_reason=length" in out
+    assert main(["generate", "--model", str(d), "--prompt", "x", "--top-p", "1.5"]) == 2
+    assert "top_p must be in (0, 1]" in capsys.readouterr().err
+    assert main(["make-tiny-model", str(d), "--preset", "nope"]) == 2
+
+
+def test_default_model_is_built_once(tmp_path, monkeypatch):
+    from engine.tiny_model import default_model_dir, ensure_default_model
+    monkeypatch.setenv("PDSERVE_HOME", str(tmp_path))
+    path = ensure_default_model()
+    assert path == default_model_dir() and str(path).startswith(str(tmp_path))
+    stamp = (path / "config.json").stat().st_mtime_ns
+    assert ensure_default_model() == path and (path / "config.json").stat().st_mtime_ns == stamp
+    out = LLM(None, max_model_len=128).generate("Hi", SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert len(out.token_ids) == 3
