@@ -34,7 +34,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     gqa = q.shape[1] != k.shape[1]
     for group in meta.decode_groups:
         s, n = group.token_start, group.block_tables.shape[0]
-        out[s:s + n] = _decode_attention(q[s:s + n], kv_cache, group, scale, gqa)
+        out[s:s + n] = _decode_attention(q[s:s + n], kv_cache, group, scale)
     for chunk in meta.prefills:
         s, n = chunk.token_start, chunk.num_tokens
         qc = q[s:s + n].transpose(0, 1)                               # [heads, n, D]
@@ -51,20 +51,31 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     return out
 
 
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """cache: [num_blocks, block_size, kv_heads, D] (K or V); block_ids: [*S, nb]
+    -> [*S, nb * block_size, kv_heads, D]. index_select on a flat view is several
+    times faster than advanced indexing for this copy on CPU."""
+    num_blocks, block_size, kv_heads, head_dim = cache.shape
+    rows = cache.view(num_blocks, -1).index_select(0, block_ids.reshape(-1))
+    return rows.view(*block_ids.shape[:-1], block_ids.shape[-1] * block_size, kv_heads, head_dim)
+
+
 def _gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, context_len: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     # -> k, v: [kv_heads, context_len, D]
-    kv = kv_cache[:, block_table]                                    # [2, nb, bs, kv_heads, D]
-    kv = kv.flatten(1, 2)[:, :context_len]                           # [2, ctx, kv_heads, D]
-    kv = kv.transpose(1, 2)                                          # [2, kv_heads, ctx, D]
-    return kv[0], kv[1]
+    k = _gather_blocks(kv_cache[0], block_table)[:context_len].transpose(0, 1)
+    v = _gather_blocks(kv_cache[1], block_table)[:context_len].transpose(0, 1)
+    return k, v
 
 
 def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup,
-                      scale: float, gqa: bool) -> torch.Tensor:
+                      scale: float) -> torch.Tensor:
     # q: [B, heads, D] -> [B, heads, D]
-    kv = kv_cache[:, group.block_tables]                             # [2, B, nb, bs, kv_heads, D]
-    kv = kv.flatten(2, 3).transpose(2, 3)                            # [2, B, kv_heads, L, D]
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), kv[0], kv[1], attn_mask=group.key_mask,
-                                       scale=scale, enable_gqa=gqa)  # [B, heads, 1, D]
-    return o.squeeze(2)
+    batch, num_heads, head_dim = q.shape
+    k = _gather_blocks(kv_cache[0], group.block_tables).transpose(1, 2)   # [B, kv_heads, L, D]
+    v = _gather_blocks(kv_cache[1], group.block_tables).transpose(1, 2)
+    # the heads that share a KV head become that head's "query positions", so the
+    # KV is never expanded: q [B, kv_heads, heads_per_kv, D]
+    qg = q.view(batch, k.shape[1], num_heads // k.shape[1], head_dim)
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=group.key_mask, scale=scale)
+    return o.reshape(batch, num_heads, head_dim)
