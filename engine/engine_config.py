@@ -23,6 +23,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     seed: int = 0                               # for unseeded sampling
+    tensor_parallel_size: int = 1               # ranks the model is sharded over
+    tp_backend: str = "auto"                    # auto: nccl for CUDA tensors, gloo for CPU tensors
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -30,7 +32,8 @@ class EngineConfig:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
-        for name in ("max_model_len", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_model_len", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
+                     "tensor_parallel_size"):
             positive(name)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
@@ -40,6 +43,8 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("device is cuda but no CUDA device is visible; use device='cpu'")
+        if self.tp_backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"tp_backend must be auto, gloo or nccl, got {self.tp_backend!r}")
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -44,15 +44,21 @@ class KVCache:
         """Per layer: [2, num_blocks, block_size, kv_heads, head_dim]."""
         return list(self.tensor.unbind(0))
 
-    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """[num_layers, 2, len(block_ids), block_size, kv_heads, head_dim] copy of the blocks."""
+    def read_blocks(self, block_ids: list[int], heads: range | None = None) -> torch.Tensor:
+        """Copy of the blocks, for local KV heads `heads` (default all):
+        [num_layers, 2, len(block_ids), block_size, len(heads), head_dim]."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.tensor.device)
-        return self.tensor.index_select(2, idx)
+        data = self.tensor.index_select(2, idx)
+        return data if heads is None else data[..., heads.start:heads.stop, :].contiguous()
 
-    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """Inverse of read_blocks."""
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor, heads: range | None = None) -> None:
+        """Inverse of read_blocks: writes `data` into the blocks' local heads `heads`."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.tensor.device)
-        self.tensor.index_copy_(2, idx, data.to(self.tensor.device, self.tensor.dtype))
+        data = data.to(self.tensor.device, self.tensor.dtype)
+        if heads is None or (heads.start == 0 and heads.stop == self.spec.num_kv_heads):
+            self.tensor.index_copy_(2, idx, data)
+        else:
+            self.tensor[..., heads.start:heads.stop, :].index_copy_(2, idx, data)
 
 
 def gpu_kv_budget_bytes(device: torch.device, gpu_memory_utilization: float) -> int:

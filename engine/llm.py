@@ -6,7 +6,9 @@
     outs[0].text, outs[0].token_ids
 
 All prompts are scheduled together (continuous batching). A prompt is a string,
-a list of token ids, or {"prompt_token_ids": [...]}.
+a list of token ids, or {"prompt_token_ids": [...]}. `LLM(..., tensor_parallel_size=N)`
+shards the model over N local rank processes; `shutdown()` (or leaving a
+`with LLM(...)` block, or exiting) stops them.
 """
 
 from __future__ import annotations
@@ -47,6 +49,16 @@ class LLM:
         ids = [self.engine.add_request(None, _prompt_value(p), sp) for p, sp in zip(prompt_list, params_list)]
         finished = {o.request_id: o for o in self.engine.run_to_completion()}
         return [finished[i] for i in ids]
+
+    def shutdown(self) -> None:
+        """Stops the engine's tensor-parallel rank processes, if it has any."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yields an output per generated chunk of one prompt; the last is finished.

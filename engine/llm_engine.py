@@ -20,17 +20,16 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import weakref
 from dataclasses import replace
 
 import torch
 
 from engine.block_manager import BlockManager
-from engine.cpu_allocator import keep_freed_memory_in_heap
 from engine.engine_config import EngineConfig
 from engine.errors import InvalidRequestError
-from engine.kv_cache import GIB, KVCache, KVCacheSpec, gpu_kv_budget_bytes
-from engine.model import ModelConfig, load_model
 from engine.model.parallel import SINGLE_PROCESS, TensorParallel
+from engine.model_worker import KV_READ, KV_WRITE, STOP, ModelWorker, cpu_threads_per_rank
 from engine.output_processor import RequestTextState
 from engine.outputs import RequestOutput
 from engine.runner import ModelRunner
@@ -39,68 +38,78 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.tokenizer import load_tokenizer
+from engine.tp_group import RankProcesses, create_group, free_port, resolve_backend
 
 log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tp: TensorParallel = SINGLE_PROCESS):
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None):
+        """With `config.tensor_parallel_size > 1` and no `tp` given, starts the
+        other ranks as local processes (stopped by `shutdown`)."""
         self.config = config
-        self.device = config.resolved_device()
-        if self.device.type == "cpu":
-            keep_freed_memory_in_heap()
-        self.model_config = ModelConfig.from_pretrained(config.model)
+        self._ranks = None
+        if tp is None:
+            tp = self._start_ranks(config) if config.tensor_parallel_size > 1 else SINGLE_PROCESS
+        self.tp = tp
+        try:
+            self.worker = ModelWorker(config, tp)
+        except BaseException:
+            self._stop_ranks()
+            raise
+        self.device = self.worker.device
+        self.model_config = self.worker.model_config
+        self.max_model_len = self.worker.max_model_len
+        self.model = self.worker.model
+        self.kv_cache = self.worker.kv_cache
         mc = self.model_config
-        self.max_model_len = self._resolve_max_model_len(config, mc)
-        self.dtype = config.resolved_dtype(mc.torch_dtype)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
-        self.model = load_model(config.model, mc, max_positions=self.max_model_len, dtype=self.dtype,
-                                device=self.device, tp=tp)
-        attn = self.model.model.layers[0].self_attn
-        spec = KVCacheSpec(mc.num_layers, attn.num_local_kv_heads, mc.head_dim, config.block_size, self.dtype)
-        num_blocks = self._num_kv_blocks(config, spec)
-        self.kv_cache = KVCache(spec, num_blocks, self.device)
+        num_blocks = self.kv_cache.num_blocks
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    enable_chunked_prefill=config.enable_chunked_prefill)
         batch_generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device, Sampler(batch_generator))
+        self.runner = ModelRunner(self.worker, Sampler(batch_generator))
         self.eos_token_ids = tuple(dict.fromkeys(
             [*mc.eos_token_ids, *([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])]))
         self._states: dict[str, RequestTextState] = {}
         self._held: dict[str, Sequence] = {}
         self._ids = itertools.count()
 
-    # ---- set-up ---------------------------------------------------------------------------
-    @staticmethod
-    def _resolve_max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
-        limit = mc.max_position_embeddings
-        if mc.sliding_window:
-            limit = min(limit, mc.sliding_window)
-        if config.max_model_len is None:
-            return limit
-        if config.max_model_len > limit:
-            raise ValueError(f"max_model_len ({config.max_model_len}) is larger than the model supports "
-                             f"({limit}); set max_model_len <= {limit}")
-        return config.max_model_len
+    # ---- tensor-parallel ranks ----------------------------------------------------------
+    def _start_ranks(self, config: EngineConfig) -> TensorParallel:
+        size = config.tensor_parallel_size
+        device = config.resolved_device()
+        backend = resolve_backend(config.tp_backend, device)
+        if device.type == "cpu":
+            torch.set_num_threads(cpu_threads_per_rank(size))
+        port = free_port()
+        self._ranks = RankProcesses(size, port, (config, backend))
+        try:
+            tp = self._ranks.join_group(lambda: create_group(0, size, "127.0.0.1", port, backend, device))
+        except BaseException:
+            self._stop_ranks()
+            raise
+        self._finalizer = weakref.finalize(self, _stop_ranks, tp, self._ranks)
+        return tp
 
-    def _num_kv_blocks(self, config: EngineConfig, spec: KVCacheSpec) -> int:
-        min_blocks = -(-self.max_model_len // spec.block_size)
-        if config.num_kv_blocks is not None:
-            num = config.num_kv_blocks
-        elif self.device.type == "cuda":
-            num = spec.num_blocks_for(gpu_kv_budget_bytes(self.device, config.gpu_memory_utilization))
-        else:
-            # no point reserving more than every sequence at full length could use
-            num = min(spec.num_blocks_for(int(config.kv_cache_memory_gib * GIB)),
-                      config.max_num_seqs * min_blocks)
-        if num < min_blocks:
-            raise ValueError(
-                f"the KV cache holds {num} blocks of {spec.block_size} tokens, fewer than one sequence of "
-                f"max_model_len={self.max_model_len} tokens needs ({min_blocks}); lower max_model_len or "
-                "give the KV cache more memory (kv_cache_memory_gib / gpu_memory_utilization / num_kv_blocks)")
-        return num
+    @property
+    def rank_pids(self) -> list[int]:
+        """Process ids of ranks 1..N-1 (empty without tensor parallelism)."""
+        return self._ranks.pids if self._ranks else []
+
+    def shutdown(self) -> None:
+        """Stops the other ranks (if any); also runs when the engine is garbage
+        collected or the interpreter exits. The engine cannot step afterwards."""
+        if self._ranks is not None:
+            self._finalizer()
+            self._ranks = None
+
+    def _stop_ranks(self) -> None:
+        if self._ranks is not None:
+            self._ranks.stop()
+            self._ranks = None
 
     # ---- requests ---------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -246,6 +255,22 @@ class LLMEngine:
             self._finish(seq)
         return state.make_output(finished)
 
+    def read_kv_shards(self, block_ids: list[int]) -> list[torch.Tensor]:
+        """Every rank's K/V of the blocks, in rank order; rank r's tensor holds the
+        KV heads `kv_heads_of_rank(num_kv_heads, tp, r)`:
+        [layers, 2, len(block_ids), block_size, local_kv_heads, head_dim]."""
+        if self.tp.size > 1:
+            self.tp.broadcast_object((KV_READ, block_ids))
+        return [t.cpu() for t in self.tp.gather_to_first(self.worker.read_kv(block_ids))]
+
+    def write_kv_shards(self, block_ids: list[int], shards: list[torch.Tensor]) -> None:
+        """Inverse of read_kv_shards: rank r's blocks get shards[r]."""
+        if len(shards) != self.tp.size:
+            raise ValueError(f"got KV shards for {len(shards)} ranks, this engine has {self.tp.size}")
+        if self.tp.size > 1:
+            self.tp.broadcast_object((KV_WRITE, (block_ids, shards)))
+        self.worker.write_kv(block_ids, shards[0])
+
     # ---- offline helpers ------------------------------------------------------------------
     def run_to_completion(self) -> list[RequestOutput]:
         """Steps until every request finished; returns the final outputs in finish order."""
@@ -253,3 +278,11 @@ class LLMEngine:
         while self.has_unfinished_requests():
             done.extend(o for o in self.step() if o.finished)
         return done
+
+
+def _stop_ranks(tp: TensorParallel, ranks: RankProcesses) -> None:
+    try:
+        tp.broadcast_object((STOP, None))
+    except Exception:  # a rank already gone: the rest are terminated below
+        log.warning("could not tell the tensor-parallel ranks to stop; terminating them")
+    ranks.stop()

@@ -8,39 +8,27 @@ produce nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from engine.kv_cache import KVCache
 from engine.model.attention_metadata import AttentionMetadata, DecodeGroup, PrefillChunk
+from engine.model_worker import STEP, ModelInputs, ModelWorker
 from engine.sampler import Sampler, SampleResult, SamplingRow
 from engine.scheduler import ScheduledStep
 from engine.sequence import Sequence
 
 
-@dataclass(slots=True)
-class StepInputs:
-    input_ids: torch.Tensor       # [T]
-    positions: torch.Tensor       # [T]
-    meta: AttentionMetadata
-    sample_indices: torch.Tensor  # [S] rows of the hidden states that are sampled
-    sampled_seqs: list[Sequence]  # the S sequences, in row order
-
-
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
-                 sampler: Sampler):
-        self.model = model
-        self.kv_cache = kv_cache
-        self.kv_layers = kv_cache.layer_views()
-        self.block_size = kv_cache.spec.block_size
-        self.device = device
+    """Rank 0's step: prepare inputs (on CPU), send them to the other ranks,
+    run this rank's shard, sample from the gathered logits."""
+
+    def __init__(self, worker: ModelWorker, sampler: Sampler):
+        self.worker = worker
+        self.block_size = worker.kv_cache.spec.block_size
         self.sampler = sampler
 
-    def prepare(self, step: ScheduledStep) -> StepInputs:
+    def prepare(self, step: ScheduledStep) -> tuple[ModelInputs, list[Sequence]]:
+        """The step's model inputs, and the sequences sampled (in logits row order)."""
         bs = self.block_size
-        dev = self.device
         # decodes (one new token after a cached context) first, shortest context first,
         # so that neighbours have similar lengths and can share a padded gather
         work = list(zip(step.seqs, step.num_new_tokens))
@@ -66,25 +54,23 @@ class ModelRunner:
             if len(decode_tables) < len(decodes):
                 decode_tables.append(used)
             else:
-                chunks.append(PrefillChunk(token_start, n, end,
-                                           torch.tensor(used, device=dev) if start > 0 else _EMPTY))
+                chunks.append(PrefillChunk(token_start, n, end, torch.tensor(used) if start > 0 else _EMPTY))
             if end == seq.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 sampled.append(seq)
         lens = [s.num_computed_tokens + 1 for s, _ in decodes]
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decode_tokens=len(decodes),
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
             decode_groups=self._decode_groups(decode_tables, lens),
             prefills=chunks,
         )
-        return StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+        inputs = ModelInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            positions=torch.tensor(positions, dtype=torch.long),
             meta=meta,
-            sample_indices=torch.tensor(sample_rows, dtype=torch.long, device=dev),
-            sampled_seqs=sampled,
+            sample_indices=torch.tensor(sample_rows, dtype=torch.long),
         )
+        return inputs, sampled
 
     def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
         """Splits decodes (sorted by length) where padding to the group's longest
@@ -107,19 +93,18 @@ class ModelRunner:
         mask = None
         if any(n != max_blocks * bs for n in lens):
             mask = (torch.arange(max_blocks * bs)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
-            mask = mask.to(self.device)
-        return DecodeGroup(token_start, padded.to(self.device), mask)
+        return DecodeGroup(token_start, padded, mask)
 
-    @torch.inference_mode()
     def execute(self, step: ScheduledStep) -> tuple[list[Sequence], SampleResult | None]:
-        """Runs the step; returns the sequences that sampled and their samples."""
-        inputs = self.prepare(step)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_layers, inputs.meta)
-        if not inputs.sampled_seqs:
+        """Runs the step on every rank; returns the sequences that sampled and their samples."""
+        inputs, sampled = self.prepare(step)
+        tp = self.worker.tp
+        if tp.size > 1:
+            tp.broadcast_object((STEP, inputs))
+        logits = self.worker.execute(inputs)
+        if not sampled:
             return [], None
-        logits = self.model.compute_logits(hidden[inputs.sample_indices])   # [S, vocab]
-        result = self.sampler(logits, [sampling_row(seq) for seq in inputs.sampled_seqs])
-        return inputs.sampled_seqs, result
+        return sampled, self.sampler(logits, [sampling_row(seq) for seq in sampled])
 
 
 _EMPTY = torch.empty(0, dtype=torch.long)

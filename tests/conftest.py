@@ -54,3 +54,40 @@ def reference(model_dirs):
         return cache[preset]
 
     return get
+
+
+def _live_children() -> list[str]:
+    """Processes whose parent is this test process (zombies excluded)."""
+    import os
+    me = str(os.getpid())
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        state, ppid = fields[0], fields[1]
+        if ppid == me and state != "Z":
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            if "multiprocessing.resource_tracker" in cmdline:
+                continue  # the standard library's helper; it exits with the interpreter
+            found.append(f"{entry}: {cmdline[:120]}")
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_left_behind():
+    """Every engine rank process the tests start must be gone when they end."""
+    yield
+    import gc
+    import time
+    gc.collect()
+    deadline = time.monotonic() + 15
+    while _live_children() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    leftover = _live_children()
+    assert not leftover, f"processes left running after the tests: {leftover}"

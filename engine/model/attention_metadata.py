@@ -38,6 +38,5 @@ class DecodeGroup:
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor              # [num_tokens] int64: cache slot each token's K/V goes to
-    num_decode_tokens: int                  # the first num_decode_tokens tokens decode, one per sequence
-    decode_groups: list[DecodeGroup]
+    decode_groups: list[DecodeGroup]        # decode tokens come first in the batch, one per sequence
     prefills: list[PrefillChunk]

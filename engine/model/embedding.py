@@ -2,7 +2,8 @@
 
 Each rank holds a contiguous slice of the vocabulary rows. The embedding looks
 up the ids it owns, zeroes the rest and all-reduces; the LM head computes logits
-for its slice and gathers them once, for the rows that are sampled.
+for its slice and gathers them once, onto rank 0 (the rank that samples), for
+the rows that are sampled.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, "
                              f"expected ({self.vocab_size}, {param.shape[1]})")
         rows = min(self.rows_per_rank, self.vocab_size - self.vocab_start)
-        param.data[:rows].copy_(loaded[self.vocab_start:self.vocab_start + rows])
+        if rows > 0:
+            param.data[:rows].copy_(loaded.narrow(0, self.vocab_start, rows))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         # ids: [num_tokens] -> [num_tokens, hidden]
@@ -50,8 +52,8 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Shares the embedding's sharding; may share its weight (tied embeddings)."""
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [num_sampled, hidden] -> logits [num_sampled, vocab_size]
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        # hidden: [num_sampled, hidden] -> logits [num_sampled, vocab_size] on rank 0, None elsewhere
         logits = F.linear(hidden, self.weight)
-        logits = self.tp.all_gather_last_dim(logits)
-        return logits[:, : self.vocab_size]
+        logits = self.tp.gather_last_dim_to_first(logits)   # only the sampling rank needs them
+        return None if logits is None else logits[:, : self.vocab_size]

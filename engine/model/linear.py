@@ -4,6 +4,9 @@ full checkpoint tensor down to this rank's part.
 Column-parallel layers split the output features (no communication in forward);
 row-parallel layers split the input features and all-reduce the partial sums in
 forward, where the communication is visible.
+
+Weight loaders take the checkpoint tensor as a lazy handle (`loader.LazyTensor`)
+and read only this rank's slice of it with `narrow`.
 """
 
 from __future__ import annotations
@@ -31,16 +34,6 @@ class _ParallelLinear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         raise NotImplementedError
-
-
-class ReplicatedLinear(_ParallelLinear):
-    """Every rank holds the whole weight."""
-
-    def weight_loader(self, param, loaded, shard_id=None):
-        _copy_checked(param.data, loaded)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -124,8 +117,9 @@ class RowParallelLinear(_ParallelLinear):
 
     def weight_loader(self, param, loaded, shard_id=None):
         if param.dim() == 2:
-            loaded = loaded.narrow(1, self.shard_start, param.shape[1])
-        _copy_checked(param.data, loaded)
+            _copy_checked(param.data, loaded.narrow(1, self.shard_start, param.shape[1]))
+        else:  # the bias is added once, after the reduction: every rank keeps all of it
+            _copy_checked(param.data, loaded.materialize())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features / tp] -> [num_tokens, out_features]

@@ -123,6 +123,7 @@ class LlamaForCausalLM(nn.Module):
         # input_ids, positions: [T] -> hidden states [T, hidden]
         return self.model(input_ids, positions, kv_caches, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [num_sampled, hidden] -> [num_sampled, vocab_size] (float32)
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        # hidden: [num_sampled, hidden] -> [num_sampled, vocab_size] float32 on rank 0; None elsewhere
+        logits = self.lm_head(hidden)
+        return None if logits is None else logits.float()

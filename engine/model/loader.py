@@ -20,6 +20,24 @@ class CheckpointError(ValueError):
     """The checkpoint's files do not match the model its config.json describes."""
 
 
+class LazyTensor:
+    """A checkpoint tensor not yet read. `narrow` reads only the requested
+    slice from the file, so a tensor-parallel rank never materialises the
+    parts of a weight other ranks own."""
+
+    def __init__(self, file_slice):
+        self._slice = file_slice
+        self.shape = torch.Size(file_slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._slice[tuple(index)]
+
+    def materialize(self) -> torch.Tensor:
+        return self._slice[tuple(slice(None) for _ in self.shape)]
+
+
 def checkpoint_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
@@ -58,20 +76,20 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
                 param = params.get(target)
                 if param is None:
                     continue  # tensors we do not use (e.g. a tied copy)
-                tensor = f.get_tensor(name)
+                tensor = LazyTensor(f.get_slice(name))
                 weight_loader = getattr(param, "weight_loader", _copy)
                 try:
-                    weight_loader(param, tensor.to(param.dtype), shard_id)
+                    weight_loader(param, tensor, shard_id)
                 except ValueError as exc:
                     raise CheckpointError(f"{name} in {path.name}: {exc}") from None
                 loaded.add(f"{target}:{shard_id}")
     _check_complete(params, packed, loaded, tied)
 
 
-def _copy(param: nn.Parameter, tensor: torch.Tensor, shard_id: object = None) -> None:
+def _copy(param: nn.Parameter, tensor: LazyTensor, shard_id: object = None) -> None:
     if param.shape != tensor.shape:
         raise ValueError(f"checkpoint tensor has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-    param.data.copy_(tensor)
+    param.data.copy_(tensor.materialize())
 
 
 def _check_complete(params: dict[str, nn.Parameter], packed: dict, loaded: set[str], tied: bool) -> None:

@@ -1,13 +1,16 @@
-"""Tensor-parallel context and collectives, passed to layers explicitly.
+"""Tensor-parallel context and its collectives, passed to layers explicitly.
 
-A `TensorParallel` value says which rank of how many this process is and which
-torch.distributed group its collectives use. Layers take it as a constructor
-argument (no global state); with `size == 1` every collective is a no-op, so the
-single-process engine runs the same code as a sharded one.
+A `TensorParallel` value says which rank of how many this process is and holds
+the process group its collectives use. The group is built directly on a TCP
+store (see engine/tp_group.py), never through torch.distributed's global group,
+so several engines can live in one process and a worker's TP group never
+collides with the groups that carry KV transfers. With `size == 1` every
+collective is a no-op: the single-process engine runs the same code.
 """
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,11 +22,17 @@ import torch.distributed as dist
 class TensorParallel:
     rank: int = 0
     size: int = 1
-    group: Any = None  # torch.distributed ProcessGroup; None when size == 1
+    group: Any = None            # a torch.distributed Backend (ProcessGroupGloo / ProcessGroupNCCL)
+    comm_device: str = "cpu"     # where collective buffers live (cuda for NCCL)
+    store: Any = None            # the TCP store the group was built on; kept alive with it
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise ValueError(f"tensor-parallel rank {self.rank} is not in [0, {self.size})")
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
 
     def shard(self, total: int, what: str) -> tuple[int, int]:
         """(start, length) of this rank's equal slice of `total` items."""
@@ -32,19 +41,51 @@ class TensorParallel:
         length = total // self.size
         return self.rank * length, length
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum `x` across ranks in place; returns it."""
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce `x` across ranks in place (sum, or min); returns it."""
         if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.SUM
+            self.group.allreduce([x], opts).wait()
         return x
 
-    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
-        """Concatenate every rank's `x` along the last dimension, in rank order."""
+    def gather_last_dim_to_first(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Rank 0 gets every rank's `x` concatenated along the last dimension in
+        rank order; the other ranks get None (they only send)."""
+        parts = self.gather_to_first(x)
+        return None if parts is None else torch.cat(parts, dim=-1)
+
+    def gather_to_first(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Rank 0 gets [x of rank 0, x of rank 1, ...] (same shapes on every
+        rank); the other ranks get None."""
         if self.size == 1:
-            return x
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+            return [x]
+        x = x.contiguous().to(self.comm_device)
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        outputs = [[torch.empty_like(x) for _ in range(self.size)]] if self.is_first else []
+        self.group.gather(outputs, [x], opts).wait()
+        return outputs[0] if self.is_first else None
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """Rank 0 sends `obj` (pickled); every rank returns it."""
+        if self.size == 1:
+            return obj
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        if self.is_first:
+            payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)),
+                                       dtype=torch.uint8)
+            length = torch.tensor([payload.numel()], dtype=torch.int64)
+        else:
+            length = torch.zeros(1, dtype=torch.int64)
+        length = length.to(self.comm_device)
+        self.group.broadcast([length], opts).wait()
+        if not self.is_first:
+            payload = torch.empty(int(length.item()), dtype=torch.uint8)
+        payload = payload.to(self.comm_device)
+        self.group.broadcast([payload], opts).wait()
+        return obj if self.is_first else pickle.loads(payload.cpu().numpy().tobytes())
 
 
 SINGLE_PROCESS = TensorParallel()

@@ -1,0 +1,142 @@
+"""Building a tensor-parallel group, and the local rank processes of the
+offline engine.
+
+The group is a torch.distributed backend (gloo for CPU tensors, NCCL for CUDA
+tensors) created directly on a prefixed TCP store, without
+`init_process_group`: nothing global is touched.
+
+`RankProcesses` starts ranks 1..N-1 as local processes that run
+`model_worker.follow` (rank 0 stays in the caller's process, where the
+scheduler and sampler live) and stops them: on `stop()`, on garbage
+collection of the engine, at interpreter exit, and by themselves when their
+parent process dies.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing
+import os
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from engine.model.parallel import TensorParallel
+
+log = logging.getLogger(__name__)
+
+# Followers block in a broadcast while rank 0 is idle, so the collective timeout
+# must outlast any idle period; a dead peer is detected by its closed socket.
+IDLE_TIMEOUT = datetime.timedelta(days=7)
+CONNECT_TIMEOUT = datetime.timedelta(seconds=120)
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"tp_backend must be auto, gloo or nccl, got {backend!r}")
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError("tp_backend nccl needs device=cuda; CPU tensors use gloo")
+    return backend
+
+
+def create_group(rank: int, size: int, host: str, port: int, backend: str, device: torch.device,
+                 prefix: str = "tp") -> TensorParallel:
+    """Joins (rank 0: hosts) the store at host:port and builds the group."""
+    store = dist.TCPStore(host, port, size, rank == 0, timeout=CONNECT_TIMEOUT)
+    store = dist.PrefixStore(f"{prefix}/", store)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = IDLE_TIMEOUT
+        group = dist.ProcessGroupNCCL(store, rank, size, opts)
+        comm_device = str(device)
+    else:
+        group = dist.ProcessGroupGloo(store, rank, size, IDLE_TIMEOUT)
+        comm_device = "cpu"
+    return TensorParallel(rank=rank, size=size, group=group, comm_device=comm_device, store=store)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def exit_when_parent_dies(parent_pid: int, poll_s: float = 1.0) -> None:
+    """A follower must not outlive the process that started it (its TP peer)."""
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(poll_s)
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+class RankProcesses:
+    """Ranks 1..size-1 of one engine as local processes."""
+
+    def __init__(self, size: int, port: int, follower_args: tuple):
+        from engine.model_worker import follower_main
+        ctx = multiprocessing.get_context("spawn")
+        self.procs = [ctx.Process(target=follower_main, args=(rank, size, port, os.getpid(), *follower_args),
+                                  name=f"pdserve-tp-rank{rank}", daemon=True)
+                      for rank in range(1, size)]
+        for p in self.procs:
+            p.start()
+        self._finalizer = weakref.finalize(self, _stop_processes, self.procs)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def check_alive(self) -> None:
+        dead = [p for p in self.procs if not p.is_alive()]
+        if dead:
+            raise RuntimeError(f"tensor-parallel rank process(es) {[p.name for p in dead]} exited "
+                               f"(exit codes {[p.exitcode for p in dead]}); see their log above")
+
+    def join_group(self, create: Callable[[], TensorParallel], poll_s: float = 0.1) -> TensorParallel:
+        """Runs rank 0's `create` (which blocks until every rank has joined) while
+        watching the rank processes, so one that dies while starting (a bad
+        checkpoint, out of memory) fails the start at once instead of after the
+        connect timeout."""
+        result: list = []
+
+        def run() -> None:
+            try:
+                result.append(create())
+            except BaseException as exc:  # re-raised in the caller's thread
+                result.append(exc)
+
+        thread = threading.Thread(target=run, name="tp-group-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(poll_s)
+            if thread.is_alive():
+                self.check_alive()
+        if isinstance(result[0], BaseException):
+            raise result[0]
+        return result[0]
+
+    def stop(self) -> None:
+        self._finalizer()
+
+
+def _stop_processes(procs: list, grace_s: float = 10.0) -> None:
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            p.join(2.0)
+        if p.is_alive():
+            p.kill()
+            p.join(2.0)

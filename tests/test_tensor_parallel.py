@@ -1,0 +1,111 @@
+"""Tensor parallelism on CPU with gloo: local rank processes, outputs equal to
+TP 1 and to transformers, seeds independent of the TP degree, KV handed
+between gangs of different TP degrees, and no process left behind."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.kv_head_map import kv_heads_of_rank, remap_kv_shards
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
+
+
+def _prompts(n=6, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(rng.randint(3, 60))] for _ in range(n)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is gone for our purposes only once reaped; multiprocessing reaps on join
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+@pytest.mark.parametrize("preset, tp", [("tiny", 2), ("tiny-qwen2", 2), ("tiny-mqa", 2), ("tiny-mqa", 4)])
+def test_greedy_matches_transformers_and_tp1(preset, tp, model_dirs, reference):
+    prompts = _prompts()
+    ref = reference(preset)
+    with LLM(str(model_dirs[preset]), max_model_len=256, tensor_parallel_size=tp) as llm:
+        pids = llm.engine.rank_pids
+        assert len(pids) == tp - 1 and all(_alive(p) for p in pids)
+        worker = llm.engine.worker
+        # rank 0's shard: its share of query heads, and KV heads by the sharding rule
+        mc = worker.model_config
+        attn = worker.model.model.layers[0].self_attn
+        assert attn.num_local_heads == mc.num_heads // tp
+        assert worker.kv_heads == kv_heads_of_rank(mc.num_kv_heads, tp, 0)
+        outs = llm.generate(prompts, GREEDY)
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == ref.greedy(tuple(p), 16)
+    assert not any(_alive(p) for p in pids), "rank processes must be gone after shutdown"
+
+
+def test_seeded_sampling_is_the_same_at_any_tp(model_dirs):
+    params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=20, seed=s, ignore_eos=True)
+              for s in range(4)]
+    prompts = _prompts(4, seed=1)
+    single = [o.token_ids for o in LLM(str(model_dirs["tiny"]), max_model_len=256).generate(prompts, params)]
+    with LLM(str(model_dirs["tiny"]), max_model_len=256, tensor_parallel_size=2) as llm:
+        sharded = [o.token_ids for o in llm.generate(prompts, params)]
+    assert sharded == single
+    assert len({tuple(t) for t in single}) == 4  # the seeds really differ
+
+
+@pytest.mark.parametrize("p, q", [(1, 2), (2, 1)])
+def test_kv_handoff_between_tp_degrees(p, q, model_dirs, reference):
+    """Prefill on a TP-p engine, map its per-rank KV shards onto a TP-q engine's
+    ranks with the head mapping, decode there: equal to transformers."""
+    preset = "tiny"
+    d = str(model_dirs[preset])
+    prompts = _prompts(4, seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    with LLM(d, max_model_len=256, tensor_parallel_size=p) as pre, \
+            LLM(d, max_model_len=256, tensor_parallel_size=q) as dec:
+        prefill, decode = pre.engine, dec.engine
+        for i, prompt in enumerate(prompts):
+            prefill.add_request(str(i), prompt, params, hold_kv=True)
+        firsts = {o.request_id: o.token_ids[0] for o in prefill.run_to_completion()}
+        num_kv_heads = prefill.model_config.num_kv_heads
+        for rid, first in firsts.items():
+            src_blocks = prefill.held_sequence(rid).block_table
+            shards = prefill.read_kv_shards(src_blocks)
+            assert [s.shape[-2] for s in shards] == [len(kv_heads_of_rank(num_kv_heads, p, r)) for r in range(p)]
+            dst_blocks = decode.reserve_prefilled(rid, prompts[int(rid)], first, params)
+            decode.write_kv_shards(dst_blocks, remap_kv_shards(shards, num_kv_heads, q))
+            prefill.release_kv(rid)
+            decode.commit_prefilled(rid)
+        got = {int(o.request_id): o.token_ids for o in decode.run_to_completion()}
+    ref = reference(preset)
+    for i, prompt in enumerate(prompts):
+        assert got[i] == ref.greedy(tuple(prompt), 12)
+
+
+def test_a_rank_that_fails_to_start_fails_the_engine_fast(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(Exception, match="exited|no config.json"):
+        LLM(str(tmp_path / "missing"), tensor_parallel_size=2)
+    assert time.monotonic() - start < 60
+
+
+def test_a_killed_rank_is_an_error_not_a_hang(model_dirs):
+    llm = LLM(str(model_dirs["tiny"]), max_model_len=256, tensor_parallel_size=2)
+    (pid,) = llm.engine.rank_pids
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(0.5)
+    start = time.monotonic()
+    with pytest.raises(Exception):
+        llm.generate(_prompts(2), GREEDY)
+    assert time.monotonic() - start < 60
+    llm.shutdown()
+    assert not _alive(pid)
