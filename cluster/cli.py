@@ -1,7 +1,8 @@
 """The `pdserve` command.
 
     pdserve make-tiny-model DIR [--preset tiny] [--seed 0]
-    pdserve generate [--model DIR] [--prompt TEXT ...] [--max-tokens N] [--temperature T] ...
+    pdserve generate [--model DIR] [--prompt TEXT ...] [--max-tokens N] [--temperature T] [--tp N] ...
+    pdserve plan --model DIR|llama-3-70b --tp N [--gpu-memory-gib G] [--gpu-type T] [--json]
 
 Only this module (and the app builder) reads the command line, files and the
 environment; it hands plain values to the engine.
@@ -12,6 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+
+from cluster.plan_command import add_plan_parser
 
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
@@ -26,7 +29,6 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
-    from engine.errors import InvalidRequestError
     from engine.sampling_params import SamplingParamsError
 
     try:
@@ -36,10 +38,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     except SamplingParamsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    options = dict(dtype=args.dtype, device=args.device)
+    options = dict(dtype=args.dtype, device=args.device, tensor_parallel_size=args.tp)
     if args.max_model_len:
         options["max_model_len"] = args.max_model_len
-    llm = LLM(args.model, **options)
+    with LLM(args.model, **options) as llm:
+        return _generate(llm, args, params)
+
+
+def _generate(llm, args: argparse.Namespace, params) -> int:
+    from engine.errors import InvalidRequestError
+
     prompts = args.prompt or ["The quick brown fox", "Once upon a time", "def fibonacci(n):"]
     try:
         if args.stream:
@@ -91,7 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, dest="tp",
+                   help="shard the model over N local rank processes")
     p.set_defaults(func=_cmd_generate)
+
+    add_plan_parser(sub)
     return parser
 
 

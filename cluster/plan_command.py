@@ -1,0 +1,91 @@
+"""`pdserve plan`: will a model fit, and how much KV cache is left.
+
+    pdserve plan --model DIR --tp N [--gpu-memory-gib G] [--gpu-memory-utilization F]
+                 [--dtype D] [--max-model-len L] [--gpu-type T] [--overhead-gib O] [--json]
+
+Reads only the checkpoint's config.json, so it runs anywhere, without weights
+or a GPU. `--model` is a checkpoint directory, or the name of a directory under
+configs/models/ of this repository (llama-3-8b, llama-3-70b), found relative to
+this file; a directory of that name in the working directory wins.
+
+Exit status: 0 when the model fits, 1 when it does not (the plan, its problems
+and what would fit are printed either way), 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+MODELS_DIR = Path(__file__).resolve().parents[1] / "configs" / "models"
+
+
+def known_models() -> list[str]:
+    """Names `--model` accepts as shortcuts for configs/models/NAME."""
+    if not MODELS_DIR.is_dir():
+        return []
+    return sorted(p.name for p in MODELS_DIR.iterdir() if (p / "config.json").is_file())
+
+
+def resolve_model_dir(model: str) -> Path:
+    path = Path(model)
+    if (path / "config.json").is_file() or model not in known_models():
+        return path
+    return MODELS_DIR / model
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from engine.memory_planner import format_plan, plan, resolve_gpu_type
+    from engine.model.model_config import ModelConfig, ModelConfigError
+
+    try:
+        gpu = resolve_gpu_type(args.gpu_type)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    model_dir = resolve_model_dir(args.model)
+    try:
+        model = ModelConfig.from_pretrained(model_dir)
+    except (ModelConfigError, OSError) as exc:
+        names = ", ".join(known_models()) or "none installed"
+        print(f"error: --model {args.model}: {exc} (built-in names: {names})", file=sys.stderr)
+        return 2
+    try:
+        result = plan(model, tp=args.tp,
+                      gpu_memory_gib=gpu.memory_gib if args.gpu_memory_gib is None else args.gpu_memory_gib,
+                      gpu_memory_utilization=args.gpu_memory_utilization, dtype=args.dtype,
+                      max_model_len=args.max_model_len, gpu_type=gpu.name, overhead_gib=args.overhead_gib)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(dataclasses.asdict(result), indent=2))
+    else:
+        print(format_plan(result))
+    return 0 if result.fits else 1
+
+
+def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Registers `plan` on a `pdserve` subparsers object; returns its parser."""
+    p = subparsers.add_parser("plan", help="weights, KV cache capacity and decode floor per GPU, from config.json")
+    p.add_argument("--model", required=True,
+                   help="checkpoint directory with a config.json, or a name under configs/models/ "
+                        "(llama-3-8b, llama-3-70b)")
+    p.add_argument("--tp", type=int, required=True, help="tensor-parallel ranks (GPUs) per replica")
+    p.add_argument("--gpu-memory-gib", type=float, default=None,
+                   help="memory per GPU in GiB (default: the --gpu-type's)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of GPU memory the engine may use (default 0.9)")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (the checkpoint's; float32 runs as bfloat16), float32, float16, bfloat16")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence in tokens (default: the model's max_position_embeddings)")
+    p.add_argument("--gpu-type", default="H100-SXM", help="H100-SXM (h100), H200 (h200) or A100-80GB (a100)")
+    p.add_argument("--overhead-gib", type=float, default=1.0,
+                   help="per-GPU memory for activations, CUDA context and workspace (default 1.0)")
+    p.add_argument("--json", action="store_true", help="print every number of the plan as JSON")
+    p.set_defaults(func=_cmd_plan)
+    return p
