@@ -1,0 +1,116 @@
+"""Deployment configuration: pydantic models, validated once at the edge.
+
+A deployment file (YAML) describes one pdserve cluster: the model, the mode
+(disaggregated prefill/decode, or colocated), each worker pool's replica count
+and tensor-parallel degree, and the engine options they share. Inner code gets
+plain values: `DeploymentConfig.engine_config(role)` builds the EngineConfig a
+worker of that role runs.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from engine.engine_config import EngineConfig
+
+
+class Mode(str, Enum):
+    disaggregated = "disaggregated"
+    colocated = "colocated"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Strict):
+    path: str | None = Field(None, description="HuggingFace checkpoint directory; null: the built-in tiny model")
+    served_model_name: str | None = Field(None, description="name clients use in requests; default: the directory name")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    max_model_len: int | None = Field(None, ge=2)
+
+
+class WorkerPool(_Strict):
+    replicas: int = Field(1, ge=0, description="replicas of this role; each is a TP gang")
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+
+
+class EngineSection(_Strict):
+    block_size: int = Field(16, ge=1, le=1024)
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    kv_cache_memory_gib: float = Field(1.0, gt=0)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+
+
+class HttpSection(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+
+
+class Resources(_Strict):
+    gpu_type: str | None = Field(None, description="H100-SXM, H200 or A100-80GB: for `pdserve plan` checks")
+    gpu_memory_gib: float | None = Field(None, gt=0)
+
+
+class DeploymentConfig(_Strict):
+    model: ModelSection = ModelSection()
+    mode: Mode = Mode.disaggregated
+    device: Literal["cpu", "cuda"] = "cpu"
+    http: HttpSection = HttpSection()
+    prefill: WorkerPool = WorkerPool()
+    decode: WorkerPool = WorkerPool()
+    colocated: WorkerPool = WorkerPool()
+    engine: EngineSection = EngineSection()
+    resources: Resources = Resources()
+
+    @model_validator(mode="after")
+    def _pools_match_mode(self) -> "DeploymentConfig":
+        if self.mode is Mode.disaggregated:
+            if self.prefill.replicas < 1 or self.decode.replicas < 1:
+                raise ValueError("disaggregated mode needs prefill.replicas >= 1 and decode.replicas >= 1 "
+                                 "(or set mode: colocated)")
+        elif self.colocated.replicas < 1:
+            raise ValueError("colocated mode needs colocated.replicas >= 1")
+        return self
+
+    def pools(self) -> dict[str, WorkerPool]:
+        """The worker pools this mode runs, by role."""
+        if self.mode is Mode.disaggregated:
+            return {"prefill": self.prefill, "decode": self.decode}
+        return {"colocated": self.colocated}
+
+    def engine_config(self, role: str, model_path: str) -> EngineConfig:
+        """The engine options one rank-0 worker of `role` runs with."""
+        pool = self.pools()[role]
+        e = self.engine
+        return EngineConfig(
+            model=model_path, dtype=self.model.dtype, device=self.device,
+            max_model_len=self.model.max_model_len, block_size=e.block_size,
+            kv_cache_memory_gib=e.kv_cache_memory_gib, gpu_memory_utilization=e.gpu_memory_utilization,
+            max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
+            enable_chunked_prefill=e.enable_chunked_prefill, enable_prefix_caching=e.enable_prefix_caching,
+            tensor_parallel_size=pool.tensor_parallel_size)
+
+
+class ConfigFileError(ValueError):
+    """A deployment file that cannot be read or does not validate."""
+
+
+def load_config(path: str | Path) -> DeploymentConfig:
+    import yaml
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigFileError(f"cannot read deployment file {path}: {exc}") from None
+    try:
+        return DeploymentConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigFileError(f"{path} is not a valid pdserve deployment file:\n{exc}") from None

@@ -1,0 +1,71 @@
+"""Deployment files: every shipped file validates, GPU files fit according to
+the memory planner, and mistakes get messages that name the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cluster.config import ConfigFileError, DeploymentConfig, Mode, load_config
+from engine.memory_planner import plan
+from engine.model import ModelConfig
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+MODELS = {"llama-3-8b": CONFIGS / "models" / "llama-3-8b", "llama-3-70b": CONFIGS / "models" / "llama-3-70b"}
+
+
+def test_shipped_files_validate():
+    files = sorted(CONFIGS.glob("*.yaml"))
+    assert {f.name for f in files} >= {"tiny-cpu.yaml", "tiny-cpu-tp2.yaml", "llama-3-8b-1xh100.yaml",
+                                        "llama-3-70b-8xh100.yaml"}
+    for f in files:
+        load_config(f)
+
+
+def test_tiny_tp2_shards_decode_only():
+    c = load_config(CONFIGS / "tiny-cpu-tp2.yaml")
+    assert c.mode is Mode.disaggregated
+    assert (c.prefill.tensor_parallel_size, c.decode.tensor_parallel_size) == (1, 2)
+    e = c.engine_config("decode", "/m")
+    assert (e.tensor_parallel_size, e.device, e.max_model_len, e.dtype) == (2, "cpu", 1024, "float32")
+
+
+@pytest.mark.parametrize("name, model", [("llama-3-8b-1xh100.yaml", "llama-3-8b"),
+                                         ("llama-3-70b-8xh100.yaml", "llama-3-70b")])
+def test_gpu_files_fit_by_the_planner(name, model):
+    c = load_config(CONFIGS / name)
+    mc = ModelConfig.from_pretrained(MODELS[model])
+    gpus = 0
+    for role, pool in c.pools().items():
+        p = plan(mc, tp=pool.tensor_parallel_size, gpu_memory_gib=c.resources.gpu_memory_gib,
+                 gpu_memory_utilization=c.engine.gpu_memory_utilization, dtype=c.model.dtype,
+                 max_model_len=c.model.max_model_len, gpu_type=c.resources.gpu_type)
+        assert p.fits, (role, p.problems)
+        assert p.max_concurrent_sequences >= 32, (role, p.max_concurrent_sequences)
+        gpus += pool.replicas * pool.tensor_parallel_size
+    assert gpus == {"llama-3-8b": 1, "llama-3-70b": 8}[model]
+
+
+@pytest.mark.parametrize("data, match", [
+    ({"prefill": {"replicas": 0}}, r"disaggregated mode needs prefill.replicas >= 1"),
+    ({"decode": {"tensor_parallel_size": 0}}, r"decode.tensor_parallel_size\n.*greater than or equal to 1"),
+    ({"mode": "split"}, r"mode\n.*'disaggregated' or 'colocated'"),
+    ({"engine": {"gpu_memory_utilization": 1.5}}, r"engine.gpu_memory_utilization\n.*less than or equal to 1"),
+    ({"model": {"dtype": "int8"}}, r"model.dtype"),
+    ({"prefil": {}}, r"prefil\n.*Extra inputs are not permitted"),
+])
+def test_mistakes_name_the_field(tmp_path, data, match):
+    import yaml
+    f = tmp_path / "bad.yaml"
+    f.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigFileError, match=match):
+        load_config(f)
+
+
+def test_unreadable_file(tmp_path):
+    f = tmp_path / "broken.yaml"
+    f.write_text("model: [unclosed")
+    with pytest.raises(ConfigFileError, match="cannot read deployment file"):
+        load_config(f)
+    assert DeploymentConfig().mode is Mode.disaggregated
