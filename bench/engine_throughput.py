@@ -106,13 +106,11 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    model_dir = args.model
-    if model_dir is None:
-        from engine.tiny_model import default_model_dir, make_tiny_model
-        path = default_model_dir().parent / "bench"
-        if not (path / "config.json").exists():
-            make_tiny_model(path, "bench", seed=0)
-        model_dir = str(path)
+    if args.model is None:
+        from engine.tiny_model import ensure_preset_model
+        model_dir = str(ensure_preset_model("bench"))
+    else:
+        model_dir = args.model
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompts, outs = build_workload(len(tok), set(tok.all_special_ids), args.num_prompts,

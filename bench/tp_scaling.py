@@ -121,13 +121,11 @@ def main() -> None:
     ap.add_argument("--tp", default="1,2")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    model_dir = args.model
-    if model_dir is None:
-        from engine.tiny_model import default_model_dir, make_tiny_model
-        path = default_model_dir().parent / "bench"
-        if not (path / "config.json").exists():
-            make_tiny_model(path, "bench", seed=0)
-        model_dir = str(path)
+    if args.model is None:
+        from engine.tiny_model import ensure_preset_model
+        model_dir = str(ensure_preset_model("bench"))
+    else:
+        model_dir = args.model
     prompts = workload(8000, args.num_prompts, seed=0)
     threads = torch.get_num_threads()
     results = []

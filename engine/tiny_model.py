@@ -511,47 +511,58 @@ def make_tiny_model(
     return out
 
 
-def default_model_dir() -> Path:
-    """Where the built-in model lives: ``$PDSERVE_HOME/models/tiny``, else ``~/.cache/pdserve/models/tiny``."""
+def preset_model_dir(preset: str) -> Path:
+    """Where a preset's cached checkpoint lives: ``$PDSERVE_HOME/models/<preset>``,
+    else ``~/.cache/pdserve/models/<preset>``."""
     home = os.environ.get("PDSERVE_HOME")
     root = Path(home) if home else Path.home() / ".cache" / "pdserve"
-    return root / "models" / "tiny"
+    return root / "models" / preset
 
 
-def _is_current(path: Path) -> bool:
+def default_model_dir() -> Path:
+    """Where the built-in model (the "tiny" preset) lives."""
+    return preset_model_dir("tiny")
+
+
+def _is_current(path: Path, preset: str) -> bool:
     try:
         recipe = json.loads((path / RECIPE_FILE).read_text())
     except (OSError, ValueError):
         return False
-    wanted = {"version": RECIPE_VERSION, "preset": "tiny", "seed": 0, "dtype": "float32"}
+    wanted = {"version": RECIPE_VERSION, "preset": preset, "seed": 0, "dtype": "float32"}
     return recipe == wanted and (path / "model.safetensors").is_file() and (path / "tokenizer.json").is_file()
 
 
 def ensure_default_model() -> Path:
-    """Return :func:`default_model_dir`, building the "tiny" preset there first if needed.
+    """Return :func:`default_model_dir`, building the "tiny" preset there first if needed."""
+    return ensure_preset_model("tiny")
+
+
+def ensure_preset_model(preset: str) -> Path:
+    """Return :func:`preset_model_dir`, building the preset there first if needed.
 
     The model is built in a sibling temp directory and renamed into place, so a
     concurrent reader never sees a half-written checkpoint; when several processes
     race, the first rename wins and the others discard their copy. A directory left
     by an older recipe is replaced.
     """
-    target = default_model_dir()
-    if _is_current(target):
+    target = preset_model_dir(preset)
+    if _is_current(target, preset):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".tiny-build-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{preset}-build-", dir=target.parent))
     try:
-        make_tiny_model(staging, "tiny", seed=0, dtype="float32", overwrite=True)
+        make_tiny_model(staging, preset, seed=0, dtype="float32", overwrite=True)
         try:
             os.rename(staging, target)
         except OSError:  # target exists and is not empty
-            if _is_current(target):
+            if _is_current(target, preset):
                 return target  # another process finished first
             _discard(target)
             try:
                 os.rename(staging, target)
             except OSError:
-                if not _is_current(target):
+                if not _is_current(target, preset):
                     raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
