@@ -5,15 +5,16 @@ memory planner) does not load the tokenizer stack.
 """
 
 from importlib import import_module
+from types import MappingProxyType
 
-_EXPORTS = {
+_EXPORTS = MappingProxyType({
     "LLM": "engine.llm",
     "LLMEngine": "engine.llm_engine",
     "EngineConfig": "engine.engine_config",
     "SamplingParams": "engine.sampling_params",
     "RequestOutput": "engine.outputs",
     "InvalidRequestError": "engine.errors",
-}
+})
 
 __all__ = list(_EXPORTS)
 

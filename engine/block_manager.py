@@ -76,10 +76,11 @@ class BlockManager:
     def free(self, block_table: list[int]) -> None:
         """Drops one reference to each block of `block_table` and empties it. Blocks
         are released tail first, so a prefix's first blocks are evicted last."""
+        for block_id in block_table:
+            if self.blocks[block_id].ref_count <= 0:
+                raise RuntimeError(f"block {block_id} freed more often than allocated")
         for block_id in reversed(block_table):
             block = self.blocks[block_id]
-            if block.ref_count <= 0:
-                raise RuntimeError(f"block {block_id} freed more often than allocated")
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None
@@ -144,6 +145,3 @@ class BlockManager:
                 # first writer wins: an identical block computed concurrently stays private
                 self._by_hash.setdefault(block.hash, block.block_id)
         return max(num_full, num_already_cached)
-
-    def num_cached_blocks(self) -> int:
-        return len(self._by_hash)

@@ -1,12 +1,14 @@
 """dtype names as they appear in configs and on the command line."""
 
+from types import MappingProxyType
+
 import torch
 
-_DTYPES = {
+_DTYPES = MappingProxyType({
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-}
+})
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:

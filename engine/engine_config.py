@@ -43,6 +43,13 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("device is cuda but no CUDA device is visible; use device='cpu'")
+        if self.device.startswith("cuda:") and self.tensor_parallel_size > 1:
+            raise ValueError(f"device {self.device!r} would put every rank on one GPU; use device='cuda' with "
+                             "tensor_parallel_size > 1 (rank r uses cuda:r)")
+        if self.tensor_parallel_size > 1 and self.device.startswith("cuda") and \
+                self.tensor_parallel_size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) is more than the "
+                             f"{torch.cuda.device_count()} visible CUDA device(s)")
         if self.tp_backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"tp_backend must be auto, gloo or nccl, got {self.tp_backend!r}")
 

@@ -35,8 +35,8 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
-        """One finished output per prompt, in prompt order. Every prompt is
-        validated before any runs, so a bad one raises without starting the rest."""
+        """One finished output per prompt, in prompt order. Every request is
+        validated before any runs, so a bad one raises without running the rest."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
@@ -44,9 +44,14 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"got {len(params_list)} sampling params for {len(prompt_list)} prompts")
-        for prompt in prompt_list:
-            self.engine.validate_prompt(self.engine.tokenize(_prompt_value(prompt)))
-        ids = [self.engine.add_request(None, _prompt_value(p), sp) for p, sp in zip(prompt_list, params_list)]
+        ids: list[str] = []
+        try:
+            for prompt, params in zip(prompt_list, params_list):
+                ids.append(self.engine.add_request(None, _prompt_value(prompt), params))
+        except Exception:
+            for request_id in ids:  # all or nothing: none of this call's prompts stays queued
+                self.engine.abort_request(request_id)
+            raise
         finished = {o.request_id: o for o in self.engine.run_to_completion()}
         return [finished[i] for i in ids]
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-import weakref
 from dataclasses import replace
 
 import torch
@@ -29,11 +28,11 @@ from engine.block_manager import BlockManager
 from engine.engine_config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.model.parallel import SINGLE_PROCESS, TensorParallel
-from engine.model_worker import KV_READ, KV_WRITE, STOP, ModelWorker, cpu_threads_per_rank
+from engine.model_worker import KV_READ, KV_WRITE, ModelWorker, cpu_threads_per_rank
 from engine.output_processor import RequestTextState
 from engine.outputs import RequestOutput
 from engine.runner import ModelRunner
-from engine.sampler import Sampler
+from engine.sampler import Sampler, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -48,31 +47,38 @@ class LLMEngine:
         """With `config.tensor_parallel_size > 1` and no `tp` given, starts the
         other ranks as local processes (stopped by `shutdown`)."""
         self.config = config
-        self._ranks = None
-        if tp is None:
-            tp = self._start_ranks(config) if config.tensor_parallel_size > 1 else SINGLE_PROCESS
-        self.tp = tp
+        self._ranks: RankProcesses | None = None
+        self._broken: str | None = None
         try:
+            if tp is None:
+                tp = self._start_ranks(config) if config.tensor_parallel_size > 1 else SINGLE_PROCESS
+            self.tp = tp
             self.worker = ModelWorker(config, tp)
+            self._set_up(config)
         except BaseException:
-            self._stop_ranks()
+            self.shutdown()
             raise
+
+    def _set_up(self, config: EngineConfig) -> None:
         self.device = self.worker.device
-        self.model_config = self.worker.model_config
+        self.model_config = mc = self.worker.model_config
         self.max_model_len = self.worker.max_model_len
         self.model = self.worker.model
         self.kv_cache = self.worker.kv_cache
-        mc = self.model_config
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"with chunked prefill off, max_num_batched_tokens ({config.max_num_batched_tokens}) must be "
+                f">= max_model_len ({self.max_model_len}), or a long prompt could never be scheduled; "
+                "raise max_num_batched_tokens, lower max_model_len, or enable chunked prefill")
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
-        num_blocks = self.kv_cache.num_blocks
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    enable_chunked_prefill=config.enable_chunked_prefill)
         batch_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.runner = ModelRunner(self.worker, Sampler(batch_generator))
-        self.eos_token_ids = tuple(dict.fromkeys(
-            [*mc.eos_token_ids, *([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])]))
+        tokenizer_eos = [] if self.tokenizer.eos_token_id is None else [self.tokenizer.eos_token_id]
+        self.eos_token_ids = tuple(dict.fromkeys([*mc.eos_token_ids, *tokenizer_eos]))
         self._states: dict[str, RequestTextState] = {}
         self._held: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -86,12 +92,8 @@ class LLMEngine:
             torch.set_num_threads(cpu_threads_per_rank(size))
         port = free_port()
         self._ranks = RankProcesses(size, port, (config, backend))
-        try:
-            tp = self._ranks.join_group(lambda: create_group(0, size, "127.0.0.1", port, backend, device))
-        except BaseException:
-            self._stop_ranks()
-            raise
-        self._finalizer = weakref.finalize(self, _stop_ranks, tp, self._ranks)
+        tp = self._ranks.join_group(lambda: create_group(0, size, "127.0.0.1", port, backend, device))
+        self._ranks.attach(tp)
         return tp
 
     @property
@@ -100,16 +102,30 @@ class LLMEngine:
         return self._ranks.pids if self._ranks else []
 
     def shutdown(self) -> None:
-        """Stops the other ranks (if any); also runs when the engine is garbage
+        """Stops the other ranks (if any); also happens when the engine is garbage
         collected or the interpreter exits. The engine cannot step afterwards."""
-        if self._ranks is not None:
-            self._finalizer()
-            self._ranks = None
-
-    def _stop_ranks(self) -> None:
         if self._ranks is not None:
             self._ranks.stop()
             self._ranks = None
+
+    def _on_rank_error(self, exc: BaseException) -> None:
+        """After a failure mid-step with several ranks, the ranks may sit in
+        different collectives: stop them all and refuse further steps."""
+        if self.tp.size > 1:
+            self._broken = f"the engine stopped after an error on a tensor-parallel rank: {exc}"
+            if self._ranks is not None:
+                self._ranks.mark_broken()
+            self.shutdown()
+
+    def _check_ranks(self) -> None:
+        if self._broken:
+            raise RuntimeError(self._broken)
+        if self._ranks is not None:
+            try:
+                self._ranks.check_alive()
+            except RuntimeError as exc:
+                self._on_rank_error(exc)
+                raise
 
     # ---- requests ---------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -160,7 +176,8 @@ class LLMEngine:
         seq = self._new_sequence(request_id, prompt, params)
         if hold_kv:
             seq.hold_kv = True
-            seq.params = replace(seq.params, max_tokens=1, min_tokens=0)
+            # one token here; min_tokens still bans EOS/stop ids for that first token
+            seq.params = replace(seq.params, max_tokens=1, min_tokens=min(seq.params.min_tokens, 1))
         self._states[seq.request_id] = RequestTextState(seq, self.tokenizer, self.max_model_len)
         self.scheduler.add(seq)
         return seq.request_id
@@ -178,18 +195,19 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > len(self.scheduler.reserved)
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        return self.scheduler.num_unfinished
-
     # ---- the step -----------------------------------------------------------------------
     def step(self, *, prefill: bool = True, decode: bool = True) -> list[RequestOutput]:
         """Runs one batch. Returns an output for every request that produced a
         token (or finished) in this step."""
+        self._check_ranks()
         step = self.scheduler.schedule(prefill=prefill, decode=decode)
         if step.is_empty:
             return []
-        sampled, result = self.runner.execute(step)
+        try:
+            sampled, result = self.runner.execute(step)
+        except Exception as exc:
+            self._on_rank_error(exc)
+            raise
         self.scheduler.after_step(step)
         outputs = []
         if result is None:
@@ -231,23 +249,39 @@ class LLMEngine:
         return True
 
     def reserve_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
-                          params: SamplingParams) -> list[int] | None:
+                          params: SamplingParams, *, first_logprobs: TokenLogprobs | None = None,
+                          generator_state: torch.Tensor | None = None) -> list[int] | None:
         """Decode role: allocates blocks for the prompt's K/V, which the caller
         writes into `kv_cache` (block i of the returned table holds prompt tokens
-        [i*block_size, (i+1)*block_size)). None when the blocks do not fit now."""
+        [i*block_size, (i+1)*block_size)). None when the blocks do not fit now.
+        `first_logprobs` is the first token's logprobs when the request asks for
+        them; `generator_state` is the prefill side's seeded generator after the
+        first token (`held_sequence(id).generator.get_state()`), so seeded sampling
+        continues exactly as it would in one engine."""
+        if not isinstance(request_id, str):
+            raise InvalidRequestError(f"request_id must be a string, got {request_id!r}", "request_id")
         seq = self._new_sequence(request_id, prompt_token_ids, params)
+        self.validate_prompt([first_token_id])
+        if params.logprobs is not None and first_logprobs is None:
+            raise InvalidRequestError("the request asks for logprobs: pass the first token's first_logprobs",
+                                      "logprobs")
+        if seq.generator is not None and generator_state is not None:
+            seq.generator.set_state(generator_state)
         if not self.scheduler.reserve(seq, seq.num_prompt_tokens):
             return None
         state = RequestTextState(seq, self.tokenizer, self.max_model_len)
         self._states[request_id] = state
         seq.first_token_time = seq.arrival_time
-        state.append(first_token_id, None)
+        state.append(first_token_id, first_logprobs)
         return list(seq.block_table)
 
     def commit_prefilled(self, request_id: str) -> RequestOutput:
         """Decode role: the reserved blocks are filled; the request joins the batch.
         Returns the output carrying the first token (finished if it already ended)."""
-        seq = self.scheduler.reserved[request_id]
+        seq = self.scheduler.reserved.get(request_id)
+        if seq is None:
+            raise InvalidRequestError(f"request {request_id!r} has no reserved blocks (never reserved, "
+                                      "already committed, or aborted)", "request_id")
         state = self._states[request_id]
         self.scheduler.mark_filled(seq, seq.num_prompt_tokens)
         finished = seq.finish_reason is not None
@@ -259,17 +293,39 @@ class LLMEngine:
         """Every rank's K/V of the blocks, in rank order; rank r's tensor holds the
         KV heads `kv_heads_of_rank(num_kv_heads, tp, r)`:
         [layers, 2, len(block_ids), block_size, local_kv_heads, head_dim]."""
-        if self.tp.size > 1:
-            self.tp.broadcast_object((KV_READ, block_ids))
-        return [t.cpu() for t in self.tp.gather_to_first(self.worker.read_kv(block_ids))]
+        self._check_block_ids(block_ids)
+        self._check_ranks()
+        try:
+            if self.tp.size > 1:
+                self.tp.broadcast_object((KV_READ, block_ids))
+            return [t.cpu() for t in self.tp.gather_to_first(self.worker.read_kv(block_ids))]
+        except Exception as exc:
+            self._on_rank_error(exc)
+            raise
 
     def write_kv_shards(self, block_ids: list[int], shards: list[torch.Tensor]) -> None:
-        """Inverse of read_kv_shards: rank r's blocks get shards[r]."""
-        if len(shards) != self.tp.size:
-            raise ValueError(f"got KV shards for {len(shards)} ranks, this engine has {self.tp.size}")
-        if self.tp.size > 1:
-            self.tp.broadcast_object((KV_WRITE, (block_ids, shards)))
-        self.worker.write_kv(block_ids, shards[0])
+        """Inverse of read_kv_shards: rank r's blocks get shards[r]. (Every shard
+        goes through rank 0 to every rank: for offline hand-offs and tests; the
+        serving path ships each rank's heads over its own pair group.)"""
+        self._check_block_ids(block_ids)
+        expected = (*self.kv_cache.tensor.shape[:2], len(block_ids), *self.kv_cache.tensor.shape[3:])
+        if len(shards) != self.tp.size or any(tuple(s.shape) != expected for s in shards):
+            raise ValueError(f"expected {self.tp.size} KV shard(s) of shape {expected}, got "
+                             f"{[tuple(s.shape) for s in shards]}")
+        self._check_ranks()
+        try:
+            if self.tp.size > 1:
+                self.tp.broadcast_object((KV_WRITE, (block_ids, shards)))
+            self.worker.write_kv(block_ids, shards[0])
+        except Exception as exc:
+            self._on_rank_error(exc)
+            raise
+
+    def _check_block_ids(self, block_ids: list[int]) -> None:
+        n = self.kv_cache.num_blocks
+        bad = [b for b in block_ids if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < n]
+        if bad:
+            raise ValueError(f"block ids {bad[:5]} are outside the KV cache's blocks [0, {n})")
 
     # ---- offline helpers ------------------------------------------------------------------
     def run_to_completion(self) -> list[RequestOutput]:
@@ -279,10 +335,3 @@ class LLMEngine:
             done.extend(o for o in self.step() if o.finished)
         return done
 
-
-def _stop_ranks(tp: TensorParallel, ranks: RankProcesses) -> None:
-    try:
-        tp.broadcast_object((STOP, None))
-    except Exception:  # a rank already gone: the rest are terminated below
-        log.warning("could not tell the tensor-parallel ranks to stop; terminating them")
-    ranks.stop()

@@ -54,7 +54,8 @@ class ModelRunner:
             if len(decode_tables) < len(decodes):
                 decode_tables.append(used)
             else:
-                chunks.append(PrefillChunk(token_start, n, end, torch.tensor(used) if start > 0 else _EMPTY))
+                chunks.append(PrefillChunk(token_start, n, end,
+                                           torch.tensor(used if start > 0 else [], dtype=torch.long)))
             if end == seq.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 sampled.append(seq)
@@ -105,9 +106,6 @@ class ModelRunner:
         if not sampled:
             return [], None
         return sampled, self.sampler(logits, [sampling_row(seq) for seq in sampled])
-
-
-_EMPTY = torch.empty(0, dtype=torch.long)
 
 
 def sampling_row(seq: Sequence) -> SamplingRow:

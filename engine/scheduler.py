@@ -39,10 +39,6 @@ class ScheduledStep:
     def is_empty(self) -> bool:
         return not self.seqs
 
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
@@ -127,13 +123,17 @@ class Scheduler:
             budget -= n
             i += 1
 
-        # 2. admit waiting prompts, unless this step already had to preempt
-        while (prefill and not step.preempted and self.waiting and budget > 0
+        # 2. admit waiting sequences, unless this step already had to preempt. A
+        #    decode-only step still readmits preempted sequences (they have output
+        #    tokens): recomputing their KV is the only way they can go on.
+        while (not step.preempted and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
-            if seq.num_computed_tokens == 0 and not seq.block_table:
-                cached = self.block_manager.match_prefix(seq.token_ids, seq.block_table)
-                seq.num_computed_tokens = cached
+            if not prefill and seq.num_output_tokens == 0:
+                break
+            cached = self.block_manager.match_prefix(seq.token_ids, seq.block_table)
+            seq.num_computed_tokens = cached
+            if seq.num_preemptions == 0:
                 seq.num_cached_prompt_tokens = min(cached, seq.num_prompt_tokens)
             remaining = seq.num_uncomputed_tokens
             n = min(remaining, budget)
@@ -165,10 +165,8 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _undo_admission(self, seq: Sequence) -> None:
-        if seq.block_table:
-            self.block_manager.free(seq.block_table)
+        self.block_manager.free(seq.block_table)
         seq.num_computed_tokens = 0
-        seq.num_cached_prompt_tokens = 0
 
     def after_step(self, step: ScheduledStep) -> None:
         """Records the tokens the step computed and registers newly full blocks."""

@@ -65,9 +65,5 @@ class Sequence:
         return self.token_ids[:self.num_prompt_tokens]
 
     @property
-    def is_finished(self) -> bool:
-        return self.status in (SequenceStatus.FINISHED, SequenceStatus.HELD)
-
-    @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens

@@ -23,6 +23,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,8 @@ from engine.model.parallel import TensorParallel
 log = logging.getLogger(__name__)
 
 # Followers block in a broadcast while rank 0 is idle, so the collective timeout
-# must outlast any idle period; a dead peer is detected by its closed socket.
+# must outlast any idle period. With gloo a dead peer is detected by its closed
+# socket; rank 0 also checks that the rank processes are alive before each step.
 IDLE_TIMEOUT = datetime.timedelta(days=7)
 CONNECT_TIMEOUT = datetime.timedelta(seconds=120)
 
@@ -79,8 +81,17 @@ def exit_when_parent_dies(parent_pid: int, poll_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
+@dataclass(slots=True)
+class _GroupState:
+    tp: TensorParallel | None = None   # set once every rank has joined
+    healthy: bool = True               # False after an error mid-collective: STOP could hang
+
+
 class RankProcesses:
-    """Ranks 1..size-1 of one engine as local processes."""
+    """Ranks 1..size-1 of one engine as local processes.
+
+    `stop()` (also run when this object is garbage collected, and at interpreter
+    exit) tells healthy ranks to stop, then terminates whatever is left."""
 
     def __init__(self, size: int, port: int, follower_args: tuple):
         from engine.model_worker import follower_main
@@ -90,7 +101,16 @@ class RankProcesses:
                       for rank in range(1, size)]
         for p in self.procs:
             p.start()
-        self._finalizer = weakref.finalize(self, _stop_processes, self.procs)
+        self._state = _GroupState()
+        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self._state)
+
+    def attach(self, tp: TensorParallel) -> None:
+        """The group every rank joined; `stop` sends it the STOP command."""
+        self._state.tp = tp
+
+    def mark_broken(self) -> None:
+        """The ranks may be stuck in a collective: `stop` terminates them outright."""
+        self._state.healthy = False
 
     @property
     def pids(self) -> list[int]:
@@ -127,6 +147,16 @@ class RankProcesses:
 
     def stop(self) -> None:
         self._finalizer()
+
+
+def _shutdown(procs: list, state: _GroupState) -> None:
+    from engine.model_worker import STOP
+    if state.tp is not None and state.healthy and all(p.is_alive() for p in procs):
+        try:
+            state.tp.broadcast_object((STOP, None))
+        except Exception:  # a rank went away meanwhile: terminate the rest below
+            log.warning("could not tell the tensor-parallel ranks to stop; terminating them")
+    _stop_processes(procs)
 
 
 def _stop_processes(procs: list, grace_s: float = 10.0) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
@@ -14,11 +15,11 @@ from engine.model.parallel import SINGLE_PROCESS, TensorParallel
 __all__ = ["build_model", "load_model", "ModelConfig", "ModelConfigError", "CheckpointError", "TensorParallel"]
 
 # Every supported architecture is a Llama variant distinguished by ModelConfig flags.
-_MODEL_CLASSES = {
+_MODEL_CLASSES = MappingProxyType({
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
-}
+})
 
 
 def build_model(config: ModelConfig, *, max_positions: int, dtype: torch.dtype,

@@ -43,6 +43,8 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce `x` across ranks in place (sum, or min); returns it."""
+        if op not in ("sum", "min"):
+            raise ValueError(f"all_reduce op must be 'sum' or 'min', got {op!r}")
         if self.size > 1:
             opts = dist.AllreduceOptions()
             opts.reduceOp = dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.SUM

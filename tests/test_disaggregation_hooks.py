@@ -1,0 +1,128 @@
+"""The engine hooks prefill and decode workers use, beyond greedy parity:
+seeds, logprobs and min_tokens across the hand-off, preemption on a
+decode-only engine, and refusing bad hand-off input."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
+
+
+def _engines(model_dirs, **kw):
+    config = EngineConfig(model=str(model_dirs["tiny"]), max_model_len=256, block_size=8, **kw)
+    return LLMEngine(config), LLMEngine(config)
+
+
+def _prompts(n, seed):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(rng.randint(3, 40))] for _ in range(n)]
+
+
+def _handoff(prefill: LLMEngine, decode: LLMEngine, prompts, params) -> dict[int, list[int]]:
+    for i, p in enumerate(prompts):
+        prefill.add_request(str(i), p, params, hold_kv=True)
+    for out in prefill.run_to_completion():
+        held = prefill.held_sequence(out.request_id)
+        dst = decode.reserve_prefilled(
+            out.request_id, prompts[int(out.request_id)], out.token_ids[0], params,
+            first_logprobs=out.logprobs[0] if out.logprobs else None,
+            generator_state=held.generator.get_state() if held.generator is not None else None)
+        decode.kv_cache.write_blocks(dst, prefill.kv_cache.read_blocks(held.block_table))
+        prefill.release_kv(out.request_id)
+        decode.commit_prefilled(out.request_id)
+    return {int(o.request_id): o for o in decode.run_to_completion()}
+
+
+def test_seeded_sampling_and_logprobs_survive_the_handoff(model_dirs):
+    prefill, decode = _engines(model_dirs)
+    single, _ = _engines(model_dirs)
+    prompts = _prompts(4, seed=0)
+    params = SamplingParams(temperature=1.0, top_k=50, max_tokens=12, seed=7, logprobs=2, ignore_eos=True)
+    split = _handoff(prefill, decode, prompts, params)
+    for i, p in enumerate(prompts):
+        single.add_request(str(i), p, params)
+    together = {int(o.request_id): o for o in single.run_to_completion()}
+    for i in range(len(prompts)):
+        assert split[i].token_ids == together[i].token_ids
+        assert [lp.token_id for lp in split[i].logprobs] == split[i].token_ids
+        assert [round(lp.logprob, 4) for lp in split[i].logprobs] == \
+            [round(lp.logprob, 4) for lp in together[i].logprobs]
+
+
+def test_min_tokens_holds_on_the_prefill_side(model_dirs):
+    """The first token is sampled on the prefill side: min_tokens must already
+    ban the stop tokens there."""
+    prefill, _ = _engines(model_dirs)
+    p = _prompts(1, seed=1)[0]
+    prefill.add_request("probe", p, SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True)
+    (probe,) = prefill.run_to_completion()
+    first = probe.token_ids[0]
+    params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=3, stop_token_ids=[first])
+    prefill.add_request("x", p, params, hold_kv=True)
+    (out,) = prefill.run_to_completion()
+    assert out.token_ids[0] != first
+
+
+def test_decode_only_engine_readmits_what_it_preempts(model_dirs, reference):
+    """Three received sequences that outgrow a 16-block pool: the decode-only
+    engine preempts, recomputes, and still finishes all of them correctly."""
+    prefill = LLMEngine(EngineConfig(model=str(model_dirs["tiny"]), max_model_len=64, block_size=4))
+    decode = LLMEngine(EngineConfig(model=str(model_dirs["tiny"]), max_model_len=64, block_size=4,
+                                    num_kv_blocks=16, enable_prefix_caching=False))
+    prompts = _prompts(3, seed=2)
+    prompts = [(p * 4)[:12] for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        prefill.add_request(str(i), p, params, hold_kv=True)
+    for out in prefill.run_to_completion():
+        held = prefill.held_sequence(out.request_id)
+        dst = decode.reserve_prefilled(out.request_id, prompts[int(out.request_id)], out.token_ids[0], params)
+        decode.kv_cache.write_blocks(dst, prefill.kv_cache.read_blocks(held.block_table))
+        decode.commit_prefilled(out.request_id)
+    done = {}
+    for _ in range(500):
+        for o in decode.step(prefill=False):
+            if o.finished:
+                done[int(o.request_id)] = o.token_ids
+        if not decode.has_unfinished_requests():
+            break
+    assert decode.scheduler.num_preemptions > 0
+    assert sorted(done) == [0, 1, 2]
+    full = reference("tiny").model
+    import torch
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            ref = full.generate(torch.tensor([p]), max_new_tokens=40, min_new_tokens=40, do_sample=False,
+                                pad_token_id=0)[0, len(p):].tolist()
+        assert done[i] == ref
+
+
+def test_bad_handoff_input_is_refused(model_dirs):
+    _, decode = _engines(model_dirs)
+    params = SamplingParams(max_tokens=4)
+    with pytest.raises(InvalidRequestError, match=r"token id 100000 at position 0 is outside"):
+        decode.reserve_prefilled("a", [5, 6, 7], 100000, params)
+    with pytest.raises(InvalidRequestError, match="request_id must be a string"):
+        decode.reserve_prefilled(None, [5, 6, 7], 8, params)
+    with pytest.raises(InvalidRequestError, match="pass the first token's first_logprobs"):
+        decode.reserve_prefilled("b", [5, 6, 7], 8, SamplingParams(logprobs=1))
+    with pytest.raises(InvalidRequestError, match="has no reserved blocks"):
+        decode.commit_prefilled("never")
+    with pytest.raises(ValueError, match=r"outside the KV cache's blocks"):
+        decode.read_kv_shards([decode.kv_cache.num_blocks])
+    blocks = decode.reserve_prefilled("c", [5, 6, 7], 8, params)
+    with pytest.raises(ValueError, match="expected 1 KV shard"):
+        decode.write_kv_shards(blocks, [decode.read_kv_shards(blocks)[0][:, :1]])
+    # nothing above disturbed the engine: "c" still decodes
+    decode.commit_prefilled("c")
+    (out,) = decode.run_to_completion()
+    assert len(out.token_ids) == 4 or out.finish_reason == "stop"
+
+
+def test_no_chunking_needs_a_budget_for_the_longest_prompt(model_dirs):
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(16\) must be >= max_model_len \(64\)"):
+        LLMEngine(EngineConfig(model=str(model_dirs["tiny"]), max_model_len=64, max_num_batched_tokens=16,
+                               enable_chunked_prefill=False))
