@@ -183,7 +183,9 @@ class LLMEngine:
         return seq.request_id
 
     def abort_request(self, request_id: str) -> bool:
-        """Stops a request wherever it is and frees its blocks. False if unknown."""
+        """Stops a request wherever it is and frees its blocks. False if unknown.
+        The caller must first finish or cancel any KV transfer into or out of
+        the request's blocks: once freed they can be handed to another request."""
         state = self._states.pop(request_id, None)
         if state is None:
             return self.release_kv(request_id)
@@ -241,7 +243,8 @@ class LLMEngine:
 
     def release_kv(self, request_id: str) -> bool:
         """Prefill role: frees a held request's blocks (after the hand-off, or when
-        its lease expires). False if it holds none."""
+        its lease expires). False if it holds none. As with abort_request, no
+        transfer may still be reading the blocks."""
         seq = self._held.pop(request_id, None)
         if seq is None:
             return False

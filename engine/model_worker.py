@@ -22,7 +22,7 @@ from engine.cpu_allocator import keep_freed_memory_in_heap
 from engine.engine_config import EngineConfig
 from engine.kv_cache import GIB, KVCache, KVCacheSpec, gpu_kv_budget_bytes
 from engine.model import ModelConfig, load_model
-from engine.model.attention_metadata import AttentionMetadata
+from engine.model.attention_metadata import AttentionMetadata, DecodeGroup, PrefillChunk
 from engine.model.parallel import SINGLE_PROCESS, TensorParallel
 
 log = logging.getLogger(__name__)
@@ -37,16 +37,18 @@ class ModelInputs:
     sample_indices: torch.Tensor  # [S] rows whose logits are needed
 
     def to(self, device: torch.device) -> "ModelInputs":
+        """A copy whose tensors are on `device` (self when that is the CPU)."""
         if device.type == "cpu":
             return self
         meta = self.meta
-        for group in meta.decode_groups:
-            group.block_tables = group.block_tables.to(device)
-            group.key_mask = None if group.key_mask is None else group.key_mask.to(device)
-        for chunk in meta.prefills:
-            chunk.block_table = chunk.block_table.to(device)
-        meta.slot_mapping = meta.slot_mapping.to(device)
-        return ModelInputs(self.input_ids.to(device), self.positions.to(device), meta,
+        moved = AttentionMetadata(
+            slot_mapping=meta.slot_mapping.to(device),
+            decode_groups=[DecodeGroup(g.token_start, g.block_tables.to(device),
+                                       None if g.key_mask is None else g.key_mask.to(device))
+                           for g in meta.decode_groups],
+            prefills=[PrefillChunk(c.token_start, c.num_tokens, c.context_len, c.block_table.to(device))
+                      for c in meta.prefills])
+        return ModelInputs(self.input_ids.to(device), self.positions.to(device), moved,
                            self.sample_indices.to(device))
 
 

@@ -28,7 +28,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32, as transformers does, then scale in the model dtype.
+        # x: [T, hidden] -> [T, hidden]. Normalise in float32, as transformers does,
+        # then scale in the model dtype.
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -68,6 +69,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(n, config.hidden_size, config.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden] -> [T, hidden]; gate/up: [T, intermediate / tp]
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -80,7 +82,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, x, kv_cache, meta):
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        # positions: [T]; x: [T, hidden] -> [T, hidden]; kv_cache: this layer's [2, blocks, bs, kv_heads, D]
         x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -93,7 +97,9 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp, rotary) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        # input_ids, positions: [T] -> [T, hidden]
         x = self.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(positions, x, kv_cache, meta)
