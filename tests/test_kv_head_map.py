@@ -66,3 +66,19 @@ def test_replicated_heads_spread_over_sources():
     # p=4 -> q=1: the single decode rank gathers from all four, merged per source
     assert [(t.src_rank, t.head_start, t.num_heads) for t in kv_transfer_plan(8, 4, 1)] == \
         [(0, 0, 2), (1, 2, 2), (2, 4, 2), (3, 6, 2)]
+
+
+def test_kv_cache_reads_and_writes_head_ranges():
+    """A rank ships a sub-range of its local heads to each destination rank."""
+    import torch
+    from engine.kv_cache import KVCache, KVCacheSpec
+    cache = KVCache(KVCacheSpec(num_layers=2, num_kv_heads=4, head_dim=3, block_size=2, dtype=torch.float32), 6, "cpu")
+    cache.tensor.copy_(torch.arange(cache.tensor.numel(), dtype=torch.float32).view_as(cache.tensor))
+    part = cache.read_blocks([4, 1], heads=range(1, 3))
+    assert part.shape == (2, 2, 2, 2, 2, 3)
+    assert torch.equal(part, cache.tensor[:, :, [4, 1], :, 1:3, :])
+    other = KVCache(cache.spec, 6, "cpu")
+    other.write_blocks([0, 5], part, heads=range(2, 4))
+    assert torch.equal(other.tensor[:, :, [0, 5], :, 2:4, :], part)
+    assert other.tensor[:, :, [0, 5], :, :2, :].abs().sum() == 0   # the other heads untouched
+    assert other.tensor[:, :, 1:5].abs().sum() == 0                  # and the other blocks

@@ -63,12 +63,6 @@ class ModelConfig:
             raise ModelConfigError(
                 f"rope type {self.rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V per token for the whole model in its checkpoint dtype."""
-        from engine.dtypes import dtype_size
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_size(self.torch_dtype)
-
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
         """Reads `model_dir/config.json` (offline) and validates it."""
