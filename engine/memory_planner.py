@@ -25,10 +25,10 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Mapping
 
-from engine.dtypes import parse_dtype
+from engine.dtypes import dtype_size, parse_dtype
+from engine.kv_cache import GIB
 from engine.model.model_config import ModelConfig
 
-GIB = 1 << 30
 TP_CANDIDATES = (1, 2, 4, 8, 16)
 # Suggested max_model_len values are multiples of this, so they read as round numbers.
 MAX_MODEL_LEN_STEP = 256
@@ -78,10 +78,6 @@ def resolve_dtype(model: ModelConfig, dtype: str) -> str:
     return "bfloat16" if dtype == "auto" and name == "float32" else name
 
 
-def dtype_bytes(name: str) -> int:
-    return 4 if name == "float32" else 2
-
-
 def tp_problem(model: ModelConfig, tp: int) -> str | None:
     """Why the model cannot be sharded over `tp` ranks, or None if it can."""
     if tp < 1:
@@ -123,7 +119,7 @@ def rank_parameters(model: ModelConfig, tp: int) -> int:
 
 def kv_bytes_per_token(model: ModelConfig, tp: int, dtype: str) -> int:
     """K and V of one token on one rank; tp=1 gives the whole model's."""
-    return 2 * model.num_layers * local_kv_heads(model, tp) * model.head_dim * dtype_bytes(dtype)
+    return 2 * model.num_layers * local_kv_heads(model, tp) * model.head_dim * dtype_size(dtype)
 
 
 def model_len_limit(model: ModelConfig) -> int:
@@ -184,7 +180,7 @@ class _Fit:
 
 def _fit(model: ModelConfig, tp: int, dtype: str, gpu_memory_gib: float, utilization: float,
          overhead_gib: float, max_model_len: int, block_size: int) -> _Fit:
-    weight_bytes = rank_parameters(model, tp) * dtype_bytes(dtype)
+    weight_bytes = rank_parameters(model, tp) * dtype_size(dtype)
     kv_bytes = kv_bytes_per_token(model, tp, dtype)
     budget = math.floor((gpu_memory_gib * utilization - overhead_gib) * GIB) - weight_bytes
     capacity = max(0, budget) // kv_bytes // block_size * block_size
@@ -237,7 +233,7 @@ def plan(model: ModelConfig, *, tp: int, gpu_memory_gib: float, gpu_memory_utili
         gpu_memory_gib=gpu_memory_gib, gpu_memory_utilization=gpu_memory_utilization,
         overhead_gib=overhead_gib, block_size=block_size, max_model_len=max_model_len,
         parameters=rank_parameters(model, 1),
-        weight_bytes_total=rank_parameters(model, 1) * dtype_bytes(dtype),
+        weight_bytes_total=rank_parameters(model, 1) * dtype_size(dtype),
         weight_bytes_per_rank=fit.weight_bytes,
         kv_bytes_per_token=kv_bytes_per_token(model, 1, dtype),
         kv_bytes_per_token_per_rank=fit.kv_bytes,

@@ -40,10 +40,9 @@ CONNECT_TIMEOUT = datetime.timedelta(seconds=120)
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
+    """The backend name for `backend` ('auto', 'gloo' or 'nccl', checked by EngineConfig)."""
     if backend == "auto":
         return "nccl" if device.type == "cuda" else "gloo"
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"tp_backend must be auto, gloo or nccl, got {backend!r}")
     if backend == "nccl" and device.type != "cuda":
         raise ValueError("tp_backend nccl needs device=cuda; CPU tensors use gloo")
     return backend

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from cluster.plan_command import MODELS_DIR, add_plan_parser
-from engine.memory_planner import GIB, GPU_TYPES, Plan, format_plan, plan, resolve_gpu_type
+from engine.memory_planner import GPU_TYPES, Plan, format_plan, plan, resolve_gpu_type
 from engine.model.model_config import ModelConfig
 
 PARAMS_8B = 8_030_261_248
