@@ -3,6 +3,7 @@
     pdserve make-tiny-model DIR [--preset tiny] [--seed 0]
     pdserve generate [--model DIR] [--prompt TEXT ...] [--max-tokens N] [--temperature T] [--tp N] ...
     pdserve plan --model DIR|llama-3-70b --tp N [--gpu-memory-gib G] [--gpu-type T] [--json]
+    pdserve serve [--config FILE] [--model DIR] [--port P] [--mode M] ...   (see serve_command.py)
 
 Only this module (and the app builder) reads the command line, files and the
 environment; it hands plain values to the engine.
@@ -15,6 +16,7 @@ import sys
 import time
 
 from cluster.plan_command import add_plan_parser
+from cluster.serve_command import add_serve_parser
 
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
@@ -104,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_generate)
 
     add_plan_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 

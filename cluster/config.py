@@ -49,12 +49,18 @@ class EngineSection(_Strict):
     enable_prefix_caching: bool = True
 
 
+class KVTransferSection(_Strict):
+    timeout_s: float = Field(30.0, gt=0, description="limit on any one wait: connecting a worker pair, one transfer")
+    lease_s: float = Field(60.0, gt=0, description="a prefill worker frees KV nobody picked up after this long")
+
+
 class HttpSection(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
 
 
 class Resources(_Strict):
+    cpus_per_rank: float = Field(1.0, ge=0, description="CPUs each rank's placement-group bundle reserves")
     gpu_type: str | None = Field(None, description="H100-SXM, H200 or A100-80GB: for `pdserve plan` checks")
     gpu_memory_gib: float | None = Field(None, gt=0)
 
@@ -68,6 +74,7 @@ class DeploymentConfig(_Strict):
     decode: WorkerPool = WorkerPool()
     colocated: WorkerPool = WorkerPool()
     engine: EngineSection = EngineSection()
+    kv_transfer: KVTransferSection = KVTransferSection()
     resources: Resources = Resources()
 
     @model_validator(mode="after")

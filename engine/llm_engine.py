@@ -28,7 +28,7 @@ from engine.block_manager import BlockManager
 from engine.engine_config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.model.parallel import SINGLE_PROCESS, TensorParallel
-from engine.model_worker import KV_READ, KV_WRITE, ModelWorker, cpu_threads_per_rank
+from engine.model_worker import KV_READ, KV_WRITE, RPC, ModelWorker, RankCallError, cpu_threads_per_rank, run_rank_call
 from engine.output_processor import RequestTextState
 from engine.outputs import RequestOutput
 from engine.runner import ModelRunner
@@ -205,6 +205,10 @@ class LLMEngine:
         step = self.scheduler.schedule(prefill=prefill, decode=decode)
         if step.is_empty:
             return []
+        now = time.monotonic()
+        for seq in step.seqs:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
         try:
             sampled, result = self.runner.execute(step)
         except Exception as exc:
@@ -274,7 +278,7 @@ class LLMEngine:
             return None
         state = RequestTextState(seq, self.tokenizer, self.max_model_len)
         self._states[request_id] = state
-        seq.first_token_time = seq.arrival_time
+        seq.first_scheduled_time = seq.first_token_time = seq.arrival_time
         state.append(first_token_id, first_logprobs)
         return list(seq.block_table)
 
@@ -329,6 +333,27 @@ class LLMEngine:
         bad = [b for b in block_ids if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < n]
         if bad:
             raise ValueError(f"block ids {bad[:5]} are outside the KV cache's blocks [0, {n})")
+
+    def collective_rpc(self, fn, *args) -> list:
+        """Runs `fn(worker, *args)` on every rank (rank 0 here, between steps)
+        and returns the results in rank order. `fn` must be a picklable
+        module-level function. With several ranks, a failure on any rank raises
+        RankCallError (the ranks stay usable); with one, fn's own exception."""
+        self._check_ranks()
+        if self.tp.size > 1:
+            try:
+                self.tp.broadcast_object((RPC, (fn, args)))
+                mine = run_rank_call(self.worker, fn, args)
+                results = self.tp.gather_objects_to_first(mine)
+            except Exception as exc:
+                self._on_rank_error(exc)
+                raise
+        else:
+            return [fn(self.worker, *args)]
+        for r in results:
+            if isinstance(r, RankCallError):
+                raise r
+        return results
 
     # ---- offline helpers ------------------------------------------------------------------
     def run_to_completion(self) -> list[RequestOutput]:

@@ -73,6 +73,9 @@ class ModelWorker:
         num_blocks = int(tp.all_reduce(torch.tensor([num_blocks], device=tp.comm_device), op="min").item())
         self.kv_cache = KVCache(spec, num_blocks, self.device)
         self.kv_layers = self.kv_cache.layer_views()
+        # state that code above the engine keeps on each rank (e.g. a KV transport),
+        # set and used through LLMEngine.collective_rpc
+        self.attachments: dict[str, object] = {}
 
     @property
     def kv_heads(self) -> range:
@@ -142,7 +145,7 @@ def cpu_threads_per_rank(tp_size: int) -> int:
 
 
 # ---- ranks other than 0 ---------------------------------------------------------------
-STEP, STOP, KV_READ, KV_WRITE = "step", "stop", "kv_read", "kv_write"
+STEP, STOP, KV_READ, KV_WRITE, RPC = "step", "stop", "kv_read", "kv_write", "rpc"
 
 
 def follow(worker: ModelWorker) -> None:
@@ -159,6 +162,23 @@ def follow(worker: ModelWorker) -> None:
         elif command == KV_WRITE:
             block_ids, shards = payload
             worker.write_kv(block_ids, shards[tp.rank])
+        elif command == RPC:
+            fn, args = payload
+            tp.gather_objects_to_first(run_rank_call(worker, fn, args))
+
+
+def run_rank_call(worker: "ModelWorker", fn, args: tuple):
+    """One rank's part of `LLMEngine.collective_rpc`: fn's result, or the
+    exception it raised (returned, so that every rank still joins the gather)."""
+    try:
+        return fn(worker, *args)
+    except Exception as exc:  # noqa: BLE001 - reported to rank 0, which raises it
+        log.exception("collective call %s failed on rank %d", getattr(fn, "__name__", fn), worker.tp.rank)
+        return RankCallError(f"rank {worker.tp.rank}: {type(exc).__name__}: {exc}")
+
+
+class RankCallError(Exception):
+    """A collective call failed on one rank."""
 
 
 def follower_main(rank: int, size: int, port: int, parent_pid: int, config: EngineConfig,

@@ -93,6 +93,7 @@ class RequestTextState:
             stop_reason=seq.stop_reason,
             num_cached_tokens=seq.num_cached_prompt_tokens,
             arrival_time=seq.arrival_time,
+            first_scheduled_time=seq.first_scheduled_time,
             first_token_time=seq.first_token_time,
             finished_time=time.monotonic() if finished else None,
         )

@@ -21,5 +21,6 @@ class RequestOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0        # prompt tokens served from the prefix cache
     arrival_time: float = 0.0
+    first_scheduled_time: float | None = None  # monotonic times, this process's clock
     first_token_time: float | None = None
     finished_time: float | None = None

@@ -45,6 +45,7 @@ class Sequence:
     finish_reason: str | None = None      # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None   # end of queueing: the first step it ran in
     first_token_time: float | None = None
     num_preemptions: int = 0
 

@@ -90,4 +90,22 @@ class TensorParallel:
         return obj if self.is_first else pickle.loads(payload.cpu().numpy().tobytes())
 
 
+    def gather_objects_to_first(self, obj: Any) -> list[Any] | None:
+        """Rank 0 gets every rank's `obj` (pickled) in rank order; others get None."""
+        if self.size == 1:
+            return [obj]
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)),
+                                   dtype=torch.uint8)
+        # gather needs equal shapes: agree on the longest payload, pad to it
+        sizes = self.gather_to_first(torch.tensor([payload.numel()], dtype=torch.int64))
+        longest = torch.tensor([payload.numel()], dtype=torch.int64, device=self.comm_device)
+        self.all_reduce(longest.neg_(), op="min")
+        padded = torch.zeros(int(-longest.item()), dtype=torch.uint8)
+        padded[:payload.numel()] = payload
+        parts = self.gather_to_first(padded)
+        if parts is None:
+            return None
+        return [pickle.loads(p[:int(n.item())].cpu().numpy().tobytes()) for p, n in zip(parts, sizes)]
+
+
 SINGLE_PROCESS = TensorParallel()

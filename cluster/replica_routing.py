@@ -1,0 +1,46 @@
+"""How Serve picks a prefill or decode replica for each call (a Serve request
+router, configured per deployment by the app builder).
+
+- A call that names `target_replica=<replica unique id>` goes to that replica
+  only: the prefill replica that holds a request's KV is asked to send or
+  release it.
+- Any other call goes to the replica whose last reported load figure
+  (`record_routing_stats`) is best: the fewest queued prefill tokens for
+  prefill, the most free KV blocks for decode. Ties go to the replica with the
+  fewest calls this router has in flight to it, so a burst that arrives between
+  two reports still spreads out.
+"""
+
+from __future__ import annotations
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+TARGET_REPLICA = "target_replica"
+
+
+class LoadAwareRouter(FIFOMixin, RequestRouter):
+    def initialize_state(self, stat: str = "num_waiting", prefer: str = "min", **kwargs) -> None:
+        if prefer not in ("min", "max"):
+            raise ValueError(f"prefer must be 'min' or 'max', got {prefer!r}")
+        self._stat, self._sign = stat, (1.0 if prefer == "min" else -1.0)
+        self._in_flight: dict[str, int] = {}
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True
+            target = pending_request.kwargs.get(TARGET_REPLICA)
+            if target:
+                return [[r] for r in candidate_replicas if r.replica_id.unique_id == target]
+
+        def load(replica: RunningReplica) -> tuple[float, int]:
+            value = float((replica.routing_stats or {}).get(self._stat, 0.0))
+            return self._sign * value, self._in_flight.get(replica.replica_id.unique_id, 0)
+        return [[r] for r in sorted(candidate_replicas, key=load)]
+
+    def on_request_routed(self, pending_request, replica_id, result) -> None:
+        self._in_flight[replica_id.unique_id] = self._in_flight.get(replica_id.unique_id, 0) + 1
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        n = self._in_flight.get(replica_id.unique_id, 0)
+        self._in_flight[replica_id.unique_id] = max(0, n - 1)

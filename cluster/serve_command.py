@@ -1,0 +1,112 @@
+"""`pdserve serve`: run the serving cluster until Ctrl-C.
+
+    pdserve serve [--config FILE] [--model PATH] [--host H] [--port P]
+                  [--mode disaggregated|colocated] [--prefill-replicas N] [--decode-replicas N]
+                  [--prefill-tp N] [--decode-tp N] [--colocated-replicas N] [--colocated-tp N]
+                  [--device cpu|cuda] [--dtype D] [--max-model-len L] [--served-model-name NAME]
+                  [--address RAY_ADDRESS]
+
+Flags override the config file; with neither, the built-in tiny model is served
+on CPU by 1 prefill + 1 decode worker at http://127.0.0.1:8000. Joins the Ray
+cluster at --address (or a running local one); otherwise starts a local
+cluster, and on Ctrl-C/SIGTERM stops everything it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+
+APP_NAME = "pdserve"
+
+# flag (argparse dest) -> dotted DeploymentConfig key
+FLAG_SETTINGS = {
+    "model": "model.path", "served_model_name": "model.served_model_name", "dtype": "model.dtype",
+    "max_model_len": "model.max_model_len", "host": "http.host", "port": "http.port", "mode": "mode",
+    "device": "device", "prefill_replicas": "prefill.replicas", "decode_replicas": "decode.replicas",
+    "prefill_tp": "prefill.tensor_parallel_size", "decode_tp": "decode.tensor_parallel_size",
+    "colocated_replicas": "colocated.replicas", "colocated_tp": "colocated.tensor_parallel_size",
+}
+
+
+def add_serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve the OpenAI API from a Ray cluster (Ctrl-C stops it)")
+    p.add_argument("--config", help="deployment YAML file (see configs/)")
+    p.add_argument("--model", help="HuggingFace checkpoint directory (default: the built-in tiny model)")
+    p.add_argument("--served-model-name")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--mode", choices=["disaggregated", "colocated"])
+    p.add_argument("--prefill-replicas", type=int)
+    p.add_argument("--decode-replicas", type=int)
+    p.add_argument("--prefill-tp", type=int)
+    p.add_argument("--decode-tp", type=int)
+    p.add_argument("--colocated-replicas", type=int)
+    p.add_argument("--colocated-tp", type=int)
+    p.add_argument("--device", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--address", help="Ray cluster to join (default: a running local one, else start one)")
+    p.set_defaults(func=_cmd_serve)
+
+
+def config_from_args(args: argparse.Namespace):
+    from cluster.app_builder import with_overrides
+    from cluster.config import DeploymentConfig, load_config
+
+    base = load_config(args.config) if args.config else DeploymentConfig()
+    return with_overrides(base, {key: getattr(args, dest) for dest, key in FLAG_SETTINGS.items()})
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    try:
+        config = config_from_args(args)
+    except ValidationError as exc:
+        print(f"error: invalid settings:\n{exc}", file=sys.stderr)
+        return 2
+
+    import ray
+    from ray import serve
+
+    from cluster.app_builder import build_application
+
+    app = build_application(config)
+    started_ray = _connect(args.address)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": config.http.host, "port": config.http.port})
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        url = f"http://{config.http.host}:{config.http.port}"
+        print(f"pdserve is serving {config.mode.value} at {url}/v1 (Ctrl-C stops it)", flush=True)
+        while not stop.is_set():
+            time.sleep(0.2)
+        print("stopping pdserve ...", flush=True)
+    finally:
+        if started_ray:
+            serve.shutdown()
+            ray.shutdown()
+        else:
+            serve.delete(APP_NAME)
+    return 0
+
+
+def _connect(address: str | None) -> bool:
+    """Joins `address`, or a running local cluster, or starts one; True when
+    this process started it (and must stop it)."""
+    import ray
+    if address:
+        ray.init(address=address)
+        return False
+    try:
+        ray.init(address="auto")
+        return False
+    except ConnectionError:
+        ray.init()
+        return True

@@ -1,0 +1,63 @@
+"""DecodeServer and ColocatedServer: the Ray Serve deployments around a
+DecodeWorker and a ColocatedWorker (one replica = one TP gang; its ranks sit
+in the replica's placement-group bundles). `record_routing_stats` reports the
+free KV blocks that new requests are routed by.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from ray import serve
+
+from cluster.handoff import DecodeRequest
+from cluster.transport_factory import TransportSettings, receiver_factory
+from decode_workers.colocated_worker import ColocatedWorker
+from decode_workers.decode_worker import DecodeWorker
+from engine.engine_config import EngineConfig
+from engine.sampling_params import SamplingParams
+
+
+@serve.deployment(name="DecodeServer")
+class DecodeServer:
+    async def __init__(self, engine_config: EngineConfig, transport: TransportSettings):
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        name = f"decode-{self.replica_id}"
+        self.worker = DecodeWorker(engine_config, receiver_factory(transport, name),
+                                   reserve_timeout_s=transport.timeout_s * 2,
+                                   transfer_timeout_s=transport.timeout_s, name=name)
+        await self.worker.start()
+
+    async def generate(self, request: DecodeRequest) -> AsyncIterator:
+        async for event in self.worker.generate(request):
+            yield event
+
+    def stats(self) -> dict[str, float]:
+        return {"replica": self.replica_id, **self.worker.stats()}
+
+    def record_routing_stats(self) -> dict[str, float]:
+        return self.worker.stats()
+
+    def __del__(self) -> None:
+        self.worker.shutdown()
+
+
+@serve.deployment(name="ColocatedServer")
+class ColocatedServer:
+    async def __init__(self, engine_config: EngineConfig):
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.worker = ColocatedWorker(engine_config, name=f"colocated-{self.replica_id}")
+        await self.worker.start()
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator:
+        async for out in self.worker.generate(request_id, prompt_token_ids, params):
+            yield out
+
+    def stats(self) -> dict[str, float]:
+        return {"replica": self.replica_id, **self.worker.stats()}
+
+    def record_routing_stats(self) -> dict[str, float]:
+        return self.worker.stats()
+
+    def __del__(self) -> None:
+        self.worker.shutdown()

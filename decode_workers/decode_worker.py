@@ -1,0 +1,203 @@
+"""The decode worker: receives a request's KV from a prefill worker and decodes
+it in the continuous batch (plain class; decode_server.py wraps it for Ray Serve).
+
+    generate(DecodeRequest)
+        ─▶ reserving: blocks for the prompt's KV (waits while the cache is full)
+        ─▶ receiving: staging buffers posted ── yield ReadyToReceive
+                       (the router now tells the prefill worker to send)
+        ─▶ scatter into the blocks, admit with the first token ── yield KVReceived
+        ─▶ running: continuous batching decode ── yield RequestOutput ... finished
+        ─▶ finished: blocks freed
+
+Closing the generator early (client gone) or a failed transfer ends the request
+wherever it is and frees its blocks; the prompt is never recomputed here when
+the transfer succeeded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from cluster import kv_handoff
+from cluster.handoff import DecodeRequest, KVReceived, KVTransferFailed, ReadyToReceive
+from cluster.kv_transport import KVReceiver, PeerAddress, TransferState
+from engine.async_engine import AsyncEngine
+from engine.engine_config import EngineConfig
+from engine.errors import InvalidRequestError
+from engine.llm_engine import LLMEngine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A request between reserve and admission (engine thread only)."""
+    request: DecodeRequest
+    future: asyncio.Future                 # reserve: block ids; receive: (state, error)
+    deadline: float
+    block_ids: list[int] | None = None
+
+
+class DecodeWorker:
+    def __init__(self, config: EngineConfig, make_receiver: Callable[[int], KVReceiver], *,
+                 reserve_timeout_s: float = 60.0, transfer_timeout_s: float = 60.0, name: str = "decode"):
+        """Call from a running event loop, then `await start()`."""
+        self.config = config
+        self.name = name
+        self.reserve_timeout_s = reserve_timeout_s
+        self.transfer_timeout_s = transfer_timeout_s
+        self._make_receiver = make_receiver
+        self._engine = AsyncEngine(lambda: LLMEngine(config), prefill=False, name=f"{name}-engine")
+        self._reserving: dict[str, _Pending] = {}   # engine thread only
+        self._receiving: dict[str, _Pending] = {}
+        self.receivers: list[PeerAddress] = []
+
+    async def start(self) -> None:
+        await self._engine.ready()
+        self.receivers = await self._engine.call(_collective, kv_handoff.attach_receiver, self._make_receiver)
+        self._engine.add_ticker(self._tick)
+
+    async def generate(self, request: DecodeRequest) -> AsyncIterator:
+        """Yields ReadyToReceive, KVReceived, then cumulative RequestOutputs (the
+        first carries the prefill side's first token). Raises KVTransferFailed,
+        InvalidRequestError, or TimeoutError when no blocks free up in time."""
+        rid = request.request_id
+        loop = asyncio.get_running_loop()
+        stream = self._engine.open_stream(rid)
+        finished = False
+        try:
+            reserved = loop.create_future()
+            t0 = time.monotonic()
+            await self._engine.call(self._reserve, request, reserved)
+            await reserved
+            ready = ReadyToReceive(rid, list(self.receivers), time.monotonic() - t0)
+            received = loop.create_future()
+            t1 = time.monotonic()
+            nbytes = await self._engine.call(self._start_receive, rid, received)
+            yield ready
+            state, error = await received
+            if state is not TransferState.DONE:
+                raise KVTransferFailed(f"the KV of request {rid} did not arrive at {self.name}: {error}")
+            first = await self._engine.call(self._admit, rid)
+            yield KVReceived(time.monotonic() - t1, nbytes)
+            finished = first.finished
+            yield first
+            while not finished:
+                out = await stream.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            self._engine.close_stream(rid)
+            if not finished:
+                try:
+                    await asyncio.shield(self._engine.call(self._abort, rid))
+                except Exception:  # noqa: BLE001 - the engine is gone; nothing left to free
+                    log.debug("abort of %s after the engine stopped", rid)
+
+    def stats(self) -> dict[str, float]:
+        """Load figures for routing and metrics (read without locking: approximate)."""
+        engine = self._engine.engine
+        if engine is None:
+            return {}
+        bm = engine.block_manager
+        return {
+            "free_kv_blocks": float(bm.num_free_blocks),
+            "num_waiting": float(len(engine.scheduler.waiting) + len(self._reserving)),
+            "num_running": float(len(engine.scheduler.running)),
+            "num_receiving": float(len(self._receiving)),
+            "kv_cache_usage": 1.0 - bm.num_free_blocks / bm.num_blocks,
+        }
+
+    def shutdown(self) -> None:
+        self._engine.shutdown()
+
+    # ---- engine thread ----------------------------------------------------------------------
+    def _reserve(self, engine: LLMEngine, request: DecodeRequest, future: asyncio.Future) -> None:
+        rid = request.request_id
+        if rid in self._reserving or rid in self._receiving:
+            raise InvalidRequestError(f"request id {rid!r} is already in use on {self.name}", "request_id")
+        needed = -(-len(request.prompt_token_ids) // engine.config.block_size)
+        if needed > engine.block_manager.num_blocks:
+            raise InvalidRequestError(f"the prompt needs {needed} KV blocks but {self.name} has "
+                                      f"{engine.block_manager.num_blocks} in all", "prompt")
+        pending = _Pending(request, future, time.monotonic() + self.reserve_timeout_s)
+        self._reserving[rid] = pending
+        self._try_reserve(engine, pending)
+
+    def _try_reserve(self, engine: LLMEngine, pending: _Pending) -> None:
+        r = pending.request
+        try:
+            blocks = engine.reserve_prefilled(
+                r.request_id, r.prompt_token_ids, r.prefill.first_token_id, r.params,
+                first_logprobs=r.prefill.first_logprobs, generator_state=r.prefill.generator_state)
+        except Exception as exc:  # noqa: BLE001 - handed to the waiting request
+            del self._reserving[r.request_id]
+            _resolve(pending.future, exc=exc)
+            return
+        if blocks is not None:
+            pending.block_ids = blocks
+            del self._reserving[r.request_id]
+            self._receiving[r.request_id] = pending
+            _resolve(pending.future, blocks)
+        elif time.monotonic() > pending.deadline:
+            del self._reserving[r.request_id]
+            _resolve(pending.future, exc=TimeoutError(
+                f"{self.name} had no free KV blocks for request {r.request_id} for {self.reserve_timeout_s:.0f} s"))
+
+    def _start_receive(self, engine: LLMEngine, rid: str, future: asyncio.Future) -> int:
+        pending = self._receiving[rid]
+        pending.future = future
+        pending.deadline = time.monotonic() + self.transfer_timeout_s
+        p = pending.request.prefill
+        return sum(engine.collective_rpc(kv_handoff.start_receive, rid, len(pending.block_ids),
+                                         p.sender_names, p.num_kv_heads))
+
+    def _admit(self, engine: LLMEngine, rid: str):
+        pending = self._receiving.pop(rid)
+        engine.collective_rpc(kv_handoff.finish_receive, rid, pending.block_ids)
+        return engine.commit_prefilled(rid)
+
+    def _abort(self, engine: LLMEngine, rid: str) -> None:
+        pending = self._reserving.pop(rid, None) or self._receiving.pop(rid, None)
+        if pending is not None:
+            engine.collective_rpc(kv_handoff.forget_transfer, rid)
+            if not pending.future.done():
+                _resolve(pending.future, exc=asyncio.CancelledError())
+        engine.abort_request(rid)
+
+    def _tick(self, engine: LLMEngine) -> bool:
+        for pending in list(self._reserving.values()):
+            self._try_reserve(engine, pending)
+        waiting = [rid for rid, p in self._receiving.items() if not p.future.done()]
+        if waiting:
+            per_rank = engine.collective_rpc(kv_handoff.poll_transfers, waiting)
+            now = time.monotonic()
+            for rid in waiting:
+                pending = self._receiving[rid]
+                state, error = kv_handoff.combine_states([r[rid] for r in per_rank])
+                if not state.is_final and now > pending.deadline:
+                    state, error = TransferState.FAILED, f"timed out after {self.transfer_timeout_s:.0f} s"
+                if state.is_final:
+                    _resolve(pending.future, (state, error))
+        return bool(self._reserving or waiting)
+
+
+def _resolve(future: asyncio.Future, value=None, *, exc: BaseException | None = None) -> None:
+    def settle() -> None:
+        if future.done():
+            return
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(value)
+    future.get_loop().call_soon_threadsafe(settle)
+
+
+def _collective(engine: LLMEngine, fn, *args) -> list:
+    return engine.collective_rpc(fn, *args)

@@ -1,0 +1,171 @@
+"""An LLMEngine on its own thread, for asyncio servers.
+
+    asyncio callers ── call(fn) ──▶ calls queue ─┐
+                   ◀─ per-request output queues ─┤ engine thread:
+                                                 │   run queued calls
+                                                 │   run tickers (transfer polling, leases)
+                                                 │   engine.step() → outputs → request queues
+                                                 └── sleep until woken (or a ticker is busy)
+
+Every touch of the engine happens on the engine thread, so the engine needs no
+locks; the event loop never blocks on a forward pass. A ticker is a function
+called with the engine once per loop iteration; it returns True while it has
+work in flight (the loop then polls again soon instead of sleeping).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from engine.llm_engine import LLMEngine
+
+log = logging.getLogger(__name__)
+
+Ticker = Callable[[LLMEngine], bool]
+_BUSY_POLL_S = 0.002
+_IDLE_WAIT_S = 0.5
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine thread is gone (shut down, or a step failed)."""
+
+
+class AsyncEngine:
+    def __init__(self, make_engine: Callable[[], LLMEngine], *, prefill: bool = True, decode: bool = True,
+                 name: str = "engine"):
+        """Starts the thread, which builds the engine with `make_engine()`;
+        await `ready()` before anything else."""
+        self._make_engine = make_engine
+        self._step_kwargs = {"prefill": prefill, "decode": decode}
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams_lock = threading.Lock()
+        self._tickers: list[Ticker] = []
+        self._ready: asyncio.Future | None = None
+        self._failure: BaseException | None = None
+        self._loop = asyncio.get_running_loop()
+        self._ready = self._loop.create_future()
+        self.engine: LLMEngine | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    async def ready(self) -> LLMEngine:
+        """Waits for the engine to be built; raises what building it raised."""
+        return await asyncio.shield(self._ready)
+
+    # ---- asyncio side -------------------------------------------------------------------------
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Runs fn(engine, *args) on the engine thread between steps; returns its result."""
+        if self._failure is not None or self._stop.is_set():
+            raise EngineStoppedError(f"the engine is not running: {self._failure or 'shut down'}")
+        future = asyncio.get_running_loop().create_future()
+        self._calls.put((fn, args, future))
+        self._wake.set()
+        return await future
+
+    def open_stream(self, request_id: str) -> asyncio.Queue:
+        """The queue that receives the request's RequestOutputs (and an exception
+        if the engine fails). Open it before the request is added."""
+        q: asyncio.Queue = asyncio.Queue()
+        with self._streams_lock:
+            self._streams[request_id] = (asyncio.get_running_loop(), q)
+        return q
+
+    def close_stream(self, request_id: str) -> None:
+        with self._streams_lock:
+            self._streams.pop(request_id, None)
+
+    def add_ticker(self, ticker: Ticker) -> None:
+        """Registers a function the engine thread calls every iteration."""
+        self._tickers.append(ticker)
+        self._wake.set()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stops the thread and the engine (its TP ranks). Idempotent."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+
+    # ---- engine thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self.engine = self._make_engine()
+        except BaseException as exc:  # noqa: BLE001 - handed to ready()
+            self._failure = exc
+            self._loop.call_soon_threadsafe(_set_exception, self._ready, exc)
+            return
+        self._loop.call_soon_threadsafe(_set_result, self._ready, self.engine)
+        try:
+            self._serve(self.engine)
+        except BaseException as exc:  # noqa: BLE001 - a step failed: every waiter hears why
+            log.exception("the engine loop stopped")
+            self._failure = exc
+        finally:
+            self._fail_everything(self._failure or EngineStoppedError("the engine was shut down"))
+            self.engine.shutdown()
+
+    def _serve(self, engine: LLMEngine) -> None:
+        while not self._stop.is_set():
+            self._run_calls(engine)
+            busy = False
+            for ticker in self._tickers:
+                busy |= bool(ticker(engine))
+            if engine.has_unfinished_requests():
+                self._deliver(engine.step(**self._step_kwargs))
+                continue
+            self._wake.wait(_BUSY_POLL_S if busy else _IDLE_WAIT_S)
+            self._wake.clear()
+
+    def _run_calls(self, engine: LLMEngine) -> None:
+        while True:
+            try:
+                fn, args, future = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                result = fn(engine, *args)
+            except Exception as exc:  # noqa: BLE001 - raised in the caller
+                future.get_loop().call_soon_threadsafe(_set_exception, future, exc)
+            else:
+                future.get_loop().call_soon_threadsafe(_set_result, future, result)
+
+    def _deliver(self, outputs) -> None:
+        for out in outputs:
+            with self._streams_lock:
+                target = self._streams.get(out.request_id)
+            if target is not None:
+                loop, q = target
+                loop.call_soon_threadsafe(q.put_nowait, out)
+
+    def _fail_everything(self, exc: BaseException) -> None:
+        while True:
+            try:
+                _, _, future = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            future.get_loop().call_soon_threadsafe(_set_exception, future, EngineStoppedError(str(exc)))
+        with self._streams_lock:
+            streams = list(self._streams.values())
+        for loop, q in streams:
+            loop.call_soon_threadsafe(q.put_nowait, EngineStoppedError(f"the engine stopped: {exc}"))
+
+
+def _set_result(future: asyncio.Future, value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

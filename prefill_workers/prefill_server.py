@@ -1,0 +1,53 @@
+"""PrefillServer: the Ray Serve deployment around a PrefillWorker (one replica =
+one TP gang; its ranks sit in the replica's placement-group bundles).
+
+Calls that concern a request whose KV this replica holds (`send_kv`,
+`release`, `abort`) carry `target_replica`, which cluster/replica_routing.py
+uses to route them here; `record_routing_stats` reports the queued prefill
+tokens that new prompts are routed by.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ray import serve
+
+from cluster.handoff import PrefillResult
+from cluster.kv_transport import PeerAddress
+from cluster.transport_factory import TransportSettings, sender_factory
+from engine.engine_config import EngineConfig
+from engine.sampling_params import SamplingParams
+from prefill_workers.prefill_worker import PrefillWorker
+
+
+@serve.deployment(name="PrefillServer")
+class PrefillServer:
+    async def __init__(self, engine_config: EngineConfig, transport: TransportSettings, lease_s: float = 60.0):
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.worker = PrefillWorker(engine_config, sender_factory(transport, f"prefill-{self.replica_id}"),
+                                    lease_s=lease_s, name=f"prefill-{self.replica_id}")
+        await self.worker.start()
+
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> PrefillResult:
+        result = await self.worker.prefill(request_id, prompt_token_ids, params)
+        return dataclasses.replace(result, replica_id=self.replica_id)
+
+    async def send_kv(self, request_id: str, transfer_id: str, receivers: list[PeerAddress], *,
+                      target_replica: str) -> int:
+        return await self.worker.send_kv(request_id, transfer_id, receivers)
+
+    async def release(self, request_id: str, *, target_replica: str) -> bool:
+        return await self.worker.release(request_id)
+
+    async def abort(self, request_id: str, *, target_replica: str) -> None:
+        await self.worker.abort(request_id)
+
+    def stats(self) -> dict[str, float]:
+        return {"replica": self.replica_id, **self.worker.stats()}
+
+    def record_routing_stats(self) -> dict[str, float]:
+        return self.worker.stats()
+
+    def __del__(self) -> None:
+        self.worker.shutdown()

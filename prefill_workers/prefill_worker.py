@@ -1,0 +1,190 @@
+"""The prefill worker: a prefill-only engine loop that hands each request's KV
+to a decode worker (plain class; prefill_server.py wraps it for Ray Serve).
+
+    prefill(request) ─▶ waiting ─▶ running (batched, chunked prefill; prefix cache on)
+                                     │ first token sampled
+                                     ▼
+                                 holding: KV blocks kept ──send_kv──▶ sending (packed copies on the wire)
+                                     │
+                  release (the decode side confirmed receipt), abort, or lease expiry
+                                     ▼
+                                   freed
+
+A hold that nobody releases (the router or decode worker died) is freed when
+its lease runs out; a release that arrives while the send is still in flight
+is carried out when the transfer ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cluster import kv_handoff
+from cluster.handoff import PrefillResult
+from cluster.kv_transport import KVSender, PeerAddress, TransferState
+from engine.async_engine import AsyncEngine
+from engine.engine_config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Hold:
+    deadline: float                      # monotonic; the lease
+    num_tokens: int
+    transfer_id: str | None = None       # set once send_kv started
+    transfer_state: TransferState | None = None
+    release_requested: bool = False
+
+
+class PrefillWorker:
+    def __init__(self, config: EngineConfig, make_sender: Callable[[int], KVSender], *,
+                 lease_s: float = 60.0, name: str = "prefill"):
+        """Call from a running event loop, then `await start()`."""
+        self.config = config
+        self.name = name
+        self.lease_s = lease_s
+        self._make_sender = make_sender
+        self._engine = AsyncEngine(lambda: LLMEngine(config), decode=False, name=f"{name}-engine")
+        self._holds: dict[str, _Hold] = {}     # touched only on the engine thread
+        self._queued_prompt_tokens: dict[str, int] = {}
+        self.sender_names: list[str] = []
+        self.num_kv_heads = 0
+
+    async def start(self) -> None:
+        engine = await self._engine.ready()
+        self.num_kv_heads = engine.model_config.num_kv_heads
+        self.sender_names = await self._engine.call(_collective, kv_handoff.attach_sender, self._make_sender)
+        self._engine.add_ticker(self._tick)
+
+    # ---- requests ------------------------------------------------------------------------------
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> PrefillResult:
+        """Runs the prompt, samples the first token and holds the KV. Raises
+        InvalidRequestError for a prompt this model cannot take."""
+        stream = self._engine.open_stream(request_id)
+        self._queued_prompt_tokens[request_id] = len(prompt_token_ids)
+        try:
+            await self._engine.call(_add_held_request, request_id, prompt_token_ids, params)
+            out = await stream.get()
+            if isinstance(out, BaseException):
+                raise out
+            return await self._engine.call(self._hold, out, time.monotonic() + self.lease_s)
+        except BaseException:
+            await self._engine.call(self._drop, request_id)
+            raise
+        finally:
+            self._engine.close_stream(request_id)
+            self._queued_prompt_tokens.pop(request_id, None)
+
+    async def send_kv(self, request_id: str, transfer_id: str, receivers: list[PeerAddress]) -> int:
+        """Starts sending the held KV to a decode gang (one address per decode
+        rank, whose receives are already posted); returns the bytes queued."""
+        return await self._engine.call(self._start_send, request_id, transfer_id, receivers)
+
+    async def release(self, request_id: str) -> bool:
+        """The decode side has the KV (or gave up): free the blocks once no
+        transfer reads them. False if the request holds nothing here."""
+        return await self._engine.call(self._release, request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Stops the request wherever it is and frees what it holds."""
+        await self._engine.call(self._drop, request_id)
+
+    def stats(self) -> dict[str, float]:
+        """Load figures for routing and metrics (read without locking: approximate)."""
+        engine = self._engine.engine
+        if engine is None:
+            return {}
+        bm = engine.block_manager
+        return {
+            "queued_prefill_tokens": float(sum(self._queued_prompt_tokens.values())),
+            "num_waiting": float(len(engine.scheduler.waiting)),
+            "num_running": float(len(engine.scheduler.running)),
+            "num_held": float(len(self._holds)),
+            "kv_cache_usage": 1.0 - bm.num_free_blocks / bm.num_blocks,
+        }
+
+    def shutdown(self) -> None:
+        self._engine.shutdown()
+
+    # ---- engine thread ----------------------------------------------------------------------
+    def _hold(self, engine: LLMEngine, out, deadline: float) -> PrefillResult:
+        seq = engine.held_sequence(out.request_id)
+        self._holds[out.request_id] = _Hold(deadline, seq.num_prompt_tokens)
+        return PrefillResult(
+            request_id=out.request_id, first_token_id=out.token_ids[0],
+            first_logprobs=out.logprobs[0] if out.logprobs else None,
+            generator_state=seq.generator.get_state() if seq.generator is not None else None,
+            num_cached_tokens=out.num_cached_tokens, num_blocks=len(seq.block_table),
+            queue_time_s=(out.first_scheduled_time or out.arrival_time) - out.arrival_time,
+            prefill_time_s=out.first_token_time - (out.first_scheduled_time or out.arrival_time),
+            sender_names=list(self.sender_names), num_kv_heads=self.num_kv_heads)
+
+    def _start_send(self, engine: LLMEngine, request_id: str, transfer_id: str,
+                    receivers: list[PeerAddress]) -> int:
+        hold = self._holds.get(request_id)
+        if hold is None:
+            raise KeyError(f"request {request_id!r} holds no KV on {self.name} (lease expired or aborted)")
+        if hold.transfer_id is not None:
+            raise RuntimeError(f"request {request_id!r} is already being sent")
+        block_ids = list(engine.held_sequence(request_id).block_table)
+        nbytes = sum(engine.collective_rpc(kv_handoff.start_send, transfer_id, block_ids, receivers,
+                                           self.num_kv_heads))
+        hold.transfer_id, hold.transfer_state = transfer_id, TransferState.PENDING
+        return nbytes
+
+    def _release(self, engine: LLMEngine, request_id: str) -> bool:
+        hold = self._holds.get(request_id)
+        if hold is None:
+            return False
+        hold.release_requested = True
+        if hold.transfer_state is None or hold.transfer_state.is_final:
+            self._free(engine, request_id)
+        return True
+
+    def _drop(self, engine: LLMEngine, request_id: str) -> None:
+        hold = self._holds.pop(request_id, None)
+        if hold is not None and hold.transfer_id is not None:
+            engine.collective_rpc(kv_handoff.forget_transfer, hold.transfer_id)
+        engine.abort_request(request_id)
+
+    def _free(self, engine: LLMEngine, request_id: str) -> None:
+        hold = self._holds.pop(request_id)
+        if hold.transfer_id is not None:
+            engine.collective_rpc(kv_handoff.forget_transfer, hold.transfer_id)
+        engine.release_kv(request_id)
+
+    def _tick(self, engine: LLMEngine) -> bool:
+        """Polls the sends in flight, frees released holds and expired leases."""
+        in_flight = {h.transfer_id: rid for rid, h in self._holds.items()
+                     if h.transfer_id is not None and not h.transfer_state.is_final}
+        if in_flight:
+            per_rank = engine.collective_rpc(kv_handoff.poll_transfers, list(in_flight))
+            for tid, rid in in_flight.items():
+                state, error = kv_handoff.combine_states([r[tid] for r in per_rank])
+                hold = self._holds[rid]
+                hold.transfer_state = state
+                if state is TransferState.FAILED:
+                    log.warning("KV send of %s failed: %s", rid, error)
+                if state.is_final and hold.release_requested:
+                    self._free(engine, rid)
+        now = time.monotonic()
+        for rid in [rid for rid, h in self._holds.items() if h.deadline < now]:
+            log.warning("the KV lease of %s expired after %.0f s without a release; freeing it", rid, self.lease_s)
+            self._free(engine, rid)
+        return bool(in_flight)
+
+
+def _collective(engine: LLMEngine, fn, *args) -> list:
+    return engine.collective_rpc(fn, *args)
+
+
+def _add_held_request(engine: LLMEngine, request_id: str, prompt_token_ids: list[int],
+                      params: SamplingParams) -> None:
+    engine.add_request(request_id, prompt_token_ids, params, hold_kv=True)
+

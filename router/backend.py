@@ -1,0 +1,55 @@
+"""What the HTTP layer needs from the serving side: one generation stream per
+request. The OpenAI API (router/openai_api.py) is written against this
+interface only; the Ray router implements it by sending the request through a
+prefill worker and a decode worker (or one colocated worker), and tests can
+drive the API with an in-process engine or a scripted fake.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from router.timings import PhaseTimings
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    served_model_name: str
+    max_model_len: int
+    vocab_size: int
+
+
+class BackendUnavailableError(RuntimeError):
+    """The request could not be served for a reason that is not the caller's
+    fault (a worker died, a KV transfer failed): HTTP 503."""
+
+
+class GenerationBackend(ABC):
+    """Contract:
+    - `generate` yields cumulative RequestOutputs (text/token_ids so far, plus
+      the delta since the previous one); the last one has `finished=True`.
+    - Closing the iterator early (client went away) aborts the request on
+      every worker and frees its KV blocks.
+    - Raises engine.InvalidRequestError for a request the model cannot take
+      (HTTP 400) and BackendUnavailableError for a serving failure (503).
+    """
+
+    @abstractmethod
+    def model_info(self) -> ModelInfo: ...
+
+    @abstractmethod
+    def generate(self, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams) -> AsyncIterator[RequestOutput]: ...
+
+    async def check_health(self) -> None:
+        """Raises BackendUnavailableError when the workers cannot serve."""
+
+    def phase_timings(self, request_id: str) -> PhaseTimings | None:
+        """The phase durations the workers measured for an ended request (queue,
+        prefill, KV transfer), or None when not tracked. Called once per request,
+        after its iterator was closed; the backend may forget them afterwards."""
+        return None

@@ -1,0 +1,129 @@
+"""Prometheus metrics of the serving path, in a registry each `ServingMetrics` owns.
+
+Contracts:
+- Every metric lives in `ServingMetrics.registry`, never in prometheus_client's
+  global default registry, so several apps (or tests) in one process never
+  collide and `render()` shows exactly this app's series.
+- `observe_request` is called once per request that reached the backend, when it
+  ends (finished, aborted by a client disconnect, or failed); `observe_error` once
+  per error response.
+- `set_worker_stats` overwrites the gauges of one worker (label e.g. "prefill-0",
+  "decode-1"); `remove_worker` drops them when the worker goes away.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from router.timings import RequestTimings
+
+# Buckets span what LLM serving sees: tens of ms for a short prefill on a GPU up
+# to tens of seconds under overload (TTFT); 5 ms to seconds per decode step (TPOT).
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+                0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0,
+               90.0, 120.0, 180.0, 300.0, 600.0)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+PREFILL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0)
+# A pair-group hand-off of a few MiB takes milliseconds; 1 GiB+ (long 70B prompts) seconds.
+TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+TRANSFER_BYTES_BUCKETS = tuple(float(4 ** k) for k in range(8, 18))  # 64 KiB .. 16 GiB
+
+# Worker stats key (as the workers' stats() report them) -> the gauge it sets.
+WORKER_GAUGES = (
+    ("num_running", "pdserve_num_requests_running", "Requests a worker is running."),
+    ("num_waiting", "pdserve_num_requests_waiting", "Requests queued on a worker."),
+    ("kv_cache_usage", "pdserve_kv_cache_usage_ratio", "Fraction of a worker's KV cache blocks in use."),
+)
+
+
+class ServingMetrics:
+    """The router's request metrics and the workers' load gauges."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self._ttft = Histogram("pdserve_time_to_first_token_seconds",
+                               "Arrival at the router to the first output token.",
+                               buckets=TTFT_BUCKETS, registry=r)
+        self._tpot = Histogram("pdserve_time_per_output_token_seconds",
+                               "Mean time per output token after the first, per request.",
+                               buckets=TPOT_BUCKETS, registry=r)
+        self._e2e = Histogram("pdserve_e2e_request_latency_seconds",
+                              "Arrival at the router to the last output token.",
+                              buckets=E2E_BUCKETS, registry=r)
+        self._queue = Histogram("pdserve_request_queue_time_seconds",
+                                "Time waiting on the prefill side before being scheduled.",
+                                buckets=QUEUE_BUCKETS, registry=r)
+        self._prefill = Histogram("pdserve_request_prefill_time_seconds",
+                                  "First scheduled to first token sampled, on the prefill side.",
+                                  buckets=PREFILL_BUCKETS, registry=r)
+        self._transfer = Histogram("pdserve_kv_transfer_time_seconds",
+                                   "KV cache hand-off from a prefill to a decode worker.",
+                                   buckets=TRANSFER_BUCKETS, registry=r)
+        self._transfer_bytes = Histogram("pdserve_kv_transfer_bytes",
+                                         "KV cache bytes moved per hand-off.",
+                                         buckets=TRANSFER_BYTES_BUCKETS, registry=r)
+        self._requests = Counter("pdserve_requests_total", "Requests that ended, by finish reason.",
+                                 ["finish_reason"], registry=r)
+        self._prompt_tokens = Counter("pdserve_prompt_tokens_total", "Prompt tokens processed.",
+                                      registry=r)
+        self._generation_tokens = Counter("pdserve_generation_tokens_total",
+                                          "Output tokens generated.", registry=r)
+        self._errors = Counter("pdserve_request_errors_total", "Error responses, by HTTP status.",
+                               ["status"], registry=r)
+        self._worker_gauges = {key: Gauge(name, doc, ["worker"], registry=r)
+                               for key, name, doc in WORKER_GAUGES}
+
+    def observe_request(self, timings: RequestTimings) -> None:
+        """Record one ended request; phases it never reached are skipped, and
+        TPOT and e2e latency only count requests that ran to completion."""
+        self._requests.labels(finish_reason=timings.finish_reason or "error").inc()
+        self._prompt_tokens.inc(timings.prompt_tokens)
+        self._generation_tokens.inc(timings.generation_tokens)
+        # An aborted or failed request's "end" is when it was cut off, not a latency.
+        completed = timings.finish_reason in ("stop", "length")
+        for histogram, value in (
+            (self._ttft, timings.time_to_first_token),
+            (self._tpot, timings.time_per_output_token if completed else None),
+            (self._e2e, timings.e2e_latency if completed else None),
+            (self._queue, timings.phases.queue_time),
+            (self._prefill, timings.phases.prefill_time),
+            (self._transfer, timings.phases.transfer_time),
+            (self._transfer_bytes, timings.phases.transfer_bytes),
+        ):
+            if value is not None:
+                histogram.observe(value)
+
+    def observe_error(self, status: int) -> None:
+        self._errors.labels(status=str(status)).inc()
+
+    def set_worker_stats(self, worker: str, stats: Mapping[str, float]) -> None:
+        """Set `worker`'s gauges from a worker's stats() dict: the keys in WORKER_GAUGES
+        set their gauge, a missing one keeps its value, other keys are not exported."""
+        for key, gauge in self._worker_gauges.items():
+            if key in stats:
+                gauge.labels(worker=worker).set(stats[key])
+
+    def remove_worker(self, worker: str) -> None:
+        """Drop `worker`'s gauge series (a removed worker must not report stale load)."""
+        for gauge in self._worker_gauges.values():
+            try:
+                gauge.remove(worker)
+            except KeyError:
+                pass  # this worker never reported that stat
+
+    def render(self) -> tuple[bytes, str]:
+        """(payload, content type) in the Prometheus text exposition format."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,343 @@
+"""The OpenAI-compatible HTTP API, written against a GenerationBackend.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
+GET /health, GET /metrics.
+
+One generation request:
+  parse (router/protocol.py) -> model name -> supported features -> tokenize once
+  -> prompt ids in the vocabulary and the context window -> SamplingParams
+  -> backend.generate(...) -> one JSON body, or a stream of SSE chunks.
+
+Contracts:
+- The backend iterator is closed (`aclose`) when the request ends for any reason;
+  a client that disconnects (before or during the stream) therefore aborts the
+  request on the workers. Closing is shielded from cancellation.
+- Streaming awaits the first output before sending headers, so an error the
+  backend raises up front is a normal HTTP error; a later one is sent as an SSE
+  `data: {"error": {...}}` event. A stream always ends with `data: [DONE]`.
+- Per request that reached the backend, metrics get one `observe_request`, with
+  the workers' phase durations from `backend.phase_timings(request_id)` when it has them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Mapping
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from engine.errors import InvalidRequestError
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams, SamplingParamsError
+from router.backend import BackendUnavailableError, GenerationBackend
+from router.errors import (
+    OpenAIError,
+    error_response,
+    from_exception,
+    install_error_handlers,
+)
+from router.metrics import ServingMetrics
+from router.protocol import ChatCompletionRequest, CompletionRequest
+from router.responses import (
+    DONE_EVENT,
+    ChatResponses,
+    CompletionResponses,
+    ResponseBuilder,
+    sse_event,
+    usage,
+)
+from router.timings import RequestTimings
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# nginx's "client closed request"; nobody reads it, but logs show what happened.
+_CLIENT_CLOSED = 499
+
+
+def build_openai_app(backend: GenerationBackend, tokenizer: Any, metrics: ServingMetrics, *,
+                     request_id_prefix: str = "cmpl") -> FastAPI:
+    """An app serving `backend`'s model. Request ids are `{prefix}-{hex}` for completions
+    and `chat{prefix}-{hex}` for chat (so "cmpl-..." and "chatcmpl-...", as OpenAI)."""
+    server = _Server(backend, tokenizer, metrics, request_id_prefix)
+    app = FastAPI(title="pdserve", summary="OpenAI-compatible API")
+    install_error_handlers(app, on_error=metrics.observe_error)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await server.generate(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await server.generate(body, request)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return server.models()
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            await backend.check_health()
+        except Exception as exc:  # noqa: BLE001 - any failure means unhealthy
+            # Answered here rather than raised: a failing probe is not a request error.
+            return error_response(503, f"The server cannot serve requests: {exc}")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        payload, content_type = metrics.render()
+        return Response(payload, media_type=content_type)
+
+    return app
+
+
+class _ClientDisconnected(Exception):
+    """The client went away before the response started."""
+
+
+class _Server:
+    """Per-app state and the request path shared by both generation endpoints."""
+
+    def __init__(self, backend: GenerationBackend, tokenizer: Any, metrics: ServingMetrics,
+                 request_id_prefix: str):
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.info = backend.model_info()
+        self.prefix = request_id_prefix
+        self.created = int(time.time())
+
+    def models(self) -> dict[str, Any]:
+        card = {"id": self.info.served_model_name, "object": "model", "created": self.created,
+                "owned_by": "pdserve", "max_model_len": self.info.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    async def generate(self, body: CompletionRequest | ChatCompletionRequest,
+                       request: Request) -> Response:
+        arrival = time.monotonic()
+        chat = isinstance(body, ChatCompletionRequest)
+        if body.model is not None and body.model != self.info.served_model_name:
+            raise OpenAIError(404, f"The model `{body.model}` does not exist; this server serves "
+                              f"`{self.info.served_model_name}`.", param="model",
+                              code="model_not_found")
+        body.check_supported()
+        prompt_ids = self._tokenize(body)
+        prompt_param = "messages" if chat else "prompt"
+        self._check_prompt(prompt_ids, prompt_param)
+        params = body.to_sampling_params(self.info.max_model_len - len(prompt_ids))
+        self._check_context(len(prompt_ids), params, body.max_tokens_param, prompt_param)
+
+        fmt = ChatResponses(self.tokenizer) if chat else CompletionResponses(self.tokenizer)
+        request_id = f"{'chat' if chat else ''}{self.prefix}-{uuid.uuid4().hex}"
+        gen = _Generation(self, request_id, prompt_ids, params, arrival)
+        header = {"id": request_id, "object": fmt.chunk_object if body.stream else fmt.object,
+                  "created": int(time.time()), "model": self.info.served_model_name}
+        try:
+            if body.stream:
+                first = await _unless_disconnected(request, gen.next())
+                return _EventStream(self._events(gen, first, fmt, header, body.include_usage),
+                                    media_type="text/event-stream")
+            final = await _unless_disconnected(request, gen.run_to_end())
+        except _ClientDisconnected:
+            await gen.close("abort")
+            return Response(status_code=_CLIENT_CLOSED)
+        except BaseException:
+            await gen.close(None)
+            raise
+        await gen.close(final.finish_reason)
+        logprobs = fmt.logprobs(final.logprobs, 0)[0] if final.logprobs is not None else None
+        return JSONResponse({**header, "choices": [fmt.choice(final.text, logprobs, final)],
+                             "usage": usage(len(prompt_ids), final)})
+
+    def _tokenize(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        if isinstance(body, CompletionRequest):
+            if isinstance(body.prompt, str):
+                return list(self.tokenizer.encode(body.prompt,
+                                                  add_special_tokens=body.add_special_tokens))
+            return list(body.prompt)
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                body.chat_messages(), add_generation_prompt=body.add_generation_prompt,
+                tokenize=True)
+        except Exception as exc:  # noqa: BLE001 - templates refuse messages by raising anything
+            raise InvalidRequestError(f"The chat template cannot render these messages: {exc}",
+                                      param="messages") from None
+        # transformers 5 returns a BatchEncoding (a Mapping); older versions a list.
+        if isinstance(ids, Mapping):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+    def _check_prompt(self, ids: list[int], param: str) -> None:
+        vocab, limit = self.info.vocab_size, self.info.max_model_len
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"The prompt contains token id {bad}, outside the model's "
+                                      f"vocabulary [0, {vocab}).", param=param)
+        if len(ids) >= limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens. However, your {param} "
+                f"has {len(ids)} tokens, which leaves no room for the completion. Please reduce "
+                f"the length of the {param}.", param=param)
+
+    def _check_context(self, num_prompt: int, params: SamplingParams, max_tokens_param: str,
+                       prompt_param: str) -> None:
+        try:
+            params.validate_against_vocab(self.info.vocab_size)
+        except SamplingParamsError as exc:
+            raise InvalidRequestError(str(exc), param="stop_token_ids") from None
+        limit, total = self.info.max_model_len, num_prompt + params.max_tokens
+        if total > limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{total} tokens ({num_prompt} in the {prompt_param}, {params.max_tokens} in the "
+                f"completion). Please reduce the length of the {prompt_param} or "
+                f"{max_tokens_param}.", param=max_tokens_param)
+
+    async def _events(self, gen: _Generation, first: RequestOutput | None, fmt: ResponseBuilder,
+                      header: dict[str, Any], include_usage: bool) -> AsyncIterator[str]:
+        """SSE events of one stream; closes `gen` however the stream ends."""
+        # OpenAI sends "usage": null on every chunk but the last when usage is asked for.
+        usage_null = {"usage": None} if include_usage else {}
+        reason: str | None = "abort"   # kept if the client leaves mid-stream
+        try:
+            for choice in fmt.opening_choices():
+                yield sse_event({**header, "choices": [choice], **usage_null})
+            out, sent_logprobs, text_offset = first, 0, 0
+            while out is not None:
+                entries = out.logprobs[sent_logprobs:] if out.logprobs is not None else []
+                # Skip outputs with nothing to say (text held back mid-character, no logprobs).
+                if out.delta_text or out.finished or entries:
+                    logprobs = None
+                    if out.logprobs is not None:
+                        logprobs, text_offset = fmt.logprobs(entries, text_offset)
+                        sent_logprobs = len(out.logprobs)
+                    choice = fmt.chunk_choice(out.delta_text, logprobs, out)
+                    yield sse_event({**header, "choices": [choice], **usage_null})
+                if out.finished:
+                    break
+                out = await gen.next()
+            if out is None:
+                raise BackendUnavailableError("the generation stream ended before the request finished")
+            reason = out.finish_reason
+            if include_usage:
+                yield sse_event({**header, "choices": [], "usage": usage(gen.timings.prompt_tokens, out)})
+        except Exception as exc:  # noqa: BLE001 - headers are out: report it in the stream
+            reason = None
+            error = from_exception(exc)
+            self.metrics.observe_error(error.status)
+            yield sse_event(error.body())
+        finally:
+            # Starlette cancels this generator's task on disconnect; the cleanup must still run.
+            with anyio.CancelScope(shield=True):
+                await gen.close(reason)
+        yield DONE_EVENT
+
+
+class _Generation:
+    """One request's backend stream plus the router's timings; metrics recorded once, on close."""
+
+    def __init__(self, server: _Server, request_id: str, prompt_ids: list[int],
+                 params: SamplingParams, arrival: float):
+        self._server = server
+        self.request_id = request_id
+        self.outputs = server.backend.generate(request_id, prompt_ids, params)
+        self.timings = RequestTimings(arrival_time=arrival, prompt_tokens=len(prompt_ids))
+        self.last: RequestOutput | None = None
+        self._closed = False
+
+    async def next(self) -> RequestOutput | None:
+        """The next output, or None when the backend's stream ended."""
+        try:
+            out = await anext(self.outputs)
+        except StopAsyncIteration:
+            return None
+        now = time.monotonic()
+        if self.timings.first_token_time is None and out.token_ids:
+            self.timings.first_token_time = now
+        if out.finished:
+            self.timings.finished_time = now
+        self.last = out
+        return out
+
+    async def run_to_end(self) -> RequestOutput:
+        """The finished output."""
+        while (out := await self.next()) is not None:
+            if out.finished:
+                return out
+        raise BackendUnavailableError("the generation stream ended before the request finished")
+
+    async def close(self, finish_reason: str | None) -> None:
+        """Close the backend stream (aborting the request if it is still running), record metrics."""
+        if self._closed:
+            return
+        self._closed = True
+        aclose = getattr(self.outputs, "aclose", None)
+        if aclose is not None:
+            try:
+                await aclose()
+            except Exception:
+                # The response is decided by now; a failed abort must not turn it into an error.
+                log.exception("closing the backend stream of %s failed", self.request_id)
+        t = self.timings
+        if t.finished_time is None:
+            t.finished_time = time.monotonic()
+        t.generation_tokens = len(self.last.token_ids) if self.last is not None else 0
+        t.finish_reason = finish_reason
+        phases = self._server.backend.phase_timings(self.request_id)
+        if phases is not None:
+            t.phases = phases
+        self._server.metrics.observe_request(t)
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`; if the client disconnects first, cancel it and raise _ClientDisconnected."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})  # let the work unwind before the caller closes the stream
+    if task.cancelled():
+        raise _ClientDisconnected()
+    return task.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body was already read, so the next ASGI message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _EventStream(StreamingResponse):
+    """A streaming response that always watches for a client disconnect and always
+    closes its body iterator (Starlette only watches below ASGI spec 2.4 and leaves
+    the iterator to the garbage collector)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tasks:
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:
+                        pass  # the server reports a vanished client this way (ASGI 2.4)
+                    tasks.cancel_scope.cancel()
+
+                tasks.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tasks.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()

@@ -1,0 +1,287 @@
+"""The OpenAI request bodies pdserve accepts: /v1/completions and /v1/chat/completions.
+
+Contracts:
+- Parsing (pydantic, run by FastAPI) checks shapes and types; numbers are strict
+  (`"max_tokens": "10"` or `true` is refused, not coerced). Unknown fields are ignored.
+- `check_supported()` raises engine.InvalidRequestError (param set) for an OpenAI
+  feature pdserve does not implement (n > 1, best_of > 1, echo, suffix,
+  logit_bias, response_format, tools, ...), saying what to send instead.
+- `to_sampling_params(default_max_tokens)` builds the engine's SamplingParams
+  (vLLM's extra sampling fields included); out-of-range values raise
+  InvalidRequestError naming the request field. Neither method touches the tokenizer.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams, SamplingParamsError
+
+# Strict: a JSON int is a valid float, but a string or a bool is not.
+StrictNumber = Annotated[float, Field(strict=True)]
+# OpenAI's range; the engine itself takes any temperature >= 0.
+Temperature = Annotated[float, Field(strict=True, ge=0, le=2)]
+
+
+def _shape_error(message: str) -> PydanticCustomError:
+    # A custom error type keeps the message free of pydantic's "Value error, " prefix.
+    return PydanticCustomError("invalid_shape", message)
+
+
+def _is_token_ids(value: object) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields both endpoints share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None           # None = the served model
+    max_tokens: StrictInt | None = None      # None = the rest of the context window
+    temperature: Temperature | None = None
+    top_p: StrictNumber | None = None
+    top_k: StrictInt | None = None
+    min_p: StrictNumber | None = None
+    repetition_penalty: StrictNumber | None = None
+    presence_penalty: StrictNumber | None = None
+    frequency_penalty: StrictNumber | None = None
+    seed: StrictInt | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: StrictBool | None = None
+    min_tokens: StrictInt | None = None
+    skip_special_tokens: StrictBool | None = None
+    n: StrictInt | None = None
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, Any] | None = None
+    user: StrictStr | None = None            # accepted and ignored
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _check_stop(cls, value: object) -> object:
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(isinstance(s, str) for s in value):
+            return value
+        raise _shape_error("must be a string or a list of strings")
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        """The request field that set max_tokens (named in errors)."""
+        return "max_tokens"
+
+    def _logprobs(self) -> int | None:
+        """SamplingParams.logprobs: how many top alternatives to return, None = no logprobs."""
+        return None
+
+    def check_supported(self) -> None:
+        """Raise InvalidRequestError for a feature pdserve does not implement."""
+        if self.n is not None and self.n != 1:
+            if self.n > 1:
+                raise InvalidRequestError(
+                    f"n > 1 is not supported (got n={self.n}); send one request per choice.",
+                    param="n")
+            raise InvalidRequestError(f"n must be 1, got {self.n}.", param="n")
+        if self.logit_bias:
+            raise InvalidRequestError("logit_bias is not supported; remove it.", param="logit_bias")
+        if self.response_format is not None and not (
+                isinstance(self.response_format, dict) and self.response_format.get("type") == "text"):
+            raise InvalidRequestError("response_format (JSON mode, structured output) is not "
+                                      "supported; remove it.", param="response_format")
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise InvalidRequestError(f"{name} (tool calling) is not supported; remove it.",
+                                          param=name)
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none"):
+                raise InvalidRequestError(f"{name} is not supported (no tool calling); remove it.",
+                                          param=name)
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options is only allowed when stream is true.",
+                                      param="stream_options")
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """The engine's SamplingParams; `default_max_tokens` stands in for an unset max_tokens."""
+        max_tokens = self.requested_max_tokens
+        kwargs: dict[str, Any] = {
+            "max_tokens": default_max_tokens if max_tokens is None else max_tokens,
+            "logprobs": self._logprobs(),
+        }
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
+                     "ignore_eos", "min_tokens", "skip_special_tokens"):
+            value = getattr(self, name)
+            if value is not None:  # unset: keep the engine's default
+                kwargs[name] = value
+        try:
+            return SamplingParams(**kwargs)
+        except SamplingParamsError as exc:
+            raise InvalidRequestError(str(exc), param=self._param_for(str(exc), kwargs)) from None
+
+    def _param_for(self, message: str, fields: dict[str, Any]) -> str | None:
+        """The request field a SamplingParamsError is about (its message starts with the name)."""
+        # Longest first, so "stop_token_ids ..." is not taken for "stop".
+        for name in sorted(fields, key=len, reverse=True):
+            if message.startswith(name):
+                return self.max_tokens_param if name == "max_tokens" else self._api_name(name)
+        return None
+
+    def _api_name(self, sampling_field: str) -> str:
+        return sampling_field
+
+
+class CompletionRequest(_GenerationRequest):
+    """POST /v1/completions. `prompt` is normalised to one str or one list of token ids."""
+
+    prompt: str | list[StrictInt]
+    logprobs: StrictInt | None = None
+    echo: StrictBool | None = False
+    suffix: StrictStr | None = None
+    best_of: StrictInt | None = None
+    add_special_tokens: StrictBool = True    # vLLM: prepend BOS etc. to a text prompt
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: object) -> object:
+        if isinstance(value, list) and value and not _is_token_ids(value):
+            # A list of prompts: text prompts or token-id prompts.
+            if not all(isinstance(p, str) or _is_token_ids(p) for p in value):
+                raise _shape_error("must be a string, a list of token ids, or a list holding "
+                                   "one of those")
+            if len(value) > 1:
+                raise _shape_error(f"batch prompts are not supported (got {len(value)} prompts); "
+                                   "send one request per prompt")
+            value = value[0]
+        if isinstance(value, str) or _is_token_ids(value):
+            if not value:
+                raise _shape_error("empty prompt; send at least one character or token id")
+            return value
+        raise _shape_error("must be a string, a list of token ids, or a list holding one of those")
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.best_of is not None and self.best_of != 1:
+            raise InvalidRequestError(f"best_of > 1 is not supported (got best_of={self.best_of}); "
+                                      "send one request per candidate.", param="best_of")
+        if self.echo:
+            raise InvalidRequestError("echo is not supported; the prompt is not returned with the "
+                                      "completion. Remove echo.", param="echo")
+        if self.suffix:
+            raise InvalidRequestError("suffix (insertion) is not supported; remove it.",
+                                      param="suffix")
+
+    def _logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class ChatMessage(BaseModel):
+    """One chat turn; list-of-parts content is joined into one string (text parts only)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant"]
+    content: str | None = None
+    name: StrictStr | None = None            # accepted and ignored
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_content(cls, value: object) -> object:
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise _shape_error("must be a string or a list of text parts")
+        texts = []
+        for part in value:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise _shape_error(f"only text content parts are supported (got {kind!r}); "
+                                   "send {\"type\": \"text\", \"text\": ...}")
+            if not isinstance(part.get("text"), str):
+                raise _shape_error("a text content part needs a string \"text\" field")
+            texts.append(part["text"])
+        # Templates written for plain-string content get the parts joined, as vLLM does.
+        return "\n".join(texts)
+
+    @model_validator(mode="after")
+    def _content_required(self) -> ChatMessage:
+        # Only an assistant turn may omit content (OpenAI allows it next to tool calls).
+        if self.content is None and self.role != "assistant":
+            raise _shape_error(f"content is required in a {self.role} message")
+        return self
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    logprobs: StrictBool | None = False
+    top_logprobs: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None  # OpenAI's newer name; wins over max_tokens
+    add_generation_prompt: StrictBool = True
+
+    @field_validator("messages")
+    @classmethod
+    def _not_empty(cls, value: list[ChatMessage]) -> list[ChatMessage]:
+        if not value:
+            raise _shape_error("no messages; send at least one")
+        return value
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs requires logprobs=true.", param="top_logprobs")
+
+    def _logprobs(self) -> int | None:
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
+
+    def _api_name(self, sampling_field: str) -> str:
+        return "top_logprobs" if sampling_field == "logprobs" else sampling_field
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        """Messages as chat templates take them."""
+        return [{"role": m.role, "content": m.content or ""} for m in self.messages]

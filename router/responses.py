@@ -1,0 +1,124 @@
+"""How engine outputs become OpenAI response bodies and SSE stream chunks.
+
+One `ResponseBuilder` per endpoint: `CompletionResponses` (/v1/completions,
+"text_completion") and `ChatResponses` (/v1/chat/completions, "chat.completion"
+and "chat.completion.chunk"). They build the `choices` entries and the logprobs
+objects; the envelope (id, created, model, usage) is the caller's.
+
+Token strings in logprobs are each token decoded alone; `bytes` is that string's
+UTF-8 (a token that ends mid-character shows U+FFFD, as in vLLM). Logprobs are
+floored at -9999 because JSON has no -inf.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from abc import ABC, abstractmethod
+from typing import Any
+
+from engine.outputs import RequestOutput
+from engine.sampler import TokenLogprobs
+
+DONE_EVENT = "data: [DONE]\n\n"
+# JSON has no -inf; vLLM reports impossible tokens with this floor too.
+_LOGPROB_FLOOR = -9999.0
+
+
+def sse_event(payload: dict[str, Any]) -> str:
+    """One server-sent event carrying `payload` as compact JSON."""
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def usage(prompt: int, out: RequestOutput) -> dict[str, int]:
+    completion = len(out.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def _finite(logprob: float) -> float:
+    if math.isnan(logprob) or logprob < _LOGPROB_FLOOR:
+        return _LOGPROB_FLOOR
+    return logprob
+
+
+class ResponseBuilder(ABC):
+    """What the two endpoints' bodies differ in."""
+
+    object: str              # of a whole response
+    chunk_object: str        # of a stream chunk
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def opening_choices(self) -> list[dict[str, Any]]:
+        """Chunks sent before any text."""
+        return []
+
+    @abstractmethod
+    def choice(self, text: str, logprobs: dict | None, out: RequestOutput) -> dict[str, Any]:
+        """The one entry of `choices` in a whole response."""
+
+    @abstractmethod
+    def chunk_choice(self, delta: str, logprobs: dict | None, out: RequestOutput) -> dict[str, Any]:
+        """The one entry of `choices` in a stream chunk carrying `delta`."""
+
+    @abstractmethod
+    def logprobs(self, entries: list[TokenLogprobs], text_offset: int) -> tuple[dict, int]:
+        """(the logprobs object for `entries`, the completion-text offset after them)."""
+
+
+class CompletionResponses(ResponseBuilder):
+    object = "text_completion"
+    chunk_object = "text_completion"
+
+    def choice(self, text: str, logprobs: dict | None, out: RequestOutput) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": logprobs,
+                "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+
+    def chunk_choice(self, delta: str, logprobs: dict | None, out: RequestOutput) -> dict[str, Any]:
+        return self.choice(delta, logprobs, out)
+
+    def logprobs(self, entries: list[TokenLogprobs], text_offset: int) -> tuple[dict, int]:
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for entry in entries:
+            text = self.token_text(entry.token_id)
+            alternatives = {self.token_text(t): _finite(lp) for t, lp in entry.top}
+            alternatives.setdefault(text, _finite(entry.logprob))  # the sampled one is always listed
+            tokens.append(text)
+            token_logprobs.append(_finite(entry.logprob))
+            top.append(alternatives)
+            offsets.append(text_offset)
+            text_offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+                "text_offset": offsets}, text_offset
+
+
+class ChatResponses(ResponseBuilder):
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def opening_choices(self) -> list[dict[str, Any]]:
+        return [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None}]
+
+    def choice(self, text: str, logprobs: dict | None, out: RequestOutput) -> dict[str, Any]:
+        return {"index": 0, "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs, "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason}
+
+    def chunk_choice(self, delta: str, logprobs: dict | None, out: RequestOutput) -> dict[str, Any]:
+        return {"index": 0, "delta": {"content": delta} if delta else {}, "logprobs": logprobs,
+                "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+    def logprobs(self, entries: list[TokenLogprobs], text_offset: int) -> tuple[dict, int]:
+        content = [{**self._entry(e.token_id, e.logprob),
+                    "top_logprobs": [self._entry(t, lp) for t, lp in e.top]} for e in entries]
+        return {"content": content}, text_offset

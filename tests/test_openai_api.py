@@ -1,0 +1,488 @@
+"""The OpenAI HTTP layer (router/openai_api.py) over a scripted fake backend.
+
+The tiny model's real tokenizer and chat template are used, so prompts are
+tokenized for real; the fake backend replays REPLY token by token and records
+what it was asked and whether its stream was closed early (the abort path).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.errors import InvalidRequestError
+from engine.outputs import RequestOutput
+from engine.sampler import TokenLogprobs
+from engine.sampling_params import SamplingParams
+from engine.tiny_model import ensure_default_model
+from engine.tokenizer import load_tokenizer
+from router.backend import BackendUnavailableError, GenerationBackend, ModelInfo
+from router.metrics import ServingMetrics
+from router.openai_api import build_openai_app
+from router.timings import PhaseTimings
+
+MODEL = "tiny-test"
+MAX_MODEL_LEN = 64
+REPLY = "Hello world, this is pdserve!"
+PHASES = PhaseTimings(queue_time=0.002, prefill_time=0.03, transfer_time=0.004,
+                      transfer_bytes=3 * 2**20)
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+class FakeBackend(GenerationBackend):
+    """Replays REPLY one token per output (up to max_tokens) with scripted failures."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.reply_ids = tokenizer.encode(REPLY, add_special_tokens=False)
+        self.calls: list[tuple[str, list[int], SamplingParams]] = []
+        self.closed_early: list[str] = []    # streams closed before their last output
+        self.fail_after: int | None = None   # raise `failure` after this many outputs
+        self.failure: Exception = BackendUnavailableError("decode worker died")
+        self.hang_after: int | None = None   # block forever after this many outputs
+        self.hanging = asyncio.Event()
+        self.healthy = True
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(MODEL, MAX_MODEL_LEN, self.vocab_size)
+
+    async def check_health(self) -> None:
+        if not self.healthy:
+            raise BackendUnavailableError("no decode replica is alive")
+
+    def phase_timings(self, request_id: str) -> PhaseTimings | None:
+        return PHASES
+
+    async def generate(self, request_id, prompt_token_ids, params):
+        self.calls.append((request_id, list(prompt_token_ids), params))
+        ids = self.reply_ids[:params.max_tokens]
+        done = False
+        try:
+            for i in range(len(ids)):
+                if i == self.fail_after:
+                    raise self.failure
+                if i == self.hang_after:
+                    self.hanging.set()
+                    await asyncio.Event().wait()
+                finished = i == len(ids) - 1
+                text = self.tokenizer.decode(ids[:i + 1])
+                previous = self.tokenizer.decode(ids[:i])
+                logprobs = None
+                if params.logprobs is not None:
+                    logprobs = [TokenLogprobs(t, -0.25 * (j + 1), 1,
+                                              [(t, -0.25 * (j + 1)), (7, -3.0)][:params.logprobs])
+                                for j, t in enumerate(ids[:i + 1])]
+                done = finished
+                yield RequestOutput(
+                    request_id, list(prompt_token_ids), text, ids[:i + 1],
+                    delta_text=text[len(previous):], delta_token_ids=[ids[i]], logprobs=logprobs,
+                    finished=finished,
+                    finish_reason=("length" if len(ids) < len(self.reply_ids) else "stop")
+                    if finished else None)
+        finally:
+            if not done:
+                self.closed_early.append(request_id)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(ensure_default_model())
+
+
+@pytest.fixture
+def backend(tokenizer):
+    return FakeBackend(tokenizer, len(tokenizer))
+
+
+@pytest.fixture
+def metrics():
+    return ServingMetrics()
+
+
+@pytest.fixture
+def app(backend, tokenizer, metrics):
+    return build_openai_app(backend, tokenizer, metrics)
+
+
+@pytest.fixture
+def client(app):
+    with TestClient(app, raise_server_exceptions=False) as c:
+        yield c
+
+
+def sse_events(response) -> list[str]:
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert response.text.endswith("\n\n")
+    events = response.text.split("\n\n")[:-1]
+    assert all(e.startswith("data: ") for e in events), events
+    return [e[len("data: "):] for e in events]
+
+
+def metric_samples(client) -> dict[tuple[str, tuple], float]:
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    # Bucket bounds are compared as numbers: the text format writes 4 MiB as "4.194304e+06".
+    return {(s.name, tuple(sorted((k, float(v) if k == "le" else v) for k, v in s.labels.items()))):
+            s.value for family in text_string_to_metric_families(response.text) for s in family.samples}
+
+
+def assert_openai_error(response, status: int, param: str | None, fragment: str) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == ERROR_KEYS, body
+    error = body["error"]
+    assert error["param"] == param, error
+    assert fragment in error["message"], error
+    expected_type = {404: "not_found_error", 503: "service_unavailable", 500: "internal_error"}
+    assert error["type"] == expected_type.get(status, "invalid_request_error")
+    return error
+
+
+# --- completions -------------------------------------------------------------
+
+def test_completion_maps_the_request_and_returns_the_full_text(client, backend, tokenizer):
+    prompt = "def fibonacci(n):"
+    response = client.post("/v1/completions", json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 40, "temperature": 0.5, "top_p": 0.9,
+        "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "presence_penalty": 0.5,
+        "frequency_penalty": -0.5, "seed": 3, "stop": "###", "stop_token_ids": [1, 2],
+        "ignore_eos": True, "min_tokens": 2, "skip_special_tokens": False, "user": "u1",
+        "some_future_field": {"ignored": True}})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    prompt_ids = tokenizer.encode(prompt)
+    assert prompt_ids[0] == tokenizer.bos_token_id  # add_special_tokens defaults to True
+    request_id, seen_ids, params = backend.calls[0]
+    assert seen_ids == prompt_ids
+    assert (params.max_tokens, params.temperature, params.top_p, params.top_k) == (40, 0.5, 0.9, 5)
+    assert (params.min_p, params.repetition_penalty, params.seed) == (0.1, 1.2, 3)
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.5)
+    assert params.stop == ["###"] and params.stop_token_ids == [1, 2]
+    assert params.ignore_eos and params.min_tokens == 2 and not params.skip_special_tokens
+    assert params.logprobs is None
+    assert body["id"] == request_id and request_id.startswith("cmpl-")
+    assert body["object"] == "text_completion" and body["model"] == MODEL
+    [choice] = body["choices"]
+    assert choice["text"] == REPLY and choice["finish_reason"] == "stop"
+    assert choice["logprobs"] is None and choice["index"] == 0
+    n_reply = len(backend.reply_ids)
+    assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": n_reply,
+                             "total_tokens": len(prompt_ids) + n_reply}
+    assert backend.closed_early == []
+
+
+def test_completion_defaults_max_tokens_to_the_rest_of_the_context(client, backend):
+    response = client.post("/v1/completions", json={"prompt": [[5, 6, 7]]})  # model optional
+    assert response.status_code == 200, response.text
+    _, seen_ids, params = backend.calls[0]
+    assert seen_ids == [5, 6, 7]
+    assert params.max_tokens == MAX_MODEL_LEN - 3
+    assert params.temperature == SamplingParams().temperature  # unset: the engine's default
+
+
+def test_completion_logprobs_in_openai_format(client, backend, tokenizer):
+    body = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3,
+                                                "logprobs": 2}).json()
+    [choice] = body["choices"]
+    assert choice["finish_reason"] == "length" and backend.calls[0][2].logprobs == 2
+    tokens = [tokenizer.decode([t]) for t in backend.reply_ids[:3]]
+    assert choice["text"] == "".join(tokens) == "Hello"
+    lp = choice["logprobs"]
+    assert lp["tokens"] == tokens
+    assert lp["token_logprobs"] == [-0.25, -0.5, -0.75]
+    assert lp["text_offset"] == [0, len(tokens[0]), len(tokens[0]) + len(tokens[1])]
+    assert lp["top_logprobs"][1] == {tokens[1]: -0.5, tokenizer.decode([7]): -3.0}
+
+
+def test_completion_stream_chunks_add_up_and_end_with_usage_then_done(client, backend):
+    response = client.post("/v1/completions", json={
+        "prompt": [5, 6], "max_tokens": 5, "stream": True,
+        "stream_options": {"include_usage": True}})
+    assert response.status_code == 200
+    events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    content, usage_chunk = chunks[:-1], chunks[-1]
+    assert "".join(c["choices"][0]["text"] for c in content) == "Hello world"
+    assert [c["choices"][0]["finish_reason"] for c in content] == [None] * (len(content) - 1) + ["length"]
+    assert all(c["usage"] is None and c["object"] == "text_completion" for c in content)
+    assert len({c["id"] for c in chunks}) == 1
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
+
+
+def test_stream_without_include_usage_has_no_usage_key(client):
+    events = sse_events(client.post("/v1/completions",
+                                    json={"prompt": "Hi", "max_tokens": 2, "stream": True}))
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert events[-1] == "[DONE]" and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all("usage" not in c for c in chunks)
+
+
+# --- chat ----------------------------------------------------------------------
+
+def test_chat_applies_the_template_and_returns_a_message(client, backend, tokenizer):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                             {"type": "text", "text": "there"}]}]
+    response = client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": messages, "max_completion_tokens": 30, "max_tokens": 2})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    request_id, seen_ids, params = backend.calls[0]
+    assert tokenizer.decode(seen_ids) == (
+        "<|begin_of_text|><|system|>\nBe brief.<|end_of_text|>\n"
+        "<|user|>\nHi\nthere<|end_of_text|>\n<|assistant|>\n")
+    assert seen_ids.count(tokenizer.bos_token_id) == 1  # the template's BOS only
+    assert params.max_tokens == 30  # max_completion_tokens wins over max_tokens
+    assert body["id"] == request_id and request_id.startswith("chatcmpl-")
+    assert body["object"] == "chat.completion"
+    [choice] = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": REPLY}
+    assert choice["finish_reason"] == "stop"
+    assert body["usage"]["prompt_tokens"] == len(seen_ids)
+
+
+def test_chat_stream_opens_with_the_role_and_carries_logprobs(client, tokenizer, backend):
+    response = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True,
+        "logprobs": True, "top_logprobs": 1})
+    events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    deltas = [c["choices"][0]["delta"].get("content", "") for c in chunks[1:]]
+    assert "".join(deltas) == "Hello wor"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    entries = [e for c in chunks[1:] for e in c["choices"][0]["logprobs"]["content"]]
+    first = tokenizer.decode([backend.reply_ids[0]])
+    assert [e["logprob"] for e in entries] == [-0.25, -0.5, -0.75, -1.0]
+    assert entries[0] == {"token": first, "logprob": -0.25, "bytes": list(first.encode()),
+                          "top_logprobs": [{"token": first, "logprob": -0.25,
+                                            "bytes": list(first.encode())}]}
+    assert backend.calls[0][2].logprobs == 1
+
+
+# --- the official client ------------------------------------------------------------
+
+def test_official_openai_client(client):
+    oai = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client,
+                        max_retries=0)
+    assert [m.id for m in oai.models.list().data] == [MODEL]
+
+    completion = oai.completions.create(model=MODEL, prompt="Hi", max_tokens=3)
+    assert completion.choices[0].text == "Hello" and completion.usage.completion_tokens == 3
+
+    chat = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}])
+    assert chat.choices[0].message.content == REPLY
+    assert chat.choices[0].finish_reason == "stop"
+
+    stream = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                         max_tokens=5, stream=True,
+                                         stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello world"
+    assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].choices == []
+
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.completions.create(model=MODEL, prompt="Hi", n=2)
+    assert info.value.body["param"] == "n"
+    with pytest.raises(openai.NotFoundError) as info:
+        oai.completions.create(model="gpt-4", prompt="Hi")
+    assert info.value.body["code"] == "model_not_found"
+
+
+# --- models, health, metrics ------------------------------------------------------
+
+def test_models_lists_the_served_model(client):
+    body = client.get("/v1/models").json()
+    assert body["object"] == "list"
+    [card] = body["data"]
+    assert (card["id"], card["object"], card["max_model_len"]) == (MODEL, "model", MAX_MODEL_LEN)
+
+
+def test_health_reports_the_backend(client, backend):
+    assert client.get("/health").status_code == 200
+    backend.healthy = False
+    assert_openai_error(client.get("/health"), 503, None, "no decode replica is alive")
+    backend.healthy = True
+    assert client.get("/health").status_code == 200
+
+
+def test_metrics_after_requests(client, metrics, tokenizer):
+    assert client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4}).status_code == 200
+    assert client.post("/v1/completions", json={"prompt": "Hi", "stream": True}).status_code == 200
+    assert client.post("/v1/completions", json={"prompt": "Hi", "n": 3}).status_code == 400
+    metrics.set_worker_stats("decode-1", {"num_running": 3, "kv_cache_usage": 0.25,
+                                          "free_kv_blocks": 7})
+    samples = metric_samples(client)
+    assert samples[("pdserve_time_to_first_token_seconds_count", ())] == 2
+    assert samples[("pdserve_time_per_output_token_seconds_count", ())] == 2
+    assert samples[("pdserve_e2e_request_latency_seconds_count", ())] == 2
+    assert samples[("pdserve_request_queue_time_seconds_sum", ())] == pytest.approx(0.004)
+    assert samples[("pdserve_kv_transfer_bytes_bucket", (("le", 4 * 2**20),))] == 2
+    assert samples[("pdserve_kv_transfer_bytes_bucket", (("le", 2**20),))] == 0
+    assert samples[("pdserve_requests_total", (("finish_reason", "length"),))] == 1
+    assert samples[("pdserve_requests_total", (("finish_reason", "stop"),))] == 1
+    assert samples[("pdserve_prompt_tokens_total", ())] == 2 * len(tokenizer.encode("Hi"))
+    assert samples[("pdserve_generation_tokens_total", ())] == 4 + 15
+    assert samples[("pdserve_request_errors_total", (("status", "400"),))] == 1
+    assert samples[("pdserve_num_requests_running", (("worker", "decode-1"),))] == 3
+    assert samples[("pdserve_kv_cache_usage_ratio", (("worker", "decode-1"),))] == 0.25
+    assert ("pdserve_num_requests_waiting", (("worker", "decode-1"),)) not in samples  # not reported
+    assert not any("free_kv" in name for name, _ in samples)  # stats without a gauge stay out
+    metrics.remove_worker("decode-1")
+    assert ("pdserve_num_requests_running", (("worker", "decode-1"),)) not in metric_samples(client)
+
+
+def test_metrics_own_their_registry():
+    first, second = ServingMetrics(), ServingMetrics()  # the global registry would reject this
+    first.observe_error(503)
+    assert b'pdserve_request_errors_total{status="503"} 1.0' in first.render()[0]
+    assert b"pdserve_request_errors_total{" not in second.render()[0]
+
+
+# --- errors ------------------------------------------------------------------------
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+USER = [{"role": "user", "content": "Hi"}]
+LONG = list(range(3, 3 + MAX_MODEL_LEN))
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param", "fragment"), [
+    (COMPLETIONS, {"prompt": "Hi", "n": 2}, 400, "n", "n > 1 is not supported"),
+    (COMPLETIONS, {"prompt": "Hi", "best_of": 2}, 400, "best_of", "best_of > 1 is not supported"),
+    (COMPLETIONS, {"prompt": "Hi", "echo": True}, 400, "echo", "echo is not supported"),
+    (COMPLETIONS, {"prompt": "Hi", "suffix": "end"}, 400, "suffix", "suffix"),
+    (COMPLETIONS, {"prompt": "Hi", "logit_bias": {"5": 10}}, 400, "logit_bias", "not supported"),
+    (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, 400,
+     "response_format", "not supported"),
+    (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
+    (COMPLETIONS, {"prompt": "Hi", "max_tokens": "ten"}, 400, "max_tokens", "valid integer"),
+    (COMPLETIONS, {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens", ">= 1, got 0"),
+    (COMPLETIONS, {"prompt": "Hi", "max_tokens": -5}, 400, "max_tokens", ">= 1, got -5"),
+    (COMPLETIONS, {"prompt": "Hi", "temperature": -1}, 400, "temperature", "greater than or equal to 0"),
+    (COMPLETIONS, {"prompt": "Hi", "temperature": 3}, 400, "temperature", "less than or equal to 2"),
+    (COMPLETIONS, {"prompt": "Hi", "top_p": 0}, 400, "top_p", "top_p must be in (0, 1]"),
+    (COMPLETIONS, {"prompt": "Hi", "top_p": 1.5}, 400, "top_p", "got 1.5"),
+    (COMPLETIONS, {"prompt": "Hi", "min_tokens": 9, "max_tokens": 3}, 400, "min_tokens", "max_tokens=3"),
+    (COMPLETIONS, {"prompt": "Hi", "stop_token_ids": [1, 600]}, 400, "stop_token_ids", "600"),
+    (COMPLETIONS, {"prompt": LONG}, 400, "prompt", "maximum context length is 64 tokens"),
+    (COMPLETIONS, {"prompt": [5] * 10, "max_tokens": 60}, 400, "max_tokens",
+     "you requested 70 tokens (10 in the prompt, 60 in the completion)"),
+    (COMPLETIONS, {"prompt": [5, 600]}, 400, "prompt", "token id 600, outside"),
+    (COMPLETIONS, {"prompt": [-1]}, 400, "prompt", "token id -1"),
+    (COMPLETIONS, {"prompt": ""}, 400, "prompt", "prompt: empty prompt"),
+    (COMPLETIONS, {"prompt": ["a", "b"]}, 400, "prompt", "batch prompts are not supported"),
+    (COMPLETIONS, {"prompt": {"text": "a"}}, 400, "prompt", "prompt: must be a string"),
+    (COMPLETIONS, {}, 400, "prompt", "prompt is required"),
+    (COMPLETIONS, {"prompt": "Hi", "model": "gpt-4"}, 404, "model", f"serves `{MODEL}`"),
+    (CHAT, {"messages": [{"role": "wizard", "content": "Hi"}]}, 400, "messages[0].role",
+     "'system', 'user' or 'assistant'"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages[0].content", "only text content parts"),
+    (CHAT, {"messages": []}, 400, "messages", "messages: no messages"),
+    (CHAT, {"messages": USER, "max_completion_tokens": 64}, 400, "max_completion_tokens",
+     "maximum context length"),
+    (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "21"),
+    (CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs", "requires logprobs=true"),
+])
+def test_bad_requests_get_openai_errors_and_the_app_keeps_serving(
+        client, backend, path, body, status, param, fragment):
+    error = assert_openai_error(client.post(path, json=body), status, param, fragment)
+    assert error["code"] == ("model_not_found" if status == 404 else None)
+    assert backend.calls == []  # refused before reaching the backend
+    assert client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 1}).status_code == 200
+
+
+def test_malformed_json_and_wrong_routes(client):
+    response = client.post(COMPLETIONS, content=b'{"prompt": "Hi",',
+                           headers={"content-type": "application/json"})
+    assert_openai_error(response, 400, None, "not valid JSON")
+    assert_openai_error(client.post(COMPLETIONS, content=b"[1]",
+                                    headers={"content-type": "application/json"}),
+                        400, None, "must be a JSON object")
+    assert_openai_error(client.post("/v1/embeddings", json={}), 404, None,
+                        "Unknown route POST /v1/embeddings")
+    assert_openai_error(client.get(COMPLETIONS), 405, None, "GET is not allowed")
+    assert client.get("/v1/models").status_code == 200
+
+
+@pytest.mark.parametrize(("failure", "status", "param", "fragment"), [
+    (InvalidRequestError("prompt does not fit in the KV cache", param="prompt"), 400, "prompt",
+     "does not fit"),
+    (BackendUnavailableError("decode worker died"), 503, None, "decode worker died"),
+    (RuntimeError("secret internals"), 500, None, "internal error"),
+])
+def test_backend_errors_before_and_during_a_stream(client, backend, metrics, failure, status,
+                                                   param, fragment):
+    backend.failure, backend.fail_after = failure, 0
+    for stream in (False, True):
+        response = client.post(COMPLETIONS, json={"prompt": "Hi", "stream": stream})
+        error = assert_openai_error(response, status, param, fragment)
+        assert "secret" not in error["message"]
+    backend.fail_after = 2  # after the headers: an SSE error event, then [DONE]
+    events = sse_events(client.post(COMPLETIONS, json={"prompt": "Hi", "stream": True}))
+    assert events[-1] == "[DONE]"
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-2]) == "Hel"
+    error = json.loads(events[-2])["error"]
+    assert set(error) == ERROR_KEYS and fragment in error["message"]
+    assert error["param"] == param
+    samples = metric_samples(client)
+    assert samples[("pdserve_request_errors_total", (("status", str(status)),))] == 3
+    assert samples[("pdserve_requests_total", (("finish_reason", "error"),))] == 3
+
+
+# --- client disconnects ----------------------------------------------------------
+
+async def _post_then_disconnect(app, path: str, body: dict, backend: FakeBackend) -> list[dict]:
+    """Send one request over raw ASGI; disconnect once the backend blocks. Returns what the app sent."""
+    messages: list[dict] = []
+    request = {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+    requests = [request]
+
+    async def receive() -> dict:
+        if requests:
+            return requests.pop()
+        await backend.hanging.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        messages.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"},
+             "http_version": "1.1", "method": "POST", "scheme": "http", "path": path,
+             "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"host", b"testserver")],
+             "client": ("127.0.0.1", 1234), "server": ("testserver", 80)}
+    await asyncio.wait_for(app(scope, receive, send), timeout=10)
+    return messages
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("hang_after", [0, 3])
+def test_client_disconnect_closes_the_backend_stream(app, backend, metrics, stream, hang_after):
+    backend.hang_after = hang_after
+    sent = asyncio.run(_post_then_disconnect(app, CHAT, {"messages": USER, "stream": stream},
+                                             backend))
+    [(request_id, _, _)] = backend.calls
+    assert backend.closed_early == [request_id]
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    if stream and hang_after:  # the stream had started: what came before the hang went out
+        events = body.decode().split("\n\n")[:-1]
+        deltas = [json.loads(e[len("data: "):])["choices"][0]["delta"] for e in events]
+        assert sent[0]["status"] == 200
+        assert "".join(d.get("content", "") for d in deltas) == "Hello"
+    else:
+        assert sent[0]["status"] == 499
+    exposition = metrics.render()[0]
+    assert b'pdserve_requests_total{finish_reason="abort"} 1.0' in exposition
+    assert b"pdserve_e2e_request_latency_seconds_count 0.0" in exposition  # cut off: no latency

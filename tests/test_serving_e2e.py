@@ -1,0 +1,200 @@
+"""End to end on a real local Ray cluster: the Serve application built from a
+DeploymentConfig, driven over HTTP by the official `openai` client, greedy
+output equal token for token to transformers on the tiny fp32 checkpoint.
+
+One Ray cluster for the module; each deployment shape is one Serve application
+(deployed, exercised, deleted) so that only one set of workers runs at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+
+import pytest
+
+ray = pytest.importorskip("ray")
+openai = pytest.importorskip("openai")
+
+from ray import serve  # noqa: E402
+
+from cluster.app_builder import build_application  # noqa: E402
+from cluster.config import DeploymentConfig  # noqa: E402
+from engine.tp_group import free_port  # noqa: E402
+
+MAX_TOKENS = 12
+PROMPTS = ["The quick brown fox", "Once upon a time there", "def fibonacci(n):", "a b c d e f g"]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+def deploy(ray_cluster, model_dir, name: str, **shape) -> str:
+    config = DeploymentConfig.model_validate({
+        "model": {"path": str(model_dir), "served_model_name": "tiny", "dtype": "float32", "max_model_len": 256},
+        "engine": {"block_size": 8, "max_num_seqs": 64, "max_num_batched_tokens": 512, "kv_cache_memory_gib": 0.05},
+        "kv_transfer": {"timeout_s": 20, "lease_s": 30},
+        **shape})
+    serve.run(build_application(config), name=name, route_prefix=f"/{name}", blocking=False)
+    base = f"{ray_cluster}/{name}"
+    _wait_healthy(base)
+    return base + "/v1"
+
+
+def _wait_healthy(base: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{base} did not become healthy in {timeout_s} s")
+        time.sleep(0.5)
+
+
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url, api_key="unused", timeout=60, max_retries=0)
+
+
+def expected_text(reference, tokenizer, prompt_ids: list[int]) -> tuple[str, int]:
+    ids = reference("tiny").greedy(tuple(prompt_ids), MAX_TOKENS)
+    return tokenizer.decode(ids, skip_special_tokens=True), len(ids)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dirs):
+    from engine.tokenizer import load_tokenizer
+    return load_tokenizer(str(model_dirs["tiny"]))
+
+
+def check_completions(base_url: str, reference, tokenizer) -> None:
+    c = client(base_url)
+    for prompt in PROMPTS[:2]:
+        text, n = expected_text(reference, tokenizer, tokenizer.encode(prompt))
+        r = c.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        assert r.choices[0].text == text
+        assert r.usage.completion_tokens == n
+        assert r.usage.prompt_tokens == len(tokenizer.encode(prompt))
+
+
+def check_streaming_chat(base_url: str, reference, tokenizer) -> None:
+    c = client(base_url)
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    prompt_ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=True)["input_ids"])
+    text, n = expected_text(reference, tokenizer, prompt_ids)
+    stream = c.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                       stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    content = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert content == text
+    assert chunks[-1].usage.completion_tokens == n and chunks[-1].usage.prompt_tokens == len(prompt_ids)
+    r = c.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].message.content == text and r.choices[0].message.role == "assistant"
+
+
+def check_concurrent(base_url: str, reference, tokenizer, n_requests: int = 32) -> None:
+    async def run() -> list[str]:
+        c = openai.AsyncOpenAI(base_url=base_url, api_key="unused", timeout=120, max_retries=0)
+        calls = [c.completions.create(model="tiny", prompt=PROMPTS[i % len(PROMPTS)] + f" {i}",
+                                      max_tokens=MAX_TOKENS, temperature=0) for i in range(n_requests)]
+        out = await asyncio.gather(*calls)
+        await c.close()
+        return [r.choices[0].text for r in out]
+    texts = asyncio.run(run())
+    for i, text in enumerate(texts):
+        assert text == expected_text(reference, tokenizer, tokenizer.encode(PROMPTS[i % len(PROMPTS)] + f" {i}"))[0]
+
+
+def metrics_text(base_url: str) -> str:
+    with urllib.request.urlopen(base_url.removesuffix("/v1") + "/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def test_disaggregated_one_prefill_one_decode(ray_cluster, model_dirs, reference, tokenizer):
+    base = deploy(ray_cluster, model_dirs["tiny"], "pd11")
+    try:
+        check_completions(base, reference, tokenizer)
+        check_streaming_chat(base, reference, tokenizer)
+        check_concurrent(base, reference, tokenizer)
+        assert [m.id for m in client(base).models.list().data] == ["tiny"]
+        text = metrics_text(base)
+        for name in ("pdserve_time_to_first_token_seconds_count", "pdserve_kv_transfer_time_seconds_count",
+                     "pdserve_request_prefill_time_seconds_count", "pdserve_e2e_request_latency_seconds_count"):
+            count = [line for line in text.splitlines() if line.startswith(name)]
+            assert count and float(count[0].split()[-1]) >= 32, (name, count)
+    finally:
+        serve.delete("pd11")
+
+
+def test_one_prefill_two_decoders_and_bad_input(ray_cluster, model_dirs, reference, tokenizer):
+    base = deploy(ray_cluster, model_dirs["tiny"], "pd12", decode={"replicas": 2})
+    try:
+        check_concurrent(base, reference, tokenizer, n_requests=16)
+        c = client(base)
+        bad = [dict(prompt="hi", max_tokens=0), dict(prompt="hi", n=2), dict(prompt=[100000], max_tokens=2),
+               dict(prompt="hi " * 400, max_tokens=2), dict(prompt="hi", temperature=-1)]
+        for kwargs in bad:
+            with pytest.raises(openai.BadRequestError) as info:
+                c.completions.create(model="tiny", **kwargs)
+            assert info.value.status_code == 400
+            assert set(info.value.body) >= {"message", "type", "param", "code"}, info.value.body
+        with pytest.raises(openai.NotFoundError):
+            c.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+        check_completions(base, reference, tokenizer)  # still serving
+        # a client that goes away mid-stream: its blocks are freed on both sides
+        stream = c.completions.create(model="tiny", prompt="abandoned", max_tokens=200, temperature=0,
+                                      stream=True, extra_body={"ignore_eos": True})
+        next(iter(stream))
+        stream.close()
+        _wait_kv_idle(base)
+    finally:
+        serve.delete("pd12")
+
+
+def _wait_kv_idle(base: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        usage = [line for line in metrics_text(base).splitlines()
+                 if line.startswith("pdserve_kv_cache_usage_ratio{")]
+        if usage and all(float(line.split()[-1]) == 0.0 for line in usage):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"KV blocks still in use after the client left: {usage}")
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 2), (2, 1)])
+def test_heterogeneous_tensor_parallelism(ray_cluster, model_dirs, reference, tokenizer, prefill_tp, decode_tp):
+    name = f"tp{prefill_tp}{decode_tp}"
+    base = deploy(ray_cluster, model_dirs["tiny"], name, prefill={"tensor_parallel_size": prefill_tp},
+                  decode={"tensor_parallel_size": decode_tp})
+    try:
+        check_completions(base, reference, tokenizer)
+        check_concurrent(base, reference, tokenizer, n_requests=8)
+    finally:
+        serve.delete(name)
+
+
+def test_colocated(ray_cluster, model_dirs, reference, tokenizer):
+    base = deploy(ray_cluster, model_dirs["tiny"], "colo", mode="colocated")
+    try:
+        check_completions(base, reference, tokenizer)
+        check_streaming_chat(base, reference, tokenizer)
+        check_concurrent(base, reference, tokenizer)
+        assert json.loads(urllib.request.urlopen(base.removesuffix("/v1") + "/health").read() or b"{}") is not None
+    finally:
+        serve.delete("colo")
