@@ -1,0 +1,107 @@
+"""`pdserve serve`: flags over config files, the Serve config files' app
+builder, and one real run: start, answer, Ctrl-C, nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.app_builder import build_app, with_overrides
+from cluster.cli import build_parser
+from cluster.config import DeploymentConfig
+from cluster.serve_command import config_from_args
+from engine.tp_group import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_flags_override_the_config_file():
+    args = build_parser().parse_args(["serve", "--config", str(REPO / "configs/tiny-cpu.yaml"), "--port", "9001",
+                                      "--decode-replicas", "2", "--prefill-tp", "2", "--mode", "disaggregated",
+                                      "--max-model-len", "512"])
+    config = config_from_args(args)
+    assert config.http.port == 9001
+    assert (config.prefill.replicas, config.prefill.tensor_parallel_size) == (1, 2)
+    assert (config.decode.replicas, config.decode.tensor_parallel_size) == (2, 1)
+    assert config.model.max_model_len == 512
+    assert config.engine.kv_cache_memory_gib == 0.25   # kept from the file
+
+
+def test_no_flags_serve_the_tiny_model_disaggregated_on_cpu():
+    config = config_from_args(build_parser().parse_args(["serve"]))
+    assert config.model.path is None and config.device == "cpu"
+    assert (config.http.host, config.http.port) == ("127.0.0.1", 8000)
+    assert config.mode.value == "disaggregated" and config.prefill.replicas == config.decode.replicas == 1
+
+
+def test_bad_overrides_are_refused_with_the_field_named():
+    with pytest.raises(ValueError, match="unknown setting 'decode.replica'"):
+        with_overrides(DeploymentConfig(), {"decode.replica": 2})
+    with pytest.raises(ValueError, match=r"decode\.replicas"):
+        with_overrides(DeploymentConfig(), {"decode.replicas": 0})
+
+
+def test_serve_config_files_name_the_app_builder():
+    for path in sorted((REPO / "configs").glob("serve-*.yaml")):
+        spec = yaml.safe_load(path.read_text())
+        (app,) = spec["applications"]
+        assert app["import_path"] == "cluster.app_builder:build_app", path
+        assert (REPO / app["args"]["config"]).is_file(), path
+
+
+def test_app_builder_builds_from_the_tiny_serve_config(monkeypatch):
+    monkeypatch.chdir(REPO)
+    spec = yaml.safe_load((REPO / "configs/serve-tiny-cpu.yaml").read_text())
+    app = build_app(spec["applications"][0]["args"])
+    assert type(app).__name__ == "Application"
+
+
+def test_pdserve_serve_answers_and_stops_cleanly_on_ctrl_c(model_dirs, tmp_path):
+    port = free_port()
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "serve", "--model", str(model_dirs["tiny"]), "--port", str(port),
+         "--served-model-name", "tiny", "--max-model-len", "256", "--dtype", "float32"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path,
+        start_new_session=True)
+    lines = []
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "is serving" in line:
+                break
+        assert any(f"http://127.0.0.1:{port}/v1" in line for line in lines), "".join(lines[-20:])
+        body = json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 5, "temperature": 0}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as r:
+            reply = json.loads(r.read())
+        assert reply["usage"]["completion_tokens"] == 5
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=90)
+        assert proc.returncode == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    # the session's processes (raylet, GCS, workers) all go with it
+    deadline = time.monotonic() + 30
+    while True:
+        left = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert left == [], f"processes of the pdserve session still running 30 s after Ctrl-C: {left}"
