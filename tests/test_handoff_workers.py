@@ -1,0 +1,215 @@
+"""Prefill worker → KV transport → decode worker, without Ray: the plain worker
+classes behind the Serve deployments, driven by the router's
+DisaggregatedBackend.
+
+- fake transport: parity, and every failure (injected, peer death, client
+  abort, expired lease) ends the request with a clear error and frees the
+  blocks on both sides;
+- real per-pair gloo groups between TP gangs of different degrees: the KV that
+  lands in the decode cache is bit-for-bit the prefill cache's, re-sharded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from cluster import kv_handoff
+from cluster.fake_transport import FakeTransportHub
+from cluster.kv_transport import TransferState
+from cluster.transport_factory import TransportSettings, receiver_factory, sender_factory
+from decode_workers.decode_worker import DecodeWorker
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.kv_head_map import remap_kv_shards
+from prefill_workers.prefill_worker import PrefillWorker
+from router.backend import BackendUnavailableError, ModelInfo
+from router.disaggregated_backend import DisaggregatedBackend
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+class LocalPrefillPool:
+    """The prefill pool over one in-process worker (Serve routes these calls in a cluster)."""
+
+    def __init__(self, worker: PrefillWorker):
+        self.worker = worker
+
+    async def prefill(self, request_id, prompt_token_ids, params):
+        return await self.worker.prefill(request_id, prompt_token_ids, params)
+
+    async def send_kv(self, result, transfer_id, receivers):
+        return await self.worker.send_kv(result.request_id, transfer_id, receivers)
+
+    async def release(self, result):
+        await self.worker.release(result.request_id)
+
+
+class Pair:
+    def __init__(self, model_dir, hub: FakeTransportHub, lease_s: float = 30.0):
+        config = EngineConfig(model=str(model_dir), max_model_len=128, block_size=8, dtype="float32",
+                              num_kv_blocks=64)
+        self.hub = hub
+        self.prefill = PrefillWorker(config, lambda rank: hub.sender(f"p{rank}"), lease_s=lease_s)
+        self.decode = DecodeWorker(config, lambda rank: hub.receiver(f"d{rank}"), transfer_timeout_s=10)
+        self.backend = DisaggregatedBackend(ModelInfo("tiny", 128, 512), LocalPrefillPool(self.prefill),
+                                            self.decode)
+
+    async def start(self):
+        await self.prefill.start()
+        await self.decode.start()
+        return self
+
+    async def run(self, request_id: str, prompt: list[int], params=GREEDY):
+        last = None
+        async for out in self.backend.generate(request_id, prompt, params):
+            last = out
+        return last
+
+    async def wait_idle(self, timeout_s: float = 10.0) -> None:
+        """Until neither side holds a block (prefix-cached blocks count as free)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            p, d = self.prefill.stats(), self.decode.stats()
+            if p["kv_cache_usage"] == 0 and p["num_held"] == 0 and d["kv_cache_usage"] == 0:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"blocks still held: prefill {p}, decode {d}")
+            await asyncio.sleep(0.02)
+
+    def shutdown(self):
+        self.prefill.shutdown()
+        self.decode.shutdown()
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 120))
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42] * 6, [300, 2, 77, 91, 100, 12, 13, 14, 15, 16, 17]]
+
+
+def test_handoff_matches_transformers_greedy(model_dirs, reference):
+    async def main():
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub()).start()
+        try:
+            outs = await asyncio.gather(*[pair.run(str(i), p) for i, p in enumerate(PROMPTS)])
+            await pair.wait_idle()
+            return outs
+        finally:
+            pair.shutdown()
+    outs = run(main())
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.token_ids == reference("tiny").greedy(tuple(prompt), 10)
+        assert out.finished and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("when", ["connect", "transfer"])
+def test_a_failed_transfer_ends_the_request_and_frees_both_sides(model_dirs, reference, when):
+    async def main():
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub()).start()
+        try:
+            pair.hub.fail_next(1, when=when, message="link down")
+            with pytest.raises(BackendUnavailableError, match=r"did not arrive at decode.*link down"):
+                await pair.run("bad", PROMPTS[0])
+            await pair.wait_idle()
+            # the next request goes through on the same pair of workers
+            return await pair.run("good", PROMPTS[1])
+        finally:
+            pair.shutdown()
+    out = run(main())
+    assert out.token_ids == reference("tiny").greedy(tuple(PROMPTS[1]), 10)
+
+
+def test_a_dead_sender_fails_the_transfer_instead_of_hanging(model_dirs):
+    async def main():
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub(delay_s=5.0)).start()
+        try:
+            task = asyncio.create_task(pair.run("x", PROMPTS[2]))
+            while pair.decode.stats()["num_receiving"] == 0 or pair.prefill.stats()["num_held"] == 0:
+                await asyncio.sleep(0.01)
+            pair.hub.kill("p0")
+            with pytest.raises(BackendUnavailableError, match="p0 died"):
+                await task
+            await pair.wait_idle()
+        finally:
+            pair.shutdown()
+    run(main())
+
+
+def test_a_client_that_leaves_mid_transfer_frees_both_sides(model_dirs):
+    async def main():
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub(delay_s=60.0)).start()
+        try:
+            task = asyncio.create_task(pair.run("gone", PROMPTS[0]))
+            while pair.decode.stats()["num_receiving"] == 0:
+                await asyncio.sleep(0.01)
+            assert pair.decode.stats()["kv_cache_usage"] > 0 and pair.prefill.stats()["num_held"] == 1
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await pair.wait_idle()
+        finally:
+            pair.shutdown()
+    run(main())
+
+
+def test_kv_nobody_picks_up_is_freed_when_its_lease_expires(model_dirs):
+    async def main():
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub(), lease_s=0.3).start()
+        try:
+            result = await pair.prefill.prefill("orphan", PROMPTS[1], GREEDY)
+            assert result.num_blocks == 3 and pair.prefill.stats()["num_held"] == 1
+            await pair.wait_idle(timeout_s=5)
+            assert await pair.prefill.release("orphan") is False
+        finally:
+            pair.shutdown()
+    run(main())
+
+
+# ---- real pair groups between TP gangs -------------------------------------------------------
+def _wait(engine: LLMEngine, tid: str, deadline: float) -> TransferState:
+    while True:
+        (state, error) = kv_handoff.combine_states([r[tid] for r in engine.collective_rpc(
+            kv_handoff.poll_transfers, [tid])])
+        if state.is_final or time.monotonic() > deadline:
+            assert state is TransferState.DONE, error
+            return state
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 2), (2, 1), (2, 2)])
+def test_kv_arrives_bit_for_bit_between_tp_gangs(model_dirs, reference, prefill_tp, decode_tp):
+    base = dict(model=str(model_dirs["tiny"]), max_model_len=128, block_size=8, dtype="float32", num_kv_blocks=32)
+    prefill = LLMEngine(EngineConfig(**base, tensor_parallel_size=prefill_tp))
+    decode = LLMEngine(EngineConfig(**base, tensor_parallel_size=decode_tp))
+    settings = TransportSettings(timeout_s=20)
+    try:
+        names = prefill.collective_rpc(kv_handoff.attach_sender, sender_factory(settings, "p"))
+        addresses = decode.collective_rpc(kv_handoff.attach_receiver, receiver_factory(settings, "d"))
+        assert len(names) == prefill_tp and len(addresses) == decode_tp
+        heads = prefill.model_config.num_kv_heads
+        prompt = PROMPTS[2] * 2
+        prefill.add_request("r", prompt, GREEDY, hold_kv=True)
+        (first,) = prefill.run_to_completion()
+        src_blocks = prefill.held_sequence("r").block_table
+        dst_blocks = decode.reserve_prefilled("r", prompt, first.token_ids[0], GREEDY)
+        decode.collective_rpc(kv_handoff.start_receive, "t", len(dst_blocks), names, heads)
+        prefill.collective_rpc(kv_handoff.start_send, "t", src_blocks, addresses, heads)
+        deadline = time.monotonic() + 30
+        _wait(decode, "t", deadline)
+        _wait(prefill, "t", deadline)
+        decode.collective_rpc(kv_handoff.finish_receive, "t", dst_blocks)
+        sent = remap_kv_shards(prefill.read_kv_shards(src_blocks), heads, decode_tp)
+        got = decode.read_kv_shards(dst_blocks)
+        assert all(torch.equal(s, g) for s, g in zip(sent, got))
+        assert any(s.abs().sum() > 0 for s in sent)   # real KV, not two zero caches
+        decode.commit_prefilled("r")
+        (out,) = decode.run_to_completion()
+        assert out.token_ids == reference("tiny").greedy(tuple(prompt), 10)
+    finally:
+        for engine in (prefill, decode):
+            engine.collective_rpc(kv_handoff.close_transport)
+            engine.shutdown()
