@@ -90,7 +90,8 @@ def build_application(config: DeploymentConfig) -> serve.Application:
         workers = {
             "prefill": prefill.bind(config.engine_config("prefill", model_path), transport,
                                     config.kv_transfer.lease_s),
-            "decode": decode.bind(config.engine_config("decode", model_path), transport),
+            "decode": decode.bind(config.engine_config("decode", model_path), transport,
+                                  config.kv_transfer.reserve_timeout_s),
         }
     return Router.options(num_replicas=1, ray_actor_options={"num_cpus": 0}).bind(
         info, model_path, config.mode.value, **workers)

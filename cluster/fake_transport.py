@@ -15,7 +15,7 @@ every transfer that can move), under the hub's lock, so tests are deterministic:
 Differences from the real transport, on purpose: a failure fails both sides at
 once (the real one lets the receiver find out by its own timeout); nothing times
 out by itself (use `fail_next` or `kill`); data nobody expects fails the send at
-once and any later `expect` of it.
+once; the receiver's poll reports it FAILED, as does any later `expect` of it.
 
 Injection: `fail_next(n, when, message, name=..., transfer_id=...)` fails the next
 n matching transfers when their pair connects ("connect": the first transfer of a
@@ -243,16 +243,21 @@ class FakeReceiver(KVReceiver):
 
     def poll(self, transfer_id: str, sender_name: str) -> TransferState:
         self._hub.step()
-        with self._hub._lock:
-            return self._hub._expects[(self.address.name, sender_name, transfer_id)].state
+        key = (self.address.name, sender_name, transfer_id)
+        with self._hub._lock:   # data that came unexpected reads as FAILED, as in the real transport
+            return TransferState.FAILED if key in self._hub._refused else self._hub._expects[key].state
 
     def error(self, transfer_id: str, sender_name: str) -> str | None:
+        key = (self.address.name, sender_name, transfer_id)
         with self._hub._lock:
-            return self._hub._expects[(self.address.name, sender_name, transfer_id)].error
+            return self._hub._refused[key] if key in self._hub._refused else self._hub._expects[key].error
 
     def forget(self, transfer_id: str, sender_name: str) -> None:
+        key = (self.address.name, sender_name, transfer_id)
         with self._hub._lock:
-            side = self._hub._expects.pop((self.address.name, sender_name, transfer_id))
+            if self._hub._refused.pop(key, None) is not None:
+                return
+            side = self._hub._expects.pop(key)
             side.finish(TransferState.FAILED, "forgotten")
             entry = self._hub._sends.get((sender_name, transfer_id))
             if entry is not None and entry[0] == self.address.name and entry[1].state is TransferState.TRANSFERRING:

@@ -52,6 +52,10 @@ class ColocatedWorker:
                 except Exception:  # noqa: BLE001 - the engine is gone; nothing left to free
                     log.debug("abort of %s after the engine stopped", request_id)
 
+    def check_health(self) -> None:
+        """Raises when the engine loop has stopped (a step failed, or a TP rank died)."""
+        self._engine.check_alive()
+
     def stats(self) -> dict[str, float]:
         engine = self._engine.engine
         if engine is None:

@@ -6,8 +6,10 @@ free KV blocks that new requests are routed by.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 
+import ray
 from ray import serve
 
 from cluster.handoff import DecodeRequest
@@ -20,12 +22,14 @@ from engine.sampling_params import SamplingParams
 
 @serve.deployment(name="DecodeServer")
 class DecodeServer:
-    async def __init__(self, engine_config: EngineConfig, transport: TransportSettings):
+    async def __init__(self, engine_config: EngineConfig, transport: TransportSettings, reserve_timeout_s: float):
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         name = f"decode-{self.replica_id}"
+        # senders on other nodes reach this replica's receivers at the node's address
+        transport = dataclasses.replace(transport, host=ray.util.get_node_ip_address())
         self.worker = DecodeWorker(engine_config, receiver_factory(transport, name),
-                                   reserve_timeout_s=transport.timeout_s * 2,
-                                   transfer_timeout_s=transport.timeout_s, name=name)
+                                   reserve_timeout_s=reserve_timeout_s, transfer_timeout_s=transport.timeout_s,
+                                   name=name)
         await self.worker.start()
 
     async def generate(self, request: DecodeRequest) -> AsyncIterator:
@@ -34,6 +38,10 @@ class DecodeServer:
 
     def stats(self) -> dict[str, float]:
         return {"replica": self.replica_id, **self.worker.stats()}
+
+    def check_health(self) -> None:
+        """Serve's health probe: a replica whose engine stopped is replaced."""
+        self.worker.check_health()
 
     def record_routing_stats(self) -> dict[str, float]:
         return self.worker.stats()
@@ -55,6 +63,10 @@ class ColocatedServer:
 
     def stats(self) -> dict[str, float]:
         return {"replica": self.replica_id, **self.worker.stats()}
+
+    def check_health(self) -> None:
+        """Serve's health probe: a replica whose engine stopped is replaced."""
+        self.worker.check_health()
 
     def record_routing_stats(self) -> dict[str, float]:
         return self.worker.stats()

@@ -100,6 +100,10 @@ class DecodeWorker:
                 except Exception:  # noqa: BLE001 - the engine is gone; nothing left to free
                     log.debug("abort of %s after the engine stopped", rid)
 
+    def check_health(self) -> None:
+        """Raises when the engine loop has stopped (a step failed, or a TP rank died)."""
+        self._engine.check_alive()
+
     def stats(self) -> dict[str, float]:
         """Load figures for routing and metrics (read without locking: approximate)."""
         engine = self._engine.engine

@@ -60,11 +60,15 @@ class AsyncEngine:
         """Waits for the engine to be built; raises what building it raised."""
         return await asyncio.shield(self._ready)
 
+    def check_alive(self) -> None:
+        """Raises EngineStoppedError when the engine thread is gone."""
+        if self._failure is not None or self._stop.is_set() or not self._thread.is_alive():
+            raise EngineStoppedError(f"the engine is not running: {self._failure or 'shut down'}")
+
     # ---- asyncio side -------------------------------------------------------------------------
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Runs fn(engine, *args) on the engine thread between steps; returns its result."""
-        if self._failure is not None or self._stop.is_set():
-            raise EngineStoppedError(f"the engine is not running: {self._failure or 'shut down'}")
+        self.check_alive()
         future = asyncio.get_running_loop().create_future()
         self._calls.put((fn, args, future))
         self._wake.set()

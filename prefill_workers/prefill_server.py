@@ -46,6 +46,10 @@ class PrefillServer:
     def stats(self) -> dict[str, float]:
         return {"replica": self.replica_id, **self.worker.stats()}
 
+    def check_health(self) -> None:
+        """Serve's health probe: a replica whose engine stopped is replaced."""
+        self.worker.check_health()
+
     def record_routing_stats(self) -> dict[str, float]:
         return self.worker.stats()
 

@@ -95,6 +95,10 @@ class PrefillWorker:
         """Stops the request wherever it is and frees what it holds."""
         await self._engine.call(self._drop, request_id)
 
+    def check_health(self) -> None:
+        """Raises when the engine loop has stopped (a step failed, or a TP rank died)."""
+        self._engine.check_alive()
+
     def stats(self) -> dict[str, float]:
         """Load figures for routing and metrics (read without locking: approximate)."""
         engine = self._engine.engine

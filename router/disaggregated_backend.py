@@ -37,15 +37,18 @@ class PrefillPool(Protocol):
                       params: SamplingParams) -> PrefillResult: ...
     async def send_kv(self, result: PrefillResult, transfer_id: str, receivers: list[PeerAddress]) -> int: ...
     async def release(self, result: PrefillResult) -> None: ...
+    async def check_health(self) -> None: ...
 
 
 class DecodePool(Protocol):
     def generate(self, request: DecodeRequest) -> AsyncIterator: ...
+    async def check_health(self) -> None: ...
 
 
 class ColocatedPool(Protocol):
     def generate(self, request_id: str, prompt_token_ids: list[int],
                  params: SamplingParams) -> AsyncIterator[RequestOutput]: ...
+    async def check_health(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -67,6 +70,10 @@ class DisaggregatedBackend(GenerationBackend):
 
     def model_info(self) -> ModelInfo:
         return self._info
+
+    async def check_health(self) -> None:
+        await self._prefill.check_health()
+        await self._decode.check_health()
 
     def phase_timings(self, request_id: str) -> PhaseTimings | None:
         """The phases of a finished request (popped: asked once, at the end)."""
@@ -109,6 +116,9 @@ class ColocatedBackend(GenerationBackend):
 
     def model_info(self) -> ModelInfo:
         return self._info
+
+    async def check_health(self) -> None:
+        await self._pool.check_health()
 
     def phase_timings(self, request_id: str) -> PhaseTimings | None:
         phases = self._phases.pop(request_id, None)

@@ -23,6 +23,17 @@ from router.backend import BackendUnavailableError
 
 # a targeted call that waits this long for its replica means the replica is gone
 TARGETED_CALL_TIMEOUT_S = 60.0
+HEALTH_TIMEOUT_S = 5.0
+
+
+async def check_replicas(handle, what: str) -> None:
+    """Raises BackendUnavailableError unless at least one replica answers."""
+    try:
+        replies = await asyncio.wait_for(handle.broadcast("stats").results_async(), HEALTH_TIMEOUT_S)
+    except Exception as exc:  # noqa: BLE001 - any failure to answer means unavailable
+        raise BackendUnavailableError(f"no {what} worker answered: {exc or type(exc).__name__}") from None
+    if not replies:
+        raise BackendUnavailableError(f"no {what} worker is running")
 
 
 @contextmanager
@@ -39,6 +50,9 @@ def unwrapped_errors(what: str):
 class ServePrefillPool:
     def __init__(self, handle):
         self._handle = handle
+
+    async def check_health(self) -> None:
+        await check_replicas(self._handle, "prefill")
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> PrefillResult:
         with unwrapped_errors("prefill"):
@@ -58,6 +72,10 @@ class ServePrefillPool:
 class ServeDecodePool:
     def __init__(self, handle):
         self._handle = handle.options(stream=True)
+        self._plain = handle
+
+    async def check_health(self) -> None:
+        await check_replicas(self._plain, "decode")
 
     async def generate(self, request: DecodeRequest) -> AsyncIterator:
         stream = self._handle.generate.remote(request)
@@ -72,6 +90,10 @@ class ServeDecodePool:
 class ServeColocatedPool:
     def __init__(self, handle):
         self._handle = handle.options(stream=True)
+        self._plain = handle
+
+    async def check_health(self) -> None:
+        await check_replicas(self._plain, "colocated")
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator:
         stream = self._handle.generate.remote(request_id, prompt_token_ids, params)

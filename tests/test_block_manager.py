@@ -3,10 +3,10 @@ that match the sharing, and prefix hits that are verified against the tokens."""
 
 from __future__ import annotations
 
-from hypothesis import given, settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine.block_manager import BlockManager
 

@@ -71,6 +71,7 @@ def test_replicated_heads_spread_over_sources():
 def test_kv_cache_reads_and_writes_head_ranges():
     """A rank ships a sub-range of its local heads to each destination rank."""
     import torch
+
     from engine.kv_cache import KVCache, KVCacheSpec
     cache = KVCache(KVCacheSpec(num_layers=2, num_kv_heads=4, head_dim=3, block_size=2, dtype=torch.float32), 6, "cpu")
     cache.tensor.copy_(torch.arange(cache.tensor.numel(), dtype=torch.float32).view_as(cache.tensor))

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from engine import LLMEngine, EngineConfig, SamplingParams
+from engine import EngineConfig, LLMEngine, SamplingParams
 from tests.conftest import PARITY_PRESETS
 
 
