@@ -12,9 +12,11 @@ Life cycle of a pair (S: a PairGroupSender, R: a PairGroupReceiver):
 
 One transfer, message seq k of the pair (keys under "kvpair/S/<epoch>/"):
 
-    S: set hdr/k = "T <nbytes> <transfer id>" ─▶ send bytes (tag k) ─▶ wait ack/k
-    R: wait hdr/k ─▶ recv straight into expect()'s buffer ─▶ set ack/k = "" (ok)
-       unknown id or wrong size: recv into scratch ─▶ FAILED ─▶ ack/k = the error
+    S: set hdr/k = "T <nbytes> <transfer id>" ─▶ send bytes (tag k) ─▶ wait for ack/k
+    R: wait for hdr/k ─▶ recv straight into expect()'s buffer ─▶ set ack/k = "" (ok)
+       unknown id or wrong size: recv into scratch ─▶ FAILED ─▶ set ack/k = the error
+       then delete hdr/k and ack/k-1 (S read it before it wrote hdr/k)
+    other headers: "B" heartbeat of an idle sender, "S" stop (the pair is closing)
 
 Headers and acks go through the store, not the group: a pending gloo receive can
 be neither polled (`is_completed` stays False until `wait`) nor interrupted, so an
@@ -35,6 +37,11 @@ from its sender. Deadlines are also checked in `poll`, so a FAILED arrives on ti
 even when a thread is stuck in a call that cannot be interrupted (it then exits
 when that call returns). Every path that fails a transfer on the wire first aborts
 its group, so the caller's buffer is never touched again.
+
+Caveats: close() does not wait for a thread blocked on a hung peer (it ends within
+timeout_s by itself). CUDA buffers: NCCL orders a send after the work queued on the
+default stream of its device; make buffers written on other streams ready first.
+Each pair holds its own gloo context or NCCL communicator.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -90,7 +98,7 @@ def _as_bytes(buffer: torch.Tensor, device: torch.device) -> torch.Tensor:
     if not buffer.is_contiguous():
         raise KVTransportError(f"KV buffers must be contiguous (shape {tuple(buffer.shape)}, strides "
                                f"{buffer.stride()}): pack them with .contiguous() first")
-    if buffer.device.type != device.type:
+    if buffer.device.type != device.type or (device.index is not None and buffer.device != device):
         raise KVTransportError(f"KV buffer on {buffer.device}, but this transport was made for {device}")
     return buffer.reshape(-1).view(torch.uint8)
 
@@ -105,21 +113,30 @@ def _describe(exc: BaseException) -> str:
     return re.sub(r"^\[[^\]]*\]\s*", "", text)[:300]
 
 
-def _connect(peer: PeerAddress, deadline: float) -> dist.TCPStore:
-    store = dist.TCPStore(peer.host, peer.port, None, False, timeout=_left(deadline), wait_for_workers=False)
-    return store
+def _connect(peer: PeerAddress, deadline: float, stopped: Callable[[], bool]) -> dist.TCPStore:
+    """A client of `peer`'s store. Waits for the port with short tries in Python first:
+    TCPStore's own retry loop cannot be left early (close) and overshoots its timeout."""
+    while True:
+        try:
+            with socket.create_connection((peer.host, peer.port), timeout=min(1.0, _left(deadline).total_seconds())):
+                break
+        except OSError as exc:
+            if stopped() or time.monotonic() + 0.05 >= deadline:
+                raise ConnectionError(f"nothing answers at {peer.host}:{peer.port} ({exc})") from exc
+            time.sleep(0.05)
+    return dist.TCPStore(peer.host, peer.port, None, False, timeout=_left(deadline), wait_for_workers=False)
 
 
 def _make_group(store: dist.Store, rank: int, backend: str, device: torch.device,
                 timeout_s: float) -> dist.Backend:
     """Rank `rank` of a 2-rank group on `store`; blocks until both ranks joined (gloo)."""
-    timeout = datetime.timedelta(seconds=timeout_s)
     if backend == "nccl":
         torch.cuda.set_device(device)
         opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
+        # Our own deadline aborts a late op first: NCCL's watchdog, on timeout, may end the process.
+        opts._timeout = datetime.timedelta(seconds=10 * timeout_s)
         return dist.ProcessGroupNCCL(store, rank, 2, opts)   # NCCL connects on the first op
-    return dist.ProcessGroupGloo(store, rank, 2, timeout)
+    return dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=timeout_s))
 
 
 def _wait_work(work: dist.Work, backend: str, deadline: float) -> None:
@@ -230,12 +247,11 @@ class _SendPair:
                 if self.broken is not None:
                     break
                 t = self.queue.popleft() if self.queue else None
+                if t is not None and t.state.is_final:   # forgotten while queued
+                    continue
                 if t is not None:
-                    if t.state.is_final:   # forgotten while queued
-                        continue
-                    t.state, t.deadline, self.current = TransferState.TRANSFERRING, \
-                        time.monotonic() + self.cfg.timeout_s, t
-                    data = t.data
+                    t.state, t.deadline = TransferState.TRANSFERRING, time.monotonic() + self.cfg.timeout_s
+                    self.current, data = t, t.data
             try:
                 if t is None:
                     self._header("B")      # heartbeat: the receiver drops pairs that go silent
@@ -254,7 +270,7 @@ class _SendPair:
         return f"failed: not sent, the pair {self.cfg.name} -> {self.peer.name} broke on an earlier transfer"
 
     def _connect(self) -> None:
-        store = _connect(self.peer, self.connect_deadline)
+        store = _connect(self.peer, self.connect_deadline, lambda: self.broken is not None)
         epoch = store.add(f"kvpair/{self.cfg.name}/epoch", 1)
         payload = f"{epoch} {self.cfg.name}"
         slot = store.add(JOIN_HINT, 0)
@@ -283,10 +299,9 @@ class _SendPair:
         seq = self._header(f"T {t.nbytes} {t.tid}")
         if t.nbytes:
             _wait_work(self.group.send([data], 1, seq & TAG_MASK), self.cfg.backend, t.deadline)
-        ack = f"ack/{seq}"
-        self.msgs.wait([ack], _left(t.deadline))
-        verdict = self.msgs.get(ack).decode()
-        self.msgs.delete_key(ack)
+        self.msgs.set_timeout(_left(t.deadline))
+        verdict = self.msgs.get(f"ack/{seq}").decode()   # blocks until the receiver answers; it deletes the key
+        self.msgs.set_timeout(datetime.timedelta(seconds=self.cfg.timeout_s))
         with self.lock:
             self.current = None
             if verdict:
@@ -330,7 +345,9 @@ class PairGroupSender(KVSender):
                                        "forget() it before reusing the id")
             pair = self._pairs.get(peer)
             new = pair is None or pair.broken is not None
-            if new:
+            if new:   # forget broken pairs (to any peer) here: they hold nothing but a record
+                for address in [a for a, p in self._pairs.items() if p.broken is not None]:
+                    del self._pairs[address]
                 pair = self._pairs[peer] = _SendPair(self._cfg, peer, self._lock)
             t = _Transfer(transfer_id, self.name, peer.name, data, data.numel())
             if not pair.connected:
@@ -409,7 +426,7 @@ class _RecvPair:
     def _run(self) -> None:
         cfg, lock = self.owner._cfg, self.owner._lock
         try:
-            store = _connect(self.owner.address, time.monotonic() + cfg.timeout_s)
+            store = _connect(self.owner.address, time.monotonic() + cfg.timeout_s, lambda: self.broken is not None)
             msgs = dist.PrefixStore(f"kvpair/{self.sender}/{self.epoch}", store)
             group = _make_group(dist.PrefixStore("pg", msgs), 1, cfg.backend, cfg.device, cfg.timeout_s)
         except Exception as exc:  # noqa: BLE001 - the sender died or never joined: nothing to fail yet
@@ -418,14 +435,13 @@ class _RecvPair:
         with lock:
             self.group = group
             self.owner._activity[self.sender] = time.monotonic()
-            if self.broken is not None:   # dropped while connecting
-                _abort_group(group, cfg.backend, peer_rank=0)
+            dropped = self.broken is not None
+        if dropped:   # while connecting: the loop below will not run
+            _abort_group(group, cfg.backend, peer_rank=0)
+        msgs.set_timeout(datetime.timedelta(seconds=cfg.timeout_s))   # idle pairs hear a heartbeat sooner
         while self.broken is None:
-            key = f"hdr/{self.seq}"
             try:
-                msgs.wait([key], datetime.timedelta(seconds=cfg.timeout_s))
-                text = msgs.get(key).decode()
-                msgs.delete_key(key)
+                text = msgs.get(f"hdr/{self.seq}").decode()   # blocks until the sender writes it
             except Exception as exc:  # noqa: BLE001 - silence or a lost store both end the pair
                 self.drop(f"failed: no word from {self.sender} for {cfg.timeout_s} s ({_describe(exc)})", wake=False)
                 break
@@ -433,10 +449,12 @@ class _RecvPair:
                 if self.broken is not None or text == "S":
                     break
                 seq, self.seq = self.seq, self.seq + 1
-            if text == "B":
-                continue
             try:
-                msgs.set(f"ack/{seq}", self._move(seq, text, group))
+                if text != "B":
+                    msgs.set(f"ack/{seq}", self._move(seq, text, group))
+                # off the critical path: the sender read ack/seq-1 before it wrote hdr/seq
+                msgs.delete_key(f"hdr/{seq}")
+                msgs.delete_key(f"ack/{seq - 1}")
             except Exception as exc:  # noqa: BLE001 - reported in the transfer's error
                 with lock:
                     t = self.current
@@ -467,7 +485,11 @@ class _RecvPair:
 
 class PairGroupReceiver(KVReceiver):
     """One per receiving process: hosts the rendezvous store at `address`
-    (port 0: a free one) and accepts pairs from any sender."""
+    (port 0: a free one) and accepts pairs from any sender.
+
+    Data that arrives without an expect() is discarded and kept as a FAILED
+    transfer (poll and error answer for it; a later expect() of it fails) until
+    forget(), or until MAX_ORPHANS newer ones push it out."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, name: str | None = None,
                  device: str | torch.device = "cpu", backend: str = "auto", timeout_s: float = 30.0):
@@ -558,7 +580,7 @@ class PairGroupReceiver(KVReceiver):
     def _accept(self) -> None:
         """Waits on join slots 0, 1, ... and starts the receiving side of each pair."""
         try:
-            store = _connect(self.address, time.monotonic() + self._cfg.timeout_s)
+            store = _connect(self.address, time.monotonic() + self._cfg.timeout_s, lambda: self._closed)
         except Exception:  # noqa: BLE001 - closed before the thread ran
             return
         while True:

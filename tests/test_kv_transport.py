@@ -1,0 +1,436 @@
+"""KV transport: real gloo pairs between spawned processes, and the fake backend.
+
+Each child process ("agent") holds one PairGroupReceiver or PairGroupSender and
+runs commands sent over a pipe. Every wait is bounded; every agent is stopped
+(and killed if need be) when its test or module ends.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import os
+import signal
+import socket
+import time
+import zlib
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from cluster.fake_transport import FakeTransportHub
+from cluster.kv_transport import KVTransportError, PeerAddress, TransferState
+from cluster.pair_group_transport import PairGroupReceiver, PairGroupSender
+
+SPAWN = multiprocessing.get_context("spawn")
+SHORT_S = 2.0    # transport timeout in the tests that expect a timeout
+SLACK_S = 3.0    # how much later than its timeout a FAILED may arrive (a loaded 2-core machine)
+MiB = 1 << 20
+
+
+def payload(nbytes: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Deterministic random contents: [nbytes // itemsize] of `dtype`."""
+    n = nbytes // torch.empty(0, dtype=dtype).element_size()
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=gen).to(dtype)
+
+
+def digest(buffer: torch.Tensor) -> str:
+    return hashlib.sha256(buffer.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def wait_final(poll: Callable[..., TransferState], *args: str, limit_s: float = 20.0,
+               waiting: tuple[TransferState, ...] = (TransferState.PENDING, TransferState.TRANSFERRING)
+               ) -> TransferState:
+    """Calls poll(*args) while it answers one of `waiting`, for at most `limit_s`;
+    returns the last state."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        state = poll(*args)
+        if state not in waiting or time.monotonic() > deadline:
+            return state
+        time.sleep(0.002)
+
+
+# ---- the child side -------------------------------------------------------------------------
+def _hang_after_header(pair, t, data) -> None:
+    pair._header(f"T {t.nbytes} {t.tid}")
+    time.sleep(3600)
+
+
+def _die_after_header(pair, t, data) -> None:
+    pair._header(f"T {t.nbytes} {t.tid}")
+    os._exit(3)
+
+
+def _agent_main(conn, role: str, timeout_s: float, sabotage: str | None) -> None:
+    """Child: one transport; answers (command, *args) with (ok, value) until "exit"."""
+    import cluster.pair_group_transport as pgt
+    if sabotage:   # posts the header of a transfer, then never its data
+        pgt._SendPair._move = {"hang": _hang_after_header, "die": _die_after_header}[sabotage]
+    transport = pgt.PairGroupReceiver(timeout_s=timeout_s) if role == "receiver" \
+        else pgt.PairGroupSender(timeout_s=timeout_s)
+    buffers: dict[str, torch.Tensor] = {}
+    while True:
+        cmd, *args = conn.recv()
+        try:
+            if cmd == "exit":
+                transport.close()
+                conn.send((True, None))
+                return
+            if cmd == "identity":                  # what peers need: an address, or a sender name
+                value = transport.address if role == "receiver" else transport.name
+            elif cmd == "expect":                  # tid, sender, nbytes, dtype
+                tid, sender, nbytes, dtype = args
+                buffers[tid] = torch.full((nbytes // torch.empty(0, dtype=dtype).element_size(),), 7, dtype=dtype)
+                value = transport.expect(tid, sender, buffers[tid])
+            elif cmd == "send":                    # tid, peer, nbytes, dtype, seed
+                tid, peer, nbytes, dtype, seed = args
+                value = transport.send(tid, peer, payload(nbytes, dtype, seed))
+            elif cmd == "result":                  # tid, sender (receiver only), limit_s
+                tid, sender, limit_s = args
+                key = (tid, sender) if role == "receiver" else (tid,)
+                state = wait_final(transport.poll, *key, limit_s=limit_s)
+                error = transport.error(*key)
+                value = (state, error, digest(buffers[tid]) if tid in buffers else None)
+            else:
+                raise ValueError(cmd)
+            conn.send((True, value))
+        except Exception as exc:  # noqa: BLE001 - re-raised in the test process
+            conn.send((False, f"{type(exc).__name__}: {exc}"))
+
+
+class Agent:
+    """A child process holding one transport."""
+
+    def __init__(self, role: str, timeout_s: float = 20.0, sabotage: str | None = None):
+        """Starts the process and returns at once (the first call waits for it)."""
+        self.conn, child = SPAWN.Pipe()
+        self.proc = SPAWN.Process(target=_agent_main, args=(child, role, timeout_s, sabotage), daemon=True)
+        self.proc.start()
+        child.close()
+        self._identity: PeerAddress | str | None = None
+
+    def call(self, *cmd, limit_s: float = 60.0):
+        self.conn.send(cmd)
+        if not self.conn.poll(limit_s):
+            raise TimeoutError(f"agent did not answer {cmd[0]} within {limit_s} s")
+        ok, value = self.conn.recv()
+        if not ok:
+            raise RuntimeError(value)
+        return value
+
+    def identity(self) -> PeerAddress | str:
+        """The receiver's PeerAddress, or the sender's name (asked once)."""
+        if self._identity is None:
+            self._identity = self.call("identity")
+        return self._identity
+
+    def result(self, tid: str, sender: str | None = None, limit_s: float = 20.0):
+        return self.call("result", tid, sender, limit_s, limit_s=limit_s + 10)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.call("exit", limit_s=5)
+            except (OSError, EOFError, TimeoutError, RuntimeError):
+                pass
+        self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
+@pytest.fixture
+def spawn_agent():
+    made: list[Agent] = []
+
+    def make(role: str, **kwargs) -> Agent:
+        made.append(Agent(role, **kwargs))
+        return made[-1]
+
+    yield make
+    for agent in made:
+        agent.stop()
+
+
+@pytest.fixture(scope="module")
+def remote_receiver():
+    """One receiving process shared by the tests of this module (ids never repeat)."""
+    agent = Agent("receiver")
+    yield agent
+    agent.stop()
+
+
+@pytest.fixture
+def sender():
+    s = PairGroupSender(timeout_s=20.0)
+    yield s
+    s.close()
+
+
+def roundtrip(sender: PairGroupSender, agent: Agent, address: PeerAddress, tid: str, nbytes: int,
+              dtype: torch.dtype = torch.float32) -> None:
+    """expect on the agent, send from here, both sides DONE with equal bytes."""
+    agent.call("expect", tid, sender.name, nbytes, dtype)
+    data = payload(nbytes, dtype, seed=zlib.crc32(tid.encode()))
+    sender.send(tid, address, data)
+    assert wait_final(sender.poll, tid) is TransferState.DONE, sender.error(tid)
+    state, error, received = agent.result(tid, sender.name)
+    assert (state, error, received) == (TransferState.DONE, None, digest(data))
+
+
+# ---- real pairs -----------------------------------------------------------------------------
+def test_bytes_arrive_equal_for_every_dtype_and_size_in_any_order(sender, remote_receiver):
+    # (nbytes, dtype): odd byte counts (26, 14), empty, and a few MiB
+    specs = {"f32": (4000, torch.float32), "f16-odd": (26, torch.float16), "bf16-odd": (14, torch.bfloat16),
+             "empty": (0, torch.float32), "bf16-big": (4 * MiB + 6, torch.bfloat16), "i64": (800, torch.int64)}
+    for tid, (nbytes, dtype) in specs.items():
+        remote_receiver.call("expect", f"a/{tid}", sender.name, nbytes, dtype)
+    sent = {}
+    for tid in ["bf16-big", "empty", "i64", "f16-odd", "f32", "bf16-odd"]:   # not the order expected
+        nbytes, dtype = specs[tid]
+        sent[tid] = payload(nbytes, dtype, seed=len(sent))
+        sender.send(f"a/{tid}", remote_receiver.identity(), sent[tid])
+    for tid, data in sent.items():
+        assert wait_final(sender.poll, f"a/{tid}") is TransferState.DONE, sender.error(f"a/{tid}")
+        assert remote_receiver.result(f"a/{tid}", sender.name) == (TransferState.DONE, None, digest(data))
+    for i in range(3):   # the same pair keeps working
+        roundtrip(sender, remote_receiver, remote_receiver.identity(), f"a/again-{i}", 1000 + i * 4)
+
+
+def test_one_sender_feeds_two_receivers_at_once(sender, remote_receiver, spawn_agent):
+    other = spawn_agent("receiver")
+    targets = [(remote_receiver, remote_receiver.identity()), (other, other.identity())]
+    data = [payload(8 * MiB, torch.float16, seed=i) for i in range(2)]
+    for i, (agent, _) in enumerate(targets):
+        agent.call("expect", f"b/to-{i}", sender.name, 8 * MiB, torch.float16)
+    for i, (_, address) in enumerate(targets):   # both queued before either is polled
+        sender.send(f"b/to-{i}", address, data[i])
+    for i, (agent, _) in enumerate(targets):
+        assert wait_final(sender.poll, f"b/to-{i}") is TransferState.DONE, sender.error(f"b/to-{i}")
+        assert agent.result(f"b/to-{i}", sender.name) == (TransferState.DONE, None, digest(data[i]))
+
+
+def test_receivers_come_and_go_while_transfers_to_a_third_continue(remote_receiver, spawn_agent):
+    sender = PairGroupSender(timeout_s=SHORT_S)
+    try:
+        doomed = spawn_agent("receiver")
+        doomed_address = doomed.identity()
+        roundtrip(sender, doomed, doomed_address, "c/warm", 4096)
+        roundtrip(sender, remote_receiver, remote_receiver.identity(), "c/steady-0", 64 * 1024)
+        newcomer = spawn_agent("receiver")         # starting while transfers go on
+        doomed.call("expect", "c/lost", sender.name, 16 * MiB, torch.float32)
+        os.kill(doomed.proc.pid, signal.SIGSTOP)   # stops answering before the data: nothing can finish
+        start = time.monotonic()
+        sender.send("c/lost", doomed_address, payload(16 * MiB, torch.float32, seed=1))
+        doomed.proc.kill()                         # ... and then dies
+        for i in range(1, 6):
+            roundtrip(sender, remote_receiver, remote_receiver.identity(), f"c/steady-{i}", 64 * 1024)
+        assert wait_final(sender.poll, "c/lost", limit_s=SHORT_S + SLACK_S) is TransferState.FAILED
+        assert time.monotonic() - start < SHORT_S + SLACK_S
+        assert doomed_address.name in sender.error("c/lost")
+        roundtrip(sender, newcomer, newcomer.identity(), "c/hello", 1 * MiB)
+        roundtrip(sender, remote_receiver, remote_receiver.identity(), "c/steady-last", 64 * 1024)
+        sender.send("c/to-the-dead", doomed_address, torch.ones(4))   # a new pair to a dead peer: fails fast
+        assert wait_final(sender.poll, "c/to-the-dead", limit_s=SHORT_S + SLACK_S) is TransferState.FAILED
+        assert "could not connect" in sender.error("c/to-the-dead")
+    finally:
+        sender.close()
+
+
+def test_pair_is_rebuilt_after_a_timeout_or_a_forget_on_the_wire(spawn_agent):
+    sender = PairGroupSender(timeout_s=SHORT_S)
+    try:
+        sleepy = spawn_agent("receiver")
+        address = sleepy.identity()
+        roundtrip(sender, sleepy, address, "d/warm", 4096)
+        for tid in ("d/stalled", "d/queued"):
+            sleepy.call("expect", tid, sender.name, 4 * MiB, torch.float32)
+        os.kill(sleepy.proc.pid, signal.SIGSTOP)
+        for tid in ("d/stalled", "d/queued"):
+            sender.send(tid, address, payload(4 * MiB, torch.float32, seed=2))
+        limit = SHORT_S + SLACK_S
+        assert wait_final(sender.poll, "d/stalled", limit_s=limit) is TransferState.FAILED
+        assert f"from {sender.name} to {address.name} timed out after 2.0 s" in sender.error("d/stalled")
+        assert wait_final(sender.poll, "d/queued", limit_s=limit) is TransferState.FAILED
+        assert "broke on an earlier transfer" in sender.error("d/queued")
+        os.kill(sleepy.proc.pid, signal.SIGCONT)
+        state, error, _ = sleepy.result("d/stalled", sender.name)   # the receiver saw its side break
+        assert state is TransferState.FAILED, error
+        roundtrip(sender, sleepy, address, "d/after-timeout", 1 * MiB)   # a new pair (next epoch)
+
+        sleepy.call("expect", "d/forgotten", sender.name, 4 * MiB, torch.float32)
+        os.kill(sleepy.proc.pid, signal.SIGSTOP)
+        sender.send("d/forgotten", address, payload(4 * MiB, torch.float32, seed=3))
+        assert wait_final(sender.poll, "d/forgotten", waiting=(TransferState.PENDING,)) \
+            is TransferState.TRANSFERRING
+        start = time.monotonic()
+        sender.forget("d/forgotten")               # aborts the pair: the buffer is ours again at once
+        assert time.monotonic() - start < 1.0
+        with pytest.raises(KeyError):
+            sender.poll("d/forgotten")
+        os.kill(sleepy.proc.pid, signal.SIGCONT)
+        roundtrip(sender, sleepy, address, "d/after-forget", 1 * MiB)
+    finally:
+        sender.close()
+
+
+def test_unknown_id_or_wrong_size_fails_on_both_sides(sender, remote_receiver):
+    sender.send("e/nobody", remote_receiver.identity(), torch.ones(10))
+    assert wait_final(sender.poll, "e/nobody") is TransferState.FAILED
+    state, error, _ = remote_receiver.result("e/nobody", sender.name)
+    assert state is TransferState.FAILED and "e/nobody" in error and "was not expected" in error
+    assert sender.error("e/nobody") == error       # the receiver's verdict reaches the sender
+
+    remote_receiver.call("expect", "e/size", sender.name, 40, torch.float32)
+    sender.send("e/size", remote_receiver.identity(), torch.ones(12))
+    assert wait_final(sender.poll, "e/size") is TransferState.FAILED
+    state, error, _ = remote_receiver.result("e/size", sender.name)
+    assert state is TransferState.FAILED and "sent 48 bytes" in error and "holds 40" in error
+    roundtrip(sender, remote_receiver, remote_receiver.identity(), "e/fine", 4000)   # the pair survived
+
+
+def test_sender_gives_up_when_no_receiver_listens():
+    with socket.socket() as sock:   # a port nobody listens on once closed
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    sender = PairGroupSender(timeout_s=SHORT_S)
+    try:
+        start = time.monotonic()
+        sender.send("f/void", PeerAddress("ghost", "127.0.0.1", port), torch.ones(4))
+        assert sender.poll("f/void") is TransferState.PENDING
+        assert wait_final(sender.poll, "f/void", limit_s=SHORT_S + SLACK_S) is TransferState.FAILED
+        assert time.monotonic() - start < SHORT_S + SLACK_S
+        error = sender.error("f/void")
+        assert "could not connect to ghost" in error and f"within {SHORT_S} s" in error
+    finally:
+        sender.close()
+
+
+def test_receiver_gives_up_on_a_sender_that_never_comes():
+    receiver = PairGroupReceiver(timeout_s=SHORT_S)
+    try:
+        receiver.expect("g/never", "ghost", torch.empty(8))
+        assert receiver.poll("g/never", "ghost") is TransferState.PENDING
+        assert wait_final(receiver.poll, "g/never", "ghost", limit_s=SHORT_S + SLACK_S) is TransferState.FAILED
+        error = receiver.error("g/never", "ghost")
+        assert "KV transfer g/never from ghost" in error and "timed out after 2.0 s" in error
+    finally:
+        receiver.close()
+
+
+@pytest.mark.parametrize("sabotage", ["hang", "die"])
+def test_receiver_fails_when_the_sender_stops_midway(spawn_agent, sabotage):
+    """The sender posts a header, then hangs or dies instead of sending the data."""
+    receiver = PairGroupReceiver(timeout_s=SHORT_S)
+    try:
+        agent = spawn_agent("sender", timeout_s=SHORT_S, sabotage=sabotage)
+        name = agent.identity()
+        receiver.expect("h/midway", name, torch.empty(1 * MiB, dtype=torch.uint8))
+        agent.call("send", "h/midway", receiver.address, 1 * MiB, torch.uint8, 0)
+        started = wait_final(receiver.poll, "h/midway", name, limit_s=30, waiting=(TransferState.PENDING,))
+        assert started is TransferState.TRANSFERRING
+        start = time.monotonic()
+        assert wait_final(receiver.poll, "h/midway", name, limit_s=SHORT_S + SLACK_S) is TransferState.FAILED
+        assert time.monotonic() - start < SHORT_S + SLACK_S
+        error = receiver.error("h/midway", name)
+        assert f"KV transfer h/midway from {name} to {receiver.address.name}" in error
+        assert ("timed out after 2.0 s" in error) if sabotage == "hang" else (f"is {name} alive?" in error)
+    finally:
+        receiver.close()
+
+
+def test_close_fails_transfers_on_the_wire_without_hanging(spawn_agent):
+    receiver = PairGroupReceiver(timeout_s=20.0)
+    agent = spawn_agent("sender", timeout_s=20.0, sabotage="hang")
+    name = agent.identity()
+    receiver.expect("i/open", name, torch.empty(1024))
+    receiver.expect("i/queued", name, torch.empty(1024))
+    agent.call("send", "i/open", receiver.address, 4096, torch.float32, 0)
+    started = wait_final(receiver.poll, "i/open", name, limit_s=30, waiting=(TransferState.PENDING,))
+    assert started is TransferState.TRANSFERRING
+    start = time.monotonic()
+    receiver.close()
+    assert time.monotonic() - start < 2.0
+    for tid in ("i/open", "i/queued"):
+        assert receiver.poll(tid, name) is TransferState.FAILED
+        assert "closed" in receiver.error(tid, name)
+    with pytest.raises(KVTransportError):
+        receiver.expect("i/late", name, torch.empty(4))
+
+
+def test_buffers_are_checked_and_ids_are_unique():
+    sender = PairGroupSender(timeout_s=SHORT_S)
+    try:
+        somewhere = PeerAddress("nowhere", "127.0.0.1", 1)
+        with pytest.raises(KVTransportError, match="contiguous"):
+            sender.send("j/strided", somewhere, torch.ones(4, 4).t())
+        sender.send("j/once", somewhere, torch.ones(4))
+        with pytest.raises(KVTransportError, match="already sent"):
+            sender.send("j/once", somewhere, torch.ones(4))
+        with pytest.raises(KeyError):
+            sender.poll("j/never-sent")
+        sender.forget("j/once")
+    finally:
+        sender.close()
+    with pytest.raises(KVTransportError, match="closed"):
+        sender.send("j/after-close", somewhere, torch.ones(4))
+
+
+# ---- the fake backend -------------------------------------------------------------------------
+def fake_pair(hub: FakeTransportHub, tid: str = "t", n: int = 6):
+    tx, rx = hub.sender("p"), hub.receiver("d")
+    src, dst = torch.arange(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+    rx.expect(tid, "p", dst)
+    tx.send(tid, rx.address, src)
+    return tx, rx, src, dst
+
+
+def test_fake_copies_bytes_when_both_sides_posted():
+    tx, rx, src, dst = fake_pair(FakeTransportHub())
+    assert tx.poll("t") is TransferState.DONE and rx.poll("t", "p") is TransferState.DONE
+    assert torch.equal(src, dst)
+
+
+@pytest.mark.parametrize("when", ["connect", "transfer"])
+def test_fake_injected_failure_reaches_both_sides(when):
+    hub = FakeTransportHub()
+    hub.fail_next(1, when=when, message="boom", transfer_id="t")
+    tx, rx, _, dst = fake_pair(hub)
+    assert tx.poll("t") is TransferState.FAILED and rx.poll("t", "p") is TransferState.FAILED
+    assert "boom" in tx.error("t") and "boom" in rx.error("t", "p")
+    assert not dst.any()
+    rx.expect("t2", "p", torch.zeros(2))   # the fault was used up: the next one goes through
+    tx.send("t2", rx.address, torch.ones(2))
+    assert tx.poll("t2") is TransferState.DONE
+
+
+def test_fake_delay_and_kill():
+    now = [0.0]
+    hub = FakeTransportHub(delay_s=1.0, clock=lambda: now[0])
+    tx, rx, src, dst = fake_pair(hub)
+    assert tx.poll("t") is TransferState.TRANSFERRING
+    now[0] = 1.0
+    assert rx.poll("t", "p") is TransferState.DONE and torch.equal(src, dst)
+    rx.expect("t2", "p", torch.zeros(2))
+    tx.send("t2", rx.address, torch.ones(2))
+    assert tx.poll("t2") is TransferState.TRANSFERRING
+    hub.kill("d")
+    assert tx.poll("t2") is TransferState.FAILED and "d died" in tx.error("t2")
+    assert rx.poll("t2", "p") is TransferState.FAILED
+    tx.send("t3", rx.address, torch.ones(2))
+    assert tx.poll("t3") is TransferState.FAILED and "not reachable" in tx.error("t3")
+    with pytest.raises(KVTransportError):
+        rx.expect("t4", "p", torch.zeros(2))
+
+
+def test_fake_unexpected_data_fails():
+    hub = FakeTransportHub()
+    tx, rx = hub.sender("p"), hub.receiver("d")
+    tx.send("x", rx.address, torch.ones(2))
+    assert tx.poll("x") is TransferState.FAILED and "was not expected" in tx.error("x")
+    assert rx.poll("x", "p") is TransferState.FAILED and rx.error("x", "p") == tx.error("x")
+    rx.expect("x", "p", torch.zeros(2))
+    assert rx.poll("x", "p") is TransferState.FAILED
