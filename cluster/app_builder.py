@@ -5,8 +5,8 @@
     (colocated mode: Router ──▶ ColocatedServer × colocated.replicas)
 
 Each worker replica is a TP gang: it reserves one bundle per rank in a
-STRICT_PACK placement group (CPU per rank on CPU; on CUDA the replica's bundle
-holds all its GPUs, since its ranks are processes the replica starts itself).
+STRICT_PACK placement group (`cpus_per_rank` CPUs per rank, plus one GPU per
+rank on CUDA; see cluster/gang_devices.py for how the ranks find their GPUs).
 
 `build_app` is the `import_path` target of the Serve config files in configs/
 (`serve run configs/serve-tiny-cpu.yaml`); `pdserve serve` calls
@@ -100,12 +100,9 @@ def build_application(config: DeploymentConfig) -> serve.Application:
 def _worker_options(deployment, config: DeploymentConfig, pool: WorkerPool, stat: str, prefer: str):
     tp = pool.tensor_parallel_size
     cpus = config.resources.cpus_per_rank
-    if config.device == "cuda":
-        bundles = [{"CPU": cpus, "GPU": tp}]
-        actor = {"num_cpus": cpus, "num_gpus": tp}
-    else:
-        bundles = [{"CPU": cpus} for _ in range(tp)]
-        actor = {"num_cpus": cpus}
+    gpus = 1 if config.device == "cuda" else 0
+    bundles = [{"CPU": cpus, "GPU": gpus} if gpus else {"CPU": cpus} for _ in range(tp)]
+    actor = {"num_cpus": cpus, "num_gpus": gpus}
     return deployment.options(
         num_replicas=pool.replicas, ray_actor_options=actor,
         placement_group_bundles=bundles, placement_group_strategy="STRICT_PACK",

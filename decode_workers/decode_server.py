@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 import ray
 from ray import serve
 
+from cluster.gang_devices import claim_gang_gpus
 from cluster.handoff import DecodeRequest
 from cluster.transport_factory import TransportSettings, receiver_factory
 from decode_workers.colocated_worker import ColocatedWorker
@@ -24,6 +25,8 @@ from engine.sampling_params import SamplingParams
 class DecodeServer:
     async def __init__(self, engine_config: EngineConfig, transport: TransportSettings, reserve_timeout_s: float):
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        if engine_config.device == "cuda":
+            await claim_gang_gpus(engine_config.tensor_parallel_size)
         name = f"decode-{self.replica_id}"
         # senders on other nodes reach this replica's receivers at the node's address
         transport = dataclasses.replace(transport, host=ray.util.get_node_ip_address())
@@ -54,6 +57,8 @@ class DecodeServer:
 class ColocatedServer:
     async def __init__(self, engine_config: EngineConfig):
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        if engine_config.device == "cuda":
+            await claim_gang_gpus(engine_config.tensor_parallel_size)
         self.worker = ColocatedWorker(engine_config, name=f"colocated-{self.replica_id}")
         await self.worker.start()
 

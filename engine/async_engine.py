@@ -40,6 +40,7 @@ class AsyncEngine:
                  name: str = "engine"):
         """Starts the thread, which builds the engine with `make_engine()`;
         await `ready()` before anything else."""
+        _resolve_lazy_imports()
         self._make_engine = make_engine
         self._step_kwargs = {"prefill": prefill, "decode": decode}
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
@@ -163,6 +164,13 @@ class AsyncEngine:
             streams = list(self._streams.values())
         for loop, q in streams:
             loop.call_soon_threadsafe(q.put_nowait, EngineStoppedError(f"the engine stopped: {exc}"))
+
+
+def _resolve_lazy_imports() -> None:
+    """transformers resolves its top-level names lazily, and two threads doing
+    that at once can fail ("cannot import name 'AutoConfig'"): resolve the ones
+    the engine uses here, on the caller's thread, before any engine thread runs."""
+    from transformers import AutoConfig, AutoTokenizer  # noqa: F401
 
 
 def _set_result(future: asyncio.Future, value: Any) -> None:

@@ -13,6 +13,7 @@ import dataclasses
 
 from ray import serve
 
+from cluster.gang_devices import claim_gang_gpus
 from cluster.handoff import PrefillResult
 from cluster.kv_transport import PeerAddress
 from cluster.transport_factory import TransportSettings, sender_factory
@@ -25,6 +26,8 @@ from prefill_workers.prefill_worker import PrefillWorker
 class PrefillServer:
     async def __init__(self, engine_config: EngineConfig, transport: TransportSettings, lease_s: float = 60.0):
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        if engine_config.device == "cuda":
+            await claim_gang_gpus(engine_config.tensor_parallel_size)
         self.worker = PrefillWorker(engine_config, sender_factory(transport, f"prefill-{self.replica_id}"),
                                     lease_s=lease_s, name=f"prefill-{self.replica_id}")
         await self.worker.start()

@@ -30,7 +30,7 @@ PROMPTS = ["The quick brown fox", "Once upon a time there", "def fibonacci(n):",
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=16, num_gpus=4, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -198,3 +198,31 @@ def test_colocated(ray_cluster, model_dirs, reference, tokenizer):
         assert json.loads(urllib.request.urlopen(base.removesuffix("/v1") + "/health").read() or b"{}") is not None
     finally:
         serve.delete("colo")
+
+
+def test_a_tp_gang_sees_one_gpu_per_bundle_in_rank_order(ray_cluster):
+    """The cluster declares 4 logical GPUs (no CUDA needed): a replica-like actor
+    in bundle 0 of a 3-bundle group finds the GPUs of all three bundles."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from cluster.gang_devices import claim_gang_gpus
+
+    @ray.remote(num_cpus=0, num_gpus=1)
+    class Replica:
+        async def claim(self, n):
+            import os
+            gpus = await claim_gang_gpus(n)
+            return gpus, os.environ["CUDA_VISIBLE_DEVICES"]
+
+    pg = placement_group([{"GPU": 1}] * 3, strategy="STRICT_PACK")
+    ray.get(pg.ready(), timeout=60)
+    try:
+        actor = Replica.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=0)).remote()
+        gpus, visible = ray.get(actor.claim.remote(3), timeout=60)
+        assert len(set(gpus)) == 3 and set(gpus) <= {"0", "1", "2", "3"}
+        assert visible == ",".join(gpus)
+        ray.kill(actor)
+    finally:
+        remove_placement_group(pg)
