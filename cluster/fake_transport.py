@@ -90,10 +90,14 @@ class FakeTransportHub:
         self._faults: list[_Fault] = []
 
     def sender(self, name: str) -> FakeSender:
+        """A new endpoint (a new process: a name killed or closed before lives again)."""
+        with self._lock:
+            self._dead.discard(name)
         return FakeSender(self, name)
 
     def receiver(self, name: str) -> FakeReceiver:
         with self._lock:
+            self._dead.discard(name)
             self._receivers.add(name)
         return FakeReceiver(self, name)
 

@@ -28,12 +28,12 @@ def receiver_factory(settings: TransportSettings, name: str) -> Callable[[int], 
 
 
 def _make_sender(settings: TransportSettings, name: str, rank: int) -> KVSender:
-    from cluster.pair_group_transport import PairGroupSender
+    from cluster.pair_group_sender import PairGroupSender
     return PairGroupSender(name=f"{name}-rank{rank}-{uuid.uuid4().hex[:8]}", device=settings.device,
                            timeout_s=settings.timeout_s)
 
 
 def _make_receiver(settings: TransportSettings, name: str, rank: int) -> KVReceiver:
-    from cluster.pair_group_transport import PairGroupReceiver
+    from cluster.pair_group_receiver import PairGroupReceiver
     return PairGroupReceiver(host=settings.host, name=f"{name}-rank{rank}-{uuid.uuid4().hex[:8]}",
                              device=settings.device, timeout_s=settings.timeout_s)

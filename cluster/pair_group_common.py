@@ -1,0 +1,234 @@
+"""What both sides of the pair-group KV transport share: its settings, the
+protocol's constants and store key names, the per-transfer record, and the
+helpers for stores, groups and threads. The sender (cluster/pair_group_sender.py)
+and the receiver (cluster/pair_group_receiver.py) both follow the protocol
+below and build every store key from the functions here, so that the two sides
+agree. Nothing in this module starts a thread or holds state of its own.
+
+The transport: one 2-rank torch.distributed process group per (sender, receiver)
+pair: gloo for CPU buffers, NCCL for CUDA buffers, one code path.
+
+Life cycle of a pair (S: a PairGroupSender, R: a PairGroupReceiver):
+
+    R  hosts a TCPStore at R.address; its acceptor thread waits on join slot n
+    S  first send() to R ─▶ S's pair thread: connect to R's store,
+           epoch = add("kvpair/S/epoch", 1), claim the next free join slot,
+           rank 0 of a group on PrefixStore("kvpair/S/<epoch>/pg")
+    R  acceptor sees the slot ─▶ R's pair thread: rank 1 of the same group
+    S, R  one thread per pair side moves that pair's transfers in `send` order
+
+One transfer, message seq k of the pair (keys under "kvpair/S/<epoch>/"):
+
+    S: set hdr/k = "T <nbytes> <transfer id>" ─▶ send bytes (tag k) ─▶ wait for ack/k
+    R: wait for hdr/k ─▶ recv straight into expect()'s buffer ─▶ set ack/k = "" (ok)
+       unknown id or wrong size: recv into scratch ─▶ FAILED ─▶ set ack/k = the error
+       then delete hdr/k and ack/k-1 (S read it before it wrote hdr/k)
+    other headers: "B" heartbeat of an idle sender, "S" stop (the pair is closing)
+
+Headers and acks go through the store, not the group: a pending gloo receive can
+be neither polled (`is_completed` stays False until `wait`) nor interrupted, so an
+idle pair waiting on the group could never be closed. The data ops of a pair are
+posted in the same order on both sides, which is what NCCL needs (it ignores tags).
+The receiver's verdict is authoritative and reaches the sender through the ack:
+data nobody expects fails the transfer on both sides.
+
+Epochs: a pair that breaks (timeout, peer gone, forget or close while on the
+wire) is dropped for good; the sender's next send to that peer builds a new pair
+with the next epoch, so nothing of a broken pair is ever reused. A receiver drops
+its side when the same sender joins again, when the sender says stop, or when it
+hears nothing (not even the idle heartbeat, "B", every timeout_s / 4) for timeout_s.
+
+Timeouts (timeout_s): connecting a pair; each transfer from the moment its header
+is posted to its ack; on the receiver, an expected transfer that sees no activity
+from its sender. Deadlines are also checked in `poll`, so a FAILED arrives on time
+even when a thread is stuck in a call that cannot be interrupted (it then exits
+when that call returns). Every path that fails a transfer on the wire first aborts
+its group, so the caller's buffer is never touched again.
+
+Caveats: close() does not wait for a thread blocked on a hung peer (it ends within
+timeout_s by itself). CUDA buffers: NCCL orders a send after the work queued on the
+default stream of its device; make buffers written on other streams ready first.
+Each pair holds its own gloo context or NCCL communicator.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from cluster.kv_transport import KVTransportError, PeerAddress, TransferState
+
+log = logging.getLogger(__name__)
+
+ABORT_TAG = 2**31 - 1          # a tag no data op uses: see abort_group
+TAG_MASK = 2**30 - 1
+JOIN_HINT = "kvpair/joins"     # count of claimed join slots (a hint: slots are claimed with compare_set)
+GROUP_PREFIX = "pg"            # under a pair's prefix: the store of its process group
+JOIN_GRACE_S = 1.0             # how long close() waits for its threads before leaving them
+
+
+def join_key(slot: int) -> str:
+    """Join slot `slot` of a receiver's store: "<epoch> <sender>" once a sender claimed it."""
+    return f"kvpair/join/{slot}"
+
+
+def epoch_key(sender: str) -> str:
+    """The counter of `sender`'s pairs with one receiver: each new pair takes the next epoch."""
+    return f"kvpair/{sender}/epoch"
+
+
+def pair_prefix(sender: str, epoch: int) -> str:
+    """The prefix of every key of one pair (the sender's name, its epoch)."""
+    return f"kvpair/{sender}/{epoch}"
+
+
+def hdr_key(seq: int) -> str:
+    """The header of message `seq` of a pair (under its prefix): written by the sender."""
+    return f"hdr/{seq}"
+
+
+def ack_key(seq: int) -> str:
+    """The receiver's verdict on message `seq` ("" = ok; under the pair's prefix)."""
+    return f"ack/{seq}"
+
+
+def default_name(role: str) -> str:
+    return f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def pick_backend(backend: str, device: torch.device) -> str:
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if backend not in ("gloo", "nccl") or (backend == "nccl") != (device.type == "cuda"):
+        raise ValueError(f"backend {backend!r} does not fit device {device}: use 'auto', gloo for cpu, nccl for cuda")
+    return backend
+
+
+def as_bytes(buffer: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The bytes of `buffer` (any dtype, contiguous) as a [nbytes] uint8 view of the same memory."""
+    if not isinstance(buffer, torch.Tensor):
+        raise KVTransportError(f"KV buffers must be torch tensors, got {type(buffer).__name__}")
+    if not buffer.is_contiguous():
+        raise KVTransportError(f"KV buffers must be contiguous (shape {tuple(buffer.shape)}, strides "
+                               f"{buffer.stride()}): pack them with .contiguous() first")
+    if buffer.device.type != device.type or (device.index is not None and buffer.device != device):
+        raise KVTransportError(f"KV buffer on {buffer.device}, but this transport was made for {device}")
+    return buffer.reshape(-1).view(torch.uint8)
+
+
+def time_left(deadline: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+
+
+def describe(exc: BaseException) -> str:
+    """First line of an error, without torch's "[file.cpp:123] " prefix."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return re.sub(r"^\[[^\]]*\]\s*", "", text)[:300]
+
+
+def connect_store(peer: PeerAddress, deadline: float, stopped: Callable[[], bool]) -> dist.TCPStore:
+    """A client of `peer`'s store. Waits for the port with short tries in Python first:
+    TCPStore's own retry loop cannot be left early (close) and overshoots its timeout."""
+    while True:
+        try:
+            timeout = min(1.0, time_left(deadline).total_seconds())
+            with socket.create_connection((peer.host, peer.port), timeout=timeout):
+                break
+        except OSError as exc:
+            if stopped() or time.monotonic() + 0.05 >= deadline:
+                raise ConnectionError(f"nothing answers at {peer.host}:{peer.port} ({exc})") from exc
+            time.sleep(0.05)
+    return dist.TCPStore(peer.host, peer.port, None, False, timeout=time_left(deadline), wait_for_workers=False)
+
+
+def make_group(store: dist.Store, rank: int, backend: str, device: torch.device,
+               timeout_s: float) -> dist.Backend:
+    """Rank `rank` of a 2-rank group on `store`; blocks until both ranks joined (gloo)."""
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+        opts = dist.ProcessGroupNCCL.Options()
+        # Our own deadline aborts a late op first: NCCL's watchdog, on timeout, may end the process.
+        opts._timeout = datetime.timedelta(seconds=10 * timeout_s)
+        return dist.ProcessGroupNCCL(store, rank, 2, opts)   # NCCL connects on the first op
+    return dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=timeout_s))
+
+
+def wait_work(work: dist.Work, backend: str, deadline: float) -> None:
+    """Waits for one p2p op until `deadline` (monotonic); raises on error or timeout."""
+    if backend == "gloo":
+        work.wait(time_left(deadline))   # a timeout also closes the group's connections
+        return
+    while not work.is_completed():   # NCCL: wait() would only order streams
+        if time.monotonic() > deadline:
+            raise TimeoutError("NCCL op did not complete")
+        time.sleep(0.0005)
+    work.wait()
+
+
+def abort_group(group: dist.Backend | None, backend: str, peer_rank: int) -> None:
+    """Fails every op pending on `group` at once; afterwards it never touches a buffer."""
+    if group is None:
+        return
+    try:
+        if backend == "nccl":
+            group.abort()
+        else:
+            # gloo has no abort, but an op that times out closes all connections of
+            # its context, which fails the other pending ops immediately.
+            group.recv([torch.empty(1, dtype=torch.uint8)], peer_rank, ABORT_TAG).wait(
+                datetime.timedelta(milliseconds=1))
+    except Exception:  # expected: the timeout above, or a group already broken
+        log.debug("aborted a pair group", exc_info=True)
+
+
+@dataclass(slots=True, eq=False)
+class Transfer:
+    """One transfer's record on one side. `data` ([nbytes] uint8, the caller's
+    memory) is dropped once final so that we never keep the caller's buffer alive."""
+    tid: str
+    src: str                       # sender name
+    dst: str                       # receiver name
+    data: torch.Tensor | None
+    nbytes: int
+    created: float = field(default_factory=time.monotonic)
+    state: TransferState = TransferState.PENDING
+    error: str | None = None
+    deadline: float | None = None  # while its pair connects, and from its header to its ack
+
+    @property
+    def label(self) -> str:
+        return f"KV transfer {self.tid} from {self.src} to {self.dst}"
+
+    def finish(self, state: TransferState, error: str | None = None) -> bool:
+        if self.state.is_final:
+            return False
+        self.state, self.error, self.data = state, error, None
+        return True
+
+
+@dataclass(slots=True, frozen=True)
+class Settings:
+    name: str
+    device: torch.device
+    backend: str
+    timeout_s: float
+
+
+def join_threads(threads: list[threading.Thread]) -> None:
+    """Joins threads for at most JOIN_GRACE_S in all; one blocked in a call that
+    cannot be interrupted is left to finish by itself (they are daemons)."""
+    deadline = time.monotonic() + JOIN_GRACE_S
+    for thread in threads:
+        if thread.ident is not None and thread is not threading.current_thread():
+            thread.join(max(deadline - time.monotonic(), 0.0))

@@ -1,0 +1,287 @@
+"""The receiving side of the pair-group KV transport: PairGroupReceiver (a
+KVReceiver), which hosts the rendezvous store and accepts new pairs in its
+acceptor thread, and _RecvPair, the receiving side of one pair (one sender, one
+epoch), whose thread receives that sender's transfers in order. The protocol is
+described in cluster/pair_group_common.py.
+
+Contract: expect() registers the buffer for (sender, transfer id) before the
+data comes; the receiver's verdict on each transfer (received into the expected
+buffer, or refused: not expected, wrong size, already final) is authoritative and
+goes back to the sender in the ack. Data nobody expects is discarded and kept as
+a FAILED record (at most MAX_ORPHANS of them). poll() fails a transfer on time
+even when its pair thread is stuck in a call that cannot be interrupted; a
+transfer that fails or is forgotten while on the wire aborts its pair's group,
+so its buffer is not written again. All state is guarded by the receiver's one
+lock, which its acceptor and pair threads share.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+from collections import OrderedDict
+
+import torch
+import torch.distributed as dist
+
+from cluster.kv_transport import KVReceiver, KVTransportError, PeerAddress, TransferState
+from cluster.pair_group_common import (
+    GROUP_PREFIX,
+    TAG_MASK,
+    Settings,
+    Transfer,
+    abort_group,
+    ack_key,
+    as_bytes,
+    connect_store,
+    default_name,
+    describe,
+    hdr_key,
+    join_key,
+    join_threads,
+    make_group,
+    pair_prefix,
+    pick_backend,
+    wait_work,
+)
+
+log = logging.getLogger(__name__)
+
+FOREVER = datetime.timedelta(days=3650)
+MAX_ORPHANS = 256              # failures kept for transfers that arrived without an expect()
+
+
+class _RecvPair:
+    """The receiving side of one pair (one sender, one epoch) and its thread."""
+
+    def __init__(self, owner: PairGroupReceiver, sender: str, epoch: int):
+        self.owner, self.sender, self.epoch = owner, sender, epoch
+        self.current: Transfer | None = None
+        self.broken: str | None = None
+        self.group: dist.Backend | None = None
+        self.seq = 0
+        self.thread = threading.Thread(target=self._run, name=f"kv-recv-{sender}", daemon=True)
+
+    def drop(self, reason: str, wake: bool = True) -> None:
+        """Breaks the pair; the transfer on the wire fails with `reason`. Any thread;
+        `wake` interrupts the pair thread's wait for the next header."""
+        owner = self.owner
+        with owner._lock:
+            if self.broken is not None:
+                return
+            self.broken = reason
+            if self.current is not None:
+                self.current.finish(TransferState.FAILED, f"{self.current.label} {reason}")
+            seq, group, store = self.seq, self.group, owner._store
+            if owner._pairs.get(self.sender) is self:
+                del owner._pairs[self.sender]
+        abort_group(group, owner._cfg.backend, peer_rank=0)
+        if wake and store is not None:
+            try:
+                store.set(f"{pair_prefix(self.sender, self.epoch)}/{hdr_key(seq)}", "S")
+            except Exception:  # the store is shutting down: the wait fails by itself
+                log.debug("could not wake the pair thread for %s", self.sender, exc_info=True)
+
+    def _run(self) -> None:
+        cfg, lock = self.owner._cfg, self.owner._lock
+        try:
+            store = connect_store(self.owner.address, time.monotonic() + cfg.timeout_s, lambda: self.broken is not None)
+            msgs = dist.PrefixStore(pair_prefix(self.sender, self.epoch), store)
+            group = make_group(dist.PrefixStore(GROUP_PREFIX, msgs), 1, cfg.backend, cfg.device, cfg.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - the sender died or never joined: nothing to fail yet
+            self.drop(f"failed: pair with {self.sender} not set up: {describe(exc)}", wake=False)
+            return
+        with lock:
+            self.group = group
+            self.owner._activity[self.sender] = time.monotonic()
+            dropped = self.broken is not None
+        if dropped:   # while connecting: the loop below will not run
+            abort_group(group, cfg.backend, peer_rank=0)
+        msgs.set_timeout(datetime.timedelta(seconds=cfg.timeout_s))   # idle pairs hear a heartbeat sooner
+        while self.broken is None:
+            try:
+                text = msgs.get(hdr_key(self.seq)).decode()   # blocks until the sender writes it
+            except Exception as exc:  # noqa: BLE001 - silence or a lost store both end the pair
+                self.drop(f"failed: no word from {self.sender} for {cfg.timeout_s} s ({describe(exc)})", wake=False)
+                break
+            with lock:
+                if self.broken is not None or text == "S":
+                    break
+                seq, self.seq = self.seq, self.seq + 1
+            try:
+                if text != "B":
+                    msgs.set(ack_key(seq), self._move(seq, text, group))
+                # off the critical path: the sender read ack/seq-1 before it wrote hdr/seq
+                msgs.delete_key(hdr_key(seq))
+                msgs.delete_key(ack_key(seq - 1))
+            except Exception as exc:  # noqa: BLE001 - reported in the transfer's error
+                with lock:
+                    t = self.current
+                late = t is not None and t.deadline is not None and time.monotonic() >= t.deadline
+                self.drop(f"timed out after {cfg.timeout_s} s" if late
+                          else f"failed: {describe(exc)} (is {self.sender} alive?)", wake=False)
+        self.drop(f"failed: {self.sender} closed the pair", wake=False)   # no-op unless it said stop
+        with lock:
+            self.group = None
+
+    def _move(self, seq: int, header: str, group: dist.Backend) -> str:
+        """Receives one transfer; returns the verdict for the sender ("" = ok)."""
+        _, nbytes, tid = header.split(" ", 2)
+        nbytes = int(nbytes)
+        t, target, verdict = self.owner._claim(self, tid, nbytes)
+        if target is None:   # nobody wants these bytes, but they must leave the wire
+            target = torch.empty(nbytes, dtype=torch.uint8, device=self.owner._cfg.device)
+        if nbytes:
+            deadline = t.deadline if t is not None else time.monotonic() + self.owner._cfg.timeout_s
+            wait_work(group.recv([target], 0, seq & TAG_MASK), self.owner._cfg.backend, deadline)
+        with self.owner._lock:
+            self.current = None
+            self.owner._activity[self.sender] = time.monotonic()
+            if t is not None and not t.finish(TransferState.DONE):
+                verdict = t.error or "failed"
+        return verdict
+
+
+class PairGroupReceiver(KVReceiver):
+    """One per receiving process: hosts the rendezvous store at `address`
+    (port 0: a free one) and accepts pairs from any sender.
+
+    Data that arrives without an expect() is discarded and kept as a FAILED
+    transfer (poll and error answer for it; a later expect() of it fails) until
+    forget(), or until MAX_ORPHANS newer ones push it out."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, name: str | None = None,
+                 device: str | torch.device = "cpu", backend: str = "auto", timeout_s: float = 30.0):
+        device = torch.device(device)
+        name = name or default_name("kvrecv")
+        self._cfg = Settings(name, device, pick_backend(backend, device), float(timeout_s))
+        self._store: dist.TCPStore | None = dist.TCPStore(
+            host, port, None, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        self.address = PeerAddress(name, host, self._store.port)
+        self._lock = threading.Lock()
+        self._expected: dict[tuple[str, str], Transfer] = {}        # (sender, transfer id) ->
+        self._orphans: OrderedDict[tuple[str, str], str] = OrderedDict()  # arrived unexpected -> error
+        self._activity: dict[str, float] = {}                        # sender -> last data or join
+        self._pairs: dict[str, _RecvPair] = {}
+        self._closed = False
+        self._slot = 0
+        self._acceptor = threading.Thread(target=self._accept, name=f"kv-accept-{name}", daemon=True)
+        self._acceptor.start()
+
+    def expect(self, transfer_id: str, sender_name: str, buffer: torch.Tensor) -> None:
+        data = as_bytes(buffer, self._cfg.device)
+        key = (sender_name, transfer_id)
+        with self._lock:
+            if self._closed:
+                raise KVTransportError(f"KV receiver {self.address.name} is closed")
+            if key in self._expected:
+                raise KVTransportError(f"KV transfer {transfer_id} from {sender_name} is already expected; "
+                                       "forget() it before reusing the id")
+            t = self._expected[key] = Transfer(transfer_id, sender_name, self.address.name, data, data.numel())
+            if key in self._orphans:   # its data came first, and was discarded
+                t.finish(TransferState.FAILED, self._orphans.pop(key))
+
+    def poll(self, transfer_id: str, sender_name: str) -> TransferState:
+        key, now, stuck = (sender_name, transfer_id), time.monotonic(), None
+        with self._lock:
+            if key in self._orphans:
+                return TransferState.FAILED
+            t = self._expected[key]
+            quiet_since = max(t.created, self._activity.get(sender_name, 0.0))
+            if t.state is TransferState.PENDING and now - quiet_since > self._cfg.timeout_s:
+                t.finish(TransferState.FAILED, f"{t.label} timed out after {self._cfg.timeout_s} s: no data "
+                         f"from {sender_name} (is it alive, and did it send this id?)")
+            elif t.state is TransferState.TRANSFERRING and now > t.deadline:
+                stuck = self._pairs.get(sender_name)
+                if stuck is None or stuck.current is not t:
+                    t.finish(TransferState.FAILED, f"{t.label} timed out after {self._cfg.timeout_s} s")
+                    stuck = None
+        if stuck is not None:   # its thread waits in a call it cannot leave early: fail on time anyway
+            stuck.drop(f"timed out after {self._cfg.timeout_s} s")
+        return t.state
+
+    def error(self, transfer_id: str, sender_name: str) -> str | None:
+        key = (sender_name, transfer_id)
+        with self._lock:
+            return self._orphans[key] if key in self._orphans else self._expected[key].error
+
+    def forget(self, transfer_id: str, sender_name: str) -> None:
+        key = (sender_name, transfer_id)
+        with self._lock:
+            if self._orphans.pop(key, None) is not None:
+                return
+            t = self._expected.pop(key)
+            pair = self._pairs.get(sender_name)
+            on_wire = pair is not None and pair.current is t and not t.state.is_final
+            t.finish(TransferState.FAILED, f"{t.label} was forgotten")
+        if on_wire:   # the group may still write into the buffer: stop it
+            pair.drop("was forgotten while on the wire")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for t in self._expected.values():
+                t.finish(TransferState.FAILED, f"{t.label} failed: KV receiver {self.address.name} closed")
+            pairs = list(self._pairs.values())
+            slot = self._slot
+        for pair in pairs:
+            pair.drop(f"failed: KV receiver {self.address.name} closed")
+        try:
+            self._store.compare_set(join_key(slot), "", "S")   # wakes the acceptor
+        except Exception:  # then the acceptor's wait fails when the store goes
+            log.debug("could not wake the acceptor of %s", self.address.name, exc_info=True)
+        join_threads([self._acceptor, *(p.thread for p in pairs)])
+        self._store = None   # shuts the rendezvous server down; waits still pending on it fail
+
+    # ---- called by the threads ----
+    def _accept(self) -> None:
+        """Waits on join slots 0, 1, ... and starts the receiving side of each pair."""
+        try:
+            store = connect_store(self.address, time.monotonic() + self._cfg.timeout_s, lambda: self._closed)
+        except Exception:  # noqa: BLE001 - closed before the thread ran
+            return
+        while True:
+            key = join_key(self._slot)
+            try:
+                store.wait([key], FOREVER)
+                text = store.get(key).decode()
+            except Exception:  # noqa: BLE001 - the store shut down: the receiver is closed
+                return
+            epoch, sender = text.split(" ", 1) if " " in text else ("", text)
+            with self._lock:
+                if self._closed:
+                    return
+                self._slot += 1
+                old = self._pairs.get(sender)
+                pair = self._pairs[sender] = _RecvPair(self, sender, int(epoch))
+            if old is not None:   # a sender only joins again after dropping its side
+                old.drop(f"failed: {sender} started a new pair")
+            pair.thread.start()
+
+    def _claim(self, pair: _RecvPair, tid: str, nbytes: int) -> tuple[Transfer | None, torch.Tensor | None, str]:
+        """Matches a header to an expect(): (record, buffer to receive into, verdict)."""
+        key = (pair.sender, tid)
+        with self._lock:
+            self._activity[pair.sender] = time.monotonic()
+            t = self._expected.get(key)
+            if t is None:
+                error = (f"KV transfer {tid} from {pair.sender} to {self.address.name} was not expected "
+                         f"(no expect() for this id from this sender, or it was forgotten); "
+                         f"its {nbytes} bytes were discarded")
+                self._orphans[key] = error
+                while len(self._orphans) > MAX_ORPHANS:
+                    self._orphans.popitem(last=False)
+                return None, None, error
+            if t.state.is_final:
+                return None, None, t.error or f"{t.label} was already final"
+            if t.nbytes != nbytes:
+                t.finish(TransferState.FAILED, f"{t.label}: {pair.sender} sent {nbytes} bytes but the buffer "
+                         f"given to expect() holds {t.nbytes}; the data was discarded")
+                return None, None, t.error
+            t.state, t.deadline, pair.current = (TransferState.TRANSFERRING,
+                                                 time.monotonic() + self._cfg.timeout_s, t)
+            return t, t.data, ""
