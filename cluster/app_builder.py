@@ -9,7 +9,7 @@ STRICT_PACK placement group (`cpus_per_rank` CPUs per rank, plus one GPU per
 rank on CUDA; see cluster/gang_devices.py for how the ranks find their GPUs).
 
 `build_app` is the `import_path` target of the Serve config files in configs/
-(`serve run configs/serve-tiny-cpu.yaml`); `pdserve serve` calls
+(`serve run configs/serve/tiny-cpu.yaml`); `pdserve serve` calls
 `build_application` directly.
 """
 

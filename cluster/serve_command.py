@@ -49,7 +49,8 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"])
     p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--max-model-len", type=int)
-    p.add_argument("--address", help="Ray cluster to join (default: a running local one, else start one)")
+    p.add_argument("--address", help="Ray cluster to join (default: a running local one, else start one; "
+                                      "'local': always start a new one)")
     p.set_defaults(func=_cmd_serve)
 
 
@@ -101,6 +102,9 @@ def _connect(address: str | None) -> bool:
     """Joins `address`, or a running local cluster, or starts one; True when
     this process started it (and must stop it)."""
     import ray
+    if address == "local":
+        ray.init(address="local")
+        return True
     if address:
         ray.init(address=address)
         return False

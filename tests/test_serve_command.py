@@ -51,7 +51,7 @@ def test_bad_overrides_are_refused_with_the_field_named():
 
 
 def test_serve_config_files_name_the_app_builder():
-    for path in sorted((REPO / "configs").glob("serve-*.yaml")):
+    for path in sorted((REPO / "configs").glob("serve/*.yaml")):
         spec = yaml.safe_load(path.read_text())
         (app,) = spec["applications"]
         assert app["import_path"] == "cluster.app_builder:build_app", path
@@ -60,7 +60,7 @@ def test_serve_config_files_name_the_app_builder():
 
 def test_app_builder_builds_from_the_tiny_serve_config(monkeypatch):
     monkeypatch.chdir(REPO)
-    spec = yaml.safe_load((REPO / "configs/serve-tiny-cpu.yaml").read_text())
+    spec = yaml.safe_load((REPO / "configs/serve/tiny-cpu.yaml").read_text())
     app = build_app(spec["applications"][0]["args"])
     assert type(app).__name__ == "Application"
 
@@ -70,7 +70,7 @@ def test_pdserve_serve_answers_and_stops_cleanly_on_ctrl_c(model_dirs, tmp_path)
     env = {**os.environ, "RAY_ADDRESS": ""}
     proc = subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "serve", "--model", str(model_dirs["tiny"]), "--port", str(port),
-         "--served-model-name", "tiny", "--max-model-len", "256", "--dtype", "float32"],
+         "--served-model-name", "tiny", "--max-model-len", "256", "--dtype", "float32", "--address", "local"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path,
         start_new_session=True)
     lines = []
