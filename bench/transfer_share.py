@@ -61,7 +61,7 @@ def run_mode(mode: str, prompts: list[list[int]], max_tokens: int, port: int) ->
                 raise
             time.sleep(0.5)
     warmup, *measured = prompts
-    for i, prompt in enumerate([warmup, *measured]):
+    for prompt in [warmup, *measured]:
         body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                            "ignore_eos": True}).encode()
         req = urllib.request.Request(f"{base}/v1/completions", body, {"Content-Type": "application/json"})

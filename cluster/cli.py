@@ -4,6 +4,8 @@
     pdserve generate [--model DIR] [--prompt TEXT ...] [--max-tokens N] [--temperature T] [--tp N] ...
     pdserve plan --model DIR|llama-3-70b --tp N [--gpu-memory-gib G] [--gpu-type T] [--json]
     pdserve serve [--config FILE] [--model DIR] [--port P] [--mode M] ...   (see serve_command.py)
+    pdserve loadtest [--base-url URL] [--request-rate R | --sweep-rates R,...] [--goodput ttft:MS ...] ...
+                                                                       (see bench/loadtest/cli.py)
 
 Only this module (and the app builder) reads the command line, files and the
 environment; it hands plain values to the engine.
@@ -15,6 +17,7 @@ import argparse
 import sys
 import time
 
+from bench.loadtest.cli import add_loadtest_parser
 from cluster.plan_command import add_plan_parser
 from cluster.serve_command import add_serve_parser
 
@@ -107,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_plan_parser(sub)
     add_serve_parser(sub)
+    add_loadtest_parser(sub)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks and the load tester (`bench.loadtest`, run as `pdserve loadtest`)."""

@@ -1,0 +1,216 @@
+"""One streamed request to an OpenAI-compatible server, timed chunk by chunk.
+
+`send_request` posts to /v1/completions or /v1/chat/completions with
+`"stream": true` and `stream_options.include_usage`, reads the server-sent
+events (`data: {json}` lines, ending with `data: [DONE]`) and fills in a
+RequestRecord as it goes, so a request cancelled mid-stream keeps what was
+measured up to then.
+
+Contracts:
+- It never raises for anything the server or the network does: an HTTP error,
+  an `{"error": ...}` event, a stream that ends without `[DONE]`, a response
+  with no output text, a timeout or a refused connection each end the request
+  with `record.error` set. Only cancellation propagates.
+- A chunk counts as output only when it carries non-empty text (`choices[0].text`,
+  or `choices[0].delta.content` for chat), so a chat stream's opening role
+  chunk and a final empty chunk are not tokens. Its arrival time is when the
+  bytes holding it were read.
+- Output tokens are counted, in order of preference, from the server's usage
+  (`completion_tokens` of the include_usage chunk), by the given tokenizer on
+  the output text, or as the number of output chunks; `token_count_method`
+  says which ("usage", "tokenizer" or "chunks").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from bench.loadtest.datasets import SampleRequest
+
+# Enough of an error body to say what went wrong without flooding the report.
+_MAX_ERROR_CHARS = 300
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What happened to one request. Times are `time.perf_counter()` seconds.
+
+    `chunk_times[i]` is when the i-th chunk carrying output text arrived; the
+    first is the first token. `succeeded` holds only for a request that got
+    output text and a complete stream.
+    """
+
+    index: int
+    prompt_len: int
+    expected_output_len: int
+    scheduled_offset: float = 0.0          # when the arrival process meant to send it, s after the start
+    send_time: float | None = None
+    chunk_times: list[float] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)
+    end_time: float | None = None
+    output_tokens: int | None = None
+    token_count_method: str | None = None  # "usage" | "tokenizer" | "chunks"
+    usage_prompt_tokens: int | None = None
+    status: int | None = None
+    error: str | None = None
+    succeeded: bool = False
+    unfinished: bool = False               # still running when the run stopped (time limit, Ctrl-C)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
+def build_payload(request: SampleRequest, *, model: str, chat: bool, temperature: float,
+                  ignore_eos: bool) -> dict[str, Any]:
+    """The JSON body for `request`; max_tokens is its expected output length."""
+    payload: dict[str, Any] = {"model": model, "max_tokens": request.expected_output_len,
+                               "temperature": temperature, "stream": True,
+                               "stream_options": {"include_usage": True}}
+    if chat:
+        payload["messages"] = [{"role": "user", "content": request.prompt}]
+    else:
+        payload["prompt"] = request.prompt
+    if ignore_eos:
+        # A vLLM extension; sent only when asked so servers without it are not confused.
+        payload["ignore_eos"] = True
+    return payload
+
+
+async def send_request(session: aiohttp.ClientSession, url: str, payload: dict[str, Any],
+                       record: RequestRecord, *, chat: bool, timeout_s: float,
+                       tokenizer: Any = None) -> None:
+    """Send one streaming request and record its timings in `record` (see the module contract)."""
+    record.send_time = time.perf_counter()
+    try:
+        done = await _stream(session, url, payload, record, chat, timeout_s)
+    except (asyncio.TimeoutError, TimeoutError):
+        record.error = f"timed out after {timeout_s:g} s (--request-timeout)"
+    except aiohttp.ClientError as exc:
+        record.error = f"{type(exc).__name__}: {exc}"
+    except ValueError as exc:  # bad JSON in an event
+        record.error = f"malformed stream event: {exc}"
+    except Exception as exc:  # noqa: BLE001 - one broken request must not end the run
+        record.error = f"{type(exc).__name__}: {exc}"
+    else:
+        if record.error is None:
+            if not done:
+                record.error = "the stream ended without data: [DONE]"
+            elif not record.chunk_times:
+                record.error = "the response carried no output text (no first token to time)"
+    record.end_time = time.perf_counter()
+    if record.error is None:
+        record.succeeded = True
+        _count_tokens(record, tokenizer)
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, payload: dict[str, Any],
+                  record: RequestRecord, chat: bool, timeout_s: float) -> bool:
+    """Read the response into `record`; True when it ended with [DONE]."""
+    async with session.post(url, json=payload, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        record.status = resp.status
+        if resp.status != 200:
+            record.error = f"HTTP {resp.status}: {_error_message(await resp.text())}"
+            return False
+        async for arrival, data in _sse_data(resp):
+            if data == "[DONE]":
+                return True
+            event = json.loads(data)
+            if not isinstance(event, dict):
+                raise ValueError(f"expected a JSON object, got {data[:80]!r}")
+            if "error" in event:
+                record.error = f"stream error: {_error_message(data)}"
+                return False
+            usage = event.get("usage")
+            if isinstance(usage, dict):
+                record.output_tokens = usage.get("completion_tokens")
+                record.usage_prompt_tokens = usage.get("prompt_tokens")
+            text = _chunk_text(event, chat)
+            if text:
+                record.chunk_times.append(arrival)
+                record.pieces.append(text)
+    return False
+
+
+async def _sse_data(resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[float, str]]:
+    """(arrival time, payload) of each `data:` line, in order."""
+    buffer = b""
+    async for block in resp.content.iter_any():
+        # All events in one read arrived together: they share its timestamp.
+        arrival = time.perf_counter()
+        buffer += block
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            line = line.strip()
+            if line.startswith(b"data:"):
+                yield arrival, line[5:].strip().decode("utf-8", errors="replace")
+    if buffer.strip().startswith(b"data:"):
+        yield time.perf_counter(), buffer.strip()[5:].strip().decode("utf-8", errors="replace")
+
+
+def _chunk_text(event: dict[str, Any], chat: bool) -> str:
+    choices = event.get("choices") or []
+    if not choices or not isinstance(choices[0], dict):
+        return ""
+    if chat:
+        delta = choices[0].get("delta") or {}
+        text = delta.get("content") if isinstance(delta, dict) else None
+    else:
+        text = choices[0].get("text")
+    return text if isinstance(text, str) else ""
+
+
+def _count_tokens(record: RequestRecord, tokenizer: Any) -> None:
+    if isinstance(record.output_tokens, int) and record.output_tokens > 0:
+        record.token_count_method = "usage"
+    elif tokenizer is not None:
+        record.output_tokens = len(tokenizer.encode(record.text, add_special_tokens=False))
+        record.token_count_method = "tokenizer"
+    else:
+        record.output_tokens = len(record.chunk_times)
+        record.token_count_method = "chunks"
+
+
+def _error_message(body: str) -> str:
+    """The `error.message` (or FastAPI `detail`) of a JSON error body, else the body itself."""
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        parsed = None
+    message: Any = body
+    if isinstance(parsed, dict):
+        error = parsed.get("error")
+        if isinstance(error, dict) and "message" in error:
+            message = error["message"]
+        elif isinstance(error, str):
+            message = error
+        elif "detail" in parsed:
+            message = parsed["detail"]
+    text = message if isinstance(message, str) else json.dumps(message)
+    text = " ".join(text.split())
+    return text if len(text) <= _MAX_ERROR_CHARS else text[:_MAX_ERROR_CHARS] + "..."
+
+
+async def fetch_models(session: aiohttp.ClientSession, base_url: str, timeout_s: float = 10.0) -> list[dict]:
+    """The model cards of GET {base_url}/v1/models.
+
+    Raises aiohttp.ClientError or TimeoutError when the server cannot be
+    reached, ValueError when it answers with something that is not a model list.
+    """
+    url = base_url.rstrip("/") + "/v1/models"
+    async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        body = await resp.text()
+        if resp.status != 200:
+            raise ValueError(f"GET {url} answered HTTP {resp.status}: {_error_message(body)}")
+    try:
+        cards = json.loads(body)["data"]
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"GET {url} did not return an OpenAI model list: {body[:200]!r}") from None
+    return [c for c in cards if isinstance(c, dict) and isinstance(c.get("id"), str)]

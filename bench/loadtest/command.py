@@ -1,0 +1,250 @@
+"""What `pdserve loadtest` does once its arguments are parsed (bench/loadtest/cli.py parses them).
+
+1. Check flag combinations argparse cannot (--plot needs --sweep-rates, ...).
+2. Ask the server for its models (GET /v1/models): an unreachable server is
+   exit status 2; the model to request and its context length come from here.
+3. Find a local tokenizer (see cli.py's docstring for where from) and build
+   the dataset with it; without one, size the prompts with the built-in tiny
+   tokenizer (lengths then approximate, and said so).
+4. Run once, or once per --sweep-rates rate; print each run's table (and the
+   sweep's summary and plots); save the JSON with --save-result.
+
+Exit status: 0 when the run completed (failed requests are reported, not
+fatal), 130 after Ctrl-C (what was measured is printed and saved first), 2 for
+a LoadtestError: bad arguments or a server that cannot be reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench.loadtest.client import fetch_models
+from bench.loadtest.datasets import (
+    DatasetError,
+    SampleRequest,
+    prefix_dataset,
+    random_dataset,
+    sharegpt_dataset,
+)
+from bench.loadtest.metrics import summarize
+from bench.loadtest.report import JSON_PERCENTILES, build_result, format_table
+from bench.loadtest.runner import RunConfig, RunResult, run_benchmark
+from bench.loadtest.sweep import format_sweep_table, run_sweep, write_plots
+from engine.tiny_model import PRESETS, ensure_default_model, ensure_preset_model
+from engine.tokenizer import load_tokenizer
+
+
+class LoadtestError(Exception):
+    """A problem the user fixes by changing the command line or starting the server."""
+
+
+def run_loadtest(args: argparse.Namespace) -> int:
+    """Run the command for parsed `args`; returns the exit status (see the module docstring)."""
+    try:
+        return _loadtest(args)
+    except LoadtestError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _loadtest(args: argparse.Namespace) -> int:
+    _check_combinations(args)
+    cards = _probe_server(args.base_url, model_given=bool(args.model or args.served_model_name))
+    model = _request_model_name(args, cards)
+    card = next((c for c in cards if c.get("id") == model), {})
+    max_model_len = card.get("max_model_len") if isinstance(card.get("max_model_len"), int) else None
+    tokenizer, tokenizer_source = _resolve_tokenizer(args, model)
+    if tokenizer is None:
+        prompt_tokenizer = load_tokenizer(ensure_default_model())
+        prompt_lengths = "approximate: counted by pdserve's built-in tiny tokenizer"
+        print(f"tokenizer: none found locally for {model}; output tokens are counted from the server's usage, "
+              "or else as streamed chunks; prompt lengths are approximate (sized with pdserve's built-in "
+              "tokenizer). Pass --tokenizer DIR to count with the model's own tokenizer.", file=sys.stderr)
+    else:
+        prompt_tokenizer, prompt_lengths = tokenizer, "the model's tokenizer"
+        print(f"tokenizer: {tokenizer_source}; output tokens are counted from the server's usage, or else "
+              "with this tokenizer", file=sys.stderr)
+    # A sweep gets a dataset per rate (seed, seed + 1, ...); see sweep.py for why.
+    seeds = [args.seed + i for i in range(len(args.sweep_rates or [None]))]
+    try:
+        datasets = [_build_dataset(args, prompt_tokenizer, max_model_len, seed) for seed in seeds]
+    except DatasetError as exc:
+        raise LoadtestError(str(exc)) from None
+    _warn_context(datasets[0], max_model_len)
+    try:
+        config = RunConfig(base_url=args.base_url, model=model, endpoint=args.endpoint,
+                           request_rate=math.inf if args.request_rate is None else args.request_rate,
+                           burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+                           max_duration=args.max_duration, request_timeout=args.request_timeout,
+                           temperature=args.temperature, ignore_eos=args.ignore_eos, seed=args.seed,
+                           disable_tqdm=args.disable_tqdm)
+    except ValueError as exc:
+        raise LoadtestError(str(exc)) from None
+    meta = {"tokenizer": tokenizer_source, "prompt_lengths": prompt_lengths, "dataset_name": args.dataset_name,
+            "dataset_path": args.dataset_path, "max_duration": args.max_duration}
+    if args.sweep_rates:
+        return _sweep(args, datasets, config, tokenizer, meta)
+    return _single(args, datasets[0], config, tokenizer, meta)
+
+
+def _check_combinations(args: argparse.Namespace) -> None:
+    if args.sweep_rates and args.request_rate is not None:
+        raise LoadtestError("give either --request-rate or --sweep-rates, not both")
+    if args.plot and not args.sweep_rates:
+        raise LoadtestError("--plot draws a rate sweep; add --sweep-rates R1,R2,...")
+    if args.dataset_name == "sharegpt" and not args.dataset_path:
+        raise LoadtestError("--dataset-name sharegpt needs --dataset-path FILE (a ShareGPT-format JSON file)")
+    if args.base_url.rstrip("/").endswith("/v1"):
+        raise LoadtestError("--base-url is the server root (e.g. http://127.0.0.1:8000), without /v1; --endpoint "
+                            "adds the path")
+    if args.temperature < 0:
+        raise LoadtestError(f"--temperature must be >= 0, got {args.temperature}")
+    if not args.endpoint.rstrip("/").endswith("completions"):
+        raise LoadtestError(f"--endpoint must be /v1/completions or /v1/chat/completions, got {args.endpoint}")
+
+
+def _probe_server(base_url: str, *, model_given: bool) -> list[dict]:
+    """The server's model cards; raises LoadtestError when it cannot be reached."""
+    async def probe() -> list[dict]:
+        async with aiohttp.ClientSession() as session:
+            return await fetch_models(session, base_url)
+
+    try:
+        return asyncio.run(probe())
+    except (aiohttp.ClientError, asyncio.TimeoutError, TimeoutError, OSError) as exc:
+        raise LoadtestError(f"cannot reach the server at {base_url} ({type(exc).__name__}: {exc}); start it "
+                            "(pdserve serve) or point --base-url at it") from None
+    except ValueError as exc:
+        if not model_given:
+            raise LoadtestError(f"{exc}; pass --model NAME") from None
+        print(f"warning: {exc}; going on with --model", file=sys.stderr)
+        return []
+
+
+def _request_model_name(args: argparse.Namespace, cards: list[dict]) -> str:
+    ids = [c["id"] for c in cards]
+    if args.served_model_name:
+        return args.served_model_name
+    if args.model is None:
+        if not ids:
+            raise LoadtestError(f"{args.base_url}/v1/models lists no model; pass --model NAME")
+        return ids[0]
+    if not ids or args.model in ids:
+        return args.model
+    if Path(args.model).name in ids:
+        return Path(args.model).name
+    raise LoadtestError(f"the server serves {', '.join(ids)}, not --model {args.model}; pass one of those "
+                        "(or --served-model-name NAME)")
+
+
+def _resolve_tokenizer(args: argparse.Namespace, model: str) -> tuple[Any, str | None]:
+    """(tokenizer, where it came from), or (None, None) when no local one fits."""
+    if args.tokenizer:
+        try:
+            return load_tokenizer(args.tokenizer), args.tokenizer
+        except ValueError as exc:
+            raise LoadtestError(f"--tokenizer: {exc}") from None
+    if args.model and Path(args.model).is_dir():
+        try:
+            return load_tokenizer(args.model), args.model
+        except ValueError:
+            pass  # a directory without tokenizer files: fall through to the other sources
+    if model in PRESETS:
+        path = ensure_preset_model(model)
+        return load_tokenizer(path), f"{path} (built-in {model} checkpoint)"
+    return None, None
+
+
+def _build_dataset(args: argparse.Namespace, tokenizer: Any, max_model_len: int | None,
+                   seed: int) -> list[SampleRequest]:
+    if args.dataset_name == "random":
+        return random_dataset(tokenizer, num_prompts=args.num_prompts, input_len=args.random_input_len,
+                              output_len=args.random_output_len, range_ratio=args.random_range_ratio,
+                              prefix_len=args.random_prefix_len, seed=seed)
+    if args.dataset_name == "sharegpt":
+        return sharegpt_dataset(tokenizer, args.dataset_path, num_prompts=args.num_prompts,
+                                output_len=args.sharegpt_output_len, max_model_len=max_model_len, seed=seed)
+    return prefix_dataset(tokenizer, num_prompts=args.num_prompts, prefix_len=args.prefix_repetition_prefix_len,
+                          suffix_len=args.prefix_repetition_suffix_len,
+                          num_prefixes=args.prefix_repetition_num_prefixes,
+                          output_len=args.prefix_repetition_output_len, seed=seed)
+
+
+def _warn_context(requests: list[SampleRequest], max_model_len: int | None) -> None:
+    if max_model_len is None:
+        return
+    # +1: the server may add a BOS token that the prompt lengths do not count.
+    too_long = sum(r.prompt_len + r.expected_output_len + 1 > max_model_len for r in requests)
+    if too_long:
+        print(f"warning: {too_long} of {len(requests)} requests may not fit the server's {max_model_len}-token "
+              "context and may fail; shorten the prompts or outputs", file=sys.stderr)
+
+
+def _percentiles(args: argparse.Namespace) -> list[float]:
+    return sorted(set(JSON_PERCENTILES) | set(args.metric_percentiles))
+
+
+def _slos(args: argparse.Namespace) -> dict[str, float]:
+    return dict(args.goodput or [])
+
+
+def _summarize(args: argparse.Namespace, run: RunResult, meta: dict, title: str) -> dict:
+    """Print one run's table; return its JSON result."""
+    summary = summarize(run.records, num_requests=run.num_requests, duration=run.duration,
+                        slos_ms=_slos(args), percentiles=_percentiles(args))
+    print(format_table(summary, metrics=args.percentile_metrics, percentiles=args.metric_percentiles,
+                       title=title, interrupted=run.interrupted), flush=True)
+    return build_result(run, summary, meta=meta)
+
+
+def _single(args: argparse.Namespace, requests: list[SampleRequest], config: RunConfig, tokenizer: Any,
+            meta: dict) -> int:
+    run = asyncio.run(run_benchmark(requests, config, tokenizer=tokenizer))
+    result = _summarize(args, run, meta, "Serving Benchmark Result")
+    if args.save_result:
+        rate = "inf" if math.isinf(config.request_rate) else f"{config.request_rate:g}"
+        concurrency = f"-concurrency{config.max_concurrency}" if config.max_concurrency else ""
+        _save(args, result, f"loadtest-{rate}qps{concurrency}-{_safe(config.model)}")
+    return 130 if run.cancelled else 0
+
+
+def _sweep(args: argparse.Namespace, datasets: list[list[SampleRequest]], config: RunConfig, tokenizer: Any,
+           meta: dict) -> int:
+    results: list[dict] = []
+    runs: list[RunResult] = []
+
+    def on_run(run: RunResult) -> None:
+        runs.append(run)
+        results.append(_summarize(args, run, meta, f"Rate {run.config.request_rate:g} req/s"))
+
+    asyncio.run(run_sweep(datasets, config, args.sweep_rates, tokenizer=tokenizer, on_run=on_run))
+    print(format_sweep_table(results))
+    if args.plot and results:
+        for path in write_plots(results, args.plot):
+            print(f"wrote {path}")
+    if args.save_result:
+        _save(args, {"sweep_rates": args.sweep_rates, "runs": results}, f"loadtest-sweep-{_safe(config.model)}")
+    return 130 if runs and runs[-1].cancelled else 0
+
+
+def _safe(name: str) -> str:
+    """A model name (maybe a path) as a file-name fragment."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", Path(name).name or name).strip("_") or "model"
+
+
+def _save(args: argparse.Namespace, result: dict, stem: str) -> None:
+    name = args.result_file or f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path = Path(args.result_dir or ".") / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"saved the result to {path}")

@@ -1,0 +1,550 @@
+"""`pdserve loadtest` against a fake OpenAI server with injected latencies.
+
+The fake server (an aiohttp app on a background thread) streams each response
+on a schedule the prompt dictates: a prompt "FAKE ttft=50 itl=10 n=8" gets its
+first chunk 50 ms after the request arrived and one more every 10 ms, each
+chunk one token, scheduled against the arrival time so delays do not pile up.
+`fail=500|400` answers with that HTTP error, `fail=stream_error` sends an
+error event mid-stream, `fail=abort` drops the connection mid-stream, `usage=0`
+leaves out the usage chunk. Other prompts (the CLI's datasets) get the defaults.
+Timing assertions leave 15 ms for a loaded two-core machine; the metric
+arithmetic itself is checked exactly on synthetic records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import signal
+import socket
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from aiohttp import web
+
+from bench.loadtest.arrivals import arrival_offsets, paced
+from bench.loadtest.client import RequestRecord
+from bench.loadtest.datasets import (
+    DatasetError,
+    SampleRequest,
+    length_range,
+    prefix_dataset,
+    random_dataset,
+    sharegpt_dataset,
+)
+from bench.loadtest.metrics import meets_slos, percentile, summarize, tpot, ttft
+from bench.loadtest.report import build_result, format_table
+from bench.loadtest.runner import RunConfig, run_benchmark
+from bench.loadtest.sweep import format_sweep_table, write_plots
+from cluster.cli import main
+
+SHAREGPT = Path(__file__).parent / "data" / "sharegpt_small.json"
+MODEL = "fake-model"
+TOL_S = 0.015
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+# ----------------------------------------------------------------- the fake server
+
+
+class FakeOpenAIServer:
+    """A scripted OpenAI-compatible streaming server on its own thread and event loop."""
+
+    def __init__(self, default_ttft_ms: float = 20, default_itl_ms: float = 5):
+        self.defaults = {"ttft": default_ttft_ms, "itl": default_itl_ms}
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.received = 0
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self.base_url = ""
+
+    def __enter__(self) -> FakeOpenAIServer:
+        self._thread.start()
+        assert self._ready.wait(10), "the fake server did not start"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def _serve(self) -> None:
+        loop = self._loop = asyncio.new_event_loop()
+        app = web.Application()
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._generate)
+        app.router.add_post("/v1/chat/completions", self._generate)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.2)
+        loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        loop.run_until_complete(site.start())
+        port = runner.addresses[0][1]
+        self.base_url = f"http://127.0.0.1:{port}"
+        self._ready.set()
+        loop.run_forever()
+        loop.run_until_complete(runner.cleanup())
+        loop.close()
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": MODEL, "object": "model", "owned_by": "test", "max_model_len": 1024}]})
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        arrival = asyncio.get_running_loop().time()
+        with self._lock:
+            self.received += 1
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            return await self._respond(request, arrival)
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+
+    async def _respond(self, request: web.Request, arrival: float) -> web.StreamResponse:
+        body = await request.json()
+        chat = request.path.endswith("chat/completions")
+        text = body["messages"][-1]["content"] if chat else body["prompt"]
+        script = dict(re.findall(r"(\w+)=(\S+)", text)) if text.startswith("FAKE") else {}
+        ttft_s = float(script.get("ttft", self.defaults["ttft"])) / 1000
+        itl_s = float(script.get("itl", self.defaults["itl"])) / 1000
+        n = int(script.get("n", body.get("max_tokens", 16)))
+        fail = script.get("fail")
+        if fail in ("500", "400"):
+            return web.json_response({"error": {"message": f"injected {fail}", "type": "test", "code": int(fail)}},
+                                     status=int(fail))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        header = {"id": "cmpl-1", "object": "chat.completion.chunk" if chat else "text_completion",
+                  "model": MODEL}
+
+        async def send(payload: dict) -> None:
+            await resp.write(f"data: {json.dumps(payload)}\n\n".encode())
+
+        def choice(piece: str) -> dict:
+            return {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
+
+        if chat:  # like pdserve and OpenAI: a role chunk with empty content comes first
+            await send({**header, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+        loop = asyncio.get_running_loop()
+        for i in range(n):
+            await asyncio.sleep(max(0.0, arrival + ttft_s + i * itl_s - loop.time()))
+            if i == n // 2 and fail == "stream_error":
+                await send({"error": {"message": "injected stream error", "code": 500}})
+                await resp.write(b"data: [DONE]\n\n")
+                return resp
+            if i == n // 2 and fail == "abort":
+                request.transport.close()
+                return resp
+            await send({**header, "choices": [choice(f" t{i}")]})
+        if body.get("stream_options", {}).get("include_usage") and script.get("usage") != "0":
+            await send({**header, "choices": [],
+                        "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3}})
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+@pytest.fixture()
+def server():
+    with FakeOpenAIServer() as fake:
+        yield fake
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir() -> Path:
+    from engine.tiny_model import ensure_default_model
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir):
+    from engine.tokenizer import load_tokenizer
+    return load_tokenizer(tokenizer_dir)
+
+
+def fake(**script) -> SampleRequest:
+    prompt = "FAKE " + " ".join(f"{k}={v}" for k, v in script.items())
+    return SampleRequest(prompt, prompt_len=3, expected_output_len=int(script.get("n", 4)))
+
+
+def run(requests, base_url: str, tokenizer=None, **options):
+    config = RunConfig(base_url=base_url, model=MODEL, disable_tqdm=True, **options)
+    return asyncio.run(run_benchmark(requests, config, tokenizer=tokenizer))
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------- arrivals
+
+
+def test_poisson_arrivals_have_the_asked_mean_rate():
+    offsets = arrival_offsets(20000, rate=8.0, seed=1)
+    gaps = np.diff(offsets)
+    assert offsets[0] == 0.0 and np.all(gaps >= 0)
+    assert gaps.mean() == pytest.approx(1 / 8.0, rel=0.05)
+    # Exponential gaps: coefficient of variation 1.
+    assert gaps.var() / gaps.mean() ** 2 == pytest.approx(1.0, rel=0.1)
+    assert arrival_offsets(100, 8.0, seed=1) == offsets[:100]
+    assert arrival_offsets(100, 8.0, seed=2) != offsets[:100]
+
+
+@pytest.mark.parametrize("burstiness", [0.25, 4.0])
+def test_gamma_arrivals_keep_the_rate_and_scale_the_variance(burstiness):
+    gaps = np.diff(arrival_offsets(40000, rate=5.0, burstiness=burstiness, seed=3))
+    assert gaps.mean() == pytest.approx(1 / 5.0, rel=0.05)
+    # Gamma with shape k: squared coefficient of variation 1 / k.
+    assert gaps.var() / gaps.mean() ** 2 == pytest.approx(1 / burstiness, rel=0.15)
+
+
+def test_infinite_rate_sends_everything_at_once_and_bad_values_are_refused():
+    assert arrival_offsets(5, math.inf) == [0.0] * 5
+    with pytest.raises(ValueError, match="--request-rate"):
+        arrival_offsets(5, 0.0)
+    with pytest.raises(ValueError, match="--burstiness"):
+        arrival_offsets(5, 1.0, burstiness=0.0)
+
+
+def test_pacing_follows_the_schedule():
+    offsets = [0.0, 0.05, 0.12, 0.2]
+
+    async def go():
+        start = time.perf_counter()
+        return [time.perf_counter() - start async for _ in paced(offsets, start)]
+
+    seen = asyncio.run(go())
+    assert all(-0.002 < got - want < TOL_S for got, want in zip(seen, offsets, strict=True))
+
+
+# ---------------------------------------------------------- metrics, exactly
+
+
+def record(index=0, send=10.0, chunks=(), end=None, tokens=None, ok=True, error=None) -> RequestRecord:
+    r = RequestRecord(index, prompt_len=5, expected_output_len=4, send_time=send, chunk_times=list(chunks),
+                      end_time=end if end is not None else (chunks[-1] if chunks else send),
+                      output_tokens=tokens if tokens is not None else len(chunks), succeeded=ok, error=error)
+    r.token_count_method = "usage" if ok else None
+    return r
+
+
+def test_per_request_metrics_are_exact():
+    r = record(send=1.0, chunks=[1.1, 1.13, 1.15, 1.2], end=1.25, tokens=6)
+    assert ttft(r) == pytest.approx(0.1, abs=1e-12)
+    # TPOT divides by tokens - 1 (usage said 6 tokens in 4 chunks); ITL is per chunk.
+    assert tpot(r) == pytest.approx(0.1 / 5, abs=1e-12)
+    s = summarize([r], num_requests=1, duration=2.0)
+    assert s.latency["itl"].mean == pytest.approx(100 / 3)
+    assert s.latency["itl"].median == pytest.approx(30.0)
+    assert s.latency["e2el"].mean == pytest.approx(250.0)
+    assert tpot(record(chunks=[10.5], tokens=1)) is None
+
+
+def test_summary_throughput_and_percentiles():
+    records = [record(i, send=0.0, chunks=[t, t + 0.01], end=t + 0.01) for i, t in enumerate([0.1, 0.2, 0.3, 0.4])]
+    records.append(record(9, ok=False, error="HTTP 500: boom"))
+    s = summarize(records, num_requests=6, duration=2.0, percentiles=(90, 99))
+    assert (s.completed, s.failed, s.not_sent) == (4, 1, 1)
+    assert s.request_throughput == 2.0 and s.output_throughput == 4.0
+    assert s.total_input_tokens == 20 and s.total_token_throughput == 14.0
+    assert s.latency["ttft"].mean == pytest.approx(250.0)
+    assert s.latency["ttft"].median == pytest.approx(250.0)
+    assert s.latency["ttft"].percentiles[90] == pytest.approx(370.0)
+    assert s.latency["ttft"].std == pytest.approx(statistics.pstdev([100, 200, 300, 400]))
+    assert s.error_counts == {"HTTP 500: boom": 1}
+    assert s.good is None and s.request_goodput is None and s.slo_attainment is None
+    rng = np.random.default_rng(0)
+    for values in (rng.exponential(size=17), rng.normal(size=200)):
+        for q in (1, 25, 50, 90, 99, 99.9):
+            assert percentile(sorted(values), q) == pytest.approx(np.percentile(values, q))
+
+
+def test_goodput_counts_exactly_the_requests_meeting_every_slo():
+    # Binary fractions, so "equal to the limit" is exact in floating point.
+    slos = {"ttft": 125.0, "tpot": 15.625, "e2el": 250.0}
+    good = record(0, send=0.0, chunks=[0.125, 0.140625, 0.15625], end=0.25)  # every limit met exactly
+    slow_first = record(1, send=0.0, chunks=[0.126, 0.13], end=0.2)
+    slow_decode = record(2, send=0.0, chunks=[0.0625, 0.0785], end=0.1)
+    slow_total = record(3, send=0.0, chunks=[0.0625, 0.0675], end=0.251)
+    one_token = record(4, send=0.0, chunks=[0.0625], end=0.07)               # no decode: meets any TPOT
+    failed = record(5, send=0.0, chunks=[0.01], ok=False, error="x")
+    records = [good, slow_first, slow_decode, slow_total, one_token, failed]
+    assert [meets_slos(r, slos) for r in records] == [True, False, False, False, True, False]
+    assert meets_slos(slow_first, {"tpot": 15.625}) and meets_slos(slow_decode, {"ttft": 125.0})
+    s = summarize(records, num_requests=6, duration=4.0, slos_ms=slos)
+    assert s.good == 2 and s.request_goodput == 0.5
+    assert s.slo_attainment == pytest.approx(2 / 6)  # failed requests count against attainment
+
+
+# ----------------------------------------------------- against the fake server
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_streamed_timings_match_the_injected_latencies(server, endpoint):
+    result = run([fake(ttft=50, itl=10, n=8) for _ in range(4)], server.base_url, endpoint=endpoint,
+                 request_rate=20.0)
+    assert result.interrupted is None and len(result.records) == 4
+    for r in result.records:
+        assert r.succeeded and r.error is None and r.status == 200
+        assert (r.output_tokens, r.token_count_method, len(r.chunk_times)) == (8, "usage", 8)
+        assert ttft(r) == pytest.approx(0.050, abs=TOL_S)
+        assert tpot(r) == pytest.approx(0.010, abs=0.004)
+        assert r.end_time - r.send_time == pytest.approx(0.050 + 7 * 0.010, abs=TOL_S + 0.005)
+        assert r.text == "".join(f" t{i}" for i in range(8))
+    s = summarize(result.records, num_requests=4, duration=result.duration)
+    assert s.latency["itl"].median == pytest.approx(10.0, abs=4.0)
+    assert s.completed == 4 and s.total_output_tokens == 32
+
+
+def test_goodput_over_the_network_counts_exactly_the_good_requests(server):
+    good = [fake(ttft=20, itl=5, n=5) for _ in range(4)]
+    slow_first = [fake(ttft=200, itl=5, n=5) for _ in range(2)]
+    slow_decode = [fake(ttft=20, itl=60, n=4) for _ in range(2)]
+    slow_total = [fake(ttft=20, itl=20, n=25) for _ in range(2)]
+    broken = [fake(fail=500)]
+    result = run(good + slow_first + slow_decode + slow_total + broken, server.base_url)
+    # Margins: good ~40 ms e2el; the others miss their limit by >= 2x.
+    slos = {"ttft": 100.0, "tpot": 30.0, "e2el": 300.0}
+    s = summarize(result.records, num_requests=11, duration=result.duration, slos_ms=slos)
+    assert (s.completed, s.failed, s.good) == (10, 1, 4)
+    assert s.slo_attainment == pytest.approx(4 / 11)
+    assert s.request_goodput == pytest.approx(4 / result.duration)
+    good_indices = {r.index for r in result.records if meets_slos(r, slos)}
+    assert good_indices == {0, 1, 2, 3}
+
+
+def test_failed_requests_are_counted_with_their_errors(server):
+    requests = [fake(n=3), fake(fail=500), fake(fail=400), fake(fail="stream_error", n=6),
+                fake(fail="abort", n=6), fake(n=0), fake(ttft=3000, n=2), fake(n=3)]
+    result = run(requests, server.base_url, request_timeout=0.5)
+    by_index = {r.index: r for r in result.records}
+    assert [by_index[i].succeeded for i in range(8)] == [True, False, False, False, False, False, False, True]
+    assert by_index[1].error == "HTTP 500: injected 500" and by_index[1].status == 500
+    assert by_index[2].error == "HTTP 400: injected 400"
+    assert by_index[3].error == "stream error: injected stream error"
+    assert "ClientPayloadError" in by_index[4].error or "without data: [DONE]" in by_index[4].error
+    assert "no output text" in by_index[5].error
+    assert "timed out after 0.5 s" in by_index[6].error
+    s = summarize(result.records, num_requests=8, duration=result.duration)
+    assert (s.completed, s.failed) == (2, 6) and sum(s.error_counts.values()) == 6
+    table = format_table(s)
+    assert "Failed requests:" in table and "HTTP 500: injected 500" in table
+
+
+def test_an_unreachable_server_fails_every_request_without_crashing():
+    result = run([fake(n=2)] * 3, f"http://127.0.0.1:{closed_port()}")
+    assert len(result.records) == 3 and not any(r.succeeded for r in result.records)
+    assert all("Connect" in r.error for r in result.records)
+
+
+def test_output_tokens_without_usage_come_from_the_tokenizer_or_chunks(server):
+    class WordCounter:
+        def encode(self, text, add_special_tokens=False):
+            return text.split() * 2
+
+    requests = [fake(n=4, usage=0)]
+    by_chunks = run(requests, server.base_url).records[0]
+    by_tokenizer = run(requests, server.base_url, tokenizer=WordCounter()).records[0]
+    assert (by_chunks.output_tokens, by_chunks.token_count_method) == (4, "chunks")
+    assert (by_tokenizer.output_tokens, by_tokenizer.token_count_method) == (8, "tokenizer")
+
+
+def test_max_concurrency_caps_requests_in_flight(server):
+    result = run([fake(ttft=30, n=2) for _ in range(6)], server.base_url, max_concurrency=2)
+    assert all(r.succeeded for r in result.records)
+    assert server.max_in_flight == 2
+
+
+def test_requests_are_sent_on_their_poisson_schedule(server):
+    result = run([fake(ttft=5, n=1) for _ in range(30)], server.base_url, request_rate=50.0, seed=4)
+    offsets = arrival_offsets(30, 50.0, seed=4)
+    lateness = [(r.send_time - result.start_time) - offsets[r.index] for r in result.records]
+    # Never early; a busy machine may delay a few sends, but not the typical one.
+    assert min(lateness) > -0.002 and statistics.median(lateness) < TOL_S and max(lateness) < 0.1
+
+
+def test_max_duration_ends_the_run_with_partial_results(server):
+    requests = [fake(ttft=10, n=2)] * 3 + [fake(ttft=10, itl=100, n=50)] * 2
+    result = run(requests, server.base_url, max_duration=0.5)
+    assert result.interrupted == "--max-duration 0.5 s reached" and not result.cancelled
+    assert result.duration < 1.0
+    s = summarize(result.records, num_requests=5, duration=result.duration)
+    assert (s.completed, s.failed, s.unfinished) == (3, 2, 2)
+    assert all("unfinished" in r.error for r in result.records if not r.succeeded)
+
+
+def test_cancelling_the_run_returns_what_was_measured(server):
+    requests = [fake(ttft=10, n=2)] * 2 + [fake(ttft=10, itl=100, n=50)] + [fake(n=2)]
+    config = RunConfig(base_url=server.base_url, model=MODEL, disable_tqdm=True, request_rate=4.0, seed=0)
+
+    async def go():
+        task = asyncio.ensure_future(run_benchmark(requests, config))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        return await task
+
+    result = asyncio.run(go())
+    assert result.cancelled and result.interrupted == "interrupted (Ctrl-C)"
+    assert len(result.records) < 4  # the rest were never sent
+    assert any(r.succeeded for r in result.records)
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread()
+                    or signal.getsignal(signal.SIGINT) is not signal.default_int_handler,
+                    reason="asyncio.run turns SIGINT into a cancellation only in the main thread")
+def test_ctrl_c_under_asyncio_run_returns_partial_results(server):
+    requests = [fake(ttft=10, n=2)] + [fake(ttft=10, itl=100, n=50)] * 2
+    config = RunConfig(base_url=server.base_url, model=MODEL, disable_tqdm=True)
+
+    async def go():
+        asyncio.get_running_loop().call_later(0.3, signal.raise_signal, signal.SIGINT)
+        return await run_benchmark(requests, config)
+
+    result = asyncio.run(go())
+    assert result.cancelled
+    s = summarize(result.records, num_requests=3, duration=result.duration)
+    assert (s.completed, s.unfinished) == (1, 2)
+
+
+# --------------------------------------------------------------- report, plots
+
+
+def test_json_result_has_vllm_keys_and_per_request_records(server):
+    result = run([fake(n=3), fake(fail=500)], server.base_url)
+    s = summarize(result.records, num_requests=2, duration=result.duration, slos_ms={"ttft": 1000.0},
+                  percentiles=(90, 99, 99.9))
+    out = json.loads(json.dumps(build_result(result, s, meta={"dataset_name": "test"})))
+    for key in ("request_throughput", "output_throughput", "request_goodput", "median_ttft_ms", "p99_ttft_ms",
+                "median_tpot_ms", "p99_tpot_ms", "median_e2el_ms", "p90_itl_ms", "p99.9_e2el_ms", "mean_itl_ms",
+                "std_tpot_ms", "duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
+                "total_token_throughput", "slo_attainment", "error_counts", "input_lens", "output_lens", "ttfts",
+                "itls", "generated_texts", "errors", "requests"):
+        assert key in out, key
+    assert out["request_rate"] == "inf" and out["dataset_name"] == "test"
+    assert (out["completed"], out["failed"], out["request_goodput"]) == (1, 1, pytest.approx(1 / out["duration"]))
+    assert out["error_counts"] == {"HTTP 500: injected 500": 1}
+    assert len(out["requests"]) == 2 and {"ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"} <= set(out["requests"][0])
+
+
+def sweep_result(rate: float, scale: float) -> dict:
+    return {"request_rate": rate, "completed": 10, "failed": 0, "request_throughput": min(rate, 3.0),
+            "request_goodput": min(rate, 2.0), "output_throughput": 30.0 * min(rate, 3.0),
+            "slo_attainment": 1.0 / scale, "slos_ms": {"ttft": 100.0},
+            **{f"{stat}_{m}_ms": base * scale for m in ("ttft", "tpot")
+               for stat, base in (("median", 10.0), ("p90", 20.0), ("p99", 30.0))}}
+
+
+def test_sweep_plots_are_written_as_png(tmp_path):
+    results = [sweep_result(rate, scale) for rate, scale in ((0.5, 1.0), (1.0, 1.2), (4.0, 3.0))]
+    paths = write_plots(results, tmp_path / "plots")
+    assert sorted(p.name for p in paths) == ["slo_attainment.png", "throughput.png", "tpot.png", "ttft.png"]
+    assert all(p.read_bytes().startswith(PNG_MAGIC) for p in paths)
+    assert "0.5" in format_sweep_table(results)
+
+
+# ----------------------------------------------------------------------- datasets
+
+
+def test_random_dataset_lengths(tokenizer):
+    exact = random_dataset(tokenizer, num_prompts=20, input_len=64, output_len=8, seed=1)
+    assert all(r.prompt_len == 64 and r.expected_output_len == 8 for r in exact)
+    assert all(len(tokenizer.encode(r.prompt, add_special_tokens=False)) == r.prompt_len for r in exact)
+    assert random_dataset(tokenizer, num_prompts=20, input_len=64, output_len=8, seed=1) == exact
+    ranged = random_dataset(tokenizer, num_prompts=50, input_len=40, output_len=10, range_ratio=0.5, seed=2)
+    assert all(20 <= r.prompt_len <= 60 and 5 <= r.expected_output_len <= 15 for r in ranged)
+    assert len({r.prompt_len for r in ranged}) > 5
+    assert length_range(10, 0.25) == (7, 13)
+    with pytest.raises(DatasetError, match="--random-range-ratio"):
+        random_dataset(tokenizer, num_prompts=1, input_len=8, output_len=8, range_ratio=1.0)
+
+
+def test_prefix_dataset_shares_prefixes(tokenizer):
+    requests = prefix_dataset(tokenizer, num_prompts=12, prefix_len=48, suffix_len=6, num_prefixes=3,
+                              output_len=5, seed=0)
+    heads = {r.prompt[:40] for r in requests}
+    assert len(requests) == 12 and len(heads) == 3
+    assert all(r.expected_output_len == 5 and 50 <= r.prompt_len <= 56 for r in requests)
+
+
+def test_sharegpt_dataset_reads_the_public_format(tokenizer):
+    requests = sharegpt_dataset(tokenizer, SHAREGPT, num_prompts=50, seed=0)
+    assert len(requests) == 50
+    prompts = {r.prompt for r in requests}
+    assert len(prompts) == 40  # 43 entries: one-turn, empty and too-short-answer ones skipped, the rest reused
+    assert all(len(tokenizer.encode(r.prompt, add_special_tokens=False)) == r.prompt_len for r in requests)
+    fixed = sharegpt_dataset(tokenizer, SHAREGPT, num_prompts=5, output_len=7, max_model_len=1024)
+    assert all(r.expected_output_len == 7 for r in fixed)
+    with pytest.raises(DatasetError, match="--dataset-path"):
+        sharegpt_dataset(tokenizer, SHAREGPT.with_name("missing.json"), num_prompts=1)
+
+
+# ----------------------------------------------------------------------- the CLI
+
+
+def test_cli_run_prints_the_table_and_saves_vllm_json(server, tokenizer_dir, tmp_path, capsys):
+    rc = main(["loadtest", "--base-url", server.base_url, "--tokenizer", str(tokenizer_dir),
+               "--num-prompts", "6", "--random-input-len", "16", "--random-output-len", "4",
+               "--request-rate", "50", "--goodput", "ttft:1000", "tpot:200", "--disable-tqdm",
+               "--save-result", "--result-dir", str(tmp_path), "--result-file", "out.json"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "Serving Benchmark Result" in out.out and "Mean TTFT (ms):" in out.out and "P99 E2EL (ms):" in out.out
+    assert "tokenizer:" in out.err
+    saved = json.loads((tmp_path / "out.json").read_text())
+    assert saved["model"] == MODEL and saved["completed"] == 6 and saved["failed"] == 0
+    assert saved["request_goodput"] > 0 and saved["slo_attainment"] == 1.0
+    assert saved["token_count_methods"] == {"usage": 6} and saved["input_lens"] == [16] * 6
+
+
+def test_cli_sweep_writes_plots_and_results(server, tokenizer_dir, tmp_path, capsys):
+    rc = main(["loadtest", "--base-url", server.base_url, "--tokenizer", str(tokenizer_dir),
+               "--endpoint", "/v1/chat/completions", "--dataset-name", "sharegpt", "--dataset-path", str(SHAREGPT),
+               "--sharegpt-output-len", "3", "--num-prompts", "5", "--sweep-rates", "20,40",
+               "--goodput", "e2el:2000", "--disable-tqdm", "--plot", str(tmp_path / "plots"),
+               "--save-result", "--result-dir", str(tmp_path), "--result-file", "sweep.json"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "Rate sweep" in out.out
+    pngs = sorted((tmp_path / "plots").glob("*.png"))
+    assert [p.name for p in pngs] == ["slo_attainment.png", "throughput.png", "tpot.png", "ttft.png"]
+    assert all(p.read_bytes().startswith(PNG_MAGIC) for p in pngs)
+    saved = json.loads((tmp_path / "sweep.json").read_text())
+    assert saved["sweep_rates"] == [20.0, 40.0] and [r["completed"] for r in saved["runs"]] == [5, 5]
+
+
+def test_cli_without_a_model_tokenizer_counts_by_usage_and_says_so(server, tmp_path, capsys):
+    rc = main(["loadtest", "--base-url", server.base_url, "--num-prompts", "3", "--random-input-len", "8",
+               "--random-output-len", "3", "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path),
+               "--result-file", "out.json"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "none found locally" in out.err and "approximate" in out.err
+    assert "Output tokens counted by:                server usage (3)" in out.out
+    saved = json.loads((tmp_path / "out.json").read_text())
+    assert saved["tokenizer"] is None and saved["prompt_lengths"].startswith("approximate")
+    assert [r["usage_prompt_tokens"] for r in saved["requests"]] == [3, 3, 3]
+
+
+def test_cli_unreachable_server_and_bad_arguments_exit_2(server, capsys):
+    assert main(["loadtest", "--base-url", f"http://127.0.0.1:{closed_port()}"]) == 2
+    assert "cannot reach the server" in capsys.readouterr().err
+    assert main(["loadtest", "--base-url", server.base_url, "--model", "other"]) == 2
+    assert "serves fake-model" in capsys.readouterr().err
+    assert main(["loadtest", "--plot", "x"]) == 2
+    for bad in (["--goodput", "ttft=5"], ["--goodput", "speed:5"], ["--percentile-metrics", "ttft,foo"],
+                ["--metric-percentiles", "101"], ["--sweep-rates", "1,inf"], ["--request-rate", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            main(["loadtest", *bad])
+        assert exc.value.code == 2
+    assert "expected KEY:MS" in capsys.readouterr().err
