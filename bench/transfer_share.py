@@ -31,7 +31,8 @@ PHASES = {
 }
 
 
-def histogram_means(metrics_text: str) -> dict[str, float]:
+def histogram_totals(metrics_text: str) -> dict[str, tuple[float, float]]:
+    """phase -> (sum, count) of its histogram."""
     sums, counts = {}, {}
     for line in metrics_text.splitlines():
         for key, name in PHASES.items():
@@ -39,7 +40,17 @@ def histogram_means(metrics_text: str) -> dict[str, float]:
                 sums[key] = float(line.split()[-1])
             elif line.startswith(name + "_count"):
                 counts[key] = float(line.split()[-1])
-    return {k: sums[k] / counts[k] for k in sums if counts.get(k)}
+    return {k: (sums[k], counts.get(k, 0.0)) for k in sums}
+
+
+def means_between(before: dict, after: dict) -> dict[str, float]:
+    """Mean of each phase over the observations made between two scrapes."""
+    out = {}
+    for key, (total, count) in after.items():
+        total0, count0 = before.get(key, (0.0, 0.0))
+        if count > count0:
+            out[key] = (total - total0) / (count - count0)
+    return out
 
 
 def run_mode(mode: str, prompts: list[list[int]], max_tokens: int, port: int) -> dict[str, float]:
@@ -60,15 +71,20 @@ def run_mode(mode: str, prompts: list[list[int]], max_tokens: int, port: int) ->
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
-    warmup, *measured = prompts
+    def scrape() -> dict[str, tuple[float, float]]:
+        return histogram_totals(urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode())
+
+    warmup, *measured = prompts   # the warm-up also connects the KV pair: not counted
+    before = None
     for prompt in [warmup, *measured]:
         body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                            "ignore_eos": True}).encode()
         req = urllib.request.Request(f"{base}/v1/completions", body, {"Content-Type": "application/json"})
         urllib.request.urlopen(req, timeout=120).read()
-    text = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
+        before = before or scrape()
+    after = scrape()
     serve.delete(mode)
-    return histogram_means(text)
+    return means_between(before, after)
 
 
 def main() -> None:
