@@ -65,6 +65,21 @@ def test_app_builder_builds_from_the_tiny_serve_config(monkeypatch):
     assert type(app).__name__ == "Application"
 
 
+def check_loadtest_against(base_url: str, out_dir: Path) -> None:
+    """`pdserve loadtest` for a handful of requests against the running server."""
+    done = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "loadtest", "--base-url", base_url, "--num-prompts", "6",
+         "--random-input-len", "24", "--random-output-len", "5", "--ignore-eos", "--request-rate", "20",
+         "--goodput", "ttft:60000", "tpot:60000", "--disable-tqdm", "--save-result", "--result-dir", str(out_dir),
+         "--result-file", "loadtest.json"], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads((out_dir / "loadtest.json").read_text())
+    assert (result["completed"], result["failed"]) == (6, 0), result.get("error_counts")
+    assert result["output_lens"] == [5] * 6 and result["total_output_tokens"] == 30
+    assert result["slo_attainment"] == 1.0 and result["request_goodput"] > 0
+    assert result["median_ttft_ms"] > 0 and result["median_tpot_ms"] > 0
+
+
 def test_pdserve_serve_answers_and_stops_cleanly_on_ctrl_c(model_dirs, tmp_path):
     port = free_port()
     env = {**os.environ, "RAY_ADDRESS": ""}
@@ -90,6 +105,7 @@ def test_pdserve_serve_answers_and_stops_cleanly_on_ctrl_c(model_dirs, tmp_path)
         with urllib.request.urlopen(request, timeout=60) as r:
             reply = json.loads(r.read())
         assert reply["usage"]["completion_tokens"] == 5
+        check_loadtest_against(f"http://127.0.0.1:{port}", tmp_path)
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=90)
         assert proc.returncode == 0
