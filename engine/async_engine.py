@@ -49,7 +49,6 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._streams_lock = threading.Lock()
         self._tickers: list[Ticker] = []
-        self._ready: asyncio.Future | None = None
         self._failure: BaseException | None = None
         self._loop = asyncio.get_running_loop()
         self._ready = self._loop.create_future()
@@ -125,7 +124,11 @@ class AsyncEngine:
             self._run_calls(engine)
             busy = False
             for ticker in self._tickers:
-                busy |= bool(ticker(engine))
+                try:
+                    busy |= bool(ticker(engine))
+                except Exception:  # noqa: BLE001 - one bad poll must not stop every request
+                    log.exception("ticker %s failed", getattr(ticker, "__qualname__", ticker))
+                    busy = True
             if engine.has_unfinished_requests():
                 self._deliver(engine.step(**self._step_kwargs))
                 continue

@@ -340,16 +340,14 @@ class LLMEngine:
         module-level function. With several ranks, a failure on any rank raises
         RankCallError (the ranks stay usable); with one, fn's own exception."""
         self._check_ranks()
-        if self.tp.size > 1:
-            try:
-                self.tp.broadcast_object((RPC, (fn, args)))
-                mine = run_rank_call(self.worker, fn, args)
-                results = self.tp.gather_objects_to_first(mine)
-            except Exception as exc:
-                self._on_rank_error(exc)
-                raise
-        else:
+        if self.tp.size == 1:
             return [fn(self.worker, *args)]
+        try:
+            self.tp.broadcast_object((RPC, (fn, args)))
+            results = self.tp.gather_objects_to_first(run_rank_call(self.worker, fn, args))
+        except Exception as exc:
+            self._on_rank_error(exc)
+            raise
         for r in results:
             if isinstance(r, RankCallError):
                 raise r

@@ -109,3 +109,23 @@ def test_a_killed_rank_is_an_error_not_a_hang(model_dirs):
     assert time.monotonic() - start < 60
     llm.shutdown()
     assert not _alive(pid)
+
+
+def _rank_and_heads(worker, fail_on_rank: int | None):
+    if worker.tp.rank == fail_on_rank:
+        raise ValueError("asked to fail")
+    return worker.tp.rank, list(worker.kv_heads)
+
+
+def test_collective_rpc_runs_on_every_rank_and_reports_which_failed(model_dirs):
+    from engine.model_worker import RankCallError
+    with LLM(str(model_dirs["tiny"]), tensor_parallel_size=2, max_model_len=128) as llm:
+        engine = llm.engine
+        heads = engine.model_config.num_kv_heads
+        assert engine.collective_rpc(_rank_and_heads, None) == [
+            (r, list(kv_heads_of_rank(heads, 2, r))) for r in range(2)]
+        with pytest.raises(RankCallError, match="rank 1: ValueError: asked to fail"):
+            engine.collective_rpc(_rank_and_heads, 1)
+        # the ranks are still in step: the next call and a generation work
+        assert [r for r, _ in engine.collective_rpc(_rank_and_heads, None)] == [0, 1]
+        assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids) == 3

@@ -89,7 +89,6 @@ class TensorParallel:
         self.group.broadcast([payload], opts).wait()
         return obj if self.is_first else pickle.loads(payload.cpu().numpy().tobytes())
 
-
     def gather_objects_to_first(self, obj: Any) -> list[Any] | None:
         """Rank 0 gets every rank's `obj` (pickled) in rank order; others get None."""
         if self.size == 1:
