@@ -37,9 +37,10 @@ log = logging.getLogger(__name__)
 class _Pending:
     """A request between reserve and admission (engine thread only)."""
     request: DecodeRequest
-    future: asyncio.Future                 # reserve: block ids; receive: (state, error)
+    future: asyncio.Future                 # reserving: (bytes, receive future); receiving: (state, error, first)
     deadline: float
     block_ids: list[int] | None = None
+    failed: bool = False                   # the transfer failed; waiting for the request's abort
 
 
 class DecodeWorker:
@@ -73,16 +74,12 @@ class DecodeWorker:
             reserved = loop.create_future()
             t0 = time.monotonic()
             await self._engine.call(self._reserve, request, reserved)
-            await reserved
-            ready = ReadyToReceive(rid, list(self.receivers), time.monotonic() - t0)
-            received = loop.create_future()
+            nbytes, received = await reserved
             t1 = time.monotonic()
-            nbytes = await self._engine.call(self._start_receive, rid, received)
-            yield ready
-            state, error = await received
+            yield ReadyToReceive(rid, list(self.receivers), t1 - t0)
+            state, error, first = await received
             if state is not TransferState.DONE:
                 raise KVTransferFailed(f"the KV of request {rid} did not arrive at {self.name}: {error}")
-            first = await self._engine.call(self._admit, rid)
             yield KVReceived(time.monotonic() - t1, nbytes)
             finished = first.finished
             yield first
@@ -135,34 +132,38 @@ class DecodeWorker:
         self._try_reserve(engine, pending)
 
     def _try_reserve(self, engine: LLMEngine, pending: _Pending) -> None:
+        """Reserves the blocks and posts the receives in one go (no engine step
+        in between); resolves the reserve future with (bytes, receive future)."""
         r = pending.request
         try:
             blocks = engine.reserve_prefilled(
                 r.request_id, r.prompt_token_ids, r.prefill.first_token_id, r.params,
                 first_logprobs=r.prefill.first_logprobs, generator_state=r.prefill.generator_state)
+            if blocks is not None:
+                nbytes = sum(engine.collective_rpc(kv_handoff.start_receive, r.request_id, len(blocks),
+                                                   r.prefill.sender_names, r.prefill.num_kv_heads))
         except Exception as exc:  # noqa: BLE001 - handed to the waiting request
             del self._reserving[r.request_id]
+            if r.request_id in engine.scheduler.reserved:   # reserved, but the receives failed to post
+                engine.collective_rpc(kv_handoff.forget_transfer, r.request_id)
+                engine.abort_request(r.request_id)
             _resolve(pending.future, exc=exc)
             return
         if blocks is not None:
-            pending.block_ids = blocks
             del self._reserving[r.request_id]
+            reserved = pending.future
+            pending.block_ids = blocks
+            pending.future = reserved.get_loop().create_future()
+            pending.deadline = time.monotonic() + self.transfer_timeout_s
             self._receiving[r.request_id] = pending
-            _resolve(pending.future, blocks)
+            _resolve(reserved, (nbytes, pending.future))
         elif time.monotonic() > pending.deadline:
             del self._reserving[r.request_id]
             _resolve(pending.future, exc=TimeoutError(
                 f"{self.name} had no free KV blocks for request {r.request_id} for {self.reserve_timeout_s:.0f} s"))
 
-    def _start_receive(self, engine: LLMEngine, rid: str, future: asyncio.Future) -> int:
-        pending = self._receiving[rid]
-        pending.future = future
-        pending.deadline = time.monotonic() + self.transfer_timeout_s
-        p = pending.request.prefill
-        return sum(engine.collective_rpc(kv_handoff.start_receive, rid, len(pending.block_ids),
-                                         p.sender_names, p.num_kv_heads))
-
     def _admit(self, engine: LLMEngine, rid: str):
+        """The KV is in: scatter it into the blocks and join the running batch."""
         pending = self._receiving.pop(rid)
         engine.collective_rpc(kv_handoff.finish_receive, rid, pending.block_ids)
         return engine.commit_prefilled(rid)
@@ -178,7 +179,7 @@ class DecodeWorker:
     def _tick(self, engine: LLMEngine) -> bool:
         for pending in list(self._reserving.values()):
             self._try_reserve(engine, pending)
-        waiting = [rid for rid, p in self._receiving.items() if not p.future.done()]
+        waiting = [rid for rid, p in self._receiving.items() if not p.failed]
         if waiting:
             per_rank = engine.collective_rpc(kv_handoff.poll_transfers, waiting)
             now = time.monotonic()
@@ -187,8 +188,12 @@ class DecodeWorker:
                 state, error = kv_handoff.combine_states([r[rid] for r in per_rank])
                 if not state.is_final and now > pending.deadline:
                     state, error = TransferState.FAILED, f"timed out after {self.transfer_timeout_s:.0f} s"
-                if state.is_final:
-                    _resolve(pending.future, (state, error))
+                if state is TransferState.DONE:
+                    _resolve(pending.future, (state, None, self._admit(engine, rid)))
+                elif state is TransferState.FAILED:
+                    # stays in _receiving: the request's abort forgets the transfer and frees the blocks
+                    pending.failed = True
+                    _resolve(pending.future, (state, error, None))
         return bool(self._reserving or waiting)
 
 
