@@ -24,14 +24,13 @@ import argparse
 import asyncio
 import json
 import random
-import time
-import urllib.request
 from pathlib import Path
 
 from bench.loadtest.datasets import SampleRequest, random_dataset
 from bench.loadtest.metrics import summarize
 from bench.loadtest.report import build_result
 from bench.loadtest.runner import RunConfig, run_benchmark
+from bench.serve_app import deploy
 
 RESULTS = Path(__file__).parent / "results"
 MODES = {
@@ -53,34 +52,18 @@ def mixed_workload(tokenizer, *, num_prompts: int, long_fraction: float, short_l
     return requests
 
 
-def deploy(mode: str, port: int) -> str:
-    from ray import serve
-
-    from cluster.app_builder import build_application
-    from cluster.config import DeploymentConfig
-
-    config = DeploymentConfig.model_validate({
-        **MODES[mode], "model": {"dtype": "float32", "max_model_len": 1024},
-        "engine": {"max_num_batched_tokens": 1024, "kv_cache_memory_gib": 0.25},
-        "resources": {"cpus_per_rank": 1}})
-    serve.run(build_application(config), name=mode, route_prefix=f"/{mode}", blocking=False)
-    base = f"http://127.0.0.1:{port}/{mode}"
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            urllib.request.urlopen(f"{base}/health", timeout=5)
-            return base
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
+def settings(mode: str) -> dict:
+    """The deployment of `mode`: one CPU per replica, the tiny model in fp32."""
+    return {**MODES[mode], "model": {"dtype": "float32", "max_model_len": 1024},
+            "engine": {"max_num_batched_tokens": 1024, "kv_cache_memory_gib": 0.25},
+            "resources": {"cpus_per_rank": 1}}
 
 
 def run_mode(mode: str, port: int, workloads: dict[float, list[SampleRequest]], warmup: list[SampleRequest],
              slos: dict[str, float], seed: int) -> list[dict]:
     from ray import serve
 
-    base = deploy(mode, port)
+    base = deploy(mode, settings(mode), port)
     config = RunConfig(base_url=base, model="tiny", ignore_eos=True, seed=seed, disable_tqdm=True,
                        max_duration=300)
     asyncio.run(run_benchmark(warmup, config))

@@ -17,9 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import time
 import urllib.request
 from pathlib import Path
+
+from bench.serve_app import deploy
 
 PHASES = {
     "ttft": "pdserve_time_to_first_token_seconds",
@@ -56,21 +57,8 @@ def means_between(before: dict, after: dict) -> dict[str, float]:
 def run_mode(mode: str, prompts: list[list[int]], max_tokens: int, port: int) -> dict[str, float]:
     from ray import serve
 
-    from cluster.app_builder import build_application
-    from cluster.config import DeploymentConfig
+    base = deploy(mode, {"mode": mode, "model": {"dtype": "float32", "max_model_len": 1024}}, port)
 
-    config = DeploymentConfig.model_validate({"mode": mode, "model": {"dtype": "float32", "max_model_len": 1024}})
-    serve.run(build_application(config), name=mode, route_prefix=f"/{mode}", blocking=False)
-    base = f"http://127.0.0.1:{port}/{mode}"
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            urllib.request.urlopen(f"{base}/health", timeout=5)
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
     def scrape() -> dict[str, tuple[float, float]]:
         return histogram_totals(urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode())
 

@@ -8,8 +8,6 @@ decode_server.py wraps it for Ray Serve).
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from collections.abc import AsyncIterator
 
 from engine.async_engine import AsyncEngine
@@ -17,8 +15,6 @@ from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-
-log = logging.getLogger(__name__)
 
 
 class ColocatedWorker:
@@ -38,35 +34,21 @@ class ColocatedWorker:
         finished = False
         try:
             await self._engine.call(_add_request, request_id, prompt_token_ids, params)
-            while not finished:
-                out = await stream.get()
-                if isinstance(out, BaseException):
-                    raise out
+            async for out in self._engine.outputs(stream):
                 finished = out.finished
                 yield out
         finally:
             self._engine.close_stream(request_id)
             if not finished:
-                try:
-                    await asyncio.shield(self._engine.call(_abort, request_id))
-                except Exception:  # noqa: BLE001 - the engine is gone; nothing left to free
-                    log.debug("abort of %s after the engine stopped", request_id)
+                await self._engine.call_for_cleanup(_abort, request_id)
 
     def check_health(self) -> None:
         """Raises when the engine loop has stopped (a step failed, or a TP rank died)."""
         self._engine.check_alive()
 
     def stats(self) -> dict[str, float]:
-        engine = self._engine.engine
-        if engine is None:
-            return {}
-        bm = engine.block_manager
-        return {
-            "free_kv_blocks": float(bm.num_free_blocks),
-            "num_waiting": float(len(engine.scheduler.waiting)),
-            "num_running": float(len(engine.scheduler.running)),
-            "kv_cache_usage": 1.0 - bm.num_free_blocks / bm.num_blocks,
-        }
+        """Load figures for routing and metrics."""
+        return self._engine.load_stats()
 
     def shutdown(self) -> None:
         self._engine.shutdown()

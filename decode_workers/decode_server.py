@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator
 import ray
 from ray import serve
 
-from cluster.gang_devices import claim_gang_gpus
 from cluster.handoff import DecodeRequest
 from cluster.transport_factory import TransportSettings, receiver_factory
+from cluster.worker_deployment import WorkerDeployment
 from decode_workers.colocated_worker import ColocatedWorker
 from decode_workers.decode_worker import DecodeWorker
 from engine.engine_config import EngineConfig
@@ -22,11 +22,9 @@ from engine.sampling_params import SamplingParams
 
 
 @serve.deployment(name="DecodeServer")
-class DecodeServer:
+class DecodeServer(WorkerDeployment):
     async def __init__(self, engine_config: EngineConfig, transport: TransportSettings, reserve_timeout_s: float):
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
-        if engine_config.device == "cuda":
-            await claim_gang_gpus(engine_config.tensor_parallel_size)
+        await self.join_gang(engine_config)
         name = f"decode-{self.replica_id}"
         # senders on other nodes reach this replica's receivers at the node's address
         transport = dataclasses.replace(transport, host=ray.util.get_node_ip_address())
@@ -39,26 +37,11 @@ class DecodeServer:
         async for event in self.worker.generate(request):
             yield event
 
-    def stats(self) -> dict[str, float]:
-        return {"replica": self.replica_id, **self.worker.stats()}
-
-    def check_health(self) -> None:
-        """Serve's health probe: a replica whose engine stopped is replaced."""
-        self.worker.check_health()
-
-    def record_routing_stats(self) -> dict[str, float]:
-        return self.worker.stats()
-
-    def __del__(self) -> None:
-        self.worker.shutdown()
-
 
 @serve.deployment(name="ColocatedServer")
-class ColocatedServer:
+class ColocatedServer(WorkerDeployment):
     async def __init__(self, engine_config: EngineConfig):
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
-        if engine_config.device == "cuda":
-            await claim_gang_gpus(engine_config.tensor_parallel_size)
+        await self.join_gang(engine_config)
         self.worker = ColocatedWorker(engine_config, name=f"colocated-{self.replica_id}")
         await self.worker.start()
 
@@ -66,15 +49,4 @@ class ColocatedServer:
         async for out in self.worker.generate(request_id, prompt_token_ids, params):
             yield out
 
-    def stats(self) -> dict[str, float]:
-        return {"replica": self.replica_id, **self.worker.stats()}
 
-    def check_health(self) -> None:
-        """Serve's health probe: a replica whose engine stopped is replaced."""
-        self.worker.check_health()
-
-    def record_routing_stats(self) -> dict[str, float]:
-        return self.worker.stats()
-
-    def __del__(self) -> None:
-        self.worker.shutdown()

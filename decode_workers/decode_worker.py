@@ -17,7 +17,6 @@ the transfer succeeded.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -29,8 +28,6 @@ from engine.async_engine import AsyncEngine
 from engine.engine_config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -83,37 +80,26 @@ class DecodeWorker:
             yield KVReceived(time.monotonic() - t1, nbytes)
             finished = first.finished
             yield first
-            while not finished:
-                out = await stream.get()
-                if isinstance(out, BaseException):
-                    raise out
-                finished = out.finished
-                yield out
+            if not finished:
+                async for out in self._engine.outputs(stream):
+                    finished = out.finished
+                    yield out
         finally:
             self._engine.close_stream(rid)
             if not finished:
-                try:
-                    await asyncio.shield(self._engine.call(self._abort, rid))
-                except Exception:  # noqa: BLE001 - the engine is gone; nothing left to free
-                    log.debug("abort of %s after the engine stopped", rid)
+                await self._engine.call_for_cleanup(self._abort, rid)
 
     def check_health(self) -> None:
         """Raises when the engine loop has stopped (a step failed, or a TP rank died)."""
         self._engine.check_alive()
 
     def stats(self) -> dict[str, float]:
-        """Load figures for routing and metrics (read without locking: approximate)."""
-        engine = self._engine.engine
-        if engine is None:
-            return {}
-        bm = engine.block_manager
-        return {
-            "free_kv_blocks": float(bm.num_free_blocks),
-            "num_waiting": float(len(engine.scheduler.waiting) + len(self._reserving)),
-            "num_running": float(len(engine.scheduler.running)),
-            "num_receiving": float(len(self._receiving)),
-            "kv_cache_usage": 1.0 - bm.num_free_blocks / bm.num_blocks,
-        }
+        """Load figures for routing and metrics; requests still reserving count as waiting."""
+        stats = self._engine.load_stats()
+        if stats:
+            stats["num_waiting"] += len(self._reserving)
+            stats["num_receiving"] = float(len(self._receiving))
+        return stats
 
     def shutdown(self) -> None:
         self._engine.shutdown()

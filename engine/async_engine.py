@@ -19,10 +19,11 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,39 @@ class AsyncEngine:
     def close_stream(self, request_id: str) -> None:
         with self._streams_lock:
             self._streams.pop(request_id, None)
+
+    async def outputs(self, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        """A request's outputs from its stream, up to and including the finished
+        one; raises what the engine reported instead."""
+        while True:
+            out = await stream.get()
+            if isinstance(out, BaseException):
+                raise out
+            yield out
+            if out.finished:
+                return
+
+    async def call_for_cleanup(self, fn: Callable[..., Any], *args: Any) -> None:
+        """`call` for clean-up paths (freeing a request's blocks): it runs even if
+        the caller is being cancelled, and a stopped engine has nothing left to free."""
+        try:
+            await asyncio.shield(self.call(fn, *args))
+        except EngineStoppedError:
+            log.debug("clean-up %s skipped: the engine has stopped", getattr(fn, "__name__", fn))
+
+    def load_stats(self) -> dict[str, float]:
+        """The engine's load for routing and metrics (read from another thread
+        without locking: approximate); empty before the engine is built."""
+        engine = self.engine
+        if engine is None:
+            return {}
+        blocks = engine.block_manager
+        return {
+            "free_kv_blocks": float(blocks.num_free_blocks),
+            "num_waiting": float(len(engine.scheduler.waiting)),
+            "num_running": float(len(engine.scheduler.running)),
+            "kv_cache_usage": 1.0 - blocks.num_free_blocks / blocks.num_blocks,
+        }
 
     def add_ticker(self, ticker: Ticker) -> None:
         """Registers a function the engine thread calls every iteration."""

@@ -13,21 +13,19 @@ import dataclasses
 
 from ray import serve
 
-from cluster.gang_devices import claim_gang_gpus
 from cluster.handoff import PrefillResult
 from cluster.kv_transport import PeerAddress
 from cluster.transport_factory import TransportSettings, sender_factory
+from cluster.worker_deployment import WorkerDeployment
 from engine.engine_config import EngineConfig
 from engine.sampling_params import SamplingParams
 from prefill_workers.prefill_worker import PrefillWorker
 
 
 @serve.deployment(name="PrefillServer")
-class PrefillServer:
+class PrefillServer(WorkerDeployment):
     async def __init__(self, engine_config: EngineConfig, transport: TransportSettings, lease_s: float = 60.0):
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
-        if engine_config.device == "cuda":
-            await claim_gang_gpus(engine_config.tensor_parallel_size)
+        await self.join_gang(engine_config)
         self.worker = PrefillWorker(engine_config, sender_factory(transport, f"prefill-{self.replica_id}"),
                                     lease_s=lease_s, name=f"prefill-{self.replica_id}")
         await self.worker.start()
@@ -46,15 +44,4 @@ class PrefillServer:
     async def abort(self, request_id: str, *, target_replica: str) -> None:
         await self.worker.abort(request_id)
 
-    def stats(self) -> dict[str, float]:
-        return {"replica": self.replica_id, **self.worker.stats()}
 
-    def check_health(self) -> None:
-        """Serve's health probe: a replica whose engine stopped is replaced."""
-        self.worker.check_health()
-
-    def record_routing_stats(self) -> dict[str, float]:
-        return self.worker.stats()
-
-    def __del__(self) -> None:
-        self.worker.shutdown()

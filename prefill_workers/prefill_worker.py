@@ -75,7 +75,7 @@ class PrefillWorker:
                 raise out
             return await self._engine.call(self._hold, out, time.monotonic() + self.lease_s)
         except BaseException:
-            await self._engine.call(self._drop, request_id)
+            await self._engine.call_for_cleanup(self._drop, request_id)
             raise
         finally:
             self._engine.close_stream(request_id)
@@ -100,18 +100,13 @@ class PrefillWorker:
         self._engine.check_alive()
 
     def stats(self) -> dict[str, float]:
-        """Load figures for routing and metrics (read without locking: approximate)."""
-        engine = self._engine.engine
-        if engine is None:
-            return {}
-        bm = engine.block_manager
-        return {
-            "queued_prefill_tokens": float(sum(self._queued_prompt_tokens.values())),
-            "num_waiting": float(len(engine.scheduler.waiting)),
-            "num_running": float(len(engine.scheduler.running)),
-            "num_held": float(len(self._holds)),
-            "kv_cache_usage": 1.0 - bm.num_free_blocks / bm.num_blocks,
-        }
+        """Load figures for routing and metrics: the engine's, the prompt tokens
+        not yet prefilled, and the requests holding KV."""
+        stats = self._engine.load_stats()
+        if stats:
+            stats["queued_prefill_tokens"] = float(sum(self._queued_prompt_tokens.values()))
+            stats["num_held"] = float(len(self._holds))
+        return stats
 
     def shutdown(self) -> None:
         self._engine.shutdown()

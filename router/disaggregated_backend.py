@@ -63,22 +63,30 @@ class _Phases:
                             transfer_time=self.transfer_s, transfer_bytes=self.transfer_bytes)
 
 
-class DisaggregatedBackend(GenerationBackend):
-    def __init__(self, info: ModelInfo, prefill: PrefillPool, decode: DecodePool):
-        self._info, self._prefill, self._decode = info, prefill, decode
+class _TimedBackend(GenerationBackend):
+    """A backend that records each request's phases while it runs."""
+
+    def __init__(self, info: ModelInfo):
+        self._info = info
         self._phases: dict[str, _Phases] = {}
 
     def model_info(self) -> ModelInfo:
         return self._info
 
-    async def check_health(self) -> None:
-        await self._prefill.check_health()
-        await self._decode.check_health()
-
     def phase_timings(self, request_id: str) -> PhaseTimings | None:
         """The phases of a finished request (popped: asked once, at the end)."""
         phases = self._phases.pop(request_id, None)
         return None if phases is None else phases.freeze()
+
+
+class DisaggregatedBackend(_TimedBackend):
+    def __init__(self, info: ModelInfo, prefill: PrefillPool, decode: DecodePool):
+        super().__init__(info)
+        self._prefill, self._decode = prefill, decode
+
+    async def check_health(self) -> None:
+        await self._prefill.check_health()
+        await self._decode.check_health()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
@@ -107,22 +115,15 @@ class DisaggregatedBackend(GenerationBackend):
                 await self._prefill.release(result)
 
 
-class ColocatedBackend(GenerationBackend):
+class ColocatedBackend(_TimedBackend):
     """Colocated mode: one worker prefills and decodes (no KV transfer)."""
 
     def __init__(self, info: ModelInfo, pool: ColocatedPool):
-        self._info, self._pool = info, pool
-        self._phases: dict[str, _Phases] = {}
-
-    def model_info(self) -> ModelInfo:
-        return self._info
+        super().__init__(info)
+        self._pool = pool
 
     async def check_health(self) -> None:
         await self._pool.check_health()
-
-    def phase_timings(self, request_id: str) -> PhaseTimings | None:
-        phases = self._phases.pop(request_id, None)
-        return None if phases is None else phases.freeze()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:

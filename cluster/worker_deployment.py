@@ -1,0 +1,41 @@
+"""What every worker deployment (prefill, decode, colocated) exposes to Ray
+Serve besides its own methods: load figures for the router's replica choice
+(`record_routing_stats`, polled by Serve) and for /metrics (`stats`), a health
+probe that reaches the engine loop, and stopping the engine with the replica.
+Subclasses call `join_gang` first in their constructor, then set `self.worker`
+(a PrefillWorker, DecodeWorker or ColocatedWorker).
+"""
+
+from __future__ import annotations
+
+from ray import serve
+
+from cluster.gang_devices import claim_gang_gpus
+from engine.engine_config import EngineConfig
+
+
+class WorkerDeployment:
+    worker = None
+    replica_id = ""
+
+    async def join_gang(self, engine_config: EngineConfig) -> str:
+        """Sets and returns this replica's id; on CUDA, first gives the gang its
+        GPUs (cluster/gang_devices.py)."""
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        if engine_config.device == "cuda":
+            await claim_gang_gpus(engine_config.tensor_parallel_size)
+        return self.replica_id
+
+    def stats(self) -> dict:
+        return {"replica": self.replica_id, **self.worker.stats()}
+
+    def record_routing_stats(self) -> dict[str, float]:
+        return self.worker.stats()
+
+    def check_health(self) -> None:
+        """Serve's health probe: a replica whose engine stopped is replaced."""
+        self.worker.check_health()
+
+    def __del__(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
