@@ -100,8 +100,12 @@ class DisaggregatedBackend(_TimedBackend):
             async for event in self._decode.generate(request):
                 if isinstance(event, ReadyToReceive):
                     ready_at = time.monotonic()
-                    phases.transfer_bytes = await self._prefill.send_kv(result, event.transfer_id,
-                                                                        event.receivers)
+                    try:
+                        phases.transfer_bytes = await self._prefill.send_kv(result, event.transfer_id,
+                                                                            event.receivers)
+                    except (KeyError, RuntimeError) as exc:   # the hold expired, or the worker failed
+                        raise BackendUnavailableError(f"the prefill worker could not send the KV of "
+                                                      f"{request_id}: {exc}") from None
                 elif isinstance(event, KVReceived):
                     phases.transfer_s = time.monotonic() - (ready_at or time.monotonic())
                     released = True
