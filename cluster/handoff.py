@@ -41,6 +41,7 @@ class DecodeRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     prefill: PrefillResult
+    transfer_id: str                       # new for every attempt: a retry never meets a stale piece
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,7 @@ class ReadyToReceive:
     transfer_id: str
     receivers: list[PeerAddress]           # one per decode rank
     reserve_time_s: float                  # waiting for free KV blocks
+    replica_id: str = ""                   # the decode replica (set by the server): avoided on a retry
 
 
 @dataclass(frozen=True, slots=True)

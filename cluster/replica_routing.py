@@ -4,6 +4,8 @@ router, configured per deployment by the app builder).
 - A call that names `target_replica=<replica unique id>` goes to that replica
   only: the prefill replica that holds a request's KV is asked to send or
   release it.
+- A call that names `avoid_replica=<id>` (a retry after a failed KV transfer)
+  goes elsewhere when another replica is available.
 - Any other call goes to the replica whose last reported load figure
   (`record_routing_stats`) is best: the fewest queued prefill tokens for
   prefill, the most free KV blocks for decode. Ties go to the replica with the
@@ -16,6 +18,7 @@ from __future__ import annotations
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 TARGET_REPLICA = "target_replica"
+AVOID_REPLICA = "avoid_replica"
 
 
 class LoadAwareRouter(FIFOMixin, RequestRouter):
@@ -32,6 +35,10 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
             target = pending_request.kwargs.get(TARGET_REPLICA)
             if target:
                 return [[r] for r in candidate_replicas if r.replica_id.unique_id == target]
+            avoid = pending_request.kwargs.get(AVOID_REPLICA)
+            others = [r for r in candidate_replicas if r.replica_id.unique_id != avoid]
+            if avoid and others:
+                candidate_replicas = others
 
         def load(replica: RunningReplica) -> tuple[float, int]:
             value = float((replica.routing_stats or {}).get(self._stat, 0.0))

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import ray
 from ray import serve
 
-from cluster.handoff import DecodeRequest
+from cluster.handoff import DecodeRequest, ReadyToReceive
 from cluster.transport_factory import TransportSettings, receiver_factory
 from cluster.worker_deployment import WorkerDeployment
 from decode_workers.colocated_worker import ColocatedWorker
@@ -33,8 +33,11 @@ class DecodeServer(WorkerDeployment):
                                    name=name)
         await self.worker.start()
 
-    async def generate(self, request: DecodeRequest) -> AsyncIterator:
+    async def generate(self, request: DecodeRequest, *, avoid_replica: str | None = None) -> AsyncIterator:
+        """`avoid_replica` steers a retry away from a replica (cluster/replica_routing.py)."""
         async for event in self.worker.generate(request):
+            if isinstance(event, ReadyToReceive):
+                event = dataclasses.replace(event, replica_id=self.replica_id)
             yield event
 
 

@@ -73,7 +73,7 @@ class DecodeWorker:
             await self._engine.call(self._reserve, request, reserved)
             nbytes, received = await reserved
             t1 = time.monotonic()
-            yield ReadyToReceive(rid, list(self.receivers), t1 - t0)
+            yield ReadyToReceive(request.transfer_id, list(self.receivers), t1 - t0)
             state, error, first = await received
             if state is not TransferState.DONE:
                 raise KVTransferFailed(f"the KV of request {rid} did not arrive at {self.name}: {error}")
@@ -126,12 +126,12 @@ class DecodeWorker:
                 r.request_id, r.prompt_token_ids, r.prefill.first_token_id, r.params,
                 first_logprobs=r.prefill.first_logprobs, generator_state=r.prefill.generator_state)
             if blocks is not None:
-                nbytes = sum(engine.collective_rpc(kv_handoff.start_receive, r.request_id, len(blocks),
+                nbytes = sum(engine.collective_rpc(kv_handoff.start_receive, r.transfer_id, len(blocks),
                                                    r.prefill.sender_names, r.prefill.num_kv_heads))
         except Exception as exc:  # noqa: BLE001 - handed to the waiting request
             del self._reserving[r.request_id]
             if r.request_id in engine.scheduler.reserved:   # reserved, but the receives failed to post
-                engine.collective_rpc(kv_handoff.forget_transfer, r.request_id)
+                engine.collective_rpc(kv_handoff.forget_transfer, r.transfer_id)
                 engine.abort_request(r.request_id)
             _resolve(pending.future, exc=exc)
             return
@@ -151,13 +151,13 @@ class DecodeWorker:
     def _admit(self, engine: LLMEngine, rid: str):
         """The KV is in: scatter it into the blocks and join the running batch."""
         pending = self._receiving.pop(rid)
-        engine.collective_rpc(kv_handoff.finish_receive, rid, pending.block_ids)
+        engine.collective_rpc(kv_handoff.finish_receive, pending.request.transfer_id, pending.block_ids)
         return engine.commit_prefilled(rid)
 
     def _abort(self, engine: LLMEngine, rid: str) -> None:
         pending = self._reserving.pop(rid, None) or self._receiving.pop(rid, None)
         if pending is not None:
-            engine.collective_rpc(kv_handoff.forget_transfer, rid)
+            engine.collective_rpc(kv_handoff.forget_transfer, pending.request.transfer_id)
             if not pending.future.done():
                 _resolve(pending.future, exc=asyncio.CancelledError())
         engine.abort_request(rid)
@@ -165,13 +165,13 @@ class DecodeWorker:
     def _tick(self, engine: LLMEngine) -> bool:
         for pending in list(self._reserving.values()):
             self._try_reserve(engine, pending)
-        waiting = [rid for rid, p in self._receiving.items() if not p.failed]
+        waiting = {p.request.transfer_id: rid for rid, p in self._receiving.items() if not p.failed}
         if waiting:
-            per_rank = engine.collective_rpc(kv_handoff.poll_transfers, waiting)
+            per_rank = engine.collective_rpc(kv_handoff.poll_transfers, list(waiting))
             now = time.monotonic()
-            for rid in waiting:
+            for tid, rid in waiting.items():
                 pending = self._receiving[rid]
-                state, error = kv_handoff.combine_states([r[rid] for r in per_rank])
+                state, error = kv_handoff.combine_states([r[tid] for r in per_rank])
                 if not state.is_final and now > pending.deadline:
                     state, error = TransferState.FAILED, f"timed out after {self.transfer_timeout_s:.0f} s"
                 if state is TransferState.DONE:

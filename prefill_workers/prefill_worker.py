@@ -130,7 +130,8 @@ class PrefillWorker:
         if hold is None:
             raise KeyError(f"request {request_id!r} holds no KV on {self.name} (lease expired or aborted)")
         if hold.transfer_id is not None:
-            raise RuntimeError(f"request {request_id!r} is already being sent")
+            # a retry towards another decode worker: the router gave up on the last attempt
+            engine.collective_rpc(kv_handoff.forget_transfer, hold.transfer_id)
         block_ids = list(engine.held_sequence(request_id).block_table)
         nbytes = sum(engine.collective_rpc(kv_handoff.start_send, transfer_id, block_ids, receivers,
                                            self.num_kv_heads))

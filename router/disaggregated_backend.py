@@ -10,6 +10,10 @@ decode worker (or one colocated worker) and time every phase.
     decode pool:      ─▶ KVReceived ─▶ prefill pool: release(result)
                       ─▶ RequestOutput ... (streamed to the client)
 
+A hand-off that fails before KVReceived (nothing streamed yet) is retried with a
+new transfer id, steered away from the decode replica that failed; the prefill
+side still holds the KV until the router releases it.
+
 The pools are small interfaces: in a cluster they wrap Serve deployment
 handles (router/serve_pools.py); in tests, plain worker objects.
 """
@@ -41,7 +45,7 @@ class PrefillPool(Protocol):
 
 
 class DecodePool(Protocol):
-    def generate(self, request: DecodeRequest) -> AsyncIterator: ...
+    def generate(self, request: DecodeRequest, avoid_replica: str | None = None) -> AsyncIterator: ...
     async def check_health(self) -> None: ...
 
 
@@ -80,9 +84,14 @@ class _TimedBackend(GenerationBackend):
 
 
 class DisaggregatedBackend(_TimedBackend):
-    def __init__(self, info: ModelInfo, prefill: PrefillPool, decode: DecodePool):
+    """A failed hand-off (before any token was streamed) is retried once, on
+    another decode replica when there is one; then the request fails with 503."""
+
+    def __init__(self, info: ModelInfo, prefill: PrefillPool, decode: DecodePool, *,
+                 max_transfer_attempts: int = 2):
         super().__init__(info)
         self._prefill, self._decode = prefill, decode
+        self.max_transfer_attempts = max_transfer_attempts
 
     async def check_health(self) -> None:
         await self._prefill.check_health()
@@ -94,29 +103,39 @@ class DisaggregatedBackend(_TimedBackend):
         result = await self._prefill.prefill(request_id, prompt_token_ids, params)
         phases.queue_s, phases.prefill_s = result.queue_time_s, result.prefill_time_s
         released = False
+        avoid = None
         try:
-            request = DecodeRequest(request_id, prompt_token_ids, params, result)
-            ready_at = None
-            async for event in self._decode.generate(request):
-                if isinstance(event, ReadyToReceive):
-                    ready_at = time.monotonic()
-                    try:
-                        phases.transfer_bytes = await self._prefill.send_kv(result, event.transfer_id,
-                                                                            event.receivers)
-                    except (KeyError, RuntimeError) as exc:   # the hold expired, or the worker failed
-                        raise BackendUnavailableError(f"the prefill worker could not send the KV of "
-                                                      f"{request_id}: {exc}") from None
-                elif isinstance(event, KVReceived):
-                    phases.transfer_s = time.monotonic() - (ready_at or time.monotonic())
-                    released = True
-                    await self._prefill.release(result)
-                else:
-                    yield event
-        except KVTransferFailed as exc:
-            raise BackendUnavailableError(str(exc)) from None
+            for attempt in range(1, self.max_transfer_attempts + 1):
+                # a fresh transfer id per attempt; the prefill side still holds the KV
+                request = DecodeRequest(request_id, prompt_token_ids, params, result, f"{request_id}#{attempt}")
+                ready_at = None
+                try:
+                    async for event in self._decode.generate(request, avoid_replica=avoid):
+                        if isinstance(event, ReadyToReceive):
+                            ready_at, avoid = time.monotonic(), event.replica_id or None
+                            phases.transfer_bytes = await self._send(result, event, request_id)
+                        elif isinstance(event, KVReceived):
+                            phases.transfer_s = time.monotonic() - (ready_at or time.monotonic())
+                            released = True
+                            await self._prefill.release(result)
+                        else:
+                            yield event
+                    return
+                except (KVTransferFailed, BackendUnavailableError) as exc:
+                    # nothing has been streamed yet (tokens only come after KVReceived): safe to retry
+                    if released or attempt == self.max_transfer_attempts:
+                        raise BackendUnavailableError(str(exc)) from None
+                    log.warning("KV hand-off of %s failed (%s); retrying on another decode worker", request_id, exc)
         finally:
             if not released:
                 await self._prefill.release(result)
+
+    async def _send(self, result: PrefillResult, ready: ReadyToReceive, request_id: str) -> int:
+        try:
+            return await self._prefill.send_kv(result, ready.transfer_id, ready.receivers)
+        except (KeyError, RuntimeError) as exc:   # the hold expired, or the worker failed
+            raise BackendUnavailableError(f"the prefill worker could not send the KV of {request_id}: {exc}") \
+                from None
 
 
 class ColocatedBackend(_TimedBackend):

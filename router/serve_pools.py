@@ -17,7 +17,7 @@ from ray import exceptions as ray_exceptions
 
 from cluster.handoff import DecodeRequest, PrefillResult
 from cluster.kv_transport import PeerAddress
-from cluster.replica_routing import TARGET_REPLICA
+from cluster.replica_routing import AVOID_REPLICA, TARGET_REPLICA
 from engine.sampling_params import SamplingParams
 from router.backend import BackendUnavailableError
 
@@ -77,8 +77,8 @@ class ServeDecodePool:
     async def check_health(self) -> None:
         await check_replicas(self._plain, "decode")
 
-    async def generate(self, request: DecodeRequest) -> AsyncIterator:
-        stream = self._handle.generate.remote(request)
+    async def generate(self, request: DecodeRequest, avoid_replica: str | None = None) -> AsyncIterator:
+        stream = self._handle.generate.remote(request, **{AVOID_REPLICA: avoid_replica})
         try:
             with unwrapped_errors("decode"):
                 async for event in stream:

@@ -47,6 +47,18 @@ class LocalPrefillPool:
         await self.worker.release(result.request_id)
 
 
+class LocalDecodePool:
+    """The decode pool over one in-process worker (a retry lands on the same one)."""
+
+    def __init__(self, worker: DecodeWorker):
+        self.worker = worker
+        self.attempts = 0
+
+    def generate(self, request, avoid_replica=None):
+        self.attempts += 1
+        return self.worker.generate(request)
+
+
 class Pair:
     def __init__(self, model_dir, hub: FakeTransportHub, lease_s: float = 30.0):
         config = EngineConfig(model=str(model_dir), max_model_len=128, block_size=8, dtype="float32",
@@ -54,8 +66,9 @@ class Pair:
         self.hub = hub
         self.prefill = PrefillWorker(config, lambda rank: hub.sender(f"p{rank}"), lease_s=lease_s)
         self.decode = DecodeWorker(config, lambda rank: hub.receiver(f"d{rank}"), transfer_timeout_s=10)
+        self.decode_pool = LocalDecodePool(self.decode)
         self.backend = DisaggregatedBackend(ModelInfo("tiny", 128, 512), LocalPrefillPool(self.prefill),
-                                            self.decode)
+                                            self.decode_pool)
 
     async def start(self):
         await self.prefill.start()
@@ -107,20 +120,26 @@ def test_handoff_matches_transformers_greedy(model_dirs, reference):
 
 
 @pytest.mark.parametrize("when", ["connect", "transfer"])
-def test_a_failed_transfer_ends_the_request_and_frees_both_sides(model_dirs, reference, when):
+def test_a_failed_transfer_is_retried_once_then_fails_cleanly(model_dirs, reference, when):
     async def main():
         pair = await Pair(model_dirs["tiny"], FakeTransportHub()).start()
         try:
             pair.hub.fail_next(1, when=when, message="link down")
+            retried = await pair.run("retried", PROMPTS[0])
+            assert pair.decode_pool.attempts == 2
+            await pair.wait_idle()
+            pair.hub.fail_next(2, when="transfer", message="link down")   # the pair is up by now
             with pytest.raises(BackendUnavailableError, match=r"did not arrive at decode.*link down"):
-                await pair.run("bad", PROMPTS[0])
+                await pair.run("bad", PROMPTS[1])
+            assert pair.decode_pool.attempts == 4
             await pair.wait_idle()
             # the next request goes through on the same pair of workers
-            return await pair.run("good", PROMPTS[1])
+            return retried, await pair.run("good", PROMPTS[1])
         finally:
             pair.shutdown()
-    out = run(main())
-    assert out.token_ids == reference("tiny").greedy(tuple(PROMPTS[1]), 10)
+    retried, good = run(main())
+    assert retried.token_ids == reference("tiny").greedy(tuple(PROMPTS[0]), 10)
+    assert good.token_ids == reference("tiny").greedy(tuple(PROMPTS[1]), 10)
 
 
 def test_a_dead_sender_fails_the_transfer_instead_of_hanging(model_dirs):
@@ -130,8 +149,8 @@ def test_a_dead_sender_fails_the_transfer_instead_of_hanging(model_dirs):
             task = asyncio.create_task(pair.run("x", PROMPTS[2]))
             while pair.decode.stats()["num_receiving"] == 0 or pair.prefill.stats()["num_held"] == 0:
                 await asyncio.sleep(0.01)
-            pair.hub.kill("p0")
-            with pytest.raises(BackendUnavailableError, match="p0 died"):
+            pair.hub.kill("p0")   # for good: the retry finds the sender dead too
+            with pytest.raises(BackendUnavailableError, match="p0"):
                 await task
             await pair.wait_idle()
         finally:

@@ -1,0 +1,65 @@
+"""The Serve request router that picks prefill and decode replicas: load
+ranking, ties, targeted calls and retries steered away from a replica."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from cluster.replica_routing import AVOID_REPLICA, TARGET_REPLICA, LoadAwareRouter
+
+
+def replica(uid: str, **stats):
+    return SimpleNamespace(replica_id=SimpleNamespace(unique_id=uid), routing_stats=stats)
+
+
+def pending(**kwargs):
+    return SimpleNamespace(kwargs=kwargs, routing_context=SimpleNamespace(should_backoff=False))
+
+
+def router(stat: str, prefer: str) -> LoadAwareRouter:
+    r = LoadAwareRouter.__new__(LoadAwareRouter)   # the ranking needs none of Serve's router state
+    r.initialize_state(stat=stat, prefer=prefer)
+    return r
+
+
+def ranked(r: LoadAwareRouter, replicas, request=None) -> list[str]:
+    ranks = asyncio.run(r.choose_replicas(replicas, request))
+    return [rank[0].replica_id.unique_id for rank in ranks]
+
+
+def test_prefill_prefers_the_fewest_queued_tokens_and_decode_the_most_free_blocks():
+    reps = [replica("a", queued_prefill_tokens=900, free_kv_blocks=10),
+            replica("b", queued_prefill_tokens=0, free_kv_blocks=500),
+            replica("c", queued_prefill_tokens=300, free_kv_blocks=80)]
+    assert ranked(router("queued_prefill_tokens", "min"), reps, pending()) == ["b", "c", "a"]
+    assert ranked(router("free_kv_blocks", "max"), reps, pending()) == ["b", "c", "a"]
+    assert ranked(router("free_kv_blocks", "min"), reps, pending()) == ["a", "c", "b"]
+
+
+def test_ties_go_to_the_replica_with_fewer_calls_in_flight():
+    r = router("queued_prefill_tokens", "min")
+    reps = [replica("a", queued_prefill_tokens=0), replica("b", queued_prefill_tokens=0)]
+    for _ in range(2):
+        r.on_request_routed(None, reps[0].replica_id, None)
+    assert ranked(r, reps, pending()) == ["b", "a"]
+    r.on_request_completed(reps[0].replica_id, "x")
+    r.on_request_completed(reps[0].replica_id, "y")
+    r.on_request_completed(reps[0].replica_id, "z")   # never below zero
+    assert ranked(r, reps, pending()) == ["a", "b"]
+
+
+def test_a_targeted_call_goes_only_to_its_replica_and_a_retry_avoids_one():
+    r = router("free_kv_blocks", "max")
+    reps = [replica("a", free_kv_blocks=900), replica("b", free_kv_blocks=5)]
+    assert ranked(r, reps, pending(**{TARGET_REPLICA: "b"})) == ["b"]
+    assert ranked(r, reps, pending(**{TARGET_REPLICA: "gone"})) == []
+    assert ranked(r, reps, pending(**{AVOID_REPLICA: "a"})) == ["b"]
+    assert ranked(r, reps[:1], pending(**{AVOID_REPLICA: "a"})) == ["a"]   # the only one left
+
+
+def test_prefer_must_be_min_or_max():
+    with pytest.raises(ValueError, match="prefer must be 'min' or 'max'"):
+        router("free_kv_blocks", "most")
