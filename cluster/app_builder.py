@@ -80,7 +80,7 @@ def build_application(config: DeploymentConfig) -> serve.Application:
     from router.ingress import Router
 
     model_path, info = resolve_model(config)
-    transport = TransportSettings(device=config.device, timeout_s=config.kv_transfer.timeout_s)
+    transport = TransportSettings(timeout_s=config.kv_transfer.timeout_s)
     if config.mode is Mode.colocated:
         colocated = _worker_options(ColocatedServer, config, config.colocated, "free_kv_blocks", "max")
         workers = {"colocated": colocated.bind(config.engine_config("colocated", model_path))}

@@ -36,16 +36,17 @@ class _Receive:
 
 
 # ---- set-up (run once per rank) ----------------------------------------------------------
-def attach_sender(worker, make_sender: Callable[[int], KVSender]) -> str:
-    """Creates this rank's sender; returns its name."""
-    sender = make_sender(worker.tp.rank)
+def attach_sender(worker, make_sender: Callable[[int, torch.device], KVSender]) -> str:
+    """Creates this rank's sender (for buffers on the rank's device); returns its name."""
+    sender = make_sender(worker.tp.rank, worker.device)
     worker.attachments.update({SENDER: sender, SENDS: {}})
     return sender.name
 
 
-def attach_receiver(worker, make_receiver: Callable[[int], KVReceiver]) -> PeerAddress:
-    """Creates this rank's receiver; returns the address senders connect to."""
-    receiver = make_receiver(worker.tp.rank)
+def attach_receiver(worker, make_receiver: Callable[[int, torch.device], KVReceiver]) -> PeerAddress:
+    """Creates this rank's receiver (for buffers on the rank's device); returns the
+    address senders connect to."""
+    receiver = make_receiver(worker.tp.rank, worker.device)
     worker.attachments.update({RECEIVER: receiver, RECEIVES: {}})
     return receiver.address
 

@@ -21,6 +21,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import torch
+
 from cluster import kv_handoff
 from cluster.handoff import DecodeRequest, KVReceived, KVTransferFailed, ReadyToReceive
 from cluster.kv_transport import KVReceiver, PeerAddress, TransferState
@@ -41,7 +43,7 @@ class _Pending:
 
 
 class DecodeWorker:
-    def __init__(self, config: EngineConfig, make_receiver: Callable[[int], KVReceiver], *,
+    def __init__(self, config: EngineConfig, make_receiver: Callable[[int, torch.device], KVReceiver], *,
                  reserve_timeout_s: float = 60.0, transfer_timeout_s: float = 60.0, name: str = "decode"):
         """Call from a running event loop, then `await start()`."""
         self.config = config

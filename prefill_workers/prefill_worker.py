@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from cluster import kv_handoff
 from cluster.handoff import PrefillResult
 from cluster.kv_transport import KVSender, PeerAddress, TransferState
@@ -43,7 +45,7 @@ class _Hold:
 
 
 class PrefillWorker:
-    def __init__(self, config: EngineConfig, make_sender: Callable[[int], KVSender], *,
+    def __init__(self, config: EngineConfig, make_sender: Callable[[int, torch.device], KVSender], *,
                  lease_s: float = 60.0, name: str = "prefill"):
         """Call from a running event loop, then `await start()`."""
         self.config = config

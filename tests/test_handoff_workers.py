@@ -64,8 +64,8 @@ class Pair:
         config = EngineConfig(model=str(model_dir), max_model_len=128, block_size=8, dtype="float32",
                               num_kv_blocks=64)
         self.hub = hub
-        self.prefill = PrefillWorker(config, lambda rank: hub.sender(f"p{rank}"), lease_s=lease_s)
-        self.decode = DecodeWorker(config, lambda rank: hub.receiver(f"d{rank}"), transfer_timeout_s=10)
+        self.prefill = PrefillWorker(config, lambda rank, device: hub.sender(f"p{rank}"), lease_s=lease_s)
+        self.decode = DecodeWorker(config, lambda rank, device: hub.receiver(f"d{rank}"), transfer_timeout_s=10)
         self.decode_pool = LocalDecodePool(self.decode)
         self.backend = DisaggregatedBackend(ModelInfo("tiny", 128, 512), LocalPrefillPool(self.prefill),
                                             self.decode_pool)
