@@ -1,4 +1,4 @@
-"""Deploying a pdserve application on the local Ray cluster a benchmark started."""
+"""Deploying a pdserve application on a local Ray cluster that a benchmark or test started."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ import torch
 from cluster import kv_handoff
 from cluster.handoff import DecodeRequest, KVReceived, KVTransferFailed, ReadyToReceive
 from cluster.kv_transport import KVReceiver, PeerAddress, TransferState
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, settle_from_thread
 from engine.engine_config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
@@ -40,6 +40,7 @@ class _Pending:
     deadline: float
     block_ids: list[int] | None = None
     failed: bool = False                   # the transfer failed; waiting for the request's abort
+    free_blocks_seen: int = -1             # free blocks at the last reserve that did not fit
 
 
 class DecodeWorker:
@@ -58,7 +59,8 @@ class DecodeWorker:
 
     async def start(self) -> None:
         await self._engine.ready()
-        self.receivers = await self._engine.call(_collective, kv_handoff.attach_receiver, self._make_receiver)
+        self.receivers = await self._engine.call(LLMEngine.collective_rpc, kv_handoff.attach_receiver,
+                                                 self._make_receiver)
         self._engine.add_ticker(self._tick)
 
     async def generate(self, request: DecodeRequest) -> AsyncIterator:
@@ -111,10 +113,6 @@ class DecodeWorker:
         rid = request.request_id
         if rid in self._reserving or rid in self._receiving:
             raise InvalidRequestError(f"request id {rid!r} is already in use on {self.name}", "request_id")
-        needed = -(-len(request.prompt_token_ids) // engine.config.block_size)
-        if needed > engine.block_manager.num_blocks:
-            raise InvalidRequestError(f"the prompt needs {needed} KV blocks but {self.name} has "
-                                      f"{engine.block_manager.num_blocks} in all", "prompt")
         pending = _Pending(request, future, time.monotonic() + self.reserve_timeout_s)
         self._reserving[rid] = pending
         self._try_reserve(engine, pending)
@@ -135,20 +133,23 @@ class DecodeWorker:
             if r.request_id in engine.scheduler.reserved:   # reserved, but the receives failed to post
                 engine.collective_rpc(kv_handoff.forget_transfer, r.transfer_id)
                 engine.abort_request(r.request_id)
-            _resolve(pending.future, exc=exc)
+            settle_from_thread(pending.future, exc=exc)
             return
-        if blocks is not None:
-            del self._reserving[r.request_id]
-            reserved = pending.future
-            pending.block_ids = blocks
-            pending.future = reserved.get_loop().create_future()
-            pending.deadline = time.monotonic() + self.transfer_timeout_s
-            self._receiving[r.request_id] = pending
-            _resolve(reserved, (nbytes, pending.future))
-        elif time.monotonic() > pending.deadline:
-            del self._reserving[r.request_id]
-            _resolve(pending.future, exc=TimeoutError(
-                f"{self.name} had no free KV blocks for request {r.request_id} for {self.reserve_timeout_s:.0f} s"))
+        if blocks is None:
+            pending.free_blocks_seen = engine.block_manager.num_free_blocks
+            if time.monotonic() > pending.deadline:
+                del self._reserving[r.request_id]
+                settle_from_thread(pending.future, exc=TimeoutError(
+                    f"{self.name} had no free KV blocks for request {r.request_id} for "
+                    f"{self.reserve_timeout_s:.0f} s"))
+            return
+        del self._reserving[r.request_id]
+        reserved = pending.future
+        pending.block_ids = blocks
+        pending.future = reserved.get_loop().create_future()
+        pending.deadline = time.monotonic() + self.transfer_timeout_s
+        self._receiving[r.request_id] = pending
+        settle_from_thread(reserved, (nbytes, pending.future))
 
     def _admit(self, engine: LLMEngine, rid: str):
         """The KV is in: scatter it into the blocks and join the running batch."""
@@ -160,13 +161,16 @@ class DecodeWorker:
         pending = self._reserving.pop(rid, None) or self._receiving.pop(rid, None)
         if pending is not None:
             engine.collective_rpc(kv_handoff.forget_transfer, pending.request.transfer_id)
-            if not pending.future.done():
-                _resolve(pending.future, exc=asyncio.CancelledError())
+            settle_from_thread(pending.future, exc=asyncio.CancelledError())
         engine.abort_request(rid)
 
     def _tick(self, engine: LLMEngine) -> bool:
+        free = engine.block_manager.num_free_blocks
+        now = time.monotonic()
         for pending in list(self._reserving.values()):
-            self._try_reserve(engine, pending)
+            # blocks free up only as requests finish: retry when that happened (or to time out)
+            if free != pending.free_blocks_seen or now > pending.deadline:
+                self._try_reserve(engine, pending)
         waiting = {p.request.transfer_id: rid for rid, p in self._receiving.items() if not p.failed}
         if waiting:
             per_rank = engine.collective_rpc(kv_handoff.poll_transfers, list(waiting))
@@ -177,24 +181,9 @@ class DecodeWorker:
                 if not state.is_final and now > pending.deadline:
                     state, error = TransferState.FAILED, f"timed out after {self.transfer_timeout_s:.0f} s"
                 if state is TransferState.DONE:
-                    _resolve(pending.future, (state, None, self._admit(engine, rid)))
+                    settle_from_thread(pending.future, (state, None, self._admit(engine, rid)))
                 elif state is TransferState.FAILED:
                     # stays in _receiving: the request's abort forgets the transfer and frees the blocks
                     pending.failed = True
-                    _resolve(pending.future, (state, error, None))
-        return bool(self._reserving or waiting)
-
-
-def _resolve(future: asyncio.Future, value=None, *, exc: BaseException | None = None) -> None:
-    def settle() -> None:
-        if future.done():
-            return
-        if exc is not None:
-            future.set_exception(exc)
-        else:
-            future.set_result(value)
-    future.get_loop().call_soon_threadsafe(settle)
-
-
-def _collective(engine: LLMEngine, fn, *args) -> list:
-    return engine.collective_rpc(fn, *args)
+                    settle_from_thread(pending.future, (state, error, None))
+        return bool(waiting)

@@ -141,9 +141,9 @@ class AsyncEngine:
             self.engine = self._make_engine()
         except BaseException as exc:  # noqa: BLE001 - handed to ready()
             self._failure = exc
-            self._loop.call_soon_threadsafe(_set_exception, self._ready, exc)
+            settle_from_thread(self._ready, exc=exc)
             return
-        self._loop.call_soon_threadsafe(_set_result, self._ready, self.engine)
+        settle_from_thread(self._ready, self.engine)
         try:
             self._serve(self.engine)
         except BaseException as exc:  # noqa: BLE001 - a step failed: every waiter hears why
@@ -178,9 +178,9 @@ class AsyncEngine:
             try:
                 result = fn(engine, *args)
             except Exception as exc:  # noqa: BLE001 - raised in the caller
-                future.get_loop().call_soon_threadsafe(_set_exception, future, exc)
+                settle_from_thread(future, exc=exc)
             else:
-                future.get_loop().call_soon_threadsafe(_set_result, future, result)
+                settle_from_thread(future, result)
 
     def _deliver(self, outputs) -> None:
         for out in outputs:
@@ -196,7 +196,7 @@ class AsyncEngine:
                 _, _, future = self._calls.get_nowait()
             except queue.Empty:
                 break
-            future.get_loop().call_soon_threadsafe(_set_exception, future, EngineStoppedError(str(exc)))
+            settle_from_thread(future, exc=EngineStoppedError(str(exc)))
         with self._streams_lock:
             streams = list(self._streams.values())
         for loop, q in streams:
@@ -210,11 +210,14 @@ def _resolve_lazy_imports() -> None:
     from transformers import AutoConfig, AutoTokenizer  # noqa: F401
 
 
-def _set_result(future: asyncio.Future, value: Any) -> None:
-    if not future.done():
-        future.set_result(value)
-
-
-def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
-    if not future.done():
-        future.set_exception(exc)
+def settle_from_thread(future: asyncio.Future, value: Any = None, *, exc: BaseException | None = None) -> None:
+    """Sets `future`'s result (or exception) from any thread, on its own event
+    loop; a future that is already done (e.g. cancelled) is left alone."""
+    def settle() -> None:
+        if future.done():
+            return
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(value)
+    future.get_loop().call_soon_threadsafe(settle)

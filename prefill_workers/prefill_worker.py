@@ -38,7 +38,6 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True)
 class _Hold:
     deadline: float                      # monotonic; the lease
-    num_tokens: int
     transfer_id: str | None = None       # set once send_kv started
     transfer_state: TransferState | None = None
     release_requested: bool = False
@@ -61,7 +60,8 @@ class PrefillWorker:
     async def start(self) -> None:
         engine = await self._engine.ready()
         self.num_kv_heads = engine.model_config.num_kv_heads
-        self.sender_names = await self._engine.call(_collective, kv_handoff.attach_sender, self._make_sender)
+        self.sender_names = await self._engine.call(LLMEngine.collective_rpc, kv_handoff.attach_sender,
+                                                    self._make_sender)
         self._engine.add_ticker(self._tick)
 
     # ---- requests ------------------------------------------------------------------------------
@@ -116,7 +116,7 @@ class PrefillWorker:
     # ---- engine thread ----------------------------------------------------------------------
     def _hold(self, engine: LLMEngine, out, deadline: float) -> PrefillResult:
         seq = engine.held_sequence(out.request_id)
-        self._holds[out.request_id] = _Hold(deadline, seq.num_prompt_tokens)
+        self._holds[out.request_id] = _Hold(deadline)
         return PrefillResult(
             request_id=out.request_id, first_token_id=out.token_ids[0],
             first_logprobs=out.logprobs[0] if out.logprobs else None,
@@ -146,7 +146,7 @@ class PrefillWorker:
             return False
         hold.release_requested = True
         if hold.transfer_state is None or hold.transfer_state.is_final:
-            self._free(engine, request_id)
+            self._drop(engine, request_id)
         return True
 
     def _drop(self, engine: LLMEngine, request_id: str) -> None:
@@ -154,12 +154,6 @@ class PrefillWorker:
         if hold is not None and hold.transfer_id is not None:
             engine.collective_rpc(kv_handoff.forget_transfer, hold.transfer_id)
         engine.abort_request(request_id)
-
-    def _free(self, engine: LLMEngine, request_id: str) -> None:
-        hold = self._holds.pop(request_id)
-        if hold.transfer_id is not None:
-            engine.collective_rpc(kv_handoff.forget_transfer, hold.transfer_id)
-        engine.release_kv(request_id)
 
     def _tick(self, engine: LLMEngine) -> bool:
         """Polls the sends in flight, frees released holds and expired leases."""
@@ -174,16 +168,12 @@ class PrefillWorker:
                 if state is TransferState.FAILED:
                     log.warning("KV send of %s failed: %s", rid, error)
                 if state.is_final and hold.release_requested:
-                    self._free(engine, rid)
+                    self._drop(engine, rid)
         now = time.monotonic()
         for rid in [rid for rid, h in self._holds.items() if h.deadline < now]:
             log.warning("the KV lease of %s expired after %.0f s without a release; freeing it", rid, self.lease_s)
-            self._free(engine, rid)
+            self._drop(engine, rid)
         return bool(in_flight)
-
-
-def _collective(engine: LLMEngine, fn, *args) -> list:
-    return engine.collective_rpc(fn, *args)
 
 
 def _add_held_request(engine: LLMEngine, request_id: str, prompt_token_ids: list[int],

@@ -20,8 +20,7 @@ openai = pytest.importorskip("openai")
 
 from ray import serve  # noqa: E402
 
-from cluster.app_builder import build_application  # noqa: E402
-from cluster.config import DeploymentConfig  # noqa: E402
+from bench import serve_app  # noqa: E402
 from engine.tp_group import free_port  # noqa: E402
 
 MAX_TOKENS = 12
@@ -34,35 +33,19 @@ def ray_cluster():
              configure_logging=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    yield f"http://127.0.0.1:{port}"
+    yield port
     serve.shutdown()
     ray.shutdown()
 
 
 def deploy(ray_cluster, model_dir, name: str, **shape) -> str:
-    config = DeploymentConfig.model_validate({
+    """Serves the tiny checkpoint in the given shape as application `name`; its /v1 URL."""
+    settings = {
         "model": {"path": str(model_dir), "served_model_name": "tiny", "dtype": "float32", "max_model_len": 256},
         "engine": {"block_size": 8, "max_num_seqs": 64, "max_num_batched_tokens": 512, "kv_cache_memory_gib": 0.05},
         "kv_transfer": {"timeout_s": 20, "lease_s": 30},
-        **shape})
-    serve.run(build_application(config), name=name, route_prefix=f"/{name}", blocking=False)
-    base = f"{ray_cluster}/{name}"
-    _wait_healthy(base)
-    return base + "/v1"
-
-
-def _wait_healthy(base: str, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with urllib.request.urlopen(f"{base}/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{base} did not become healthy in {timeout_s} s")
-        time.sleep(0.5)
+        **shape}
+    return serve_app.deploy(name, settings, ray_cluster, timeout_s=120) + "/v1"
 
 
 def client(base_url: str) -> openai.OpenAI:

@@ -95,16 +95,16 @@ class TensorParallel:
             return [obj]
         payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)),
                                    dtype=torch.uint8)
-        # gather needs equal shapes: agree on the longest payload, pad to it
-        sizes = self.gather_to_first(torch.tensor([payload.numel()], dtype=torch.int64))
-        longest = torch.tensor([payload.numel()], dtype=torch.int64, device=self.comm_device)
-        self.all_reduce(longest.neg_(), op="min")
+        # gather needs equal shapes: pad to the longest payload (unpickling stops at
+        # the pickle's own end, so the padding needs no length alongside)
+        longest = torch.tensor([-payload.numel()], dtype=torch.int64, device=self.comm_device)
+        self.all_reduce(longest, op="min")
         padded = torch.zeros(int(-longest.item()), dtype=torch.uint8)
         padded[:payload.numel()] = payload
         parts = self.gather_to_first(padded)
         if parts is None:
             return None
-        return [pickle.loads(p[:int(n.item())].cpu().numpy().tobytes()) for p, n in zip(parts, sizes)]
+        return [pickle.loads(p.cpu().numpy().tobytes()) for p in parts]
 
 
 SINGLE_PROCESS = TensorParallel()
