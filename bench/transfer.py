@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from cluster.kv_transport import TransferState
-from cluster.pair_group_receiver import PairGroupReceiver
-from cluster.pair_group_sender import PairGroupSender
+from cluster.transport.kv_transport import TransferState
+from cluster.transport.pair_group_receiver import PairGroupReceiver
+from cluster.transport.pair_group_sender import PairGroupSender
 
 MiB = 1 << 20
 POLL_S = 50e-6   # the sender's poll period: an engine loop polls between steps, not in a tight spin

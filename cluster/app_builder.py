@@ -6,7 +6,7 @@
 
 Each worker replica is a TP gang: it reserves one bundle per rank in a
 STRICT_PACK placement group (`cpus_per_rank` CPUs per rank, plus one GPU per
-rank on CUDA; see cluster/gang_devices.py for how the ranks find their GPUs).
+rank on CUDA; see cluster/serving/gang_devices.py for how the ranks find their GPUs).
 
 `build_app` is the `import_path` target of the Serve config files in configs/
 (`serve run configs/serve/tiny-cpu.yaml`); `pdserve serve` calls
@@ -22,8 +22,8 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from cluster.config import DeploymentConfig, Mode, WorkerPool, load_config
-from cluster.replica_routing import LoadAwareRouter
-from cluster.transport_factory import TransportSettings
+from cluster.serving.replica_routing import LoadAwareRouter
+from cluster.transport.transport_factory import TransportSettings
 from router.backend import ModelInfo
 
 ROUTING_STATS_PERIOD_S = 0.5

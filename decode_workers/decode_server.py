@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator
 import ray
 from ray import serve
 
-from cluster.handoff import DecodeRequest, ReadyToReceive
-from cluster.transport_factory import TransportSettings, receiver_factory
-from cluster.worker_deployment import WorkerDeployment
+from cluster.serving.handoff import DecodeRequest, ReadyToReceive
+from cluster.transport.transport_factory import TransportSettings, receiver_factory
+from cluster.serving.worker_deployment import WorkerDeployment
 from decode_workers.colocated_worker import ColocatedWorker
 from decode_workers.decode_worker import DecodeWorker
 from engine.engine_config import EngineConfig
@@ -34,7 +34,7 @@ class DecodeServer(WorkerDeployment):
         await self.worker.start()
 
     async def generate(self, request: DecodeRequest, *, avoid_replica: str | None = None) -> AsyncIterator:
-        """`avoid_replica` steers a retry away from a replica (cluster/replica_routing.py)."""
+        """`avoid_replica` steers a retry away from a replica (cluster/serving/replica_routing.py)."""
         async for event in self.worker.generate(request):
             if isinstance(event, ReadyToReceive):
                 event = dataclasses.replace(event, replica_id=self.replica_id)

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster import kv_handoff
-from cluster.handoff import DecodeRequest, KVReceived, KVTransferFailed, ReadyToReceive
-from cluster.kv_transport import KVReceiver, PeerAddress, TransferState
+from cluster.transport import kv_handoff
+from cluster.serving.handoff import DecodeRequest, KVReceived, KVTransferFailed, ReadyToReceive
+from cluster.transport.kv_transport import KVReceiver, PeerAddress, TransferState
 from engine.async_engine import AsyncEngine, settle_from_thread
 from engine.engine_config import EngineConfig
 from engine.errors import InvalidRequestError

@@ -2,7 +2,7 @@
 one TP gang; its ranks sit in the replica's placement-group bundles).
 
 Calls that concern a request whose KV this replica holds (`send_kv`,
-`release`, `abort`) carry `target_replica`, which cluster/replica_routing.py
+`release`, `abort`) carry `target_replica`, which cluster/serving/replica_routing.py
 uses to route them here; `record_routing_stats` reports the queued prefill
 tokens that new prompts are routed by.
 """
@@ -13,10 +13,10 @@ import dataclasses
 
 from ray import serve
 
-from cluster.handoff import PrefillResult
-from cluster.kv_transport import PeerAddress
-from cluster.transport_factory import TransportSettings, sender_factory
-from cluster.worker_deployment import WorkerDeployment
+from cluster.serving.handoff import PrefillResult
+from cluster.transport.kv_transport import PeerAddress
+from cluster.transport.transport_factory import TransportSettings, sender_factory
+from cluster.serving.worker_deployment import WorkerDeployment
 from engine.engine_config import EngineConfig
 from engine.sampling_params import SamplingParams
 from prefill_workers.prefill_worker import PrefillWorker

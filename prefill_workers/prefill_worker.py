@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster import kv_handoff
-from cluster.handoff import PrefillResult
-from cluster.kv_transport import KVSender, PeerAddress, TransferState
+from cluster.transport import kv_handoff
+from cluster.serving.handoff import PrefillResult
+from cluster.transport.kv_transport import KVSender, PeerAddress, TransferState
 from engine.async_engine import AsyncEngine
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine

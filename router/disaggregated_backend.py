@@ -26,8 +26,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from cluster.handoff import DecodeRequest, KVReceived, KVTransferFailed, PrefillResult, ReadyToReceive
-from cluster.kv_transport import PeerAddress
+from cluster.serving.handoff import DecodeRequest, KVReceived, KVTransferFailed, PrefillResult, ReadyToReceive
+from cluster.transport.kv_transport import PeerAddress
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from router.backend import BackendUnavailableError, GenerationBackend, ModelInfo

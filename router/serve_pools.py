@@ -15,9 +15,9 @@ from contextlib import contextmanager
 
 from ray import exceptions as ray_exceptions
 
-from cluster.handoff import DecodeRequest, PrefillResult
-from cluster.kv_transport import PeerAddress
-from cluster.replica_routing import AVOID_REPLICA, TARGET_REPLICA
+from cluster.serving.handoff import DecodeRequest, PrefillResult
+from cluster.transport.kv_transport import PeerAddress
+from cluster.serving.replica_routing import AVOID_REPLICA, TARGET_REPLICA
 from engine.sampling_params import SamplingParams
 from router.backend import BackendUnavailableError
 

@@ -93,7 +93,7 @@ def test_cuda_matches_cpu(model_dirs):
 
 
 def test_cli_makes_a_model_and_generates(tmp_path, capsys):
-    from cluster.cli import main
+    from cluster.cli.main import main
     d = tmp_path / "cli-model"
     assert main(["make-tiny-model", str(d), "--preset", "tiny-mqa"]) == 0
     assert (d / "config.json").exists() and (d / "tokenizer.json").exists()

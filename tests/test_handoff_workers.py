@@ -17,10 +17,10 @@ import time
 import pytest
 import torch
 
-from cluster import kv_handoff
-from cluster.fake_transport import FakeTransportHub
-from cluster.kv_transport import TransferState
-from cluster.transport_factory import TransportSettings, receiver_factory, sender_factory
+from cluster.transport import kv_handoff
+from cluster.transport.fake_transport import FakeTransportHub
+from cluster.transport.kv_transport import TransferState
+from cluster.transport.transport_factory import TransportSettings, receiver_factory, sender_factory
 from decode_workers.decode_worker import DecodeWorker
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.kv_head_map import remap_kv_shards

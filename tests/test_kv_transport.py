@@ -19,10 +19,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from cluster.fake_transport import FakeTransportHub
-from cluster.kv_transport import KVTransportError, PeerAddress, TransferState
-from cluster.pair_group_receiver import PairGroupReceiver
-from cluster.pair_group_sender import PairGroupSender
+from cluster.transport.fake_transport import FakeTransportHub
+from cluster.transport.kv_transport import KVTransportError, PeerAddress, TransferState
+from cluster.transport.pair_group_receiver import PairGroupReceiver
+from cluster.transport.pair_group_sender import PairGroupSender
 
 SPAWN = multiprocessing.get_context("spawn")
 SHORT_S = 2.0    # transport timeout in the tests that expect a timeout
@@ -67,8 +67,8 @@ def _die_after_header(pair, t, data) -> None:
 
 def _agent_main(conn, role: str, timeout_s: float, sabotage: str | None) -> None:
     """Child: one transport; answers (command, *args) with (ok, value) until "exit"."""
-    import cluster.pair_group_receiver as pgr
-    import cluster.pair_group_sender as pgs
+    import cluster.transport.pair_group_receiver as pgr
+    import cluster.transport.pair_group_sender as pgs
     if sabotage:   # posts the header of a transfer, then never its data
         pgs._SendPair._move = {"hang": _hang_after_header, "die": _die_after_header}[sabotage]
     transport = pgr.PairGroupReceiver(timeout_s=timeout_s) if role == "receiver" \

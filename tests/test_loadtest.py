@@ -42,7 +42,7 @@ from bench.loadtest.metrics import meets_slos, percentile, summarize, tpot, ttft
 from bench.loadtest.report import build_result, format_table
 from bench.loadtest.runner import RunConfig, run_benchmark
 from bench.loadtest.sweep import format_sweep_table, write_plots
-from cluster.cli import main
+from cluster.cli.main import main
 
 SHAREGPT = Path(__file__).parent / "data" / "sharegpt_small.json"
 MODEL = "fake-model"

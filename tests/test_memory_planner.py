@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.plan_command import MODELS_DIR, add_plan_parser
+from cluster.cli.plan_command import MODELS_DIR, add_plan_parser
 from engine.memory_planner import GPU_TYPES, Plan, format_plan, plan, resolve_gpu_type
 from engine.model.model_config import ModelConfig
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.replica_routing import AVOID_REPLICA, TARGET_REPLICA, LoadAwareRouter
+from cluster.serving.replica_routing import AVOID_REPLICA, TARGET_REPLICA, LoadAwareRouter
 
 
 def replica(uid: str, **stats):

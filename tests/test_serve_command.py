@@ -16,9 +16,9 @@ import pytest
 import yaml
 
 from cluster.app_builder import build_app, with_overrides
-from cluster.cli import build_parser
+from cluster.cli.main import build_parser
 from cluster.config import DeploymentConfig
-from cluster.serve_command import config_from_args
+from cluster.cli.serve_command import config_from_args
 from engine.tp_group import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,7 +68,7 @@ def test_app_builder_builds_from_the_tiny_serve_config(monkeypatch):
 def check_loadtest_against(base_url: str, out_dir: Path) -> None:
     """`pdserve loadtest` for a handful of requests against the running server."""
     done = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "loadtest", "--base-url", base_url, "--num-prompts", "6",
+        [sys.executable, "-m", "cluster.cli.main", "loadtest", "--base-url", base_url, "--num-prompts", "6",
          "--random-input-len", "24", "--random-output-len", "5", "--ignore-eos", "--request-rate", "20",
          "--goodput", "ttft:60000", "tpot:60000", "--disable-tqdm", "--save-result", "--result-dir", str(out_dir),
          "--result-file", "loadtest.json"], capture_output=True, text=True, timeout=180)
@@ -84,7 +84,7 @@ def test_pdserve_serve_answers_and_stops_cleanly_on_ctrl_c(model_dirs, tmp_path)
     port = free_port()
     env = {**os.environ, "RAY_ADDRESS": ""}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", "--model", str(model_dirs["tiny"]), "--port", str(port),
+        [sys.executable, "-m", "cluster.cli.main", "serve", "--model", str(model_dirs["tiny"]), "--port", str(port),
          "--served-model-name", "tiny", "--max-model-len", "256", "--dtype", "float32", "--address", "local"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path,
         start_new_session=True)

@@ -189,7 +189,7 @@ def test_a_tp_gang_sees_one_gpu_per_bundle_in_rank_order(ray_cluster):
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from cluster.gang_devices import claim_gang_gpus
+    from cluster.serving.gang_devices import claim_gang_gpus
 
     @ray.remote(num_cpus=0, num_gpus=1)
     class Replica:

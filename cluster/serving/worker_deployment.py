@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ray import serve
 
-from cluster.gang_devices import claim_gang_gpus
+from cluster.serving.gang_devices import claim_gang_gpus
 from engine.engine_config import EngineConfig
 
 
@@ -20,7 +20,7 @@ class WorkerDeployment:
 
     async def join_gang(self, engine_config: EngineConfig) -> str:
         """Sets and returns this replica's id; on CUDA, first gives the gang its
-        GPUs (cluster/gang_devices.py)."""
+        GPUs (cluster/serving/gang_devices.py)."""
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         if engine_config.device == "cuda":
             await claim_gang_gpus(engine_config.tensor_parallel_size)

@@ -18,8 +18,8 @@ import sys
 import time
 
 from bench.loadtest.cli import add_loadtest_parser
-from cluster.plan_command import add_plan_parser
-from cluster.serve_command import add_serve_parser
+from cluster.cli.plan_command import add_plan_parser
+from cluster.cli.serve_command import add_serve_parser
 
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:

@@ -1,7 +1,7 @@
 """The sending side of the pair-group KV transport: PairGroupSender (a KVSender)
 and _SendPair, the sending side of one pair, one per receiver it sends to, with
 the thread that connects that pair and then moves its transfers one by one in
-`send` order. The protocol is described in cluster/pair_group_common.py.
+`send` order. The protocol is described in cluster/transport/pair_group_common.py.
 
 Contract: send() never blocks on the network (a pair connects in its own thread,
 on the first send to its receiver); a transfer is DONE only once the receiver has
@@ -24,8 +24,8 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from cluster.kv_transport import KVSender, KVTransportError, PeerAddress, TransferState
-from cluster.pair_group_common import (
+from cluster.transport.kv_transport import KVSender, KVTransportError, PeerAddress, TransferState
+from cluster.transport.pair_group_common import (
     GROUP_PREFIX,
     JOIN_HINT,
     TAG_MASK,

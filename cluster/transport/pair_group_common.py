@@ -1,7 +1,7 @@
 """What both sides of the pair-group KV transport share: its settings, the
 protocol's constants and store key names, the per-transfer record, and the
-helpers for stores, groups and threads. The sender (cluster/pair_group_sender.py)
-and the receiver (cluster/pair_group_receiver.py) both follow the protocol
+helpers for stores, groups and threads. The sender (cluster/transport/pair_group_sender.py)
+and the receiver (cluster/transport/pair_group_receiver.py) both follow the protocol
 below and build every store key from the functions here, so that the two sides
 agree. Nothing in this module starts a thread or holds state of its own.
 
@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from cluster.kv_transport import KVTransportError, PeerAddress, TransferState
+from cluster.transport.kv_transport import KVTransportError, PeerAddress, TransferState
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.kv_transport import PeerAddress
+from cluster.transport.kv_transport import PeerAddress
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 

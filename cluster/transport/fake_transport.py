@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.kv_transport import (
+from cluster.transport.kv_transport import (
     KVReceiver,
     KVSender,
     KVTransportError,

@@ -2,7 +2,7 @@
 KVReceiver), which hosts the rendezvous store and accepts new pairs in its
 acceptor thread, and _RecvPair, the receiving side of one pair (one sender, one
 epoch), whose thread receives that sender's transfers in order. The protocol is
-described in cluster/pair_group_common.py.
+described in cluster/transport/pair_group_common.py.
 
 Contract: expect() registers the buffer for (sender, transfer id) before the
 data comes; the receiver's verdict on each transfer (received into the expected
@@ -26,8 +26,8 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 
-from cluster.kv_transport import KVReceiver, KVTransportError, PeerAddress, TransferState
-from cluster.pair_group_common import (
+from cluster.transport.kv_transport import KVReceiver, KVTransportError, PeerAddress, TransferState
+from cluster.transport.pair_group_common import (
     GROUP_PREFIX,
     TAG_MASK,
     Settings,

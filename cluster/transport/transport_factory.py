@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.kv_transport import KVReceiver, KVSender
+from cluster.transport.kv_transport import KVReceiver, KVSender
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,12 +30,12 @@ def receiver_factory(settings: TransportSettings, name: str) -> Callable[[int, t
 
 
 def _make_sender(settings: TransportSettings, name: str, rank: int, device: torch.device) -> KVSender:
-    from cluster.pair_group_sender import PairGroupSender
+    from cluster.transport.pair_group_sender import PairGroupSender
     return PairGroupSender(name=f"{name}-rank{rank}-{uuid.uuid4().hex[:8]}", device=device,
                            timeout_s=settings.timeout_s)
 
 
 def _make_receiver(settings: TransportSettings, name: str, rank: int, device: torch.device) -> KVReceiver:
-    from cluster.pair_group_receiver import PairGroupReceiver
+    from cluster.transport.pair_group_receiver import PairGroupReceiver
     return PairGroupReceiver(host=settings.host, name=f"{name}-rank{rank}-{uuid.uuid4().hex[:8]}",
                              device=device, timeout_s=settings.timeout_s)

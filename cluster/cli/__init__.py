@@ -1,0 +1,2 @@
+"""The `pdserve` command and its subcommands (the only code that reads the
+command line)."""
