@@ -14,9 +14,12 @@ def deploy(name: str, settings: dict[str, Any], port: int, timeout_s: float = 30
 
     from cluster.app_builder import build_application
     from cluster.config import DeploymentConfig
+    from cluster.serving.placement import check_placement, cluster_resources, resolve_cpus_per_rank
 
-    serve.run(build_application(DeploymentConfig.model_validate(settings)), name=name, route_prefix=f"/{name}",
-              blocking=False)
+    cluster = cluster_resources()
+    config = resolve_cpus_per_rank(DeploymentConfig.model_validate(settings), cluster.largest_node_cpus)
+    check_placement(config, cluster)
+    serve.run(build_application(config), name=name, route_prefix=f"/{name}", blocking=False)
     base = f"http://127.0.0.1:{port}/{name}"
     deadline = time.monotonic() + timeout_s
     while True:

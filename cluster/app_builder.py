@@ -2,11 +2,14 @@
 
     Router (ingress, FastAPI) ──▶ PrefillServer × prefill.replicas  ─┐ KV over per-pair
                               └─▶ DecodeServer  × decode.replicas  ◀─┘ process groups
-    (colocated mode: Router ──▶ ColocatedServer × colocated.replicas)
+                                  (a DecodeServer asks PrefillServer replicas for the KV itself)
+    (colocated mode: Router ──▶ ColocatedServer × colocated.replicas: a DecodeServer
+     with no prefill pool)
 
 Each worker replica is a TP gang: it reserves one bundle per rank in a
 STRICT_PACK placement group (`cpus_per_rank` CPUs per rank, plus one GPU per
-rank on CUDA; see cluster/serving/gang_devices.py for how the ranks find their GPUs).
+rank on CUDA; see cluster/serving/gang_devices.py for how the ranks find their
+GPUs). On CPU each rank runs torch with as many threads as its bundle has CPUs.
 
 `build_app` is the `import_path` target of the Serve config files in configs/
 (`serve run configs/serve/tiny-cpu.yaml`); `pdserve serve` calls
@@ -15,6 +18,8 @@ rank on CUDA; see cluster/serving/gang_devices.py for how the ranks find their G
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +38,21 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     """Serve's application builder. args: `config` (a deployment YAML file;
     default: the built-in defaults) and dotted overrides, e.g.
     {"prefill.replicas": 2, "model.path": "/models/llama"}."""
+    import ray
+
+    from cluster.serving.placement import check_placement, cluster_resources, resolve_cpus_per_rank
+
     args = dict(args or {})
     path = args.pop("config", None)
     base = load_config(path) if path else DeploymentConfig()
-    return build_application(with_overrides(base, args))
+    config = with_overrides(base, args)
+    if ray.is_initialized():   # `serve run` connects before it builds: check against the real cluster
+        cluster = cluster_resources()
+        config = resolve_cpus_per_rank(config, cluster.largest_node_cpus)
+        check_placement(config, cluster)
+    else:
+        config = resolve_cpus_per_rank(config, os.cpu_count() or 1)
+    return build_application(config)
 
 
 def with_overrides(config: DeploymentConfig, overrides: dict[str, Any]) -> DeploymentConfig:
@@ -75,26 +91,44 @@ def resolve_model(config: DeploymentConfig) -> tuple[str, ModelInfo]:
 
 
 def build_application(config: DeploymentConfig) -> serve.Application:
-    from decode_workers.decode_server import ColocatedServer, DecodeServer
+    """The Serve application; `config.resources.cpus_per_rank` must be resolved
+    (cluster/serving/placement.py: resolve_cpus_per_rank)."""
+    from decode_workers.decode_server import DecodeServer
     from prefill_workers.prefill_server import PrefillServer
+    from router.disaggregation_policy import DisaggregationSettings
     from router.ingress import Router
 
+    if config.resources.cpus_per_rank is None:
+        raise ValueError("resources.cpus_per_rank is not resolved; call resolve_cpus_per_rank first")
     model_path, info = resolve_model(config)
     transport = TransportSettings(timeout_s=config.kv_transfer.timeout_s)
+    router_args = {}
     if config.mode is Mode.colocated:
-        colocated = _worker_options(ColocatedServer, config, config.colocated, "free_kv_blocks", "max")
-        workers = {"colocated": colocated.bind(config.engine_config("colocated", model_path))}
+        colocated = _worker_options(DecodeServer.options(name="ColocatedServer"), config, config.colocated,
+                                    "free_kv_blocks", "max")
+        workers = {"colocated": colocated.bind(_engine_config(config, "colocated", model_path))}
     else:
         prefill = _worker_options(PrefillServer, config, config.prefill, "queued_prefill_tokens", "min")
         decode = _worker_options(DecodeServer, config, config.decode, "free_kv_blocks", "max")
+        prefill_app = prefill.bind(_engine_config(config, "prefill", model_path), transport,
+                                   config.kv_transfer.lease_s)
         workers = {
-            "prefill": prefill.bind(config.engine_config("prefill", model_path), transport,
-                                    config.kv_transfer.lease_s),
-            "decode": decode.bind(config.engine_config("decode", model_path), transport,
-                                  config.kv_transfer.reserve_timeout_s),
+            "prefill": prefill_app,
+            "decode": decode.bind(_engine_config(config, "decode", model_path), transport,
+                                  config.kv_transfer.reserve_timeout_s, prefill=prefill_app),
         }
+        d = config.disaggregation
+        router_args["disaggregation"] = DisaggregationSettings(d.policy, d.local_prefill_max_tokens)
     return Router.options(num_replicas=1, ray_actor_options={"num_cpus": 0}).bind(
-        info, model_path, config.mode.value, **workers)
+        info, model_path, config.mode.value, **workers, **router_args)
+
+
+def _engine_config(config: DeploymentConfig, role: str, model_path: str):
+    """The role's engine options; on CPU, torch threads = the rank's bundle CPUs."""
+    engine = config.engine_config(role, model_path)
+    if config.device == "cpu":
+        engine = dataclasses.replace(engine, cpu_threads=max(1, int(config.resources.cpus_per_rank)))
+    return engine
 
 
 def _worker_options(deployment, config: DeploymentConfig, pool: WorkerPool, stat: str, prefer: str):

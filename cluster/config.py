@@ -56,13 +56,23 @@ class KVTransferSection(_Strict):
                                      "free KV blocks for in this long")
 
 
+class DisaggregationSection(_Strict):
+    policy: Literal["always", "conditional"] = Field(
+        "conditional", description="always: every prompt runs on a prefill worker; conditional: a decode "
+        "worker prefills short prompts, and longer ones when the prefill pool is predicted to be slower")
+    local_prefill_max_tokens: int = Field(128, ge=0, description="conditional: prompts of at most this many "
+                                          "tokens are prefilled on the decode worker")
+
+
 class HttpSection(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
 
 
 class Resources(_Strict):
-    cpus_per_rank: float = Field(1.0, ge=0, description="CPUs each rank's placement-group bundle reserves")
+    cpus_per_rank: float | None = Field(None, gt=0, description="CPUs each rank's bundle reserves; null: on CPU, "
+                                        "the node's cores shared equally among all ranks of the deployment "
+                                        "(at least 1 each); on CUDA, 1")
     gpu_type: str | None = Field(None, description="H100-SXM, H200 or A100-80GB: for `pdserve plan` checks")
     gpu_memory_gib: float | None = Field(None, gt=0)
 
@@ -77,6 +87,7 @@ class DeploymentConfig(_Strict):
     colocated: WorkerPool = WorkerPool()
     engine: EngineSection = EngineSection()
     kv_transfer: KVTransferSection = KVTransferSection()
+    disaggregation: DisaggregationSection = DisaggregationSection()
     resources: Resources = Resources()
 
     @model_validator(mode="after")

@@ -1,55 +1,77 @@
-"""DecodeServer and ColocatedServer: the Ray Serve deployments around a
-DecodeWorker and a ColocatedWorker (one replica = one TP gang; its ranks sit
-in the replica's placement-group bundles). `record_routing_stats` reports the
-free KV blocks that new requests are routed by.
+"""DecodeServer: the Ray Serve deployment around a DecodeWorker (one replica =
+one TP gang; its ranks sit in the replica's placement-group bundles). The same
+class serves colocated mode (deployed as "ColocatedServer", with no KV
+transport and no prefill pool: it prefills every request itself).
+
+Remote operations (one definition each):
+- generate(DecodeRequest) -> Admitted          routed by free KV blocks (`record_routing_stats`)
+- stream_outputs(subscriber) -> list[TokenDelta] per engine step   (target_replica: this replica)
+- abort(request_id)                                                (target_replica: this replica)
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 
 import ray
 from ray import serve
 
-from cluster.serving.handoff import DecodeRequest, ReadyToReceive
-from cluster.transport.transport_factory import TransportSettings, receiver_factory
+from cluster.serving.messages import Admitted, DecodeRequest, TokenDelta
+from cluster.serving.replica_routing import TARGET_REPLICA
 from cluster.serving.worker_deployment import WorkerDeployment
-from decode_workers.colocated_worker import ColocatedWorker
+from cluster.transport.kv_transport import PeerAddress
+from cluster.transport.transport_factory import TransportSettings, receiver_factory
 from decode_workers.decode_worker import DecodeWorker
 from engine.engine_config import EngineConfig
-from engine.sampling_params import SamplingParams
+
+# a prefill replica that does not answer a send request in this long is gone
+SEND_CALL_TIMEOUT_S = 60.0
 
 
 @serve.deployment(name="DecodeServer")
 class DecodeServer(WorkerDeployment):
-    async def __init__(self, engine_config: EngineConfig, transport: TransportSettings, reserve_timeout_s: float):
+    async def __init__(self, engine_config: EngineConfig, transport: TransportSettings | None = None,
+                       reserve_timeout_s: float = 120.0, prefill=None):
+        """`transport` and `prefill` (the PrefillServer deployment's handle):
+        both for disaggregated mode, neither for colocated mode."""
         await self.join_gang(engine_config)
         name = f"decode-{self.replica_id}"
-        # senders on other nodes reach this replica's receivers at the node's address
-        transport = dataclasses.replace(transport, host=ray.util.get_node_ip_address())
-        self.worker = DecodeWorker(engine_config, receiver_factory(transport, name),
-                                   reserve_timeout_s=reserve_timeout_s, transfer_timeout_s=transport.timeout_s,
-                                   name=name)
+        make_receiver, peer = None, None
+        if transport is not None:
+            # senders on other nodes reach this replica's receivers at the node's address
+            transport = dataclasses.replace(transport, host=ray.util.get_node_ip_address())
+            make_receiver, peer = receiver_factory(transport, name), ServePrefillPeer(prefill)
+        self.worker = DecodeWorker(engine_config, make_receiver, peer, reserve_timeout_s=reserve_timeout_s,
+                                   transfer_timeout_s=transport.timeout_s if transport else 60.0, name=name,
+                                   replica_id=self.replica_id)
         await self.worker.start()
 
-    async def generate(self, request: DecodeRequest, *, avoid_replica: str | None = None) -> AsyncIterator:
+    async def generate(self, request: DecodeRequest, *, avoid_replica: str | None = None) -> Admitted:
         """`avoid_replica` steers a retry away from a replica (cluster/serving/replica_routing.py)."""
-        async for event in self.worker.generate(request):
-            if isinstance(event, ReadyToReceive):
-                event = dataclasses.replace(event, replica_id=self.replica_id)
-            yield event
+        return await self.worker.generate(request)
+
+    async def stream_outputs(self, subscriber: str, *, target_replica: str) -> AsyncIterator[list[TokenDelta]]:
+        async for batch in self.worker.stream(subscriber):
+            yield batch
+
+    async def abort(self, request_id: str, *, target_replica: str) -> None:
+        await self.worker.abort(request_id)
 
 
-@serve.deployment(name="ColocatedServer")
-class ColocatedServer(WorkerDeployment):
-    async def __init__(self, engine_config: EngineConfig):
-        await self.join_gang(engine_config)
-        self.worker = ColocatedWorker(engine_config, name=f"colocated-{self.replica_id}")
-        await self.worker.start()
+class ServePrefillPeer:
+    """The prefill pool as a decode replica reaches it: the replica holding a
+    request's KV, addressed by its id."""
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator:
-        async for out in self.worker.generate(request_id, prompt_token_ids, params):
-            yield out
+    def __init__(self, handle):
+        self._handle = handle
 
+    async def send_kv(self, replica_id: str, request_id: str, transfer_id: str,
+                      receivers: list[PeerAddress]) -> int:
+        call = self._handle.send_kv.remote(request_id, transfer_id, receivers, **{TARGET_REPLICA: replica_id})
+        return await asyncio.wait_for(call, SEND_CALL_TIMEOUT_S)
 
+    def release(self, replica_id: str, request_id: str) -> None:
+        # fire and forget: the lease frees the KV if this never lands
+        self._handle.release.remote(request_id, **{TARGET_REPLICA: replica_id})

@@ -1,108 +1,204 @@
-"""The decode worker: receives a request's KV from a prefill worker and decodes
-it in the continuous batch (plain class; decode_server.py wraps it for Ray Serve).
+"""The decode worker: continuous batching decode of requests whose KV a
+prefill worker hands over, and of requests it prefills itself (short prompts
+under conditional disaggregation, and every request in colocated mode). Plain
+class; decode_server.py wraps it for Ray Serve.
 
-    generate(DecodeRequest)
-        ─▶ reserving: blocks for the prompt's KV (waits while the cache is full)
-        ─▶ receiving: staging buffers posted ── yield ReadyToReceive
-                       (the router now tells the prefill worker to send)
-        ─▶ scatter into the blocks, admit with the first token ── yield KVReceived
-        ─▶ running: continuous batching decode ── yield RequestOutput ... finished
-        ─▶ finished: blocks freed
+    generate(DecodeRequest) -> Admitted
+      prefilled elsewhere, one small state machine per request, polled by the engine thread:
+        RESERVING   blocks for the prompt's KV (waits while the cache is full)
+        RECEIVING   staging buffers posted; this worker asks the prefill replica
+                    that holds the KV to send it (by replica id)
+        admitted    scattered into the blocks, joins the batch after its first token
+                    (which the router already streamed); the prefill hold is released
+      prefilled here: queued in this engine (prefill, then decode in the same batch)
+    RUNNING   every step's new tokens go to the outbox of the request's subscriber
+              (one router), which streams them as one batch per step
+    finished (blocks freed) | aborted: abort(), a failed hand-off, or the subscriber left
 
-Closing the generator early (client gone) or a failed transfer ends the request
-wherever it is and frees its blocks; the prompt is never recomputed here when
-the transfer succeeded.
+The prompt is never recomputed here after a successful transfer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
+from cluster.serving.messages import Admitted, DecodeRequest, KVTransferFailed, TokenDelta
 from cluster.transport import kv_handoff
-from cluster.serving.handoff import DecodeRequest, KVReceived, KVTransferFailed, ReadyToReceive
 from cluster.transport.kv_transport import KVReceiver, PeerAddress, TransferState
+from decode_workers.delta_outbox import DeltaOutbox
 from engine.async_engine import AsyncEngine, settle_from_thread
 from engine.engine_config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class PrefillPeer(Protocol):
+    """The prefill replicas, as a decode worker reaches them."""
+
+    async def send_kv(self, replica_id: str, request_id: str, transfer_id: str,
+                      receivers: list[PeerAddress]) -> int:
+        """Asks the replica holding the request's KV to send it to `receivers`
+        (one per decode rank, receives already posted); returns the bytes queued."""
+
+    def release(self, replica_id: str, request_id: str) -> None:
+        """Tells the replica it may free the request's KV (fire and forget)."""
+
+
+class Phase(enum.Enum):
+    RESERVING = "reserving"
+    RECEIVING = "receiving"
 
 
 @dataclass(slots=True)
-class _Pending:
-    """A request between reserve and admission (engine thread only)."""
+class _HandOff:
+    """A request between arrival and admission (engine thread only)."""
     request: DecodeRequest
-    future: asyncio.Future                 # reserving: (bytes, receive future); receiving: (state, error, first)
+    phase: Phase
+    future: asyncio.Future                 # RESERVING: (bytes, arrival future); RECEIVING: None on arrival
     deadline: float
     block_ids: list[int] | None = None
     failed: bool = False                   # the transfer failed; waiting for the request's abort
     free_blocks_seen: int = -1             # free blocks at the last reserve that did not fit
 
 
+@dataclass(slots=True)
+class _Subscriber:
+    outbox: DeltaOutbox
+    request_ids: set[str] = field(default_factory=set)
+    streaming: bool = False
+
+
 class DecodeWorker:
-    def __init__(self, config: EngineConfig, make_receiver: Callable[[int, torch.device], KVReceiver], *,
-                 reserve_timeout_s: float = 60.0, transfer_timeout_s: float = 60.0, name: str = "decode"):
-        """Call from a running event loop, then `await start()`."""
+    def __init__(self, config: EngineConfig, make_receiver: Callable[[int, torch.device], KVReceiver] | None = None,
+                 prefill_peer: PrefillPeer | None = None, *, reserve_timeout_s: float = 60.0,
+                 transfer_timeout_s: float = 60.0, name: str = "decode", replica_id: str = ""):
+        """Without `make_receiver` and `prefill_peer` it prefills every request
+        itself (colocated). Call from a running event loop, then `await start()`."""
         self.config = config
         self.name = name
+        self.replica_id = replica_id
         self.reserve_timeout_s = reserve_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
         self._make_receiver = make_receiver
-        self._engine = AsyncEngine(lambda: LLMEngine(config), prefill=False, name=f"{name}-engine")
-        self._reserving: dict[str, _Pending] = {}   # engine thread only
-        self._receiving: dict[str, _Pending] = {}
+        self._peer = prefill_peer
+        self._engine = AsyncEngine(lambda: LLMEngine(config), name=f"{name}-engine")
+        self._handoffs: dict[str, _HandOff] = {}        # engine thread only
+        self._subscribers: dict[str, _Subscriber] = {}  # event loop only
+        self._queued_prompt_tokens: dict[str, int] = {}  # prefilled here, first token not yet out
         self.receivers: list[PeerAddress] = []
 
     async def start(self) -> None:
         await self._engine.ready()
-        self.receivers = await self._engine.call(LLMEngine.collective_rpc, kv_handoff.attach_receiver,
-                                                 self._make_receiver)
-        self._engine.add_ticker(self._tick)
+        if self._make_receiver is not None:
+            self.receivers = await self._engine.call(LLMEngine.collective_rpc, kv_handoff.attach_receiver,
+                                                     self._make_receiver)
+            self._engine.add_ticker(self._tick)
 
-    async def generate(self, request: DecodeRequest) -> AsyncIterator:
-        """Yields ReadyToReceive, KVReceived, then cumulative RequestOutputs (the
-        first carries the prefill side's first token). Raises KVTransferFailed,
-        InvalidRequestError, or TimeoutError when no blocks free up in time."""
+    # ---- requests ------------------------------------------------------------------------------
+    async def generate(self, request: DecodeRequest) -> Admitted:
+        """Takes the request into the batch; its outputs then stream to
+        `request.subscriber`. Raises KVTransferFailed, InvalidRequestError, or
+        TimeoutError when no blocks free up in time; nothing is left behind then."""
         rid = request.request_id
-        loop = asyncio.get_running_loop()
-        stream = self._engine.open_stream(rid)
-        finished = False
+        subscriber = self._subscriber(request.subscriber)
+        if rid in subscriber.request_ids:
+            raise InvalidRequestError(f"request id {rid!r} is already in use on {self.name}", "request_id")
+        self._engine.attach(rid, subscriber.outbox)
+        subscriber.request_ids.add(rid)
         try:
-            reserved = loop.create_future()
-            t0 = time.monotonic()
-            await self._engine.call(self._reserve, request, reserved)
-            nbytes, received = await reserved
-            t1 = time.monotonic()
-            yield ReadyToReceive(request.transfer_id, list(self.receivers), t1 - t0)
-            state, error, first = await received
-            if state is not TransferState.DONE:
-                raise KVTransferFailed(f"the KV of request {rid} did not arrive at {self.name}: {error}")
-            yield KVReceived(time.monotonic() - t1, nbytes)
-            finished = first.finished
-            yield first
-            if not finished:
-                async for out in self._engine.outputs(stream):
-                    finished = out.finished
-                    yield out
-        finally:
+            if request.prefill is None:
+                self._queued_prompt_tokens[rid] = len(request.prompt_token_ids)
+                await self._engine.call(_add_request, rid, request.prompt_token_ids, request.params)
+                return Admitted(self.replica_id)
+            return await self._receive(request)
+        except BaseException:
+            subscriber.request_ids.discard(rid)
             self._engine.close_stream(rid)
-            if not finished:
+            self._queued_prompt_tokens.pop(rid, None)
+            await self._engine.call_for_cleanup(self._abort, rid)
+            raise
+
+    async def _receive(self, request: DecodeRequest) -> Admitted:
+        if self._peer is None or not self.receivers:
+            raise InvalidRequestError(f"{self.name} takes no KV hand-offs (colocated); send the prompt", "prefill")
+        rid, prefill = request.request_id, request.prefill
+        loop = asyncio.get_running_loop()
+        reserved = loop.create_future()
+        t0 = time.monotonic()
+        await self._engine.call(self._reserve, request, reserved)
+        nbytes, arrived = await reserved
+        t1 = time.monotonic()
+        try:
+            await self._peer.send_kv(prefill.replica_id, rid, request.transfer_id, list(self.receivers))
+        except Exception as exc:  # noqa: BLE001 - the hold expired, or the prefill replica failed
+            raise KVTransferFailed(f"the prefill worker could not send the KV of {rid}: {exc}",
+                                   self.replica_id) from None
+        error = await arrived
+        if error is not None:
+            raise KVTransferFailed(f"the KV of request {rid} did not arrive at {self.name}: {error}",
+                                   self.replica_id)
+        self._peer.release(prefill.replica_id, rid)
+        return Admitted(self.replica_id, reserve_time_s=t1 - t0, transfer_time_s=time.monotonic() - t1,
+                        transfer_bytes=nbytes)
+
+    async def abort(self, request_id: str) -> None:
+        """Ends the request wherever it is and frees its blocks; its subscriber
+        gets a final delta with finish_reason "abort"."""
+        await self._engine.call(self._abort, request_id)
+
+    async def stream(self, subscriber_id: str) -> AsyncIterator[list[TokenDelta]]:
+        """The subscriber's deltas, one list per engine step (several steps when
+        the reader is slower). Closing it aborts the subscriber's requests."""
+        subscriber = self._subscriber(subscriber_id)
+        if subscriber.streaming:
+            raise InvalidRequestError(f"subscriber {subscriber_id!r} already streams from {self.name}")
+        subscriber.streaming = True
+        try:
+            while True:
+                batch = await subscriber.outbox.take()
+                for delta in batch:
+                    if delta.token_ids:
+                        self._queued_prompt_tokens.pop(delta.request_id, None)
+                    if delta.finished:
+                        subscriber.request_ids.discard(delta.request_id)
+                        self._engine.close_stream(delta.request_id)
+                        self._queued_prompt_tokens.pop(delta.request_id, None)
+                yield batch
+        finally:
+            del self._subscribers[subscriber_id]
+            for rid in subscriber.request_ids:
+                self._engine.close_stream(rid)
+                self._queued_prompt_tokens.pop(rid, None)
                 await self._engine.call_for_cleanup(self._abort, rid)
+
+    def _subscriber(self, subscriber_id: str) -> _Subscriber:
+        if subscriber_id not in self._subscribers:
+            self._subscribers[subscriber_id] = _Subscriber(DeltaOutbox())
+        return self._subscribers[subscriber_id]
 
     def check_health(self) -> None:
         """Raises when the engine loop has stopped (a step failed, or a TP rank died)."""
         self._engine.check_alive()
 
     def stats(self) -> dict[str, float]:
-        """Load figures for routing and metrics; requests still reserving count as waiting."""
+        """Load figures for routing and metrics: the engine's; hand-offs waiting
+        for blocks count as waiting; prompt tokens queued for a local prefill."""
         stats = self._engine.load_stats()
         if stats:
-            stats["num_waiting"] += len(self._reserving)
-            stats["num_receiving"] = float(len(self._receiving))
+            stats["num_waiting"] += sum(h.phase is Phase.RESERVING for h in list(self._handoffs.values()))
+            stats["num_receiving"] = float(sum(h.phase is Phase.RECEIVING for h in list(self._handoffs.values())))
+            stats["queued_prefill_tokens"] = float(sum(self._queued_prompt_tokens.values()))
         return stats
 
     def shutdown(self) -> None:
@@ -111,79 +207,94 @@ class DecodeWorker:
     # ---- engine thread ----------------------------------------------------------------------
     def _reserve(self, engine: LLMEngine, request: DecodeRequest, future: asyncio.Future) -> None:
         rid = request.request_id
-        if rid in self._reserving or rid in self._receiving:
+        if rid in self._handoffs:
             raise InvalidRequestError(f"request id {rid!r} is already in use on {self.name}", "request_id")
-        pending = _Pending(request, future, time.monotonic() + self.reserve_timeout_s)
-        self._reserving[rid] = pending
-        self._try_reserve(engine, pending)
+        handoff = _HandOff(request, Phase.RESERVING, future, time.monotonic() + self.reserve_timeout_s)
+        self._handoffs[rid] = handoff
+        self._try_reserve(engine, handoff)
 
-    def _try_reserve(self, engine: LLMEngine, pending: _Pending) -> None:
+    def _try_reserve(self, engine: LLMEngine, handoff: _HandOff) -> None:
         """Reserves the blocks and posts the receives in one go (no engine step
-        in between); resolves the reserve future with (bytes, receive future)."""
-        r = pending.request
+        in between); resolves the reserve future with (bytes, arrival future)."""
+        r, prefill = handoff.request, handoff.request.prefill
+        first = prefill.first
         try:
             blocks = engine.reserve_prefilled(
-                r.request_id, r.prompt_token_ids, r.prefill.first_token_id, r.params,
-                first_logprobs=r.prefill.first_logprobs, generator_state=r.prefill.generator_state)
+                r.request_id, r.prompt_token_ids, first.token_ids[0], r.params,
+                first_logprobs=first.logprobs[0] if first.logprobs else None,
+                generator_state=prefill.generator_state, first_token_emitted=True)
             if blocks is not None:
                 nbytes = sum(engine.collective_rpc(kv_handoff.start_receive, r.transfer_id, len(blocks),
-                                                   r.prefill.sender_names, r.prefill.num_kv_heads))
+                                                   prefill.sender_names, prefill.num_kv_heads))
         except Exception as exc:  # noqa: BLE001 - handed to the waiting request
-            del self._reserving[r.request_id]
+            del self._handoffs[r.request_id]
             if r.request_id in engine.scheduler.reserved:   # reserved, but the receives failed to post
                 engine.collective_rpc(kv_handoff.forget_transfer, r.transfer_id)
                 engine.abort_request(r.request_id)
-            settle_from_thread(pending.future, exc=exc)
+            settle_from_thread(handoff.future, exc=exc)
             return
         if blocks is None:
-            pending.free_blocks_seen = engine.block_manager.num_free_blocks
-            if time.monotonic() > pending.deadline:
-                del self._reserving[r.request_id]
-                settle_from_thread(pending.future, exc=TimeoutError(
+            handoff.free_blocks_seen = engine.block_manager.num_free_blocks
+            if time.monotonic() > handoff.deadline:
+                del self._handoffs[r.request_id]
+                settle_from_thread(handoff.future, exc=TimeoutError(
                     f"{self.name} had no free KV blocks for request {r.request_id} for "
                     f"{self.reserve_timeout_s:.0f} s"))
             return
-        del self._reserving[r.request_id]
-        reserved = pending.future
-        pending.block_ids = blocks
-        pending.future = reserved.get_loop().create_future()
-        pending.deadline = time.monotonic() + self.transfer_timeout_s
-        self._receiving[r.request_id] = pending
-        settle_from_thread(reserved, (nbytes, pending.future))
+        reserved = handoff.future
+        handoff.phase, handoff.block_ids = Phase.RECEIVING, blocks
+        handoff.future = reserved.get_loop().create_future()
+        handoff.deadline = time.monotonic() + self.transfer_timeout_s
+        settle_from_thread(reserved, (nbytes, handoff.future))
 
-    def _admit(self, engine: LLMEngine, rid: str):
+    def _admit(self, engine: LLMEngine, rid: str) -> None:
         """The KV is in: scatter it into the blocks and join the running batch."""
-        pending = self._receiving.pop(rid)
-        engine.collective_rpc(kv_handoff.finish_receive, pending.request.transfer_id, pending.block_ids)
-        return engine.commit_prefilled(rid)
+        handoff = self._handoffs.pop(rid)
+        engine.collective_rpc(kv_handoff.finish_receive, handoff.request.transfer_id, handoff.block_ids)
+        out = engine.commit_prefilled(rid)
+        if out.finished:   # ended on its first token after all: its subscriber still hears so
+            self._engine.deliver([out])
 
     def _abort(self, engine: LLMEngine, rid: str) -> None:
-        pending = self._reserving.pop(rid, None) or self._receiving.pop(rid, None)
-        if pending is not None:
-            engine.collective_rpc(kv_handoff.forget_transfer, pending.request.transfer_id)
-            settle_from_thread(pending.future, exc=asyncio.CancelledError())
-        engine.abort_request(rid)
+        handoff = self._handoffs.pop(rid, None)
+        if handoff is not None:
+            engine.collective_rpc(kv_handoff.forget_transfer, handoff.request.transfer_id)
+            settle_from_thread(handoff.future, exc=asyncio.CancelledError())
+        if engine.abort_request(rid):
+            self._engine.deliver([_aborted(rid)])
 
     def _tick(self, engine: LLMEngine) -> bool:
         free = engine.block_manager.num_free_blocks
         now = time.monotonic()
-        for pending in list(self._reserving.values()):
+        for handoff in [h for h in self._handoffs.values() if h.phase is Phase.RESERVING]:
             # blocks free up only as requests finish: retry when that happened (or to time out)
-            if free != pending.free_blocks_seen or now > pending.deadline:
-                self._try_reserve(engine, pending)
-        waiting = {p.request.transfer_id: rid for rid, p in self._receiving.items() if not p.failed}
+            if free != handoff.free_blocks_seen or now > handoff.deadline:
+                self._try_reserve(engine, handoff)
+        waiting = {h.request.transfer_id: rid for rid, h in self._handoffs.items()
+                   if h.phase is Phase.RECEIVING and not h.failed}
         if waiting:
             per_rank = engine.collective_rpc(kv_handoff.poll_transfers, list(waiting))
             now = time.monotonic()
             for tid, rid in waiting.items():
-                pending = self._receiving[rid]
+                handoff = self._handoffs[rid]
                 state, error = kv_handoff.combine_states([r[tid] for r in per_rank])
-                if not state.is_final and now > pending.deadline:
+                if not state.is_final and now > handoff.deadline:
                     state, error = TransferState.FAILED, f"timed out after {self.transfer_timeout_s:.0f} s"
                 if state is TransferState.DONE:
-                    settle_from_thread(pending.future, (state, None, self._admit(engine, rid)))
+                    self._admit(engine, rid)
+                    settle_from_thread(handoff.future, None)
                 elif state is TransferState.FAILED:
-                    # stays in _receiving: the request's abort forgets the transfer and frees the blocks
-                    pending.failed = True
-                    settle_from_thread(pending.future, (state, error, None))
+                    # stays here: the request's abort forgets the transfer and frees the blocks
+                    handoff.failed = True
+                    settle_from_thread(handoff.future, error or "failed")
         return bool(waiting)
+
+
+def _add_request(engine: LLMEngine, request_id: str, prompt_token_ids: list[int], params) -> None:
+    engine.add_request(request_id, prompt_token_ids, params)
+
+
+def _aborted(request_id: str) -> RequestOutput:
+    return RequestOutput(request_id=request_id, prompt_token_ids=[], text="", token_ids=[], finished=True,
+                         finish_reason="abort")
+

@@ -1,16 +1,20 @@
 """An LLMEngine on its own thread, for asyncio servers.
 
     asyncio callers ── call(fn) ──▶ calls queue ─┐
-                   ◀─ per-request output queues ─┤ engine thread:
+                   ◀──────── output sinks ───────┤ engine thread:
                                                  │   run queued calls
                                                  │   run tickers (transfer polling, leases)
-                                                 │   engine.step() → outputs → request queues
+                                                 │   engine.step() → outputs → one put per sink
                                                  └── sleep until woken (or a ticker is busy)
 
 Every touch of the engine happens on the engine thread, so the engine needs no
 locks; the event loop never blocks on a forward pass. A ticker is a function
 called with the engine once per loop iteration; it returns True while it has
 work in flight (the loop then polls again soon instead of sleeping).
+
+Outputs go to the sink each request was attached to: a per-request queue
+(`open_stream`), or a sink shared by many requests that gets one `put` per step
+with all of its requests' outputs (a server's per-subscriber outbox).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -30,6 +34,32 @@ log = logging.getLogger(__name__)
 Ticker = Callable[[LLMEngine], bool]
 _BUSY_POLL_S = 0.002
 _IDLE_WAIT_S = 0.5
+_COST_EWMA = 0.2      # weight of the newest step in the per-token prefill cost
+
+
+class OutputSink(Protocol):
+    """Where a request's outputs go. Both methods are called on the engine thread."""
+
+    def put(self, outputs: list[RequestOutput]) -> None:
+        """One step's outputs of this sink's requests (never empty)."""
+
+    def fail(self, exc: BaseException) -> None:
+        """The engine stopped: every request of this sink has ended with `exc`."""
+
+
+class _RequestQueue:
+    """The sink behind `open_stream`: one asyncio queue for one request."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+
+    def fail(self, exc: BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, EngineStoppedError(f"the engine stopped: {exc}"))
 
 
 class EngineStoppedError(RuntimeError):
@@ -47,8 +77,9 @@ class AsyncEngine:
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._streams_lock = threading.Lock()
+        self._sinks: dict[str, OutputSink] = {}
+        self._sinks_lock = threading.Lock()
+        self.prefill_s_per_token: float | None = None   # measured on this engine's steps (EWMA)
         self._tickers: list[Ticker] = []
         self._failure: BaseException | None = None
         self._loop = asyncio.get_running_loop()
@@ -75,17 +106,29 @@ class AsyncEngine:
         self._wake.set()
         return await future
 
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Runs fn(engine, *args) on the engine thread between steps, without
+        waiting for it; a failure is logged."""
+        self.check_alive()
+        self._calls.put((fn, args, None))
+        self._wake.set()
+
     def open_stream(self, request_id: str) -> asyncio.Queue:
         """The queue that receives the request's RequestOutputs (and an exception
         if the engine fails). Open it before the request is added."""
-        q: asyncio.Queue = asyncio.Queue()
-        with self._streams_lock:
-            self._streams[request_id] = (asyncio.get_running_loop(), q)
-        return q
+        sink = _RequestQueue()
+        self.attach(request_id, sink)
+        return sink.queue
+
+    def attach(self, request_id: str, sink: OutputSink) -> None:
+        """Sends the request's outputs to `sink`. Attach before the request is added."""
+        with self._sinks_lock:
+            self._sinks[request_id] = sink
 
     def close_stream(self, request_id: str) -> None:
-        with self._streams_lock:
-            self._streams.pop(request_id, None)
+        """Stops delivering the request's outputs (to whichever sink it had)."""
+        with self._sinks_lock:
+            self._sinks.pop(request_id, None)
 
     async def outputs(self, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         """A request's outputs from its stream, up to and including the finished
@@ -113,12 +156,16 @@ class AsyncEngine:
         if engine is None:
             return {}
         blocks = engine.block_manager
-        return {
+        stats = {
             "free_kv_blocks": float(blocks.num_free_blocks),
             "num_waiting": float(len(engine.scheduler.waiting)),
             "num_running": float(len(engine.scheduler.running)),
             "kv_cache_usage": 1.0 - blocks.num_free_blocks / blocks.num_blocks,
+            "torch_threads": float(engine.worker.num_threads),
         }
+        if self.prefill_s_per_token is not None:
+            stats["prefill_s_per_token"] = self.prefill_s_per_token
+        return stats
 
     def add_ticker(self, ticker: Ticker) -> None:
         """Registers a function the engine thread calls every iteration."""
@@ -164,7 +211,8 @@ class AsyncEngine:
                     log.exception("ticker %s failed", getattr(ticker, "__qualname__", ticker))
                     busy = True
             if engine.has_unfinished_requests():
-                self._deliver(engine.step(**self._step_kwargs))
+                self.deliver(engine.step(**self._step_kwargs))
+                self._measure(engine)
                 continue
             self._wake.wait(_BUSY_POLL_S if busy else _IDLE_WAIT_S)
             self._wake.clear()
@@ -178,17 +226,35 @@ class AsyncEngine:
             try:
                 result = fn(engine, *args)
             except Exception as exc:  # noqa: BLE001 - raised in the caller
-                settle_from_thread(future, exc=exc)
+                if future is None:
+                    log.exception("engine call %s failed", getattr(fn, "__qualname__", fn))
+                else:
+                    settle_from_thread(future, exc=exc)
             else:
-                settle_from_thread(future, result)
+                if future is not None:
+                    settle_from_thread(future, result)
 
-    def _deliver(self, outputs) -> None:
-        for out in outputs:
-            with self._streams_lock:
-                target = self._streams.get(out.request_id)
-            if target is not None:
-                loop, q = target
-                loop.call_soon_threadsafe(q.put_nowait, out)
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        """Engine thread only: one put per sink with all of its requests' outputs
+        (a step's, or ones a call made outside a step)."""
+        batches: dict[int, tuple[OutputSink, list[RequestOutput]]] = {}
+        with self._sinks_lock:
+            for out in outputs:
+                sink = self._sinks.get(out.request_id)
+                if sink is not None:
+                    batches.setdefault(id(sink), (sink, []))[1].append(out)
+        for sink, batch in batches.values():
+            sink.put(batch)
+
+    def _measure(self, engine: LLMEngine) -> None:
+        """Folds the last step into the per-token prefill cost (steps with prefill tokens only)."""
+        step = engine.last_step
+        if step is None or step.num_prefill_tokens == 0:
+            return
+        cost = step.duration_s / step.num_prefill_tokens
+        old = self.prefill_s_per_token
+        self.prefill_s_per_token = cost if old is None else (1 - _COST_EWMA) * old + _COST_EWMA * cost
+        engine.last_step = None
 
     def _fail_everything(self, exc: BaseException) -> None:
         while True:
@@ -196,11 +262,12 @@ class AsyncEngine:
                 _, _, future = self._calls.get_nowait()
             except queue.Empty:
                 break
-            settle_from_thread(future, exc=EngineStoppedError(str(exc)))
-        with self._streams_lock:
-            streams = list(self._streams.values())
-        for loop, q in streams:
-            loop.call_soon_threadsafe(q.put_nowait, EngineStoppedError(f"the engine stopped: {exc}"))
+            if future is not None:
+                settle_from_thread(future, exc=EngineStoppedError(str(exc)))
+        with self._sinks_lock:
+            sinks = {id(sink): sink for sink in self._sinks.values()}
+        for sink in sinks.values():
+            sink.fail(exc)
 
 
 def _resolve_lazy_imports() -> None:

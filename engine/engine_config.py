@@ -25,6 +25,7 @@ class EngineConfig:
     seed: int = 0                               # for unseeded sampling
     tensor_parallel_size: int = 1               # ranks the model is sharded over
     tp_backend: str = "auto"                    # auto: nccl for CUDA tensors, gloo for CPU tensors
+    cpu_threads: int | None = None              # CPU: torch threads per rank; default: cores // TP
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -33,7 +34,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
         for name in ("max_model_len", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
-                     "tensor_parallel_size"):
+                     "tensor_parallel_size", "cpu_threads"):
             positive(name)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass
 
 import torch
 
@@ -28,7 +28,7 @@ from engine.block_manager import BlockManager
 from engine.engine_config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.model.parallel import SINGLE_PROCESS, TensorParallel
-from engine.model_worker import KV_READ, KV_WRITE, RPC, ModelWorker, RankCallError, cpu_threads_per_rank, run_rank_call
+from engine.model_worker import KV_READ, KV_WRITE, RPC, ModelWorker, RankCallError, run_rank_call
 from engine.output_processor import RequestTextState
 from engine.outputs import RequestOutput
 from engine.runner import ModelRunner
@@ -40,6 +40,14 @@ from engine.tokenizer import load_tokenizer
 from engine.tp_group import RankProcesses, create_group, free_port, resolve_backend
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """The shape and wall time of one engine step (for cost estimates)."""
+    num_prefill_tokens: int
+    num_decode_seqs: int
+    duration_s: float
 
 
 class LLMEngine:
@@ -82,14 +90,13 @@ class LLMEngine:
         self._states: dict[str, RequestTextState] = {}
         self._held: dict[str, Sequence] = {}
         self._ids = itertools.count()
+        self.last_step: StepStats | None = None   # the latest non-empty step
 
     # ---- tensor-parallel ranks ----------------------------------------------------------
     def _start_ranks(self, config: EngineConfig) -> TensorParallel:
         size = config.tensor_parallel_size
         device = config.resolved_device()
         backend = resolve_backend(config.tp_backend, device)
-        if device.type == "cpu":
-            torch.set_num_threads(cpu_threads_per_rank(size))
         port = free_port()
         self._ranks = RankProcesses(size, port, (config, backend))
         tp = self._ranks.join_group(lambda: create_group(0, size, "127.0.0.1", port, backend, device))
@@ -172,12 +179,12 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt: str | list[int],
                     params: SamplingParams | None = None, *, hold_kv: bool = False) -> str:
         """Queues a request; returns its id. Raises InvalidRequestError (nothing
-        queued, nothing else affected) for a bad prompt or parameters."""
+        queued, nothing else affected) for a bad prompt or parameters.
+        With `hold_kv` the request stops after its first token and keeps its
+        blocks (prefill role); that token's output is `finished` only when the
+        request really ended there (EOS, a stop, max_tokens=1)."""
         seq = self._new_sequence(request_id, prompt, params)
-        if hold_kv:
-            seq.hold_kv = True
-            # one token here; min_tokens still bans EOS/stop ids for that first token
-            seq.params = replace(seq.params, max_tokens=1, min_tokens=min(seq.params.min_tokens, 1))
+        seq.hold_kv = hold_kv
         self._states[seq.request_id] = RequestTextState(seq, self.tokenizer, self.max_model_len)
         self.scheduler.add(seq)
         return seq.request_id
@@ -205,7 +212,7 @@ class LLMEngine:
         step = self.scheduler.schedule(prefill=prefill, decode=decode)
         if step.is_empty:
             return []
-        now = time.monotonic()
+        now = started = time.monotonic()
         for seq in step.seqs:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
@@ -225,9 +232,10 @@ class LLMEngine:
                 seq.first_token_time = now
             state.append(result.token_ids[i], result.logprobs[i])
             finished = seq.finish_reason is not None
-            if finished:
+            if finished or seq.hold_kv:
                 self._finish(seq)
             outputs.append(state.make_output(finished))
+        self.last_step = StepStats(step.num_prefill_tokens, step.num_decode_seqs, time.monotonic() - started)
         return outputs
 
     def _finish(self, seq: Sequence) -> None:
@@ -257,14 +265,17 @@ class LLMEngine:
 
     def reserve_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
                           params: SamplingParams, *, first_logprobs: TokenLogprobs | None = None,
-                          generator_state: torch.Tensor | None = None) -> list[int] | None:
+                          generator_state: torch.Tensor | None = None,
+                          first_token_emitted: bool = False) -> list[int] | None:
         """Decode role: allocates blocks for the prompt's K/V, which the caller
         writes into `kv_cache` (block i of the returned table holds prompt tokens
         [i*block_size, (i+1)*block_size)). None when the blocks do not fit now.
         `first_logprobs` is the first token's logprobs when the request asks for
         them; `generator_state` is the prefill side's seeded generator after the
         first token (`held_sequence(id).generator.get_state()`), so seeded sampling
-        continues exactly as it would in one engine."""
+        continues exactly as it would in one engine. With `first_token_emitted`
+        the caller already streamed the first token (and its text) from the
+        prefill side: this request's outputs carry only what follows it."""
         if not isinstance(request_id, str):
             raise InvalidRequestError(f"request_id must be a string, got {request_id!r}", "request_id")
         seq = self._new_sequence(request_id, prompt_token_ids, params)
@@ -280,6 +291,8 @@ class LLMEngine:
         self._states[request_id] = state
         seq.first_scheduled_time = seq.first_token_time = seq.arrival_time
         state.append(first_token_id, first_logprobs)
+        if first_token_emitted:
+            state.make_output(False)   # the prefill side streamed it: outputs start after it
         return list(seq.block_table)
 
     def commit_prefilled(self, request_id: str) -> RequestOutput:
@@ -355,9 +368,10 @@ class LLMEngine:
 
     # ---- offline helpers ------------------------------------------------------------------
     def run_to_completion(self) -> list[RequestOutput]:
-        """Steps until every request finished; returns the final outputs in finish order."""
+        """Steps until every request finished (or, with hold_kv, holds its KV);
+        returns the final outputs in finish order."""
         done = []
         while self.has_unfinished_requests():
-            done.extend(o for o in self.step() if o.finished)
+            done.extend(o for o in self.step() if o.finished or o.request_id in self._held)
         return done
 

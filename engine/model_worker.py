@@ -59,6 +59,9 @@ class ModelWorker:
         self.device = _rank_device(config, tp)
         if self.device.type == "cpu":
             keep_freed_memory_in_heap()
+            # whatever OMP_NUM_THREADS says (Ray sets it from an actor's num_cpus)
+            torch.set_num_threads(cpu_threads_per_rank(config))
+        self.num_threads = torch.get_num_threads()   # this thread's intra-op threads: the forward runs here
         self.model_config = ModelConfig.from_pretrained(config.model)
         mc = self.model_config
         self.max_model_len = resolve_max_model_len(config, mc)
@@ -140,8 +143,12 @@ def _rank_device(config: EngineConfig, tp: TensorParallel) -> torch.device:
     return device
 
 
-def cpu_threads_per_rank(tp_size: int) -> int:
-    return max(1, (os.cpu_count() or 1) // tp_size)
+def cpu_threads_per_rank(config: EngineConfig) -> int:
+    """Torch threads one CPU rank runs with: `config.cpu_threads` (at most the
+    machine's cores), else the machine's cores shared among the ranks."""
+    if config.cpu_threads is not None:
+        return min(config.cpu_threads, os.cpu_count() or 1)
+    return max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
 
 
 # ---- ranks other than 0 ---------------------------------------------------------------
@@ -188,8 +195,6 @@ def follower_main(rank: int, size: int, port: int, parent_pid: int, config: Engi
     logging.basicConfig(level=logging.WARNING, format=f"[tp rank {rank}] %(levelname)s %(message)s")
     exit_when_parent_dies(parent_pid)
     device = config.resolved_device()
-    if device.type == "cpu":
-        torch.set_num_threads(cpu_threads_per_rank(size))
     try:
         tp = create_group(rank, size, "127.0.0.1", port, backend, device)
         follow(ModelWorker(config, tp))

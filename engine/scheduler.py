@@ -34,10 +34,15 @@ class ScheduledStep:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    num_decode_seqs: int = 0      # the first num_decode_seqs of `seqs` are decodes
 
     @property
     def is_empty(self) -> bool:
         return not self.seqs
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(self.num_new_tokens[self.num_decode_seqs:])
 
 
 class Scheduler:
@@ -147,6 +152,7 @@ class Scheduler:
             prefills.append((seq, n))
             budget -= n
 
+        step.num_decode_seqs = len(decodes)
         for seq, n in decodes + prefills:
             step.seqs.append(seq)
             step.num_new_tokens.append(n)

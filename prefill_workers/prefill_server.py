@@ -1,22 +1,21 @@
 """PrefillServer: the Ray Serve deployment around a PrefillWorker (one replica =
 one TP gang; its ranks sit in the replica's placement-group bundles).
 
-Calls that concern a request whose KV this replica holds (`send_kv`,
-`release`, `abort`) carry `target_replica`, which cluster/serving/replica_routing.py
-uses to route them here; `record_routing_stats` reports the queued prefill
-tokens that new prompts are routed by.
+Calls that concern a request whose KV this replica holds (`send_kv` from a
+decode replica, `release`, `abort`) carry `target_replica`, which
+cluster/serving/replica_routing.py uses to route them here;
+`record_routing_stats` reports the queued prefill tokens that new prompts are
+routed by.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 from ray import serve
 
-from cluster.serving.handoff import PrefillResult
+from cluster.serving.messages import PrefillResult
+from cluster.serving.worker_deployment import WorkerDeployment
 from cluster.transport.kv_transport import PeerAddress
 from cluster.transport.transport_factory import TransportSettings, sender_factory
-from cluster.serving.worker_deployment import WorkerDeployment
 from engine.engine_config import EngineConfig
 from engine.sampling_params import SamplingParams
 from prefill_workers.prefill_worker import PrefillWorker
@@ -26,13 +25,13 @@ from prefill_workers.prefill_worker import PrefillWorker
 class PrefillServer(WorkerDeployment):
     async def __init__(self, engine_config: EngineConfig, transport: TransportSettings, lease_s: float = 60.0):
         await self.join_gang(engine_config)
-        self.worker = PrefillWorker(engine_config, sender_factory(transport, f"prefill-{self.replica_id}"),
-                                    lease_s=lease_s, name=f"prefill-{self.replica_id}")
+        name = f"prefill-{self.replica_id}"
+        self.worker = PrefillWorker(engine_config, sender_factory(transport, name), lease_s=lease_s, name=name,
+                                    replica_id=self.replica_id)
         await self.worker.start()
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> PrefillResult:
-        result = await self.worker.prefill(request_id, prompt_token_ids, params)
-        return dataclasses.replace(result, replica_id=self.replica_id)
+        return await self.worker.prefill(request_id, prompt_token_ids, params)
 
     async def send_kv(self, request_id: str, transfer_id: str, receivers: list[PeerAddress], *,
                       target_replica: str) -> int:
@@ -43,5 +42,3 @@ class PrefillServer(WorkerDeployment):
 
     async def abort(self, request_id: str, *, target_replica: str) -> None:
         await self.worker.abort(request_id)
-
-

@@ -2,21 +2,25 @@
 to a decode worker (plain class; prefill_server.py wraps it for Ray Serve).
 
     prefill(request) ─▶ waiting ─▶ running (batched, chunked prefill; prefix cache on)
-                                     │ first token sampled
+                                     │ first token sampled: returned at once (the client's TTFT)
                                      ▼
                                  holding: KV blocks kept ──send_kv──▶ sending (packed copies on the wire)
-                                     │
-                  release (the decode side confirmed receipt), abort, or lease expiry
+                                     │   (asked by the decode worker that posted the receives)
+                  release (the decode side has the KV), abort, or lease expiry
                                      ▼
                                    freed
 
-A hold that nobody releases (the router or decode worker died) is freed when
-its lease runs out; a release that arrives while the send is still in flight
-is carried out when the transfer ends.
+A request that ended on its first token (EOS, a stop, max_tokens 1) holds
+nothing. A hold that nobody releases (the router or decode worker died) is
+freed when its lease runs out; a release that arrives while the send is still
+in flight is carried out when the transfer ends. With one rank the KV is packed
+and queued on the caller's thread, without waiting for the engine's current
+step to end (held blocks are never written by a step).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -24,12 +28,13 @@ from dataclasses import dataclass
 
 import torch
 
+from cluster.serving.messages import PrefillResult, TokenDelta
 from cluster.transport import kv_handoff
-from cluster.serving.handoff import PrefillResult
 from cluster.transport.kv_transport import KVSender, PeerAddress, TransferState
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineStoppedError, settle_from_thread
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -45,10 +50,11 @@ class _Hold:
 
 class PrefillWorker:
     def __init__(self, config: EngineConfig, make_sender: Callable[[int, torch.device], KVSender], *,
-                 lease_s: float = 60.0, name: str = "prefill"):
+                 lease_s: float = 60.0, name: str = "prefill", replica_id: str = ""):
         """Call from a running event loop, then `await start()`."""
         self.config = config
         self.name = name
+        self.replica_id = replica_id
         self.lease_s = lease_s
         self._make_sender = make_sender
         self._engine = AsyncEngine(lambda: LLMEngine(config), decode=False, name=f"{name}-engine")
@@ -68,14 +74,12 @@ class PrefillWorker:
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> PrefillResult:
         """Runs the prompt, samples the first token and holds the KV. Raises
         InvalidRequestError for a prompt this model cannot take."""
-        stream = self._engine.open_stream(request_id)
+        held = asyncio.get_running_loop().create_future()
+        self._engine.attach(request_id, _HoldOnFirstToken(self, held))
         self._queued_prompt_tokens[request_id] = len(prompt_token_ids)
         try:
             await self._engine.call(_add_held_request, request_id, prompt_token_ids, params)
-            out = await stream.get()
-            if isinstance(out, BaseException):
-                raise out
-            return await self._engine.call(self._hold, out, time.monotonic() + self.lease_s)
+            return await held
         except BaseException:
             await self._engine.call_for_cleanup(self._drop, request_id)
             raise
@@ -85,8 +89,19 @@ class PrefillWorker:
 
     async def send_kv(self, request_id: str, transfer_id: str, receivers: list[PeerAddress]) -> int:
         """Starts sending the held KV to a decode gang (one address per decode
-        rank, whose receives are already posted); returns the bytes queued."""
-        return await self._engine.call(self._start_send, request_id, transfer_id, receivers)
+        rank, whose receives are already posted); returns the bytes queued.
+        Raises KeyError when the request holds nothing here."""
+        if self.config.tensor_parallel_size > 1:   # every rank packs its heads: between steps
+            return await self._engine.call(self._start_send, request_id, transfer_id, receivers)
+        engine = self._engine.engine
+        hold = self._holds.get(request_id)
+        if hold is None or hold.transfer_id is not None:   # unknown, or a retry: the engine thread decides
+            return await self._engine.call(self._start_send, request_id, transfer_id, receivers)
+        block_ids = list(engine.held_sequence(request_id).block_table)
+        (nbytes,) = engine.collective_rpc(kv_handoff.start_send, transfer_id, block_ids, receivers,
+                                          self.num_kv_heads)
+        self._engine.submit(self._note_send, request_id, transfer_id)
+        return nbytes
 
     async def release(self, request_id: str) -> bool:
         """The decode side has the KV (or gave up): free the blocks once no
@@ -114,17 +129,28 @@ class PrefillWorker:
         self._engine.shutdown()
 
     # ---- engine thread ----------------------------------------------------------------------
-    def _hold(self, engine: LLMEngine, out, deadline: float) -> PrefillResult:
+    def _hold(self, out: RequestOutput) -> PrefillResult:
+        """Right after the step that sampled the first token."""
+        engine, deadline = self._engine.engine, time.monotonic() + self.lease_s
         seq = engine.held_sequence(out.request_id)
-        self._holds[out.request_id] = _Hold(deadline)
-        return PrefillResult(
-            request_id=out.request_id, first_token_id=out.token_ids[0],
-            first_logprobs=out.logprobs[0] if out.logprobs else None,
+        result = PrefillResult(
+            request_id=out.request_id, first=TokenDelta.from_output(out),
             generator_state=seq.generator.get_state() if seq.generator is not None else None,
-            num_cached_tokens=out.num_cached_tokens, num_blocks=len(seq.block_table),
-            queue_time_s=(out.first_scheduled_time or out.arrival_time) - out.arrival_time,
-            prefill_time_s=out.first_token_time - (out.first_scheduled_time or out.arrival_time),
-            sender_names=list(self.sender_names), num_kv_heads=self.num_kv_heads)
+            num_blocks=len(seq.block_table), sender_names=list(self.sender_names),
+            num_kv_heads=self.num_kv_heads, replica_id=self.replica_id)
+        if out.finished:   # nothing left to decode: nobody will ask for the KV
+            engine.release_kv(out.request_id)
+        else:
+            self._holds[out.request_id] = _Hold(deadline)
+        return result
+
+    def _note_send(self, engine: LLMEngine, request_id: str, transfer_id: str) -> None:
+        """Records a send started off the engine thread (one rank)."""
+        hold = self._holds.get(request_id)
+        if hold is None:   # dropped meanwhile (abort, lease): stop the send
+            engine.collective_rpc(kv_handoff.forget_transfer, transfer_id)
+            return
+        hold.transfer_id, hold.transfer_state = transfer_id, TransferState.PENDING
 
     def _start_send(self, engine: LLMEngine, request_id: str, transfer_id: str,
                     receivers: list[PeerAddress]) -> int:
@@ -174,6 +200,25 @@ class PrefillWorker:
             log.warning("the KV lease of %s expired after %.0f s without a release; freeing it", rid, self.lease_s)
             self._drop(engine, rid)
         return bool(in_flight)
+
+
+class _HoldOnFirstToken:
+    """The output sink of one prefill request: on the engine thread, as soon as
+    the first token is out, set up the hold and answer the caller (no wait for
+    another engine iteration)."""
+
+    def __init__(self, worker: PrefillWorker, future: asyncio.Future):
+        self.worker, self.future = worker, future
+
+    def put(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            try:
+                settle_from_thread(self.future, self.worker._hold(out))
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                settle_from_thread(self.future, exc=exc)
+
+    def fail(self, exc: BaseException) -> None:
+        settle_from_thread(self.future, exc=EngineStoppedError(f"the engine stopped: {exc}"))
 
 
 def _add_held_request(engine: LLMEngine, request_id: str, prompt_token_ids: list[int],

@@ -1,22 +1,24 @@
 """Router: the Ray Serve ingress deployment. It serves the OpenAI API
-(router/openai_api.py) over a DisaggregatedBackend (or ColocatedBackend) whose
-pools are the worker deployments' handles, and keeps the per-worker gauges in
-/metrics fresh by asking every worker replica for its stats once a second.
+(router/openai_api.py) over a ServingBackend whose pools are the worker
+deployments' handles, and once a second asks every worker replica for its
+stats: they feed /metrics and the disaggregation policy's cost estimates.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 
 from ray import serve
 
 from engine.tokenizer import load_tokenizer
 from router.backend import ModelInfo
-from router.disaggregated_backend import ColocatedBackend, DisaggregatedBackend
+from router.disaggregation_policy import DisaggregationPolicy, DisaggregationSettings
 from router.metrics import ServingMetrics
 from router.openai_api import build_openai_app
-from router.serve_pools import ServeColocatedPool, ServeDecodePool, ServePrefillPool
+from router.serve_pools import ServeDecodePool, ServePrefillPool
+from router.serving_backend import ServingBackend
 
 log = logging.getLogger(__name__)
 
@@ -27,14 +29,19 @@ STATS_PERIOD_S = 1.0
 @serve.ingress()
 class Router:
     def __init__(self, info: ModelInfo, tokenizer_path: str, mode: str, *, prefill=None, decode=None,
-                 colocated=None):
+                 colocated=None, disaggregation: DisaggregationSettings | None = None):
         self.tokenizer = load_tokenizer(tokenizer_path)
         self.metrics = ServingMetrics()
+        replica = serve.get_replica_context().replica_id.unique_id
+        subscriber = f"router-{replica}-{uuid.uuid4().hex[:8]}"
+        self.policy = None
         if mode == "colocated":
-            self.backend = ColocatedBackend(info, ServeColocatedPool(colocated))
+            self.backend = ServingBackend(info, ServeDecodePool(colocated, "colocated"), subscriber=subscriber)
             self._workers = {"colocated": colocated}
         else:
-            self.backend = DisaggregatedBackend(info, ServePrefillPool(prefill), ServeDecodePool(decode))
+            self.policy = DisaggregationPolicy(disaggregation or DisaggregationSettings())
+            self.backend = ServingBackend(info, ServeDecodePool(decode), ServePrefillPool(prefill), self.policy,
+                                          subscriber=subscriber)
             self._workers = {"prefill": prefill, "decode": decode}
         self._stats_task = asyncio.get_event_loop().create_task(self._refresh_worker_stats())
 
@@ -51,7 +58,10 @@ class Router:
                 except Exception as exc:  # noqa: BLE001 - metrics must never take the router down
                     log.debug("no %s stats: %s", role, exc)
                     continue
-                for i, stats in enumerate(sorted(replies, key=lambda s: s.get("replica", ""))):
+                replies = sorted(replies, key=lambda s: s.get("replica", ""))
+                if self.policy is not None:
+                    self.policy.observe_workers(role, replies)
+                for i, stats in enumerate(replies):
                     label = f"{role}-{i}"
                     current.add(label)
                     self.metrics.set_worker_stats(label, {k: v for k, v in stats.items() if k != "replica"})

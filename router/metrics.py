@@ -45,6 +45,9 @@ WORKER_GAUGES = (
     ("num_running", "pdserve_num_requests_running", "Requests a worker is running."),
     ("num_waiting", "pdserve_num_requests_waiting", "Requests queued on a worker."),
     ("kv_cache_usage", "pdserve_kv_cache_usage_ratio", "Fraction of a worker's KV cache blocks in use."),
+    ("torch_threads", "pdserve_worker_torch_threads", "Torch threads each rank of a worker runs with."),
+    ("prefill_s_per_token", "pdserve_worker_prefill_seconds_per_token",
+     "A worker's measured prefill cost per prompt token (moving average)."),
 )
 
 
@@ -81,6 +84,9 @@ class ServingMetrics:
                                       registry=r)
         self._generation_tokens = Counter("pdserve_generation_tokens_total",
                                           "Output tokens generated.", registry=r)
+        self._prefills = Counter("pdserve_prefills_total", "Prompts prefilled, by the role of the worker "
+                                 "that ran them (decode: conditional disaggregation or colocated).",
+                                 ["worker_role"], registry=r)
         self._errors = Counter("pdserve_request_errors_total", "Error responses, by HTTP status.",
                                ["status"], registry=r)
         self._worker_gauges = {key: Gauge(name, doc, ["worker"], registry=r)
@@ -93,6 +99,8 @@ class ServingMetrics:
         self._prompt_tokens.inc(timings.prompt_tokens)
         self._generation_tokens.inc(timings.generation_tokens)
         # An aborted or failed request's "end" is when it was cut off, not a latency.
+        if timings.phases.prefilled_on is not None:
+            self._prefills.labels(worker_role=timings.phases.prefilled_on).inc()
         completed = timings.finish_reason in ("stop", "length")
         for histogram, value in (
             (self._ttft, timings.time_to_first_token),

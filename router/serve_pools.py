@@ -1,10 +1,11 @@
-"""Prefill, decode and colocated pools over Ray Serve deployment handles (the
-cluster side of router/disaggregated_backend.py's interfaces).
+"""The prefill and decode pools over Ray Serve deployment handles (the cluster
+side of router/serving_backend.py's interfaces).
 
 Errors raised inside a replica come back as Ray's wrapper; they are unwrapped
 to the original exception (InvalidRequestError stays a 400, KVTransferFailed a
 503) so the HTTP layer sees what the worker raised. A replica that died turns
-into BackendUnavailableError.
+into BackendUnavailableError. A call whose caller is cancelled (the client
+left) is cancelled on the replica too.
 """
 
 from __future__ import annotations
@@ -15,14 +16,11 @@ from contextlib import contextmanager
 
 from ray import exceptions as ray_exceptions
 
-from cluster.serving.handoff import DecodeRequest, PrefillResult
-from cluster.transport.kv_transport import PeerAddress
+from cluster.serving.messages import Admitted, DecodeRequest, PrefillResult, TokenDelta
 from cluster.serving.replica_routing import AVOID_REPLICA, TARGET_REPLICA
 from engine.sampling_params import SamplingParams
 from router.backend import BackendUnavailableError
 
-# a targeted call that waits this long for its replica means the replica is gone
-TARGETED_CALL_TIMEOUT_S = 60.0
 HEALTH_TIMEOUT_S = 5.0
 
 
@@ -47,6 +45,16 @@ def unwrapped_errors(what: str):
         raise BackendUnavailableError(f"the {what} worker is unavailable: {exc}") from None
 
 
+async def _call(response, what: str):
+    """Awaits a Serve call; cancels it on the replica when the caller is cancelled."""
+    try:
+        with unwrapped_errors(what):
+            return await response
+    except asyncio.CancelledError:
+        response.cancel()
+        raise
+
+
 class ServePrefillPool:
     def __init__(self, handle):
         self._handle = handle
@@ -55,51 +63,35 @@ class ServePrefillPool:
         await check_replicas(self._handle, "prefill")
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> PrefillResult:
-        with unwrapped_errors("prefill"):
-            return await self._handle.prefill.remote(request_id, prompt_token_ids, params)
+        return await _call(self._handle.prefill.remote(request_id, prompt_token_ids, params), "prefill")
 
-    async def send_kv(self, result: PrefillResult, transfer_id: str, receivers: list[PeerAddress]) -> int:
-        with unwrapped_errors("prefill"):
-            call = self._handle.send_kv.remote(result.request_id, transfer_id, receivers,
-                                               **{TARGET_REPLICA: result.replica_id})
-            return await asyncio.wait_for(call, TARGETED_CALL_TIMEOUT_S)
-
-    async def release(self, result: PrefillResult) -> None:
+    def release(self, result: PrefillResult) -> None:
         # fire and forget: the lease frees the KV if this never lands
         self._handle.release.remote(result.request_id, **{TARGET_REPLICA: result.replica_id})
 
 
 class ServeDecodePool:
-    def __init__(self, handle):
-        self._handle = handle.options(stream=True)
-        self._plain = handle
+    """Decode replicas (or colocated ones: the same deployment class)."""
+
+    def __init__(self, handle, what: str = "decode"):
+        self._handle = handle
+        self._streams = handle.options(stream=True)
+        self._what = what
 
     async def check_health(self) -> None:
-        await check_replicas(self._plain, "decode")
+        await check_replicas(self._handle, self._what)
 
-    async def generate(self, request: DecodeRequest, avoid_replica: str | None = None) -> AsyncIterator:
-        stream = self._handle.generate.remote(request, **{AVOID_REPLICA: avoid_replica})
+    async def generate(self, request: DecodeRequest, avoid_replica: str | None = None) -> Admitted:
+        return await _call(self._handle.generate.remote(request, **{AVOID_REPLICA: avoid_replica}), self._what)
+
+    async def abort(self, replica_id: str, request_id: str) -> None:
+        await _call(self._handle.abort.remote(request_id, **{TARGET_REPLICA: replica_id}), self._what)
+
+    async def stream(self, replica_id: str, subscriber: str) -> AsyncIterator[list[TokenDelta]]:
+        stream = self._streams.stream_outputs.remote(subscriber, **{TARGET_REPLICA: replica_id})
         try:
-            with unwrapped_errors("decode"):
-                async for event in stream:
-                    yield event
-        finally:
-            stream.cancel()
-
-
-class ServeColocatedPool:
-    def __init__(self, handle):
-        self._handle = handle.options(stream=True)
-        self._plain = handle
-
-    async def check_health(self) -> None:
-        await check_replicas(self._plain, "colocated")
-
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator:
-        stream = self._handle.generate.remote(request_id, prompt_token_ids, params)
-        try:
-            with unwrapped_errors("colocated"):
-                async for out in stream:
-                    yield out
+            with unwrapped_errors(self._what):
+                async for batch in stream:
+                    yield batch
         finally:
             stream.cancel()

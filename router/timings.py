@@ -20,6 +20,7 @@ class PhaseTimings:
     prefill_time: float | None = None    # first scheduled -> first token sampled
     transfer_time: float | None = None   # KV hand-off prefill -> decode (None when colocated)
     transfer_bytes: int | None = None    # KV bytes that hand-off moved
+    prefilled_on: str | None = None      # "prefill" (a prefill worker) | "decode" (the decode worker itself)
 
 
 @dataclass(slots=True)

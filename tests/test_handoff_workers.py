@@ -1,10 +1,10 @@
 """Prefill worker → KV transport → decode worker, without Ray: the plain worker
-classes behind the Serve deployments, driven by the router's
-DisaggregatedBackend.
+classes behind the Serve deployments, driven by the router's ServingBackend.
 
-- fake transport: parity, and every failure (injected, peer death, client
-  abort, expired lease) ends the request with a clear error and frees the
-  blocks on both sides;
+- fake transport: parity, the first token streamed from the prefill side,
+  conditional disaggregation, per-step output batches, and every failure
+  (injected, peer death, client abort, expired lease) ends the request with a
+  clear error and frees the blocks on both sides;
 - real per-pair gloo groups between TP gangs of different degrees: the KV that
   lands in the decode cache is bit-for-bit the prefill cache's, re-sharded.
 """
@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 
+from cluster.serving.messages import DecodeRequest
 from cluster.transport import kv_handoff
 from cluster.transport.fake_transport import FakeTransportHub
 from cluster.transport.kv_transport import TransferState
@@ -26,9 +27,15 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.kv_head_map import remap_kv_shards
 from prefill_workers.prefill_worker import PrefillWorker
 from router.backend import BackendUnavailableError, ModelInfo
-from router.disaggregated_backend import DisaggregatedBackend
+from router.disaggregation_policy import DisaggregationPolicy, DisaggregationSettings
+from router.serving_backend import ServingBackend
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def _later(coro) -> None:
+    """Fire and forget, as a Serve call that nobody awaits."""
+    asyncio.get_running_loop().create_task(coro)
 
 
 class LocalPrefillPool:
@@ -36,15 +43,27 @@ class LocalPrefillPool:
 
     def __init__(self, worker: PrefillWorker):
         self.worker = worker
+        self.calls = 0
 
     async def prefill(self, request_id, prompt_token_ids, params):
+        self.calls += 1
         return await self.worker.prefill(request_id, prompt_token_ids, params)
 
-    async def send_kv(self, result, transfer_id, receivers):
-        return await self.worker.send_kv(result.request_id, transfer_id, receivers)
+    def release(self, result):
+        _later(self.worker.release(result.request_id))
 
-    async def release(self, result):
-        await self.worker.release(result.request_id)
+
+class LocalPrefillPeer:
+    """The prefill pool as the decode worker reaches it."""
+
+    def __init__(self, worker: PrefillWorker):
+        self.worker = worker
+
+    async def send_kv(self, replica_id, request_id, transfer_id, receivers):
+        return await self.worker.send_kv(request_id, transfer_id, receivers)
+
+    def release(self, replica_id, request_id):
+        _later(self.worker.release(request_id))
 
 
 class LocalDecodePool:
@@ -53,22 +72,34 @@ class LocalDecodePool:
     def __init__(self, worker: DecodeWorker):
         self.worker = worker
         self.attempts = 0
+        self.local = 0
 
-    def generate(self, request, avoid_replica=None):
-        self.attempts += 1
-        return self.worker.generate(request)
+    async def generate(self, request, avoid_replica=None):
+        self.attempts += request.prefill is not None
+        self.local += request.prefill is None
+        return await self.worker.generate(request)
+
+    async def abort(self, replica_id, request_id):
+        await self.worker.abort(request_id)
+
+    def stream(self, replica_id, subscriber):
+        return self.worker.stream(subscriber)
 
 
 class Pair:
-    def __init__(self, model_dir, hub: FakeTransportHub, lease_s: float = 30.0):
+    def __init__(self, model_dir, hub: FakeTransportHub, lease_s: float = 30.0,
+                 policy: DisaggregationPolicy | None = None):
         config = EngineConfig(model=str(model_dir), max_model_len=128, block_size=8, dtype="float32",
                               num_kv_blocks=64)
         self.hub = hub
-        self.prefill = PrefillWorker(config, lambda rank, device: hub.sender(f"p{rank}"), lease_s=lease_s)
-        self.decode = DecodeWorker(config, lambda rank, device: hub.receiver(f"d{rank}"), transfer_timeout_s=10)
+        self.prefill = PrefillWorker(config, lambda rank, device: hub.sender(f"p{rank}"), lease_s=lease_s,
+                                     replica_id="P")
+        self.decode = DecodeWorker(config, lambda rank, device: hub.receiver(f"d{rank}"),
+                                   LocalPrefillPeer(self.prefill), transfer_timeout_s=10, replica_id="D")
+        self.prefill_pool = LocalPrefillPool(self.prefill)
         self.decode_pool = LocalDecodePool(self.decode)
-        self.backend = DisaggregatedBackend(ModelInfo("tiny", 128, 512), LocalPrefillPool(self.prefill),
-                                            self.decode_pool)
+        self.backend = ServingBackend(ModelInfo("tiny", 128, 512), self.decode_pool, self.prefill_pool, policy,
+                                      subscriber="router-0")
 
     async def start(self):
         await self.prefill.start()
@@ -92,7 +123,8 @@ class Pair:
                 raise AssertionError(f"blocks still held: prefill {p}, decode {d}")
             await asyncio.sleep(0.02)
 
-    def shutdown(self):
+    async def shutdown(self):
+        await self.backend.close()
         self.prefill.shutdown()
         self.decode.shutdown()
 
@@ -112,7 +144,7 @@ def test_handoff_matches_transformers_greedy(model_dirs, reference):
             await pair.wait_idle()
             return outs
         finally:
-            pair.shutdown()
+            await pair.shutdown()
     outs = run(main())
     for prompt, out in zip(PROMPTS, outs):
         assert out.token_ids == reference("tiny").greedy(tuple(prompt), 10)
@@ -136,7 +168,7 @@ def test_a_failed_transfer_is_retried_once_then_fails_cleanly(model_dirs, refere
             # the next request goes through on the same pair of workers
             return retried, await pair.run("good", PROMPTS[1])
         finally:
-            pair.shutdown()
+            await pair.shutdown()
     retried, good = run(main())
     assert retried.token_ids == reference("tiny").greedy(tuple(PROMPTS[0]), 10)
     assert good.token_ids == reference("tiny").greedy(tuple(PROMPTS[1]), 10)
@@ -154,7 +186,7 @@ def test_a_dead_sender_fails_the_transfer_instead_of_hanging(model_dirs):
                 await task
             await pair.wait_idle()
         finally:
-            pair.shutdown()
+            await pair.shutdown()
     run(main())
 
 
@@ -171,7 +203,7 @@ def test_a_client_that_leaves_mid_transfer_frees_both_sides(model_dirs):
                 await task
             await pair.wait_idle()
         finally:
-            pair.shutdown()
+            await pair.shutdown()
     run(main())
 
 
@@ -184,7 +216,7 @@ def test_kv_nobody_picks_up_is_freed_when_its_lease_expires(model_dirs):
             await pair.wait_idle(timeout_s=5)
             assert await pair.prefill.release("orphan") is False
         finally:
-            pair.shutdown()
+            await pair.shutdown()
     run(main())
 
 

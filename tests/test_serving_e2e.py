@@ -2,8 +2,11 @@
 DeploymentConfig, driven over HTTP by the official `openai` client, greedy
 output equal token for token to transformers on the tiny fp32 checkpoint.
 
-One Ray cluster for the module; each deployment shape is one Serve application
-(deployed, exercised, deleted) so that only one set of workers runs at a time.
+One Ray cluster for the module, no bigger than a 2-core machine (2 CPUs; 4
+logical GPUs only for the bundle-probe test); each deployment shape is one
+Serve application (deployed, exercised, deleted) so that only one set of
+workers runs at a time. Shapes with more ranks than CPUs give each rank half a
+CPU, as a user would on a laptop.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ PROMPTS = ["The quick brown fox", "Once upon a time there", "def fibonacci(n):",
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(address="local", num_cpus=16, num_gpus=4, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -44,6 +47,7 @@ def deploy(ray_cluster, model_dir, name: str, **shape) -> str:
         "model": {"path": str(model_dir), "served_model_name": "tiny", "dtype": "float32", "max_model_len": 256},
         "engine": {"block_size": 8, "max_num_seqs": 64, "max_num_batched_tokens": 512, "kv_cache_memory_gib": 0.05},
         "kv_transfer": {"timeout_s": 20, "lease_s": 30},
+        "disaggregation": {"policy": "always"},
         **shape}
     return serve_app.deploy(name, settings, ray_cluster, timeout_s=120) + "/v1"
 
@@ -107,6 +111,25 @@ def metrics_text(base_url: str) -> str:
         return r.read().decode()
 
 
+def counter(base_url: str, sample: str) -> float:
+    """The value of one sample line (name{labels}) in /metrics; 0 when absent."""
+    for line in metrics_text(base_url).splitlines():
+        if line.startswith(sample + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def worker_gauge(base_url: str, name: str, timeout_s: float = 15) -> dict[str, float]:
+    """worker label -> value of a per-worker gauge (waits for the first stats refresh)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        values = {line.split('worker="')[1].split('"')[0]: float(line.split()[-1])
+                  for line in metrics_text(base_url).splitlines() if line.startswith(name + "{")}
+        if values or time.monotonic() > deadline:
+            return values
+        time.sleep(0.5)
+
+
 def test_disaggregated_one_prefill_one_decode(ray_cluster, model_dirs, reference, tokenizer):
     base = deploy(ray_cluster, model_dirs["tiny"], "pd11")
     try:
@@ -114,6 +137,8 @@ def test_disaggregated_one_prefill_one_decode(ray_cluster, model_dirs, reference
         check_streaming_chat(base, reference, tokenizer)
         check_concurrent(base, reference, tokenizer)
         assert [m.id for m in client(base).models.list().data] == ["tiny"]
+        # 2 CPUs, 2 TP-1 ranks: one CPU, so one torch thread, each (whatever Ray set OMP_NUM_THREADS to)
+        assert worker_gauge(base, "pdserve_worker_torch_threads") == {"prefill-0": 1.0, "decode-0": 1.0}
         text = metrics_text(base)
         for name in ("pdserve_time_to_first_token_seconds_count", "pdserve_kv_transfer_time_seconds_count",
                      "pdserve_request_prefill_time_seconds_count", "pdserve_e2e_request_latency_seconds_count"):
@@ -124,9 +149,16 @@ def test_disaggregated_one_prefill_one_decode(ray_cluster, model_dirs, reference
 
 
 def test_one_prefill_two_decoders_and_bad_input(ray_cluster, model_dirs, reference, tokenizer):
-    base = deploy(ray_cluster, model_dirs["tiny"], "pd12", decode={"replicas": 2})
+    # conditional: the ~9-token "a b c ..." prompts are prefilled on a decode worker, the longer ones handed off
+    base = deploy(ray_cluster, model_dirs["tiny"], "pd12", decode={"replicas": 2},
+                  resources={"cpus_per_rank": 0.5},
+                  disaggregation={"policy": "conditional", "local_prefill_max_tokens": 10})
     try:
         check_concurrent(base, reference, tokenizer, n_requests=16)
+        prefills = {role: counter(base, f'pdserve_prefills_total{{worker_role="{role}"}}')
+                    for role in ("prefill", "decode")}
+        assert prefills["prefill"] > 0 and prefills["decode"] > 0, prefills
+        assert counter(base, "pdserve_kv_transfer_time_seconds_count") == prefills["prefill"]
         c = client(base)
         bad = [dict(prompt="hi", max_tokens=0), dict(prompt="hi", n=2), dict(prompt=[100000], max_tokens=2),
                dict(prompt="hi " * 400, max_tokens=2), dict(prompt="hi", temperature=-1)]
@@ -164,7 +196,7 @@ def _wait_kv_idle(base: str, timeout_s: float = 30) -> None:
 def test_heterogeneous_tensor_parallelism(ray_cluster, model_dirs, reference, tokenizer, prefill_tp, decode_tp):
     name = f"tp{prefill_tp}{decode_tp}"
     base = deploy(ray_cluster, model_dirs["tiny"], name, prefill={"tensor_parallel_size": prefill_tp},
-                  decode={"tensor_parallel_size": decode_tp})
+                  decode={"tensor_parallel_size": decode_tp}, resources={"cpus_per_rank": 0.5})
     try:
         check_completions(base, reference, tokenizer)
         check_concurrent(base, reference, tokenizer, n_requests=8)
@@ -175,6 +207,8 @@ def test_heterogeneous_tensor_parallelism(ray_cluster, model_dirs, reference, to
 def test_colocated(ray_cluster, model_dirs, reference, tokenizer):
     base = deploy(ray_cluster, model_dirs["tiny"], "colo", mode="colocated")
     try:
+        # the one replica gets both CPUs of the cluster, and runs torch on both
+        assert worker_gauge(base, "pdserve_worker_torch_threads") == {"colocated-0": 2.0}
         check_completions(base, reference, tokenizer)
         check_streaming_chat(base, reference, tokenizer)
         check_concurrent(base, reference, tokenizer)

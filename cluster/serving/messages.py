@@ -1,0 +1,100 @@
+"""What the router and the workers tell each other (small metadata over Ray
+calls; the KV itself goes over the KV transport). Each message is filled in by
+the side that sends it.
+
+    router ── prefill(...) ──▶ prefill replica ──▶ PrefillResult (the first token, where the KV is)
+    router ── generate(DecodeRequest) ──▶ decode replica
+                 decode replica ── send_kv ──▶ prefill replica (by replica id); KV over the transport
+                 decode replica ── release ──▶ prefill replica, once the KV is in
+           ◀── Admitted (the request is in the decode batch)
+    router ◀── stream_outputs(subscriber): one list of TokenDelta per engine step, for
+               every request of this router on that replica
+    (a request prefilled on the decode replica itself: DecodeRequest.prefill is None)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.outputs import RequestOutput
+from engine.sampler import TokenLogprobs
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class FirstTokenTimes:
+    """Durations a worker measured up to a request's first token."""
+    queue_s: float      # arrival at the worker → first scheduled
+    prefill_s: float    # first scheduled → first token sampled
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    """What one request produced since its previous delta (never cumulative)."""
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprobs] | None     # one per token in token_ids, when asked for
+    finished: bool = False
+    finish_reason: str | None = None         # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0               # prompt tokens served from a prefix cache
+    first_token_times: FirstTokenTimes | None = None   # on the delta that carries the first token
+
+    @classmethod
+    def from_output(cls, out: RequestOutput, num_sent_logprobs: int = 0) -> "TokenDelta":
+        """The new part of a cumulative engine output; `num_sent_logprobs` is how
+        many of its logprobs earlier deltas carried."""
+        times = None
+        if out.first_token_time is not None and out.token_ids and len(out.token_ids) == len(out.delta_token_ids):
+            scheduled = out.first_scheduled_time if out.first_scheduled_time is not None else out.arrival_time
+            times = FirstTokenTimes(queue_s=scheduled - out.arrival_time, prefill_s=out.first_token_time - scheduled)
+        return cls(request_id=out.request_id, token_ids=list(out.delta_token_ids), text=out.delta_text,
+                   logprobs=None if out.logprobs is None else out.logprobs[num_sent_logprobs:],
+                   finished=out.finished, finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                   num_cached_tokens=out.num_cached_tokens, first_token_times=times)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    request_id: str
+    first: TokenDelta                      # the first token: streamed to the client at once
+    generator_state: torch.Tensor | None   # seeded sampling continues from here on the decode side
+    num_blocks: int
+    sender_names: list[str]                # one per prefill rank
+    num_kv_heads: int
+    replica_id: str                        # the prefill replica holding the KV
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    subscriber: str                        # the router stream that receives this request's deltas
+    prefill: PrefillResult | None = None   # None: the decode replica prefills the prompt itself
+    transfer_id: str = ""                  # new for every attempt: a retry never meets a stale piece
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """A decode replica took the request into its batch."""
+    replica_id: str
+    reserve_time_s: float = 0.0            # waiting for free KV blocks
+    transfer_time_s: float | None = None   # receives posted → KV in the cache (None: prefilled here)
+    transfer_bytes: int | None = None
+
+
+class KVTransferFailed(RuntimeError):
+    """The KV did not arrive; the request was ended on the decode side and its
+    blocks freed (the prefill side still holds its copy). `replica_id`: the
+    decode replica it failed on (a retry avoids it)."""
+
+    def __init__(self, message: str, replica_id: str = ""):
+        super().__init__(message)
+        self.replica_id = replica_id
+
+    def __reduce__(self):   # keeps replica_id across Ray's pickling
+        return KVTransferFailed, (str(self), self.replica_id)

@@ -1,0 +1,251 @@
+"""Can a deployment's TP gangs ever be placed on a cluster? Decided before
+deploying, so that a deployment that cannot be placed is refused with a message
+instead of Serve waiting forever.
+
+Each worker replica is a gang: one STRICT_PACK placement group of one bundle per
+rank, `{"CPU": cpus_per_rank}` (plus `{"GPU": 1}` on CUDA), so a gang needs all
+of its CPUs and GPUs on one node. The check is by total capacity (what the
+nodes have, not what is free now):
+
+    resolve_cpus_per_rank(config, node_cpus)   fill in resources.cpus_per_rank
+    gang_needs(config)                         what one gang of each role needs
+    cluster_resources()                        the live cluster's nodes (after ray.init)
+    check_placement(config, cluster)           PlacementError when it can never fit
+    local_cluster_cpus(config, machine_cpus)   num_cpus for a local cluster pdserve starts
+
+Only `cluster_resources` imports Ray.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from cluster.config import DeploymentConfig
+
+_EPS = 1e-9
+
+
+class PlacementError(ValueError):
+    """A deployment whose gangs can never be placed on the cluster; the message
+    says what is needed, what the cluster has, and what to change."""
+
+
+@dataclass(frozen=True)
+class GangNeed:
+    """What the gangs of one role need: `replicas` gangs of
+    `tensor_parallel_size` bundles each, all of one gang on one node."""
+    role: str
+    replicas: int
+    tensor_parallel_size: int
+    cpus_per_rank: float
+    gpus_per_rank: int
+
+    @property
+    def bundle(self) -> dict[str, float]:
+        """One rank's placement-group bundle."""
+        return {"CPU": self.cpus_per_rank, "GPU": self.gpus_per_rank} if self.gpus_per_rank else \
+            {"CPU": self.cpus_per_rank}
+
+    @property
+    def cpus(self) -> float:
+        """CPUs one gang needs on one node."""
+        return self.cpus_per_rank * self.tensor_parallel_size
+
+    @property
+    def gpus(self) -> int:
+        """GPUs one gang needs on one node."""
+        return self.gpus_per_rank * self.tensor_parallel_size
+
+
+class NodeResources(NamedTuple):
+    """One node's total CPUs and GPUs."""
+    node: str
+    cpus: float
+    gpus: float
+
+
+@dataclass(frozen=True)
+class ClusterResources:
+    """Per-node totals; `nodes` takes NodeResources or (node, cpus, gpus) tuples."""
+    nodes: tuple[NodeResources, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nodes", tuple(NodeResources(*n) for n in self.nodes))
+
+    @property
+    def total_cpus(self) -> float:
+        return sum(n.cpus for n in self.nodes)
+
+    @property
+    def total_gpus(self) -> float:
+        return sum(n.gpus for n in self.nodes)
+
+    @property
+    def largest_node_cpus(self) -> float:
+        """The most CPUs any one node has (0 for no nodes)."""
+        return max((n.cpus for n in self.nodes), default=0.0)
+
+    def describe(self) -> str:
+        nodes = "; ".join(f"node {n.node}: {_cpus(n.cpus)}, {_gpus(n.gpus)}" for n in self.nodes) or "no nodes"
+        return f"{nodes}; in all {_cpus(self.total_cpus)}, {_gpus(self.total_gpus)}"
+
+
+def resolve_cpus_per_rank(config: DeploymentConfig, node_cpus: float) -> DeploymentConfig:
+    """A copy of `config` with resources.cpus_per_rank filled in: an explicit
+    value is kept; on CUDA 1; on CPU the `node_cpus` cores shared equally among
+    all ranks of the deployment, floored, at least 1."""
+    if config.resources.cpus_per_rank is not None:
+        return config
+    if config.device == "cuda":
+        cpus = 1.0
+    else:
+        ranks = sum(p.replicas * p.tensor_parallel_size for p in config.pools().values())
+        cpus = float(max(1, math.floor(node_cpus / ranks)))
+    return config.model_copy(update={"resources": config.resources.model_copy(update={"cpus_per_rank": cpus})})
+
+
+def gang_needs(config: DeploymentConfig) -> list[GangNeed]:
+    """One GangNeed per role the mode runs. Raises ValueError when
+    resources.cpus_per_rank is not resolved yet."""
+    cpus = config.resources.cpus_per_rank
+    if cpus is None:
+        raise ValueError("resources.cpus_per_rank is not resolved: call resolve_cpus_per_rank first")
+    gpus = 1 if config.device == "cuda" else 0
+    return [GangNeed(role, pool.replicas, pool.tensor_parallel_size, cpus, gpus)
+            for role, pool in config.pools().items()]
+
+
+def cluster_resources() -> ClusterResources:
+    """The alive nodes of the Ray cluster this process is connected to, with
+    their total CPUs and GPUs. Call after ray.init."""
+    import ray
+
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    addresses = [n.get("NodeManagerAddress", "?") for n in alive]
+    nodes = []
+    for node, address in zip(alive, addresses):
+        name = address if addresses.count(address) == 1 else f"{address} ({node.get('NodeID', '?')[:8]})"
+        totals = node.get("Resources", {})
+        nodes.append(NodeResources(name, float(totals.get("CPU", 0.0)), float(totals.get("GPU", 0.0))))
+    return ClusterResources(tuple(nodes))
+
+
+def check_placement(config: DeploymentConfig, cluster: ClusterResources) -> None:
+    """Returns when every gang of `config` (cpus_per_rank resolved) fits on
+    `cluster` at once by total capacity: each gang whole on one node, all gangs
+    together by first-fit-decreasing over the nodes. Raises PlacementError
+    otherwise."""
+    needs = gang_needs(config)
+    if config.device == "cuda" and cluster.total_gpus < 1 - _EPS:
+        raise PlacementError(_message(
+            "device is cuda but the cluster has no GPUs", needs, cluster,
+            "run on CPU with --device cpu (device: cpu in the deployment file), or join a cluster with GPUs "
+            "(ray start --num-gpus N on nodes that have them)"))
+    for need in needs:
+        if any(_fits(n.cpus, n.gpus, need) for n in cluster.nodes):
+            continue
+        most_gpus = max((n.gpus for n in cluster.nodes), default=0.0)
+        raise PlacementError(_message(
+            f"a {need.role} gang needs {_gang(need)} on one node, and no node has that "
+            f"(the most any node has: {_amount(cluster.largest_node_cpus, most_gpus if need.gpus else 0)})",
+            needs, cluster, _advice(
+                [need], cpu_short=cluster.largest_node_cpus < need.cpus - _EPS,
+                gpu_short=most_gpus < need.gpus - _EPS, add=f"add a node with at least {_gang(need)}")))
+    unplaced = _first_fit_decreasing(needs, cluster)
+    if unplaced is not None:
+        total_cpus = sum(n.replicas * n.cpus for n in needs)
+        total_gpus = sum(n.replicas * n.gpus for n in needs)
+        cpu_short = total_cpus > cluster.total_cpus + _EPS
+        gpu_short = total_gpus > cluster.total_gpus + _EPS
+        if cpu_short or gpu_short:
+            why = (f"the deployment needs {_amount(total_cpus, total_gpus)} in all, and the cluster has "
+                   f"{_amount(cluster.total_cpus, cluster.total_gpus if total_gpus else 0)}")
+        else:
+            why = (f"the gangs do not pack onto the nodes: with the others placed, no node has room left for "
+                   f"a {unplaced.role} gang ({_gang(unplaced)})")
+            cpu_short, gpu_short = True, unplaced.gpus > 0
+        add = "add nodes" if not gpu_short else \
+            "add GPUs (nodes started with ray start --num-gpus N)" if not cpu_short else "add nodes with GPUs"
+        raise PlacementError(_message(why, needs, cluster, _advice(needs, cpu_short=cpu_short, gpu_short=gpu_short,
+                                                                   add=add, replicas=True)))
+
+
+def local_cluster_cpus(config: DeploymentConfig, machine_cpus: int) -> int:
+    """num_cpus for a one-node Ray cluster pdserve starts itself on a machine of
+    `machine_cpus` cores: at least the cores, and enough that every gang fits
+    (ranks then share cores). `config` is resolved against `machine_cpus` first
+    if its cpus_per_rank is null."""
+    needs = gang_needs(resolve_cpus_per_rank(config, machine_cpus))
+    return max(machine_cpus, math.ceil(sum(n.replicas * n.cpus for n in needs) - _EPS))
+
+
+def _fits(cpus: float, gpus: float, need: GangNeed) -> bool:
+    return cpus >= need.cpus - _EPS and gpus >= need.gpus - _EPS
+
+
+def _first_fit_decreasing(needs: list[GangNeed], cluster: ClusterResources) -> GangNeed | None:
+    """Places every gang, largest first, on the first node with room; the first
+    gang that finds none, or None when all fit."""
+    free = [[n.cpus, n.gpus] for n in cluster.nodes]
+    gangs = sorted((n for n in needs for _ in range(n.replicas)), key=lambda n: (n.gpus, n.cpus), reverse=True)
+    for gang in gangs:
+        for room in free:
+            if _fits(room[0], room[1], gang):
+                room[0] -= gang.cpus
+                room[1] -= gang.gpus
+                break
+        else:
+            return gang
+    return None
+
+
+def _message(problem: str, needs: list[GangNeed], cluster: ClusterResources, change: str) -> str:
+    needed = "; ".join(
+        f"{n.role}: {n.replicas} replica{'s' if n.replicas != 1 else ''} × {n.tensor_parallel_size} TP "
+        f"rank{'s' if n.tensor_parallel_size != 1 else ''} × {_bundle(n.bundle)} ({_gang(n)} per gang, on one node)"
+        for n in needs)
+    return (f"cannot place this deployment: {problem}.\n"
+            f"  needs: {needed}\n"
+            f"  cluster: {cluster.describe()}\n"
+            f"  to change: {change}")
+
+
+def _advice(needs: list[GangNeed], *, cpu_short: bool, gpu_short: bool, add: str, replicas: bool = False) -> str:
+    """What to change, as one sentence; `replicas`: fewer replicas would help."""
+    steps = [f"lower --{n.role}-tp / {n.role}.tensor_parallel_size" for n in needs if n.tensor_parallel_size > 1]
+    if replicas:
+        fewer = [f"--{n.role}-replicas / {n.role}.replicas" for n in needs if n.replicas > 1]
+        if fewer:
+            steps.append("run fewer replicas (" + ", ".join(fewer) + ")")
+    if cpu_short:
+        steps.append(f"lower resources.cpus_per_rank (now {_num(needs[0].cpus_per_rank)})")
+    if gpu_short:
+        steps.append("run on CPU with --device cpu")
+    steps.append(add)
+    return ", ".join(steps[:-1]) + ", or " + steps[-1] if len(steps) > 1 else steps[0]
+
+
+def _gang(need: GangNeed) -> str:
+    return _amount(need.cpus, need.gpus)
+
+
+def _amount(cpus: float, gpus: float) -> str:
+    return f"{_cpus(cpus)}, {_gpus(gpus)}" if gpus else _cpus(cpus)
+
+
+def _bundle(bundle: dict[str, float]) -> str:
+    return "{" + ", ".join(f"{k}: {_num(v)}" for k, v in bundle.items()) + "}"
+
+
+def _cpus(x: float) -> str:
+    return f"{_num(x)} CPU{'' if x == 1 else 's'}"
+
+
+def _gpus(x: float) -> str:
+    return f"{_num(x)} GPU{'' if x == 1 else 's'}"
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"

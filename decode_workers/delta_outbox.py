@@ -1,0 +1,95 @@
+"""One subscriber's (one router's) outputs from a decode worker, batched.
+
+    engine thread:  put(step's outputs of this subscriber's requests) ─▶ pending deltas
+    asyncio reader: take() ─▶ everything pending, as one list (one Ray message)
+
+A reader that falls behind gets several steps in one batch (still one delta per
+request), so a busy router receives fewer, larger messages instead of one per
+token. Only deltas cross the
+process boundary: new token ids, new text, new logprobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+
+from cluster.serving.messages import TokenDelta
+from engine.outputs import RequestOutput
+
+
+class DeltaOutbox:
+    def __init__(self) -> None:
+        """Create on the event loop that will read it."""
+        self._loop = asyncio.get_running_loop()
+        self._lock = threading.Lock()
+        self._pending: dict[str, TokenDelta] = {}   # request id -> its delta since the last take
+        self._failure: BaseException | None = None
+        self._ready = asyncio.Event()
+        self._sent_logprobs: dict[str, int] = {}   # engine thread only
+
+    # ---- engine thread (OutputSink) ----------------------------------------------------------
+    def put(self, outputs: list[RequestOutput]) -> None:
+        deltas = []
+        for out in outputs:
+            sent = self._sent_logprobs.get(out.request_id, 0)
+            delta = TokenDelta.from_output(out, sent)
+            if out.finished:
+                self._sent_logprobs.pop(out.request_id, None)
+            elif delta.logprobs:
+                self._sent_logprobs[out.request_id] = sent + len(delta.logprobs)
+            deltas.append(delta)
+        self._queue(deltas)
+
+    def fail(self, exc: BaseException) -> None:
+        self._failure = exc
+        self._loop.call_soon_threadsafe(self._ready.set)
+
+    # ---- any thread -----------------------------------------------------------------------------
+    def push(self, delta: TokenDelta) -> None:
+        """Queues one delta that did not come from an engine step (e.g. an abort)."""
+        self._queue([delta])
+
+    def _queue(self, deltas: list[TokenDelta]) -> None:
+        """Adds deltas to the pending batch, one entry per request (a request
+        that produced again before the reader came is merged)."""
+        with self._lock:
+            wake = not self._pending
+            for delta in deltas:
+                earlier = self._pending.get(delta.request_id)
+                self._pending[delta.request_id] = delta if earlier is None else merge(earlier, delta)
+        if wake:
+            self._loop.call_soon_threadsafe(self._ready.set)
+
+    def forget(self, request_id: str) -> None:
+        """The request ended outside the engine's outputs (aborted)."""
+        self._sent_logprobs.pop(request_id, None)
+
+    # ---- event loop --------------------------------------------------------------------------------
+    async def take(self) -> list[TokenDelta]:
+        """Waits for at least one delta and returns all pending ones, one per
+        request; raises what the engine failed with once nothing is left."""
+        while True:
+            with self._lock:
+                batch, self._pending = list(self._pending.values()), {}
+            if batch:
+                return batch
+            if self._failure is not None:
+                raise self._failure
+            self._ready.clear()
+            with self._lock:
+                if self._pending:
+                    continue
+            await self._ready.wait()
+
+
+def merge(earlier: TokenDelta, later: TokenDelta) -> TokenDelta:
+    """One delta covering two consecutive ones of the same request."""
+    logprobs = None
+    if earlier.logprobs is not None or later.logprobs is not None:
+        logprobs = (earlier.logprobs or []) + (later.logprobs or [])
+    return dataclasses.replace(
+        later, token_ids=earlier.token_ids + later.token_ids, text=earlier.text + later.text, logprobs=logprobs,
+        num_cached_tokens=max(earlier.num_cached_tokens, later.num_cached_tokens),
+        first_token_times=earlier.first_token_times or later.first_token_times)

@@ -1,0 +1,93 @@
+"""Where a request's prompt is prefilled: on a prefill replica (then the KV
+moves to a decode replica), or on the decode replica itself (conditional
+disaggregation, as Dynamo's conditional disaggregation and llm-d's selective
+P/D do).
+
+    prompt ≤ local_prefill_max_tokens                         → local
+    local cost < remote cost                                  → local
+    otherwise                                                 → remote
+      remote = (prefill-pool tokens in flight / replicas + prompt) × prefill s/token + hand-off time
+      local  = (local tokens in flight / decode replicas + prompt) × decode-side s/token
+
+Per-token costs are what the running workers measure on their own steps (EWMA,
+reported with their stats); the hand-off time is the router's own average of
+measured transfers. Until a side has measured anything, the other side's
+figure stands in (the same model runs on both); before anything is measured
+the costs compare by tokens alone. Tokens in flight are this router's: sent to
+a pool and not yet answered with a first token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+_EWMA = 0.2
+
+
+@dataclass(frozen=True, slots=True)
+class DisaggregationSettings:
+    policy: Literal["always", "conditional"] = "conditional"
+    local_prefill_max_tokens: int = 128    # prompts this short always prefill on the decode replica
+
+
+@dataclass(slots=True)
+class _Pool:
+    replicas: int = 1
+    s_per_token: float | None = None       # mean of the replicas' measured prefill cost
+    tokens_in_flight: int = 0
+
+
+class DisaggregationPolicy:
+    """Decides per request; fed by the router (stats, in-flight prompts, transfer times)."""
+
+    def __init__(self, settings: DisaggregationSettings):
+        self.settings = settings
+        self._remote, self._local = _Pool(), _Pool()
+        self.handoff_s = 0.0               # EWMA of measured KV hand-offs
+
+    def prefill_locally(self, num_prompt_tokens: int) -> bool:
+        if self.settings.policy == "always":
+            return False
+        if num_prompt_tokens <= self.settings.local_prefill_max_tokens:
+            return True
+        return self.predict_local_s(num_prompt_tokens) < self.predict_remote_s(num_prompt_tokens)
+
+    def predict_remote_s(self, num_prompt_tokens: int) -> float:
+        """Predicted time to the first token on the prefill pool, plus the hand-off."""
+        pool = self._remote
+        cost = _first_known(pool.s_per_token, self._local.s_per_token)
+        return (pool.tokens_in_flight / max(1, pool.replicas) + num_prompt_tokens) * cost + self.handoff_s
+
+    def predict_local_s(self, num_prompt_tokens: int) -> float:
+        """Predicted time to the first token when a decode replica prefills it."""
+        pool = self._local
+        cost = _first_known(pool.s_per_token, self._remote.s_per_token)
+        return (pool.tokens_in_flight / max(1, pool.replicas) + num_prompt_tokens) * cost
+
+    # ---- what the router tells it --------------------------------------------------------------
+    def started(self, local: bool, num_prompt_tokens: int) -> None:
+        (self._local if local else self._remote).tokens_in_flight += num_prompt_tokens
+
+    def first_token(self, local: bool, num_prompt_tokens: int) -> None:
+        """The prompt is done (or failed): no longer in flight."""
+        pool = self._local if local else self._remote
+        pool.tokens_in_flight = max(0, pool.tokens_in_flight - num_prompt_tokens)
+
+    def observe_handoff(self, seconds: float) -> None:
+        self.handoff_s = seconds if self.handoff_s == 0.0 else (1 - _EWMA) * self.handoff_s + _EWMA * seconds
+
+    def observe_workers(self, role: str, stats: Iterable[Mapping[str, float]]) -> None:
+        """The latest stats of every replica of `role` ("prefill" or "decode")."""
+        stats = list(stats)
+        pool = self._remote if role == "prefill" else self._local
+        pool.replicas = max(1, len(stats))
+        costs = [s["prefill_s_per_token"] for s in stats if "prefill_s_per_token" in s]
+        if costs:
+            pool.s_per_token = sum(costs) / len(costs)
+
+
+def _first_known(*costs: float | None) -> float:
+    """The first measured cost; 1.0 (compare by tokens) when none is."""
+    return next((c for c in costs if c is not None), 1.0)

@@ -1,0 +1,91 @@
+"""The router's end of the decode replicas' per-step output streams.
+
+    decode replica R ── stream_outputs(subscriber) ──▶ reader task for R ─┐
+                                                                           ├─▶ one queue per request
+    decode replica S ── stream_outputs(subscriber) ──▶ reader task for S ─┘
+
+One stream per replica this router has requests on, opened on first use and
+kept open; each message is one engine step's deltas (or several steps', when
+the router reads slower than the replica steps) for all of this router's
+requests there. A stream that ends or fails ends every request bound to its
+replica with BackendUnavailableError. A delta of a request nobody waits for any
+more (its client left before the router learnt its replica) is answered with
+an abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from cluster.serving.messages import TokenDelta
+from router.backend import BackendUnavailableError
+
+log = logging.getLogger(__name__)
+
+OpenStream = Callable[[str], AsyncIterator[list[TokenDelta]]]   # replica id -> its stream
+Abort = Callable[[str, str], Awaitable[None]]                     # (replica id, request id)
+
+
+class StreamFanout:
+    def __init__(self, open_stream: OpenStream, abort: Abort):
+        self._open_stream = open_stream
+        self._abort = abort
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._replica_of: dict[str, str] = {}
+        self._readers: dict[str, asyncio.Task] = {}
+        self._aborting: set[str] = set()
+
+    def expect(self, request_id: str) -> asyncio.Queue:
+        """The queue that will receive the request's deltas (or an exception).
+        Call before the request is submitted."""
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        return queue
+
+    def bind(self, request_id: str, replica_id: str) -> None:
+        """The request runs on `replica_id`: read that replica's stream."""
+        self._replica_of[request_id] = replica_id
+        if replica_id not in self._readers:
+            self._readers[replica_id] = asyncio.get_running_loop().create_task(self._read(replica_id))
+
+    def forget(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+        self._replica_of.pop(request_id, None)
+
+    async def close(self) -> None:
+        for task in list(self._readers.values()):
+            task.cancel()
+        await asyncio.gather(*self._readers.values(), return_exceptions=True)
+
+    async def _read(self, replica_id: str) -> None:
+        reason = "its output stream ended"
+        try:
+            async for batch in self._open_stream(replica_id):
+                for delta in batch:
+                    queue = self._queues.get(delta.request_id)
+                    if queue is not None:
+                        queue.put_nowait(delta)
+                    elif not delta.finished and delta.request_id not in self._aborting:
+                        self._aborting.add(delta.request_id)
+                        asyncio.get_running_loop().create_task(self._abort_orphan(replica_id, delta.request_id))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every request on the replica hears it
+            reason = f"{type(exc).__name__}: {exc}"
+            log.warning("the output stream of decode replica %s failed: %s", replica_id, reason)
+        finally:
+            del self._readers[replica_id]
+        error = BackendUnavailableError(f"the decode worker {replica_id} stopped streaming ({reason})")
+        for rid, replica in list(self._replica_of.items()):
+            if replica == replica_id:
+                self._queues[rid].put_nowait(error)
+
+    async def _abort_orphan(self, replica_id: str, request_id: str) -> None:
+        try:
+            await self._abort(replica_id, request_id)
+        except Exception as exc:  # noqa: BLE001 - best effort: it finishes on its own otherwise
+            log.debug("abort of orphaned request %s failed: %s", request_id, exc)
+        finally:
+            self._aborting.discard(request_id)

@@ -1,0 +1,149 @@
+"""The reworked serving path without Ray: the first token comes from the
+prefill side before any KV moves, conditional disaggregation keeps short
+prompts off the prefill pool with the same output, colocated workers stream
+too, and a worker's output stream carries one delta per request per batch."""
+
+from __future__ import annotations
+
+import asyncio
+
+from cluster.serving.messages import DecodeRequest
+from cluster.transport.fake_transport import FakeTransportHub
+from decode_workers.decode_worker import DecodeWorker
+from engine import EngineConfig, SamplingParams
+from router.backend import ModelInfo
+from router.disaggregation_policy import DisaggregationPolicy, DisaggregationSettings
+from router.serving_backend import ServingBackend
+from tests.test_handoff_workers import GREEDY, PROMPTS, LocalDecodePool, Pair, run
+
+
+def test_the_first_token_reaches_the_client_before_the_kv_moves(model_dirs, reference):
+    async def main():
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub(delay_s=0.5)).start()
+        try:
+            outputs = pair.backend.generate("r", PROMPTS[0], GREEDY)
+            first = await anext(outputs)
+            # streamed from the prefill result: the decode worker has not even been asked yet
+            assert first.token_ids == reference("tiny").greedy(tuple(PROMPTS[0]), 1)
+            assert pair.decode_pool.attempts == 0 and pair.decode.stats()["num_running"] == 0
+            rest = [out.delta_token_ids async for out in outputs]
+            phases = pair.backend.phase_timings("r")
+            await pair.wait_idle()
+            return first.delta_token_ids, rest, phases
+        finally:
+            await pair.shutdown()
+    first, rest, phases = run(main())
+    tokens = first + [t for delta in rest for t in delta]
+    assert tokens == reference("tiny").greedy(tuple(PROMPTS[0]), 10)   # each token exactly once
+    assert phases.prefill_time > 0 and phases.transfer_time >= 0.5 and phases.transfer_bytes > 0
+
+
+def test_a_request_that_ends_on_its_first_token_never_reaches_a_decode_worker(model_dirs, reference):
+    async def main():
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub()).start()
+        try:
+            out = await pair.run("one", PROMPTS[1], SamplingParams(max_tokens=1, temperature=0.0))
+            await pair.wait_idle()   # the prefill side freed the KV without being told
+            return out, pair.decode_pool.attempts
+        finally:
+            await pair.shutdown()
+    out, attempts = run(main())
+    assert out.finished and out.finish_reason == "length" and attempts == 0
+    assert out.token_ids == reference("tiny").greedy(tuple(PROMPTS[1]), 1)
+
+
+def test_conditional_disaggregation_keeps_short_prompts_on_the_decode_worker(model_dirs, reference):
+    short, long = [5, 6, 7, 8], [40, 41, 42] * 8     # 4 and 24 tokens; the threshold is 8
+    policy = DisaggregationPolicy(DisaggregationSettings("conditional", local_prefill_max_tokens=8))
+
+    async def main():
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub(), policy=policy).start()
+        try:
+            local = await pair.run("short", short)
+            calls_after_short = (pair.prefill_pool.calls, pair.decode_pool.local)
+            remote = await pair.run("long", long)
+            calls_after_long = (pair.prefill_pool.calls, pair.decode_pool.attempts)
+            await pair.wait_idle()
+            return local, remote, calls_after_short, calls_after_long
+        finally:
+            await pair.shutdown()
+    local, remote, after_short, after_long = run(main())
+    assert after_short == (0, 1)          # never reached the prefill pool
+    assert after_long == (1, 1)           # prefilled remotely, handed off once
+    assert local.token_ids == reference("tiny").greedy(tuple(short), 10)
+    assert remote.token_ids == reference("tiny").greedy(tuple(long), 10)
+
+
+def test_the_policy_sends_prompts_where_the_first_token_comes_sooner():
+    policy = DisaggregationPolicy(DisaggregationSettings("conditional", local_prefill_max_tokens=16))
+    policy.observe_workers("prefill", [{"prefill_s_per_token": 0.001}])
+    policy.observe_workers("decode", [{"prefill_s_per_token": 0.002}])
+    assert policy.prefill_locally(16) and not policy.prefill_locally(100)   # idle pools: the cheaper side
+    policy.started(False, 1000)          # 1000 prompt tokens ahead on the prefill replica: 1 s
+    assert policy.predict_remote_s(100) > policy.predict_local_s(100)
+    assert policy.prefill_locally(100)
+    policy.first_token(False, 1000)
+    assert not policy.prefill_locally(100)
+    always = DisaggregationPolicy(DisaggregationSettings("always"))
+    assert not always.prefill_locally(1)
+
+
+def test_a_worker_stream_carries_one_delta_per_request_per_batch(model_dirs, reference):
+    """Eight requests decoding together on a colocated worker: every batch names a
+    request at most once, the batches' deltas rebuild each request exactly, and
+    there are far fewer batches than tokens (one message per step, not per token)."""
+    config = EngineConfig(model=str(model_dirs["tiny"]), max_model_len=128, block_size=8, dtype="float32",
+                          num_kv_blocks=64)
+    prompts = {f"r{i}": [7 + i, 20, 30 + i, 41] for i in range(8)}
+
+    async def main():
+        worker = DecodeWorker(config, replica_id="C")
+        await worker.start()
+        try:
+            stream = worker.stream("router-0")
+            for rid, prompt in prompts.items():
+                admitted = await worker.generate(DecodeRequest(rid, prompt, GREEDY, "router-0"))
+                assert admitted.replica_id == "C" and admitted.transfer_time_s is None
+            batches, done = [], set()
+            while len(done) < len(prompts):
+                batch = await asyncio.wait_for(anext(stream), 30)
+                batches.append(batch)
+                done |= {d.request_id for d in batch if d.finished}
+            await stream.aclose()
+            return batches
+        finally:
+            worker.shutdown()
+    batches = run(main())
+    tokens = {rid: [] for rid in prompts}
+    for batch in batches:
+        ids = [d.request_id for d in batch]
+        assert len(ids) == len(set(ids)), ids
+        for d in batch:
+            tokens[d.request_id] += d.token_ids
+    for rid, prompt in prompts.items():
+        expected = reference("tiny").greedy(tuple(prompt), 10)   # stops early at EOS; ignore_eos here
+        assert len(tokens[rid]) == 10 and tokens[rid][:len(expected)] == expected
+    assert len(batches) <= 10 + 8    # ~one per step (10 tokens each), not one per token (80)
+
+
+def test_colocated_backend_matches_transformers(model_dirs, reference):
+    config = EngineConfig(model=str(model_dirs["tiny"]), max_model_len=128, block_size=8, dtype="float32",
+                          num_kv_blocks=64)
+
+    async def main():
+        worker = DecodeWorker(config, replica_id="C")
+        await worker.start()
+        backend = ServingBackend(ModelInfo("tiny", 128, 512), LocalDecodePool(worker), subscriber="router-0")
+        try:
+            async def one(i, prompt):
+                return [out async for out in backend.generate(str(i), prompt, GREEDY)][-1]
+            outs = await asyncio.gather(*[one(i, p) for i, p in enumerate(PROMPTS)])
+            phases = backend.phase_timings("0")
+            return outs, phases
+        finally:
+            await backend.close()
+            worker.shutdown()
+    outs, phases = run(main())
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.token_ids == reference("tiny").greedy(tuple(prompt), 10) and out.finish_reason == "length"
+    assert phases.prefill_time > 0 and phases.transfer_time is None
