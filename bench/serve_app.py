@@ -14,11 +14,9 @@ def deploy(name: str, settings: dict[str, Any], port: int, timeout_s: float = 30
 
     from cluster.app_builder import build_application
     from cluster.config import DeploymentConfig
-    from cluster.serving.placement import check_placement, cluster_resources, resolve_cpus_per_rank
+    from cluster.serving.placement import placed_config
 
-    cluster = cluster_resources()
-    config = resolve_cpus_per_rank(DeploymentConfig.model_validate(settings), cluster.largest_node_cpus)
-    check_placement(config, cluster)
+    config = placed_config(DeploymentConfig.model_validate(settings))
     serve.run(build_application(config), name=name, route_prefix=f"/{name}", blocking=False)
     base = f"http://127.0.0.1:{port}/{name}"
     deadline = time.monotonic() + timeout_s

@@ -57,7 +57,9 @@ def means_between(before: dict, after: dict) -> dict[str, float]:
 def run_mode(mode: str, prompts: list[list[int]], max_tokens: int, port: int) -> dict[str, float]:
     from ray import serve
 
-    base = deploy(mode, {"mode": mode, "model": {"dtype": "float32", "max_model_len": 1024}}, port)
+    # every prompt through a prefill worker: this measures the hand-off
+    base = deploy(mode, {"mode": mode, "model": {"dtype": "float32", "max_model_len": 1024},
+                         "disaggregation": {"policy": "always"}}, port)
 
     def scrape() -> dict[str, tuple[float, float]]:
         return histogram_totals(urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode())

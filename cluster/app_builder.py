@@ -40,19 +40,15 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     {"prefill.replicas": 2, "model.path": "/models/llama"}."""
     import ray
 
-    from cluster.serving.placement import check_placement, cluster_resources, resolve_cpus_per_rank
+    from cluster.serving.placement import placed_config, resolve_cpus_per_rank
 
     args = dict(args or {})
     path = args.pop("config", None)
     base = load_config(path) if path else DeploymentConfig()
     config = with_overrides(base, args)
     if ray.is_initialized():   # `serve run` connects before it builds: check against the real cluster
-        cluster = cluster_resources()
-        config = resolve_cpus_per_rank(config, cluster.largest_node_cpus)
-        check_placement(config, cluster)
-    else:
-        config = resolve_cpus_per_rank(config, os.cpu_count() or 1)
-    return build_application(config)
+        return build_application(placed_config(config))
+    return build_application(resolve_cpus_per_rank(config, os.cpu_count() or 1))
 
 
 def with_overrides(config: DeploymentConfig, overrides: dict[str, Any]) -> DeploymentConfig:

@@ -17,7 +17,6 @@ import time
 import pytest
 import torch
 
-from cluster.serving.messages import DecodeRequest
 from cluster.transport import kv_handoff
 from cluster.transport.fake_transport import FakeTransportHub
 from cluster.transport.kv_transport import TransferState
@@ -27,7 +26,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.kv_head_map import remap_kv_shards
 from prefill_workers.prefill_worker import PrefillWorker
 from router.backend import BackendUnavailableError, ModelInfo
-from router.disaggregation_policy import DisaggregationPolicy, DisaggregationSettings
+from router.disaggregation_policy import DisaggregationPolicy
 from router.serving_backend import ServingBackend
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

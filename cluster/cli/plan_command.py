@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-MODELS_DIR = Path(__file__).resolve().parents[1] / "configs" / "models"
+MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
 
 
 def known_models() -> list[str]:

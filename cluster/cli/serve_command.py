@@ -9,12 +9,15 @@
 Flags override the config file; with neither, the built-in tiny model is served
 on CPU by 1 prefill + 1 decode worker at http://127.0.0.1:8000. Joins the Ray
 cluster at --address (or a running local one); otherwise starts a local
-cluster, and on Ctrl-C/SIGTERM stops everything it started.
+cluster declaring enough CPUs for every gang, and on Ctrl-C/SIGTERM stops
+everything it started. A deployment whose gangs can never be placed on the
+cluster is refused before anything is deployed (exit 2, the message on stderr).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -75,9 +78,20 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from ray import serve
 
     from cluster.app_builder import build_application
+    from cluster.serving.placement import PlacementError, local_cluster_cpus, placed_config
 
-    app = build_application(config)
-    started_ray = _connect(args.address)
+    machine_cpus = os.cpu_count() or 1
+    started_ray = _connect(args.address, local_cluster_cpus(config, machine_cpus))
+    try:
+        config = placed_config(config, machine_cpus if started_ray else None)
+        app = build_application(config)
+    except PlacementError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        ray.shutdown()   # disconnects; stops the cluster only when this process started it
+        return 2
+    except BaseException:
+        ray.shutdown()
+        raise
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -98,12 +112,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _connect(address: str | None) -> bool:
-    """Joins `address`, or a running local cluster, or starts one; True when
-    this process started it (and must stop it)."""
+def _connect(address: str | None, local_cpus: int) -> bool:
+    """Joins `address`, or a running local cluster, or starts one declaring
+    `local_cpus` CPUs; True when this process started it (and must stop it)."""
     import ray
     if address == "local":
-        ray.init(address="local")
+        ray.init(address="local", num_cpus=local_cpus)
         return True
     if address:
         ray.init(address=address)
@@ -112,5 +126,5 @@ def _connect(address: str | None) -> bool:
         ray.init(address="auto")
         return False
     except ConnectionError:
-        ray.init()
+        ray.init(num_cpus=local_cpus)
         return True

@@ -249,3 +249,14 @@ def _gpus(x: float) -> str:
 
 def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def placed_config(config: DeploymentConfig, node_cpus: float | None = None) -> DeploymentConfig:
+    """`config` with cpus_per_rank resolved against `node_cpus` (default: the
+    connected cluster's largest node) and checked against the connected Ray
+    cluster; raises PlacementError when it can never be placed there."""
+    cluster = cluster_resources()
+    config = resolve_cpus_per_rank(config, node_cpus if node_cpus is not None else cluster.largest_node_cpus)
+    check_placement(config, cluster)
+    return config
+

@@ -1,0 +1,151 @@
+"""Placement: cpus_per_rank resolved from the node's cores, deployments checked
+against a cluster's capacity (each TP gang whole on one node, all gangs packed
+together), and `pdserve serve` refusing one that can never be placed instead of
+waiting forever."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster.app_builder import with_overrides
+from cluster.config import DeploymentConfig
+from cluster.serving.placement import (
+    ClusterResources,
+    PlacementError,
+    check_placement,
+    gang_needs,
+    local_cluster_cpus,
+    resolve_cpus_per_rank,
+)
+from engine.tp_group import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def config(**overrides) -> DeploymentConfig:
+    return with_overrides(DeploymentConfig(), overrides)
+
+
+ONE_2CPU = ClusterResources((("10.0.0.1", 2, 0),))
+TWO_4CPU = ClusterResources((("10.0.0.1", 4, 0), ("10.0.0.2", 4, 0)))
+GPU_8 = ClusterResources((("10.0.0.1", 64, 8),))
+CPU_ONLY_BIG = ClusterResources((("10.0.0.1", 64, 0), ("10.0.0.2", 64, 0)))
+
+
+# (name, deployment, cluster, None when accepted else the texts the message must contain)
+CASES = [
+    ("default on 2 cores", config(), ONE_2CPU, None),
+    ("colocated on 2 cores", config(mode="colocated"), ONE_2CPU, None),
+    ("decode tp 2 on 2 cores", config(**{"decode.tensor_parallel_size": 2}), ONE_2CPU,
+     ["needs 3 CPUs in all", "cluster has 2 CPUs", "decode: 1 replica × 2 TP ranks × {CPU: 1}",
+      "node 10.0.0.1: 2 CPUs", "--decode-tp", "cpus_per_rank", "add nodes"]),
+    ("decode tp 4 on 2 cores", config(**{"decode.tensor_parallel_size": 4}), ONE_2CPU,
+     ["a decode gang needs 4 CPUs on one node", "decode: 1 replica × 4 TP ranks", "most any node has: 2 CPUs",
+      "lower --decode-tp / decode.tensor_parallel_size", "add a node with at least 4 CPUs"]),
+    ("2 nodes of 4: tp 4 + tp 4", config(**{"prefill.tensor_parallel_size": 4, "decode.tensor_parallel_size": 4,
+                                            "resources.cpus_per_rank": 1}), TWO_4CPU, None),
+    ("2 nodes of 4: 2 x tp 2 prefill + 2 x tp 2 decode",
+     config(**{"prefill.replicas": 2, "prefill.tensor_parallel_size": 2, "decode.replicas": 2,
+               "decode.tensor_parallel_size": 2, "resources.cpus_per_rank": 1}), TWO_4CPU, None),
+    ("gang bigger than any node, smaller than the total",
+     config(**{"decode.tensor_parallel_size": 6, "resources.cpus_per_rank": 1}), TWO_4CPU,
+     ["a decode gang needs 6 CPUs on one node", "most any node has: 4 CPUs", "in all 8 CPUs",
+      "node 10.0.0.1: 4 CPUs", "node 10.0.0.2: 4 CPUs", "--decode-tp"]),
+    ("totals fit, gangs do not pack (3 + 3 + 2 on 4 + 4)",
+     config(**{"prefill.replicas": 2, "prefill.tensor_parallel_size": 3, "decode.tensor_parallel_size": 2,
+               "resources.cpus_per_rank": 1}), TWO_4CPU,
+     ["do not pack", "no node has room left for a decode gang (2 CPUs)", "prefill: 2 replicas × 3 TP ranks",
+      "in all 8 CPUs", "--prefill-replicas", "add nodes"]),
+    ("8-GPU node: tp 4 + tp 4", config(device="cuda", **{"prefill.tensor_parallel_size": 4,
+                                                        "decode.tensor_parallel_size": 4}), GPU_8, None),
+    ("8-GPU node: tp 4 + tp 8", config(device="cuda", **{"prefill.tensor_parallel_size": 4,
+                                                        "decode.tensor_parallel_size": 8}), GPU_8,
+     ["needs 12 CPUs, 12 GPUs in all", "64 CPUs, 8 GPUs", "decode: 1 replica × 8 TP ranks × {CPU: 1, GPU: 1}",
+      "--device cpu", "add GPUs"]),
+    ("8-GPU node: a tp 16 gang", config(device="cuda", **{"decode.tensor_parallel_size": 16}), GPU_8,
+     ["a decode gang needs 16 CPUs, 16 GPUs on one node", "8 GPUs", "--device cpu"]),
+    ("GPU deployment on a CPU-only cluster", config(device="cuda"), CPU_ONLY_BIG,
+     ["device is cuda but the cluster has no GPUs", "prefill: 1 replica × 1 TP rank × {CPU: 1, GPU: 1}",
+      "in all 128 CPUs, 0 GPUs", "--device cpu", "ray start --num-gpus"]),
+]
+
+
+@pytest.mark.parametrize("name, deployment, cluster, expected", CASES, ids=[c[0] for c in CASES])
+def test_check_placement(name, deployment, cluster, expected):
+    resolved = resolve_cpus_per_rank(deployment, cluster.largest_node_cpus)
+    if expected is None:
+        check_placement(resolved, cluster)
+        return
+    with pytest.raises(PlacementError) as info:
+        check_placement(resolved, cluster)
+    for text in expected:
+        assert text in str(info.value), (text, str(info.value))
+
+
+@pytest.mark.parametrize("deployment, node_cpus, cpus", [
+    (config(), 2, 1.0),                                           # 1 prefill + 1 decode rank
+    (config(mode="colocated"), 2, 2.0),                           # one rank has both cores
+    (config(**{"decode.tensor_parallel_size": 2}), 2, 1.0),       # 3 ranks: at least 1 each
+    (config(**{"decode.tensor_parallel_size": 2}), 16, 5.0),      # floor(16 / 3)
+    (config(**{"resources.cpus_per_rank": 0.5}), 2, 0.5),         # explicit: kept
+    (config(**{"resources.cpus_per_rank": 4}), 2, 4.0),
+    (config(device="cuda"), 64, 1.0),                             # cuda: 1
+])
+def test_resolve_cpus_per_rank(deployment, node_cpus, cpus):
+    assert deployment.resources.cpus_per_rank in (None, 0.5, 4)
+    resolved = resolve_cpus_per_rank(deployment, node_cpus)
+    assert resolved.resources.cpus_per_rank == cpus
+    assert resolved.model_dump(exclude={"resources"}) == deployment.model_dump(exclude={"resources"})
+
+
+def test_gang_needs_want_a_resolved_config():
+    with pytest.raises(ValueError, match="resolve_cpus_per_rank"):
+        gang_needs(DeploymentConfig())
+    decode = {n.role: n for n in gang_needs(resolve_cpus_per_rank(
+        config(device="cuda", **{"decode.replicas": 2, "decode.tensor_parallel_size": 4}), 64))}["decode"]
+    assert (decode.replicas, decode.tensor_parallel_size, decode.bundle, decode.cpus, decode.gpus) == \
+        (2, 4, {"CPU": 1.0, "GPU": 1}, 4.0, 4)
+
+
+def test_local_cluster_cpus_cover_every_gang():
+    assert local_cluster_cpus(config(**{"decode.tensor_parallel_size": 2}), 2) == 3
+    assert local_cluster_cpus(config(), 2) == 2
+    assert local_cluster_cpus(config(mode="colocated"), 2) == 2
+    assert local_cluster_cpus(config(), 16) == 16
+    for name in ("tiny-cpu.yaml", "tiny-cpu-tp2.yaml"):   # every shipped CPU config fits a local cluster
+        from cluster.config import load_config
+        c = load_config(REPO / "configs" / name)
+        cpus = local_cluster_cpus(c, 2)
+        check_placement(resolve_cpus_per_rank(c, 2), ClusterResources((("local", cpus, 0),)))
+
+
+@pytest.fixture()
+def ray_2cpu():
+    ray = pytest.importorskip("ray")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+def test_pdserve_serve_refuses_a_gang_bigger_than_the_cluster(ray_2cpu, tmp_path):
+    timeout_s = 120
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "cluster.cli.main", "serve", "--decode-tp", "4", "--address", ray_2cpu,
+         "--port", str(free_port())],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=timeout_s, check=False)
+    elapsed = time.monotonic() - start
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "error: cannot place this deployment" in done.stderr, done.stderr[-2000:]
+    assert "a decode gang needs 4 CPUs on one node" in done.stderr, done.stderr[-2000:]
+    assert "pdserve is serving" not in done.stdout
+    print(f"refused in {elapsed:.1f} s")
