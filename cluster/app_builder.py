@@ -32,6 +32,9 @@ from cluster.transport.transport_factory import TransportSettings
 from router.backend import ModelInfo
 
 ROUTING_STATS_PERIOD_S = 0.5
+# Serve's default (5) would queue every request past the fifth in the HTTP proxy, in front of
+# an engine that batches hundreds: the router admits them all and the engines queue them.
+ROUTER_MAX_ONGOING_REQUESTS = 100_000
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
@@ -115,7 +118,8 @@ def build_application(config: DeploymentConfig) -> serve.Application:
         }
         d = config.disaggregation
         router_args["disaggregation"] = DisaggregationSettings(d.policy, d.local_prefill_max_tokens)
-    return Router.options(num_replicas=1, ray_actor_options={"num_cpus": 0}).bind(
+    return Router.options(num_replicas=1, max_ongoing_requests=ROUTER_MAX_ONGOING_REQUESTS,
+                          ray_actor_options={"num_cpus": 0}).bind(
         info, model_path, config.mode.value, **workers, **router_args)
 
 

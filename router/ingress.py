@@ -12,6 +12,7 @@ import uuid
 
 from ray import serve
 
+from cluster.serving.process_priority import normal_priority
 from engine.tokenizer import load_tokenizer
 from router.backend import ModelInfo
 from router.disaggregation_policy import DisaggregationPolicy, DisaggregationSettings
@@ -30,6 +31,7 @@ STATS_PERIOD_S = 1.0
 class Router:
     def __init__(self, info: ModelInfo, tokenizer_path: str, mode: str, *, prefill=None, decode=None,
                  colocated=None, disaggregation: DisaggregationSettings | None = None):
+        normal_priority()
         self.tokenizer = load_tokenizer(tokenizer_path)
         self.metrics = ServingMetrics()
         replica = serve.get_replica_context().replica_id.unique_id

@@ -117,7 +117,7 @@ def _connect(address: str | None, local_cpus: int) -> bool:
     `local_cpus` CPUs; True when this process started it (and must stop it)."""
     import ray
     if address == "local":
-        ray.init(address="local", num_cpus=local_cpus)
+        _start_local(local_cpus)
         return True
     if address:
         ray.init(address=address)
@@ -126,5 +126,14 @@ def _connect(address: str | None, local_cpus: int) -> bool:
         ray.init(address="auto")
         return False
     except ConnectionError:
-        ray.init(num_cpus=local_cpus)
+        _start_local(local_cpus)
         return True
+
+
+def _start_local(num_cpus: int) -> None:
+    """A local cluster whose workers run at normal priority (cluster/serving/process_priority.py)."""
+    import ray
+
+    from cluster.serving.process_priority import LOCAL_CLUSTER_ENV
+    os.environ.update(LOCAL_CLUSTER_ENV)   # read by the raylet this starts
+    ray.init(address="local", num_cpus=num_cpus)

@@ -3,7 +3,7 @@ Serve besides its own methods: load figures for the router's replica choice
 (`record_routing_stats`, polled by Serve) and for /metrics (`stats`), a health
 probe that reaches the engine loop, and stopping the engine with the replica.
 Subclasses call `join_gang` first in their constructor, then set `self.worker`
-(a PrefillWorker, DecodeWorker or ColocatedWorker).
+(a PrefillWorker or DecodeWorker).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from ray import serve
 
 from cluster.serving.gang_devices import claim_gang_gpus
+from cluster.serving.process_priority import normal_priority
 from engine.engine_config import EngineConfig
 
 
@@ -22,6 +23,7 @@ class WorkerDeployment:
         """Sets and returns this replica's id; on CUDA, first gives the gang its
         GPUs (cluster/serving/gang_devices.py)."""
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        normal_priority()   # before the engine thread and any rank process start: they inherit it
         if engine_config.device == "cuda":
             await claim_gang_gpus(engine_config.tensor_parallel_size)
         return self.replica_id
