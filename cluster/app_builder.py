@@ -117,7 +117,8 @@ def build_application(config: DeploymentConfig) -> serve.Application:
                                   config.kv_transfer.reserve_timeout_s, prefill=prefill_app),
         }
         d = config.disaggregation
-        router_args["disaggregation"] = DisaggregationSettings(d.policy, d.local_prefill_max_tokens)
+        router_args["disaggregation"] = DisaggregationSettings(d.policy, d.local_prefill_max_tokens,
+                                                               d.max_remote_wait_ms / 1000)
     return Router.options(num_replicas=1, max_ongoing_requests=ROUTER_MAX_ONGOING_REQUESTS,
                           ray_actor_options={"num_cpus": 0}).bind(
         info, model_path, config.mode.value, **workers, **router_args)

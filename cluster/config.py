@@ -62,6 +62,8 @@ class DisaggregationSection(_Strict):
         "worker prefills short prompts, and longer ones when the prefill pool is predicted to be slower")
     local_prefill_max_tokens: int = Field(128, ge=0, description="conditional: prompts of at most this many "
                                           "tokens are prefilled on the decode worker")
+    max_remote_wait_ms: float = Field(500.0, ge=0, description="conditional: longer prompts are prefilled on "
+                                      "the decode worker only while the prefill pool's predicted wait is longer")
 
 
 class HttpSection(_Strict):

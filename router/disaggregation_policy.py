@@ -3,18 +3,22 @@ moves to a decode replica), or on the decode replica itself (conditional
 disaggregation, as Dynamo's conditional disaggregation and llm-d's selective
 P/D do).
 
-    prompt ≤ local_prefill_max_tokens                         → local
-    local cost < remote cost                                  → local
-    otherwise                                                 → remote
+    prompt ≤ local_prefill_max_tokens                                → local
+    predicted wait in the prefill pool ≤ max_remote_wait_s           → remote
+    otherwise, the side whose first token is predicted sooner:
       remote = (prefill-pool tokens in flight / replicas + prompt) × prefill s/token + hand-off time
       local  = (local tokens in flight / decode replicas + prompt) × decode-side s/token
 
+A prompt prefilled on a decode replica stalls every request decoding there for
+its prefill time, so longer prompts go local only as an overflow valve: when
+the prefill pool has fallen behind by more than `max_remote_wait_s`.
 Per-token costs are what the running workers measure on their own steps (EWMA,
 reported with their stats); the hand-off time is the router's own average of
 measured transfers. Until a side has measured anything, the other side's
 figure stands in (the same model runs on both); before anything is measured
-the costs compare by tokens alone. Tokens in flight are this router's: sent to
-a pool and not yet answered with a first token.
+there is no evidence of a backlog and longer prompts go remote. Tokens in
+flight are this router's: sent to a pool and not yet answered with a first
+token.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ _EWMA = 0.2
 class DisaggregationSettings:
     policy: Literal["always", "conditional"] = "conditional"
     local_prefill_max_tokens: int = 128    # prompts this short always prefill on the decode replica
+    max_remote_wait_s: float = 0.5         # longer ones go local only when the prefill pool is further behind
 
 
 @dataclass(slots=True)
@@ -52,13 +57,20 @@ class DisaggregationPolicy:
             return False
         if num_prompt_tokens <= self.settings.local_prefill_max_tokens:
             return True
+        if self.predict_remote_wait_s() <= self.settings.max_remote_wait_s:
+            return False
         return self.predict_local_s(num_prompt_tokens) < self.predict_remote_s(num_prompt_tokens)
+
+    def predict_remote_wait_s(self) -> float:
+        """Predicted wait in the prefill pool before a new prompt starts (0 before anything is measured)."""
+        pool = self._remote
+        cost = _first_known(pool.s_per_token, self._local.s_per_token)
+        return pool.tokens_in_flight / max(1, pool.replicas) * cost
 
     def predict_remote_s(self, num_prompt_tokens: int) -> float:
         """Predicted time to the first token on the prefill pool, plus the hand-off."""
-        pool = self._remote
-        cost = _first_known(pool.s_per_token, self._local.s_per_token)
-        return (pool.tokens_in_flight / max(1, pool.replicas) + num_prompt_tokens) * cost + self.handoff_s
+        cost = _first_known(self._remote.s_per_token, self._local.s_per_token)
+        return self.predict_remote_wait_s() + num_prompt_tokens * cost + self.handoff_s
 
     def predict_local_s(self, num_prompt_tokens: int) -> float:
         """Predicted time to the first token when a decode replica prefills it."""
@@ -89,5 +101,5 @@ class DisaggregationPolicy:
 
 
 def _first_known(*costs: float | None) -> float:
-    """The first measured cost; 1.0 (compare by tokens) when none is."""
-    return next((c for c in costs if c is not None), 1.0)
+    """The first measured cost; 0 when none is (no evidence of a backlog)."""
+    return next((c for c in costs if c is not None), 0.0)

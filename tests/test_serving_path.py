@@ -74,16 +74,23 @@ def test_conditional_disaggregation_keeps_short_prompts_on_the_decode_worker(mod
     assert remote.token_ids == reference("tiny").greedy(tuple(long), 10)
 
 
-def test_the_policy_sends_prompts_where_the_first_token_comes_sooner():
-    policy = DisaggregationPolicy(DisaggregationSettings("conditional", local_prefill_max_tokens=16))
+def test_the_policy_overflows_to_the_decode_worker_only_when_the_prefill_pool_is_behind():
+    policy = DisaggregationPolicy(DisaggregationSettings("conditional", local_prefill_max_tokens=16,
+                                                         max_remote_wait_s=0.5))
+    assert not policy.prefill_locally(100)   # nothing measured yet: no evidence of a backlog
     policy.observe_workers("prefill", [{"prefill_s_per_token": 0.001}])
     policy.observe_workers("decode", [{"prefill_s_per_token": 0.002}])
-    assert policy.prefill_locally(16) and not policy.prefill_locally(100)   # idle pools: the cheaper side
-    policy.started(False, 1000)          # 1000 prompt tokens ahead on the prefill replica: 1 s
+    assert policy.prefill_locally(16) and not policy.prefill_locally(100)
+    policy.started(False, 400)           # 0.4 s of prompts ahead on the prefill replica: within the limit
+    assert not policy.prefill_locally(100)
+    policy.started(False, 600)           # 1 s ahead: the decode worker's 0.2 s is sooner than 1.1 s
     assert policy.predict_remote_s(100) > policy.predict_local_s(100)
     assert policy.prefill_locally(100)
+    assert not policy.prefill_locally(1000)   # 2 s locally: still sooner remotely
+    policy.observe_workers("prefill", [{"prefill_s_per_token": 0.001}, {"prefill_s_per_token": 0.001}])
+    assert not policy.prefill_locally(100)   # a second prefill replica halves the wait
     policy.first_token(False, 1000)
-    assert not policy.prefill_locally(100)
+    assert policy.predict_remote_wait_s() == 0
     always = DisaggregationPolicy(DisaggregationSettings("always"))
     assert not always.prefill_locally(1)
 
