@@ -40,31 +40,17 @@ class DeltaOutbox:
             elif delta.logprobs:
                 self._sent_logprobs[out.request_id] = sent + len(delta.logprobs)
             deltas.append(delta)
-        self._queue(deltas)
-
-    def fail(self, exc: BaseException) -> None:
-        self._failure = exc
-        self._loop.call_soon_threadsafe(self._ready.set)
-
-    # ---- any thread -----------------------------------------------------------------------------
-    def push(self, delta: TokenDelta) -> None:
-        """Queues one delta that did not come from an engine step (e.g. an abort)."""
-        self._queue([delta])
-
-    def _queue(self, deltas: list[TokenDelta]) -> None:
-        """Adds deltas to the pending batch, one entry per request (a request
-        that produced again before the reader came is merged)."""
         with self._lock:
             wake = not self._pending
-            for delta in deltas:
+            for delta in deltas:   # one entry per request: a request that produced again is merged
                 earlier = self._pending.get(delta.request_id)
                 self._pending[delta.request_id] = delta if earlier is None else merge(earlier, delta)
         if wake:
             self._loop.call_soon_threadsafe(self._ready.set)
 
-    def forget(self, request_id: str) -> None:
-        """The request ended outside the engine's outputs (aborted)."""
-        self._sent_logprobs.pop(request_id, None)
+    def fail(self, exc: BaseException) -> None:
+        self._failure = exc
+        self._loop.call_soon_threadsafe(self._ready.set)
 
     # ---- event loop --------------------------------------------------------------------------------
     async def take(self) -> list[TokenDelta]:

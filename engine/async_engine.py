@@ -12,9 +12,9 @@ locks; the event loop never blocks on a forward pass. A ticker is a function
 called with the engine once per loop iteration; it returns True while it has
 work in flight (the loop then polls again soon instead of sleeping).
 
-Outputs go to the sink each request was attached to: a per-request queue
-(`open_stream`), or a sink shared by many requests that gets one `put` per step
-with all of its requests' outputs (a server's per-subscriber outbox).
+Outputs go to the sink each request was attached to (`attach`): one `put` per
+step with all of that sink's requests' outputs (a server's per-subscriber
+outbox, or one request's first-token handler).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from engine.llm_engine import LLMEngine
@@ -45,21 +45,6 @@ class OutputSink(Protocol):
 
     def fail(self, exc: BaseException) -> None:
         """The engine stopped: every request of this sink has ended with `exc`."""
-
-
-class _RequestQueue:
-    """The sink behind `open_stream`: one asyncio queue for one request."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue = asyncio.Queue()
-
-    def put(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
-
-    def fail(self, exc: BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, EngineStoppedError(f"the engine stopped: {exc}"))
 
 
 class EngineStoppedError(RuntimeError):
@@ -113,33 +98,15 @@ class AsyncEngine:
         self._calls.put((fn, args, None))
         self._wake.set()
 
-    def open_stream(self, request_id: str) -> asyncio.Queue:
-        """The queue that receives the request's RequestOutputs (and an exception
-        if the engine fails). Open it before the request is added."""
-        sink = _RequestQueue()
-        self.attach(request_id, sink)
-        return sink.queue
-
     def attach(self, request_id: str, sink: OutputSink) -> None:
         """Sends the request's outputs to `sink`. Attach before the request is added."""
         with self._sinks_lock:
             self._sinks[request_id] = sink
 
     def close_stream(self, request_id: str) -> None:
-        """Stops delivering the request's outputs (to whichever sink it had)."""
+        """Stops delivering the request's outputs to its sink."""
         with self._sinks_lock:
             self._sinks.pop(request_id, None)
-
-    async def outputs(self, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-        """A request's outputs from its stream, up to and including the finished
-        one; raises what the engine reported instead."""
-        while True:
-            out = await stream.get()
-            if isinstance(out, BaseException):
-                raise out
-            yield out
-            if out.finished:
-                return
 
     async def call_for_cleanup(self, fn: Callable[..., Any], *args: Any) -> None:
         """`call` for clean-up paths (freeing a request's blocks): it runs even if
