@@ -8,11 +8,16 @@ Subclasses call `join_gang` first in their constructor, then set `self.worker`
 
 from __future__ import annotations
 
+import sys
+
 from ray import serve
 
 from cluster.serving.gang_devices import claim_gang_gpus
 from cluster.serving.process_priority import normal_priority
 from engine.engine_config import EngineConfig
+
+
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 class WorkerDeployment:
@@ -24,6 +29,9 @@ class WorkerDeployment:
         GPUs (cluster/serving/gang_devices.py)."""
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         normal_priority()   # before the engine thread and any rank process start: they inherit it
+        # the engine thread takes the GIL back after every torch op; with Python's default 5 ms
+        # switch interval it can wait that long behind the replica's event loop on each op
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         if engine_config.device == "cuda":
             await claim_gang_gpus(engine_config.tensor_parallel_size)
         return self.replica_id
