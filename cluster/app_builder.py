@@ -18,7 +18,6 @@ GPUs). On CPU each rank runs torch with as many threads as its bundle has CPUs.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -105,15 +104,15 @@ def build_application(config: DeploymentConfig) -> serve.Application:
     if config.mode is Mode.colocated:
         colocated = _worker_options(DecodeServer.options(name="ColocatedServer"), config, config.colocated,
                                     "free_kv_blocks", "max")
-        workers = {"colocated": colocated.bind(_engine_config(config, "colocated", model_path))}
+        workers = {"colocated": colocated.bind(config.engine_config("colocated", model_path))}
     else:
         prefill = _worker_options(PrefillServer, config, config.prefill, "queued_prefill_tokens", "min")
         decode = _worker_options(DecodeServer, config, config.decode, "free_kv_blocks", "max")
-        prefill_app = prefill.bind(_engine_config(config, "prefill", model_path), transport,
+        prefill_app = prefill.bind(config.engine_config("prefill", model_path), transport,
                                    config.kv_transfer.lease_s)
         workers = {
             "prefill": prefill_app,
-            "decode": decode.bind(_engine_config(config, "decode", model_path), transport,
+            "decode": decode.bind(config.engine_config("decode", model_path), transport,
                                   config.kv_transfer.reserve_timeout_s, prefill=prefill_app),
         }
         d = config.disaggregation
@@ -122,14 +121,6 @@ def build_application(config: DeploymentConfig) -> serve.Application:
     return Router.options(num_replicas=1, max_ongoing_requests=ROUTER_MAX_ONGOING_REQUESTS,
                           ray_actor_options={"num_cpus": 0}).bind(
         info, model_path, config.mode.value, **workers, **router_args)
-
-
-def _engine_config(config: DeploymentConfig, role: str, model_path: str):
-    """The role's engine options; on CPU, torch threads = the rank's bundle CPUs."""
-    engine = config.engine_config(role, model_path)
-    if config.device == "cpu":
-        engine = dataclasses.replace(engine, cpu_threads=max(1, int(config.resources.cpus_per_rank)))
-    return engine
 
 
 def _worker_options(deployment, config: DeploymentConfig, pool: WorkerPool, stat: str, prefer: str):

@@ -109,16 +109,19 @@ class DeploymentConfig(_Strict):
         return {"colocated": self.colocated}
 
     def engine_config(self, role: str, model_path: str) -> EngineConfig:
-        """The engine options one rank-0 worker of `role` runs with."""
+        """The engine options one rank-0 worker of `role` runs with; on CPU, as
+        many torch threads per rank as its bundle has CPUs (when resolved)."""
         pool = self.pools()[role]
         e = self.engine
+        cpus = self.resources.cpus_per_rank
         return EngineConfig(
             model=model_path, dtype=self.model.dtype, device=self.device,
             max_model_len=self.model.max_model_len, block_size=e.block_size,
             kv_cache_memory_gib=e.kv_cache_memory_gib, gpu_memory_utilization=e.gpu_memory_utilization,
             max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
             enable_chunked_prefill=e.enable_chunked_prefill, enable_prefix_caching=e.enable_prefix_caching,
-            tensor_parallel_size=pool.tensor_parallel_size)
+            tensor_parallel_size=pool.tensor_parallel_size,
+            cpu_threads=max(1, int(cpus)) if self.device == "cpu" and cpus is not None else None)
 
 
 class ConfigFileError(ValueError):

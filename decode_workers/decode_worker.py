@@ -124,7 +124,7 @@ class DecodeWorker:
             return await self._receive(request)
         except BaseException:
             subscriber.request_ids.discard(rid)
-            self._engine.close_stream(rid)
+            self._engine.detach(rid)
             self._queued_prompt_tokens.pop(rid, None)
             await self._engine.call_for_cleanup(self._abort, rid)
             raise
@@ -172,13 +172,13 @@ class DecodeWorker:
                         self._queued_prompt_tokens.pop(delta.request_id, None)
                     if delta.finished:
                         subscriber.request_ids.discard(delta.request_id)
-                        self._engine.close_stream(delta.request_id)
+                        self._engine.detach(delta.request_id)
                         self._queued_prompt_tokens.pop(delta.request_id, None)
                 yield batch
         finally:
             del self._subscribers[subscriber_id]
             for rid in subscriber.request_ids:
-                self._engine.close_stream(rid)
+                self._engine.detach(rid)
                 self._queued_prompt_tokens.pop(rid, None)
                 await self._engine.call_for_cleanup(self._abort, rid)
 

@@ -103,7 +103,7 @@ class AsyncEngine:
         with self._sinks_lock:
             self._sinks[request_id] = sink
 
-    def close_stream(self, request_id: str) -> None:
+    def detach(self, request_id: str) -> None:
         """Stops delivering the request's outputs to its sink."""
         with self._sinks_lock:
             self._sinks.pop(request_id, None)

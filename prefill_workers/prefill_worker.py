@@ -84,7 +84,7 @@ class PrefillWorker:
             await self._engine.call_for_cleanup(self._drop, request_id)
             raise
         finally:
-            self._engine.close_stream(request_id)
+            self._engine.detach(request_id)
             self._queued_prompt_tokens.pop(request_id, None)
 
     async def send_kv(self, request_id: str, transfer_id: str, receivers: list[PeerAddress]) -> int:

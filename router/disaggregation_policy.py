@@ -23,7 +23,8 @@ token.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -86,6 +87,15 @@ class DisaggregationPolicy:
         """The prompt is done (or failed): no longer in flight."""
         pool = self._local if local else self._remote
         pool.tokens_in_flight = max(0, pool.tokens_in_flight - num_prompt_tokens)
+
+    @contextmanager
+    def in_flight(self, local: bool, num_prompt_tokens: int) -> Iterator[None]:
+        """`started` on entry, `first_token` on exit, however the block ends."""
+        self.started(local, num_prompt_tokens)
+        try:
+            yield
+        finally:
+            self.first_token(local, num_prompt_tokens)
 
     def observe_handoff(self, seconds: float) -> None:
         self.handoff_s = seconds if self.handoff_s == 0.0 else (1 - _EWMA) * self.handoff_s + _EWMA * seconds

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -169,26 +170,18 @@ class ServingBackend(GenerationBackend):
 
     async def _prefill_locally(self, request_id: str, prompt_token_ids: list[int],
                                params: SamplingParams) -> Admitted:
-        n = len(prompt_token_ids)
-        policy = self._policy
-        if policy is not None:
-            policy.started(True, n)
-        try:
+        # in flight until admitted: close enough, the prompt is queued on the replica by then
+        with self._in_flight(True, len(prompt_token_ids)):
             return await self._decode.generate(DecodeRequest(request_id, prompt_token_ids, params, self.subscriber))
-        finally:
-            if policy is not None:
-                policy.first_token(True, n)   # close enough: the prompt is queued on the replica by now
 
     async def _prefill_remotely(self, request_id: str, prompt_token_ids: list[int],
                                 params: SamplingParams) -> PrefillResult:
-        n = len(prompt_token_ids)
-        if self._policy is not None:
-            self._policy.started(False, n)
-        try:
+        with self._in_flight(False, len(prompt_token_ids)):
             return await self._prefill.prefill(request_id, prompt_token_ids, params)
-        finally:
-            if self._policy is not None:
-                self._policy.first_token(False, n)
+
+    def _in_flight(self, local: bool, num_prompt_tokens: int):
+        """The policy's count of prompt tokens in flight (nothing to count without a policy)."""
+        return nullcontext() if self._policy is None else self._policy.in_flight(local, num_prompt_tokens)
 
     async def _hand_off(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                         result: PrefillResult) -> Admitted:

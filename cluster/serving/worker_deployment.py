@@ -16,7 +16,6 @@ from cluster.serving.gang_devices import claim_gang_gpus
 from cluster.serving.process_priority import normal_priority
 from engine.engine_config import EngineConfig
 
-
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
