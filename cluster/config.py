@@ -47,6 +47,12 @@ class EngineSection(_Strict):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    attention_backend: Literal["auto", "torch", "triton"] = Field(
+        "auto", description="triton: paged kernels that read K/V in place (auto on CUDA); torch: gather + SDPA "
+        "(auto on CPU)")
+    enforce_eager: bool = Field(False, description="CUDA: run every step eagerly, without CUDA graphs")
+    max_cuda_graph_batch_size: int = Field(256, ge=1, description="CUDA: decode batches up to this size "
+                                           "replay a graph captured at start-up")
 
 
 class KVTransferSection(_Strict):
@@ -120,7 +126,8 @@ class DeploymentConfig(_Strict):
             kv_cache_memory_gib=e.kv_cache_memory_gib, gpu_memory_utilization=e.gpu_memory_utilization,
             max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
             enable_chunked_prefill=e.enable_chunked_prefill, enable_prefix_caching=e.enable_prefix_caching,
-            tensor_parallel_size=pool.tensor_parallel_size,
+            tensor_parallel_size=pool.tensor_parallel_size, attention_backend=e.attention_backend,
+            enforce_eager=e.enforce_eager, max_cuda_graph_batch_size=e.max_cuda_graph_batch_size,
             cpu_threads=max(1, int(cpus)) if self.device == "cpu" and cpus is not None else None)
 
 

@@ -26,6 +26,12 @@ class EngineConfig:
     tensor_parallel_size: int = 1               # ranks the model is sharded over
     tp_backend: str = "auto"                    # auto: nccl for CUDA tensors, gloo for CPU tensors
     cpu_threads: int | None = None              # CPU: torch threads per rank; default: cores // TP
+    # attention kernels: "triton" reads K/V in place from the cache blocks (default on CUDA);
+    # "torch" gathers each sequence's blocks and runs SDPA (default on CPU)
+    attention_backend: str = "auto"
+    enforce_eager: bool = False                 # CUDA: no CUDA graphs (they need attention_backend triton)
+    max_cuda_graph_batch_size: int = 256        # CUDA: decode batches up to this replay a captured graph
+    fused_ops: bool = True                      # CUDA: Triton RMSNorm+residual, SiLU-and-mul, rotary
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -34,7 +40,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
         for name in ("max_model_len", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
-                     "tensor_parallel_size", "cpu_threads"):
+                     "tensor_parallel_size", "cpu_threads", "max_cuda_graph_batch_size"):
             positive(name)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
@@ -51,6 +57,8 @@ class EngineConfig:
                 self.tensor_parallel_size > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) is more than the "
                              f"{torch.cuda.device_count()} visible CUDA device(s)")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         if self.tp_backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"tp_backend must be auto, gloo or nccl, got {self.tp_backend!r}")
 
@@ -58,6 +66,17 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def resolved_attention_backend(self) -> str:
+        """triton on CUDA, torch on CPU, unless set. triton on CPU runs only under
+        Triton's interpreter (TRITON_INTERPRET=1), for tests."""
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "triton" if self.resolved_device().type == "cuda" else "torch"
+
+    def uses_cuda_graphs(self) -> bool:
+        return (self.resolved_device().type == "cuda" and not self.enforce_eager
+                and self.resolved_attention_backend() == "triton")
 
     def resolved_dtype(self, checkpoint_dtype: str) -> torch.dtype:
         from engine.dtypes import parse_dtype

@@ -22,7 +22,9 @@ from engine.cpu_allocator import keep_freed_memory_in_heap
 from engine.engine_config import EngineConfig
 from engine.kv_cache import GIB, KVCache, KVCacheSpec, gpu_kv_budget_bytes
 from engine.model import ModelConfig, load_model
-from engine.model.attention_metadata import AttentionMetadata, DecodeGroup, PrefillChunk
+from engine.model.llama import use_fused_ops
+from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from engine.model.attention_metadata import AttentionMetadata, PagedBatch, PrefillChunk, to_device
 from engine.model.parallel import SINGLE_PROCESS, TensorParallel
 
 log = logging.getLogger(__name__)
@@ -40,16 +42,13 @@ class ModelInputs:
         """A copy whose tensors are on `device` (self when that is the CPU)."""
         if device.type == "cpu":
             return self
-        meta = self.meta
-        moved = AttentionMetadata(
-            slot_mapping=meta.slot_mapping.to(device),
-            decode_groups=[DecodeGroup(g.token_start, g.block_tables.to(device),
-                                       None if g.key_mask is None else g.key_mask.to(device))
-                           for g in meta.decode_groups],
-            prefills=[PrefillChunk(c.token_start, c.num_tokens, c.context_len, c.block_table.to(device))
-                      for c in meta.prefills])
-        return ModelInputs(self.input_ids.to(device), self.positions.to(device), moved,
-                           self.sample_indices.to(device))
+        return ModelInputs(to_device(self.input_ids, device), to_device(self.positions, device), self.meta.to(device),
+                           to_device(self.sample_indices, device))
+
+    @property
+    def is_decode_only(self) -> bool:
+        paged = self.meta.paged
+        return paged is not None and paged.num_decodes == self.input_ids.shape[0]
 
 
 class ModelWorker:
@@ -66,16 +65,24 @@ class ModelWorker:
         mc = self.model_config
         self.max_model_len = resolve_max_model_len(config, mc)
         self.dtype = config.resolved_dtype(mc.torch_dtype)
+        self.attention_backend = config.resolved_attention_backend()
+        if self.attention_backend == "triton":
+            _require_triton(self.device)
         self.model = load_model(config.model, mc, max_positions=self.max_model_len, dtype=self.dtype,
                                 device=self.device, tp=tp)
+        if config.fused_ops and self.device.type == "cuda":
+            use_fused_ops(self.model)
         attn = self.model.model.layers[0].self_attn
         self.kv_head_start = attn.qkv_proj.kv_head_start
         spec = KVCacheSpec(mc.num_layers, attn.num_local_kv_heads, mc.head_dim, config.block_size, self.dtype)
+        self.graph_sizes = graph_batch_sizes(min(config.max_cuda_graph_batch_size, config.max_num_seqs)) \
+            if config.uses_cuda_graphs() else []
         num_blocks = self._num_kv_blocks(spec)
         # every rank must index the same block ids: agree on the smallest pool
         num_blocks = int(tp.all_reduce(torch.tensor([num_blocks], device=tp.comm_device), op="min").item())
         self.kv_cache = KVCache(spec, num_blocks, self.device)
         self.kv_layers = self.kv_cache.layer_views()
+        self.graphs = DecodeGraphs(self, self.graph_sizes) if self.graph_sizes else None
         # state that code above the engine keeps on each rank (e.g. a KV transport),
         # set and used through LLMEngine.collective_rpc
         self.attachments: dict[str, object] = {}
@@ -91,7 +98,8 @@ class ModelWorker:
         if config.num_kv_blocks is not None:
             num = config.num_kv_blocks
         elif self.device.type == "cuda":
-            num = spec.num_blocks_for(gpu_kv_budget_bytes(self.device, config.gpu_memory_utilization))
+            budget = gpu_kv_budget_bytes(self.device, config.gpu_memory_utilization)
+            num = spec.num_blocks_for(max(0, budget - self._activation_reserve(spec)))
         else:
             # no point reserving more than every sequence at full length could use
             num = min(spec.num_blocks_for(int(config.kv_cache_memory_gib * GIB)),
@@ -102,6 +110,66 @@ class ModelWorker:
                 f"max_model_len={self.max_model_len} tokens needs ({min_blocks}); lower max_model_len or "
                 "give the KV cache more memory (kv_cache_memory_gib / gpu_memory_utilization / num_kv_blocks)")
         return num
+
+    @torch.inference_mode()
+    def _activation_reserve(self, spec: KVCacheSpec) -> int:
+        """CUDA bytes the forward passes need beside weights and KV, measured on a
+        scratch cache: the peak of the largest prefill step, plus that of the
+        largest captured decode batch, whose graph pool stays allocated."""
+        tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        blocks = -(-tokens // spec.block_size)
+        scratch = KVCache(spec, blocks, self.device)
+        layers = scratch.layer_views()
+        with_cache = torch.cuda.memory_allocated(self.device)
+        peaks = []
+        for inputs in (self._profile_inputs(tokens, prefill=True),
+                       self._profile_inputs(max(self.graph_sizes, default=0), prefill=False)):
+            if inputs is None:
+                continue
+            torch.cuda.reset_peak_memory_stats(self.device)
+            inputs = inputs.to(self.device)
+            hidden = self.model(inputs.input_ids, inputs.positions, layers, inputs.meta)
+            self.model.compute_logits(hidden[inputs.sample_indices])
+            del hidden
+            torch.cuda.synchronize(self.device)
+            peaks.append(torch.cuda.max_memory_allocated(self.device) - with_cache)
+        del scratch, layers
+        torch.cuda.empty_cache()
+        reserve = sum(peaks)
+        log.info("activation reserve %.0f MiB (peaks %s)", reserve / 2**20, [round(p / 2**20) for p in peaks])
+        return reserve
+
+    def _profile_inputs(self, num_tokens: int, prefill: bool) -> ModelInputs | None:
+        """A dummy step for `_activation_reserve`: one prompt of `num_tokens`, or
+        `num_tokens` decodes of one key each, all in block 0 onwards."""
+        if num_tokens == 0:
+            return None
+        bs = self.config.block_size
+        positions = torch.arange(num_tokens) if prefill else torch.zeros(num_tokens, dtype=torch.long)
+        slots = torch.arange(num_tokens) if prefill else torch.zeros(num_tokens, dtype=torch.long)
+        blocks = -(-num_tokens // bs)
+        paged = None
+        if self.attention_backend == "triton":
+            if prefill:
+                paged = PagedBatch(0, torch.arange(blocks, dtype=torch.int32)[None],
+                                   torch.tensor([num_tokens], dtype=torch.int32),
+                                   torch.tensor([0, num_tokens], dtype=torch.int32), num_tokens, 1, True)
+            else:
+                paged = PagedBatch(num_tokens, torch.zeros(num_tokens, 1, dtype=torch.int32),
+                                   torch.ones(num_tokens, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                                   0, self.decode_splits(num_tokens, self.max_model_len))
+        chunks = [PrefillChunk(0, num_tokens, num_tokens, torch.zeros(0, dtype=torch.long))] if prefill else []
+        meta = AttentionMetadata(slots, [], chunks, paged)
+        samples = torch.tensor([num_tokens - 1]) if prefill else torch.arange(num_tokens)
+        return ModelInputs(torch.zeros(num_tokens, dtype=torch.long), positions, meta, samples)
+
+    def decode_splits(self, batch: int, max_seq_len: int) -> int:
+        """Programs the paged decode kernel splits each context over (1 off the Triton backend)."""
+        if self.attention_backend != "triton":
+            return 1
+        from engine.kernels.paged_attention import decode_splits
+        return decode_splits(batch, self.model.model.layers[0].self_attn.num_local_kv_heads, max_seq_len,
+                             self.device)
 
     def read_kv(self, block_ids: list[int]) -> torch.Tensor:
         """This rank's K/V of the blocks: [layers, 2, n, block_size, local_kv_heads, D] (CPU)."""
@@ -115,11 +183,24 @@ class ModelWorker:
     def execute(self, inputs: ModelInputs) -> torch.Tensor | None:
         """Forward pass; returns logits [S, vocab] (float32) on rank 0, None elsewhere
         or when nothing is sampled."""
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            return self.graphs.run(inputs)
         inputs = inputs.to(self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_layers, inputs.meta)
         if inputs.sample_indices.numel() == 0:
             return None
         return self.model.compute_logits(hidden[inputs.sample_indices])
+
+
+def _require_triton(device: torch.device) -> None:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        raise ValueError("attention_backend 'triton' needs the triton package (pip install triton), "
+                         "or set attention_backend: torch") from None
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        raise ValueError("attention_backend 'triton' on CPU runs only under Triton's interpreter "
+                         "(TRITON_INTERPRET=1, slow: for tests); use attention_backend 'torch' on CPU")
 
 
 def resolve_max_model_len(config: EngineConfig, mc: ModelConfig) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.attention_metadata import AttentionMetadata, DecodeGroup, PrefillChunk
+from engine.model.attention_metadata import AttentionMetadata, DecodeGroup, PagedBatch, PrefillChunk
 from engine.model_worker import STEP, ModelInputs, ModelWorker
 from engine.sampler import Sampler, SampleResult, SamplingRow
 from engine.scheduler import ScheduledStep
@@ -25,6 +25,7 @@ class ModelRunner:
         self.worker = worker
         self.block_size = worker.kv_cache.spec.block_size
         self.sampler = sampler
+        self.paged = worker.attention_backend == "triton"
 
     def prepare(self, step: ScheduledStep) -> tuple[ModelInputs, list[Sequence]]:
         """The step's model inputs, and the sequences sampled (in logits row order)."""
@@ -41,6 +42,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         sampled: list[Sequence] = []
         decode_tables: list[list[int]] = []
+        prefill_tables: list[list[int]] = []
         chunks: list[PrefillChunk] = []
         for seq, n in decodes + prefills:
             start = seq.num_computed_tokens
@@ -56,15 +58,20 @@ class ModelRunner:
             else:
                 chunks.append(PrefillChunk(token_start, n, end,
                                            torch.tensor(used if start > 0 else [], dtype=torch.long)))
+                prefill_tables.append(used)
             if end == seq.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 sampled.append(seq)
         lens = [s.num_computed_tokens + 1 for s, _ in decodes]
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
-            decode_groups=self._decode_groups(decode_tables, lens),
-            prefills=chunks,
-        )
+        if self.paged:
+            meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long), [], chunks,
+                                     self._paged_batch(decode_tables + prefill_tables, lens, chunks))
+        else:
+            meta = AttentionMetadata(
+                slot_mapping=torch.tensor(slots, dtype=torch.long),
+                decode_groups=self._decode_groups(decode_tables, lens),
+                prefills=chunks,
+            )
         inputs = ModelInputs(
             input_ids=torch.tensor(ids, dtype=torch.long),
             positions=torch.tensor(positions, dtype=torch.long),
@@ -72,6 +79,25 @@ class ModelRunner:
             sample_indices=torch.tensor(sample_rows, dtype=torch.long),
         )
         return inputs, sampled
+
+    def _paged_batch(self, tables: list[list[int]], decode_lens: list[int],
+                     chunks: list[PrefillChunk]) -> PagedBatch:
+        """Decodes then prefill chunks (`tables`: their used blocks, in that order),
+        as block tables and lengths for the paged kernels."""
+        num_decodes = len(decode_lens)
+        lens = decode_lens + [c.context_len for c in chunks]
+        width = max((len(t) for t in tables), default=0) or 1
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        query_start = [0]
+        for c in chunks:
+            query_start.append(query_start[-1] + c.num_tokens)
+        return PagedBatch(
+            num_decodes=num_decodes, block_tables=block_tables,
+            seq_lens=torch.tensor(lens, dtype=torch.int32),
+            prefill_query_start=torch.tensor(query_start, dtype=torch.int32),
+            max_prefill_query_len=max((c.num_tokens for c in chunks), default=0),
+            decode_splits=self.worker.decode_splits(num_decodes, max(decode_lens, default=1)),
+            single_fresh_prefill=num_decodes == 0 and len(chunks) == 1 and not chunks[0].has_cached_prefix)
 
     def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
         """Splits decodes (sorted by length) where padding to the group's longest

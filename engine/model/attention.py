@@ -1,6 +1,10 @@
 """Attention over the paged KV cache for a mixed batch of decode tokens and
-prefill chunks, in plain torch (scaled_dot_product_attention), so it runs on CPU
-and on CUDA alike.
+prefill chunks.
+
+With `meta.paged` set (the Triton backend, the default on CUDA), the paged
+kernels of engine/kernels/paged_attention.py read K/V in place from the blocks.
+Otherwise (the torch backend, the default on CPU) it runs in plain torch
+(scaled_dot_product_attention), as described below.
 
 Per layer the cache is a tensor [2, num_blocks, block_size, kv_heads, head_dim]
 (K then V). New K/V are written to their slots first; then
@@ -29,6 +33,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, heads, D]; k, v: [T, kv_heads, D] (this step's, already rotated).
     Writes k, v into the cache and returns the attention output [T, heads, D]."""
+    if meta.paged is not None:
+        return _paged_kernels_attention(q, k, v, kv_cache, meta, scale)
     write_kv(kv_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
@@ -79,3 +85,30 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGrou
     qg = q.view(batch, k.shape[1], num_heads // k.shape[1], head_dim)
     o = F.scaled_dot_product_attention(qg, k, v, attn_mask=group.key_mask, scale=scale)
     return o.reshape(batch, num_heads, head_dim)
+
+
+def _paged_kernels_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                             meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The Triton backend: one decode launch for every decode token, one prefill
+    launch for every chunk; a lone fresh prompt takes SDPA's causal kernel."""
+    from engine.kernels import paged_attention as kernels   # Triton is only needed here
+
+    paged = meta.paged
+    kernels.write_kv(kv_cache, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    d = paged.num_decodes
+    if d:
+        kernels.paged_decode_attention(q[:d], kv_cache, paged.block_tables[:d], paged.seq_lens[:d], scale,
+                                       paged.decode_splits, out=out[:d])
+    if q.shape[0] == d:
+        return out
+    if paged.single_fresh_prefill:
+        group = q.shape[1] // k.shape[1]
+        qc = q.transpose(0, 1)                                               # [heads, n, D]
+        kc = k.repeat_interleave(group, dim=1).transpose(0, 1) if group > 1 else k.transpose(0, 1)
+        vc = v.repeat_interleave(group, dim=1).transpose(0, 1) if group > 1 else v.transpose(0, 1)
+        out.copy_(F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale).transpose(0, 1))
+        return out
+    kernels.paged_prefill_attention(q[d:], kv_cache, paged.block_tables[d:], paged.prefill_query_start,
+                                    paged.seq_lens[d:], paged.max_prefill_query_len, scale, out=out[d:])
+    return out

@@ -2,7 +2,8 @@
 
 A step's batch is one flat list of tokens: first one token for each decoding
 sequence, then the chunks of the sequences that are prefilling. The runner
-builds this value once per step; every attention layer reads it.
+builds this value once per step; every attention layer reads it. The torch
+backend reads `decode_groups` and `prefills`; the Triton backend reads `paged`.
 """
 
 from __future__ import annotations
@@ -36,7 +37,47 @@ class DecodeGroup:
 
 
 @dataclass(slots=True)
+class PagedBatch:
+    """The step's sequences as the paged kernels read them, decodes first.
+    Host ints size the kernel grids, so no value is read back from the device."""
+    num_decodes: int
+    block_tables: torch.Tensor        # [num_seqs, max_blocks] int32, rows padded with block 0
+    seq_lens: torch.Tensor            # [num_seqs] int32: keys each sequence attends to, this step's included
+    prefill_query_start: torch.Tensor  # [num_prefills + 1] int32: chunk offsets after the decode tokens
+    max_prefill_query_len: int
+    decode_splits: int                # programs each decode context is split over
+    # one fresh prompt and no decodes: the contiguous causal kernel (SDPA) is the fastest
+    single_fresh_prefill: bool = False
+
+    def to(self, device: torch.device) -> "PagedBatch":
+        return PagedBatch(self.num_decodes, to_device(self.block_tables, device), to_device(self.seq_lens, device),
+                          to_device(self.prefill_query_start, device), self.max_prefill_query_len,
+                          self.decode_splits, self.single_fresh_prefill)
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
-    slot_mapping: torch.Tensor              # [num_tokens] int64: cache slot each token's K/V goes to
+    slot_mapping: torch.Tensor              # [num_tokens] int64: cache slot each token's K/V goes to (< 0: none)
     decode_groups: list[DecodeGroup]        # decode tokens come first in the batch, one per sequence
     prefills: list[PrefillChunk]
+    paged: PagedBatch | None = None         # set for the Triton backend
+
+    def to(self, device: torch.device) -> "AttentionMetadata":
+        """A copy on `device`; host-to-device copies are asynchronous (pinned)."""
+        return AttentionMetadata(
+            slot_mapping=to_device(self.slot_mapping, device),
+            decode_groups=[DecodeGroup(g.token_start, to_device(g.block_tables, device),
+                                       None if g.key_mask is None else to_device(g.key_mask, device))
+                           for g in self.decode_groups],
+            prefills=[PrefillChunk(c.token_start, c.num_tokens, c.context_len, to_device(c.block_table, device))
+                      for c in self.prefills],
+            paged=None if self.paged is None else self.paged.to(device))
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`; from CPU to CUDA through pinned memory, without blocking the host."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)

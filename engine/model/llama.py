@@ -21,13 +21,36 @@ from engine.model.parallel import TensorParallel
 from engine.model.rotary import RotaryEmbedding
 
 
+def use_fused_ops(model: nn.Module) -> None:
+    """Switches the model's norms, MLPs and rotary embedding to the fused Triton
+    kernels (CUDA): same results, fewer passes over memory and fewer launches."""
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, LlamaMLP, RotaryEmbedding)):
+            module.fused = True
+
+
 class RMSNorm(nn.Module):
+    fused = False
+
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x: [T, hidden]. Without `residual`: norm(x). With it: (norm(x + residual),
+        x + residual), the sum being the residual stream the next layer adds to."""
+        if self.fused:
+            from engine.kernels import fused_ops
+            if residual is None:
+                return fused_ops.rms_norm(x, self.weight, self.eps)
+            return fused_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]. Normalise in float32, as transformers does,
         # then scale in the model dtype.
         dtype = x.dtype
@@ -62,6 +85,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    fused = False
+
     def __init__(self, config: ModelConfig, tp: TensorParallel):
         super().__init__()
         n = config.intermediate_size
@@ -70,7 +95,11 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]; gate/up: [T, intermediate / tp]
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            from engine.kernels.fused_ops import silu_and_mul
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -82,11 +111,19 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        # positions: [T]; x: [T, hidden] -> [T, hidden]; kv_cache: this layer's [2, blocks, bs, kv_heads, D]
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T]; x: [T, hidden], the previous layer's MLP output (the
+        embeddings for the first layer, with residual None); residual: [T, hidden],
+        the stream x is added to. Returns (this layer's MLP output, its residual
+        stream); kv_cache: this layer's [2, blocks, bs, kv_heads, D]."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(positions, h, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -101,9 +138,10 @@ class LlamaModel(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         # input_ids, positions: [T] -> [T, hidden]
         x = self.embed_tokens(input_ids)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(positions, x, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, kv_cache, meta)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,111 @@
+"""CUDA graphs of the decode step: the whole forward pass, embedding to logits,
+captured once per padded batch size at start-up and replayed.
+
+A decode step launches hundreds of small kernels; replaying a graph launches
+them as one. A step of B decodes replays the graph of the smallest captured
+size >= B: its inputs are copied into the graph's static buffers and the
+padding rows are made harmless (no KV write: slot -1; one key to attend to).
+Steps with prefill tokens, and larger decode batches, run eagerly.
+
+Every rank captures and replays the same sizes, so the collectives inside the
+layers (NCCL all-reduce, the logits gather) are captured in lockstep.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engine.model.attention_metadata import AttentionMetadata, PagedBatch
+
+log = logging.getLogger(__name__)
+
+
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16 up to `max_batch` (and max_batch)."""
+    sizes = [b for b in (1, 2, 4, 8) if b <= max_batch] + list(range(16, max_batch + 1, 16))
+    if sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return sizes
+
+
+class DecodeGraphs:
+    def __init__(self, worker, sizes: list[int]):
+        """`worker`: a ModelWorker whose KV cache is allocated. Captures at once."""
+        self.worker = worker
+        self.sizes = sorted(sizes)
+        device = worker.device
+        max_batch = self.sizes[-1]
+        self.max_blocks = -(-worker.max_model_len // worker.kv_cache.spec.block_size)
+        # static inputs: every captured graph reads prefixes of these
+        self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(max_batch, self.max_blocks, dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
+        self.no_prefills = torch.zeros(1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
+        self.pool_bytes = 0
+        self._capture()
+
+    def _meta(self, batch: int) -> AttentionMetadata:
+        paged = PagedBatch(
+            num_decodes=batch, block_tables=self.block_tables[:batch], seq_lens=self.seq_lens[:batch],
+            prefill_query_start=self.no_prefills, max_prefill_query_len=0,
+            decode_splits=self.worker.decode_splits(batch, self.worker.max_model_len))
+        return AttentionMetadata(self.slot_mapping[:batch], [], [], paged)
+
+    def _forward(self, batch: int) -> torch.Tensor | None:
+        model = self.worker.model
+        hidden = model(self.input_ids[:batch], self.positions[:batch], self.worker.kv_layers, self._meta(batch))
+        return model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        started = time.monotonic()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for batch in reversed(self.sizes):        # largest first: the smaller reuse its pool
+                self._forward(batch)                  # warm-up: compiles kernels, creates handles
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    logits = self._forward(batch)
+                self.graphs[batch] = (graph, logits)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        self.pool_bytes = torch.cuda.memory_allocated() - before
+        log.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s, %.0f MiB", len(self.sizes),
+                 self.sizes[0], self.sizes[-1], time.monotonic() - started, self.pool_bytes / 2**20)
+
+    def can_run(self, inputs) -> bool:
+        """True for a decode-only step this instance captured a size for."""
+        return inputs.is_decode_only and inputs.input_ids.shape[0] <= self.sizes[-1]
+
+    def run(self, inputs) -> torch.Tensor | None:
+        """Logits [B, vocab] for a decode-only step of B sequences (rank 0; None elsewhere).
+        `inputs` are on the CPU, as the runner built them."""
+        from engine.model.attention_metadata import to_device
+
+        batch = inputs.input_ids.shape[0]
+        padded = next(b for b in self.sizes if b >= batch)
+        paged = inputs.meta.paged
+        self.input_ids[:batch].copy_(to_device(inputs.input_ids, self.input_ids.device), non_blocking=True)
+        self.positions[:batch].copy_(to_device(inputs.positions, self.input_ids.device), non_blocking=True)
+        self.slot_mapping[:batch].copy_(to_device(inputs.meta.slot_mapping, self.input_ids.device),
+                                        non_blocking=True)
+        self.seq_lens[:batch].copy_(to_device(paged.seq_lens, self.input_ids.device), non_blocking=True)
+        width = paged.block_tables.shape[1]
+        self.block_tables[:batch, :width].copy_(to_device(paged.block_tables, self.input_ids.device),
+                                                non_blocking=True)
+        if padded > batch:
+            self.slot_mapping[batch:padded].fill_(-1)
+            self.seq_lens[batch:padded].fill_(1)
+        graph, logits = self.graphs[padded]
+        graph.replay()
+        return None if logits is None else logits[:batch]
