@@ -29,6 +29,17 @@ _LOOKBACK_TOKENS = 4
 _COMPACT_AFTER = 64
 
 
+def _fast_decoder(tokenizer: Any) -> Any:
+    """The Rust `tokenizers.Tokenizer` behind a transformers fast tokenizer when
+    decoding through it gives the same text (no clean-up of tokenization
+    spaces): it skips the Python wrapper, most of the cost of decoding a
+    window of a few tokens. Otherwise `tokenizer` itself."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not hasattr(backend, "decode") or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return tokenizer
+    return backend
+
+
 class IncrementalDetokenizer:
     """Turns a stream of generated token ids into text deltas.
 
@@ -47,7 +58,7 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True):
-        self._tokenizer = tokenizer
+        self._tokenizer = _fast_decoder(tokenizer)
         self._skip_special_tokens = skip_special_tokens
         context = [int(t) for t in prompt_token_ids[-_CONTEXT_TOKENS:]]
         # Context ending inside a character would glue its bytes to the output's

@@ -22,7 +22,8 @@ class RequestTextState:
         self.seq = seq
         self.max_model_len = max_model_len
         params = seq.params
-        self.detokenizer = IncrementalDetokenizer(tokenizer, seq.prompt_token_ids,
+        self.prompt_token_ids = seq.prompt_token_ids      # copied once: every output shares it
+        self.detokenizer = IncrementalDetokenizer(tokenizer, self.prompt_token_ids,
                                                   skip_special_tokens=params.skip_special_tokens)
         self.stop_strings = list(params.stop)
         self.hold_back = max((len(s) for s in self.stop_strings), default=1) - 1
@@ -82,9 +83,9 @@ class RequestTextState:
         self.num_emitted_tokens = len(out_ids)
         return RequestOutput(
             request_id=seq.request_id,
-            prompt_token_ids=seq.prompt_token_ids,
+            prompt_token_ids=self.prompt_token_ids,
             text=self.text[:visible],
-            token_ids=list(out_ids),
+            token_ids=out_ids,
             delta_text=delta_text,
             delta_token_ids=delta_ids,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,

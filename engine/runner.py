@@ -8,6 +8,7 @@ produce nothing.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.model.attention_metadata import AttentionMetadata, DecodeGroup, PagedBatch, PrefillChunk
@@ -15,6 +16,9 @@ from engine.model_worker import STEP, ModelInputs, ModelWorker
 from engine.sampler import Sampler, SampleResult, SamplingRow
 from engine.scheduler import ScheduledStep
 from engine.sequence import Sequence
+
+
+_ZEROS = [0] * 4096    # padding for block-table rows
 
 
 class ModelRunner:
@@ -87,7 +91,11 @@ class ModelRunner:
         num_decodes = len(decode_lens)
         lens = decode_lens + [c.context_len for c in chunks]
         width = max((len(t) for t in tables), default=0) or 1
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        flat: list[int] = []            # one flat list through numpy: several times cheaper than nested lists
+        for t in tables:
+            flat.extend(t)
+            flat.extend(_ZEROS[:width - len(t)] if width - len(t) <= len(_ZEROS) else [0] * (width - len(t)))
+        block_tables = torch.from_numpy(np.array(flat, dtype=np.int32)).view(len(tables), width)
         query_start = [0]
         for c in chunks:
             query_start.append(query_start[-1] + c.num_tokens)
@@ -136,11 +144,14 @@ class ModelRunner:
 
 def sampling_row(seq: Sequence) -> SamplingRow:
     """The sampler's view of a sequence. Until min_tokens are out, EOS and the
-    stop token ids are banned so the sequence cannot end early."""
+    stop token ids are banned so the sequence cannot end early. The token
+    histories are copied only for the penalties that read them."""
     params = seq.params
     banned: list[int] = []
     if seq.num_output_tokens < params.min_tokens:
         banned = [*seq.eos_token_ids, *params.stop_token_ids]
-    return SamplingRow(params=params, prompt_token_ids=seq.prompt_token_ids,
-                       output_token_ids=seq.output_token_ids, generator=seq.generator,
+    uses_prompt = params.repetition_penalty != 1.0
+    uses_output = uses_prompt or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+    return SamplingRow(params=params, prompt_token_ids=seq.prompt_token_ids if uses_prompt else [],
+                       output_token_ids=seq.output_token_ids if uses_output else [], generator=seq.generator,
                        banned_token_ids=banned)

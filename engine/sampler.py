@@ -29,8 +29,8 @@ class SamplingRow:
     """One sequence's view for this step."""
 
     params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]         # generated so far, before this step
+    prompt_token_ids: list[int]         # empty unless repetition_penalty is used
+    output_token_ids: list[int]         # generated so far, before this step; empty unless a penalty is used
     # Per-request generator seeded from params.seed, living as long as the request and
     # on the logits' device; None = draw from the sampler's batch generator.
     generator: torch.Generator | None = None

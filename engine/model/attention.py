@@ -103,11 +103,12 @@ def _paged_kernels_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if q.shape[0] == d:
         return out
     if paged.single_fresh_prefill:
+        # [1, heads, n, D], contiguous, KV heads repeated: the shape SDPA's flash kernels take
         group = q.shape[1] // k.shape[1]
-        qc = q.transpose(0, 1)                                               # [heads, n, D]
-        kc = k.repeat_interleave(group, dim=1).transpose(0, 1) if group > 1 else k.transpose(0, 1)
-        vc = v.repeat_interleave(group, dim=1).transpose(0, 1) if group > 1 else v.transpose(0, 1)
-        out.copy_(F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale).transpose(0, 1))
+        qc, kc, vc = (t.repeat_interleave(group, dim=1) if t is not q and group > 1 else t for t in (q, k, v))
+        qc, kc, vc = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (qc, kc, vc))
+        o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale)
+        out.copy_(o[0].transpose(0, 1))
         return out
     kernels.paged_prefill_attention(q[d:], kv_cache, paged.block_tables[d:], paged.prefill_query_start,
                                     paged.seq_lens[d:], paged.max_prefill_query_len, scale, out=out[d:])
