@@ -397,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
-    from engine.tiny_model import PRESETS as TINY_PRESETS, make_tiny_model
+    from engine.tiny_model import PRESETS as TINY_PRESETS
+    from engine.tiny_model import make_tiny_model
 
     presets = [p for p in args.presets.split(",") if p]
     configs = [c for c in args.configs.split(",") if c]

@@ -482,6 +482,7 @@ def _point_order(batch_sizes, contexts) -> list[tuple[int, int]]:
 
 def worker_pdserve(spec: dict, out: dict, save) -> None:
     import torch
+
     from engine.engine_config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
@@ -622,7 +623,12 @@ def worker_pdserve(spec: dict, out: dict, save) -> None:
 def worker_transformers(spec: dict, out: dict, save) -> None:
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor, LogitsProcessorList
+    from transformers import (
+        AutoModelForCausalLM,
+        GenerationConfig,
+        LogitsProcessor,
+        LogitsProcessorList,
+    )
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
 

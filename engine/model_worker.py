@@ -19,12 +19,17 @@ from dataclasses import dataclass
 import torch
 
 from engine.cpu_allocator import keep_freed_memory_in_heap
+from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from engine.engine_config import EngineConfig
 from engine.kv_cache import GIB, KVCache, KVCacheSpec, gpu_kv_budget_bytes
 from engine.model import ModelConfig, load_model
+from engine.model.attention_metadata import (
+    AttentionMetadata,
+    PagedBatch,
+    PrefillChunk,
+    to_device,
+)
 from engine.model.llama import use_fused_ops
-from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from engine.model.attention_metadata import AttentionMetadata, PagedBatch, PrefillChunk, to_device
 from engine.model.parallel import SINGLE_PROCESS, TensorParallel
 
 log = logging.getLogger(__name__)
@@ -42,8 +47,8 @@ class ModelInputs:
         """A copy whose tensors are on `device` (self when that is the CPU)."""
         if device.type == "cpu":
             return self
-        return ModelInputs(to_device(self.input_ids, device), to_device(self.positions, device), self.meta.to(device),
-                           to_device(self.sample_indices, device))
+        return ModelInputs(to_device(self.input_ids, device), to_device(self.positions, device),
+                           self.meta.to(device), to_device(self.sample_indices, device))
 
     @property
     def is_decode_only(self) -> bool:

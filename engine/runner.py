@@ -11,12 +11,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.model.attention_metadata import AttentionMetadata, DecodeGroup, PagedBatch, PrefillChunk
+from engine.model.attention_metadata import (
+    AttentionMetadata,
+    DecodeGroup,
+    PagedBatch,
+    PrefillChunk,
+)
 from engine.model_worker import STEP, ModelInputs, ModelWorker
 from engine.sampler import Sampler, SampleResult, SamplingRow
 from engine.scheduler import ScheduledStep
 from engine.sequence import Sequence
-
 
 _ZEROS = [0] * 4096    # padding for block-table rows
 

@@ -91,7 +91,7 @@ def _paged_kernels_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """The Triton backend: one decode launch for every decode token, one prefill
     launch for every chunk; a lone fresh prompt takes SDPA's causal kernel."""
-    from engine.kernels import paged_attention as kernels   # Triton is only needed here
+    from engine.kernels import paged_attention as kernels  # Triton is only needed here
 
     paged = meta.paged
     kernels.write_kv(kv_cache, k, v, meta.slot_mapping)

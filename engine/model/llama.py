@@ -15,7 +15,11 @@ from torch import nn
 from engine.model.attention import paged_attention
 from engine.model.attention_metadata import AttentionMetadata
 from engine.model.embedding import ParallelLMHead, VocabParallelEmbedding
-from engine.model.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from engine.model.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from engine.model.model_config import ModelConfig
 from engine.model.parallel import TensorParallel
 from engine.model.rotary import RotaryEmbedding
