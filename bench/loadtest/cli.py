@@ -118,6 +118,22 @@ def add_loadtest_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
                         help="local tokenizer directory (default: --model if it is a directory, else the "
                              "built-in checkpoint of a pdserve preset name such as 'tiny')")
 
+    _, load, out = add_workload_arguments(p)
+    load.add_argument("--sweep-rates", type=_rate_list, default=None,
+                      help="run once per rate, e.g. 0.5,1,2,4 (instead of --request-rate)")
+    load.add_argument("--request-timeout", type=_positive(float), default=300.0,
+                      help="seconds one request may take (default 300)")
+    load.add_argument("--ignore-eos", action="store_true", help="ask the server to ignore EOS (vLLM extension)")
+    load.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0)")
+    out.add_argument("--plot", default=None, metavar="DIR", help="with --sweep-rates: write PNG plots into DIR")
+    out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_loadtest)
+    return p
+
+
+def add_workload_arguments(p: argparse.ArgumentParser) -> tuple[Any, Any, Any]:
+    """The dataset, load and results flags `pdserve loadtest` and `pdserve simulate`
+    share; returns the three argument groups, for a caller's own flags."""
     data = p.add_argument_group("dataset")
     data.add_argument("--dataset-name", default="random", choices=["random", "sharegpt", "prefix"])
     data.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file (for sharegpt)")
@@ -146,16 +162,10 @@ def add_loadtest_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
                       help="gamma shape of the arrivals: 1 Poisson, < 1 burstier, > 1 steadier (default 1)")
     load.add_argument("--max-concurrency", type=_positive(int), default=None,
                       help="at most this many requests in flight (default: no limit)")
-    load.add_argument("--sweep-rates", type=_rate_list, default=None,
-                      help="run once per rate, e.g. 0.5,1,2,4 (instead of --request-rate)")
     load.add_argument("--max-duration", type=_positive(float), default=600.0,
                       help="seconds one run may take; then requests in flight are cut off and what was "
                            "measured is reported (default 600)")
-    load.add_argument("--request-timeout", type=_positive(float), default=300.0,
-                      help="seconds one request may take (default 300)")
     load.add_argument("--seed", type=int, default=0, help="seed of the dataset and the arrivals (default 0)")
-    load.add_argument("--ignore-eos", action="store_true", help="ask the server to ignore EOS (vLLM extension)")
-    load.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0)")
 
     out = p.add_argument_group("results")
     out.add_argument("--goodput", nargs="+", type=_goodput_item, default=None, metavar="KEY:MS",
@@ -168,10 +178,7 @@ def add_loadtest_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     out.add_argument("--result-dir", default=None, help="directory for the result JSON (default: .)")
     out.add_argument("--result-file", default=None,
                      help="file name of the result JSON (default: loadtest-<rate>qps-<model>-<date>.json)")
-    out.add_argument("--plot", default=None, metavar="DIR", help="with --sweep-rates: write PNG plots into DIR")
-    out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
-    p.set_defaults(func=_cmd_loadtest)
-    return p
+    return data, load, out
 
 
 def _cmd_loadtest(args: argparse.Namespace) -> int:

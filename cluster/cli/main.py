@@ -19,7 +19,9 @@ import time
 
 from bench.loadtest.cli import add_loadtest_parser
 from cluster.cli.plan_command import add_plan_parser
+from cluster.cli.profile_command import add_profile_parser
 from cluster.cli.serve_command import add_serve_parser
+from cluster.cli.simulate_command import add_simulate_parser
 
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
@@ -109,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_generate)
 
     add_plan_parser(sub)
+    add_profile_parser(sub)
+    add_simulate_parser(sub)
     add_serve_parser(sub)
     add_loadtest_parser(sub)
     return parser

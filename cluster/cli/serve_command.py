@@ -78,7 +78,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from ray import serve
 
     from cluster.app_builder import build_application
-    from cluster.serving.placement import PlacementError, local_cluster_cpus, placed_config
+    from cluster.serving.placement import (
+        PlacementError,
+        local_cluster_cpus,
+        placed_config,
+    )
 
     machine_cpus = os.cpu_count() or 1
     started_ray = _connect(args.address, local_cluster_cpus(config, machine_cpus))

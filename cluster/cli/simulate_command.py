@@ -1,0 +1,94 @@
+"""`pdserve simulate`: what `pdserve loadtest` would measure against `pdserve
+serve --config DEPLOY.yaml`, computed by the discrete-event simulator from a
+performance profile (`pdserve profile`) in seconds instead of run.
+
+    pdserve simulate --config DEPLOY.yaml --profile PROFILE.json
+                     [the dataset, load and results flags of pdserve loadtest]
+
+The result JSON has `pdserve loadtest`'s keys (plus "simulated": true and the
+simulator's counters), so the two compare line by line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from bench.loadtest.arrivals import arrival_offsets
+    from bench.loadtest.command import _build_dataset
+    from bench.loadtest.metrics import summarize
+    from bench.loadtest.report import JSON_PERCENTILES, build_result, format_table
+    from bench.loadtest.runner import RunConfig, RunResult
+    from cluster.config import ConfigFileError, load_config
+    from cluster.perf_model import load_step_model
+    from cluster.simulator import simulate
+    from cluster.simulator.from_config import KVLink, cluster_spec
+    from engine.model.model_config import ModelConfig
+    from engine.tiny_model import ensure_default_model
+
+    try:
+        config = load_config(args.config)
+        step_model = load_step_model(args.profile)
+    except (ConfigFileError, ValueError, OSError, KeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    model_dir = config.model.path or str(ensure_default_model())
+    model_config = ModelConfig.from_pretrained(model_dir)
+    link = KVLink(args.kv_bandwidth_gibps * (1 << 30), args.kv_latency_ms / 1000)
+    spec = cluster_spec(config, step_model, model_config=model_config, link=link,
+                        request_overhead_s=args.request_overhead_ms / 1000)
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir)
+    requests = _build_dataset(args, tokenizer, config.model.max_model_len, args.seed)
+    rate = math.inf if args.request_rate is None else args.request_rate
+    arrivals = arrival_offsets(len(requests), rate, args.burstiness, args.seed)
+    started = time.perf_counter()
+    result = simulate(spec, [(r.prompt_len, r.expected_output_len) for r in requests], arrivals,
+                      max_concurrency=args.max_concurrency, max_duration=args.max_duration)
+    wall = time.perf_counter() - started
+    run_config = RunConfig(base_url=f"simulated:{args.config}", model=config.model.served_model_name or model_dir,
+                           request_rate=rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+                           max_duration=args.max_duration, seed=args.seed)
+    records = result.records()
+    duration = result.duration if records else 0.0
+    run = RunResult(run_config, records, len(requests), 0.0, duration, None)
+    summary = summarize(records, num_requests=len(requests), duration=duration, slos_ms=dict(args.goodput or []),
+                        percentiles=sorted(set(JSON_PERCENTILES) | set(args.metric_percentiles)))
+    print(format_table(summary, metrics=args.percentile_metrics, percentiles=args.metric_percentiles,
+                       title="Simulated Serving Benchmark Result", interrupted=None), flush=True)
+    print(f"simulated {len(requests)} requests in {wall:.2f} s: {result.num_steps} replica steps, "
+          f"{result.num_preemptions} preemptions, {result.num_local_prefills} prompts prefilled on a decode worker")
+    if args.save_result:
+        payload = build_result(run, summary, meta={
+            "simulated": True, "profile": str(args.profile), "config": str(args.config),
+            "dataset_name": args.dataset_name, "num_steps": result.num_steps,
+            "num_preemptions": result.num_preemptions, "num_local_prefills": result.num_local_prefills})
+        name = args.result_file or f"simulate-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        path = Path(args.result_dir or ".") / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"saved the result to {path}")
+    return 0
+
+
+def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from bench.loadtest.cli import add_workload_arguments
+    p = subparsers.add_parser("simulate", help="simulate a deployment under a load-test workload")
+    p.add_argument("--config", required=True, help="deployment file (as for pdserve serve --config)")
+    p.add_argument("--profile", required=True, help="performance profile JSON (pdserve profile)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer for the dataset (default: the config's model)")
+    p.add_argument("--kv-bandwidth-gibps", type=float, default=1.0,
+                   help="KV hand-off bandwidth in GiB/s (default 1.0: gloo on this CPU machine)")
+    p.add_argument("--kv-latency-ms", type=float, default=8.4,
+                   help="fixed cost of one hand-off in ms (default 8.4, measured on this CPU machine)")
+    p.add_argument("--request-overhead-ms", type=float, default=0.0,
+                   help="router + HTTP time added to every token of a request (default 0)")
+    add_workload_arguments(p)
+    p.set_defaults(func=_cmd_simulate)
+    return p

@@ -1,0 +1,45 @@
+"""A step model kept honest by a live worker's measurements.
+
+Each measured step (its shape and wall time) updates an exponentially
+weighted ratio measured / predicted; predictions are the base model's times
+that ratio. A model profiled on an idle machine thus follows a worker that
+shares its cores, runs hotter, or runs a different build.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.perf_model.step_shape import StepShape, StepTimeModel
+
+
+@dataclass
+class OnlineCorrection:
+    base: StepTimeModel
+    weight: float = 0.05              # of each new measurement in the running ratio
+    factor: float = 1.0               # measured / predicted, smoothed
+    num_observed: int = field(default=0)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.weight <= 1:
+            raise ValueError(f"weight must be in (0, 1], got {self.weight}")
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        """One measured step. Steps the base model predicts no time for are ignored."""
+        predicted = self.base.step_time(shape)
+        if predicted <= 0 or seconds <= 0:
+            return
+        ratio = seconds / predicted
+        # the first measurements move the factor at once rather than from 1.0
+        w = max(self.weight, 1.0 / (self.num_observed + 1))
+        self.factor += w * (ratio - self.factor)
+        self.num_observed += 1
+
+    def step_time(self, shape: StepShape) -> float:
+        return self.factor * self.base.step_time(shape)
+
+    def to_json(self) -> dict[str, Any]:
+        data = dict(self.base.to_json())
+        data["online_factor"] = self.factor
+        return data

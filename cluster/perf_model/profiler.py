@@ -1,0 +1,150 @@
+"""Measure an engine's step times over a grid of batch shapes and fit a
+LinearStepModel to them (`pdserve profile`).
+
+The grid covers the three kinds of step a worker runs:
+- prefill-only: one prompt of each length, and a chunk after a cached prefix;
+- decode-only: B sequences decoding at context C;
+- mixed: B decodes next to one prompt chunk (chunked prefill in a colocated
+  or conditional-disaggregation worker).
+Every step the engine runs while the grid is driven is a data point: its
+shape is read off the scheduled step, its time is the whole `LLMEngine.step`
+(scheduling, forward, sampling, outputs), as a worker spends it.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from cluster.perf_model.linear_model import LinearStepModel
+from cluster.perf_model.step_shape import StepShape
+
+
+@dataclass(frozen=True)
+class ProfileGrid:
+    prompt_lens: tuple[int, ...] = (16, 64, 256, 512)
+    batch_sizes: tuple[int, ...] = (1, 4, 16)
+    contexts: tuple[int, ...] = (32, 256)
+    chunk_len: int = 64                  # the prompt chunk of mixed steps, and of prefix-cached chunks
+    decode_steps: int = 4                # decode steps measured per (batch, context)
+
+
+@dataclass
+class StepRecorder:
+    """Wraps an engine's runner so that every step's shape is known."""
+    engine: Any
+    shapes: list[StepShape] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    kinds: list[str] = field(default_factory=list)
+
+    def step(self, kind: str) -> list:
+        captured: list[StepShape] = []
+        runner = self.engine.runner
+        execute = runner.execute
+
+        def recording_execute(step):
+            captured.append(shape_of(step))
+            return execute(step)
+
+        runner.execute = recording_execute
+        try:
+            started = time.perf_counter()
+            outputs = self.engine.step()
+            elapsed = time.perf_counter() - started
+        finally:
+            runner.execute = execute
+        if captured and not captured[0].is_empty:
+            self.shapes.append(captured[0])
+            self.seconds.append(elapsed)
+            self.kinds.append(kind)
+        return outputs
+
+
+def shape_of(step) -> StepShape:
+    """The StepShape of an engine ScheduledStep (decodes first, then chunks)."""
+    decodes = [seq.num_computed_tokens + 1 for seq in step.seqs[:step.num_decode_seqs]]
+    chunks = [(seq.num_computed_tokens, n)
+              for seq, n in zip(step.seqs[step.num_decode_seqs:], step.num_new_tokens[step.num_decode_seqs:])]
+    return StepShape.build(chunks, decodes)
+
+
+def profile_engine(engine, grid: ProfileGrid, *, seed: int = 0,
+                   progress: Callable[[str], None] | None = None) -> StepRecorder:
+    """Drives `engine` (an idle LLMEngine) through the grid; returns the recorded steps."""
+    from engine import SamplingParams
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    limit = engine.max_model_len - 1
+    budget = engine.scheduler.max_num_batched_tokens
+    max_seqs = engine.scheduler.max_num_seqs
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    def params(max_tokens: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+    def drain(kind: str) -> None:
+        while engine.has_unfinished_requests():
+            recorder.step(kind)
+
+    # warm-up, not recorded: the first steps pay for allocations, kernel selection, caches
+    recorder = StepRecorder(engine)
+    for n in (min(grid.prompt_lens), min(max(grid.prompt_lens), limit, budget)):
+        engine.add_request(None, prompt(n), params(4))
+        drain("warm-up")
+    recorder = StepRecorder(engine)
+
+    # prefill-only: one fresh prompt per step; then a chunk after that prompt's cached blocks
+    for n in (p for p in grid.prompt_lens if p <= min(limit, budget)):
+        engine.add_request(None, prompt(n), params(1))
+        drain("prefill")
+    shared = prompt(min(limit - grid.chunk_len, max(grid.prompt_lens)))
+    for tail in (grid.chunk_len, grid.chunk_len // 2):
+        engine.add_request(None, shared + prompt(tail), params(1))
+        drain("prefill")
+    # decode-only, then mixed: B sequences at context C, then one chunk arrives beside them
+    for batch in (b for b in grid.batch_sizes if b <= max_seqs - 1):
+        for context in (c for c in grid.contexts if c + grid.decode_steps + 2 <= limit):
+            if progress:
+                progress(f"batch {batch}, context {context}")
+            ids = [engine.add_request(None, prompt(context), params(grid.decode_steps + 3)) for _ in range(batch)]
+            started: set[str] = set()
+            while len(started) < len(ids):
+                started.update(o.request_id for o in recorder.step("prefill"))
+            for _ in range(grid.decode_steps):
+                recorder.step("decode")
+            engine.add_request(None, prompt(min(grid.chunk_len, budget - batch)), params(1))
+            recorder.step("mixed")
+            drain("decode")
+    return recorder
+
+
+def run_profile(model: str, *, tp: int = 1, device: str = "auto", dtype: str = "auto",
+                grid: ProfileGrid = ProfileGrid(), engine_options: dict[str, Any] | None = None,
+                progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Builds an engine, profiles it, fits the model; returns the profile JSON
+    (the fitted model plus every raw point)."""
+    from engine import EngineConfig, LLMEngine
+    options = {"max_num_seqs": max(grid.batch_sizes) + 1, **(engine_options or {})}
+    engine = LLMEngine(EngineConfig(model=model, tensor_parallel_size=tp, device=device, dtype=dtype, **options))
+    try:
+        engine.step()     # nothing queued: a no-op, but fails early on a broken engine
+        recorder = profile_engine(engine, grid, progress=progress)
+        meta = {"model": str(model), "tp": tp, "device": str(engine.worker.device),
+                "dtype": str(engine.worker.dtype).removeprefix("torch."),
+                "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
+                "threads": getattr(engine.worker, "num_threads", None)}
+        fitted = LinearStepModel.fit(recorder.shapes, recorder.seconds, meta)
+    finally:
+        engine.shutdown()
+    result = fitted.to_json()
+    result["points"] = [{"kind": k, **vars_of(s), "seconds": t, "predicted": fitted.step_time(s)}
+                        for k, s, t in zip(recorder.kinds, recorder.shapes, recorder.seconds)]
+    return result
+
+
+def vars_of(shape: StepShape) -> dict[str, Any]:
+    return {name: getattr(shape, name) for name in shape.__slots__}

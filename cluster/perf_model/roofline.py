@@ -1,0 +1,131 @@
+"""Step time from first principles, for planning on hardware you do not have.
+
+A step moves bytes (this rank's weights once, the decodes' KV) and does FLOPs
+(2 per parameter per token, plus attention); on a GPU it takes the longer of
+the two at the device's rates times an efficiency, plus two all-reduces per
+layer across the TP gang, plus the host's fixed and per-sequence costs:
+
+    t = host_fixed + host_per_seq * decode_seqs
+        + max(flops / (peak_flops * mfu), bytes / (hbm * mbu))
+        + 2 * layers * (allreduce_latency + allreduce_bytes / (link * link_eff))
+
+Peak rates are datasheet figures. The efficiencies are this project's own
+measurements on an H100 (README "GPU engine", bench/results/gpu_engine.json,
+2026-11): prefill matmuls at 72% of a measured 769 TFLOP/s bf16 GEMM rate =
+56% of the 989 TFLOP/s datasheet peak; decode matmuls streaming weights at
+2.70 TB/s = 81% of the 3.35 TB/s datasheet HBM rate; a decode step's host
+work of ~0.65 ms plus ~50 us per sequence (cProfile of the engine there).
+The all-reduce terms are assumptions (NCCL ring over NVLink, 70% of the
+per-direction link rate, 10 us per call), not measured here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from cluster.perf_model.step_shape import StepShape
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    name: str
+    bf16_flops: float          # dense, datasheet
+    hbm_bytes_per_s: float     # datasheet
+    link_bytes_per_s: float    # NVLink, per direction, datasheet
+    memory_gib: float
+    source: str
+
+
+GPU_SPECS: Mapping[str, GpuSpec] = MappingProxyType({
+    "H100-SXM": GpuSpec("H100-SXM", 989e12, 3.35e12, 450e9, 80.0,
+                        "NVIDIA H100 Tensor Core GPU datasheet (SXM5: 989 TFLOPS bf16 dense, 3.35 TB/s, "
+                        "NVLink 900 GB/s bidirectional)"),
+    "H200": GpuSpec("H200", 989e12, 4.8e12, 450e9, 141.0,
+                    "NVIDIA H200 Tensor Core GPU datasheet (SXM: 989 TFLOPS bf16 dense, 4.8 TB/s, "
+                    "NVLink 900 GB/s bidirectional)"),
+    "A100-80GB": GpuSpec("A100-80GB", 312e12, 2.039e12, 300e9, 80.0,
+                         "NVIDIA A100 Tensor Core GPU datasheet (SXM 80GB: 312 TFLOPS bf16 dense, 2,039 GB/s, "
+                         "NVLink 600 GB/s bidirectional)"),
+})
+
+
+@dataclass(frozen=True)
+class Efficiencies:
+    mfu: float = 0.56                    # matmul FLOPs, of the datasheet peak
+    mbu: float = 0.81                    # HBM bytes, of the datasheet rate
+    link: float = 0.70                   # all-reduce bytes, of the per-direction NVLink rate
+    host_fixed_s: float = 0.65e-3        # per step
+    host_per_seq_s: float = 50e-6        # per decoding sequence
+    allreduce_latency_s: float = 10e-6   # per call
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What one rank of a TP gang moves and computes, from a model's shape."""
+    num_layers: int
+    hidden_size: int
+    weight_bytes: float             # read once per step (embedding table excluded)
+    matmul_params: float            # per token, this rank (lm_head excluded: only sampled rows pay it)
+    lm_head_params: float           # this rank's share
+    kv_bytes_per_token: float       # this rank's K and V of one token, all layers
+    attention_flops_per_pair: float  # per query-key pair, all layers, this rank: 4 * layers * heads * head_dim
+    activation_bytes: int           # bytes per element of activations (the all-reduce payload)
+    tp: int
+
+    @classmethod
+    def from_model(cls, model, tp: int, dtype: str) -> "ModelCost":
+        """`model`: an engine ModelConfig; sharded as engine/memory_planner.py shards it."""
+        from engine.dtypes import dtype_size
+        from engine.memory_planner import kv_bytes_per_token, local_kv_heads
+        size = dtype_size(dtype)
+        h, d = model.hidden_size, model.head_dim
+        heads, kv_heads, inter = model.num_heads // tp, local_kv_heads(model, tp), model.intermediate_size // tp
+        per_layer = h * (heads + 2 * kv_heads) * d + heads * d * h + 3 * h * inter
+        lm_head = -(-model.vocab_size // tp) * h
+        return cls(num_layers=model.num_layers, hidden_size=h,
+                   weight_bytes=float((model.num_layers * per_layer + lm_head) * size),
+                   matmul_params=float(model.num_layers * per_layer), lm_head_params=float(lm_head),
+                   kv_bytes_per_token=float(kv_bytes_per_token(model, tp, dtype)),
+                   attention_flops_per_pair=float(4 * model.num_layers * heads * d), activation_bytes=size, tp=tp)
+
+
+@dataclass(frozen=True)
+class RooflineStepModel:
+    cost: ModelCost
+    gpu: GpuSpec
+    eff: Efficiencies = Efficiencies()
+
+    @classmethod
+    def for_model(cls, model, *, gpu: str, tp: int = 1, dtype: str = "bfloat16",
+                  efficiencies: Efficiencies | None = None) -> "RooflineStepModel":
+        if gpu not in GPU_SPECS:
+            raise ValueError(f"unknown GPU {gpu!r}; choose one of {', '.join(GPU_SPECS)}")
+        return cls(ModelCost.from_model(model, tp, dtype), GPU_SPECS[gpu], efficiencies or Efficiencies())
+
+    def step_time(self, shape: StepShape) -> float:
+        if shape.is_empty:
+            return 0.0
+        c, g, e = self.cost, self.gpu, self.eff
+        rows = shape.prefill_tokens + shape.decode_seqs
+        sampled = shape.decode_seqs + (1 if shape.prefill_tokens else 0)
+        flops = (2 * c.matmul_params * rows + 2 * c.lm_head_params * sampled
+                 + c.attention_flops_per_pair * (shape.prefill_attention + shape.decode_context))
+        moved = c.weight_bytes + c.kv_bytes_per_token * (shape.decode_context + shape.prefill_tokens)
+        device = max(flops / (g.bf16_flops * e.mfu), moved / (g.hbm_bytes_per_s * e.mbu))
+        allreduce = 0.0
+        if c.tp > 1:
+            payload = 2 * (c.tp - 1) / c.tp * rows * c.hidden_size * c.activation_bytes
+            allreduce = 2 * c.num_layers * (e.allreduce_latency_s + payload / (g.link_bytes_per_s * e.link))
+        return e.host_fixed_s + e.host_per_seq_s * shape.decode_seqs + device + allreduce
+
+    def with_efficiencies(self, **changes: float) -> "RooflineStepModel":
+        return replace(self, eff=replace(self.eff, **changes))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "roofline", "cost": asdict(self.cost), "gpu": asdict(self.gpu), "efficiencies": asdict(self.eff)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "RooflineStepModel":
+        return cls(ModelCost(**data["cost"]), GpuSpec(**data["gpu"]), Efficiencies(**data["efficiencies"]))

@@ -1,0 +1,68 @@
+"""A step's batch, reduced to what its time depends on, and the model interface."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """One engine step's work.
+
+    prefill_tokens: prompt tokens computed in the step (all chunks);
+    prefill_attention: query-key pairs those tokens attend to, causal:
+        sum over chunks of n * (prefix + (n + 1) / 2) for a chunk of n tokens
+        after `prefix` cached ones;
+    decode_seqs: sequences decoding one token;
+    decode_context: keys those decodes attend to, summed over sequences.
+    """
+    prefill_tokens: int = 0
+    prefill_attention: float = 0.0
+    decode_seqs: int = 0
+    decode_context: int = 0
+
+    @classmethod
+    def build(cls, chunks: list[tuple[int, int]] = (), decode_contexts: list[int] = ()) -> "StepShape":
+        """From prefill chunks as (prefix, tokens) and each decode's context length."""
+        return cls(prefill_tokens=sum(n for _, n in chunks),
+                   prefill_attention=sum(chunk_attention(p, n) for p, n in chunks),
+                   decode_seqs=len(decode_contexts), decode_context=sum(decode_contexts))
+
+    @property
+    def is_empty(self) -> bool:
+        return self.prefill_tokens == 0 and self.decode_seqs == 0
+
+    def features(self) -> list[float]:
+        """[1, prefill tokens, prefill attention, decode seqs, decode context]: the
+        linear model's regressors."""
+        return [1.0, float(self.prefill_tokens), float(self.prefill_attention), float(self.decode_seqs),
+                float(self.decode_context)]
+
+
+def chunk_attention(prefix: int, tokens: int) -> float:
+    """Query-key pairs of a causal chunk of `tokens` after `prefix` cached tokens."""
+    return tokens * (prefix + (tokens + 1) / 2)
+
+
+class StepTimeModel(Protocol):
+    def step_time(self, shape: StepShape) -> float:
+        """Seconds one engine step of this shape takes on one replica."""
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able description `load_step_model` reads back."""
+
+
+def load_step_model(source: str | Path | dict) -> StepTimeModel:
+    """A model from a profile file written by `pdserve profile` (or its dict)."""
+    from cluster.perf_model.linear_model import LinearStepModel
+    from cluster.perf_model.roofline import RooflineStepModel
+    data = source if isinstance(source, dict) else json.loads(Path(source).read_text())
+    kind = data.get("kind")
+    if kind == "linear":
+        return LinearStepModel.from_json(data)
+    if kind == "roofline":
+        return RooflineStepModel.from_json(data)
+    raise ValueError(f"unknown step model kind {kind!r} in the profile; expected 'linear' or 'roofline'")

@@ -1,0 +1,245 @@
+"""The event loop: arrivals, routing, replica steps, KV hand-offs.
+
+Routing follows the live router (router/serving_backend.py,
+router/disaggregation_policy.py, cluster/serving/replica_routing.py):
+- colocated: the replica with the most free KV blocks;
+- disaggregated, policy "always": every prompt to the prefill replica with the
+  fewest queued prompt tokens; after its first token the decode replica with
+  the most free blocks reserves blocks for the sequence (or it waits for
+  some), the KV moves (latency + bytes / bandwidth), the prefill side frees its
+  copy and the decode side decodes;
+- disaggregated, policy "conditional": prompts of at most
+  local_prefill_max_tokens are prefilled on a decode replica; longer ones too,
+  when the prefill pool's predicted wait exceeds max_remote_wait and the
+  decode replica's predicted time to first token is shorter.
+A request's time on the router and the HTTP path (`request_overhead_s`) is
+added to all its token times.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from cluster.perf_model.step_shape import StepShape, StepTimeModel
+from cluster.simulator.replica import SimReplica, SimSequence
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    model: StepTimeModel
+    num_kv_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    mode: str                                  # "disaggregated" | "colocated"
+    prefill: ReplicaSpec | None = None
+    decode: ReplicaSpec | None = None          # also the colocated replicas' spec
+    prefill_replicas: int = 0
+    decode_replicas: int = 1                   # colocated: the number of colocated replicas
+    policy: str = "always"                     # "always" | "conditional"
+    local_prefill_max_tokens: int = 128
+    max_remote_wait_s: float = 0.5
+    kv_bytes_per_token: float = 0.0
+    kv_bandwidth_bytes_per_s: float = 1e9
+    kv_latency_s: float = 0.0
+    request_overhead_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("disaggregated", "colocated"):
+            raise ValueError(f"mode must be disaggregated or colocated, got {self.mode!r}")
+        if self.decode is None or self.decode_replicas < 1:
+            raise ValueError("need at least one decode (or colocated) replica")
+        if self.mode == "disaggregated" and (self.prefill is None or self.prefill_replicas < 1):
+            raise ValueError("disaggregated mode needs at least one prefill replica")
+        if self.policy not in ("always", "conditional"):
+            raise ValueError(f"policy must be always or conditional, got {self.policy!r}")
+
+    @property
+    def num_gpus_per_replica(self) -> tuple[int, int]:
+        return 1, 1
+
+
+@dataclass
+class SimRequestLog:
+    index: int
+    prompt_len: int
+    output_len: int
+    scheduled: float                 # when the arrival process meant to send it
+    send_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    end_time: float | None = None
+    prefilled_locally: bool = False
+
+
+@dataclass
+class SimulationResult:
+    requests: list[SimRequestLog]
+    duration: float
+    num_steps: int
+    num_preemptions: int
+    num_local_prefills: int
+
+    def records(self):
+        """The requests as `pdserve loadtest` RequestRecords (times in seconds from 0)."""
+        from bench.loadtest.client import RequestRecord
+        records = []
+        for r in self.requests:
+            if r.send_time is None:
+                continue
+            done = r.end_time is not None
+            records.append(RequestRecord(
+                index=r.index, prompt_len=r.prompt_len, expected_output_len=r.output_len,
+                scheduled_offset=r.scheduled, send_time=r.send_time, chunk_times=list(r.token_times),
+                end_time=r.end_time, output_tokens=len(r.token_times), token_count_method="usage",
+                usage_prompt_tokens=r.prompt_len, status=200 if done else None, succeeded=done,
+                unfinished=not done))
+        return records
+
+
+def simulate(spec: ClusterSpec, lengths: Sequence[tuple[int, int]], arrivals: Sequence[float], *,
+             max_concurrency: int | None = None, max_duration: float = float("inf")) -> SimulationResult:
+    """Runs requests (prompt_len, output_len) arriving at offsets `arrivals` (s)."""
+    if len(lengths) != len(arrivals):
+        raise ValueError(f"{len(lengths)} requests but {len(arrivals)} arrival times")
+    return _Simulation(spec, max_concurrency, max_duration).run(lengths, arrivals)
+
+
+class _Simulation:
+    def __init__(self, spec: ClusterSpec, max_concurrency: int | None, max_duration: float):
+        self.spec = spec
+        self.max_concurrency = max_concurrency
+        self.max_duration = max_duration
+        self.now = 0.0
+        self.events: list = []
+        self.counter = itertools.count()
+        self.logs: list[SimRequestLog] = []
+        self.in_flight = 0
+        self.pending: list[SimRequestLog] = []          # held back by max_concurrency
+        self.awaiting_decode: list[tuple[SimSequence, SimReplica]] = []   # prefilled, no decode blocks yet
+        self.prefill_pool = [self._replica(f"prefill-{i}", spec.prefill) for i in range(spec.prefill_replicas)] \
+            if spec.mode == "disaggregated" else []
+        role = "decode" if spec.mode == "disaggregated" else "colocated"
+        self.decode_pool = [self._replica(f"{role}-{i}", spec.decode) for i in range(spec.decode_replicas)]
+        self.num_local_prefills = 0
+
+    def _replica(self, name: str, rs: ReplicaSpec) -> SimReplica:
+        replica = SimReplica(name, rs.model, rs.num_kv_blocks, rs.block_size, rs.max_num_seqs,
+                             rs.max_num_batched_tokens)
+        replica.on_token = self._on_token
+        replica.on_prefilled = lambda seq, t, r=replica: self._on_prefilled(seq, r)
+        return replica
+
+    # ---- the loop -------------------------------------------------------------------------
+    def at(self, time: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self.events, (time, next(self.counter), action))
+
+    def run(self, lengths, arrivals) -> SimulationResult:
+        for i, ((prompt, output), offset) in enumerate(zip(lengths, arrivals)):
+            if prompt < 1 or output < 1:
+                raise ValueError(f"request {i}: prompt and output lengths must be >= 1, got {prompt}, {output}")
+            log = SimRequestLog(i, prompt, output, offset)
+            self.logs.append(log)
+            self.at(offset, lambda log=log: self._arrive(log))
+        while self.events:
+            time, _, action = heapq.heappop(self.events)
+            if time > self.max_duration:
+                break
+            self.now = time
+            action()
+        ends = [r.end_time for r in self.logs if r.end_time is not None]
+        pools = self.prefill_pool + self.decode_pool
+        return SimulationResult(self.logs, max(ends, default=0.0), sum(r.num_steps for r in pools),
+                                sum(r.num_preemptions for r in pools), self.num_local_prefills)
+
+    # ---- requests -------------------------------------------------------------------------
+    def _arrive(self, log: SimRequestLog) -> None:
+        if self.max_concurrency is not None and self.in_flight >= self.max_concurrency:
+            self.pending.append(log)
+            return
+        self.in_flight += 1
+        log.send_time = self.now
+        seq = SimSequence(log.index, log.prompt_len, log.output_len)
+        if self.spec.mode == "colocated" or self._prefill_locally(seq):
+            log.prefilled_locally = self.spec.mode == "disaggregated"
+            self.num_local_prefills += log.prefilled_locally
+            replica = max(self.decode_pool, key=lambda r: r.free_blocks)
+        else:
+            seq.hold_after_first = True
+            replica = min(self.prefill_pool, key=lambda r: r.queued_prefill_tokens)
+        replica.add(seq)
+        self._kick(replica)
+
+    def _prefill_locally(self, seq: SimSequence) -> bool:
+        spec = self.spec
+        if spec.policy != "conditional":
+            return False
+        if seq.prompt_len <= spec.local_prefill_max_tokens:
+            return True
+        remote_wait = min(_prefill_time(r.model, r.queued_prefill_tokens) for r in self.prefill_pool)
+        if remote_wait <= spec.max_remote_wait_s:
+            return False
+        local = max(self.decode_pool, key=lambda r: r.free_blocks)
+        local_ttft = _prefill_time(local.model, local.queued_prefill_tokens + seq.prompt_len)
+        remote_ttft = remote_wait + _prefill_time(self.prefill_pool[0].model, seq.prompt_len)
+        return local_ttft < remote_ttft
+
+    def _on_token(self, seq: SimSequence, time: float) -> None:
+        log = self.logs[seq.index]
+        log.token_times.append(time + self.spec.request_overhead_s)
+        if seq.finished:
+            log.end_time = time + self.spec.request_overhead_s
+            self.in_flight -= 1
+            if self.pending:
+                self._arrive(self.pending.pop(0))
+
+    # ---- the hand-off ---------------------------------------------------------------------
+    def _on_prefilled(self, seq: SimSequence, source: SimReplica) -> None:
+        self.awaiting_decode.append((seq, source))
+        self._admit_awaiting()
+
+    def _admit_awaiting(self) -> None:
+        still = []
+        for seq, source in self.awaiting_decode:
+            target = max(self.decode_pool, key=lambda r: r.free_blocks)
+            if not target.try_admit_prefilled(seq):
+                still.append((seq, source))
+                continue
+            spec = self.spec
+            seconds = spec.kv_latency_s + seq.prompt_len * spec.kv_bytes_per_token / spec.kv_bandwidth_bytes_per_s
+            self.at(self.now + seconds, lambda s=seq, src=source, dst=target: self._transferred(s, src, dst))
+        self.awaiting_decode = still
+
+    def _transferred(self, seq: SimSequence, source: SimReplica, target: SimReplica) -> None:
+        source.release_held(seq)
+        seq.hold_after_first = False
+        target.commit_prefilled(seq)
+        self._kick(source)
+        self._kick(target)
+
+    # ---- replica steps --------------------------------------------------------------------
+    def _kick(self, replica: SimReplica) -> None:
+        if replica.busy or not replica.has_work:
+            return
+        shape, work = replica.schedule()
+        if not work:
+            return        # blocked on KV blocks held elsewhere: kicked again when they are freed
+        replica.busy = True
+        self.at(self.now + replica.model.step_time(shape), lambda: self._step_done(replica, work))
+
+    def _step_done(self, replica: SimReplica, work) -> None:
+        replica.busy = False
+        replica.finish_step(work, self.now)
+        if self.awaiting_decode and replica in self.decode_pool:
+            self._admit_awaiting()
+        self._kick(replica)
+
+
+def _prefill_time(model: StepTimeModel, tokens: int) -> float:
+    return model.step_time(StepShape.build([(0, tokens)])) if tokens > 0 else 0.0

@@ -1,0 +1,70 @@
+"""A ClusterSpec for a deployment file: pools, engine limits and KV capacity
+as `pdserve serve` would run them, step times from a performance model."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from cluster.perf_model.step_shape import StepTimeModel
+from cluster.simulator.cluster_sim import ClusterSpec, ReplicaSpec
+
+GIB = 1 << 30
+# The hand-off measured on this project's CPU machine (README "Where a served request's
+# time goes": 8.4 ms from the decode worker's reservation to the committed KV) and the
+# gloo transport's large-message rate (README "KV transfer": ~1 GiB/s).
+CPU_KV_LATENCY_S = 8.4e-3
+CPU_KV_BANDWIDTH = 1.0 * GIB
+
+
+@dataclass(frozen=True)
+class KVLink:
+    bandwidth_bytes_per_s: float = CPU_KV_BANDWIDTH
+    latency_s: float = CPU_KV_LATENCY_S
+
+
+def cluster_spec(config, model: StepTimeModel, *, model_config, link: KVLink = KVLink(),
+                 request_overhead_s: float = 0.0, prefill_model: StepTimeModel | None = None) -> ClusterSpec:
+    """`config`: a cluster.config.DeploymentConfig; `model_config`: the engine
+    ModelConfig of its checkpoint (KV bytes per token, context limit)."""
+    from engine.dtypes import dtype_size
+    e = config.engine
+    max_len = config.model.max_model_len or model_config.max_position_embeddings
+    dtype = "float32" if config.device == "cpu" and config.model.dtype == "auto" else \
+        ("bfloat16" if config.model.dtype == "auto" else config.model.dtype)
+    kv_per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * dtype_size(dtype)
+
+    def replica(pool, step_model: StepTimeModel) -> ReplicaSpec:
+        return ReplicaSpec(step_model, kv_blocks(config, pool, model_config, dtype, max_len), e.block_size,
+                           e.max_num_seqs, e.max_num_batched_tokens)
+
+    d = config.disaggregation
+    if config.mode.value == "colocated":
+        return ClusterSpec("colocated", decode=replica(config.colocated, model),
+                           decode_replicas=config.colocated.replicas, request_overhead_s=request_overhead_s)
+    return ClusterSpec(
+        "disaggregated", prefill=replica(config.prefill, prefill_model or model), decode=replica(config.decode, model),
+        prefill_replicas=config.prefill.replicas, decode_replicas=config.decode.replicas, policy=d.policy,
+        local_prefill_max_tokens=d.local_prefill_max_tokens, max_remote_wait_s=d.max_remote_wait_ms / 1000,
+        kv_bytes_per_token=kv_per_token, kv_bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
+        kv_latency_s=link.latency_s, request_overhead_s=request_overhead_s)
+
+
+def kv_blocks(config, pool, model_config, dtype: str, max_len: int) -> int:
+    """KV blocks of one replica of `pool`, sized as the engine sizes them: on CPU
+    the kv_cache_memory_gib budget, capped at max_num_seqs full-length
+    sequences; on CUDA what the memory planner leaves after the weights."""
+    from engine.memory_planner import kv_bytes_per_token, plan
+    e = config.engine
+    tp = pool.tensor_parallel_size
+    per_block = kv_bytes_per_token(model_config, tp, dtype) * e.block_size
+    if config.device == "cpu":
+        blocks = int(e.kv_cache_memory_gib * GIB // per_block)
+        return min(blocks, e.max_num_seqs * math.ceil(max_len / e.block_size))
+    gpu = config.resources.gpu_type or "H100-SXM"
+    from engine.memory_planner import resolve_gpu_type
+    spec = resolve_gpu_type(gpu)
+    p = plan(model_config, tp=tp, gpu_memory_gib=config.resources.gpu_memory_gib or spec.memory_gib,
+             gpu_memory_utilization=e.gpu_memory_utilization, dtype=dtype, max_model_len=max_len,
+             gpu_type=spec.name, block_size=e.block_size)
+    return max(1, p.kv_tokens_capacity // e.block_size)

@@ -1,0 +1,183 @@
+"""One simulated worker replica: the engine's scheduler over a block pool,
+stepping with times from a performance model.
+
+Mirrors engine/scheduler.py: running sequences first, oldest first (a
+decode costs one token of the step's budget, a prompt chunk as many tokens as
+fit); a sequence that needs a block when none is free preempts the newest
+running one, which loses its KV and is recomputed later (prompt and output so
+far); waiting sequences are admitted while blocks, the budget and
+max_num_seqs allow, and not in a step that had to preempt. Prefix caching is
+not modelled.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from cluster.perf_model.step_shape import StepShape, StepTimeModel
+
+
+@dataclass(eq=False)
+class SimSequence:
+    """A request's state on one replica."""
+    index: int
+    prompt_len: int
+    output_len: int
+    generated: int = 0            # output tokens so far (all replicas)
+    computed: int = 0             # tokens whose KV is on this replica
+    hold_after_first: bool = False  # prefill role: stop after the first token, keep the KV
+    is_running: bool = False      # in its replica's running list
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + self.generated
+
+    @property
+    def finished(self) -> bool:
+        return self.generated >= self.output_len
+
+
+@dataclass
+class SimReplica:
+    name: str
+    model: StepTimeModel
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    # called at each step's end with (sequence, time) for every token sampled
+    on_token: Callable[[SimSequence, float], None] = lambda seq, t: None
+    # called when a hold_after_first sequence has its first token (its KV stays held)
+    on_prefilled: Callable[[SimSequence, float], None] = lambda seq, t: None
+    waiting: deque = field(default_factory=deque)
+    running: list = field(default_factory=list)
+    used_blocks: int = 0
+    held: dict = field(default_factory=dict)          # prefill side: index -> blocks kept until sent
+    reserved: dict = field(default_factory=dict)      # decode side: index -> blocks waiting for their KV
+    busy: bool = False
+    num_steps: int = 0
+    num_preemptions: int = 0
+
+    # ---- load figures the router reads --------------------------------------------
+    @property
+    def free_blocks(self) -> int:
+        return self.num_blocks - self.used_blocks
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        return sum(s.num_tokens - s.computed for s in self.waiting) + \
+            sum(s.num_tokens - s.computed for s in self.running if s.computed < s.prompt_len)
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    # ---- work in --------------------------------------------------------------------
+    def add(self, seq: SimSequence) -> None:
+        seq.computed = 0
+        self.waiting.append(seq)
+
+    def try_admit_prefilled(self, seq: SimSequence) -> bool:
+        """A decode replica takes a sequence whose prompt KV arrives from elsewhere:
+        reserves its blocks now (False if they are not free)."""
+        need = self.blocks_for(seq.num_tokens)
+        if need > self.free_blocks or len(self.running) + len(self.reserved) >= self.max_num_seqs:
+            return False
+        self.used_blocks += need
+        self.reserved[seq.index] = need
+        return True
+
+    def commit_prefilled(self, seq: SimSequence) -> None:
+        """The reserved sequence's KV has arrived: it decodes from the next step."""
+        self.reserved.pop(seq.index)
+        seq.computed = seq.prompt_len
+        self.running.append(seq)
+        seq.is_running = True
+        self.used_blocks -= self.blocks_for(seq.num_tokens)
+        self.used_blocks += self.blocks_for(seq.computed)
+
+    def release_held(self, seq: SimSequence) -> None:
+        self.used_blocks -= self.held.pop(seq.index)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ---------------------------------------------------------------------
+    def schedule(self) -> tuple[StepShape, list[tuple[SimSequence, int]]]:
+        """The next step's work as (sequence, new tokens), decodes first; applies
+        block allocation and preemption as the engine does."""
+        budget = self.max_num_batched_tokens
+        work: list[tuple[SimSequence, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.computed, budget)
+            while not self._allocate(seq, seq.computed + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if not seq.is_running:
+                break                         # it preempted itself: nothing younger is left
+            work.append((seq, n))
+            budget -= n
+            i += 1
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) + len(self.reserved) < self.max_num_seqs):
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.computed, budget)
+            if not self._allocate(seq, seq.computed + n):
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            seq.is_running = True
+            work.append((seq, n))
+            budget -= n
+        decodes = [s.computed + 1 for s, n in work if n == 1 and s.computed >= s.prompt_len]
+        chunks = [(s.computed, n) for s, n in work if not (n == 1 and s.computed >= s.prompt_len)]
+        return StepShape.build(chunks, decodes), work
+
+    def finish_step(self, work: list[tuple[SimSequence, int]], now: float) -> None:
+        """Applies a step's results at its end time `now`."""
+        self.num_steps += 1
+        for seq, n in work:
+            seq.computed += n
+            if seq.computed < seq.num_tokens:
+                continue                      # a chunk that stops mid-prompt samples nothing
+            seq.generated += 1
+            self.on_token(seq, now)
+            if seq.finished:
+                self._free(seq)
+                self._leave(seq)
+            elif seq.hold_after_first:
+                self._leave(seq)
+                self.held[seq.index] = self.blocks_for(seq.computed)
+                self.on_prefilled(seq, now)
+
+    # ---- blocks -----------------------------------------------------------------------
+    def _allocate(self, seq: SimSequence, tokens: int) -> bool:
+        """Blocks for `tokens` of `seq` (it holds blocks for its computed tokens)."""
+        extra = self.blocks_for(tokens) - self.blocks_for(seq.computed)
+        if extra > self.free_blocks:
+            return False
+        self.used_blocks += extra
+        return True
+
+    def _leave(self, seq: SimSequence) -> None:
+        self.running.remove(seq)
+        seq.is_running = False
+
+    def _free(self, seq: SimSequence) -> None:
+        self.used_blocks -= self.blocks_for(seq.computed)
+
+    def _preempt(self, seq: SimSequence) -> None:
+        self._free(seq)
+        self._leave(seq)
+        seq.computed = 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
