@@ -15,7 +15,12 @@ router, configured per deployment by the app builder).
 
 from __future__ import annotations
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import (
+    FIFOMixin,
+    PendingRequest,
+    RequestRouter,
+    RunningReplica,
+)
 
 TARGET_REPLICA = "target_replica"
 AVOID_REPLICA = "avoid_replica"

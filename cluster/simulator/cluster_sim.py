@@ -196,8 +196,9 @@ class _Simulation:
         if seq.finished:
             log.end_time = time + self.spec.request_overhead_s
             self.in_flight -= 1
-            if self.pending:
-                self._arrive(self.pending.pop(0))
+            if self.pending:            # sent once this step's results are all applied
+                log = self.pending.pop(0)
+                self.at(self.now, lambda: self._arrive(log))
 
     # ---- the hand-off ---------------------------------------------------------------------
     def _on_prefilled(self, seq: SimSequence, source: SimReplica) -> None:
@@ -225,7 +226,17 @@ class _Simulation:
 
     # ---- replica steps --------------------------------------------------------------------
     def _kick(self, replica: SimReplica) -> None:
-        if replica.busy or not replica.has_work:
+        """Starts the replica's next step once everything else at this instant has
+        happened (requests arriving together share a step, as the engine's loop
+        would pick them up together)."""
+        if replica.busy or replica.step_pending or not replica.has_work:
+            return
+        replica.step_pending = True
+        self.at(self.now, lambda: self._start_step(replica))
+
+    def _start_step(self, replica: SimReplica) -> None:
+        replica.step_pending = False
+        if replica.busy:
             return
         shape, work = replica.schedule()
         if not work:

@@ -57,6 +57,7 @@ class SimReplica:
     held: dict = field(default_factory=dict)          # prefill side: index -> blocks kept until sent
     reserved: dict = field(default_factory=dict)      # decode side: index -> blocks waiting for their KV
     busy: bool = False
+    step_pending: bool = False       # a step start is queued for this instant
     num_steps: int = 0
     num_preemptions: int = 0
 

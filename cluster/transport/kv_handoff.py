@@ -21,7 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.transport.kv_transport import KVReceiver, KVSender, PeerAddress, TransferState
+from cluster.transport.kv_transport import (
+    KVReceiver,
+    KVSender,
+    PeerAddress,
+    TransferState,
+)
 from engine.kv_head_map import kv_transfer_plan
 
 SENDER, RECEIVER, SENDS, RECEIVES = "kv_sender", "kv_receiver", "kv_sends", "kv_receives"

@@ -26,7 +26,12 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 
-from cluster.transport.kv_transport import KVReceiver, KVTransportError, PeerAddress, TransferState
+from cluster.transport.kv_transport import (
+    KVReceiver,
+    KVTransportError,
+    PeerAddress,
+    TransferState,
+)
 from cluster.transport.pair_group_common import (
     GROUP_PREFIX,
     TAG_MASK,

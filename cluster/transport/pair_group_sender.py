@@ -24,7 +24,12 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from cluster.transport.kv_transport import KVSender, KVTransportError, PeerAddress, TransferState
+from cluster.transport.kv_transport import (
+    KVSender,
+    KVTransportError,
+    PeerAddress,
+    TransferState,
+)
 from cluster.transport.pair_group_common import (
     GROUP_PREFIX,
     JOIN_HINT,

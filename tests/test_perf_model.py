@@ -1,0 +1,128 @@
+"""The performance model: the fit recovers a known engine, the profiler covers
+every kind of step, the roofline and the online correction behave as stated."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from cluster.perf_model import (
+    LinearStepModel,
+    OnlineCorrection,
+    RooflineStepModel,
+    StepShape,
+    load_step_model,
+)
+from cluster.perf_model.step_shape import chunk_attention
+
+TRUE = (2e-3, 3e-5, 4e-9, 1e-4, 2e-7)
+
+
+def _synthetic(shape: StepShape) -> float:
+    return sum(c * f for c, f in zip(TRUE, shape.features()))
+
+
+def _random_shapes(rng: random.Random, n: int) -> list[StepShape]:
+    shapes = []
+    for _ in range(n):
+        chunks = [(rng.choice([0, rng.randint(1, 500)]), rng.randint(1, 300)) for _ in range(rng.randint(0, 2))]
+        decodes = [rng.randint(1, 2000) for _ in range(rng.randint(0, 32))]
+        shape = StepShape.build(chunks, decodes)
+        if not shape.is_empty:
+            shapes.append(shape)
+    return shapes
+
+
+def test_chunk_attention_counts_causal_pairs():
+    # 3 tokens after 2 cached: they see 3, 4 and 5 keys
+    assert chunk_attention(2, 3) == 3 + 4 + 5
+    assert StepShape.build([(0, 4)], [10, 20]) == StepShape(4, 1 + 2 + 3 + 4, 2, 30)
+
+
+def test_fit_recovers_a_synthetic_engine():
+    shapes = _random_shapes(random.Random(0), 200)
+    model = LinearStepModel.fit(shapes, [_synthetic(s) for s in shapes])
+    assert model.coefficients == pytest.approx(TRUE, rel=1e-6)
+    assert model.error.max_abs_rel < 1e-9 and model.error.num_points == len(shapes)
+
+
+def test_fit_with_noise_stays_close_and_reports_its_error():
+    rng = random.Random(1)
+    shapes = _random_shapes(rng, 400)
+    times = [_synthetic(s) * rng.uniform(0.9, 1.1) for s in shapes]
+    model = LinearStepModel.fit(shapes, times)
+    assert 0.01 < model.error.mean_abs_rel < 0.06
+    probe = StepShape.build([(100, 200)], [500] * 16)
+    assert model.step_time(probe) == pytest.approx(_synthetic(probe), rel=0.05)
+
+
+def test_fit_keeps_coefficients_non_negative_and_skips_unexercised_terms():
+    # decode-only points: the prefill terms are not exercised and must come out 0
+    shapes = [StepShape.build([], [c] * b) for b in (1, 4, 16) for c in (10, 100, 1000)]
+    model = LinearStepModel.fit(shapes, [_synthetic(s) for s in shapes])
+    assert model.coefficients[1] == 0 and model.coefficients[2] == 0
+    assert all(c >= 0 for c in model.coefficients)
+    assert model.step_time(StepShape()) == 0.0
+
+
+def test_profile_json_round_trips(tmp_path):
+    shapes = _random_shapes(random.Random(2), 50)
+    model = LinearStepModel.fit(shapes, [_synthetic(s) for s in shapes], {"model": "x"})
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(model.to_json()))
+    loaded = load_step_model(path)
+    assert loaded.coefficients == model.coefficients and loaded.meta == {"model": "x"}
+    with pytest.raises(ValueError, match="unknown step model kind"):
+        load_step_model({"kind": "magic"})
+
+
+def test_profiler_grid_covers_prefill_decode_and_mixed_steps(model_dirs):
+    from cluster.perf_model.profiler import ProfileGrid, profile_engine
+    from engine import EngineConfig, LLMEngine
+    engine = LLMEngine(EngineConfig(model=str(model_dirs["tiny"]), max_model_len=512, max_num_seqs=8))
+    grid = ProfileGrid(prompt_lens=(8, 40), batch_sizes=(1, 3), contexts=(20,), chunk_len=16, decode_steps=2)
+    rec = profile_engine(engine, grid)
+    by_kind = {k: [s for s, kk in zip(rec.shapes, rec.kinds) if kk == k] for k in ("prefill", "decode", "mixed")}
+    assert any(s.prefill_tokens == 40 and s.decode_seqs == 0 for s in by_kind["prefill"])
+    # a chunk after a cached prefix: more attention pairs than a fresh prompt of its length
+    assert any(s.prefill_attention > chunk_attention(0, s.prefill_tokens) for s in by_kind["prefill"])
+    assert {s.decode_seqs for s in by_kind["decode"]} >= {1, 3}
+    assert all(s.prefill_tokens == 0 for s in by_kind["decode"])
+    assert {(s.decode_seqs, s.prefill_tokens) for s in by_kind["mixed"]} == {(1, 16), (3, 16)}
+    assert all(t > 0 for t in rec.seconds) and not engine.has_unfinished_requests()
+
+
+def test_roofline_decode_at_batch_one_is_the_weights_over_bandwidth(model_dirs):
+    from engine.model.model_config import ModelConfig
+    config = ModelConfig.from_pretrained("configs/models/llama-3-8b")
+    model = RooflineStepModel.for_model(config, gpu="H100-SXM", tp=1)
+    e = model.eff
+    floor = model.cost.weight_bytes / (3.35e12 * e.mbu)
+    t = model.step_time(StepShape.build([], [512]))
+    assert t == pytest.approx(e.host_fixed_s + e.host_per_seq_s + floor, rel=0.01)
+    # long prefill is compute-bound: doubling the tokens roughly doubles the time
+    t1, t2 = (model.step_time(StepShape.build([(0, n)])) for n in (4096, 8192))
+    assert 1.9 < t2 / t1 < 2.3
+    # TP 2 halves the bytes per rank and adds all-reduces
+    tp2 = RooflineStepModel.for_model(config, gpu="H100-SXM", tp=2)
+    assert tp2.cost.weight_bytes < 0.55 * model.cost.weight_bytes
+    assert tp2.step_time(StepShape.build([], [512])) < t
+    assert load_step_model(tp2.to_json()).step_time(StepShape.build([(0, 100)])) == tp2.step_time(
+        StepShape.build([(0, 100)]))
+    with pytest.raises(ValueError, match="unknown GPU"):
+        RooflineStepModel.for_model(config, gpu="TPU")
+
+
+def test_online_correction_follows_a_slower_worker():
+    base = LinearStepModel(TRUE)
+    online = OnlineCorrection(base, weight=0.2)
+    shapes = _random_shapes(random.Random(3), 60)
+    for s in shapes:
+        online.observe(s, 1.5 * base.step_time(s))
+    assert online.factor == pytest.approx(1.5, rel=1e-6)
+    probe = StepShape.build([], [100] * 8)
+    assert online.step_time(probe) == pytest.approx(1.5 * base.step_time(probe))
+    online.observe(StepShape(), 1.0)          # nothing predicted: ignored
+    assert online.num_observed == len(shapes)

@@ -1,0 +1,127 @@
+"""The cluster simulator on cases whose answers are known by hand: queueing on
+one replica with fixed step times, preemption exactly when the KV pool runs
+out, a hand-off costing exactly its modelled time, conditional routing, and
+determinism; and `pdserve simulate` writing loadtest's JSON keys."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cluster.perf_model import LinearStepModel
+from cluster.simulator import ClusterSpec, simulate
+from cluster.simulator.cluster_sim import ReplicaSpec
+
+T = 0.01
+FIXED = LinearStepModel((T, 0.0, 0.0, 0.0, 0.0))      # every step takes T, whatever it holds
+
+
+def _colocated(num_blocks=1000, block_size=16, max_num_seqs=256, replicas=1) -> ClusterSpec:
+    return ClusterSpec("colocated", decode=ReplicaSpec(FIXED, num_blocks, block_size, max_num_seqs, 2048),
+                       decode_replicas=replicas)
+
+
+def _times(result, i):
+    return result.requests[i].token_times
+
+
+def test_one_request_at_a_time_queues_exactly():
+    result = simulate(_colocated(max_num_seqs=1), [(10, 3)] * 3, [0.0, 0.0, 0.0])
+    assert [_times(result, i) for i in range(3)] == [
+        pytest.approx([T, 2 * T, 3 * T]), pytest.approx([4 * T, 5 * T, 6 * T]), pytest.approx([7 * T, 8 * T, 9 * T])]
+    assert result.duration == pytest.approx(9 * T)
+
+
+def test_arrival_during_a_step_waits_for_it():
+    # one-step requests: the second arrives mid-step and starts when it ends; the third finds it idle
+    result = simulate(_colocated(), [(5, 1)] * 3, [0.0, 0.5 * T, 5 * T])
+    ttfts = [r.token_times[0] - r.send_time for r in result.requests]
+    assert ttfts == pytest.approx([T, 1.5 * T, T])
+
+
+def test_batching_serves_concurrent_requests_in_the_same_steps():
+    result = simulate(_colocated(), [(5, 4)] * 8, [0.0] * 8)
+    assert all(r.token_times == pytest.approx([T, 2 * T, 3 * T, 4 * T]) for r in result.requests)
+    assert result.num_steps == 4
+
+
+def test_preemption_happens_when_the_pool_runs_out_and_the_victim_recomputes():
+    # 4 blocks of 4 tokens; two 6-token prompts take 2 blocks each. The 9th token of the
+    # older sequence needs a third block in step 4: the newer one is preempted then,
+    # readmitted once the older one finishes (step 5 frees its blocks) and recomputes
+    # its 9 tokens in step 6.
+    spec = _colocated(num_blocks=4, block_size=4, max_num_seqs=2)
+    result = simulate(spec, [(6, 5), (6, 5)], [0.0, 0.0])
+    assert result.num_preemptions == 1
+    assert _times(result, 0) == pytest.approx([T, 2 * T, 3 * T, 4 * T, 5 * T])
+    assert _times(result, 1) == pytest.approx([T, 2 * T, 3 * T, 6 * T, 7 * T])
+
+
+def test_the_hand_off_adds_exactly_its_modelled_time():
+    replica = ReplicaSpec(FIXED, 1000)
+    spec = ClusterSpec("disaggregated", prefill=replica, decode=replica, prefill_replicas=1, decode_replicas=1,
+                       kv_bytes_per_token=1000.0, kv_bandwidth_bytes_per_s=1e6, kv_latency_s=0.01)
+    result = simulate(spec, [(100, 3)], [0.0])
+    transfer = 0.01 + 100 * 1000.0 / 1e6
+    assert _times(result, 0) == pytest.approx([T, T + transfer + T, T + transfer + 2 * T])
+    assert result.num_local_prefills == 0
+
+
+def test_conditional_policy_prefills_short_prompts_on_the_decode_worker():
+    replica = ReplicaSpec(FIXED, 1000)
+    spec = ClusterSpec("disaggregated", prefill=replica, decode=replica, prefill_replicas=1, decode_replicas=1,
+                       policy="conditional", local_prefill_max_tokens=50, kv_latency_s=0.5)
+    result = simulate(spec, [(20, 2), (200, 2)], [0.0, 1.0])
+    assert [r.prefilled_locally for r in result.requests] == [True, False]
+    assert _times(result, 0) == pytest.approx([T, 2 * T])              # no hand-off
+    assert _times(result, 1) == pytest.approx([1 + T, 1 + T + 0.5 + T])
+
+
+def test_max_concurrency_holds_requests_back():
+    result = simulate(_colocated(), [(5, 2)] * 4, [0.0] * 4, max_concurrency=2)
+    sends = sorted(r.send_time for r in result.requests)
+    assert sends == pytest.approx([0.0, 0.0, 2 * T, 2 * T])
+
+
+def test_same_seed_same_result_and_ten_thousand_requests_run(tmp_path):
+    from bench.loadtest.arrivals import arrival_offsets
+    model = LinearStepModel((1e-3, 1e-5, 1e-9, 5e-5, 1e-7))
+    replica = ReplicaSpec(model, 4000, max_num_seqs=64)
+    spec = ClusterSpec("disaggregated", prefill=replica, decode=replica, prefill_replicas=1, decode_replicas=2,
+                       kv_bytes_per_token=1e4, kv_latency_s=0.005)
+    lengths = [(100 + (i * 37) % 400, 20 + (i * 11) % 50) for i in range(10_000)]
+    first = simulate(spec, lengths, arrival_offsets(len(lengths), 40.0, 1.0, seed=3))
+    second = simulate(spec, lengths, arrival_offsets(len(lengths), 40.0, 1.0, seed=3))
+    assert [r.token_times for r in first.requests] == [r.token_times for r in second.requests]
+    assert all(r.end_time is not None for r in first.requests)
+    other = simulate(spec, lengths, arrival_offsets(len(lengths), 40.0, 1.0, seed=4))
+    assert [r.token_times for r in other.requests] != [r.token_times for r in first.requests]
+
+
+def test_bad_specs_are_refused():
+    with pytest.raises(ValueError, match="needs at least one prefill replica"):
+        ClusterSpec("disaggregated", decode=ReplicaSpec(FIXED, 10))
+    with pytest.raises(ValueError, match="mode must be"):
+        ClusterSpec("split", decode=ReplicaSpec(FIXED, 10))
+    with pytest.raises(ValueError, match="lengths must be >= 1"):
+        simulate(_colocated(), [(0, 3)], [0.0])
+
+
+def test_pdserve_simulate_writes_loadtest_keys(tmp_path):
+    from cluster.cli.main import main
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(LinearStepModel((1e-3, 1e-5, 1e-9, 5e-5, 1e-7)).to_json()))
+    out = []
+    for run in range(2):
+        code = main(["simulate", "--config", "configs/tiny-cpu.yaml", "--profile", str(profile), "--num-prompts",
+                     "50", "--request-rate", "10", "--goodput", "ttft:100", "tpot:20", "--save-result",
+                     "--result-dir", str(tmp_path), "--result-file", f"r{run}.json"])
+        assert code == 0
+        out.append(json.loads((tmp_path / f"r{run}.json").read_text()))
+    result = out[0]
+    for key in ("request_goodput", "slo_attainment", "median_ttft_ms", "p90_tpot_ms", "p99_e2el_ms",
+                "completed", "total_output_tokens", "ttfts", "itls", "requests"):
+        assert key in result, key
+    assert result["simulated"] is True and result["completed"] == 50
+    assert {k: v for k, v in out[0].items() if k != "date"} == {k: v for k, v in out[1].items() if k != "date"}
