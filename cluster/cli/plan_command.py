@@ -1,7 +1,9 @@
-"""`pdserve plan`: will a model fit, and how much KV cache is left.
+"""`pdserve plan`: will a model fit, and how much KV cache is left; with
+--slo, which configuration serves a workload best (cluster/cli/plan_goodput.py).
 
     pdserve plan --model DIR --tp N [--gpu-memory-gib G] [--gpu-memory-utilization F]
                  [--dtype D] [--max-model-len L] [--gpu-type T] [--overhead-gib O] [--json]
+    pdserve plan --model DIR --slo ttft:MS tpot:MS --gpus N [--gpu-type T] [workload flags] [--write-config F]
 
 Reads only the checkpoint's config.json, so it runs anywhere, without weights
 or a GPU. `--model` is a checkpoint directory, or the name of a directory under
@@ -53,6 +55,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         names = ", ".join(known_models()) or "none installed"
         print(f"error: --model {args.model}: {exc} (built-in names: {names})", file=sys.stderr)
         return 2
+    if args.slo:
+        from cluster.cli.plan_goodput import run_goodput_plan
+        return run_goodput_plan(args, model_dir, model)
+    if args.tp is None:
+        print("error: --tp is required (or give --slo and --gpus to search for the best configuration)",
+              file=sys.stderr)
+        return 2
     try:
         result = plan(model, tp=args.tp,
                       gpu_memory_gib=gpu.memory_gib if args.gpu_memory_gib is None else args.gpu_memory_gib,
@@ -74,7 +83,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument("--model", required=True,
                    help="checkpoint directory with a config.json, or a name under configs/models/ "
                         "(llama-3-8b, llama-3-70b)")
-    p.add_argument("--tp", type=int, required=True, help="tensor-parallel ranks (GPUs) per replica")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (GPUs) per replica")
     p.add_argument("--gpu-memory-gib", type=float, default=None,
                    help="memory per GPU in GiB (default: the --gpu-type's)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -87,5 +96,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument("--overhead-gib", type=float, default=1.0,
                    help="per-GPU memory for activations, CUDA context and workspace (default 1.0)")
     p.add_argument("--json", action="store_true", help="print every number of the plan as JSON")
+    from cluster.cli.plan_goodput import add_goodput_arguments
+    add_goodput_arguments(p)
     p.set_defaults(func=_cmd_plan)
     return p

@@ -1,0 +1,152 @@
+"""`pdserve plan --slo ...`: the goodput search (cluster/planner) from the
+command line: the table of every candidate that fits, the best of each mode,
+and a deployment file for the winner.
+
+    pdserve plan --model M --slo ttft:MS tpot:MS --gpus N --gpu-type T
+                 [--random-input-len L --random-output-len L --random-range-ratio R --num-prompts N]
+                 [--profile PROFILE.json] [--policy always|conditional] [--attainment 0.9]
+                 [--write-config FILE] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import yaml
+
+
+def parse_slo(text: str) -> tuple[str, float]:
+    key, sep, value = text.partition(":")
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = -1.0
+    if not sep or key not in ("ttft", "tpot") or not ms > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected ttft:MS or tpot:MS with MS > 0, e.g. --slo ttft:1000 "
+                                         "tpot:50")
+    return key, ms
+
+
+def run_goodput_plan(args: argparse.Namespace, model_dir, model) -> int:
+    from cluster.perf_model import load_step_model
+    from cluster.perf_model.roofline import GPU_SPECS
+    from cluster.planner.search import Workload, roofline_spec_builder, search
+    from engine.memory_planner import (
+        model_len_limit,
+        resolve_dtype,
+        resolve_gpu_type,
+        valid_tps,
+    )
+
+    try:
+        gpu = resolve_gpu_type(args.gpu_type).name
+        dtype = resolve_dtype(model, args.dtype)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if gpu not in GPU_SPECS:
+        print(f"error: --gpu-type {gpu} has no roofline spec", file=sys.stderr)
+        return 2
+    if args.gpus is None or args.gpus < 1:
+        print("error: --slo needs --gpus N (the GPU budget, N >= 1)", file=sys.stderr)
+        return 2
+    tps = [t for t in valid_tps(model) if t <= args.gpus]
+    models = None
+    if args.profile:
+        profile = load_step_model(args.profile)
+        tp = int(getattr(profile, "meta", {}).get("tp", 1))
+        models, tps = {tp: profile}, [t for t in tps if t == tp]
+    max_len = args.max_model_len or model_len_limit(model)
+    workload = Workload(args.random_input_len, args.random_output_len, args.random_range_ratio, args.num_prompts,
+                        args.seed)
+    if workload.input_len + workload.output_len > max_len:
+        print(f"error: prompts of {workload.input_len} + outputs of {workload.output_len} tokens exceed the "
+              f"{max_len}-token context; lower the lengths or raise --max-model-len", file=sys.stderr)
+        return 2
+    slos = dict(args.slo)
+    build = roofline_spec_builder(model, gpu=gpu, dtype=dtype, max_model_len=max_len,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  gpu_memory_utilization=args.gpu_memory_utilization, policy=args.policy,
+                                  models=models)
+    result = search(num_gpus=args.gpus, tps=tps, workload=workload, slos_s={k: v / 1000 for k, v in slos.items()},
+                    build_spec=build, target=args.attainment,
+                    progress=None if args.json else lambda m: print(f"  {m}", file=sys.stderr))
+    best = result.best()
+    report = {
+        "model": str(model_dir), "gpu_type": gpu, "gpus": args.gpus, "dtype": dtype, "slos_ms": slos,
+        "attainment_target": args.attainment, "step_model": "profile" if models else "roofline",
+        "workload": vars(workload),
+        "candidates": [{"config": e.candidate.describe(), **vars(e.candidate), "gpus_used": e.candidate.gpus,
+                        "max_rate": e.max_rate, "goodput_per_gpu": e.goodput_per_gpu,
+                        "attainment_at_max": e.attainment_at_max, "kv_blocks": e.kv_blocks}
+                       for e in sorted(result.evaluated, key=lambda e: -e.goodput_per_gpu)],
+        "skipped": [{"config": c.describe(), "why": why} for c, why in result.skipped],
+        "best": {m: (None if result.best(m) is None else result.best(m).candidate.describe())
+                 for m in ("colocated", "disaggregated")},
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_report(report))
+    if best is None or best.max_rate == 0:
+        print("no configuration meets the SLOs at any rate; relax the SLOs, shorten the requests or add GPUs",
+              file=sys.stderr)
+        return 1
+    if args.write_config:
+        with open(args.write_config, "w") as f:
+            f.write(deployment_yaml(best.candidate, model_dir, dtype, max_len, gpu, args))
+        print(f"wrote {args.write_config} ({best.candidate.describe()})", file=sys.stderr)
+    return 0
+
+
+def format_report(report: dict) -> str:
+    lines = [f"goodput per GPU at >= {report['attainment_target']:.0%} SLO attainment "
+             f"({', '.join(f'{k} <= {v:g} ms' for k, v in report['slos_ms'].items())}), "
+             f"{report['gpus']} x {report['gpu_type']}, {report['step_model']} step times:", "",
+             "| configuration | GPUs | max rate (req/s) | goodput per GPU |", "|---|---:|---:|---:|"]
+    for c in report["candidates"]:
+        lines.append(f"| {c['config']} | {c['gpus_used']} | {c['max_rate']:.2f} | {c['goodput_per_gpu']:.3f} |")
+    lines += ["", f"best colocated:     {report['best']['colocated']}",
+              f"best disaggregated: {report['best']['disaggregated']}"]
+    if report["skipped"]:
+        lines.append(f"{len(report['skipped'])} configurations do not fit memory (--json lists them)")
+    return "\n".join(lines)
+
+
+def deployment_yaml(cand, model_dir, dtype: str, max_len: int, gpu: str, args: argparse.Namespace) -> str:
+    pools = ({"colocated": {"replicas": cand.decode_replicas, "tensor_parallel_size": cand.decode_tp}}
+             if cand.mode == "colocated" else
+             {"prefill": {"replicas": cand.prefill_replicas, "tensor_parallel_size": cand.prefill_tp},
+              "decode": {"replicas": cand.decode_replicas, "tensor_parallel_size": cand.decode_tp}})
+    data = {"model": {"path": str(model_dir), "dtype": dtype, "max_model_len": max_len}, "mode": cand.mode,
+            "device": "cuda", **pools,
+            "engine": {"max_num_batched_tokens": args.max_num_batched_tokens,
+                       "gpu_memory_utilization": args.gpu_memory_utilization},
+            "resources": {"gpu_type": gpu}}
+    if cand.mode == "disaggregated":
+        data["disaggregation"] = {"policy": args.policy}
+    header = (f"# {cand.describe()}: chosen by `pdserve plan --slo "
+              f"{' '.join(f'{k}:{v:g}' for k, v in dict(args.slo).items())} --gpus {args.gpus}`\n")
+    return header + yaml.safe_dump(data, sort_keys=False)
+
+
+def add_goodput_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("goodput search (with --slo)")
+    g.add_argument("--slo", nargs="+", type=parse_slo, default=None, metavar="KEY:MS",
+                   help="search for the best configuration meeting these SLOs, e.g. ttft:1000 tpot:50")
+    g.add_argument("--gpus", type=int, default=None, help="GPU budget for the search")
+    g.add_argument("--profile", default=None, help="step times from this profile (its TP only) instead of the "
+                                                    "roofline")
+    g.add_argument("--policy", choices=["always", "conditional"], default="always",
+                   help="disaggregated candidates' policy (default always)")
+    g.add_argument("--attainment", type=float, default=0.9, help="SLO attainment target (default 0.9)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget (default 2048)")
+    g.add_argument("--random-input-len", type=int, default=1024, help="prompt tokens (default 1024)")
+    g.add_argument("--random-output-len", type=int, default=256, help="output tokens (default 256)")
+    g.add_argument("--random-range-ratio", type=float, default=0.2,
+                   help="lengths uniform in [len*(1-r), len*(1+r)] (default 0.2)")
+    g.add_argument("--num-prompts", type=int, default=500, help="simulated requests per rate probed (default 500)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--write-config", default=None, metavar="FILE", help="write a deployment file for the winner")

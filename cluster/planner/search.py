@@ -1,0 +1,202 @@
+"""DistServe's placement search, on pdserve's simulator.
+
+Candidates within the GPU budget, each replica sized by the memory planner:
+- colocated: R replicas of TP t (R * t <= GPUs);
+- disaggregated: P prefill replicas of TP tp and D decode replicas of TP td
+  (P * tp + D * td <= GPUs).
+For each, the highest request rate at which at least `attainment` of the
+requests meet both SLOs is found by bisection on simulated runs of the
+workload (Poisson arrivals, a fixed seed), and divided by the GPUs the
+candidate uses: goodput per GPU. A candidate that does not fit memory is
+never returned.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Callable
+
+from cluster.perf_model.step_shape import StepTimeModel
+from cluster.simulator.cluster_sim import ClusterSpec, ReplicaSpec, simulate
+
+
+@dataclass(frozen=True)
+class Workload:
+    input_len: int
+    output_len: int
+    range_ratio: float = 0.0
+    num_requests: int = 500
+    seed: int = 0
+
+    def lengths(self) -> list[tuple[int, int]]:
+        rng = random.Random(self.seed)
+
+        def draw(n: int) -> int:
+            lo, hi = max(1, int(n * (1 - self.range_ratio))), max(1, int(n * (1 + self.range_ratio)))
+            return rng.randint(lo, hi)
+        return [(draw(self.input_len), draw(self.output_len)) for _ in range(self.num_requests)]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    mode: str                  # "colocated" | "disaggregated"
+    prefill_replicas: int
+    prefill_tp: int
+    decode_replicas: int       # colocated: the replicas
+    decode_tp: int
+
+    @property
+    def gpus(self) -> int:
+        return self.prefill_replicas * self.prefill_tp + self.decode_replicas * self.decode_tp
+
+    def describe(self) -> str:
+        if self.mode == "colocated":
+            return f"colocated {self.decode_replicas} x TP{self.decode_tp}"
+        return (f"disaggregated {self.prefill_replicas} x TP{self.prefill_tp} prefill + "
+                f"{self.decode_replicas} x TP{self.decode_tp} decode")
+
+
+@dataclass
+class Evaluated:
+    candidate: Candidate
+    max_rate: float                      # req/s at >= the attainment target
+    attainment_at_max: float
+    kv_blocks: dict[str, int]
+
+    @property
+    def goodput_per_gpu(self) -> float:
+        return self.max_rate / self.candidate.gpus
+
+
+@dataclass
+class PlanResult:
+    evaluated: list[Evaluated] = field(default_factory=list)
+    skipped: list[tuple[Candidate, str]] = field(default_factory=list)   # and why
+
+    def best(self, mode: str | None = None) -> Evaluated | None:
+        pool = [e for e in self.evaluated if mode is None or e.candidate.mode == mode]
+        return max(pool, key=lambda e: (e.goodput_per_gpu, -e.candidate.gpus), default=None)
+
+
+def candidates(num_gpus: int, tps: list[int]) -> list[Candidate]:
+    out = [Candidate("colocated", 0, 0, num_gpus // t, t) for t in tps if t <= num_gpus]
+    for tp in tps:
+        for td in tps:
+            for p in range(1, num_gpus // tp + 1):
+                for d in range(1, (num_gpus - p * tp) // td + 1):
+                    out.append(Candidate("disaggregated", p, tp, d, td))
+    return out
+
+
+def attainment(spec: ClusterSpec, workload: Workload, lengths, rate: float, slos_s: dict[str, float]) -> float:
+    """Fraction of the workload's requests meeting every SLO at Poisson `rate`."""
+    from bench.loadtest.arrivals import arrival_offsets
+    result = simulate(spec, lengths, arrival_offsets(len(lengths), rate, 1.0, workload.seed))
+    good = 0
+    for r in result.requests:
+        if r.end_time is None or not r.token_times:
+            continue
+        ttft = r.token_times[0] - r.send_time
+        tpot = (r.end_time - r.token_times[0]) / (len(r.token_times) - 1) if len(r.token_times) > 1 else 0.0
+        good += ttft <= slos_s.get("ttft", math.inf) and tpot <= slos_s.get("tpot", math.inf)
+    return good / len(lengths)
+
+
+def max_rate(spec: ClusterSpec, workload: Workload, slos_s: dict[str, float], target: float = 0.9,
+             iterations: int = 7) -> tuple[float, float]:
+    """(highest rate found with attainment >= target, its attainment); 0 when even a
+    trickle misses the SLOs."""
+    lengths = workload.lengths()
+    low, low_att = 0.0, 0.0
+    probe = 0.05
+    if attainment(spec, workload, lengths, probe, slos_s) < target:
+        return 0.0, 0.0
+    high = probe
+    while True:                                  # double until the SLOs break
+        att = attainment(spec, workload, lengths, high, slos_s)
+        if att < target:
+            break
+        low, low_att = high, att
+        high *= 2
+        if high > 1e5:
+            return low, low_att
+    for _ in range(iterations):
+        mid = (low + high) / 2
+        att = attainment(spec, workload, lengths, mid, slos_s)
+        if att >= target:
+            low, low_att = mid, att
+        else:
+            high = mid
+    return low, low_att
+
+
+def search(*, num_gpus: int, tps: list[int], workload: Workload, slos_s: dict[str, float],
+           build_spec: Callable[[Candidate], tuple[ClusterSpec | None, str]], target: float = 0.9,
+           progress: Callable[[str], None] | None = None) -> PlanResult:
+    """Evaluates every candidate `build_spec` can place (it returns (None, why)
+    for one that does not fit memory)."""
+    result = PlanResult()
+    for cand in candidates(num_gpus, tps):
+        spec, why = build_spec(cand)
+        if spec is None:
+            result.skipped.append((cand, why))
+            continue
+        rate, att = max_rate(spec, workload, slos_s, target)
+        blocks = {"decode": spec.decode.num_kv_blocks}
+        if spec.prefill is not None:
+            blocks["prefill"] = spec.prefill.num_kv_blocks
+        result.evaluated.append(Evaluated(cand, rate, att, blocks))
+        if progress:
+            progress(f"{cand.describe()}: {rate:.2f} req/s ({rate / cand.gpus:.3f} per GPU)")
+    return result
+
+
+def roofline_spec_builder(model_config, *, gpu: str, dtype: str, max_model_len: int, block_size: int = 16,
+                          max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                          gpu_memory_utilization: float = 0.9, policy: str = "always",
+                          link_efficiency: float = 0.7, kv_latency_s: float = 1e-3,
+                          models: dict[int, StepTimeModel] | None = None
+                          ) -> Callable[[Candidate], tuple[ClusterSpec | None, str]]:
+    """Builds ClusterSpecs for candidates: KV capacity from the memory planner,
+    step times from `models[tp]` when given (a profile), else the roofline;
+    hand-offs over NVLink at `link_efficiency` of its per-direction rate."""
+    from cluster.perf_model.roofline import GPU_SPECS, RooflineStepModel
+    from engine.memory_planner import kv_bytes_per_token, plan
+
+    gpu_spec = GPU_SPECS[gpu]
+    cache: dict[int, tuple[ReplicaSpec | None, str]] = {}
+
+    def replica(tp: int) -> tuple[ReplicaSpec | None, str]:
+        if tp not in cache:
+            p = plan(model_config, tp=tp, gpu_memory_gib=gpu_spec.memory_gib,
+                     gpu_memory_utilization=gpu_memory_utilization, dtype=dtype, max_model_len=max_model_len,
+                     gpu_type=gpu, block_size=block_size)
+            if not p.fits:
+                cache[tp] = (None, "; ".join(p.problems) or "does not fit")
+            elif models is not None and tp not in models:
+                cache[tp] = (None, f"the profile has no TP {tp}")
+            else:
+                model = models[tp] if models is not None else RooflineStepModel.for_model(
+                    model_config, gpu=gpu, tp=tp, dtype=dtype)
+                cache[tp] = (ReplicaSpec(model, p.kv_tokens_capacity // block_size, block_size, max_num_seqs,
+                                         max_num_batched_tokens), "")
+        return cache[tp]
+
+    kv_per_token = kv_bytes_per_token(model_config, 1, dtype)
+
+    def build(cand: Candidate) -> tuple[ClusterSpec | None, str]:
+        decode, why = replica(cand.decode_tp)
+        if decode is None:
+            return None, f"TP {cand.decode_tp}: {why}"
+        if cand.mode == "colocated":
+            return ClusterSpec("colocated", decode=decode, decode_replicas=cand.decode_replicas), ""
+        prefill, why = replica(cand.prefill_tp)
+        if prefill is None:
+            return None, f"TP {cand.prefill_tp}: {why}"
+        return ClusterSpec("disaggregated", prefill=prefill, decode=decode, prefill_replicas=cand.prefill_replicas,
+                           decode_replicas=cand.decode_replicas, policy=policy, kv_bytes_per_token=kv_per_token,
+                           kv_bandwidth_bytes_per_s=gpu_spec.link_bytes_per_s * link_efficiency,
+                           kv_latency_s=kv_latency_s), ""
+    return build
