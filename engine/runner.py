@@ -22,8 +22,6 @@ from engine.sampler import Sampler, SampleResult, SamplingRow
 from engine.scheduler import ScheduledStep
 from engine.sequence import Sequence
 
-_ZEROS = [0] * 4096    # padding for block-table rows
-
 
 class ModelRunner:
     """Rank 0's step: prepare inputs (on CPU), send them to the other ranks,
@@ -98,7 +96,7 @@ class ModelRunner:
         flat: list[int] = []            # one flat list through numpy: several times cheaper than nested lists
         for t in tables:
             flat.extend(t)
-            flat.extend(_ZEROS[:width - len(t)] if width - len(t) <= len(_ZEROS) else [0] * (width - len(t)))
+            flat.extend([0] * (width - len(t)))
         block_tables = torch.from_numpy(np.array(flat, dtype=np.int32)).view(len(tables), width)
         query_start = [0]
         for c in chunks:

@@ -105,8 +105,9 @@ def _paged_kernels_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if paged.single_fresh_prefill:
         # [1, heads, n, D], contiguous, KV heads repeated: the shape SDPA's flash kernels take
         group = q.shape[1] // k.shape[1]
-        qc, kc, vc = (t.repeat_interleave(group, dim=1) if t is not q and group > 1 else t for t in (q, k, v))
-        qc, kc, vc = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (qc, kc, vc))
+        kc = k.repeat_interleave(group, dim=1) if group > 1 else k
+        vc = v.repeat_interleave(group, dim=1) if group > 1 else v
+        qc, kc, vc = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, kc, vc))
         o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale)
         out.copy_(o[0].transpose(0, 1))
         return out
