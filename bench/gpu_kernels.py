@@ -56,7 +56,6 @@ def decode_rows(torch, triton, bandwidth: float) -> list[dict]:
             rows.append({"batch": batch, "context": context, "splits": splits, "triton_ms": triton_ms,
                          "torch_gather_ms": torch_ms, "floor_ms": floor_ms,
                          "bandwidth_share": floor_ms / triton_ms})
-            del cache
     return rows
 
 
