@@ -4,13 +4,19 @@ For each deployment (colocated; 1 prefill + 1 decode; 1 prefill + 2 decode)
 on the `bench` checkpoint, CPU:
 1. profile the engine with the torch threads each of that deployment's ranks
    gets (`pdserve profile`'s code, in process);
-2. find the simulated capacity (the highest rate at >= 90% SLO attainment)
-   and pick three loads from it: light (0.3x), near capacity (0.9x),
-   overloaded (1.5x);
-3. start `pdserve serve --config` on a local cluster of this machine's size,
-   run each load through the load generator (`pdserve loadtest`'s code), and
+2. start `pdserve serve --config` on a local cluster of this machine's size
+   and run a calibration load (a trickle of requests); the step model is
+   corrected online from it (cluster/perf_model/online.py): the measured TPOT
+   minus the simulated one is the serving path's cost per step, added to every
+   step; the TTFT left over after that is the cost per request (router, HTTP,
+   the hand-off's messages), added to its token times;
+3. find the corrected model's simulated capacity (the highest rate at >= 90%
+   SLO attainment) and pick three loads from it: light (0.3x), near capacity
+   (0.9x), overloaded (1.5x);
+4. run each load through the load generator (`pdserve loadtest`'s code) and
    simulate the same requests (same lengths, same arrival times);
-4. print goodput, TTFT p50/p90 and TPOT p50/p90, simulated / measured.
+5. print goodput, TTFT p50/p90 and TPOT p50/p90, simulated / measured, with
+   the uncorrected (engine-only profile) prediction alongside.
 
     python bench/simulator_accuracy.py [--num-prompts 60] [--out bench/results/simulator_accuracy.json]
 
@@ -52,6 +58,7 @@ DEPLOYMENTS = {
 }
 LOAD_FACTORS = {"light": 0.3, "near capacity": 0.9, "overloaded": 1.5}
 FIGURES = ("request_goodput", "median_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "p90_tpot_ms")
+CALIBRATION_RATE = 1.0       # req/s: requests rarely overlap, so each one's times are its own steps'
 
 
 def ranks(deployment: dict) -> int:
@@ -91,6 +98,12 @@ def served(config_path: Path, port: int, log: Path, timeout_s: float = 240.0):
         yield base_url
     finally:
         stop_server(proc, 60.0)
+
+
+def corrected(model, overhead_s: float):
+    """`model` with a fixed per-step overhead added (an online correction)."""
+    from cluster.perf_model import OnlineCorrection
+    return OnlineCorrection(model, overhead_s=overhead_s)
 
 
 def figures(result: dict) -> dict:
@@ -140,6 +153,7 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--deployments", default=",".join(DEPLOYMENTS))
     parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument("--calibration-prompts", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench/results/simulator_accuracy.json")
     args = parser.parse_args()
@@ -167,27 +181,41 @@ def main() -> int:
         config = DeploymentConfig.model_validate(body)
         threads = max(1, cores // ranks(body))
         print(f"{name}: {ranks(body)} rank(s) on {cores} cores, {threads} thread(s) each", flush=True)
-        spec = cluster_spec(config, profile_for(model_dir, threads, profiles), model_config=model_config)
-        cap = capacity(spec, requests, args.seed)
-        print(f"  simulated capacity {cap:.2f} req/s", flush=True)
+        base = profile_for(model_dir, threads, profiles)
+        raw_spec = cluster_spec(config, base, model_config=model_config)
         path = workdir / f"{name}.yaml"
         path.write_text(yaml.safe_dump(body))
-        rows = {}
+        rows, factors, cap = {}, {}, None
         try:
             with served(path, args.port, workdir / f"{name}.log") as base_url:
                 model = served_model(base_url, None)
                 measured(base_url, model, requests[:8], 1000.0, args.seed + 99, tokenizer)    # warm-up
+                calibration = requests[:args.calibration_prompts]
+                meas = measured(base_url, model, calibration, CALIBRATION_RATE, args.seed + 7, tokenizer)
+                sim = simulated(raw_spec, calibration, CALIBRATION_RATE, args.seed + 7)
+                step_s = max(0.0, (meas["median_tpot_ms"] - sim["median_tpot_ms"]) / 1000)
+                stepped = cluster_spec(config, corrected(base, step_s), model_config=model_config)
+                sim = simulated(stepped, calibration, CALIBRATION_RATE, args.seed + 7)
+                request_s = max(0.0, (meas["median_ttft_ms"] - sim["median_ttft_ms"]) / 1000)
+                factors = {"per_step_s": step_s, "per_request_s": request_s}
+                spec = cluster_spec(config, corrected(base, step_s), model_config=model_config,
+                                    request_overhead_s=request_s)
+                cap = capacity(spec, requests, args.seed)
+                print(f"  online correction: +{step_s * 1e3:.1f} ms per step, +{request_s * 1e3:.1f} ms per request; "
+                      f"simulated capacity {cap:.2f} req/s", flush=True)
                 for load, factor in LOAD_FACTORS.items():
                     rate = round(cap * factor, 3)
                     meas = measured(base_url, model, requests, rate, args.seed, tokenizer)
                     sim = simulated(spec, requests, rate, args.seed)
-                    rows[load] = {"rate": rate, "simulated": sim, "measured": meas}
+                    raw = simulated(raw_spec, requests, rate, args.seed)
+                    rows[load] = {"rate": rate, "simulated": sim, "measured": meas, "uncorrected": raw}
                     print(f"  {load} ({rate:.2f} req/s): " + ", ".join(
                         f"{k} {_fmt(sim[k])} / {_fmt(meas[k])}" for k in FIGURES), flush=True)
         except ServerFailed as exc:
             print(f"  {name} failed: {exc}", file=sys.stderr)
             rows["error"] = str(exc)
-        results["deployments"][name] = {"capacity": cap, "threads": threads, "loads": rows}
+        results["deployments"][name] = {"capacity": cap, "threads": threads, "online_factors": factors,
+                                        "loads": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     print(table(results))
@@ -199,8 +227,8 @@ def _fmt(v) -> str:
 
 
 def table(results: dict) -> str:
-    lines = ["| deployment | load | rate | " + " | ".join(f"{k} sim / meas (ratio)" for k in FIGURES) + " |",
-             "|---|---|---:|" + "---|" * len(FIGURES)]
+    lines = ["| deployment | load | rate | " + " | ".join(f"{k} sim / meas (ratio)" for k in FIGURES)
+             + " | goodput, uncorrected sim |", "|---|---|---:|" + "---|" * (len(FIGURES) + 1)]
     for name, d in results["deployments"].items():
         for load, row in d["loads"].items():
             if load == "error":
@@ -210,7 +238,8 @@ def table(results: dict) -> str:
                 s, m = row["simulated"][k], row["measured"][k]
                 ratio = f"{s / m:.2f}" if s is not None and m else "-"
                 cells.append(f"{_fmt(s)} / {_fmt(m)} ({ratio})")
-            lines.append(f"| {name} | {load} | {row['rate']:.2f} | " + " | ".join(cells) + " |")
+            raw = row["uncorrected"]["request_goodput"]
+            lines.append(f"| {name} | {load} | {row['rate']:.2f} | " + " | ".join(cells) + f" | {_fmt(raw)} |")
     return "\n".join(lines)
 
 

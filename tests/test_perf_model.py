@@ -126,3 +126,11 @@ def test_online_correction_follows_a_slower_worker():
     assert online.step_time(probe) == pytest.approx(1.5 * base.step_time(probe))
     online.observe(StepShape(), 1.0)          # nothing predicted: ignored
     assert online.num_observed == len(shapes)
+
+
+def test_online_correction_adds_a_fixed_serving_cost_per_step():
+    base = LinearStepModel(TRUE)
+    online = OnlineCorrection(base, overhead_s=0.004)
+    probe = StepShape.build([], [100] * 8)
+    assert online.step_time(probe) == pytest.approx(base.step_time(probe) + 0.004)
+    assert online.step_time(StepShape()) == 0.0          # no step, no overhead

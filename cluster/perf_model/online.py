@@ -2,7 +2,9 @@
 
 Each measured step (its shape and wall time) updates an exponentially
 weighted ratio measured / predicted; predictions are the base model's times
-that ratio. A model profiled on an idle machine thus follows a worker that
+that ratio, plus a fixed per-step overhead when one is known (the serving
+path's cost around each engine step: handing outputs to the router, the
+event loop). A model profiled on an idle machine thus follows a worker that
 shares its cores, runs hotter, or runs a different build.
 """
 
@@ -19,6 +21,7 @@ class OnlineCorrection:
     base: StepTimeModel
     weight: float = 0.05              # of each new measurement in the running ratio
     factor: float = 1.0               # measured / predicted, smoothed
+    overhead_s: float = 0.0           # added to every step, after the factor
     num_observed: int = field(default=0)
 
     def __post_init__(self) -> None:
@@ -37,9 +40,11 @@ class OnlineCorrection:
         self.num_observed += 1
 
     def step_time(self, shape: StepShape) -> float:
-        return self.factor * self.base.step_time(shape)
+        base = self.base.step_time(shape)
+        return self.factor * base + self.overhead_s if base > 0 else 0.0
 
     def to_json(self) -> dict[str, Any]:
         data = dict(self.base.to_json())
         data["online_factor"] = self.factor
+        data["online_overhead_s"] = self.overhead_s
         return data
