@@ -105,10 +105,14 @@ def test_roofline_decode_at_batch_one_is_the_weights_over_bandwidth(model_dirs):
     # long prefill is compute-bound: doubling the tokens roughly doubles the time
     t1, t2 = (model.step_time(StepShape.build([(0, n)])) for n in (4096, 8192))
     assert 1.9 < t2 / t1 < 2.3
-    # TP 2 halves the bytes per rank and adds all-reduces
+    # TP 2 halves the bytes per rank and adds two all-reduces per layer
     tp2 = RooflineStepModel.for_model(config, gpu="H100-SXM", tp=2)
     assert tp2.cost.weight_bytes < 0.55 * model.cost.weight_bytes
-    assert tp2.step_time(StepShape.build([], [512])) < t
+    no_comm = tp2.with_efficiencies(allreduce_latency_s=0.0)
+    shape = StepShape.build([], [512])
+    comm = tp2.step_time(shape) - no_comm.step_time(shape)
+    assert comm == pytest.approx(2 * config.num_layers * e.allreduce_latency_s, rel=1e-6)
+    assert no_comm.step_time(shape) < t
     assert load_step_model(tp2.to_json()).step_time(StepShape.build([(0, 100)])) == tp2.step_time(
         StepShape.build([(0, 100)]))
     with pytest.raises(ValueError, match="unknown GPU"):

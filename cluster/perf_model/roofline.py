@@ -15,8 +15,13 @@ measurements on an H100 (README "GPU engine", bench/results/gpu_engine.json,
 56% of the 989 TFLOP/s datasheet peak; decode matmuls streaming weights at
 2.70 TB/s = 81% of the 3.35 TB/s datasheet HBM rate; a decode step's host
 work of ~0.65 ms plus ~50 us per sequence (cProfile of the engine there).
-The all-reduce terms are assumptions (NCCL ring over NVLink, 70% of the
-per-direction link rate, 10 us per call), not measured here.
+The all-reduce latency, 50 us a call, is fitted to NVIDIA's published
+Llama-2-7B latencies on H100 at TP 2 / 4 / 8 (NeMo Framework user guide,
+"Performance", Llama-2 inference with TensorRT-LLM, 128 in / 20 out, batch 1:
+153.8 / 128.6 / 107.4 / 97.6 ms at TP 1 / 2 / 4 / 8). With 10 us the roofline
+came out 1.7-2.5x faster than those figures at TP >= 2; each extra TP call costs
+about 40-45 us more than the bytes explain. The bandwidth term (70% of the
+per-direction NVLink rate) is an assumption.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ class Efficiencies:
     link: float = 0.70                   # all-reduce bytes, of the per-direction NVLink rate
     host_fixed_s: float = 0.65e-3        # per step
     host_per_seq_s: float = 50e-6        # per decoding sequence
-    allreduce_latency_s: float = 10e-6   # per call
+    allreduce_latency_s: float = 50e-6   # per call, fitted to published TP latencies (module docstring)
 
 
 @dataclass(frozen=True)
