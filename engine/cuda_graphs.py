@@ -90,22 +90,22 @@ class DecodeGraphs:
     def run(self, inputs) -> torch.Tensor | None:
         """Logits [B, vocab] for a decode-only step of B sequences (rank 0; None elsewhere).
         `inputs` are on the CPU, as the runner built them."""
-        from engine.model.attention_metadata import to_device
-
         batch = inputs.input_ids.shape[0]
         padded = next(b for b in self.sizes if b >= batch)
         paged = inputs.meta.paged
-        self.input_ids[:batch].copy_(to_device(inputs.input_ids, self.input_ids.device), non_blocking=True)
-        self.positions[:batch].copy_(to_device(inputs.positions, self.input_ids.device), non_blocking=True)
-        self.slot_mapping[:batch].copy_(to_device(inputs.meta.slot_mapping, self.input_ids.device),
-                                        non_blocking=True)
-        self.seq_lens[:batch].copy_(to_device(paged.seq_lens, self.input_ids.device), non_blocking=True)
-        width = paged.block_tables.shape[1]
-        self.block_tables[:batch, :width].copy_(to_device(paged.block_tables, self.input_ids.device),
-                                                non_blocking=True)
+        # straight from pinned host memory into the static buffers: one copy each, no host wait
+        _upload(self.input_ids[:batch], inputs.input_ids)
+        _upload(self.positions[:batch], inputs.positions)
+        _upload(self.slot_mapping[:batch], inputs.meta.slot_mapping)
+        _upload(self.seq_lens[:batch], paged.seq_lens)
+        _upload(self.block_tables[:batch, :paged.block_tables.shape[1]], paged.block_tables)
         if padded > batch:
             self.slot_mapping[batch:padded].fill_(-1)
             self.seq_lens[batch:padded].fill_(1)
         graph, logits = self.graphs[padded]
         graph.replay()
         return None if logits is None else logits[:batch]
+
+
+def _upload(static: torch.Tensor, host: torch.Tensor) -> None:
+    static.copy_(host.pin_memory(), non_blocking=True)

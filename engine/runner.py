@@ -62,8 +62,9 @@ class ModelRunner:
             if len(decode_tables) < len(decodes):
                 decode_tables.append(used)
             else:
-                chunks.append(PrefillChunk(token_start, n, end,
-                                           torch.tensor(used if start > 0 else [], dtype=torch.long)))
+                # the torch path gathers a cached prefix through this table; the paged path reads `tables`
+                prefix_table = used if start > 0 and not self.paged else []
+                chunks.append(PrefillChunk(token_start, n, end, torch.tensor(prefix_table, dtype=torch.long)))
                 prefill_tables.append(used)
             if end == seq.num_tokens:
                 sample_rows.append(len(ids) - 1)

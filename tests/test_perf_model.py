@@ -94,7 +94,7 @@ def test_profiler_grid_covers_prefill_decode_and_mixed_steps(model_dirs):
     assert all(t > 0 for t in rec.seconds) and not engine.has_unfinished_requests()
 
 
-def test_roofline_decode_at_batch_one_is_the_weights_over_bandwidth(model_dirs):
+def test_roofline_decode_at_batch_one_is_the_weights_over_bandwidth():
     from engine.model.model_config import ModelConfig
     config = ModelConfig.from_pretrained("configs/models/llama-3-8b")
     model = RooflineStepModel.for_model(config, gpu="H100-SXM", tp=1)

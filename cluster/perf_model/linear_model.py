@@ -57,9 +57,9 @@ class LinearStepModel:
         x = np.array([s.features() for s in shapes], dtype=np.float64)
         y = np.array(seconds, dtype=np.float64)
         coef = _nnls_relative(x, y)
-        model = cls(tuple(float(c) for c in coef), None, dict(meta or {}))
         rel = np.abs(x @ coef - y) / y
-        return cls(model.coefficients, FitError(float(rel.mean()), float(rel.max()), len(y)), dict(meta or {}))
+        return cls(tuple(float(c) for c in coef), FitError(float(rel.mean()), float(rel.max()), len(y)),
+                   dict(meta or {}))
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "linear", "coefficients": dict(zip(COEFFICIENTS, self.coefficients)),

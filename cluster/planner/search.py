@@ -13,7 +13,6 @@ never returned.
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass, field
 from typing import Callable
@@ -93,15 +92,10 @@ def candidates(num_gpus: int, tps: list[int]) -> list[Candidate]:
 def attainment(spec: ClusterSpec, workload: Workload, lengths, rate: float, slos_s: dict[str, float]) -> float:
     """Fraction of the workload's requests meeting every SLO at Poisson `rate`."""
     from bench.loadtest.arrivals import arrival_offsets
+    from bench.loadtest.metrics import meets_slos
     result = simulate(spec, lengths, arrival_offsets(len(lengths), rate, 1.0, workload.seed))
-    good = 0
-    for r in result.requests:
-        if r.end_time is None or not r.token_times:
-            continue
-        ttft = r.token_times[0] - r.send_time
-        tpot = (r.end_time - r.token_times[0]) / (len(r.token_times) - 1) if len(r.token_times) > 1 else 0.0
-        good += ttft <= slos_s.get("ttft", math.inf) and tpot <= slos_s.get("tpot", math.inf)
-    return good / len(lengths)
+    slos_ms = {name: seconds * 1000.0 for name, seconds in slos_s.items()}
+    return sum(meets_slos(record, slos_ms) for record in result.records()) / len(lengths)
 
 
 def max_rate(spec: ClusterSpec, workload: Workload, slos_s: dict[str, float], target: float = 0.9,

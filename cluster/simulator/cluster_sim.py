@@ -61,10 +61,6 @@ class ClusterSpec:
         if self.policy not in ("always", "conditional"):
             raise ValueError(f"policy must be always or conditional, got {self.policy!r}")
 
-    @property
-    def num_gpus_per_replica(self) -> tuple[int, int]:
-        return 1, 1
-
 
 @dataclass
 class SimRequestLog:

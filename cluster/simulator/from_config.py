@@ -27,12 +27,12 @@ def cluster_spec(config, model: StepTimeModel, *, model_config, link: KVLink = K
                  request_overhead_s: float = 0.0, prefill_model: StepTimeModel | None = None) -> ClusterSpec:
     """`config`: a cluster.config.DeploymentConfig; `model_config`: the engine
     ModelConfig of its checkpoint (KV bytes per token, context limit)."""
-    from engine.dtypes import dtype_size
+    from engine.memory_planner import kv_bytes_per_token
     e = config.engine
     max_len = config.model.max_model_len or model_config.max_position_embeddings
     dtype = "float32" if config.device == "cpu" and config.model.dtype == "auto" else \
         ("bfloat16" if config.model.dtype == "auto" else config.model.dtype)
-    kv_per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * dtype_size(dtype)
+    kv_per_token = kv_bytes_per_token(model_config, 1, dtype)      # the whole model's: what a hand-off moves
 
     def replica(pool, step_model: StepTimeModel) -> ReplicaSpec:
         return ReplicaSpec(step_model, kv_blocks(config, pool, model_config, dtype, max_len), e.block_size,
