@@ -26,6 +26,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1               # ranks the model is sharded over
     tp_backend: str = "auto"                    # auto: nccl for CUDA tensors, gloo for CPU tensors
     cpu_threads: int | None = None              # CPU: torch threads per rank; default: cores // TP
+    cpu_weight_prepack: bool = True             # CPU: linear weights also kept in oneDNN's packed layout
     # attention kernels: "triton" reads K/V in place from the cache blocks (default on CUDA);
     # "torch" gathers each sequence's blocks and runs SDPA (default on CPU)
     attention_backend: str = "auto"

@@ -29,6 +29,7 @@ from engine.model.attention_metadata import (
     PrefillChunk,
     to_device,
 )
+from engine.model.cpu_gemm import pack_linear_weights, packing_supported
 from engine.model.llama import use_fused_ops
 from engine.model.parallel import SINGLE_PROCESS, TensorParallel
 
@@ -77,6 +78,8 @@ class ModelWorker:
                                 device=self.device, tp=tp)
         if config.fused_ops and self.device.type == "cuda":
             use_fused_ops(self.model)
+        if config.cpu_weight_prepack and packing_supported(self.dtype, self.device):
+            pack_linear_weights(self.model)
         attn = self.model.model.layers[0].self_attn
         self.kv_head_start = attn.qkv_proj.kv_head_start
         spec = KVCacheSpec(mc.num_layers, attn.num_local_kv_heads, mc.head_dim, config.block_size, self.dtype)

@@ -47,6 +47,13 @@ class Router:
             self._workers = {"prefill": prefill, "decode": decode}
         self._stats_task = asyncio.get_event_loop().create_task(self._refresh_worker_stats())
 
+    async def __del__(self):
+        """Serve calls this when the replica stops: closing the output streams
+        ends them on the decode replicas too, which would otherwise wait out their
+        graceful-shutdown timeout for a subscriber that is gone."""
+        self._stats_task.cancel()
+        await self.backend.close()
+
     def __serve_build_asgi_app__(self):
         return build_openai_app(self.backend, self.tokenizer, self.metrics)
 

@@ -17,8 +17,8 @@ import yaml
 
 from cluster.app_builder import build_app, with_overrides
 from cluster.cli.main import build_parser
-from cluster.config import DeploymentConfig
 from cluster.cli.serve_command import config_from_args
+from cluster.config import DeploymentConfig
 from engine.tp_group import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -105,6 +105,8 @@ def test_pdserve_serve_answers_and_stops_cleanly_on_ctrl_c(model_dirs, tmp_path)
         with urllib.request.urlopen(request, timeout=60) as r:
             reply = json.loads(r.read())
         assert reply["usage"]["completion_tokens"] == 5
+        # the router answers on the port itself (direct ingress), not Serve's HTTP proxy
+        assert "ServeReplica:pdserve:Router" in _listener_of(port)
         check_loadtest_against(f"http://127.0.0.1:{port}", tmp_path)
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=90)
@@ -121,3 +123,23 @@ def test_pdserve_serve_answers_and_stops_cleanly_on_ctrl_c(model_dirs, tmp_path)
             break
         time.sleep(0.5)
     assert left == [], f"processes of the pdserve session still running 30 s after Ctrl-C: {left}"
+
+
+def _listener_of(port: int) -> str:
+    """The command line of the process listening on TCP `port` (from /proc)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            fields = row.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:   # 0A: LISTEN
+                inodes.add(f"socket:[{inode}]")
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+                return (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue   # gone, or not ours to read
+    return ""

@@ -78,6 +78,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from ray import serve
 
     from cluster.app_builder import build_application
+    from cluster.serving.direct_ingress import direct_ingress_env, spare_port
     from cluster.serving.placement import (
         PlacementError,
         local_cluster_cpus,
@@ -85,7 +86,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     )
 
     machine_cpus = os.cpu_count() or 1
-    started_ray = _connect(args.address, local_cluster_cpus(config, machine_cpus))
+    local_env = direct_ingress_env(config.http.port) if config.http.direct_ingress else {}
+    started_ray = _connect(args.address, local_cluster_cpus(config, machine_cpus), local_env)
+    direct_ingress = started_ray and config.http.direct_ingress
     try:
         config = placed_config(config, machine_cpus if started_ray else None)
         app = build_application(config)
@@ -100,7 +103,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": config.http.host, "port": config.http.port})
+        # with direct ingress the router listens on the port; Serve's proxy gets another
+        proxy_port = spare_port(config.http.host) if direct_ingress else config.http.port
+        serve.start(http_options={"host": config.http.host, "port": proxy_port})
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
         url = f"http://{config.http.host}:{config.http.port}"
         print(f"pdserve is serving {config.mode.value} at {url}/v1 (Ctrl-C stops it)", flush=True)
@@ -116,12 +121,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _connect(address: str | None, local_cpus: int) -> bool:
+def _connect(address: str | None, local_cpus: int, local_env: dict[str, str]) -> bool:
     """Joins `address`, or a running local cluster, or starts one declaring
-    `local_cpus` CPUs; True when this process started it (and must stop it)."""
+    `local_cpus` CPUs with `local_env` in its processes' environment; True when
+    this process started it (and must stop it)."""
     import ray
     if address == "local":
-        _start_local(local_cpus)
+        _start_local(local_cpus, local_env)
         return True
     if address:
         ray.init(address=address)
@@ -130,14 +136,14 @@ def _connect(address: str | None, local_cpus: int) -> bool:
         ray.init(address="auto")
         return False
     except ConnectionError:
-        _start_local(local_cpus)
+        _start_local(local_cpus, local_env)
         return True
 
 
-def _start_local(num_cpus: int) -> None:
+def _start_local(num_cpus: int, env: dict[str, str]) -> None:
     """A local cluster whose workers run at normal priority (cluster/serving/process_priority.py)."""
     import ray
 
     from cluster.serving.process_priority import LOCAL_CLUSTER_ENV
-    os.environ.update(LOCAL_CLUSTER_ENV)   # read by the raylet this starts
+    os.environ.update({**LOCAL_CLUSTER_ENV, **env})   # read by the raylet this starts and its workers
     ray.init(address="local", num_cpus=num_cpus)

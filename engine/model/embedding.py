@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model.cpu_gemm import PackedLinearMixin
 from engine.model.parallel import TensorParallel
 
 
@@ -49,11 +50,11 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(PackedLinearMixin, VocabParallelEmbedding):
     """Shares the embedding's sharding; may share its weight (tied embeddings)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         # hidden: [num_sampled, hidden] -> logits [num_sampled, vocab_size] on rank 0, None elsewhere
-        logits = F.linear(hidden, self.weight)
+        logits = self.linear(hidden)
         logits = self.tp.gather_last_dim_to_first(logits)   # only the sampling rank needs them
         return None if logits is None else logits[:, : self.vocab_size]

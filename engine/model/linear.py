@@ -12,13 +12,13 @@ and read only this rank's slice of it with `narrow`.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from engine.model.cpu_gemm import PackedLinearMixin
 from engine.model.parallel import TensorParallel
 
 
-class _ParallelLinear(nn.Module):
+class _ParallelLinear(PackedLinearMixin, nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel):
         super().__init__()
         self.tp = tp
@@ -49,7 +49,7 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features] -> [num_tokens, out_features / tp]
-        return F.linear(x, self.weight, self.bias)
+        return self.linear(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -102,7 +102,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # x: [num_tokens, hidden] -> q [T, local_heads*D], k and v [T, local_kv_heads*D]
-        return F.linear(x, self.weight, self.bias).split(self.split_sizes, dim=-1)
+        return self.linear(x, self.bias).split(self.split_sizes, dim=-1)
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -123,7 +123,7 @@ class RowParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features / tp] -> [num_tokens, out_features]
-        out = F.linear(x, self.weight)
+        out = self.linear(x)
         out = self.tp.all_reduce(out)
         if self.bias is not None:
             out = out + self.bias
