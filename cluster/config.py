@@ -54,7 +54,7 @@ class EngineSection(_Strict):
     max_cuda_graph_batch_size: int = Field(256, ge=1, description="CUDA: decode batches up to this size "
                                            "replay a graph captured at start-up")
     cpu_weight_prepack: bool = Field(True, description="CPU: linear weights also kept in oneDNN's packed layout "
-                                     "(faster from 3 rows up; twice the linear weights' memory)")
+                                     "(used from 16 rows up; twice the linear weights' memory)")
 
 
 class KVTransferSection(_Strict):

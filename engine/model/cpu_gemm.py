@@ -1,13 +1,16 @@
 """Linear layers on CPU through oneDNN, with each weight packed once at load.
 
 `F.linear` on CPU hands MKL the plain [out, in] weight on every call, and from
-a few rows up MKL re-packs the whole weight each time: on a 2-core Xeon, one
-decoder layer of the `bench` preset plus its LM head took 3.2 ms at 16 rows
-through F.linear and 1.2–1.5 ms with the weight pre-packed, 1.0 against 0.7 ms at
-4 rows, and 17 against 14 ms at 280 rows. oneDNN's blocked weight layout is made
-once and serves any number of rows. For one or two rows (a lone decode) the
-plain weight is faster, so a layer keeps both: packing doubles the memory of
-the linear weights (`EngineConfig.cpu_weight_prepack=False` turns it off).
+a few rows up MKL re-packs the whole weight each time. oneDNN's blocked layout
+is made once and serves any number of rows. In the `bench` preset's forward
+pass on a 2-core Xeon (A/B in one process, medians of 12): a decode step of 16
+sequences took 28.4 ms packed against 34.3 ms plain, one 280-token prefill
+95.8 against 104.1 ms and two 1024-token prompts 829 against 862 ms; at 8
+sequences the two were level, and at 3–4 the plain weight was ~10% faster
+(the weights no longer all fit the caches once there are two copies). So a
+layer keeps both and packs from PACKED_MIN_ROWS rows up: packing doubles the
+memory of the linear weights (`EngineConfig.cpu_weight_prepack=False` turns it
+off).
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# below this many rows the plain weight through F.linear is faster
-PACKED_MIN_ROWS = 3
+# below this many rows the plain weight through F.linear is as fast or faster
+PACKED_MIN_ROWS = 16
 # oneDNN picks its blocked layout for a typical row count; any count works
 _PACK_FOR_ROWS = 64
 
