@@ -47,9 +47,9 @@ class EngineSection(_Strict):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
-    attention_backend: Literal["auto", "torch", "triton"] = Field(
-        "auto", description="triton: paged kernels that read K/V in place (auto on CUDA); torch: gather + SDPA "
-        "(auto on CPU)")
+    attention_backend: Literal["auto", "torch", "triton", "cpp"] = Field(
+        "auto", description="triton: paged kernels that read K/V in place (auto on CUDA); cpp: C++ decode "
+        "attention reading the blocks in place (auto on CPU, float32); torch: gather + SDPA")
     enforce_eager: bool = Field(False, description="CUDA: run every step eagerly, without CUDA graphs")
     max_cuda_graph_batch_size: int = Field(256, ge=1, description="CUDA: decode batches up to this size "
                                            "replay a graph captured at start-up")

@@ -28,7 +28,8 @@ class EngineConfig:
     cpu_threads: int | None = None              # CPU: torch threads per rank; default: cores // TP
     cpu_weight_prepack: bool = True             # CPU: linear weights also kept in oneDNN's packed layout
     # attention kernels: "triton" reads K/V in place from the cache blocks (default on CUDA);
-    # "torch" gathers each sequence's blocks and runs SDPA (default on CPU)
+    # "cpp": decode attention in C++ reading the blocks in place (default on CPU, float32, where
+    # the extension builds); "torch" gathers each sequence's blocks and runs SDPA
     attention_backend: str = "auto"
     enforce_eager: bool = False                 # CUDA: no CUDA graphs (they need attention_backend triton)
     max_cuda_graph_batch_size: int = 256        # CUDA: decode batches up to this replay a captured graph
@@ -58,8 +59,8 @@ class EngineConfig:
                 self.tensor_parallel_size > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) is more than the "
                              f"{torch.cuda.device_count()} visible CUDA device(s)")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "torch", "triton", "cpp"):
+            raise ValueError(f"attention_backend must be auto, torch, triton or cpp, got {self.attention_backend!r}")
         if self.tp_backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"tp_backend must be auto, gloo or nccl, got {self.tp_backend!r}")
 
@@ -69,11 +70,12 @@ class EngineConfig:
         return torch.device(self.device)
 
     def resolved_attention_backend(self) -> str:
-        """triton on CUDA, torch on CPU, unless set. triton on CPU runs only under
-        Triton's interpreter (TRITON_INTERPRET=1), for tests."""
+        """triton on CUDA, cpp on CPU, unless set (the worker falls back from an
+        automatic cpp to torch where the kernel cannot run). triton on CPU runs
+        only under Triton's interpreter (TRITON_INTERPRET=1), for tests."""
         if self.attention_backend != "auto":
             return self.attention_backend
-        return "triton" if self.resolved_device().type == "cuda" else "torch"
+        return "triton" if self.resolved_device().type == "cuda" else "cpp"
 
     def uses_cuda_graphs(self) -> bool:
         return (self.resolved_device().type == "cuda" and not self.enforce_eager

@@ -74,6 +74,11 @@ class ModelWorker:
         self.attention_backend = config.resolved_attention_backend()
         if self.attention_backend == "triton":
             _require_triton(self.device)
+        if self.attention_backend == "cpp" and not _cpp_kernel_runs(self.device, self.dtype):
+            if config.attention_backend == "cpp":
+                raise ValueError("attention_backend 'cpp' needs float32 on CPU and a C++ compiler for its "
+                                 "extension (see the log); use attention_backend 'torch'")
+            self.attention_backend = "torch"
         self.model = load_model(config.model, mc, max_positions=self.max_model_len, dtype=self.dtype,
                                 device=self.device, tp=tp)
         if config.fused_ops and self.device.type == "cuda":
@@ -209,6 +214,13 @@ def _require_triton(device: torch.device) -> None:
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         raise ValueError("attention_backend 'triton' on CPU runs only under Triton's interpreter "
                          "(TRITON_INTERPRET=1, slow: for tests); use attention_backend 'torch' on CPU")
+
+
+def _cpp_kernel_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    if device.type != "cpu" or dtype != torch.float32:
+        return False
+    from engine.kernels import cpu_attention
+    return cpu_attention.available()
 
 
 def resolve_max_model_len(config: EngineConfig, mc: ModelConfig) -> int:

@@ -32,6 +32,7 @@ class ModelRunner:
         self.block_size = worker.kv_cache.spec.block_size
         self.sampler = sampler
         self.paged = worker.attention_backend == "triton"
+        self.cpp_decode = worker.attention_backend == "cpp"
 
     def prepare(self, step: ScheduledStep) -> tuple[ModelInputs, list[Sequence]]:
         """The step's model inputs, and the sequences sampled (in logits row order)."""
@@ -112,7 +113,12 @@ class ModelRunner:
 
     def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
         """Splits decodes (sorted by length) where padding to the group's longest
-        would waste more than a quarter of the gathered keys."""
+        would waste more than a quarter of the gathered keys. The C++ kernel
+        gathers nothing: one group, with each sequence's length."""
+        if self.cpp_decode:
+            if not tables:
+                return []
+            return [DecodeGroup(0, _padded(tables), None, torch.tensor(lens, dtype=torch.long))]
         groups = []
         start = 0
         while start < len(tables):
@@ -127,7 +133,7 @@ class ModelRunner:
     def _decode_group(self, token_start: int, tables: list[list[int]], lens: list[int]) -> DecodeGroup:
         bs = self.block_size
         max_blocks = len(tables[-1])
-        padded = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
+        padded = _padded(tables)
         mask = None
         if any(n != max_blocks * bs for n in lens):
             mask = (torch.arange(max_blocks * bs)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
@@ -143,6 +149,12 @@ class ModelRunner:
         if not sampled:
             return [], None
         return sampled, self.sampler(logits, [sampling_row(seq) for seq in sampled])
+
+
+def _padded(tables: list[list[int]]) -> torch.Tensor:
+    """[n, longest] int64 block tables, rows padded with block 0 (`tables` sorted by length)."""
+    width = len(tables[-1])
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
 
 
 def sampling_row(seq: Sequence) -> SamplingRow:

@@ -51,8 +51,9 @@ class Router:
         """Serve calls this when the replica stops: closing the output streams
         ends them on the decode replicas too, which would otherwise wait out their
         graceful-shutdown timeout for a subscriber that is gone."""
-        self._stats_task.cancel()
-        await self.backend.close()
+        if hasattr(self, "backend"):   # absent when __init__ failed
+            self._stats_task.cancel()
+            await self.backend.close()
 
     def __serve_build_asgi_app__(self):
         return build_openai_app(self.backend, self.tokenizer, self.metrics)

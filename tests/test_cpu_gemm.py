@@ -8,7 +8,12 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from engine import LLM, SamplingParams
-from engine.model.cpu_gemm import PACKED_MIN_ROWS, PackedLinearMixin, pack_linear_weights, packing_supported
+from engine.model.cpu_gemm import (
+    PACKED_MIN_ROWS,
+    PackedLinearMixin,
+    pack_linear_weights,
+    packing_supported,
+)
 from engine.model.linear import ColumnParallelLinear, RowParallelLinear
 from engine.model.parallel import SINGLE_PROCESS
 
@@ -41,13 +46,14 @@ def test_row_parallel_adds_its_bias_once_on_the_packed_path():
     layer = RowParallelLinear(64, 32, bias=True, tp=SINGLE_PROCESS)
     layer.weight.data.normal_()
     layer.bias.data.normal_()
-    x = torch.randn(8, 64)
+    x = torch.randn(PACKED_MIN_ROWS + 4, 64)
     pack_linear_weights(layer)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
 
 
 def test_the_engine_packs_every_linear_and_the_lm_head_and_generates_the_same_tokens(model_dirs):
-    prompts = [[5, 17, 42, 99, 3, 8], [7, 7, 120, 33], [250, 11, 64, 2, 19, 81, 40]]
+    # more sequences than PACKED_MIN_ROWS: decode steps take the packed path too
+    prompts = [[5 + i, 17, 42 + 3 * i, 99, 3, 8 + i][: 3 + i % 4] for i in range(PACKED_MIN_ROWS + 2)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outputs = {}
     for prepack in (True, False):

@@ -56,6 +56,18 @@ def test_greedy_matches_transformers_with_staggered_arrivals(preset, model_dirs,
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+@pytest.mark.parametrize("preset", ["tiny", "tiny-mistral"])
+def test_greedy_matches_transformers_on_the_gather_and_sdpa_backend(preset, model_dirs, reference):
+    """The CPU default is the C++ decode kernel where it builds; the torch backend stays exact too."""
+    engine = LLMEngine(EngineConfig(model=str(model_dirs[preset]), max_model_len=512, attention_backend="torch"))
+    assert engine.worker.attention_backend == "torch"
+    prompts = _prompts(engine.tokenizer, 12, seed=1)
+    max_tokens = [random.Random(i).randint(1, 24) for i in range(len(prompts))]
+    got = _run_staggered(engine, prompts, max_tokens)
+    _check(reference, preset, prompts, max_tokens, got)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2"])
 def test_greedy_matches_with_small_chunked_prefill(preset, model_dirs, reference):
     # 7-token budget: every prompt over 7 tokens is split across steps, mixed with decodes

@@ -59,5 +59,5 @@ def test_greedy_matches_with_prefix_cache_hits(model_dirs, reference):
 
 
 def test_unknown_attention_backend_is_rejected(model_dirs):
-    with pytest.raises(ValueError, match="attention_backend must be auto, torch or triton"):
+    with pytest.raises(ValueError, match="attention_backend must be auto, torch, triton or cpp"):
         EngineConfig(model=str(model_dirs["tiny"]), attention_backend="flash")

@@ -9,7 +9,8 @@
 Flags override the config file; with neither, the built-in tiny model is served
 on CPU by 1 prefill + 1 decode worker at http://127.0.0.1:8000. Joins the Ray
 cluster at --address (or a running local one); otherwise starts a local
-cluster declaring enough CPUs for every gang, and on Ctrl-C/SIGTERM stops
+cluster declaring enough CPUs for every gang, whose router answers HTTP on the
+port itself (cluster/serving/direct_ingress.py), and on Ctrl-C/SIGTERM stops
 everything it started. A deployment whose gangs can never be placed on the
 cluster is refused before anything is deployed (exit 2, the message on stderr).
 """

@@ -3,8 +3,10 @@ prefill chunks.
 
 With `meta.paged` set (the Triton backend, the default on CUDA), the paged
 kernels of engine/kernels/paged_attention.py read K/V in place from the blocks.
-Otherwise (the torch backend, the default on CPU) it runs in plain torch
-(scaled_dot_product_attention), as described below.
+Otherwise it runs in plain torch (scaled_dot_product_attention), as described
+below, except that on the cpp backend (the default on CPU where the extension
+builds) decode tokens go to the C++ kernel of engine/kernels/cpu_attention.py,
+which also reads the blocks in place.
 
 Per layer the cache is a tensor [2, num_blocks, block_size, kv_heads, head_dim]
 (K then V). New K/V are written to their slots first; then
@@ -40,7 +42,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     gqa = q.shape[1] != k.shape[1]
     for group in meta.decode_groups:
         s, n = group.token_start, group.block_tables.shape[0]
-        out[s:s + n] = _decode_attention(q[s:s + n], kv_cache, group, scale)
+        if group.seq_lens is not None:
+            from engine.kernels import cpu_attention
+            cpu_attention.paged_decode_attention(q[s:s + n], kv_cache, group.block_tables, group.seq_lens, scale,
+                                                 out=out[s:s + n])
+        else:
+            out[s:s + n] = _decode_attention(q[s:s + n], kv_cache, group, scale)
     for chunk in meta.prefills:
         s, n = chunk.token_start, chunk.num_tokens
         qc = q[s:s + n].transpose(0, 1)                               # [heads, n, D]

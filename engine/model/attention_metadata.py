@@ -3,7 +3,8 @@
 A step's batch is one flat list of tokens: first one token for each decoding
 sequence, then the chunks of the sequences that are prefilling. The runner
 builds this value once per step; every attention layer reads it. The torch
-backend reads `decode_groups` and `prefills`; the Triton backend reads `paged`.
+and cpp backends read `decode_groups` and `prefills`; the Triton backend reads
+`paged`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ class DecodeGroup:
     token_start: int
     block_tables: torch.Tensor    # [n, max_blocks] int64, padded with block 0
     key_mask: torch.Tensor | None  # [n, 1, 1, max_blocks * block_size] bool; None when nothing is padded
+    # [n] int64 keys per sequence: set when the C++ kernel reads the blocks in place (one group
+    # for all decodes, engine/kernels/cpu_attention.py); None for the gather + SDPA path
+    seq_lens: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -67,7 +71,8 @@ class AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=to_device(self.slot_mapping, device),
             decode_groups=[DecodeGroup(g.token_start, to_device(g.block_tables, device),
-                                       None if g.key_mask is None else to_device(g.key_mask, device))
+                                       None if g.key_mask is None else to_device(g.key_mask, device),
+                                       None if g.seq_lens is None else to_device(g.seq_lens, device))
                            for g in self.decode_groups],
             prefills=[PrefillChunk(c.token_start, c.num_tokens, c.context_len, to_device(c.block_table, device))
                       for c in self.prefills],

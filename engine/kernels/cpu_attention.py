@@ -1,0 +1,145 @@
+"""Paged decode attention on CPU in C++, reading K/V in place from the cache blocks.
+
+The torch backend gathers every decoding sequence's blocks into a dense copy
+(`index_select`) and runs SDPA on it: three passes over the context's K/V per
+layer. This kernel reads each K and V row once, in place. A task is one
+sequence's KV heads (all of them when there are at least two sequences per
+thread, so each token's K/V row is read whole and in order; one KV head per
+task otherwise, so a small batch still uses every thread), run on ATen's
+thread pool; it scores the query heads that share each KV head, takes the
+softmax in float32 and sums the values, so GQA and MQA read each KV byte once.
+
+Measured on the `bench` preset, 2 cores (A/B in one process): a decode step of
+16 sequences at 300 tokens of context took 19.0 against 19.5 ms and 20.9
+against 22.1 ms (two runs), at 1,200 tokens 37.4 against 40.5 ms, and 2
+sequences at 1,200 tokens 8.7 against 9.6 ms; alone on the engine's own
+inputs the kernel takes 0.27 ms per layer at 16 × 324 tokens.
+
+The extension is compiled on first use with the C++ compiler torch's
+`cpp_extension` finds (a few tens of seconds, then cached under
+`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions; built for the
+machine's own CPU, so a cache shared by different CPUs should be per machine).
+Where it cannot be built, `available()` is False and the engine keeps the torch
+backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <vector>
+
+// out, q: [B, H, D] float32; kv_cache: [2, num_blocks, block_size, KVH, D] float32;
+// block_tables: [B, max_blocks] int64; seq_lens: [B] int64 (keys each sequence attends to).
+void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache,
+                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && kv_cache.is_contiguous(), "contiguous tensors expected");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && kv_cache.scalar_type() == torch::kFloat, "float32 expected");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), KVH = kv_cache.size(3);
+  const int64_t G = H / KVH;
+  const int64_t token_stride = KVH * D, block_stride = block_size * token_stride;
+  const float* k_base = kv_cache.data_ptr<float>();
+  const float* v_base = k_base + num_blocks * block_stride;
+  const float* q_base = q.data_ptr<float>();
+  float* o_base = out.data_ptr<float>();
+  auto tables = block_tables.accessor<int64_t, 2>();
+  auto lens = seq_lens.accessor<int64_t, 1>();
+  const float fscale = static_cast<float>(scale);
+
+  // a task is one sequence's `per_task` consecutive KV heads: all of them when there are enough
+  // sequences to keep every thread busy (each token's K/V row is then read whole, in order)
+  const int64_t per_task = B >= 2 * at::get_num_threads() ? KVH : 1;
+  const int64_t tasks_per_seq = KVH / per_task, R = per_task * G;   // R: query heads of a task
+  at::parallel_for(0, B * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(R * D), row_max(R), row_sum(R);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / tasks_per_seq, kh0 = (task % tasks_per_seq) * per_task, L = lens[b];
+      const float* qr = q_base + (b * H + kh0 * G) * D;       // the R query heads, contiguous
+      scores.resize(R * L);
+      std::fill(row_max.begin(), row_max.end(), -FLT_MAX);   // finite: built with -ffast-math
+      for (int64_t t = 0; t < L; ++t) {
+        const float* k = k_base + tables[b][t / block_size] * block_stride + (t % block_size) * token_stride + kh0 * D;
+        for (int64_t r = 0; r < R; ++r) {
+          const float* qh = qr + r * D;
+          const float* kr = k + (r / G) * D;
+          float dot = 0.f;
+          #pragma omp simd reduction(+:dot)
+          for (int64_t d = 0; d < D; ++d) dot += qh[d] * kr[d];
+          dot *= fscale;
+          scores[r * L + t] = dot;
+          row_max[r] = std::max(row_max[r], dot);
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        float sum = 0.f;
+        float* sr = scores.data() + r * L;
+        const float m = row_max[r];
+        #pragma omp simd reduction(+:sum)
+        for (int64_t t = 0; t < L; ++t) { sr[t] = std::exp(sr[t] - m); sum += sr[t]; }
+        row_sum[r] = sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < L; ++t) {
+        const float* v = v_base + tables[b][t / block_size] * block_stride + (t % block_size) * token_stride + kh0 * D;
+        for (int64_t r = 0; r < R; ++r) {
+          const float p = scores[r * L + t];
+          const float* vr = v + (r / G) * D;
+          float* a = acc.data() + r * D;
+          #pragma omp simd
+          for (int64_t d = 0; d < D; ++d) a[d] += p * vr[d];
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        float* o = o_base + (b * H + kh0 * G + r) * D;
+        const float inv = 1.f / row_sum[r];
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inv;
+      }
+    }
+  });
+}
+"""
+
+_lock = threading.Lock()
+_module = None
+_failed = False
+
+
+def _load():
+    global _module, _failed
+    with _lock:
+        if _module is None and not _failed:
+            try:
+                from torch.utils.cpp_extension import load_inline
+                _module = load_inline(
+                    name="pdserve_cpu_attention", cpp_sources=_SOURCE, functions=["paged_decode_attention"],
+                    extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+            except Exception as exc:  # noqa: BLE001 - no compiler, no headers: the torch backend serves
+                _failed = True
+                log.warning("the C++ CPU attention kernel could not be built (%s); using the torch backend", exc)
+    return _module
+
+
+def available() -> bool:
+    """Whether the kernel is built (building it on the first call)."""
+    return _load() is not None
+
+
+def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
+    """q, out: [B, heads, D] float32; kv_cache: [2, num_blocks, block_size, kv_heads, D];
+    block_tables: [B, max_blocks] int64 (rows may be padded); seq_lens: [B] int64.
+    Writes softmax(q K^T * scale) V over each sequence's first seq_lens[b] keys into `out`."""
+    _load().paged_decode_attention(out, q, kv_cache, block_tables, seq_lens, scale)
+    return out

@@ -1,0 +1,89 @@
+"""The C++ paged decode attention for CPU (engine/kernels/cpu_attention.py)
+against float64 attention over the same keys, and the engine on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.kernels import cpu_attention
+
+pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="the C++ extension cannot be built here")
+
+
+def _reference(q, kv_cache, tables, lens, scale):
+    # float64, one sequence at a time, keys gathered token by token
+    batch, heads, _ = q.shape
+    kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for b in range(batch):
+        pos = torch.arange(int(lens[b]))
+        blocks = tables[b][pos // block_size]
+        k = kv_cache[0][blocks, pos % block_size].double()        # [L, kv_heads, D]
+        v = kv_cache[1][blocks, pos % block_size].double()
+        for h in range(heads):
+            kh = h // (heads // kv_heads)
+            p = torch.softmax(k[:, kh] @ q[b, h].double() * scale, dim=0)
+            out[b, h] = p @ v[:, kh]
+    return out
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (8, 2, 64), (6, 1, 80), (4, 2, 128)])
+@pytest.mark.parametrize("block_size", [5, 16])
+def test_decode_attention_matches_float64_attention(heads, kv_heads, head_dim, block_size):
+    gen = torch.Generator().manual_seed(heads * 100 + head_dim + block_size)
+    num_blocks = 64
+    kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    # ragged lengths on and off block boundaries; shuffled, non-contiguous blocks; padded table rows
+    lens = torch.tensor([1, block_size, block_size + 1, 3 * block_size - 1, 7 * block_size], dtype=torch.long)
+    width = int(-(-lens.max() // block_size))
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(lens), width, dtype=torch.long)
+    used = 0
+    for b, n in enumerate(lens.tolist()):
+        need = -(-n // block_size)
+        tables[b, :need] = order[used:used + need]
+        used += need
+    q = torch.randn(len(lens), heads, head_dim, generator=gen)
+    scale = head_dim ** -0.5
+    out = torch.full_like(q, float("nan"))
+    cpu_attention.paged_decode_attention(q, kv_cache, tables, lens, scale, out=out)
+    torch.testing.assert_close(out.double(), _reference(q, kv_cache, tables, lens, scale), rtol=1e-5, atol=1e-5)
+
+
+def test_keys_past_a_sequence_length_are_not_read():
+    gen = torch.Generator().manual_seed(7)
+    kv_cache = torch.randn(2, 8, 4, 2, 32, generator=gen)
+    tables = torch.tensor([[3, 5, 1]])
+    q = torch.randn(1, 4, 32, generator=gen)
+    lens = torch.tensor([6])
+    out = torch.empty_like(q)
+    cpu_attention.paged_decode_attention(q, kv_cache, tables, lens, 0.2, out=out)
+    poisoned = kv_cache.clone()
+    poisoned[:, 5, 2:] = 1e4            # slots 6 and 7 of the second block: past the length
+    poisoned[:, 1] = float("nan")       # the third block: not reached at all
+    again = torch.empty_like(q)
+    cpu_attention.paged_decode_attention(q, poisoned, tables, lens, 0.2, out=again)
+    assert torch.equal(out, again)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-mqa"])
+def test_the_engine_on_the_cpp_backend_gives_the_torch_backends_tokens(preset, model_dirs):
+    prompts = [[5 + i, 17, 42 + 3 * i, 99, 3, 8 + i, 11, 64][: 2 + i % 7] for i in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    tokens = {}
+    for backend in ("cpp", "torch"):
+        llm = LLM(str(model_dirs[preset]), max_model_len=256, dtype="float32", attention_backend=backend,
+                  block_size=5)
+        assert llm.engine.worker.attention_backend == backend
+        tokens[backend] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert tokens["cpp"] == tokens["torch"]
+
+
+def test_auto_falls_back_to_torch_where_the_kernel_cannot_run_and_an_explicit_cpp_is_refused(model_dirs):
+    # the kernel is float32-only: bfloat16 on CPU takes the gather + SDPA path
+    llm = LLM(str(model_dirs["tiny"]), max_model_len=128, dtype="bfloat16")
+    assert llm.engine.worker.attention_backend == "torch"
+    with pytest.raises(ValueError, match="attention_backend 'cpp' needs float32 on CPU"):
+        LLM(str(model_dirs["tiny"]), max_model_len=128, dtype="bfloat16", attention_backend="cpp")
