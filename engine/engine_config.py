@@ -33,7 +33,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False                 # CUDA: no CUDA graphs (they need attention_backend triton)
     max_cuda_graph_batch_size: int = 256        # CUDA: decode batches up to this replay a captured graph
-    fused_ops: bool = True                      # CUDA: Triton RMSNorm+residual, SiLU-and-mul, rotary
+    fused_ops: bool = True                      # fused RMSNorm+residual, SiLU-and-mul, rotary:
+                                                # Triton on CUDA, C++ on CPU (float32)
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:

@@ -74,7 +74,7 @@ class ModelWorker:
         self.attention_backend = config.resolved_attention_backend()
         if self.attention_backend == "triton":
             _require_triton(self.device)
-        if self.attention_backend == "cpp" and not _cpp_kernel_runs(self.device, self.dtype):
+        if self.attention_backend == "cpp" and not _cpp_kernels_run(self.device, self.dtype):
             if config.attention_backend == "cpp":
                 raise ValueError("attention_backend 'cpp' needs float32 on CPU and a C++ compiler for its "
                                  "extension (see the log); use attention_backend 'torch'")
@@ -82,7 +82,11 @@ class ModelWorker:
         self.model = load_model(config.model, mc, max_positions=self.max_model_len, dtype=self.dtype,
                                 device=self.device, tp=tp)
         if config.fused_ops and self.device.type == "cuda":
-            use_fused_ops(self.model)
+            from engine.kernels import fused_ops
+            use_fused_ops(self.model, fused_ops)
+        elif config.fused_ops and _cpp_kernels_run(self.device, self.dtype):
+            from engine.kernels import cpu_kernels
+            use_fused_ops(self.model, cpu_kernels)
         if config.cpu_weight_prepack and packing_supported(self.dtype, self.device):
             pack_linear_weights(self.model)
         attn = self.model.model.layers[0].self_attn
@@ -216,11 +220,11 @@ def _require_triton(device: torch.device) -> None:
                          "(TRITON_INTERPRET=1, slow: for tests); use attention_backend 'torch' on CPU")
 
 
-def _cpp_kernel_runs(device: torch.device, dtype: torch.dtype) -> bool:
+def _cpp_kernels_run(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type != "cpu" or dtype != torch.float32:
         return False
-    from engine.kernels import cpu_attention
-    return cpu_attention.available()
+    from engine.kernels import cpu_kernels
+    return cpu_kernels.available()
 
 
 def resolve_max_model_len(config: EngineConfig, mc: ModelConfig) -> int:

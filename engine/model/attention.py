@@ -5,7 +5,7 @@ With `meta.paged` set (the Triton backend, the default on CUDA), the paged
 kernels of engine/kernels/paged_attention.py read K/V in place from the blocks.
 Otherwise it runs in plain torch (scaled_dot_product_attention), as described
 below, except that on the cpp backend (the default on CPU where the extension
-builds) decode tokens go to the C++ kernel of engine/kernels/cpu_attention.py,
+builds) decode tokens go to the C++ kernel of engine/kernels/cpu_kernels.py,
 which also reads the blocks in place.
 
 Per layer the cache is a tensor [2, num_blocks, block_size, kv_heads, head_dim]
@@ -43,8 +43,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     for group in meta.decode_groups:
         s, n = group.token_start, group.block_tables.shape[0]
         if group.seq_lens is not None:
-            from engine.kernels import cpu_attention
-            cpu_attention.paged_decode_attention(q[s:s + n], kv_cache, group.block_tables, group.seq_lens, scale,
+            from engine.kernels import cpu_kernels
+            cpu_kernels.paged_decode_attention(q[s:s + n], kv_cache, group.block_tables, group.seq_lens, scale,
                                                  out=out[s:s + n])
         else:
             out[s:s + n] = _decode_attention(q[s:s + n], kv_cache, group, scale)

@@ -36,7 +36,7 @@ class DecodeGroup:
     block_tables: torch.Tensor    # [n, max_blocks] int64, padded with block 0
     key_mask: torch.Tensor | None  # [n, 1, 1, max_blocks * block_size] bool; None when nothing is padded
     # [n] int64 keys per sequence: set when the C++ kernel reads the blocks in place (one group
-    # for all decodes, engine/kernels/cpu_attention.py); None for the gather + SDPA path
+    # for all decodes, engine/kernels/cpu_kernels.py); None for the gather + SDPA path
     seq_lens: torch.Tensor | None = None
 
 

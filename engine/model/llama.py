@@ -8,6 +8,8 @@ are computed only for the rows that are sampled (`compute_logits`).
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,16 +27,19 @@ from engine.model.parallel import TensorParallel
 from engine.model.rotary import RotaryEmbedding
 
 
-def use_fused_ops(model: nn.Module) -> None:
-    """Switches the model's norms, MLPs and rotary embedding to the fused Triton
-    kernels (CUDA): same results, fewer passes over memory and fewer launches."""
+def use_fused_ops(model: nn.Module, kernels: ModuleType) -> None:
+    """Switches the model's norms, MLPs and rotary embedding to fused kernels:
+    `kernels` is a module with rms_norm, fused_add_rms_norm, silu_and_mul and
+    apply_rotary (engine/kernels/fused_ops.py, Triton, on CUDA;
+    engine/kernels/cpu_kernels.py, C++, on CPU). Same results, fewer passes over
+    memory and far fewer ops per layer."""
     for module in model.modules():
         if isinstance(module, (RMSNorm, LlamaMLP, RotaryEmbedding)):
-            module.fused = True
+            module.fused = kernels
 
 
 class RMSNorm(nn.Module):
-    fused = False
+    fused: ModuleType | None = None    # set by use_fused_ops
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
@@ -44,11 +49,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """x: [T, hidden]. Without `residual`: norm(x). With it: (norm(x + residual),
         x + residual), the sum being the residual stream the next layer adds to."""
-        if self.fused:
-            from engine.kernels import fused_ops
+        if self.fused is not None:
             if residual is None:
-                return fused_ops.rms_norm(x, self.weight, self.eps)
-            return fused_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+                return self.fused.rms_norm(x, self.weight, self.eps)
+            return self.fused.fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         x = x + residual
@@ -89,7 +93,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    fused = False
+    fused: ModuleType | None = None    # set by use_fused_ops
 
     def __init__(self, config: ModelConfig, tp: TensorParallel):
         super().__init__()
@@ -100,9 +104,8 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]; gate/up: [T, intermediate / tp]
         gate_up = self.gate_up_proj(x)
-        if self.fused:
-            from engine.kernels.fused_ops import silu_and_mul
-            return self.down_proj(silu_and_mul(gate_up))
+        if self.fused is not None:
+            return self.down_proj(self.fused.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

@@ -52,7 +52,7 @@ def _llama3_scaling(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    fused = False      # set by llama.use_fused_ops: one Triton kernel for q and k
+    fused = None       # set by llama.use_fused_ops: a kernel module whose apply_rotary does q and k
 
     def __init__(self, config: ModelConfig, max_positions: int):
         super().__init__()
@@ -66,9 +66,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T]; q: [T, heads, head_dim]; k: [T, kv_heads, head_dim]
-        if self.fused:
-            from engine.kernels.fused_ops import apply_rotary
-            return apply_rotary(q, k, self.cos, self.sin, positions)
+        if self.fused is not None:
+            return self.fused.apply_rotary(q, k, self.cos, self.sin, positions)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)      # [T, 1, head_dim]
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -1,4 +1,4 @@
-"""The C++ paged decode attention for CPU (engine/kernels/cpu_attention.py)
+"""The C++ paged decode attention for CPU (engine/kernels/cpu_kernels.py)
 against float64 attention over the same keys, and the engine on it."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.kernels import cpu_attention
+from engine.kernels import cpu_kernels
 
-pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="the C++ extension cannot be built here")
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the C++ extension cannot be built here")
 
 
 def _reference(q, kv_cache, tables, lens, scale):
@@ -48,7 +48,7 @@ def test_decode_attention_matches_float64_attention(heads, kv_heads, head_dim, b
     q = torch.randn(len(lens), heads, head_dim, generator=gen)
     scale = head_dim ** -0.5
     out = torch.full_like(q, float("nan"))
-    cpu_attention.paged_decode_attention(q, kv_cache, tables, lens, scale, out=out)
+    cpu_kernels.paged_decode_attention(q, kv_cache, tables, lens, scale, out=out)
     torch.testing.assert_close(out.double(), _reference(q, kv_cache, tables, lens, scale), rtol=1e-5, atol=1e-5)
 
 
@@ -59,12 +59,12 @@ def test_keys_past_a_sequence_length_are_not_read():
     q = torch.randn(1, 4, 32, generator=gen)
     lens = torch.tensor([6])
     out = torch.empty_like(q)
-    cpu_attention.paged_decode_attention(q, kv_cache, tables, lens, 0.2, out=out)
+    cpu_kernels.paged_decode_attention(q, kv_cache, tables, lens, 0.2, out=out)
     poisoned = kv_cache.clone()
     poisoned[:, 5, 2:] = 1e4            # slots 6 and 7 of the second block: past the length
     poisoned[:, 1] = float("nan")       # the third block: not reached at all
     again = torch.empty_like(q)
-    cpu_attention.paged_decode_attention(q, poisoned, tables, lens, 0.2, out=again)
+    cpu_kernels.paged_decode_attention(q, poisoned, tables, lens, 0.2, out=again)
     assert torch.equal(out, again)
 
 
@@ -87,3 +87,60 @@ def test_auto_falls_back_to_torch_where_the_kernel_cannot_run_and_an_explicit_cp
     assert llm.engine.worker.attention_backend == "torch"
     with pytest.raises(ValueError, match="attention_backend 'cpp' needs float32 on CPU"):
         LLM(str(model_dirs["tiny"]), max_model_len=128, dtype="bfloat16", attention_backend="cpp")
+
+
+# ---- fused small ops against the model's own eager paths ----------------------------------------
+def _rows(t: int, n: int, seed: int) -> torch.Tensor:
+    return torch.randn(t, n, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_rms_norm_and_fused_add_rms_norm_match_the_eager_norm(tokens):
+    from engine.model.llama import RMSNorm
+    norm = RMSNorm(96, 1e-5)
+    norm.weight.data = _rows(1, 96, 1)[0]
+    x, residual = _rows(tokens, 96, 2), _rows(tokens, 96, 3)
+    torch.testing.assert_close(cpu_kernels.rms_norm(x, norm.weight, 1e-5), norm(x), rtol=1e-5, atol=1e-5)
+    want_out, want_residual = norm(x, residual.clone())
+    out, new_residual = cpu_kernels.fused_add_rms_norm(x, residual, norm.weight, 1e-5)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    assert torch.equal(new_residual, want_residual)        # the sum itself is exact
+
+
+def test_silu_and_mul_matches_silu_times_up():
+    x = _rows(5, 2 * 70, 4)
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu_kernels.silu_and_mul(x), torch.nn.functional.silu(gate) * up,
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_rotary_matches_the_eager_rotary_on_strided_views():
+    from engine.model.model_config import ModelConfig
+    from engine.model.rotary import RotaryEmbedding
+    config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32, hidden_size=64, intermediate_size=64,
+                         num_layers=1, num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=256,
+                         rms_norm_eps=1e-5, rope_theta=10000.0, rope_type="default", rope_params={})
+    rope = RotaryEmbedding(config, 256)
+    qkv = _rows(6, (4 + 2 + 2) * 32, 5)
+    q = qkv[:, :128].view(6, 4, 32)                       # strided rows, as the model's q/k views are
+    k = qkv[:, 128:192].view(6, 2, 32)
+    positions = torch.tensor([0, 1, 17, 100, 200, 255])
+    before = qkv.clone()
+    got_q, got_k = cpu_kernels.apply_rotary(q, k, rope.cos, rope.sin, positions)
+    want_q, want_k = rope(positions, q, k)
+    torch.testing.assert_close(got_q, want_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_k, want_k, rtol=1e-5, atol=1e-5)
+    assert got_q.is_contiguous() and got_k.is_contiguous()
+    assert torch.equal(qkv, before)                        # not in place
+
+
+def test_the_engine_with_fused_cpu_ops_gives_the_eager_engines_tokens(model_dirs):
+    prompts = [[5 + i, 17, 42 + 3 * i, 99, 3, 8 + i, 11][: 2 + i % 6] for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    tokens = {}
+    for fused in (True, False):
+        llm = LLM(str(model_dirs["tiny-qwen2"]), max_model_len=256, dtype="float32", fused_ops=fused)
+        norm = llm.engine.worker.model.model.norm
+        assert (norm.fused is cpu_kernels) == fused
+        tokens[fused] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert tokens[True] == tokens[False]
