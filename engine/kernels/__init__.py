@@ -1,1 +1,1 @@
-"""Triton kernels for the CUDA path."""
+"""Triton kernels for the CUDA path; C++ kernels for the CPU path (cpu_kernels.py)."""

@@ -204,6 +204,8 @@ _failed = False
 
 def _load():
     global _module, _failed
+    if _module is not None:   # every kernel call comes here: no lock once built
+        return _module
     with _lock:
         if _module is None and not _failed:
             try:

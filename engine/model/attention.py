@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.kernels import cpu_kernels
 from engine.model.attention_metadata import AttentionMetadata, DecodeGroup
 
 
@@ -43,7 +44,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     for group in meta.decode_groups:
         s, n = group.token_start, group.block_tables.shape[0]
         if group.seq_lens is not None:
-            from engine.kernels import cpu_kernels
             cpu_kernels.paged_decode_attention(q[s:s + n], kv_cache, group.block_tables, group.seq_lens, scale,
                                                  out=out[s:s + n])
         else:
