@@ -64,9 +64,10 @@ def create_group(rank: int, size: int, host: str, port: int, backend: str, devic
     return TensorParallel(rank=rank, size=size, group=group, comm_device=comm_device, store=store)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

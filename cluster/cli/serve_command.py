@@ -79,12 +79,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from ray import serve
 
     from cluster.app_builder import build_application
-    from cluster.serving.direct_ingress import direct_ingress_env, spare_port
+    from cluster.serving.direct_ingress import direct_ingress_env
     from cluster.serving.placement import (
         PlacementError,
         local_cluster_cpus,
         placed_config,
     )
+    from engine.tp_group import free_port
 
     machine_cpus = os.cpu_count() or 1
     local_env = direct_ingress_env(config.http.port) if config.http.direct_ingress else {}
@@ -105,7 +106,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         # with direct ingress the router listens on the port; Serve's proxy gets another
-        proxy_port = spare_port(config.http.host) if direct_ingress else config.http.port
+        proxy_port = free_port(config.http.host) if direct_ingress else config.http.port
         serve.start(http_options={"host": config.http.host, "port": proxy_port})
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
         url = f"http://{config.http.host}:{config.http.port}"

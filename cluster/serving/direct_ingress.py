@@ -16,8 +16,6 @@ before. One router per node: the application deploys exactly one.
 
 from __future__ import annotations
 
-import socket
-
 # Serve keeps a draining direct-ingress replica open this long so that an
 # external load balancer can deregister it; a local cluster has none.
 _DRAINING_PERIOD_S = "1"
@@ -32,10 +30,3 @@ def direct_ingress_env(port: int) -> dict[str, str]:
         "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),   # [min, max): exactly `port`
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": _DRAINING_PERIOD_S,
     }
-
-
-def spare_port(host: str) -> int:
-    """A port free on `host` right now, for Serve's proxy."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
