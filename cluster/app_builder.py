@@ -25,7 +25,7 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from cluster.config import DeploymentConfig, Mode, WorkerPool, load_config
+from cluster.config import DeploymentConfig, Mode, load_config
 from cluster.serving.replica_routing import LoadAwareRouter
 from cluster.transport.transport_factory import TransportSettings
 from router.backend import ModelInfo
@@ -38,15 +38,19 @@ ROUTER_MAX_ONGOING_REQUESTS = 100_000
 
 def build_app(args: dict[str, Any]) -> serve.Application:
     """Serve's application builder. args: `config` (a deployment YAML file;
-    default: the built-in defaults) and dotted overrides, e.g.
-    {"prefill.replicas": 2, "model.path": "/models/llama"}."""
+    default: the built-in defaults) or `config_json` (a whole deployment as a
+    dict), and dotted overrides, e.g. {"prefill.replicas": 2, "model.path":
+    "/models/llama"}. With autoscaling enabled, the Serve config's application
+    must also name the policy: `autoscaling_policy: {policy_function:
+    cluster.autoscaler.serve_policy:router_targets}`."""
     import ray
 
     from cluster.serving.placement import placed_config, resolve_cpus_per_rank
 
     args = dict(args or {})
     path = args.pop("config", None)
-    base = load_config(path) if path else DeploymentConfig()
+    whole = args.pop("config_json", None)      # a whole deployment, as `pdserve serve --autoscale` sends it
+    base = DeploymentConfig.model_validate(whole) if whole else load_config(path) if path else DeploymentConfig()
     config = with_overrides(base, args)
     if ray.is_initialized():   # `serve run` connects before it builds: check against the real cluster
         return build_application(placed_config(config))
@@ -102,12 +106,12 @@ def build_application(config: DeploymentConfig) -> serve.Application:
     transport = TransportSettings(timeout_s=config.kv_transfer.timeout_s)
     router_args = {}
     if config.mode is Mode.colocated:
-        colocated = _worker_options(DecodeServer.options(name="ColocatedServer"), config, config.colocated,
+        colocated = _worker_options(DecodeServer.options(name="ColocatedServer"), config, "colocated",
                                     "free_kv_blocks", "max")
         workers = {"colocated": colocated.bind(config.engine_config("colocated", model_path))}
     else:
-        prefill = _worker_options(PrefillServer, config, config.prefill, "queued_prefill_tokens", "min")
-        decode = _worker_options(DecodeServer, config, config.decode, "free_kv_blocks", "max")
+        prefill = _worker_options(PrefillServer, config, "prefill", "queued_prefill_tokens", "min")
+        decode = _worker_options(DecodeServer, config, "decode", "free_kv_blocks", "max")
         prefill_app = prefill.bind(config.engine_config("prefill", model_path), transport,
                                    config.kv_transfer.lease_s)
         workers = {
@@ -118,19 +122,46 @@ def build_application(config: DeploymentConfig) -> serve.Application:
         d = config.disaggregation
         router_args["disaggregation"] = DisaggregationSettings(d.policy, d.local_prefill_max_tokens,
                                                                d.max_remote_wait_ms / 1000)
-    return Router.options(num_replicas=1, max_ongoing_requests=ROUTER_MAX_ONGOING_REQUESTS,
-                          ray_actor_options={"num_cpus": 0}).bind(
-        info, model_path, config.mode.value, **workers, **router_args)
+    router = Router.options(max_ongoing_requests=ROUTER_MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0},
+                            **_replica_count(config, None))
+    if config.autoscaling.enabled:
+        router_args["autoscaling"] = config.autoscaling_settings()
+        router_args["autoscaling_profile"] = config.autoscaling.profile
+    return router.bind(info, model_path, config.mode.value, **workers, **router_args)
 
 
-def _worker_options(deployment, config: DeploymentConfig, pool: WorkerPool, stat: str, prefer: str):
-    tp = pool.tensor_parallel_size
+# Serve's own delays and look-back stay out of the way: the router's policy has its own guards.
+_SERVE_AUTOSCALING = {"upscale_delay_s": 0.0, "downscale_delay_s": 0.0, "metrics_interval_s": 1.0,
+                      "look_back_period_s": 2.0}
+# a replica scaled down finishes the streams it holds before it stops
+AUTOSCALED_GRACEFUL_SHUTDOWN_S = 600.0
+
+
+def _replica_count(config: DeploymentConfig, role: str | None) -> dict[str, Any]:
+    """Serve options for how many replicas a deployment runs: a fixed count, or
+    with autoscaling an autoscaling_config bounding the policy's targets (the
+    router, role None, is pinned to one replica but reports the targets)."""
+    if not config.autoscaling.enabled:
+        return {"num_replicas": 1 if role is None else config.pools()[role].replicas}
+    if role is None:
+        bounds = {"min_replicas": 1, "max_replicas": 1, "initial_replicas": 1}
+        return {"autoscaling_config": {**bounds, **_SERVE_AUTOSCALING}}
+    s = config.autoscaling_settings()
+    initial = config.pools()[role].replicas
+    bounds = {"min_replicas": s.min_for(role), "max_replicas": max(s.max_for(role), initial),
+              "initial_replicas": initial}
+    return {"autoscaling_config": {**bounds, **_SERVE_AUTOSCALING},
+            "graceful_shutdown_timeout_s": AUTOSCALED_GRACEFUL_SHUTDOWN_S}
+
+
+def _worker_options(deployment, config: DeploymentConfig, role: str, stat: str, prefer: str):
+    tp = config.pools()[role].tensor_parallel_size
     cpus = config.resources.cpus_per_rank
     gpus = 1 if config.device == "cuda" else 0
     bundles = [{"CPU": cpus, "GPU": gpus} if gpus else {"CPU": cpus} for _ in range(tp)]
     actor = {"num_cpus": cpus, "num_gpus": gpus}
     return deployment.options(
-        num_replicas=pool.replicas, ray_actor_options=actor,
+        **_replica_count(config, role), ray_actor_options=actor,
         placement_group_bundles=bundles, placement_group_strategy="STRICT_PACK",
         max_ongoing_requests=max(64, config.engine.max_num_seqs * 2),
         request_router_config=RequestRouterConfig(

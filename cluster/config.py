@@ -90,6 +90,39 @@ class Resources(_Strict):
     gpu_memory_gib: float | None = Field(None, gt=0)
 
 
+class AutoscalingSection(_Strict):
+    enabled: bool = Field(False, description="set the replicas per role while serving, for goodput at the SLOs")
+    ttft_ms: float | None = Field(None, gt=0, description="time-to-first-token SLO (required when enabled)")
+    tpot_ms: float | None = Field(None, gt=0, description="time-per-output-token SLO (required when enabled)")
+    budget: int | None = Field(None, ge=1, description="ranks (GPUs; CPU ranks on CPU) all roles may use "
+                               "together; null: the ranks the pools start with (the split moves, the total stays)")
+    min_replicas: dict[str, int] = Field(default_factory=dict, description="per role (prefill, decode or "
+                                         "colocated); default 1")
+    max_replicas: dict[str, int] = Field(default_factory=dict, description="per role; default: the budget")
+    interval_s: float = Field(10.0, gt=0, description="how often the policy decides")
+    startup_s: float = Field(30.0, ge=0, description="from asking for a replica to its first request: the "
+                             "load is predicted this far ahead")
+    upscale_cooldown_s: float = Field(0.0, ge=0)
+    downscale_cooldown_s: float = Field(60.0, ge=0)
+    predictor: Literal["constant", "ewma", "trend"] = "ewma"
+    profile: str | None = Field(None, description="step-time profile (pdserve profile); null: fitted to the "
+                                "steps the workers measure while serving")
+    correct_profile: bool = Field(True, description="scale the profile by the steps the workers measure "
+                                  "(false: trust it as it is)")
+
+    def settings(self, mode: str, initial: dict[str, WorkerPool]):
+        """The policy's AutoscaleSettings for `mode`, whose pools start as `initial`."""
+        from cluster.autoscaler.policy import AutoscaleSettings
+        tp = {role: pool.tensor_parallel_size for role, pool in initial.items()}
+        budget = self.budget or sum(p.replicas * p.tensor_parallel_size for p in initial.values())
+        return AutoscaleSettings(
+            ttft_slo_s=self.ttft_ms / 1000, tpot_slo_s=self.tpot_ms / 1000, mode=mode,
+            min_replicas=dict(self.min_replicas), max_replicas=dict(self.max_replicas), tensor_parallel=tp,
+            budget=budget, interval_s=self.interval_s, startup_s=self.startup_s,
+            upscale_cooldown_s=self.upscale_cooldown_s, downscale_cooldown_s=self.downscale_cooldown_s,
+            predictor=self.predictor, correct_models=self.correct_profile)
+
+
 class DeploymentConfig(_Strict):
     model: ModelSection = ModelSection()
     mode: Mode = Mode.disaggregated
@@ -102,6 +135,31 @@ class DeploymentConfig(_Strict):
     kv_transfer: KVTransferSection = KVTransferSection()
     disaggregation: DisaggregationSection = DisaggregationSection()
     resources: Resources = Resources()
+    autoscaling: AutoscalingSection = AutoscalingSection()
+
+    @model_validator(mode="after")
+    def _autoscaling_is_complete(self) -> "DeploymentConfig":
+        a = self.autoscaling
+        if not a.enabled:
+            return self
+        if a.ttft_ms is None or a.tpot_ms is None:
+            raise ValueError("autoscaling.enabled needs the SLOs it scales for: set autoscaling.ttft_ms and "
+                             "autoscaling.tpot_ms (pdserve serve --autoscale --slo ttft:MS tpot:MS)")
+        roles = set(self.pools())
+        for name in ("min_replicas", "max_replicas"):
+            unknown = set(getattr(a, name)) - roles
+            if unknown:
+                raise ValueError(f"autoscaling.{name} names {', '.join(sorted(unknown))}; in {self.mode.value} "
+                                 f"mode the roles are {', '.join(sorted(roles))}")
+        try:
+            self.autoscaling_settings()
+        except ValueError as exc:
+            raise ValueError(f"autoscaling: {exc}") from None
+        return self
+
+    def autoscaling_settings(self):
+        """The autoscaling policy's settings (autoscaling.enabled must be true)."""
+        return self.autoscaling.settings(self.mode.value, self.pools())
 
     @model_validator(mode="after")
     def _pools_match_mode(self) -> "DeploymentConfig":

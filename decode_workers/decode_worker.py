@@ -30,17 +30,24 @@ from typing import Protocol
 
 import torch
 
-from cluster.serving.messages import Admitted, DecodeRequest, KVTransferFailed, TokenDelta
+from cluster.serving.messages import (
+    Admitted,
+    DecodeRequest,
+    KVTransferFailed,
+    TokenDelta,
+)
 from cluster.transport import kv_handoff
 from cluster.transport.kv_transport import KVReceiver, PeerAddress, TransferState
 from decode_workers.delta_outbox import DeltaOutbox
 from engine.async_engine import AsyncEngine, settle_from_thread
 from engine.engine_config import EngineConfig
 from engine.errors import InvalidRequestError
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, StepStats
 from engine.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
+
+STREAM_IDLE_CLOSE_S = 5.0
 
 
 class PrefillPeer(Protocol):
@@ -159,14 +166,24 @@ class DecodeWorker:
 
     async def stream(self, subscriber_id: str) -> AsyncIterator[list[TokenDelta]]:
         """The subscriber's deltas, one list per engine step (several steps when
-        the reader is slower). Closing it aborts the subscriber's requests."""
+        the reader is slower). Closing it aborts the subscriber's requests. It
+        ends by itself once the subscriber has had no request here for
+        STREAM_IDLE_CLOSE_S, so that a replica being scaled down holds no
+        endless call and Serve can stop it."""
         subscriber = self._subscriber(subscriber_id)
         if subscriber.streaming:
             raise InvalidRequestError(f"subscriber {subscriber_id!r} already streams from {self.name}")
         subscriber.streaming = True
         try:
             while True:
-                batch = await subscriber.outbox.take()
+                try:
+                    batch = await asyncio.wait_for(subscriber.outbox.take(), STREAM_IDLE_CLOSE_S)
+                except asyncio.TimeoutError:
+                    if subscriber.request_ids:
+                        continue
+                    return       # idle: the reader reopens it for its next request here
+                    # (no await between the check and the removal below: a request that
+                    # arrives later gets a new subscriber, and its own stream)
                 for delta in batch:
                     if delta.token_ids:
                         self._queued_prompt_tokens.pop(delta.request_id, None)
@@ -190,6 +207,10 @@ class DecodeWorker:
     def check_health(self) -> None:
         """Raises when the engine loop has stopped (a step failed, or a TP rank died)."""
         self._engine.check_alive()
+
+    def step_samples(self) -> list[tuple[int, StepStats]]:
+        """The engine steps run since the last call, numbered from the engine's first."""
+        return self._engine.take_step_samples()
 
     def stats(self) -> dict[str, float]:
         """Load figures for routing and metrics: the engine's; hand-offs waiting

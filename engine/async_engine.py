@@ -23,10 +23,11 @@ import asyncio
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, StepStats
 from engine.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,8 @@ class AsyncEngine:
         self._sinks: dict[str, OutputSink] = {}
         self._sinks_lock = threading.Lock()
         self.prefill_s_per_token: float | None = None   # measured on this engine's steps (EWMA)
+        self._num_steps = 0
+        self._recent_steps: deque[tuple[int, StepStats]] = deque(maxlen=512)
         self._tickers: list[Ticker] = []
         self._failure: BaseException | None = None
         self._loop = asyncio.get_running_loop()
@@ -213,10 +216,27 @@ class AsyncEngine:
         for sink, batch in batches.values():
             sink.put(batch)
 
+    def take_step_samples(self) -> list[tuple[int, StepStats]]:
+        """The steps run since the last call (at most the last 512), each with
+        its index in this engine's life (a young engine's first steps are slow:
+        warm-up). Any thread."""
+        samples = []
+        while True:
+            try:
+                samples.append(self._recent_steps.popleft())
+            except IndexError:
+                return samples
+
     def _measure(self, engine: LLMEngine) -> None:
-        """Folds the last step into the per-token prefill cost (steps with prefill tokens only)."""
+        """Keeps the last step for take_step_samples, and folds it into the
+        per-token prefill cost (steps with prefill tokens only)."""
         step = engine.last_step
-        if step is None or step.num_prefill_tokens == 0:
+        if step is None:
+            return
+        self._num_steps += 1
+        self._recent_steps.append((self._num_steps, step))
+        if step.num_prefill_tokens == 0:
+            engine.last_step = None
             return
         cost = step.duration_s / step.num_prefill_tokens
         old = self.prefill_s_per_token

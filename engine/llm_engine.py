@@ -44,10 +44,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class StepStats:
-    """The shape and wall time of one engine step (for cost estimates)."""
+    """The shape and wall time of one engine step (for cost estimates and the
+    autoscaler's performance model: cluster/perf_model/step_shape.py)."""
     num_prefill_tokens: int
     num_decode_seqs: int
     duration_s: float
+    prefill_attention: float = 0.0    # query-key pairs of the prompt chunks, causal
+    decode_context: int = 0           # keys the decodes attend to, summed
 
 
 class LLMEngine:
@@ -212,6 +215,7 @@ class LLMEngine:
         step = self.scheduler.schedule(prefill=prefill, decode=decode)
         if step.is_empty:
             return []
+        prefill_attention, decode_context = _step_shape(step)
         now = started = time.monotonic()
         for seq in step.seqs:
             if seq.first_scheduled_time is None:
@@ -235,7 +239,8 @@ class LLMEngine:
             if finished or seq.hold_kv:
                 self._finish(seq)
             outputs.append(state.make_output(finished))
-        self.last_step = StepStats(step.num_prefill_tokens, step.num_decode_seqs, time.monotonic() - started)
+        self.last_step = StepStats(step.num_prefill_tokens, step.num_decode_seqs, time.monotonic() - started,
+                                   prefill_attention, decode_context)
         return outputs
 
     def _finish(self, seq: Sequence) -> None:
@@ -375,3 +380,12 @@ class LLMEngine:
             done.extend(o for o in self.step() if o.finished or o.request_id in self._held)
         return done
 
+
+def _step_shape(step) -> tuple[float, int]:
+    """(prefill attention pairs, decode context) of a scheduled step, before it runs."""
+    d = step.num_decode_seqs
+    decode_context = sum(seq.num_computed_tokens + 1 for seq in step.seqs[:d])
+    attention = 0.0
+    for seq, n in zip(step.seqs[d:], step.num_new_tokens[d:]):
+        attention += n * (seq.num_computed_tokens + (n + 1) / 2)
+    return attention, decode_context

@@ -33,7 +33,7 @@ from cluster.transport import kv_handoff
 from cluster.transport.kv_transport import KVSender, PeerAddress, TransferState
 from engine.async_engine import AsyncEngine, EngineStoppedError, settle_from_thread
 from engine.engine_config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, StepStats
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -115,6 +115,10 @@ class PrefillWorker:
     def check_health(self) -> None:
         """Raises when the engine loop has stopped (a step failed, or a TP rank died)."""
         self._engine.check_alive()
+
+    def step_samples(self) -> list[tuple[int, StepStats]]:
+        """The engine steps run since the last call, numbered from the engine's first."""
+        return self._engine.take_step_samples()
 
     def stats(self) -> dict[str, float]:
         """Load figures for routing and metrics: the engine's, the prompt tokens

@@ -12,8 +12,11 @@ import uuid
 
 from ray import serve
 
+from cluster.autoscaler.policy import AutoscaleSettings
+from cluster.perf_model.step_shape import load_step_model
 from cluster.serving.process_priority import normal_priority
 from engine.tokenizer import load_tokenizer
+from router.autoscale_loop import AutoscaleLoop
 from router.backend import ModelInfo
 from router.disaggregation_policy import DisaggregationPolicy, DisaggregationSettings
 from router.metrics import ServingMetrics
@@ -30,7 +33,8 @@ STATS_PERIOD_S = 1.0
 @serve.ingress()
 class Router:
     def __init__(self, info: ModelInfo, tokenizer_path: str, mode: str, *, prefill=None, decode=None,
-                 colocated=None, disaggregation: DisaggregationSettings | None = None):
+                 colocated=None, disaggregation: DisaggregationSettings | None = None,
+                 autoscaling: AutoscaleSettings | None = None, autoscaling_profile: str | None = None):
         normal_priority()
         self.tokenizer = load_tokenizer(tokenizer_path)
         self.metrics = ServingMetrics()
@@ -46,6 +50,15 @@ class Router:
                                           subscriber=subscriber)
             self._workers = {"prefill": prefill, "decode": decode}
         self._stats_task = asyncio.get_event_loop().create_task(self._refresh_worker_stats())
+        self.autoscaler = None
+        if autoscaling is not None:
+            profile = load_step_model(autoscaling_profile) if autoscaling_profile else None
+            self.autoscaler = AutoscaleLoop(autoscaling, self._workers, self.metrics, profile=profile)
+            self._autoscale_task = asyncio.get_event_loop().create_task(self.autoscaler.run())
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """For Serve's application autoscaling policy (cluster/autoscaler/serve_policy.py)."""
+        return self.autoscaler.serve_targets() if self.autoscaler is not None else {}
 
     async def __del__(self):
         """Serve calls this when the replica stops: closing the output streams
@@ -53,6 +66,8 @@ class Router:
         graceful-shutdown timeout for a subscriber that is gone."""
         if hasattr(self, "backend"):   # absent when __init__ failed
             self._stats_task.cancel()
+            if getattr(self, "_autoscale_task", None) is not None:
+                self._autoscale_task.cancel()
             await self.backend.close()
 
     def __serve_build_asgi_app__(self):

@@ -91,10 +91,42 @@ class ServingMetrics:
                                ["status"], registry=r)
         self._worker_gauges = {key: Gauge(name, doc, ["worker"], registry=r)
                                for key, name, doc in WORKER_GAUGES}
+        self._autoscaler_target = Gauge("pdserve_autoscaler_target_replicas",
+                                        "Replicas the autoscaler asks for, per role.", ["role"], registry=r)
+        self._autoscaler_current = Gauge("pdserve_autoscaler_current_replicas",
+                                         "Replicas serving, per role, at the autoscaler's last decision.",
+                                         ["role"], registry=r)
+        self._autoscaler_latency = Gauge("pdserve_autoscaler_latency_seconds",
+                                         "TTFT and TPOT the autoscaler predicted for its targets (mean) and "
+                                         "observed over its last interval (p90).", ["metric", "source"],
+                                         registry=r)
+        self._listeners: list = []
+
+    def add_listener(self, listener) -> None:
+        """`listener.on_arrival(prompt_tokens)` for every request the backend
+        takes, `listener.on_request(timings)` for every one that ends."""
+        self._listeners.append(listener)
+
+    def observe_arrival(self, prompt_tokens: int) -> None:
+        for listener in self._listeners:
+            listener.on_arrival(prompt_tokens)
+
+    def set_autoscaler(self, targets: Mapping[str, int], current: Mapping[str, int],
+                       latency: Mapping[tuple[str, str], float | None]) -> None:
+        """The autoscaler's last decision; latency: (metric, source) -> seconds."""
+        for role, n in targets.items():
+            self._autoscaler_target.labels(role=role).set(n)
+        for role, n in current.items():
+            self._autoscaler_current.labels(role=role).set(n)
+        for (metric, source), value in latency.items():
+            if value is not None and value == value and value != float("inf"):
+                self._autoscaler_latency.labels(metric=metric, source=source).set(value)
 
     def observe_request(self, timings: RequestTimings) -> None:
         """Record one ended request; phases it never reached are skipped, and
         TPOT and e2e latency only count requests that ran to completion."""
+        for listener in self._listeners:
+            listener.on_request(timings)
         self._requests.labels(finish_reason=timings.finish_reason or "error").inc()
         self._prompt_tokens.inc(timings.prompt_tokens)
         self._generation_tokens.inc(timings.generation_tokens)

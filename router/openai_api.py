@@ -251,6 +251,7 @@ class _Generation:
         self.request_id = request_id
         self.outputs = server.backend.generate(request_id, prompt_ids, params)
         self.timings = RequestTimings(arrival_time=arrival, prompt_tokens=len(prompt_ids))
+        self._server.metrics.observe_arrival(len(prompt_ids))
         self.last: RequestOutput | None = None
         self._closed = False
 

@@ -5,10 +5,12 @@
     decode replica S ── stream_outputs(subscriber) ──▶ reader task for S ─┘
 
 One stream per replica this router has requests on, opened on first use and
-kept open; each message is one engine step's deltas (or several steps', when
-the router reads slower than the replica steps) for all of this router's
-requests there. A stream that ends or fails ends every request bound to its
-replica with BackendUnavailableError. A delta of a request nobody waits for any
+kept open while it has requests; each message is one engine step's deltas (or
+several steps', when the router reads slower than the replica steps) for all
+of this router's requests there. The replica ends a stream that stays idle
+(so a replica being scaled down can stop); requests bound to it meanwhile get
+a new one. A stream that fails ends every request bound to its replica with
+BackendUnavailableError. A delta of a request nobody waits for any
 more (its client left before the router learnt its replica) is answered with
 an abort.
 """
@@ -60,7 +62,7 @@ class StreamFanout:
         await asyncio.gather(*self._readers.values(), return_exceptions=True)
 
     async def _read(self, replica_id: str) -> None:
-        reason = "its output stream ended"
+        reason = None
         try:
             async for batch in self._open_stream(replica_id):
                 for delta in batch:
@@ -77,10 +79,15 @@ class StreamFanout:
             log.warning("the output stream of decode replica %s failed: %s", replica_id, reason)
         finally:
             del self._readers[replica_id]
+        bound = [rid for rid, replica in self._replica_of.items() if replica == replica_id]
+        if reason is None:
+            # the replica ended an idle stream: whatever was bound since belongs to its next stream
+            if bound:
+                self._readers[replica_id] = asyncio.get_running_loop().create_task(self._read(replica_id))
+            return
         error = BackendUnavailableError(f"the decode worker {replica_id} stopped streaming ({reason})")
-        for rid, replica in list(self._replica_of.items()):
-            if replica == replica_id:
-                self._queues[rid].put_nowait(error)
+        for rid in bound:
+            self._queues[rid].put_nowait(error)
 
     async def _abort_orphan(self, replica_id: str, request_id: str) -> None:
         try:

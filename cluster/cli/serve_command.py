@@ -4,7 +4,7 @@
                   [--mode disaggregated|colocated] [--prefill-replicas N] [--decode-replicas N]
                   [--prefill-tp N] [--decode-tp N] [--colocated-replicas N] [--colocated-tp N]
                   [--device cpu|cuda] [--dtype D] [--max-model-len L] [--served-model-name NAME]
-                  [--address RAY_ADDRESS]
+                  [--autoscale --slo ttft:MS tpot:MS [--max-replicas N]] [--address RAY_ADDRESS]
 
 Flags override the config file; with neither, the built-in tiny model is served
 on CPU by 1 prefill + 1 decode worker at http://127.0.0.1:8000. Joins the Ray
@@ -13,6 +13,11 @@ cluster declaring enough CPUs for every gang, whose router answers HTTP on the
 port itself (cluster/serving/direct_ingress.py), and on Ctrl-C/SIGTERM stops
 everything it started. A deployment whose gangs can never be placed on the
 cluster is refused before anything is deployed (exit 2, the message on stderr).
+
+--autoscale (or `autoscaling.enabled` in the file) lets the goodput autoscaler
+set the replicas per role while serving (cluster/autoscaler/); --max-replicas
+is its budget in ranks. It is deployed through Serve's declarative API, the
+only one that takes an application-level autoscaling policy.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import sys
 import threading
 import time
 
+from cluster.cli.plan_goodput import parse_slo
+
 APP_NAME = "pdserve"
 
 # flag (argparse dest) -> dotted DeploymentConfig key
@@ -33,7 +40,9 @@ FLAG_SETTINGS = {
     "device": "device", "prefill_replicas": "prefill.replicas", "decode_replicas": "decode.replicas",
     "prefill_tp": "prefill.tensor_parallel_size", "decode_tp": "decode.tensor_parallel_size",
     "colocated_replicas": "colocated.replicas", "colocated_tp": "colocated.tensor_parallel_size",
+    "autoscale": "autoscaling.enabled", "max_replicas": "autoscaling.budget",
 }
+SERVE_POLICY = "cluster.autoscaler.serve_policy:router_targets"
 
 
 def add_serve_parser(sub) -> None:
@@ -53,6 +62,12 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"])
     p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--max-model-len", type=int)
+    p.add_argument("--autoscale", action="store_true", default=None,
+                   help="let the goodput autoscaler set the replicas per role (needs --slo)")
+    p.add_argument("--slo", nargs="+", type=parse_slo, metavar="ttft:MS|tpot:MS",
+                   help="the SLOs the autoscaler scales for, e.g. --slo ttft:1000 tpot:100")
+    p.add_argument("--max-replicas", type=int, help="the autoscaler's budget in ranks (default: the ranks the "
+                                                     "pools start with)")
     p.add_argument("--address", help="Ray cluster to join (default: a running local one, else start one; "
                                       "'local': always start a new one)")
     p.set_defaults(func=_cmd_serve)
@@ -63,7 +78,10 @@ def config_from_args(args: argparse.Namespace):
     from cluster.config import DeploymentConfig, load_config
 
     base = load_config(args.config) if args.config else DeploymentConfig()
-    return with_overrides(base, {key: getattr(args, dest) for dest, key in FLAG_SETTINGS.items()})
+    overrides = {key: getattr(args, dest, None) for dest, key in FLAG_SETTINGS.items()}
+    for name, ms in getattr(args, "slo", None) or []:
+        overrides[f"autoscaling.{name}_ms"] = ms
+    return with_overrides(base, overrides)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -108,7 +126,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         # with direct ingress the router listens on the port; Serve's proxy gets another
         proxy_port = free_port(config.http.host) if direct_ingress else config.http.port
         serve.start(http_options={"host": config.http.host, "port": proxy_port})
-        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        if config.autoscaling.enabled:
+            _deploy_autoscaled(config)
+        else:
+            serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
         url = f"http://{config.http.host}:{config.http.port}"
         print(f"pdserve is serving {config.mode.value} at {url}/v1 (Ctrl-C stops it)", flush=True)
         while not stop.is_set():
@@ -121,6 +142,36 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         else:
             serve.delete(APP_NAME)
     return 0
+
+
+def _deploy_autoscaled(config) -> None:
+    """Deploys through Serve's declarative API (what `serve deploy` sends): the
+    application is built in the cluster from the whole config, with the
+    application-level policy that applies the router's targets."""
+    from ray.serve._private.api import serve_start
+    from ray.serve.schema import ServeDeploySchema
+
+    application = {"name": APP_NAME, "route_prefix": "/", "import_path": "cluster.app_builder:build_app",
+                   "args": {"config_json": config.model_dump(mode="json")},
+                   "autoscaling_policy": {"policy_function": SERVE_POLICY}}
+    serve_start().deploy_apps(ServeDeploySchema(applications=[application]), _blocking=True)
+    _wait_running(APP_NAME)
+
+
+def _wait_running(name: str, timeout_s: float = 600.0) -> None:
+    """Returns once the application is RUNNING; raises when it fails to deploy."""
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        app = serve.status().applications.get(name)
+        status = getattr(app, "status", None)
+        if status == "RUNNING":
+            return
+        if status in ("DEPLOY_FAILED", "UNHEALTHY"):
+            raise RuntimeError(f"the application did not deploy: {app.message}")
+        time.sleep(0.5)
+    raise TimeoutError(f"the application was not running after {timeout_s:.0f} s")
 
 
 def _connect(address: str | None, local_cpus: int, local_env: dict[str, str]) -> bool:

@@ -102,6 +102,8 @@ def resolve_cpus_per_rank(config: DeploymentConfig, node_cpus: float) -> Deploym
         cpus = 1.0
     else:
         ranks = sum(p.replicas * p.tensor_parallel_size for p in config.pools().values())
+        if config.autoscaling.enabled:
+            ranks = max(ranks, config.autoscaling_settings().budget)
         cpus = float(max(1, math.floor(node_cpus / ranks)))
     return config.model_copy(update={"resources": config.resources.model_copy(update={"cpus_per_rank": cpus})})
 
@@ -136,7 +138,11 @@ def check_placement(config: DeploymentConfig, cluster: ClusterResources) -> None
     """Returns when every gang of `config` (cpus_per_rank resolved) fits on
     `cluster` at once by total capacity: each gang whole on one node, all gangs
     together by first-fit-decreasing over the nodes. Raises PlacementError
-    otherwise."""
+    otherwise. An autoscaled deployment must fit at every size it can reach."""
+    if config.autoscaling.enabled:
+        for sized in reachable_sizes(config):
+            check_placement(sized, cluster)
+        return
     needs = gang_needs(config)
     if config.device == "cuda" and cluster.total_gpus < 1 - _EPS:
         raise PlacementError(_message(
@@ -177,8 +183,26 @@ def local_cluster_cpus(config: DeploymentConfig, machine_cpus: int) -> int:
     `machine_cpus` cores: at least the cores, and enough that every gang fits
     (ranks then share cores). `config` is resolved against `machine_cpus` first
     if its cpus_per_rank is null."""
-    needs = gang_needs(resolve_cpus_per_rank(config, machine_cpus))
-    return max(machine_cpus, math.ceil(sum(n.replicas * n.cpus for n in needs) - _EPS))
+    config = resolve_cpus_per_rank(config, machine_cpus)
+    return max(machine_cpus, *(math.ceil(sum(n.replicas * n.cpus for n in gang_needs(c)) - _EPS)
+                               for c in reachable_sizes(config)))
+
+
+def reachable_sizes(config: DeploymentConfig) -> list[DeploymentConfig]:
+    """The pool sizes that need the most of each role: `config` itself, or with
+    autoscaling, for each role the budget's most of it next to the others' least."""
+    if not config.autoscaling.enabled:
+        return [config]
+    s = config.autoscaling_settings()
+    sizes = []
+    for role in s.roles:
+        others = sum(s.min_for(r) * s.tp(r) for r in s.roles if r != role)
+        counts = {r: s.min_for(r) for r in s.roles}
+        counts[role] = min(s.max_for(role), (s.budget - others) // s.tp(role))
+        pools = {r: getattr(config, r).model_copy(update={"replicas": n}) for r, n in counts.items()}
+        sizes.append(config.model_copy(update={**pools, "autoscaling": config.autoscaling.model_copy(
+            update={"enabled": False})}))
+    return sizes
 
 
 def _fits(cpus: float, gpus: float, need: GangNeed) -> bool:

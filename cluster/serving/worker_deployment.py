@@ -38,6 +38,10 @@ class WorkerDeployment:
     def stats(self) -> dict:
         return {"replica": self.replica_id, **self.worker.stats()}
 
+    def step_samples(self) -> dict:
+        """This replica's engine steps since the last call (for the autoscaler)."""
+        return {"replica": self.replica_id, "steps": self.worker.step_samples()}
+
     def record_routing_stats(self) -> dict[str, float]:
         return self.worker.stats()
 

@@ -14,6 +14,11 @@ router/disaggregation_policy.py, cluster/serving/replica_routing.py):
   decode replica's predicted time to first token is shorter.
 A request's time on the router and the HTTP path (`request_overhead_s`) is
 added to all its token times.
+
+With an autoscaler (cluster/simulator/autoscaling.py) the pools change while
+the requests run: a replica asked for joins its pool once its start-up time
+has passed; a replica scaled down takes nothing new, finishes what it holds,
+then leaves. Replica-seconds count from asking to leaving.
 """
 
 from __future__ import annotations
@@ -81,6 +86,8 @@ class SimulationResult:
     num_steps: int
     num_preemptions: int
     num_local_prefills: int
+    replica_seconds: dict[str, float] = field(default_factory=dict)   # per role
+    timeline: list[dict] = field(default_factory=list)                # the autoscaler's intervals
 
     def records(self):
         """The requests as `pdserve loadtest` RequestRecords (times in seconds from 0)."""
@@ -100,16 +107,22 @@ class SimulationResult:
 
 
 def simulate(spec: ClusterSpec, lengths: Sequence[tuple[int, int]], arrivals: Sequence[float], *,
-             max_concurrency: int | None = None, max_duration: float = float("inf")) -> SimulationResult:
-    """Runs requests (prompt_len, output_len) arriving at offsets `arrivals` (s)."""
+             max_concurrency: int | None = None, max_duration: float = float("inf"),
+             autoscaler=None) -> SimulationResult:
+    """Runs requests (prompt_len, output_len) arriving at offsets `arrivals` (s).
+    `autoscaler`: a cluster.simulator.autoscaling.SimAutoscaler, or None for fixed pools."""
     if len(lengths) != len(arrivals):
         raise ValueError(f"{len(lengths)} requests but {len(arrivals)} arrival times")
-    return _Simulation(spec, max_concurrency, max_duration).run(lengths, arrivals)
+    return _Simulation(spec, max_concurrency, max_duration, autoscaler).run(lengths, arrivals)
 
 
 class _Simulation:
-    def __init__(self, spec: ClusterSpec, max_concurrency: int | None, max_duration: float):
+    def __init__(self, spec: ClusterSpec, max_concurrency: int | None, max_duration: float, autoscaler=None):
         self.spec = spec
+        self.autoscaler = autoscaler
+        self.retired: list[SimReplica] = []
+        self.arrived: list[SimRequestLog] = []           # in arrival order (the autoscaler reads them)
+        self.finished: list[SimRequestLog] = []          # in finishing order
         self.max_concurrency = max_concurrency
         self.max_duration = max_duration
         self.now = 0.0
@@ -124,10 +137,11 @@ class _Simulation:
         role = "decode" if spec.mode == "disaggregated" else "colocated"
         self.decode_pool = [self._replica(f"{role}-{i}", spec.decode) for i in range(spec.decode_replicas)]
         self.num_local_prefills = 0
+        self.names = itertools.count(max(spec.prefill_replicas, spec.decode_replicas))
 
     def _replica(self, name: str, rs: ReplicaSpec) -> SimReplica:
         replica = SimReplica(name, rs.model, rs.num_kv_blocks, rs.block_size, rs.max_num_seqs,
-                             rs.max_num_batched_tokens)
+                             rs.max_num_batched_tokens, started_at=self.now)
         replica.on_token = self._on_token
         replica.on_prefilled = lambda seq, t, r=replica: self._on_prefilled(seq, r)
         return replica
@@ -143,6 +157,8 @@ class _Simulation:
             log = SimRequestLog(i, prompt, output, offset)
             self.logs.append(log)
             self.at(offset, lambda log=log: self._arrive(log))
+        if self.autoscaler is not None:
+            self.autoscaler.attach(self)
         while self.events:
             time, _, action = heapq.heappop(self.events)
             if time > self.max_duration:
@@ -150,9 +166,49 @@ class _Simulation:
             self.now = time
             action()
         ends = [r.end_time for r in self.logs if r.end_time is not None]
-        pools = self.prefill_pool + self.decode_pool
-        return SimulationResult(self.logs, max(ends, default=0.0), sum(r.num_steps for r in pools),
-                                sum(r.num_preemptions for r in pools), self.num_local_prefills)
+        duration = max(ends, default=0.0)
+        pools = self.prefill_pool + self.decode_pool + self.retired
+        seconds: dict[str, float] = {}
+        for r in pools:
+            role = self.role_of(r)
+            seconds[role] = seconds.get(role, 0.0) + max(0.0, (r.stopped_at or duration) - r.started_at)
+        timeline = self.autoscaler.timeline if self.autoscaler is not None else []
+        return SimulationResult(self.logs, duration, sum(r.num_steps for r in pools),
+                                sum(r.num_preemptions for r in pools), self.num_local_prefills, seconds, timeline)
+
+    # ---- pools ------------------------------------------------------------------------------
+    @property
+    def unfinished(self) -> bool:
+        return len(self.finished) < len(self.logs)
+
+    def role_of(self, replica: SimReplica) -> str:
+        return replica.name.rsplit("-", 1)[0]
+
+    def pool(self, role: str) -> list[SimReplica]:
+        return self.prefill_pool if role == "prefill" else self.decode_pool
+
+    def add_replica(self, role: str) -> SimReplica:
+        """A new replica of `role` (prefill, decode or colocated), serving from now."""
+        spec = self.spec.prefill if role == "prefill" else self.spec.decode
+        replica = self._replica(f"{role}-{next(self.names)}", spec)
+        self.pool(role).append(replica)
+        self._admit_awaiting()
+        return replica
+
+    def drain_replica(self, replica: SimReplica) -> None:
+        """Takes nothing new; leaves its pool once it holds nothing."""
+        replica.draining = True
+        self._retire_if_done(replica)
+
+    def _retire_if_done(self, replica: SimReplica) -> None:
+        if replica.draining and replica.idle and replica.stopped_at is None:
+            replica.stopped_at = self.now
+            self.pool(self.role_of(replica)).remove(replica)
+            self.retired.append(replica)
+
+    @staticmethod
+    def _live(pool: list[SimReplica]) -> list[SimReplica]:
+        return [r for r in pool if not r.draining] or pool
 
     # ---- requests -------------------------------------------------------------------------
     def _arrive(self, log: SimRequestLog) -> None:
@@ -161,14 +217,15 @@ class _Simulation:
             return
         self.in_flight += 1
         log.send_time = self.now
+        self.arrived.append(log)
         seq = SimSequence(log.index, log.prompt_len, log.output_len)
         if self.spec.mode == "colocated" or self._prefill_locally(seq):
             log.prefilled_locally = self.spec.mode == "disaggregated"
             self.num_local_prefills += log.prefilled_locally
-            replica = max(self.decode_pool, key=lambda r: r.free_blocks)
+            replica = max(self._live(self.decode_pool), key=lambda r: r.free_blocks)
         else:
             seq.hold_after_first = True
-            replica = min(self.prefill_pool, key=lambda r: r.queued_prefill_tokens)
+            replica = min(self._live(self.prefill_pool), key=lambda r: r.queued_prefill_tokens)
         replica.add(seq)
         self._kick(replica)
 
@@ -178,10 +235,10 @@ class _Simulation:
             return False
         if seq.prompt_len <= spec.local_prefill_max_tokens:
             return True
-        remote_wait = min(_prefill_time(r.model, r.queued_prefill_tokens) for r in self.prefill_pool)
+        remote_wait = min(_prefill_time(r.model, r.queued_prefill_tokens) for r in self._live(self.prefill_pool))
         if remote_wait <= spec.max_remote_wait_s:
             return False
-        local = max(self.decode_pool, key=lambda r: r.free_blocks)
+        local = max(self._live(self.decode_pool), key=lambda r: r.free_blocks)
         local_ttft = _prefill_time(local.model, local.queued_prefill_tokens + seq.prompt_len)
         remote_ttft = remote_wait + _prefill_time(self.prefill_pool[0].model, seq.prompt_len)
         return local_ttft < remote_ttft
@@ -191,6 +248,7 @@ class _Simulation:
         log.token_times.append(time + self.spec.request_overhead_s)
         if seq.finished:
             log.end_time = time + self.spec.request_overhead_s
+            self.finished.append(log)
             self.in_flight -= 1
             if self.pending:            # sent once this step's results are all applied
                 log = self.pending.pop(0)
@@ -204,7 +262,7 @@ class _Simulation:
     def _admit_awaiting(self) -> None:
         still = []
         for seq, source in self.awaiting_decode:
-            target = max(self.decode_pool, key=lambda r: r.free_blocks)
+            target = max(self._live(self.decode_pool), key=lambda r: r.free_blocks)
             if not target.try_admit_prefilled(seq):
                 still.append((seq, source))
                 continue
@@ -219,6 +277,7 @@ class _Simulation:
         target.commit_prefilled(seq)
         self._kick(source)
         self._kick(target)
+        self._retire_if_done(source)
 
     # ---- replica steps --------------------------------------------------------------------
     def _kick(self, replica: SimReplica) -> None:
@@ -238,14 +297,18 @@ class _Simulation:
         if not work:
             return        # blocked on KV blocks held elsewhere: kicked again when they are freed
         replica.busy = True
-        self.at(self.now + replica.model.step_time(shape), lambda: self._step_done(replica, work))
+        seconds = replica.model.step_time(shape)
+        self.at(self.now + seconds, lambda: self._step_done(replica, work, shape, seconds))
 
-    def _step_done(self, replica: SimReplica, work) -> None:
+    def _step_done(self, replica: SimReplica, work, shape: StepShape, seconds: float) -> None:
         replica.busy = False
         replica.finish_step(work, self.now)
+        if self.autoscaler is not None:
+            self.autoscaler.on_step(replica, shape, seconds)
         if self.awaiting_decode and replica in self.decode_pool:
             self._admit_awaiting()
         self._kick(replica)
+        self._retire_if_done(replica)
 
 
 def _prefill_time(model: StepTimeModel, tokens: int) -> float:

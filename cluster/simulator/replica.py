@@ -58,6 +58,9 @@ class SimReplica:
     reserved: dict = field(default_factory=dict)      # decode side: index -> blocks waiting for their KV
     busy: bool = False
     step_pending: bool = False       # a step start is queued for this instant
+    draining: bool = False           # scaled down: takes nothing new, finishes what it holds
+    started_at: float = 0.0          # asked for (holds its devices from then on)
+    stopped_at: float | None = None
     num_steps: int = 0
     num_preemptions: int = 0
 
@@ -104,6 +107,11 @@ class SimReplica:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued, running, held for a hand-off or reserved for one."""
+        return not (self.waiting or self.running or self.held or self.reserved or self.busy)
 
     # ---- one step ---------------------------------------------------------------------
     def schedule(self) -> tuple[StepShape, list[tuple[SimSequence, int]]]:

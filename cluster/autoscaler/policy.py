@@ -1,0 +1,316 @@
+"""The goodput autoscaling policy: once per interval, replicas per role from
+the predicted load, the performance model and what the live system reports.
+A plain class (no Ray): Serve's application policy (cluster/autoscaler/
+serve_policy.py) and the simulator (cluster/simulator/autoscaling.py) feed it
+the same Observation.
+
+Per interval:
+1. The request rate (arrivals over the window) goes into the load predictor;
+   prompt and output lengths into running means. The demand is the rate
+   predicted one start-up horizon ahead (a replica asked for now serves then),
+   plus what the queues need to drain within that horizon.
+2. Each role's step model is corrected by the steps its warm replicas measured
+   (OnlineCorrection); a replica's first steps (warming up) are left out.
+3. One replica's capacity at the SLOs (cluster/autoscaler/capacity.py) gives
+   the replicas each role needs: ceil(demand / capacity). When those exceed
+   the budget (in ranks: replicas times TP), the split that maximises the
+   smaller of the two pools' capacities is taken instead (the goodput of a
+   disaggregated pipeline is its narrower stage).
+4. Observed latency outranks the model: a TTFT p90 over the SLO adds a
+   prefill (or colocated) replica, a TPOT p90 over it a decode replica, when
+   the model alone would not.
+5. Guards, per role: min/max and the budget; replicas still starting count as
+   capacity already coming; scaling up waits `upscale_cooldown_s` after the
+   last scale-up, scaling down `downscale_cooldown_s` after any change, goes
+   one replica at a time, never while one of the role is starting, and only
+   when the remaining replicas are predicted to hold the SLOs at the whole
+   load with `downscale_headroom` to spare (Dynamo's N-1 rule), or when the
+   budget needs the replica elsewhere.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from cluster.autoscaler.capacity import (
+    ReplicaLimits,
+    colocated_capacity,
+    decode_capacity,
+    decode_shape,
+    prefill_capacity,
+)
+from cluster.autoscaler.load_predictor import LoadPredictor
+from cluster.perf_model.online import OnlineCorrection
+from cluster.perf_model.step_shape import StepShape, StepTimeModel
+
+DISAGGREGATED_ROLES = ("prefill", "decode")
+COLOCATED_ROLES = ("colocated",)
+
+
+@dataclass(frozen=True)
+class AutoscaleSettings:
+    ttft_slo_s: float
+    tpot_slo_s: float
+    mode: str = "disaggregated"               # "disaggregated" | "colocated"
+    min_replicas: dict[str, int] = field(default_factory=dict)    # per role; default 1
+    max_replicas: dict[str, int] = field(default_factory=dict)    # per role; default: the budget
+    tensor_parallel: dict[str, int] = field(default_factory=dict)  # ranks per replica; default 1
+    budget: int = 8                           # ranks (GPUs, or CPU ranks) all roles may use together
+    interval_s: float = 10.0
+    startup_s: float = 30.0                   # from asking for a replica to its first request
+    upscale_cooldown_s: float = 0.0
+    downscale_cooldown_s: float = 60.0
+    slo_headroom: float = 0.8                 # the model's means are held to this share of each SLO
+    downscale_headroom: float = 0.8           # N-1 replicas must hold the load at this share of capacity
+    predictor: str = "ewma"
+    warmup_steps: int = 20                    # a replica's first steps are left out of the correction
+    correct_models: bool = True               # scale the step models by the steps replicas measure
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("disaggregated", "colocated"):
+            raise ValueError(f"mode must be disaggregated or colocated, got {self.mode!r}")
+        if self.ttft_slo_s <= 0 or self.tpot_slo_s <= 0:
+            raise ValueError("the TTFT and TPOT SLOs must be > 0")
+        if self.interval_s <= 0 or self.startup_s < 0:
+            raise ValueError("interval_s must be > 0 and startup_s >= 0")
+        if not 0 < self.slo_headroom <= 1 or not 0 < self.downscale_headroom <= 1:
+            raise ValueError("slo_headroom and downscale_headroom must be in (0, 1]")
+        floor = sum(self.min_for(r) * self.tp(r) for r in self.roles)
+        if floor > self.budget:
+            raise ValueError(f"the minimum replicas need {floor} ranks, more than the budget of {self.budget}")
+        for role in self.roles:
+            if self.max_for(role) < self.min_for(role):
+                raise ValueError(f"{role}: max_replicas {self.max_for(role)} < min_replicas {self.min_for(role)}")
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return DISAGGREGATED_ROLES if self.mode == "disaggregated" else COLOCATED_ROLES
+
+    def tp(self, role: str) -> int:
+        return self.tensor_parallel.get(role, 1)
+
+    def min_for(self, role: str) -> int:
+        return self.min_replicas.get(role, 1)
+
+    def max_for(self, role: str) -> int:
+        return self.max_replicas.get(role, self.budget // self.tp(role))
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One engine step a replica measured."""
+    shape: StepShape
+    seconds: float
+    warm: bool = True         # False for a replica's first steps
+
+
+@dataclass
+class RoleObservation:
+    running: int                                   # replicas serving
+    starting: int = 0                              # asked for, not serving yet
+    waiting_requests: float = 0.0                  # queued on this role's replicas
+    steps: list[StepSample] = field(default_factory=list)
+
+
+@dataclass
+class Observation:
+    now: float                                     # seconds, any monotonic origin
+    window_s: float                                # what the counts below cover
+    arrivals: int
+    mean_prompt_tokens: float | None = None        # of the window's arrivals
+    mean_output_tokens: float | None = None        # of the window's finished requests
+    ttft_p90_s: float | None = None
+    tpot_p90_s: float | None = None
+    roles: dict[str, RoleObservation] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Decision:
+    targets: dict[str, int]
+    reasons: dict[str, str]                        # per role: why it moved, or why it held
+    predicted_rate: float
+    capacity: dict[str, float]                     # requests/s one replica sustains, per role
+    predicted_ttft_s: float | None = None
+    predicted_tpot_s: float | None = None
+
+    def changed(self, current: dict[str, int]) -> bool:
+        return any(self.targets[r] != current.get(r) for r in self.targets)
+
+    def describe(self) -> str:
+        return "; ".join(f"{role} -> {n} ({self.reasons[role]})" for role, n in self.targets.items())
+
+
+class GoodputPolicy:
+    def __init__(self, settings: AutoscaleSettings, models: dict[str, StepTimeModel],
+                 limits: dict[str, ReplicaLimits] | None = None):
+        """`models`: a step-time model per role (a colocated deployment: "colocated")."""
+        missing = [r for r in settings.roles if r not in models]
+        if missing:
+            raise ValueError(f"no step-time model for {', '.join(missing)}")
+        self.settings = settings
+        self.models = {r: OnlineCorrection(models[r]) for r in settings.roles}
+        self.limits = {r: (limits or {}).get(r, ReplicaLimits()) for r in settings.roles}
+        self.predictor = LoadPredictor(settings.predictor)
+        self.prompt_tokens: float | None = None
+        self.output_tokens: float | None = None
+        self.last_up: dict[str, float] = {}
+        self.last_change: dict[str, float] = {}
+
+    # ---- one interval ---------------------------------------------------------------------
+    def decide(self, obs: Observation) -> Decision:
+        s = self.settings
+        self._learn(obs)
+        current = {r: obs.roles[r].running + obs.roles[r].starting if r in obs.roles else s.min_for(r)
+                   for r in s.roles}
+        horizon = s.startup_s / s.interval_s
+        rate = self.predictor.predict(horizon)
+        capacity = self._capacities()
+        if self.prompt_tokens is None:        # nothing has arrived yet: hold
+            return Decision(dict(current), {r: "no traffic seen yet" for r in s.roles}, rate, capacity)
+        drain_s = max(s.startup_s, s.interval_s)
+        demand = {r: rate + (obs.roles[r].waiting_requests / drain_s if r in obs.roles else 0.0) for r in s.roles}
+        needed = {r: _replicas_for(demand[r], capacity[r]) for r in s.roles}
+        reasons = {r: f"needs {needed[r]} for {demand[r]:.2f} req/s at {capacity[r]:.2f} req/s each"
+                   for r in s.roles}
+        budget_bound = self._ranks(needed) > s.budget
+        if budget_bound:
+            needed = self._best_split(capacity)
+            for r in s.roles:
+                reasons[r] = f"budget of {s.budget} ranks: best split gives {needed[r]}"
+        self._latency_feedback(obs, current, needed, reasons)
+        targets = self._guarded(obs, current, needed, demand, capacity, reasons, budget_bound)
+        for r in s.roles:
+            if targets[r] > current[r]:
+                self.last_up[r] = obs.now
+            if targets[r] != current[r]:
+                self.last_change[r] = obs.now
+        ttft, tpot = self._predicted_latency(rate, targets)
+        return Decision(targets, reasons, rate, capacity, ttft, tpot)
+
+    # ---- inputs -----------------------------------------------------------------------
+    def _learn(self, obs: Observation) -> None:
+        self.predictor.observe(obs.arrivals / obs.window_s if obs.window_s > 0 else 0.0)
+        if obs.mean_prompt_tokens is not None:
+            self.prompt_tokens = _smooth(self.prompt_tokens, obs.mean_prompt_tokens)
+        if obs.mean_output_tokens is not None:
+            self.output_tokens = _smooth(self.output_tokens, obs.mean_output_tokens)
+        for role, ro in obs.roles.items():
+            model = self.models.get(role)
+            for sample in ro.steps:
+                if model is not None and sample.warm and self.settings.correct_models:
+                    model.observe(sample.shape, sample.seconds)
+
+    def _capacities(self) -> dict[str, float]:
+        s = self.settings
+        prompt = self.prompt_tokens or 1.0
+        output = self.output_tokens or 1.0
+        ttft, tpot = s.ttft_slo_s * s.slo_headroom, s.tpot_slo_s * s.slo_headroom
+        if s.mode == "colocated":
+            return {"colocated": colocated_capacity(self.models["colocated"], prompt, output, ttft, tpot,
+                                                    self.limits["colocated"])}
+        return {"prefill": prefill_capacity(self.models["prefill"], prompt, ttft),
+                "decode": decode_capacity(self.models["decode"], prompt, output, tpot, self.limits["decode"])}
+
+    # ---- sizing -----------------------------------------------------------------------
+    def _ranks(self, replicas: dict[str, int]) -> int:
+        return sum(n * self.settings.tp(r) for r, n in replicas.items())
+
+    def _best_split(self, capacity: dict[str, float]) -> dict[str, int]:
+        """Within the budget: the prefill/decode split whose narrower pool is
+        widest (ties: fewer ranks). Colocated: as many replicas as fit."""
+        s = self.settings
+        if s.mode == "colocated":
+            return {"colocated": min(s.max_for("colocated"), s.budget // s.tp("colocated"))}
+        best, best_key = None, None
+        for p in range(s.min_for("prefill"), s.max_for("prefill") + 1):
+            left = s.budget - p * s.tp("prefill")
+            d = min(s.max_for("decode"), left // s.tp("decode"))
+            if d < s.min_for("decode"):
+                break
+            key = (min(p * capacity["prefill"], d * capacity["decode"]), -(p * s.tp("prefill") + d * s.tp("decode")))
+            if best_key is None or key > best_key:
+                best, best_key = {"prefill": p, "decode": d}, key
+        return best
+
+    def _latency_feedback(self, obs: Observation, current: dict[str, int], needed: dict[str, int],
+                          reasons: dict[str, str]) -> None:
+        s = self.settings
+        checks = (("ttft", obs.ttft_p90_s, s.ttft_slo_s, "prefill" if s.mode == "disaggregated" else "colocated"),
+                  ("tpot", obs.tpot_p90_s, s.tpot_slo_s, "decode" if s.mode == "disaggregated" else "colocated"))
+        for name, observed, slo, role in checks:
+            if observed is None or observed <= slo or needed[role] > current[role]:
+                continue
+            needed[role] = current[role] + 1
+            reasons[role] = f"observed {name.upper()} p90 {observed * 1000:.0f} ms > SLO {slo * 1000:.0f} ms"
+
+    def _guarded(self, obs: Observation, current: dict[str, int], needed: dict[str, int],
+                 demand: dict[str, float], capacity: dict[str, float], reasons: dict[str, str],
+                 budget_bound: bool) -> dict[str, int]:
+        s = self.settings
+        targets = dict(current)
+        # downs first, so that their ranks count for the ups of the same interval
+        for r in s.roles:
+            want = max(s.min_for(r), min(s.max_for(r), needed[r]))
+            if want >= current[r]:
+                continue
+            ro = obs.roles.get(r)
+            if ro is not None and ro.starting:
+                reasons[r] = f"holds {current[r]}: a replica is still starting"
+            elif obs.now - self.last_change.get(r, -math.inf) < s.downscale_cooldown_s:
+                reasons[r] = f"holds {current[r]}: scale-down cool-down"
+            elif not budget_bound and demand[r] > (current[r] - 1) * capacity[r] * s.downscale_headroom:
+                reasons[r] = (f"holds {current[r]}: {current[r] - 1} would not hold {demand[r]:.2f} req/s "
+                              f"with {1 - s.downscale_headroom:.0%} to spare")
+            else:
+                targets[r] = current[r] - 1
+                reasons[r] = "scale down by one: " + reasons[r]
+        for r in s.roles:
+            want = max(s.min_for(r), min(s.max_for(r), needed[r]))
+            if want <= current[r]:
+                continue
+            if obs.now - self.last_up.get(r, -math.inf) < s.upscale_cooldown_s:
+                reasons[r] = f"holds {current[r]}: scale-up cool-down"
+                continue
+            room = (s.budget - self._ranks(targets)) // s.tp(r)
+            if room <= 0:
+                reasons[r] = f"holds {current[r]}: the budget of {s.budget} ranks is in use"
+                continue
+            targets[r] = current[r] + min(room, want - current[r])
+            reasons[r] = "scale up: " + reasons[r]
+        return targets
+
+    def _predicted_latency(self, rate: float, targets: dict[str, int]) -> tuple[float | None, float | None]:
+        """Mean TTFT (M/D/1 on the prefill pool) and TPOT (the decode step at the
+        pool's share of the concurrency) the targets are predicted to give."""
+        s = self.settings
+        prompt, output = self.prompt_tokens, self.output_tokens or 1.0
+        if prompt is None or rate <= 0:
+            return None, None
+        prefill_role = "prefill" if s.mode == "disaggregated" else "colocated"
+        decode_role = "decode" if s.mode == "disaggregated" else "colocated"
+        service = self.models[prefill_role].step_time(StepShape.build([(0, max(1, round(prompt)))]))
+        rho = rate * service / max(1, targets[prefill_role])
+        ttft = math.inf if rho >= 1 else service + rho * service / (2 * (1 - rho))
+        context = prompt + output / 2
+        most = self.limits[decode_role].max_num_seqs
+        batch, tpot = 1, 0.0
+        for _ in range(50):       # fixed point: concurrency = rate * output * tpot (Little's law)
+            tpot = self.models[decode_role].step_time(decode_shape(batch, context))
+            new = min(most, max(1, math.ceil(rate * output * tpot / max(1, targets[decode_role]))))
+            if new == batch:
+                break
+            batch = new
+        return ttft, tpot
+
+
+def _replicas_for(demand: float, capacity: float) -> int:
+    if demand <= 0:
+        return 0
+    if capacity <= 0:
+        return 1 << 20          # the SLO cannot be met: as many as allowed
+    return math.ceil(demand / capacity - 1e-9)
+
+
+def _smooth(old: float | None, new: float, weight: float = 0.3) -> float:
+    return new if old is None else old + weight * (new - old)

@@ -1,0 +1,106 @@
+"""The goodput autoscaling policy driving a simulated cluster: every interval
+it sees what the live policy would (arrivals, lengths, latency percentiles,
+queues, replicas running and starting, measured steps), and its targets
+change the pools: a replica asked for serves after `startup_s` (and holds its
+devices from the asking), a replica scaled down drains (cluster_sim.py).
+"""
+
+from __future__ import annotations
+
+from cluster.autoscaler.policy import (
+    GoodputPolicy,
+    Observation,
+    RoleObservation,
+    StepSample,
+)
+
+
+class SimAutoscaler:
+    def __init__(self, policy: GoodputPolicy):
+        self.policy = policy
+        self.settings = policy.settings
+        self.timeline: list[dict] = []
+        self._sim = None
+        self._arrived = 0                      # cursors into the simulation's logs
+        self._finished = 0
+        self._last_finished: list = []         # the requests that finished in the last window
+        self._starting: dict[str, int] = {r: 0 for r in self.settings.roles}
+        self._steps: dict[str, list[StepSample]] = {r: [] for r in self.settings.roles}
+
+    def attach(self, sim) -> None:
+        self._sim = sim
+        sim.at(self.settings.interval_s, self._tick)
+
+    def on_step(self, replica, shape, seconds: float) -> None:
+        role = self._sim.role_of(replica)
+        self._steps[role].append(StepSample(shape, seconds, warm=replica.num_steps > self.settings.warmup_steps))
+
+    # ---- one interval -----------------------------------------------------------------------
+    def _tick(self) -> None:
+        sim, s = self._sim, self.settings
+        obs = self._observe()
+        decision = self.policy.decide(obs)
+        for role, target in decision.targets.items():
+            live = [r for r in sim.pool(role) if not r.draining]
+            change = target - len(live) - self._starting[role]
+            for _ in range(max(0, change)):
+                self._starting[role] += 1
+                sim.at(sim.now + s.startup_s, lambda role=role, asked=sim.now: self._ready(role, asked))
+            for _ in range(max(0, -change)):
+                victim = min(live, key=lambda r: (len(r.running) + len(r.waiting), -r.started_at))
+                live.remove(victim)
+                sim.drain_replica(victim)
+        done = self._last_finished
+        self.timeline.append({
+            "time_s": sim.now, "rate": obs.arrivals / obs.window_s, "predicted_rate": decision.predicted_rate,
+            "targets": dict(decision.targets),
+            "running": {r: sum(not x.draining for x in sim.pool(r)) for r in s.roles},
+            "attainment": _attainment(done, s.ttft_slo_s, s.tpot_slo_s), "reason": decision.describe()})
+        if sim.unfinished:
+            sim.at(sim.now + s.interval_s, self._tick)
+
+    def _ready(self, role: str, asked: float) -> None:
+        self._starting[role] -= 1
+        self._sim.add_replica(role).started_at = asked
+
+    def _observe(self) -> Observation:
+        sim, s = self._sim, self.settings
+        arrived = sim.arrived[self._arrived:]
+        finished = sim.finished[self._finished:]
+        self._arrived, self._finished = len(sim.arrived), len(sim.finished)
+        self._last_finished = finished
+        ttfts = [r.token_times[0] - r.send_time for r in finished]
+        tpots = [(r.end_time - r.token_times[0]) / (len(r.token_times) - 1) for r in finished if len(r.token_times) > 1]
+        roles = {}
+        for role in s.roles:
+            live = [r for r in sim.pool(role) if not r.draining]
+            waiting = sum(len(r.waiting) for r in live)
+            if role == "decode":
+                waiting += len(sim.awaiting_decode)
+            roles[role] = RoleObservation(running=len(live), starting=self._starting[role],
+                                          waiting_requests=float(waiting), steps=self._steps[role])
+            self._steps[role] = []
+        return Observation(
+            now=sim.now, window_s=s.interval_s, arrivals=len(arrived),
+            mean_prompt_tokens=sum(r.prompt_len for r in arrived) / len(arrived) if arrived else None,
+            mean_output_tokens=sum(len(r.token_times) for r in finished) / len(finished) if finished else None,
+            ttft_p90_s=_p90(ttfts), tpot_p90_s=_p90(tpots), roles=roles)
+
+
+def _p90(values: list[float]) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(0.9 * len(values)))]
+
+
+def _attainment(finished, ttft_slo_s: float, tpot_slo_s: float) -> float | None:
+    """The share of the interval's finished requests that met both SLOs."""
+    if not finished:
+        return None
+    ok = 0
+    for r in finished:
+        ttft = r.token_times[0] - r.send_time
+        tpot = (r.end_time - r.token_times[0]) / (len(r.token_times) - 1) if len(r.token_times) > 1 else 0.0
+        ok += ttft <= ttft_slo_s and tpot <= tpot_slo_s
+    return ok / len(finished)

@@ -1,0 +1,172 @@
+"""The autoscaler's live side, in the router: every interval it gathers what the
+policy needs (the requests the router saw, the steps the workers measured,
+the replicas answering), runs cluster/autoscaler/policy.py, logs the decision
+with its reasons, exports it to /metrics, and holds the targets for Serve.
+
+Serve applies them: the router reports `target_<role>` through
+`record_autoscaling_stats`, and the application's autoscaling policy
+(cluster/autoscaler/serve_policy.py) copies them to the worker deployments.
+The heavy work stays here, out of Serve's 0.1 s control loop.
+
+Step-time model per role: the profile given (`autoscaling.profile`),
+corrected online by the measured steps; without one, a linear model fitted to
+the workers' own recent steps (the policy holds until one is fitted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+
+from cluster.autoscaler.policy import (
+    AutoscaleSettings,
+    GoodputPolicy,
+    Observation,
+    RoleObservation,
+    StepSample,
+)
+from cluster.perf_model.linear_model import LinearStepModel
+from cluster.perf_model.online import OnlineCorrection
+from cluster.perf_model.step_shape import StepShape, StepTimeModel
+from router.timings import RequestTimings
+
+log = logging.getLogger("ray.serve")   # shown in the replica log and the driver
+
+FIT_WINDOW = 400          # recent steps a learned model is fitted to, per role
+MIN_FIT_STEPS = 12
+
+
+class AutoscaleLoop:
+    def __init__(self, settings: AutoscaleSettings, workers: dict, metrics, *,
+                 profile: StepTimeModel | None = None):
+        """`workers`: role -> Serve handle of that role's deployment."""
+        self.settings = settings
+        self.workers = workers
+        self.metrics = metrics
+        self.profile = profile
+        self.policy: GoodputPolicy | None = None
+        self.targets: dict[str, int] = {}
+        self._last_running: dict[str, int] = {}
+        self._arrivals = 0
+        self._prompt_tokens = 0
+        self._ended: list[RequestTimings] = []
+        self._fit_steps: dict[str, deque] = {r: deque(maxlen=FIT_WINDOW) for r in settings.roles}
+        self._last_tick = time.monotonic()
+        metrics.add_listener(self)
+
+    # ---- what the router sees -----------------------------------------------------------
+    def on_arrival(self, prompt_tokens: int) -> None:
+        self._arrivals += 1
+        self._prompt_tokens += prompt_tokens
+
+    def on_request(self, timings: RequestTimings) -> None:
+        if timings.finish_reason in ("stop", "length"):
+            self._ended.append(timings)
+
+    def serve_targets(self) -> dict[str, float]:
+        """For Serve (record_autoscaling_stats): target_<role> -> replicas."""
+        return {f"target_{role}": float(n) for role, n in self.targets.items()}
+
+    # ---- the loop -----------------------------------------------------------------------
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.interval_s)
+            try:
+                await self.tick()
+            except Exception:  # noqa: BLE001 - a failed interval must not stop the autoscaler
+                log.exception("autoscaler interval failed")
+
+    async def tick(self) -> None:
+        now = time.monotonic()
+        window, self._last_tick = now - self._last_tick, now
+        roles = {role: await self._observe_role(role) for role in self.settings.roles}
+        obs = self._observation(now, window, roles)
+        if self.policy is None:
+            self.policy = self._make_policy()
+            if self.policy is None:
+                log.info("autoscaler: holding, no step-time model yet (%s)",
+                         ", ".join(f"{r}: {len(s)} steps" for r, s in self._fit_steps.items()))
+                return
+        elif self.profile is None:
+            self._refit()
+        current = {r: ro.running + ro.starting for r, ro in roles.items()}
+        decision = self.policy.decide(obs)
+        if decision.changed(current) or not self.targets:
+            log.info("autoscaler: %s (predicted %.2f req/s)", decision.describe(), decision.predicted_rate)
+        self.targets = dict(decision.targets)
+        self.metrics.set_autoscaler(self.targets, {r: ro.running for r, ro in roles.items()}, {
+            ("ttft", "predicted"): decision.predicted_ttft_s, ("tpot", "predicted"): decision.predicted_tpot_s,
+            ("ttft", "observed"): obs.ttft_p90_s, ("tpot", "observed"): obs.tpot_p90_s})
+
+    async def _observe_role(self, role: str) -> RoleObservation:
+        handle = self.workers[role]
+        try:
+            replies = await asyncio.wait_for(handle.broadcast("step_samples").results_async(), 5.0)
+            stats = await asyncio.wait_for(handle.broadcast("stats").results_async(), 5.0)
+        except Exception as exc:  # noqa: BLE001 - count it as no replica answering this time
+            log.debug("autoscaler: no %s replies: %s", role, exc)
+            replies, stats = [], []
+        running = len(replies)
+        asked = self.targets.get(role, running)
+        steps = []
+        for reply in replies:
+            for index, step in reply["steps"]:
+                shape = StepShape(step.num_prefill_tokens, step.prefill_attention, step.num_decode_seqs,
+                                  step.decode_context)
+                sample = StepSample(shape, step.duration_s, warm=index > self.settings.warmup_steps)
+                steps.append(sample)
+                if sample.warm:
+                    self._fit_steps[role].append(sample)
+        waiting = sum(s.get("num_waiting", 0.0) for s in stats)
+        self._last_running[role] = running
+        return RoleObservation(running=running, starting=max(0, asked - running), waiting_requests=waiting,
+                               steps=steps)
+
+    def _observation(self, now: float, window: float, roles: dict[str, RoleObservation]) -> Observation:
+        ended, self._ended = self._ended, []
+        arrivals, prompt = self._arrivals, self._prompt_tokens
+        self._arrivals = self._prompt_tokens = 0
+        ttfts = sorted(t.time_to_first_token for t in ended if t.time_to_first_token is not None)
+        tpots = sorted(t.time_per_output_token for t in ended if t.time_per_output_token is not None)
+        return Observation(
+            now=now, window_s=window, arrivals=arrivals,
+            mean_prompt_tokens=prompt / arrivals if arrivals else None,
+            mean_output_tokens=sum(t.generation_tokens for t in ended) / len(ended) if ended else None,
+            ttft_p90_s=_p90(ttfts), tpot_p90_s=_p90(tpots), roles=roles)
+
+    # ---- the step-time model ------------------------------------------------------------
+    def _make_policy(self) -> GoodputPolicy | None:
+        if self.profile is not None:
+            return GoodputPolicy(self.settings, {r: self.profile for r in self.settings.roles})
+        models = {r: self._fit(r) for r in self.settings.roles}
+        if any(m is None for m in models.values()):
+            return None
+        return GoodputPolicy(self.settings, models)
+
+    def _refit(self) -> None:
+        for role in self.settings.roles:
+            model = self._fit(role)
+            if model is not None:
+                self.policy.models[role] = OnlineCorrection(model)
+
+    def _fit(self, role: str) -> LinearStepModel | None:
+        """Fitted to the role's recent steps; while it has too few (short prompts all
+        prefilled on decode workers, say), to every role's: the same model on the
+        same devices."""
+        samples = list(self._fit_steps[role])
+        if len(samples) < MIN_FIT_STEPS:
+            samples = [s for steps in self._fit_steps.values() for s in steps]
+        if len(samples) < MIN_FIT_STEPS:
+            return None
+        try:
+            return LinearStepModel.fit([s.shape for s in samples], [s.seconds for s in samples])
+        except ValueError:
+            return None
+
+
+def _p90(values: list[float]) -> float | None:
+    if not values:
+        return None
+    return values[min(len(values) - 1, int(0.9 * len(values)))]

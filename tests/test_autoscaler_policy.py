@@ -1,0 +1,233 @@
+"""The goodput autoscaling policy on synthetic inputs (no Ray, no engine)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from cluster.autoscaler.capacity import (
+    ReplicaLimits,
+    colocated_capacity,
+    decode_batch,
+    decode_capacity,
+    prefill_capacity,
+)
+from cluster.autoscaler.load_predictor import LoadPredictor
+from cluster.autoscaler.policy import (
+    AutoscaleSettings,
+    GoodputPolicy,
+    Observation,
+    RoleObservation,
+    StepSample,
+)
+from cluster.perf_model.linear_model import LinearStepModel
+from cluster.perf_model.step_shape import StepShape
+
+# 5 ms a step, 0.1 ms a prompt token, 1 ms a decoding sequence, 1 us per key a decode reads
+MODEL = LinearStepModel((5e-3, 1e-4, 0.0, 1e-3, 1e-6))
+SLOS = dict(ttft_slo_s=1.0, tpot_slo_s=0.05)
+
+
+def settings(**kw) -> AutoscaleSettings:
+    base = dict(SLOS, budget=8, interval_s=10.0, startup_s=10.0, downscale_cooldown_s=30.0)
+    return AutoscaleSettings(**{**base, **kw})
+
+
+def policy(**kw) -> GoodputPolicy:
+    s = settings(**kw)
+    return GoodputPolicy(s, {r: MODEL for r in s.roles})
+
+
+def observe(now: float, rate: float, prompt: float, output: float, current: dict[str, int], *,
+            starting: dict[str, int] | None = None, window: float = 10.0, **kw) -> Observation:
+    starting = starting or {}
+    roles = {r: RoleObservation(running=n, starting=starting.get(r, 0)) for r, n in current.items()}
+    return Observation(now=now, window_s=window, arrivals=round(rate * window), mean_prompt_tokens=prompt,
+                       mean_output_tokens=output, roles=roles, **kw)
+
+
+def run_steady(p: GoodputPolicy, intervals: int, rate_of, prompt: float, output: float,
+               start: dict[str, int]) -> tuple[dict[str, int], list[dict[str, int]]]:
+    """Applies every decision at once (replicas start instantly); returns the
+    final targets and the history."""
+    current = dict(start)
+    history = []
+    for i in range(intervals):
+        d = p.decide(observe(10.0 * (i + 1), rate_of(i), prompt, output, current))
+        current = dict(d.targets)
+        history.append(current)
+    return current, history
+
+
+# ---- capacity -------------------------------------------------------------------------------
+def test_prefill_capacity_solves_the_md1_queue():
+    s = MODEL.step_time(StepShape.build([(0, 1000)]))        # 0.105 s
+    cap = prefill_capacity(MODEL, 1000, 0.5)
+    rho = cap * s
+    wait = rho * s / (2 * (1 - rho))
+    assert wait + s == pytest.approx(0.5)                     # TTFT exactly at the budget
+    assert prefill_capacity(MODEL, 6000, 0.5) == 0.0          # a lone prompt (0.605 s) misses it
+
+
+def test_decode_batch_is_the_largest_within_tpot_and_limits():
+    # t(B) = 5 ms + B * (1 ms + 300 us): B <= 34 for 50 ms
+    assert decode_batch(MODEL, 300, 0.05, ReplicaLimits()) == 34
+    assert decode_batch(MODEL, 300, 0.05, ReplicaLimits(max_num_seqs=10)) == 10
+    assert decode_batch(MODEL, 300, 0.05, ReplicaLimits(num_kv_blocks=100, block_size=16)) == 5   # 19 blocks each
+    assert decode_batch(MODEL, 300, 0.004, ReplicaLimits()) == 0
+
+
+def test_decode_and_colocated_capacity():
+    b = 34
+    step = 5e-3 + b * (1e-3 + 300e-6)
+    assert decode_capacity(MODEL, 200, 200, 0.05) == pytest.approx(b / (200 * step))
+    p, d = prefill_capacity(MODEL, 200, 1.0), decode_capacity(MODEL, 200, 200, 0.05)
+    assert colocated_capacity(MODEL, 200, 200, 1.0, 0.05) == pytest.approx(1 / (1 / p + 1 / d))
+
+
+def test_load_predictors():
+    c, e, t = LoadPredictor("constant"), LoadPredictor("ewma", alpha=0.5), LoadPredictor("trend", 0.5, 0.5)
+    for rate in (1.0, 2.0, 3.0, 4.0):
+        for p in (c, e, t):
+            p.observe(rate)
+    assert c.predict(3) == 4.0
+    assert e.predict(3) == pytest.approx(3.125)               # 1 -> 1.5 -> 2.25 -> 3.125
+    assert t.predict(0) < 4.0 < t.predict(3)                  # a rising load is extrapolated
+    with pytest.raises(ValueError, match="predictor must be one of"):
+        LoadPredictor("magic")
+
+
+# ---- policy ---------------------------------------------------------------------------------
+def test_more_prompt_tokens_means_more_prefill():
+    short, _ = run_steady(policy(), 6, lambda i: 4.0, 200, 200, {"prefill": 1, "decode": 1})
+    long, _ = run_steady(policy(), 6, lambda i: 4.0, 2500, 200, {"prefill": 1, "decode": 1})
+    assert long["prefill"] > short["prefill"]
+    # 4 req/s of 0.255 s prompts is more than one replica's work
+    assert long["prefill"] == math.ceil(4.0 / prefill_capacity(MODEL, 2500, 0.8)) == 2
+    assert short["prefill"] == 1
+
+
+def test_longer_outputs_mean_more_decode():
+    short, _ = run_steady(policy(), 6, lambda i: 2.0, 200, 50, {"prefill": 1, "decode": 1})
+    long, _ = run_steady(policy(), 6, lambda i: 2.0, 200, 800, {"prefill": 1, "decode": 1})
+    assert long["decode"] > short["decode"]
+    assert long["prefill"] == short["prefill"]
+
+
+def test_budget_and_bounds_are_never_exceeded():
+    rng = random.Random(0)
+    p = policy(budget=6, max_replicas={"prefill": 3}, min_replicas={"decode": 2}, downscale_cooldown_s=0.0)
+    current = {"prefill": 1, "decode": 2}
+    for i in range(200):
+        obs = observe(10.0 * i, rng.uniform(0, 30), rng.uniform(10, 4000), rng.uniform(1, 1000), current,
+                      ttft_p90_s=rng.choice([None, 0.2, 3.0]), tpot_p90_s=rng.choice([None, 0.01, 0.2]))
+        d = p.decide(obs)
+        assert d.targets["prefill"] + d.targets["decode"] <= 6, d.describe()
+        assert 1 <= d.targets["prefill"] <= 3 and d.targets["decode"] >= 2, d.describe()
+        current = d.targets
+
+
+def test_over_budget_the_split_follows_the_bottleneck():
+    # 20 req/s of long prompts and short outputs cannot fit 8 ranks: prefill gets most of them
+    final, _ = run_steady(policy(budget=8), 8, lambda i: 20.0, 3000, 20, {"prefill": 1, "decode": 1})
+    assert final["prefill"] + final["decode"] == 8
+    assert final["prefill"] >= 6
+
+
+def test_noisy_steady_load_does_not_flap():
+    rng = random.Random(1)
+    p = policy(downscale_cooldown_s=0.0)
+    _, history = run_steady(p, 40, lambda i: rng.gauss(6.0, 0.6), 1200, 150, {"prefill": 1, "decode": 1})
+    settled = history[3:]                                      # after the ramp from 1 + 1
+    changes = sum(a != b for a, b in zip(settled, settled[1:]))
+    assert changes <= 1, history
+
+
+def test_scale_down_is_one_at_a_time_after_the_cooldown():
+    p = policy(downscale_cooldown_s=30.0)
+    current = {"prefill": 4, "decode": 4}
+    d = p.decide(observe(10.0, 0.1, 200, 50, current))          # nearly idle
+    assert d.targets == {"prefill": 3, "decode": 3}
+    current = d.targets
+    d = p.decide(observe(20.0, 0.1, 200, 50, current))
+    assert d.targets == current and "cool-down" in d.reasons["prefill"]
+    d = p.decide(observe(40.0, 0.1, 200, 50, current))
+    assert d.targets == {"prefill": 2, "decode": 2}
+
+
+def test_scale_down_keeps_replicas_the_load_still_needs():
+    # Dynamo's N-1 rule: 2 -> 1 prefill replica only when one replica holds the load at 80% of capacity
+    cap = prefill_capacity(MODEL, 1000, 0.8)
+    p = policy(downscale_cooldown_s=0.0)
+    d = p.decide(observe(10.0, 0.9 * cap, 1000, 10, {"prefill": 2, "decode": 1}))
+    assert d.targets["prefill"] == 2 and "would not hold" in d.reasons["prefill"]
+    p = policy(downscale_cooldown_s=0.0)
+    d = p.decide(observe(10.0, 0.7 * cap, 1000, 10, {"prefill": 2, "decode": 1}))
+    assert d.targets["prefill"] == 1
+
+
+def test_a_starting_replica_is_not_counted_twice():
+    p = policy()
+    rate = 2.5 * prefill_capacity(MODEL, 2000, 0.8)             # needs 3 prefill replicas
+    d = p.decide(observe(10.0, rate, 2000, 10, {"prefill": 1, "decode": 1}))
+    assert d.targets["prefill"] == 3
+    # two of them are still starting: the target stays 3, no more asked for
+    d = p.decide(observe(20.0, rate, 2000, 10, {"prefill": 1, "decode": 1}, starting={"prefill": 2}))
+    assert d.targets["prefill"] == 3
+
+
+def test_a_new_replicas_slow_first_steps_do_not_inflate_targets():
+    shape = StepShape.build([(0, 2000)])
+    slow = [StepSample(shape, 2 * MODEL.step_time(shape), warm=False) for _ in range(30)]
+    rate = 1.5 * prefill_capacity(MODEL, 2000, 0.8)             # needs 2
+
+    def target(samples):
+        p = policy()
+        obs = observe(10.0, rate, 2000, 10, {"prefill": 2, "decode": 1})
+        obs.roles["prefill"].steps = samples
+        return p.decide(obs).targets["prefill"]
+
+    assert target([]) == 2
+    assert target(slow) == 2                                    # warming up: left out
+    warm_slow = [StepSample(s.shape, s.seconds, warm=True) for s in slow]
+    assert target(warm_slow) > 2                                # the same steps from a warm replica count
+
+
+def test_observed_latency_over_the_slo_adds_a_replica_of_the_right_role():
+    p = policy()
+    d = p.decide(observe(10.0, 0.5, 200, 50, {"prefill": 1, "decode": 1}, ttft_p90_s=2.5))
+    assert d.targets == {"prefill": 2, "decode": 1} and "TTFT" in d.reasons["prefill"]
+    p = policy()
+    d = p.decide(observe(10.0, 0.5, 200, 50, {"prefill": 1, "decode": 1}, tpot_p90_s=0.2))
+    assert d.targets == {"prefill": 1, "decode": 2} and "TPOT" in d.reasons["decode"]
+
+
+def test_colocated_mode_scales_one_pool():
+    p = policy(mode="colocated", budget=4)
+    cap = colocated_capacity(MODEL, 500, 100, 0.8, 0.04)
+    d = p.decide(observe(10.0, 2.2 * cap, 500, 100, {"colocated": 1}))
+    assert d.targets == {"colocated": 3}
+
+
+def test_no_traffic_holds_and_the_predictions_are_reported():
+    p = policy()
+    d = p.decide(Observation(now=10.0, window_s=10.0, arrivals=0,
+                             roles={"prefill": RoleObservation(1), "decode": RoleObservation(2)}))
+    assert d.targets == {"prefill": 1, "decode": 2} and not d.changed({"prefill": 1, "decode": 2})
+    d = p.decide(observe(20.0, 1.0, 500, 100, {"prefill": 1, "decode": 2}))
+    s = MODEL.step_time(StepShape.build([(0, 500)]))
+    rho = 0.5 * s            # the EWMA predicts 0.5 req/s after an idle interval and a 1 req/s one
+    assert d.predicted_ttft_s == pytest.approx(s + rho * s / (2 * (1 - rho)), rel=1e-6)
+    assert 0 < d.predicted_tpot_s < 0.05
+
+
+def test_settings_are_validated():
+    with pytest.raises(ValueError, match="more than the budget"):
+        settings(budget=3, min_replicas={"prefill": 2, "decode": 2})
+    with pytest.raises(ValueError, match="max_replicas"):
+        settings(min_replicas={"decode": 3}, max_replicas={"decode": 2})
+    with pytest.raises(ValueError, match="SLOs must be > 0"):
+        AutoscaleSettings(ttft_slo_s=0, tpot_slo_s=0.05)
+    assert math.isfinite(settings().max_for("decode"))
