@@ -43,6 +43,8 @@ def policy(**kw) -> GoodputPolicy:
 def observe(now: float, rate: float, prompt: float, output: float, current: dict[str, int], *,
             starting: dict[str, int] | None = None, window: float = 10.0, **kw) -> Observation:
     starting = starting or {}
+    kw.setdefault("ttft_p90_s", 0.1)          # requests finished, well within the SLOs
+    kw.setdefault("tpot_p90_s", 0.01)
     roles = {r: RoleObservation(running=n, starting=starting.get(r, 0)) for r, n in current.items()}
     return Observation(now=now, window_s=window, arrivals=round(rate * window), mean_prompt_tokens=prompt,
                        mean_output_tokens=output, roles=roles, **kw)
@@ -148,12 +150,14 @@ def test_noisy_steady_load_does_not_flap():
 def test_scale_down_is_one_at_a_time_after_the_cooldown():
     p = policy(downscale_cooldown_s=30.0)
     current = {"prefill": 4, "decode": 4}
-    d = p.decide(observe(10.0, 0.1, 200, 50, current))          # nearly idle
-    assert d.targets == {"prefill": 3, "decode": 3}
-    current = d.targets
-    d = p.decide(observe(20.0, 0.1, 200, 50, current))
+    d = p.decide(observe(10.0, 0.1, 200, 50, current))          # nearly idle, but just deployed
     assert d.targets == current and "cool-down" in d.reasons["prefill"]
     d = p.decide(observe(40.0, 0.1, 200, 50, current))
+    assert d.targets == {"prefill": 3, "decode": 3}
+    current = d.targets
+    d = p.decide(observe(50.0, 0.1, 200, 50, current))
+    assert d.targets == current and "cool-down" in d.reasons["prefill"]
+    d = p.decide(observe(70.0, 0.1, 200, 50, current))
     assert d.targets == {"prefill": 2, "decode": 2}
 
 
@@ -166,6 +170,25 @@ def test_scale_down_keeps_replicas_the_load_still_needs():
     p = policy(downscale_cooldown_s=0.0)
     d = p.decide(observe(10.0, 0.7 * cap, 1000, 10, {"prefill": 2, "decode": 1}))
     assert d.targets["prefill"] == 1
+
+
+def test_scale_down_waits_for_finished_requests_with_latency_to_spare():
+    p = policy(downscale_cooldown_s=0.0)
+    idle = dict(ttft_p90_s=None, tpot_p90_s=None)
+    d = p.decide(observe(10.0, 0.1, 200, 50, {"prefill": 2, "decode": 2}, **idle))
+    assert d.targets == {"prefill": 2, "decode": 2} and "no request finished" in d.reasons["decode"]
+    # TPOT p90 at 90% of its SLO: decode holds; TTFT well within: prefill goes
+    d = p.decide(observe(20.0, 0.1, 200, 50, {"prefill": 2, "decode": 2}, ttft_p90_s=0.1, tpot_p90_s=0.045))
+    assert d.targets == {"prefill": 1, "decode": 2} and "within 20% of the SLO" in d.reasons["decode"]
+
+
+def test_running_requests_show_longer_outputs_before_they_finish():
+    p = policy()
+    p.decide(observe(10.0, 2.0, 200, 50, {"prefill": 1, "decode": 1}))
+    obs = observe(20.0, 2.0, 200, 50, {"prefill": 1, "decode": 1})
+    obs.mean_inflight_output_tokens = 400.0
+    p.decide(obs)
+    assert p.output_tokens == 400.0
 
 
 def test_a_starting_replica_is_not_counted_twice():

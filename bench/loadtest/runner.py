@@ -87,13 +87,18 @@ class RunResult:
 
 
 async def run_benchmark(requests: Sequence[SampleRequest], config: RunConfig, *,
-                        tokenizer: Any = None) -> RunResult:
+                        tokenizer: Any = None, offsets: Sequence[float] | None = None) -> RunResult:
     """Run `requests` against the server (see the module docstring for the life cycle).
 
-    `tokenizer` counts output tokens when the server sends no usage. Never raises
-    for failed requests; a cancellation ends the run with a partial result.
+    `tokenizer` counts output tokens when the server sends no usage. `offsets`:
+    each request's send time in seconds from the start (default: drawn from the
+    config's rate and burstiness). Never raises for failed requests; a
+    cancellation ends the run with a partial result.
     """
-    offsets = arrival_offsets(len(requests), config.request_rate, config.burstiness, config.seed)
+    if offsets is None:
+        offsets = arrival_offsets(len(requests), config.request_rate, config.burstiness, config.seed)
+    elif len(offsets) != len(requests):
+        raise ValueError(f"{len(requests)} requests but {len(offsets)} send times")
     slots = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
     records: list[RequestRecord] = []
     tasks: list[asyncio.Future] = []

@@ -22,10 +22,12 @@ Per interval:
 5. Guards, per role: min/max and the budget; replicas still starting count as
    capacity already coming; scaling up waits `upscale_cooldown_s` after the
    last scale-up, scaling down `downscale_cooldown_s` after any change, goes
-   one replica at a time, never while one of the role is starting, and only
-   when the remaining replicas are predicted to hold the SLOs at the whole
-   load with `downscale_headroom` to spare (Dynamo's N-1 rule), or when the
-   budget needs the replica elsewhere.
+   one replica at a time, never while one of the role is starting; and unless
+   the budget needs the replica elsewhere, only when requests finished in the
+   interval with the role's latency (TTFT for prefill, TPOT for decode) at
+   most `downscale_headroom` of its SLO, and the remaining replicas are
+   predicted to hold the whole load with `downscale_headroom` to spare
+   (Dynamo's N-1 rule).
 """
 
 from __future__ import annotations
@@ -120,6 +122,7 @@ class Observation:
     arrivals: int
     mean_prompt_tokens: float | None = None        # of the window's arrivals
     mean_output_tokens: float | None = None        # of the window's finished requests
+    mean_inflight_output_tokens: float | None = None   # generated so far by the running ones (a lower bound)
     ttft_p90_s: float | None = None
     tpot_p90_s: float | None = None
     roles: dict[str, RoleObservation] = field(default_factory=dict)
@@ -160,6 +163,8 @@ class GoodputPolicy:
     # ---- one interval ---------------------------------------------------------------------
     def decide(self, obs: Observation) -> Decision:
         s = self.settings
+        for r in s.roles:       # the pools as deployed count as the first change: no scale-down right away
+            self.last_change.setdefault(r, obs.now)
         self._learn(obs)
         current = {r: obs.roles[r].running + obs.roles[r].starting if r in obs.roles else s.min_for(r)
                    for r in s.roles}
@@ -195,6 +200,9 @@ class GoodputPolicy:
             self.prompt_tokens = _smooth(self.prompt_tokens, obs.mean_prompt_tokens)
         if obs.mean_output_tokens is not None:
             self.output_tokens = _smooth(self.output_tokens, obs.mean_output_tokens)
+        if obs.mean_inflight_output_tokens is not None and obs.mean_inflight_output_tokens > (self.output_tokens or 0):
+            # outputs got longer: the running requests show it before any of them finishes
+            self.output_tokens = obs.mean_inflight_output_tokens
         for role, ro in obs.roles.items():
             model = self.models.get(role)
             for sample in ro.steps:
@@ -259,6 +267,11 @@ class GoodputPolicy:
                 reasons[r] = f"holds {current[r]}: a replica is still starting"
             elif obs.now - self.last_change.get(r, -math.inf) < s.downscale_cooldown_s:
                 reasons[r] = f"holds {current[r]}: scale-down cool-down"
+            elif not budget_bound and (latency := self._observed_for(obs, r)) is None:
+                reasons[r] = f"holds {current[r]}: no request finished this interval to confirm the SLOs hold"
+            elif not budget_bound and latency[0] > latency[1] * s.downscale_headroom:
+                reasons[r] = (f"holds {current[r]}: observed p90 {latency[0] * 1000:.0f} ms is within "
+                              f"{1 - s.downscale_headroom:.0%} of the SLO")
             elif not budget_bound and demand[r] > (current[r] - 1) * capacity[r] * s.downscale_headroom:
                 reasons[r] = (f"holds {current[r]}: {current[r] - 1} would not hold {demand[r]:.2f} req/s "
                               f"with {1 - s.downscale_headroom:.0%} to spare")
@@ -279,6 +292,15 @@ class GoodputPolicy:
             targets[r] = current[r] + min(room, want - current[r])
             reasons[r] = "scale up: " + reasons[r]
         return targets
+
+    def _observed_for(self, obs: Observation, role: str) -> tuple[float, float] | None:
+        """(observed p90, SLO) of the latency `role` answers for: TTFT for prefill,
+        TPOT for decode, the worse ratio of the two for colocated."""
+        s = self.settings
+        pairs = {"prefill": [(obs.ttft_p90_s, s.ttft_slo_s)], "decode": [(obs.tpot_p90_s, s.tpot_slo_s)],
+                 "colocated": [(obs.ttft_p90_s, s.ttft_slo_s), (obs.tpot_p90_s, s.tpot_slo_s)]}[role]
+        pairs = [(v, slo) for v, slo in pairs if v is not None]
+        return max(pairs, key=lambda p: p[0] / p[1]) if pairs else None
 
     def _predicted_latency(self, rate: float, targets: dict[str, int]) -> tuple[float | None, float | None]:
         """Mean TTFT (M/D/1 on the prefill pool) and TPOT (the decode step at the

@@ -39,6 +39,7 @@ class SimAutoscaler:
     def _tick(self) -> None:
         sim, s = self._sim, self.settings
         obs = self._observe()
+        running = {r: obs.roles[r].running for r in s.roles}       # before this decision
         decision = self.policy.decide(obs)
         for role, target in decision.targets.items():
             live = [r for r in sim.pool(role) if not r.draining]
@@ -54,7 +55,7 @@ class SimAutoscaler:
         self.timeline.append({
             "time_s": sim.now, "rate": obs.arrivals / obs.window_s, "predicted_rate": decision.predicted_rate,
             "targets": dict(decision.targets),
-            "running": {r: sum(not x.draining for x in sim.pool(r)) for r in s.roles},
+            "running": running,
             "attainment": _attainment(done, s.ttft_slo_s, s.tpot_slo_s), "reason": decision.describe()})
         if sim.unfinished:
             sim.at(sim.now + s.interval_s, self._tick)
@@ -84,7 +85,13 @@ class SimAutoscaler:
             now=sim.now, window_s=s.interval_s, arrivals=len(arrived),
             mean_prompt_tokens=sum(r.prompt_len for r in arrived) / len(arrived) if arrived else None,
             mean_output_tokens=sum(len(r.token_times) for r in finished) / len(finished) if finished else None,
+            mean_inflight_output_tokens=_mean([len(r.token_times) for r in sim.logs
+                                               if r.send_time is not None and r.end_time is None]),
             ttft_p90_s=_p90(ttfts), tpot_p90_s=_p90(tpots), roles=roles)
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def _p90(values: list[float]) -> float | None:

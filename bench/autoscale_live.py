@@ -1,0 +1,190 @@
+"""The goodput autoscaler against each static split of the same budget, served
+live by `pdserve serve` on this machine, one phased workload, one run.
+
+    python bench/autoscale_live.py [--budget 3] [--phase-s 90] [--slo ttft:1000 tpot:100]
+                                   [--prompt-heavy-rate 1.2] [--output-heavy-rate 1.2]
+                                   [--model DIR] [--json bench/results/autoscale_live.json]
+
+Checkpoint: the "bench" preset (~30M-parameter Llama, fp32). Workload (Poisson):
+  prompt-heavy  ~900-token prompts, 16 output tokens, for --phase-s
+  output-heavy  ~200-token prompts, 256 output tokens, for --phase-s
+greedy, ignore_eos, streamed (bench/loadtest). Systems, one at a time, each a
+fresh `pdserve serve` on a local cluster (disaggregation policy "always", so a
+prompt runs on a prefill worker and the roles stay apart):
+  static kP+(budget-k)D for every k, and
+  autoscaled: starting at the split that suits the first phase, budget
+  --budget ranks, interval 5 s, start-up horizon 15 s, scale-down cool-down 15 s,
+  the step model fitted to the workers' own steps.
+For each: goodput (requests meeting both SLOs per second of the run),
+attainment, TTFT/TPOT p90, and replica-seconds (the autoscaled run reads the
+replicas serving from /metrics every second; a static split holds all of its
+replicas for the whole run). On 2 cores the replicas share the cores, so a
+replica more of one role takes CPU from the others: what moves is which role
+the cores work for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.loadtest.datasets import random_dataset  # noqa: E402
+from bench.loadtest.metrics import summarize  # noqa: E402
+from bench.loadtest.runner import RunConfig, run_benchmark  # noqa: E402
+from bench.serving_overhead import log_tail, stop_server, wait_healthy  # noqa: E402
+from cluster.cli.plan_goodput import parse_slo  # noqa: E402
+from engine.tp_group import free_port  # noqa: E402
+
+
+def workload(tokenizer, args):
+    """(requests, send offsets, phases)."""
+    rng = random.Random(args.seed)
+    phases = [("prompt-heavy", 900, 16, args.prompt_heavy_rate), ("output-heavy", 200, 256, args.output_heavy_rate)]
+    requests, offsets, t, described = [], [], 0.0, []
+    for i, (name, prompt, output, rate) in enumerate(phases):
+        described.append({"name": name, "start_s": t, "rate": rate, "prompt": prompt, "output": output})
+        times = []
+        end = t + args.phase_s
+        while (t := t + rng.expovariate(rate)) < end:
+            times.append(t)
+        t = end
+        requests += random_dataset(tokenizer, num_prompts=len(times), input_len=prompt, output_len=output,
+                                   range_ratio=0.2, seed=args.seed + i)
+        offsets += times
+    return requests, offsets, described
+
+
+def deployment(args, model_dir: str, prefill: int, decode: int, autoscale: bool) -> dict:
+    config = {"model": {"path": model_dir, "served_model_name": "bench"},
+              "prefill": {"replicas": prefill}, "decode": {"replicas": decode},
+              "disaggregation": {"policy": "always"}}
+    if autoscale:
+        slo = dict(args.slo)
+        config["autoscaling"] = {"enabled": True, "ttft_ms": slo["ttft"], "tpot_ms": slo["tpot"],
+                                 "budget": args.budget, "interval_s": 5, "startup_s": 15,
+                                 "downscale_cooldown_s": 15}
+    return config
+
+
+def replicas_watcher(base_url: str, stop: threading.Event, samples: list) -> None:
+    """Every second: the replicas serving per role, from the router's /metrics."""
+    while not stop.is_set():
+        try:
+            text = urllib.request.urlopen(base_url + "/metrics", timeout=5).read().decode()
+            running = {m.group(1): float(m.group(2)) for m in
+                       re.finditer(r'^pdserve_autoscaler_current_replicas\{role="(\w+)"\} ([0-9.]+)$', text, re.M)}
+            targets = {m.group(1): float(m.group(2)) for m in
+                       re.finditer(r'^pdserve_autoscaler_target_replicas\{role="(\w+)"\} ([0-9.]+)$', text, re.M)}
+            samples.append({"time_s": time.monotonic(), "running": running, "targets": targets})
+        except OSError:
+            pass
+        stop.wait(1.0)
+
+
+def run_system(name: str, config: dict, requests, offsets, args, tokenizer, log_dir: Path) -> dict:
+    port = free_port()
+    path = log_dir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log = log_dir / f"{name}.log"
+    cmd = [sys.executable, "-m", "cluster.cli.main", "serve", "--config", str(path), "--port", str(port),
+           "--address", "local"]
+    print(f"== {name}: {' '.join(cmd[3:])} (log {log})", flush=True)
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    base_url = f"http://127.0.0.1:{port}"
+    samples: list = []
+    stop = threading.Event()
+    try:
+        try:
+            wait_healthy(base_url, 300, proc)
+        except Exception as exc:  # noqa: BLE001 - reported, the next system runs
+            print(f"  failed to start: {exc}\n{log_tail(log)}", flush=True)
+            return {"error": str(exc)}
+        time.sleep(5)
+        watcher = threading.Thread(target=replicas_watcher, args=(base_url, stop, samples), daemon=True)
+        watcher.start()
+        cfg = RunConfig(base_url=base_url, model="bench", ignore_eos=True, max_duration=args.phase_s * 4,
+                        disable_tqdm=True)
+        result = asyncio.run(run_benchmark(requests, cfg, tokenizer=tokenizer, offsets=offsets))
+    finally:
+        stop.set()
+        stop_server(proc, 120)
+    slos_ms = dict(args.slo)
+    summary = summarize(result.records, num_requests=len(requests), duration=result.duration, slos_ms=slos_ms,
+                        percentiles=[90])
+    good = summary.good or 0
+    if config.get("autoscaling"):
+        start = samples[0]["time_s"] if samples else 0.0
+        replica_s = sum(sum(s["running"].values()) for s in samples)        # one sample a second
+        timeline = [{**s, "time_s": s["time_s"] - start} for s in samples]
+    else:
+        replica_s = (config["prefill"]["replicas"] + config["decode"]["replicas"]) * result.duration
+        timeline = []
+    row = {"goodput": good / result.duration, "attainment": good / max(1, len(requests)),
+           "failed": summary.failed, "duration_s": result.duration, "replica_seconds": replica_s,
+           "ttft_p90_ms": summary.latency["ttft"].percentiles.get(90),
+           "tpot_p90_ms": summary.latency["tpot"].percentiles.get(90), "timeline": timeline}
+    print(f"  goodput {row['goodput']:.2f} req/s ({row['attainment']:.0%} met), failed {row['failed']}, "
+          f"replica-s {replica_s:.0f}, TTFT p90 {row['ttft_p90_ms']:.0f} ms, TPOT p90 {row['tpot_p90_ms']:.1f} ms",
+          flush=True)
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--budget", type=int, default=3)
+    ap.add_argument("--phase-s", type=float, default=90.0)
+    ap.add_argument("--slo", nargs=2, type=parse_slo, default=[("ttft", 1000.0), ("tpot", 100.0)])
+    ap.add_argument("--prompt-heavy-rate", type=float, default=1.2)
+    ap.add_argument("--output-heavy-rate", type=float, default=1.2)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    from transformers import AutoTokenizer
+
+    from engine.tiny_model import ensure_preset_model
+    model_dir = args.model or str(ensure_preset_model("bench"))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    requests, offsets, phases = workload(tokenizer, args)
+    print(f"{len(requests)} requests over {args.phase_s * 2:.0f} s; budget {args.budget} ranks; SLOs "
+          f"{dict(args.slo)} ms", flush=True)
+    rows = {}
+    log_dir = Path(tempfile.mkdtemp(prefix="autoscale-live-"))
+    for k in range(1, args.budget):
+        rows[f"static {k}P+{args.budget - k}D"] = run_system(
+            f"static-{k}p{args.budget - k}d", deployment(args, model_dir, k, args.budget - k, False),
+            requests, offsets, args, tokenizer, log_dir)
+    rows["autoscaled"] = run_system("autoscaled", deployment(args, model_dir, args.budget - 1, 1, True),
+                                    requests, offsets, args, tokenizer, log_dir)
+    ok = {n: r for n, r in rows.items() if "error" not in r}
+    statics = [n for n in ok if n.startswith("static")]
+    if statics and "autoscaled" in ok:
+        best = max(statics, key=lambda n: ok[n]["goodput"])
+        a, b = ok["autoscaled"], ok[best]
+        print(f"autoscaled vs the best static split ({best}): goodput x{a['goodput'] / b['goodput']:.2f}, "
+              f"replica-seconds x{a['replica_seconds'] / b['replica_seconds']:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()}, "phases": phases,
+                                               "systems": rows}, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

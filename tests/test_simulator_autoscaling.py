@@ -1,0 +1,58 @@
+"""The simulator with the autoscaling policy driving its pools."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.autoscaler.capacity import prefill_capacity
+from cluster.autoscaler.policy import AutoscaleSettings, GoodputPolicy
+from cluster.perf_model.linear_model import LinearStepModel
+from cluster.simulator.autoscaling import SimAutoscaler
+from cluster.simulator.cluster_sim import ClusterSpec, ReplicaSpec, simulate
+
+MODEL = LinearStepModel((5e-3, 1e-4, 0.0, 1e-3, 1e-6))
+SPEC = ReplicaSpec(MODEL, num_kv_blocks=100_000)
+
+
+def run(prefill: int, decode: int, lengths, arrivals, **settings):
+    spec = ClusterSpec("disaggregated", prefill=SPEC, decode=SPEC, prefill_replicas=prefill,
+                       decode_replicas=decode, kv_bytes_per_token=1000)
+    s = AutoscaleSettings(**{"ttft_slo_s": 1.0, "tpot_slo_s": 0.05, "budget": 4, "interval_s": 10.0,
+                             "startup_s": 5.0, **settings})
+    return simulate(spec, lengths, arrivals, autoscaler=SimAutoscaler(GoodputPolicy(s, {"prefill": MODEL,
+                                                                                        "decode": MODEL})))
+
+
+def steady(rate: float, seconds: float, prompt: int, output: int):
+    n = int(rate * seconds)
+    return [(prompt, output)] * n, [i / rate for i in range(n)]
+
+
+def test_a_replica_asked_for_serves_after_startup_and_counts_from_the_asking():
+    cap = prefill_capacity(MODEL, 2000, 0.8)
+    lengths, arrivals = steady(1.5 * cap, 60.0, 2000, 4)          # needs two prefill replicas
+    result = run(1, 1, lengths, arrivals, budget=3, downscale_cooldown_s=1000.0)
+    first = result.timeline[0]
+    assert first["time_s"] == 10.0 and first["targets"]["prefill"] == 2 and first["running"]["prefill"] == 1
+    assert result.timeline[1]["running"]["prefill"] == 2          # ready at 15 s, seen at 20 s
+    # one prefill replica from 0, one from its asking at 10 s; one decode replica throughout
+    assert result.replica_seconds["prefill"] == pytest.approx(result.duration + (result.duration - 10.0))
+    assert result.replica_seconds["decode"] == pytest.approx(result.duration)
+    assert all(r.end_time is not None for r in result.requests)
+
+
+def test_scaled_down_replicas_finish_what_they_hold_and_leave():
+    lengths, arrivals = steady(0.5, 120.0, 100, 400)               # light: 3 decode replicas are too many
+    result = run(1, 3, lengths, arrivals, downscale_cooldown_s=0.0)
+    decode_running = [e["running"]["decode"] for e in result.timeline]
+    assert decode_running[0] == 3 and decode_running[-1] == 1
+    assert all(b >= a - 1 for a, b in zip(decode_running, decode_running[1:]))   # one at a time
+    assert all(r.end_time is not None and len(r.token_times) == 400 for r in result.requests)
+    assert result.replica_seconds["decode"] < 3 * result.duration
+
+
+def test_the_same_seed_and_load_give_the_same_timeline():
+    lengths, arrivals = steady(3.0, 60.0, 1500, 50)
+    a = run(1, 1, lengths, arrivals)
+    b = run(1, 1, lengths, arrivals)
+    assert a.timeline == b.timeline and a.replica_seconds == b.replica_seconds
