@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from cluster.autoscaler.capacity import prefill_capacity
@@ -56,3 +58,26 @@ def test_the_same_seed_and_load_give_the_same_timeline():
     a = run(1, 1, lengths, arrivals)
     b = run(1, 1, lengths, arrivals)
     assert a.timeline == b.timeline and a.replica_seconds == b.replica_seconds
+
+
+def test_pdserve_simulate_autoscale(tmp_path, capsys):
+    import json
+
+    from cluster.cli.main import main
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(MODEL.to_json()))
+    args = ["simulate", "--config", "configs/tiny-cpu.yaml", "--profile", str(profile), "--num-prompts", "300",
+            "--request-rate", "5", "--random-input-len", "1500", "--random-output-len", "8", "--seed", "1",
+            "--save-result", "--result-dir", str(tmp_path), "--result-file", "r.json"]
+    assert main(args + ["--autoscale"]) == 2                      # the file has no SLOs
+    assert "--autoscale needs the SLOs" in capsys.readouterr().err
+    deploy = tmp_path / "deploy.yaml"
+    deploy.write_text(Path("configs/tiny-cpu.yaml").read_text() + "\nautoscaling: {budget: 3}\n")
+    args[2] = str(deploy)
+    assert main(args + ["--autoscale", "--slo", "ttft:400", "tpot:50"]) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    timeline = result["autoscaler_timeline"]
+    # 1.5k-token prompts at 5 req/s: one prefill replica holds ~4.4 req/s within 80% of a 400 ms TTFT,
+    # so the first decision (at 10 s) asks for a second one; outputs of 8 tokens need one decode replica
+    assert timeline[0]["time_s"] == 10.0 and timeline[0]["targets"] == {"prefill": 2, "decode": 1}
+    assert result["completed"] == 300 and result["replica_seconds"]["prefill"] > result["replica_seconds"]["decode"]

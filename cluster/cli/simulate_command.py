@@ -2,7 +2,7 @@
 serve --config DEPLOY.yaml`, computed by the discrete-event simulator from a
 performance profile (`pdserve profile`) in seconds instead of run.
 
-    pdserve simulate --config DEPLOY.yaml --profile PROFILE.json
+    pdserve simulate --config DEPLOY.yaml --profile PROFILE.json [--autoscale [--slo ttft:MS tpot:MS]]
                      [the dataset, load and results flags of pdserve loadtest]
 
 The result JSON has `pdserve loadtest`'s keys (plus "simulated": true and the
@@ -17,6 +17,8 @@ import math
 import sys
 import time
 from pathlib import Path
+
+from cluster.cli.plan_goodput import parse_slo
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
@@ -48,9 +50,16 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     requests = _build_dataset(args, tokenizer, config.model.max_model_len, args.seed)
     rate = math.inf if args.request_rate is None else args.request_rate
     arrivals = arrival_offsets(len(requests), rate, args.burstiness, args.seed)
+    autoscaler = None
+    if args.autoscale:
+        try:
+            autoscaler = _autoscaler(config, args, spec)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     started = time.perf_counter()
     result = simulate(spec, [(r.prompt_len, r.expected_output_len) for r in requests], arrivals,
-                      max_concurrency=args.max_concurrency, max_duration=args.max_duration)
+                      max_concurrency=args.max_concurrency, max_duration=args.max_duration, autoscaler=autoscaler)
     wall = time.perf_counter() - started
     run_config = RunConfig(base_url=f"simulated:{args.config}", model=config.model.served_model_name or model_dir,
                            request_rate=rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
@@ -64,17 +73,41 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
                        title="Simulated Serving Benchmark Result", interrupted=None), flush=True)
     print(f"simulated {len(requests)} requests in {wall:.2f} s: {result.num_steps} replica steps, "
           f"{result.num_preemptions} preemptions, {result.num_local_prefills} prompts prefilled on a decode worker")
+    if autoscaler is not None:
+        for entry in result.timeline:
+            print(f"  {entry['time_s']:7.1f} s  {entry['rate']:6.2f} req/s  serving {entry['running']}  "
+                  f"-> {entry['targets']}")
+        print("replica-seconds: " + ", ".join(f"{r} {s:.0f}" for r, s in result.replica_seconds.items()))
     if args.save_result:
         payload = build_result(run, summary, meta={
             "simulated": True, "profile": str(args.profile), "config": str(args.config),
             "dataset_name": args.dataset_name, "num_steps": result.num_steps,
-            "num_preemptions": result.num_preemptions, "num_local_prefills": result.num_local_prefills})
+            "num_preemptions": result.num_preemptions, "num_local_prefills": result.num_local_prefills,
+            "replica_seconds": result.replica_seconds, "autoscaler_timeline": result.timeline})
         name = args.result_file or f"simulate-{time.strftime('%Y%m%d-%H%M%S')}.json"
         path = Path(args.result_dir or ".") / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(payload, indent=2) + "\n")
         print(f"saved the result to {path}")
     return 0
+
+
+def _autoscaler(config, args, spec):
+    """The deployment's autoscaling policy over the simulated pools (--slo overrides its SLOs)."""
+    from cluster.autoscaler.capacity import ReplicaLimits
+    from cluster.autoscaler.policy import GoodputPolicy
+    from cluster.simulator.autoscaling import SimAutoscaler
+
+    section = config.autoscaling.model_copy(update={"enabled": True, **{f"{k}_ms": v for k, v in args.slo or []}})
+    if section.ttft_ms is None or section.tpot_ms is None:
+        raise ValueError("--autoscale needs the SLOs: --slo ttft:MS tpot:MS, or autoscaling.ttft_ms and "
+                         "autoscaling.tpot_ms in the deployment file")
+    settings = section.settings(config.mode.value, config.pools())
+    replicas = {"prefill": spec.prefill, "decode": spec.decode, "colocated": spec.decode}
+    models = {r: replicas[r].model for r in settings.roles}
+    limits = {r: ReplicaLimits(replicas[r].max_num_seqs, replicas[r].num_kv_blocks, replicas[r].block_size)
+              for r in settings.roles}
+    return SimAutoscaler(GoodputPolicy(settings, models, limits))
 
 
 def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -89,6 +122,11 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
                    help="fixed cost of one hand-off in ms (default 8.4, measured on this CPU machine)")
     p.add_argument("--request-overhead-ms", type=float, default=0.0,
                    help="router + HTTP time added to every token of a request (default 0)")
+    p.add_argument("--autoscale", action="store_true",
+                   help="let the deployment's autoscaling policy (its autoscaling: section) set the pools; "
+                        "a replica asked for serves after autoscaling.startup_s")
+    p.add_argument("--slo", nargs="+", type=parse_slo, metavar="ttft:MS|tpot:MS",
+                   help="with --autoscale: the SLOs it scales for (default: the deployment file's)")
     add_workload_arguments(p)
     p.set_defaults(func=_cmd_simulate)
     return p
