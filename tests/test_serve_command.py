@@ -56,6 +56,10 @@ def test_serve_config_files_name_the_app_builder():
         (app,) = spec["applications"]
         assert app["import_path"] == "cluster.app_builder:build_app", path
         assert (REPO / app["args"]["config"]).is_file(), path
+        # an autoscaled deployment is only applied through the application-level policy
+        autoscaled = yaml.safe_load((REPO / app["args"]["config"]).read_text()).get("autoscaling", {})
+        if autoscaled.get("enabled"):
+            assert app["autoscaling_policy"]["policy_function"] == "cluster.autoscaler.serve_policy:router_targets"
 
 
 def test_app_builder_builds_from_the_tiny_serve_config(monkeypatch):

@@ -15,7 +15,8 @@ Per interval:
    the replicas each role needs: ceil(demand / capacity). When those exceed
    the budget (in ranks: replicas times TP), the split that maximises the
    smaller of the two pools' capacities is taken instead (the goodput of a
-   disaggregated pipeline is its narrower stage).
+   disaggregated pipeline is its narrower stage), if it serves `split_margin`
+   more than the current split (no see-saw between two near-equal splits).
 4. Observed latency outranks the model: a TTFT p90 over the SLO adds a
    prefill (or colocated) replica, a TPOT p90 over it a decode replica, when
    the model alone would not.
@@ -65,6 +66,7 @@ class AutoscaleSettings:
     downscale_cooldown_s: float = 60.0
     slo_headroom: float = 0.8                 # the model's means are held to this share of each SLO
     downscale_headroom: float = 0.8           # N-1 replicas must hold the load at this share of capacity
+    split_margin: float = 0.2                 # at the budget, a new split must serve this much more
     predictor: str = "ewma"
     warmup_steps: int = 20                    # a replica's first steps are left out of the correction
     correct_models: bool = True               # scale the step models by the steps replicas measure
@@ -180,9 +182,17 @@ class GoodputPolicy:
                    for r in s.roles}
         budget_bound = self._ranks(needed) > s.budget
         if budget_bound:
-            needed = self._best_split(capacity)
-            for r in s.roles:
-                reasons[r] = f"budget of {s.budget} ranks: best split gives {needed[r]}"
+            best = self._best_split(capacity)
+            if self._served(best, capacity) > self._served(current, capacity) * (1 + s.split_margin) \
+                    or self._ranks(current) > s.budget:
+                needed = best
+                for r in s.roles:
+                    reasons[r] = f"budget of {s.budget} ranks: best split gives {needed[r]}"
+            else:
+                needed = dict(current)
+                for r in s.roles:
+                    reasons[r] = (f"holds {current[r]}: within the budget of {s.budget} ranks no split serves "
+                                  f"{s.split_margin:.0%} more than this one")
         self._latency_feedback(obs, current, needed, reasons)
         targets = self._guarded(obs, current, needed, demand, capacity, reasons, budget_bound)
         for r in s.roles:
@@ -240,6 +250,10 @@ class GoodputPolicy:
             if best_key is None or key > best_key:
                 best, best_key = {"prefill": p, "decode": d}, key
         return best
+
+    def _served(self, replicas: dict[str, int], capacity: dict[str, float]) -> float:
+        """Requests/s a split serves: its narrower pool's capacity."""
+        return min(replicas.get(r, 0) * capacity[r] for r in self.settings.roles)
 
     def _latency_feedback(self, obs: Observation, current: dict[str, int], needed: dict[str, int],
                           reasons: dict[str, str]) -> None:
