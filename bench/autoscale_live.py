@@ -75,8 +75,8 @@ def deployment(args, model_dir: str, prefill: int, decode: int, autoscale: bool)
               "disaggregation": {"policy": "always"}}
     if autoscale:
         slo = dict(args.slo)
-        config["autoscaling"] = {"enabled": True, "ttft_ms": slo["ttft"], "tpot_ms": slo["tpot"],
-                                 "budget": args.budget, "interval_s": 5, "startup_s": 15,
+        config["slo"] = {"ttft_ms": slo["ttft"], "tpot_ms": slo["tpot"]}
+        config["autoscaling"] = {"enabled": True, "budget": args.budget, "interval_s": 5, "startup_s": 15,
                                  "downscale_cooldown_s": 15}
     return config
 

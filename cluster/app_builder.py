@@ -99,6 +99,7 @@ def build_application(config: DeploymentConfig) -> serve.Application:
     from prefill_workers.prefill_server import PrefillServer
     from router.disaggregation_policy import DisaggregationSettings
     from router.ingress import Router
+    from router.openai_api import RequestLimits
 
     if config.resources.cpus_per_rank is None:
         raise ValueError("resources.cpus_per_rank is not resolved; call resolve_cpus_per_rank first")
@@ -124,6 +125,12 @@ def build_application(config: DeploymentConfig) -> serve.Application:
                                                                d.max_remote_wait_ms / 1000)
     router = Router.options(max_ongoing_requests=ROUTER_MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0},
                             **_replica_count(config, None))
+    lim = config.limits
+    router_args["limits"] = RequestLimits(lim.max_prompt_tokens, lim.max_tokens, lim.max_logprobs,
+                                          lim.max_stop_sequences, lim.max_request_body_bytes)
+    router_args["api_key_sha256"] = config.api_key_sha256()
+    router_args["protect_metrics"] = config.http.protect_metrics
+    router_args["admission"] = config.admission.settings(config.slo)
     if config.autoscaling.enabled:
         router_args["autoscaling"] = config.autoscaling_settings()
         router_args["autoscaling_profile"] = config.autoscaling.profile

@@ -77,9 +77,23 @@ class DisaggregationSection(_Strict):
 class HttpSection(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
+    api_key_env: str | None = Field(None, description="name of the environment variable that holds the API "
+                                    "key (read where the application is built); never the key itself")
+    api_key_sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$", description="or the key's SHA-256 "
+                                       "(hex); `pdserve serve --api-key` / PDSERVE_API_KEY set this")
+    protect_metrics: bool = Field(True, description="with an API key, GET /metrics needs it too")
     direct_ingress: bool = Field(True, description="on a cluster `pdserve serve` starts itself, the router "
                                  "answers HTTP on `port` (Ray Serve's direct ingress) instead of Serve's "
                                  "HTTP proxy, one process hop fewer per streamed chunk")
+
+
+class LimitsSection(_Strict):
+    """What one request may ask for; past a limit it gets a 400 (413 for the body) naming it."""
+    max_request_body_bytes: int = Field(16 << 20, ge=1024)
+    max_prompt_tokens: int | None = Field(None, ge=1, description="null: the model's context")
+    max_tokens: int | None = Field(None, ge=1, description="null: what the context leaves")
+    max_logprobs: int = Field(20, ge=0)
+    max_stop_sequences: int = Field(16, ge=0)
 
 
 class Resources(_Strict):
@@ -90,10 +104,32 @@ class Resources(_Strict):
     gpu_memory_gib: float | None = Field(None, gt=0)
 
 
+class SloSection(_Strict):
+    ttft_ms: float | None = Field(None, gt=0, description="time-to-first-token SLO: admission control refuses "
+                                  "what would miss it; the autoscaler scales for it")
+    tpot_ms: float | None = Field(None, gt=0, description="time-per-output-token SLO (the autoscaler)")
+
+
+class AdmissionSection(_Strict):
+    enabled: bool = Field(True, description="the router refuses (429, Retry-After) what it cannot serve in time")
+    max_waiting_requests: int | None = Field(1024, ge=1, description="requests waiting for their first token; "
+                                             "null: no bound")
+    max_waiting_prompt_tokens: int | None = Field(1 << 18, ge=1, description="their prompt tokens; null: no bound")
+    slo_factor: float = Field(1.0, gt=0, description="with slo.ttft_ms: refuse a request whose predicted time to "
+                              "first token is past this many times the SLO")
+
+    def settings(self, slo: "SloSection"):
+        """The router's AdmissionSettings, or None when admission control is off."""
+        from router.admission import AdmissionSettings
+        if not self.enabled:
+            return None
+        return AdmissionSettings(self.max_waiting_requests, self.max_waiting_prompt_tokens,
+                                 slo.ttft_ms / 1000 if slo.ttft_ms else None, self.slo_factor)
+
+
 class AutoscalingSection(_Strict):
-    enabled: bool = Field(False, description="set the replicas per role while serving, for goodput at the SLOs")
-    ttft_ms: float | None = Field(None, gt=0, description="time-to-first-token SLO (required when enabled)")
-    tpot_ms: float | None = Field(None, gt=0, description="time-per-output-token SLO (required when enabled)")
+    enabled: bool = Field(False, description="set the replicas per role while serving, for goodput at the SLOs "
+                          "(slo: section)")
     budget: int | None = Field(None, ge=1, description="ranks (GPUs; CPU ranks on CPU) all roles may use "
                                "together; null: the ranks the pools start with (the split moves, the total stays)")
     min_replicas: dict[str, int] = Field(default_factory=dict, description="per role (prefill, decode or "
@@ -110,13 +146,13 @@ class AutoscalingSection(_Strict):
     correct_profile: bool = Field(True, description="scale the profile by the steps the workers measure "
                                   "(false: trust it as it is)")
 
-    def settings(self, mode: str, initial: dict[str, WorkerPool]):
+    def settings(self, mode: str, initial: dict[str, WorkerPool], slo: "SloSection"):
         """The policy's AutoscaleSettings for `mode`, whose pools start as `initial`."""
         from cluster.autoscaler.policy import AutoscaleSettings
         tp = {role: pool.tensor_parallel_size for role, pool in initial.items()}
         budget = self.budget or sum(p.replicas * p.tensor_parallel_size for p in initial.values())
         return AutoscaleSettings(
-            ttft_slo_s=self.ttft_ms / 1000, tpot_slo_s=self.tpot_ms / 1000, mode=mode,
+            ttft_slo_s=slo.ttft_ms / 1000, tpot_slo_s=slo.tpot_ms / 1000, mode=mode,
             min_replicas=dict(self.min_replicas), max_replicas=dict(self.max_replicas), tensor_parallel=tp,
             budget=budget, interval_s=self.interval_s, startup_s=self.startup_s,
             upscale_cooldown_s=self.upscale_cooldown_s, downscale_cooldown_s=self.downscale_cooldown_s,
@@ -135,16 +171,19 @@ class DeploymentConfig(_Strict):
     kv_transfer: KVTransferSection = KVTransferSection()
     disaggregation: DisaggregationSection = DisaggregationSection()
     resources: Resources = Resources()
+    slo: SloSection = SloSection()
+    admission: AdmissionSection = AdmissionSection()
     autoscaling: AutoscalingSection = AutoscalingSection()
+    limits: LimitsSection = LimitsSection()
 
     @model_validator(mode="after")
     def _autoscaling_is_complete(self) -> "DeploymentConfig":
         a = self.autoscaling
         if not a.enabled:
             return self
-        if a.ttft_ms is None or a.tpot_ms is None:
-            raise ValueError("autoscaling.enabled needs the SLOs it scales for: set autoscaling.ttft_ms and "
-                             "autoscaling.tpot_ms (pdserve serve --autoscale --slo ttft:MS tpot:MS)")
+        if self.slo.ttft_ms is None or self.slo.tpot_ms is None:
+            raise ValueError("autoscaling.enabled needs the SLOs it scales for: set slo.ttft_ms and slo.tpot_ms "
+                             "(pdserve serve --autoscale --slo ttft:MS tpot:MS)")
         roles = set(self.pools())
         for name in ("min_replicas", "max_replicas"):
             unknown = set(getattr(a, name)) - roles
@@ -157,9 +196,25 @@ class DeploymentConfig(_Strict):
             raise ValueError(f"autoscaling: {exc}") from None
         return self
 
+    def api_key_sha256(self) -> str | None:
+        """The SHA-256 of the API key the router requires, or None for no key.
+        Raises ValueError when http.api_key_env names a variable that is not set."""
+        import os
+
+        from router.http_guard import api_key_digest
+        if self.http.api_key_sha256:
+            return self.http.api_key_sha256.lower()
+        if self.http.api_key_env:
+            key = os.environ.get(self.http.api_key_env)
+            if not key:
+                raise ValueError(f"http.api_key_env names {self.http.api_key_env}, which is not set here; set it "
+                                 "to the API key, or give the key with pdserve serve --api-key")
+            return api_key_digest(key)
+        return None
+
     def autoscaling_settings(self):
         """The autoscaling policy's settings (autoscaling.enabled must be true)."""
-        return self.autoscaling.settings(self.mode.value, self.pools())
+        return self.autoscaling.settings(self.mode.value, self.pools(), self.slo)
 
     @model_validator(mode="after")
     def _pools_match_mode(self) -> "DeploymentConfig":

@@ -61,6 +61,10 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type,
                           "param": self.param, "code": self.code}}
 
+    def headers(self) -> dict[str, str]:
+        """Response headers the error needs (Retry-After on a 429, say)."""
+        return {}
+
 
 def error_response(status: int, message: str, *, type: str | None = None,
                    param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -68,7 +72,7 @@ def error_response(status: int, message: str, *, type: str | None = None,
 
 
 def to_response(error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers() or None)
 
 
 def from_exception(exc: BaseException) -> OpenAIError:

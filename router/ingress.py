@@ -16,11 +16,12 @@ from cluster.autoscaler.policy import AutoscaleSettings
 from cluster.perf_model.step_shape import load_step_model
 from cluster.serving.process_priority import normal_priority
 from engine.tokenizer import load_tokenizer
+from router.admission import AdmissionControl, AdmissionSettings
 from router.autoscale_loop import AutoscaleLoop
 from router.backend import ModelInfo
 from router.disaggregation_policy import DisaggregationPolicy, DisaggregationSettings
 from router.metrics import ServingMetrics
-from router.openai_api import build_openai_app
+from router.openai_api import RequestLimits, build_openai_app
 from router.serve_pools import ServeDecodePool, ServePrefillPool
 from router.serving_backend import ServingBackend
 
@@ -34,8 +35,13 @@ STATS_PERIOD_S = 1.0
 class Router:
     def __init__(self, info: ModelInfo, tokenizer_path: str, mode: str, *, prefill=None, decode=None,
                  colocated=None, disaggregation: DisaggregationSettings | None = None,
-                 autoscaling: AutoscaleSettings | None = None, autoscaling_profile: str | None = None):
+                 autoscaling: AutoscaleSettings | None = None, autoscaling_profile: str | None = None,
+                 limits: RequestLimits = RequestLimits(), api_key_sha256: str | None = None,
+                 protect_metrics: bool = True, admission: AdmissionSettings | None = None):
         normal_priority()
+        self.admission = AdmissionControl(admission) if admission is not None else None
+        self._http = {"limits": limits, "api_key_sha256": api_key_sha256, "protect_metrics": protect_metrics,
+                      "admission": self.admission}
         self.tokenizer = load_tokenizer(tokenizer_path)
         self.metrics = ServingMetrics()
         replica = serve.get_replica_context().replica_id.unique_id
@@ -71,7 +77,7 @@ class Router:
             await self.backend.close()
 
     def __serve_build_asgi_app__(self):
-        return build_openai_app(self.backend, self.tokenizer, self.metrics)
+        return build_openai_app(self.backend, self.tokenizer, self.metrics, **self._http)
 
     async def _refresh_worker_stats(self) -> None:
         seen: set[str] = set()
@@ -86,6 +92,8 @@ class Router:
                 replies = sorted(replies, key=lambda s: s.get("replica", ""))
                 if self.policy is not None:
                     self.policy.observe_workers(role, replies)
+                if self.admission is not None:
+                    self.admission.observe_workers(role, replies)
                 for i, stats in enumerate(replies):
                     label = f"{role}-{i}"
                     current.add(label)

@@ -89,6 +89,9 @@ class ServingMetrics:
                                  ["worker_role"], registry=r)
         self._errors = Counter("pdserve_request_errors_total", "Error responses, by HTTP status.",
                                ["status"], registry=r)
+        self._rejected = Counter("pdserve_requests_rejected_total", "Requests refused by admission control "
+                                 "(HTTP 429), by reason: queue_requests, queue_tokens, ttft_slo.", ["reason"],
+                                 registry=r)
         self._worker_gauges = {key: Gauge(name, doc, ["worker"], registry=r)
                                for key, name, doc in WORKER_GAUGES}
         self._autoscaler_target = Gauge("pdserve_autoscaler_target_replicas",
@@ -145,6 +148,9 @@ class ServingMetrics:
         ):
             if value is not None:
                 histogram.observe(value)
+
+    def observe_rejection(self, reason: str) -> None:
+        self._rejected.labels(reason=reason).inc()
 
     def observe_error(self, status: int) -> None:
         self._errors.labels(status=str(status)).inc()

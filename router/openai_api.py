@@ -26,6 +26,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
@@ -36,6 +37,7 @@ from starlette.types import Receive, Scope, Send
 from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams, SamplingParamsError
+from router.admission import AdmissionControl, Overloaded
 from router.backend import BackendUnavailableError, GenerationBackend
 from router.errors import (
     OpenAIError,
@@ -43,6 +45,7 @@ from router.errors import (
     from_exception,
     install_error_handlers,
 )
+from router.http_guard import HttpGuard
 from router.metrics import ServingMetrics
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.responses import (
@@ -63,13 +66,29 @@ T = TypeVar("T")
 _CLIENT_CLOSED = 499
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for (None: only the model's context limits it).
+    Past a limit the request gets a 400 naming the field and the limit."""
+    max_prompt_tokens: int | None = None
+    max_tokens: int | None = None
+    max_logprobs: int = 20
+    max_stop_sequences: int = 16
+    max_body_bytes: int | None = 16 << 20
+
+
 def build_openai_app(backend: GenerationBackend, tokenizer: Any, metrics: ServingMetrics, *,
-                     request_id_prefix: str = "cmpl") -> FastAPI:
+                     request_id_prefix: str = "cmpl", limits: RequestLimits = RequestLimits(),
+                     api_key_sha256: str | None = None, protect_metrics: bool = True,
+                     admission: AdmissionControl | None = None) -> FastAPI:
     """An app serving `backend`'s model. Request ids are `{prefix}-{hex}` for completions
-    and `chat{prefix}-{hex}` for chat (so "cmpl-..." and "chatcmpl-...", as OpenAI)."""
-    server = _Server(backend, tokenizer, metrics, request_id_prefix)
+    and `chat{prefix}-{hex}` for chat (so "cmpl-..." and "chatcmpl-...", as OpenAI).
+    With `api_key_sha256`, requests must carry the key (router/http_guard.py)."""
+    server = _Server(backend, tokenizer, metrics, request_id_prefix, limits, admission)
     app = FastAPI(title="pdserve", summary="OpenAI-compatible API")
     install_error_handlers(app, on_error=metrics.observe_error)
+    app.add_middleware(HttpGuard, api_key_sha256=api_key_sha256, protect_metrics=protect_metrics,
+                       max_body_bytes=limits.max_body_bytes)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -108,7 +127,9 @@ class _Server:
     """Per-app state and the request path shared by both generation endpoints."""
 
     def __init__(self, backend: GenerationBackend, tokenizer: Any, metrics: ServingMetrics,
-                 request_id_prefix: str):
+                 request_id_prefix: str, limits: RequestLimits, admission: AdmissionControl | None):
+        self.limits = limits
+        self.admission = admission
         self.backend = backend
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -130,14 +151,20 @@ class _Server:
                               f"`{self.info.served_model_name}`.", param="model",
                               code="model_not_found")
         body.check_supported()
+        self._check_request_limits(body)
+        self._admit(None)
         prompt_ids = self._tokenize(body)
         prompt_param = "messages" if chat else "prompt"
         self._check_prompt(prompt_ids, prompt_param)
-        params = body.to_sampling_params(self.info.max_model_len - len(prompt_ids))
+        default_max = self.info.max_model_len - len(prompt_ids)
+        if self.limits.max_tokens is not None:
+            default_max = min(default_max, self.limits.max_tokens)
+        params = body.to_sampling_params(default_max)
         self._check_context(len(prompt_ids), params, body.max_tokens_param, prompt_param)
 
         fmt = ChatResponses(self.tokenizer) if chat else CompletionResponses(self.tokenizer)
         request_id = f"{'chat' if chat else ''}{self.prefix}-{uuid.uuid4().hex}"
+        self._admit(len(prompt_ids))
         gen = _Generation(self, request_id, prompt_ids, params, arrival)
         header = {"id": request_id, "object": fmt.chunk_object if body.stream else fmt.object,
                   "created": int(time.time()), "model": self.info.served_model_name}
@@ -176,7 +203,40 @@ class _Server:
             ids = ids["input_ids"]
         return [int(t) for t in ids]
 
+    def _admit(self, num_prompt_tokens: int | None) -> None:
+        """Admission control (router/admission.py): without a prompt length, the checks
+        that need none; with one, the rest, and the request counts as waiting."""
+        if self.admission is None:
+            return
+        try:
+            if num_prompt_tokens is None:
+                self.admission.check_before_tokenizing()
+            else:
+                self.admission.admit(num_prompt_tokens)
+        except Overloaded as exc:
+            self.metrics.observe_rejection(exc.reason)
+            raise
+
+    def _check_request_limits(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        """The server's per-request limits that need no tokenizing."""
+        lim = self.limits
+        requested = body.requested_max_tokens
+        if lim.max_tokens is not None and requested is not None and requested > lim.max_tokens:
+            raise InvalidRequestError(f"{body.max_tokens_param} is {requested}; this server allows at most "
+                                      f"{lim.max_tokens}.", param=body.max_tokens_param)
+        logprobs = body.requested_logprobs
+        if logprobs is not None and logprobs > lim.max_logprobs:
+            raise InvalidRequestError(f"{body.logprobs_param} is {logprobs}; this server returns at most "
+                                      f"{lim.max_logprobs} alternatives per token.", param=body.logprobs_param)
+        stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+        if len(stops) > lim.max_stop_sequences:
+            raise InvalidRequestError(f"stop has {len(stops)} sequences; this server allows at most "
+                                      f"{lim.max_stop_sequences}.", param="stop")
+
     def _check_prompt(self, ids: list[int], param: str) -> None:
+        if self.limits.max_prompt_tokens is not None and len(ids) > self.limits.max_prompt_tokens:
+            raise InvalidRequestError(f"The {param} has {len(ids)} tokens; this server accepts at most "
+                                      f"{self.limits.max_prompt_tokens}.", param=param)
         vocab, limit = self.info.vocab_size, self.info.max_model_len
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
@@ -254,6 +314,12 @@ class _Generation:
         self._server.metrics.observe_arrival(len(prompt_ids))
         self.last: RequestOutput | None = None
         self._closed = False
+        self._waiting = server.admission is not None     # counted by admission control until its first token
+
+    def _done_waiting(self) -> None:
+        if self._waiting:
+            self._waiting = False
+            self._server.admission.first_token(self.timings.prompt_tokens)
 
     async def next(self) -> RequestOutput | None:
         """The next output, or None when the backend's stream ended."""
@@ -264,6 +330,7 @@ class _Generation:
         now = time.monotonic()
         if self.timings.first_token_time is None and out.token_ids:
             self.timings.first_token_time = now
+            self._done_waiting()
         if out.finished:
             self.timings.finished_time = now
         self.last = out
@@ -281,6 +348,7 @@ class _Generation:
         if self._closed:
             return
         self._closed = True
+        self._done_waiting()
         aclose = getattr(self.outputs, "aclose", None)
         if aclose is not None:
             try:

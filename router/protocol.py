@@ -109,6 +109,15 @@ class _GenerationRequest(BaseModel):
         """SamplingParams.logprobs: how many top alternatives to return, None = no logprobs."""
         return None
 
+    @property
+    def requested_logprobs(self) -> int | None:
+        """How many alternatives per token the request asks for (None: no logprobs)."""
+        return self._logprobs()
+
+    @property
+    def logprobs_param(self) -> str:
+        return self._api_name("logprobs")
+
     def check_supported(self) -> None:
         """Raise InvalidRequestError for a feature pdserve does not implement."""
         if self.n is not None and self.n != 1:

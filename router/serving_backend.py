@@ -31,7 +31,13 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Protocol
 
-from cluster.serving.messages import Admitted, DecodeRequest, KVTransferFailed, PrefillResult, TokenDelta
+from cluster.serving.messages import (
+    Admitted,
+    DecodeRequest,
+    KVTransferFailed,
+    PrefillResult,
+    TokenDelta,
+)
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from router.backend import BackendUnavailableError, GenerationBackend, ModelInfo

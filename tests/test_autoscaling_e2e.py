@@ -53,7 +53,8 @@ def test_output_heavy_load_moves_a_rank_from_prefill_to_decode(model_dirs, tmp_p
         "model": {"path": str(model_dirs["tiny"]), "served_model_name": "tiny", "max_model_len": 256,
                   "dtype": "float32"},
         "prefill": {"replicas": 2}, "decode": {"replicas": 1},
-        "autoscaling": {"enabled": True, "ttft_ms": 1000, "tpot_ms": 100, "budget": 3, "interval_s": 2,
+        "slo": {"ttft_ms": 1000, "tpot_ms": 100},
+        "autoscaling": {"enabled": True, "budget": 3, "interval_s": 2,
                         "startup_s": 2, "downscale_cooldown_s": 0, "profile": str(profile),
                         "correct_profile": False},
     }))

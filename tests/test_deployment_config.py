@@ -73,18 +73,18 @@ def test_unreadable_file(tmp_path):
 
 
 def test_autoscaling_section_is_checked_where_it_is_wrong():
-    with pytest.raises(ValidationError, match="autoscaling.ttft_ms and autoscaling.tpot_ms"):
+    with pytest.raises(ValidationError, match="set slo.ttft_ms and slo.tpot_ms"):
         DeploymentConfig.model_validate({"autoscaling": {"enabled": True}})
     with pytest.raises(ValidationError, match="in disaggregated mode the roles are decode, prefill"):
-        DeploymentConfig.model_validate({"autoscaling": {"enabled": True, "ttft_ms": 1000, "tpot_ms": 50,
+        DeploymentConfig.model_validate({"slo": {"ttft_ms": 1000, "tpot_ms": 50}, "autoscaling": {"enabled": True,
                                                          "max_replicas": {"colocated": 2}}})
     with pytest.raises(ValidationError, match="need 2 ranks, more than the budget of 1"):
-        DeploymentConfig.model_validate({"autoscaling": {"enabled": True, "ttft_ms": 1000, "tpot_ms": 50,
+        DeploymentConfig.model_validate({"slo": {"ttft_ms": 1000, "tpot_ms": 50}, "autoscaling": {"enabled": True,
                                                          "budget": 1}})
     c = load_config(CONFIGS / "tiny-cpu-autoscale.yaml")
     s = c.autoscaling_settings()
     assert (s.budget, s.ttft_slo_s, s.tpot_slo_s, s.roles) == (3, 1.0, 0.1, ("prefill", "decode"))
     # the default budget is the ranks the pools start with
     c = DeploymentConfig.model_validate({"decode": {"replicas": 2, "tensor_parallel_size": 2},
-                                         "autoscaling": {"enabled": True, "ttft_ms": 1000, "tpot_ms": 50}})
+                                         "slo": {"ttft_ms": 1000, "tpot_ms": 50}, "autoscaling": {"enabled": True}})
     assert c.autoscaling_settings().budget == 5

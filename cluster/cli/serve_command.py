@@ -4,7 +4,8 @@
                   [--mode disaggregated|colocated] [--prefill-replicas N] [--decode-replicas N]
                   [--prefill-tp N] [--decode-tp N] [--colocated-replicas N] [--colocated-tp N]
                   [--device cpu|cuda] [--dtype D] [--max-model-len L] [--served-model-name NAME]
-                  [--autoscale --slo ttft:MS tpot:MS [--max-replicas N]] [--address RAY_ADDRESS]
+                  [--autoscale --slo ttft:MS tpot:MS [--max-replicas N]] [--api-key KEY]
+                  [--address RAY_ADDRESS]
 
 Flags override the config file; with neither, the built-in tiny model is served
 on CPU by 1 prefill + 1 decode worker at http://127.0.0.1:8000. Joins the Ray
@@ -30,6 +31,7 @@ import threading
 import time
 
 from cluster.cli.plan_goodput import parse_slo
+from router.http_guard import api_key_digest
 
 APP_NAME = "pdserve"
 
@@ -43,6 +45,7 @@ FLAG_SETTINGS = {
     "autoscale": "autoscaling.enabled", "max_replicas": "autoscaling.budget",
 }
 SERVE_POLICY = "cluster.autoscaler.serve_policy:router_targets"
+API_KEY_ENV = "PDSERVE_API_KEY"
 
 
 def add_serve_parser(sub) -> None:
@@ -62,10 +65,14 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"])
     p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--max-model-len", type=int)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: the "
+                        "PDSERVE_API_KEY environment variable, if set); only the key's SHA-256 is deployed")
     p.add_argument("--autoscale", action="store_true", default=None,
                    help="let the goodput autoscaler set the replicas per role (needs --slo)")
     p.add_argument("--slo", nargs="+", type=parse_slo, metavar="ttft:MS|tpot:MS",
-                   help="the SLOs the autoscaler scales for, e.g. --slo ttft:1000 tpot:100")
+                   help="the SLOs: admission control refuses what would miss the TTFT one, the autoscaler "
+                        "scales for both, e.g. --slo ttft:1000 tpot:100")
     p.add_argument("--max-replicas", type=int, help="the autoscaler's budget in ranks (default: the ranks the "
                                                      "pools start with)")
     p.add_argument("--address", help="Ray cluster to join (default: a running local one, else start one; "
@@ -80,7 +87,10 @@ def config_from_args(args: argparse.Namespace):
     base = load_config(args.config) if args.config else DeploymentConfig()
     overrides = {key: getattr(args, dest, None) for dest, key in FLAG_SETTINGS.items()}
     for name, ms in getattr(args, "slo", None) or []:
-        overrides[f"autoscaling.{name}_ms"] = ms
+        overrides[f"slo.{name}_ms"] = ms
+    key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV)
+    if key:
+        overrides["http.api_key_sha256"] = api_key_digest(key)
     return with_overrides(base, overrides)
 
 
@@ -112,7 +122,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         config = placed_config(config, machine_cpus if started_ray else None)
         app = build_application(config)
-    except PlacementError as exc:
+    except (PlacementError, ValueError) as exc:   # ValueError: e.g. http.api_key_env not set
         print(f"error: {exc}", file=sys.stderr)
         ray.shutdown()   # disconnects; stops the cluster only when this process started it
         return 2

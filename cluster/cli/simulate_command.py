@@ -98,11 +98,11 @@ def _autoscaler(config, args, spec):
     from cluster.autoscaler.policy import GoodputPolicy
     from cluster.simulator.autoscaling import SimAutoscaler
 
-    section = config.autoscaling.model_copy(update={"enabled": True, **{f"{k}_ms": v for k, v in args.slo or []}})
-    if section.ttft_ms is None or section.tpot_ms is None:
-        raise ValueError("--autoscale needs the SLOs: --slo ttft:MS tpot:MS, or autoscaling.ttft_ms and "
-                         "autoscaling.tpot_ms in the deployment file")
-    settings = section.settings(config.mode.value, config.pools())
+    slo = config.slo.model_copy(update={f"{k}_ms": v for k, v in args.slo or []})
+    if slo.ttft_ms is None or slo.tpot_ms is None:
+        raise ValueError("--autoscale needs the SLOs: --slo ttft:MS tpot:MS, or slo.ttft_ms and slo.tpot_ms in "
+                         "the deployment file")
+    settings = config.autoscaling.settings(config.mode.value, config.pools(), slo)
     replicas = {"prefill": spec.prefill, "decode": spec.decode, "colocated": spec.decode}
     models = {r: replicas[r].model for r in settings.roles}
     limits = {r: ReplicaLimits(replicas[r].max_num_seqs, replicas[r].num_kv_blocks, replicas[r].block_size)

@@ -1,0 +1,114 @@
+"""Admission control: the router refuses work it cannot serve in time, at
+once, instead of queueing it without bound.
+
+A request is waiting from its admission until its first token (or its end).
+The router bounds what waits: `max_waiting_requests` requests and
+`max_waiting_prompt_tokens` prompt tokens. With a TTFT SLO it also predicts
+each request's time to first token,
+
+    TTFT = (prompt tokens waiting / prefill replicas + this prompt) x prefill s/token
+
+with the per-token cost the workers measure on their own steps, and refuses
+it when that exceeds `slo_factor` x the SLO. A refusal is a 429 with
+`Retry-After`: the predicted time for what waits now to drain. The checks
+that need no prompt length run before the prompt is tokenized.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from router.errors import OpenAIError
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionSettings:
+    max_waiting_requests: int | None = 1024
+    max_waiting_prompt_tokens: int | None = 1 << 18
+    ttft_slo_s: float | None = None
+    slo_factor: float = 1.0
+
+
+class Overloaded(OpenAIError):
+    """429 with the seconds after which a retry is predicted to be admitted."""
+
+    def __init__(self, message: str, reason: str, retry_after_s: float):
+        super().__init__(429, message, type="rate_limit_error", code="server_overloaded")
+        self.reason = reason
+        self.retry_after_s = max(1, math.ceil(retry_after_s))
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
+
+
+class AdmissionControl:
+    def __init__(self, settings: AdmissionSettings, *, prefill_roles: tuple[str, ...] = ("prefill", "colocated")):
+        self.settings = settings
+        self.prefill_roles = prefill_roles
+        self.waiting_requests = 0
+        self.waiting_tokens = 0
+        self.replicas = 1
+        self.s_per_token: float | None = None      # the prefill replicas' measured cost, mean
+
+    # ---- the checks ---------------------------------------------------------------------------
+    def check_before_tokenizing(self) -> None:
+        """Raises Overloaded when the queue alone is past a bound or the SLO."""
+        s = self.settings
+        if s.max_waiting_requests is not None and self.waiting_requests >= s.max_waiting_requests:
+            raise self._refuse("queue_requests", f"{self.waiting_requests} requests are waiting for their first "
+                               f"token, the most this server queues ({s.max_waiting_requests})")
+        if s.max_waiting_prompt_tokens is not None and self.waiting_tokens >= s.max_waiting_prompt_tokens:
+            raise self._refuse("queue_tokens", f"{self.waiting_tokens} prompt tokens are waiting, the most this "
+                               f"server queues ({s.max_waiting_prompt_tokens})")
+        self._check_slo(0)
+
+    def admit(self, num_prompt_tokens: int) -> None:
+        """Checks the request with its prompt length, then counts it as waiting.
+        Raises Overloaded (and counts nothing) when it must be refused."""
+        s = self.settings
+        if s.max_waiting_prompt_tokens is not None and \
+                self.waiting_tokens + num_prompt_tokens > s.max_waiting_prompt_tokens and self.waiting_requests:
+            raise self._refuse("queue_tokens", f"{self.waiting_tokens} prompt tokens are waiting and this prompt "
+                               f"has {num_prompt_tokens}; this server queues at most {s.max_waiting_prompt_tokens}")
+        self._check_slo(num_prompt_tokens)
+        self.waiting_requests += 1
+        self.waiting_tokens += num_prompt_tokens
+
+    def first_token(self, num_prompt_tokens: int) -> None:
+        """An admitted request got its first token, or ended without one."""
+        self.waiting_requests = max(0, self.waiting_requests - 1)
+        self.waiting_tokens = max(0, self.waiting_tokens - num_prompt_tokens)
+
+    # ---- predictions --------------------------------------------------------------------------
+    def predicted_wait_s(self) -> float:
+        """Until what waits now has had its first token (0 before any cost is measured)."""
+        return self.waiting_tokens / self.replicas * (self.s_per_token or 0.0)
+
+    def predicted_ttft_s(self, num_prompt_tokens: int) -> float:
+        return self.predicted_wait_s() + num_prompt_tokens * (self.s_per_token or 0.0)
+
+    def observe_workers(self, role: str, stats: Iterable[Mapping[str, float]]) -> None:
+        """The latest stats of every replica of `role`; prefill costs come from the prefill roles."""
+        if role not in self.prefill_roles:
+            return
+        stats = list(stats)
+        self.replicas = max(1, len(stats))
+        costs = [s["prefill_s_per_token"] for s in stats if "prefill_s_per_token" in s]
+        if costs:
+            self.s_per_token = sum(costs) / len(costs)
+
+    def _check_slo(self, num_prompt_tokens: int) -> None:
+        s = self.settings
+        if s.ttft_slo_s is None or self.s_per_token is None:
+            return
+        limit = s.ttft_slo_s * s.slo_factor
+        predicted = self.predicted_ttft_s(num_prompt_tokens)
+        if predicted > limit:
+            raise self._refuse("ttft_slo", f"its predicted time to first token is {predicted * 1000:.0f} ms, past "
+                               f"the {limit * 1000:.0f} ms this server admits")
+
+    def _refuse(self, reason: str, why: str) -> Overloaded:
+        return Overloaded(f"The server is overloaded: {why}. Retry after the Retry-After header's seconds.",
+                          reason, self.predicted_wait_s())

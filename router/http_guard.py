@@ -1,0 +1,107 @@
+"""What the router checks before a request reaches a route: the API key and
+the body size. An ASGI middleware, so a refused request costs no parsing.
+
+- API key (optional): every route but GET /health (and GET /metrics, unless
+  `protect_metrics`) needs `Authorization: Bearer KEY`, else 401 with
+  OpenAI's body (code "invalid_api_key"). The router holds only the key's
+  SHA-256, so the key itself is in no deployment file, Serve config or actor
+  argument; the comparison is constant-time.
+- Body limit: a request whose body is larger than `max_body_bytes` gets 413,
+  from its Content-Length before anything is read, or once the bytes read pass
+  the limit (chunked uploads: the body is read here and replayed to the app).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+OPEN_PATHS = ("/health",)
+
+
+def api_key_digest(key: str) -> str:
+    """The SHA-256 (hex) the router checks a presented key against."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class HttpGuard:
+    def __init__(self, app: ASGIApp, *, api_key_sha256: str | None = None, protect_metrics: bool = True,
+                 max_body_bytes: int | None = None):
+        self.app = app
+        self.digest = api_key_sha256.lower() if api_key_sha256 else None
+        self.protect_metrics = protect_metrics
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.digest is not None and self._needs_key(scope["path"]) and not self._authorized(scope):
+            await _reply(send, 401, "Incorrect API key provided: send it as 'Authorization: Bearer KEY'.",
+                         "invalid_api_key", {"www-authenticate": "Bearer"})
+            return
+        limit = self.max_body_bytes
+        if limit is None:
+            await self.app(scope, receive, send)
+            return
+        length = _header(scope, b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            await _reply(send, 413, _too_large(limit), "request_too_large")
+            return
+        # Read the body here (the routes read all of it anyway), so that one sent without a
+        # Content-Length is refused as soon as it passes the limit; the app gets it replayed.
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return                                   # the client left
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > limit:
+                await _reply(send, 413, _too_large(limit), "request_too_large")
+                return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()                       # later reads wait for a disconnect
+
+        await self.app(scope, replay, send)
+
+    def _needs_key(self, path: str) -> bool:
+        if path in OPEN_PATHS:
+            return False
+        return self.protect_metrics or path != "/metrics"
+
+    def _authorized(self, scope: Scope) -> bool:
+        value = _header(scope, b"authorization") or ""
+        scheme, _, key = value.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            return False
+        return hmac.compare_digest(api_key_digest(key.strip()), self.digest)
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+def _too_large(limit: int) -> str:
+    return f"The request body is larger than this server accepts ({limit} bytes)."
+
+
+async def _reply(send: Send, status: int, message: str, code: str, headers: dict[str, str] | None = None) -> None:
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": code}}).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,96 @@
+"""Admission control: bounded queues and the TTFT SLO, at the router's HTTP API."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from router.admission import AdmissionControl, AdmissionSettings, Overloaded
+from router.metrics import ServingMetrics
+from router.openai_api import build_openai_app
+from tests.test_openai_api import MODEL, FakeBackend
+
+
+def test_queue_bounds_refuse_with_the_drain_time():
+    a = AdmissionControl(AdmissionSettings(max_waiting_requests=2, max_waiting_prompt_tokens=1000))
+    a.observe_workers("prefill", [{"prefill_s_per_token": 0.004}, {"prefill_s_per_token": 0.002}])
+    a.admit(300)
+    a.admit(500)
+    with pytest.raises(Overloaded) as exc:
+        a.check_before_tokenizing()
+    # 800 tokens over 2 replicas at 3 ms a token: 1.2 s to drain -> Retry-After 2
+    assert exc.value.reason == "queue_requests" and exc.value.headers() == {"Retry-After": "2"}
+    a.first_token(500)
+    a.check_before_tokenizing()
+    with pytest.raises(Overloaded) as exc:
+        a.admit(701)                                   # 300 + 701 tokens > 1000
+    assert exc.value.reason == "queue_tokens" and exc.value.status == 429
+    a.admit(700)
+    assert (a.waiting_requests, a.waiting_tokens) == (2, 1000)
+
+
+def test_the_ttft_slo_refuses_what_would_miss_it():
+    a = AdmissionControl(AdmissionSettings(ttft_slo_s=1.0, slo_factor=1.5))
+    a.admit(10_000)                                    # no cost measured yet: no prediction, admitted
+    a.observe_workers("prefill", [{"prefill_s_per_token": 1e-4}])
+    a.observe_workers("decode", [{"prefill_s_per_token": 1.0}])       # not a prefill role: ignored
+    assert a.predicted_ttft_s(2000) == pytest.approx(1.2)
+    a.admit(2000)                                      # 1.2 s <= 1.5 s
+    with pytest.raises(Overloaded) as exc:
+        a.admit(5000)                                  # (12000 waiting + 5000) x 0.1 ms = 1.7 s > 1.5 s
+    assert exc.value.reason == "ttft_slo" and "past the 1500 ms" in exc.value.message
+    assert a.waiting_requests == 2                     # the refused one is not counted
+
+
+class SlowBackend(FakeBackend):
+    """Holds every request before its first token until released."""
+
+    def __init__(self, tokenizer, vocab_size):
+        super().__init__(tokenizer, vocab_size)
+        self.release = threading.Event()
+
+    async def generate(self, request_id, prompt_token_ids, params):
+        while not self.release.is_set():
+            await asyncio.sleep(0.01)
+        async for out in super().generate(request_id, prompt_token_ids, params):
+            yield out
+
+
+def test_a_busy_server_answers_429_at_once_and_serves_what_it_admitted():
+    from engine.tiny_model import ensure_default_model
+    from engine.tokenizer import load_tokenizer
+    tokenizer = load_tokenizer(ensure_default_model())
+    backend = SlowBackend(tokenizer, len(tokenizer))
+    metrics = ServingMetrics()
+    admission = AdmissionControl(AdmissionSettings(max_waiting_requests=3))
+    app = build_openai_app(backend, tokenizer, metrics, admission=admission)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        results = []
+
+        def send():
+            results.append(client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3}))
+
+        held = [threading.Thread(target=send) for _ in range(3)]
+        for t in held:
+            t.start()
+        deadline = time.monotonic() + 10
+        while admission.waiting_requests < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert admission.waiting_requests == 3
+        started = time.monotonic()
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3})
+        refused_in = time.monotonic() - started
+        assert r.status_code == 429 and r.json()["error"]["code"] == "server_overloaded"
+        assert int(r.headers["Retry-After"]) >= 1
+        assert refused_in < 0.5                          # at once, not after the queue
+        backend.release.set()
+        for t in held:
+            t.join(timeout=30)
+        assert [x.status_code for x in results] == [200, 200, 200]
+        assert admission.waiting_requests == 0 and admission.waiting_tokens == 0
+        text = client.get("/metrics").text
+        assert 'pdserve_requests_rejected_total{reason="queue_requests"} 1.0' in text

@@ -1,0 +1,113 @@
+"""The API key, the body limit and the per-request limits at the HTTP API."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from cluster.cli.main import build_parser
+from cluster.cli.serve_command import config_from_args
+from cluster.config import DeploymentConfig
+from router.http_guard import api_key_digest
+from router.metrics import ServingMetrics
+from router.openai_api import RequestLimits, build_openai_app
+from tests.test_openai_api import MODEL, FakeBackend
+
+KEY = "sk-test-0123456789"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from engine.tiny_model import ensure_default_model
+    from engine.tokenizer import load_tokenizer
+    return load_tokenizer(ensure_default_model())
+
+
+def client_for(tokenizer, **options) -> tuple[TestClient, FakeBackend]:
+    backend = FakeBackend(tokenizer, len(tokenizer))
+    app = build_openai_app(backend, tokenizer, ServingMetrics(), **options)
+    return TestClient(app, raise_server_exceptions=False), backend
+
+
+def completion(client, headers=None, **body):
+    return client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3, **body},
+                       headers=headers or {})
+
+
+def test_every_route_but_health_needs_the_key(tokenizer):
+    client, backend = client_for(tokenizer, api_key_sha256=api_key_digest(KEY))
+    good = {"Authorization": f"Bearer {KEY}"}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": "Basic x"}):
+        r = completion(client, headers)
+        assert r.status_code == 401, headers
+        assert r.json()["error"]["code"] == "invalid_api_key" and set(r.json()["error"]) == {
+            "message", "type", "param", "code"}
+    assert backend.calls == []                                   # refused before the backend
+    assert client.get("/v1/models").status_code == 401
+    assert client.get("/metrics").status_code == 401
+    assert client.get("/health").status_code == 200
+    assert completion(client, good).status_code == 200
+    assert client.get("/metrics", headers=good).status_code == 200
+    r = client.post("/v1/chat/completions", headers=good,
+                    json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    assert r.status_code == 200
+
+
+def test_metrics_can_stay_open_and_no_key_means_no_check(tokenizer):
+    client, _ = client_for(tokenizer, api_key_sha256=api_key_digest(KEY), protect_metrics=False)
+    assert client.get("/metrics").status_code == 200
+    assert completion(client).status_code == 401
+    client, _ = client_for(tokenizer)
+    assert completion(client).status_code == 200
+
+
+def test_a_body_past_the_limit_gets_413(tokenizer):
+    client, backend = client_for(tokenizer, limits=RequestLimits(max_body_bytes=2048))
+    r = completion(client, prompt="x " * 2000)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert backend.calls == []
+
+    def chunks():                                                # no Content-Length: counted as read
+        yield json.dumps({"model": MODEL, "prompt": "y " * 3000, "max_tokens": 2}).encode()
+
+    r = client.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413
+    assert completion(client, prompt="short").status_code == 200
+
+
+def test_request_limits_give_400s_naming_the_field(tokenizer):
+    client, backend = client_for(tokenizer, limits=RequestLimits(max_prompt_tokens=8, max_tokens=5,
+                                                                 max_logprobs=2, max_stop_sequences=2))
+    cases = [({"max_tokens": 6}, "max_tokens", "at most 5"),
+             ({"logprobs": 3}, "logprobs", "at most 2"),
+             ({"stop": ["a", "b", "c"]}, "stop", "at most 2"),
+             ({"prompt": "one two three four five six seven eight nine ten"}, "prompt", "at most 8")]
+    for body, param, text in cases:
+        r = completion(client, **body)
+        assert r.status_code == 400, body
+        assert r.json()["error"]["param"] == param and text in r.json()["error"]["message"], r.json()
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                                  "logprobs": True, "top_logprobs": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+    assert completion(client, max_tokens=5, logprobs=2, stop=["a", "b"]).status_code == 200
+    # an unset max_tokens is capped by the limit, not refused
+    assert completion(client, max_tokens=None).status_code == 200
+    assert backend.calls[-1][2].max_tokens == 5
+
+
+def test_the_key_reaches_the_deployment_only_as_its_digest(monkeypatch):
+    args = build_parser().parse_args(["serve", "--api-key", KEY])
+    config = config_from_args(args)
+    assert config.http.api_key_sha256 == api_key_digest(KEY)
+    assert KEY not in json.dumps(config.model_dump(mode="json"))
+    monkeypatch.setenv("PDSERVE_API_KEY", "from-env")
+    assert config_from_args(build_parser().parse_args(["serve"])).api_key_sha256() == api_key_digest("from-env")
+    monkeypatch.delenv("PDSERVE_API_KEY")
+    config = DeploymentConfig.model_validate({"http": {"api_key_env": "MY_KEY"}})
+    with pytest.raises(ValueError, match="MY_KEY, which is not set"):
+        config.api_key_sha256()
+    monkeypatch.setenv("MY_KEY", KEY)
+    assert config.api_key_sha256() == api_key_digest(KEY)
+    assert DeploymentConfig().api_key_sha256() is None
