@@ -131,6 +131,7 @@ def build_application(config: DeploymentConfig) -> serve.Application:
     router_args["api_key_sha256"] = config.api_key_sha256()
     router_args["protect_metrics"] = config.http.protect_metrics
     router_args["admission"] = config.admission.settings(config.slo)
+    router_args["max_migrations"] = config.migration.max_migrations
     if config.autoscaling.enabled:
         router_args["autoscaling"] = config.autoscaling_settings()
         router_args["autoscaling_profile"] = config.autoscaling.profile

@@ -104,6 +104,11 @@ class Resources(_Strict):
     gpu_memory_gib: float | None = Field(None, gt=0)
 
 
+class MigrationSection(_Strict):
+    max_migrations: int = Field(3, ge=0, description="times a request whose worker fails is continued on "
+                                "another one (0: it fails with the worker)")
+
+
 class SloSection(_Strict):
     ttft_ms: float | None = Field(None, gt=0, description="time-to-first-token SLO: admission control refuses "
                                   "what would miss it; the autoscaler scales for it")
@@ -172,6 +177,7 @@ class DeploymentConfig(_Strict):
     disaggregation: DisaggregationSection = DisaggregationSection()
     resources: Resources = Resources()
     slo: SloSection = SloSection()
+    migration: MigrationSection = MigrationSection()
     admission: AdmissionSection = AdmissionSection()
     autoscaling: AutoscalingSection = AutoscalingSection()
     limits: LimitsSection = LimitsSection()

@@ -37,7 +37,8 @@ class Router:
                  colocated=None, disaggregation: DisaggregationSettings | None = None,
                  autoscaling: AutoscaleSettings | None = None, autoscaling_profile: str | None = None,
                  limits: RequestLimits = RequestLimits(), api_key_sha256: str | None = None,
-                 protect_metrics: bool = True, admission: AdmissionSettings | None = None):
+                 protect_metrics: bool = True, admission: AdmissionSettings | None = None,
+                 max_migrations: int = 3):
         normal_priority()
         self.admission = AdmissionControl(admission) if admission is not None else None
         self._http = {"limits": limits, "api_key_sha256": api_key_sha256, "protect_metrics": protect_metrics,
@@ -48,12 +49,14 @@ class Router:
         subscriber = f"router-{replica}-{uuid.uuid4().hex[:8]}"
         self.policy = None
         if mode == "colocated":
-            self.backend = ServingBackend(info, ServeDecodePool(colocated, "colocated"), subscriber=subscriber)
+            self.backend = ServingBackend(info, ServeDecodePool(colocated, "colocated"), subscriber=subscriber,
+                                          max_migrations=max_migrations, detokenize=self._detokenize)
             self._workers = {"colocated": colocated}
         else:
             self.policy = DisaggregationPolicy(disaggregation or DisaggregationSettings())
             self.backend = ServingBackend(info, ServeDecodePool(decode), ServePrefillPool(prefill), self.policy,
-                                          subscriber=subscriber)
+                                          subscriber=subscriber, max_migrations=max_migrations,
+                                          detokenize=self._detokenize)
             self._workers = {"prefill": prefill, "decode": decode}
         self._stats_task = asyncio.get_event_loop().create_task(self._refresh_worker_stats())
         self.autoscaler = None
@@ -61,6 +64,9 @@ class Router:
             profile = load_step_model(autoscaling_profile) if autoscaling_profile else None
             self.autoscaler = AutoscaleLoop(autoscaling, self._workers, self.metrics, profile=profile)
             self._autoscale_task = asyncio.get_event_loop().create_task(self.autoscaler.run())
+
+    def _detokenize(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """For Serve's application autoscaling policy (cluster/autoscaler/serve_policy.py)."""

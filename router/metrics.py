@@ -89,6 +89,8 @@ class ServingMetrics:
                                  ["worker_role"], registry=r)
         self._errors = Counter("pdserve_request_errors_total", "Error responses, by HTTP status.",
                                ["status"], registry=r)
+        self._migrations = Counter("pdserve_request_migrations_total", "Times a request was continued on "
+                                   "another worker after its worker failed.", registry=r)
         self._rejected = Counter("pdserve_requests_rejected_total", "Requests refused by admission control "
                                  "(HTTP 429), by reason: queue_requests, queue_tokens, ttft_slo.", ["reason"],
                                  registry=r)
@@ -134,6 +136,7 @@ class ServingMetrics:
         self._prompt_tokens.inc(timings.prompt_tokens)
         self._generation_tokens.inc(timings.generation_tokens)
         # An aborted or failed request's "end" is when it was cut off, not a latency.
+        self._migrations.inc(timings.phases.migrations)
         if timings.phases.prefilled_on is not None:
             self._prefills.labels(worker_role=timings.phases.prefilled_on).inc()
         completed = timings.finish_reason in ("stop", "length")

@@ -17,7 +17,11 @@ from contextlib import contextmanager
 from ray import exceptions as ray_exceptions
 
 from cluster.serving.messages import Admitted, DecodeRequest, PrefillResult, TokenDelta
-from cluster.serving.replica_routing import AVOID_REPLICA, TARGET_REPLICA
+from cluster.serving.replica_routing import (
+    AVOID_REPLICA,
+    TARGET_REPLICA,
+    ReplicaGoneError,
+)
 from engine.sampling_params import SamplingParams
 from router.backend import BackendUnavailableError
 
@@ -41,7 +45,7 @@ def unwrapped_errors(what: str):
     except ray_exceptions.RayTaskError as exc:
         cause = exc.cause if exc.cause is not None else exc
         raise cause from None
-    except (ray_exceptions.ActorDiedError, ray_exceptions.ActorUnavailableError) as exc:
+    except (ray_exceptions.ActorDiedError, ray_exceptions.ActorUnavailableError, ReplicaGoneError) as exc:
         raise BackendUnavailableError(f"the {what} worker is unavailable: {exc}") from None
 
 

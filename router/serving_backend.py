@@ -18,6 +18,18 @@ replica that failed; the prefill side still holds the KV until a decode replica
 or this router releases it. In colocated mode there is no prefill pool and every
 request is prefilled locally.
 
+Migration: when a worker dies or its stream breaks mid-request (before or
+after the hand-off), the request continues on another decode replica: the
+prompt plus every token already streamed is prefilled there (under a new
+internal id, so a late delta of the failed attempt is not taken for the new
+one) and the stream resumes with the next token; the client sees one stream.
+Greedy output is the same as without the failure. Seeded sampling continues
+from a generator seeded afresh (not the state it had), and presence/frequency
+penalties no longer count the earlier output (it is prompt now). With
+`detokenize`, a migrated request's text is rebuilt from all its output tokens,
+so bytes of a character the failed worker held back are not lost. At most `max_migrations`
+per request; past it the error says so.
+
 The pools are small interfaces: in a cluster they wrap Serve deployment
 handles (router/serve_pools.py); in tests, plain worker objects.
 """
@@ -25,8 +37,10 @@ handles (router/serve_pools.py); in tests, plain worker objects.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Protocol
@@ -69,11 +83,12 @@ class _Phases:
     transfer_s: float | None = None   # receives posted → KV in the decode cache
     transfer_bytes: int | None = None
     prefilled_on: str | None = None   # "prefill" | "decode"
+    migrations: int = 0
 
     def freeze(self) -> PhaseTimings:
         return PhaseTimings(queue_time=self.queue_s, prefill_time=self.prefill_s,
                             transfer_time=self.transfer_s, transfer_bytes=self.transfer_bytes,
-                            prefilled_on=self.prefilled_on)
+                            prefilled_on=self.prefilled_on, migrations=self.migrations)
 
     def first_token(self, delta: TokenDelta) -> None:
         if delta.first_token_times is not None and self.prefill_s is None:
@@ -90,16 +105,29 @@ class _Accumulator:
         self.text = ""
         self.logprobs: list | None = None
         self.num_cached_tokens = 0
+        # after a migration: the output's text from all its tokens (ids -> text), since the new
+        # worker's detokenizer never saw the bytes the failed one held back mid-character
+        self.retext: Callable[[list[int]], str] | None = None
 
     def add(self, delta: TokenDelta) -> RequestOutput:
         self.token_ids += delta.token_ids
-        self.text += delta.text
+        text = delta.text
+        if self.retext is not None:
+            full = self.retext(self.token_ids)
+            if not delta.finished:
+                full = full.rstrip("\ufffd")         # an incomplete character: wait for its next bytes
+            elif isinstance(delta.stop_reason, str):  # the stop string is not part of the output
+                cut = full.find(delta.stop_reason, max(0, len(self.text) - len(delta.stop_reason)))
+                full = full[:cut] if cut >= 0 else full
+            if full.startswith(self.text):
+                text = full[len(self.text):]
+        self.text += text
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         return RequestOutput(
             request_id=self.request_id, prompt_token_ids=self.prompt_token_ids, text=self.text,
-            token_ids=list(self.token_ids), delta_text=delta.text, delta_token_ids=list(delta.token_ids),
+            token_ids=list(self.token_ids), delta_text=text, delta_token_ids=list(delta.token_ids),
             logprobs=None if self.logprobs is None else list(self.logprobs), finished=delta.finished,
             finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
             num_cached_tokens=self.num_cached_tokens)
@@ -108,7 +136,8 @@ class _Accumulator:
 class ServingBackend(GenerationBackend):
     def __init__(self, info: ModelInfo, decode: DecodePool, prefill: PrefillPool | None = None,
                  policy: DisaggregationPolicy | None = None, *, subscriber: str,
-                 max_transfer_attempts: int = 2):
+                 max_transfer_attempts: int = 2, max_migrations: int = 3,
+                 detokenize: Callable[[list[int], bool], str] | None = None):
         """Without `prefill` (colocated mode) every request is prefilled on its
         decode replica; with it, `policy` decides per request (default: always
         remote). `subscriber` names this router's output streams."""
@@ -116,6 +145,8 @@ class ServingBackend(GenerationBackend):
         self._decode, self._prefill, self._policy = decode, prefill, policy
         self.subscriber = subscriber
         self.max_transfer_attempts = max_transfer_attempts
+        self.max_migrations = max_migrations
+        self.detokenize = detokenize          # (ids, skip_special_tokens) -> text, for migrated requests
         self._fanout = StreamFanout(lambda replica: decode.stream(replica, subscriber), decode.abort)
         self._phases: dict[str, _Phases] = {}
 
@@ -144,41 +175,71 @@ class ServingBackend(GenerationBackend):
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         phases = self._phases[request_id] = _Phases()
         acc = _Accumulator(request_id, prompt_token_ids)
-        queue = self._fanout.expect(request_id)
+        failed_on: list[str | None] = [None]        # the replica the last attempt failed on
+        for migration in range(self.max_migrations + 1):
+            try:
+                async for out in self._attempt(request_id, migration, acc, params, phases, failed_on):
+                    yield out
+                return
+            except BackendUnavailableError as exc:
+                if migration == self.max_migrations:
+                    why = ("migration is off (max_migrations: 0)" if migration == 0 else
+                           f"the request was already moved to another worker {migration} time(s), the limit "
+                           "(max_migrations)")
+                    raise BackendUnavailableError(f"{exc}; {why}") from None
+                log.warning("request %s: its worker failed after %d output tokens (%s); continuing it on "
+                            "another decode worker", request_id, len(acc.token_ids), exc)
+                phases.migrations += 1
+                if self.detokenize is not None:
+                    acc.retext = functools.partial(_text_of, self.detokenize, params.skip_special_tokens)
+
+    async def _attempt(self, request_id: str, migration: int, acc: _Accumulator, params: SamplingParams,
+                       phases: _Phases, failed_on: list[str | None]) -> AsyncIterator[RequestOutput]:
+        """One try at the request. The first prefills where the policy says; a
+        migration (a worker died or its stream broke) prefills the prompt plus
+        every token already sent on a decode replica other than the one that
+        failed, under a new internal id, and continues the stream from there."""
+        attempt_id = request_id if migration == 0 else f"{request_id}~{migration}"
+        prompt = acc.prompt_token_ids + acc.token_ids
+        params = _remaining(params, len(acc.token_ids))
+        queue = self._fanout.expect(attempt_id)
         replica, finished = None, False
         try:
-            if self._local(len(prompt_token_ids)):
-                phases.prefilled_on = "decode"
-                admitted = await self._prefill_locally(request_id, prompt_token_ids, params)
+            if migration > 0 or self._local(len(prompt)):
+                phases.prefilled_on = phases.prefilled_on or "decode"
+                admitted = await self._prefill_locally(attempt_id, prompt, params, avoid=failed_on[0])
             else:
                 phases.prefilled_on = "prefill"
-                result = await self._prefill_remotely(request_id, prompt_token_ids, params)
+                result = await self._prefill_remotely(attempt_id, prompt, params)
                 phases.first_token(result.first)
                 finished = result.first.finished
                 yield acc.add(result.first)
                 if finished:
                     return
-                admitted = await self._hand_off(request_id, prompt_token_ids, params, result)
+                admitted = await self._hand_off(attempt_id, prompt, params, result)
                 phases.transfer_s, phases.transfer_bytes = admitted.transfer_time_s, admitted.transfer_bytes
             replica = admitted.replica_id
-            self._fanout.bind(request_id, replica)
+            self._fanout.bind(attempt_id, replica)
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
+                    failed_on[0] = replica
                     raise item
                 phases.first_token(item)
                 finished = item.finished
                 yield acc.add(item)
         finally:
-            self._fanout.forget(request_id)
-            if replica is not None and not finished:
-                await _shielded(self._decode.abort(replica, request_id), f"abort of {request_id}")
+            self._fanout.forget(attempt_id)
+            # a replica whose stream failed aborted the request itself (or died): nothing to send it
+            if replica is not None and not finished and failed_on[0] != replica:
+                await _shielded(self._decode.abort(replica, attempt_id), f"abort of {attempt_id}")
 
     async def _prefill_locally(self, request_id: str, prompt_token_ids: list[int],
-                               params: SamplingParams) -> Admitted:
+                               params: SamplingParams, avoid: str | None = None) -> Admitted:
         # in flight until admitted: close enough, the prompt is queued on the replica by then
         with self._in_flight(True, len(prompt_token_ids)):
-            return await self._decode.generate(DecodeRequest(request_id, prompt_token_ids, params, self.subscriber))
+            return await self._decode.generate(DecodeRequest(request_id, prompt_token_ids, params, self.subscriber),
+                                               avoid_replica=avoid)
 
     async def _prefill_remotely(self, request_id: str, prompt_token_ids: list[int],
                                 params: SamplingParams) -> PrefillResult:
@@ -215,6 +276,18 @@ class ServingBackend(GenerationBackend):
         finally:
             if not admitted:
                 self._prefill.release(result)
+
+
+def _text_of(detokenize: Callable[[list[int], bool], str], skip_special_tokens: bool, ids: list[int]) -> str:
+    return detokenize(ids, skip_special_tokens)
+
+
+def _remaining(params: SamplingParams, num_sent: int) -> SamplingParams:
+    """`params` for the rest of a request that already produced `num_sent` tokens."""
+    if num_sent == 0:
+        return params
+    return dataclasses.replace(params, max_tokens=params.max_tokens - num_sent,
+                               min_tokens=max(0, params.min_tokens - num_sent))
 
 
 async def _shielded(work, what: str) -> None:

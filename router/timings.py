@@ -21,6 +21,7 @@ class PhaseTimings:
     transfer_time: float | None = None   # KV hand-off prefill -> decode (None when colocated)
     transfer_bytes: int | None = None    # KV bytes that hand-off moved
     prefilled_on: str | None = None      # "prefill" (a prefill worker) | "decode" (the decode worker itself)
+    migrations: int = 0                  # times the request was continued on another worker after one failed
 
 
 @dataclass(slots=True)

@@ -42,10 +42,12 @@ class Reference:
         self.eos = self.model.generation_config.eos_token_id
 
     @functools.lru_cache(maxsize=None)
-    def greedy(self, prompt_ids: tuple[int, ...], max_new_tokens: int) -> list[int]:
+    def greedy(self, prompt_ids: tuple[int, ...], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
+        """Greedy continuation; stops at EOS unless `ignore_eos` (as the engine's ignore_eos)."""
         with torch.no_grad():
             out = self.model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
-                                      do_sample=False, eos_token_id=self.eos, pad_token_id=self.eos,
+                                      do_sample=False, eos_token_id=[] if ignore_eos else self.eos,
+                                      pad_token_id=self.eos,
                                       attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
         return out[0, len(prompt_ids):].tolist()
 

@@ -20,7 +20,11 @@ import torch
 from cluster.transport import kv_handoff
 from cluster.transport.fake_transport import FakeTransportHub
 from cluster.transport.kv_transport import TransferState
-from cluster.transport.transport_factory import TransportSettings, receiver_factory, sender_factory
+from cluster.transport.transport_factory import (
+    TransportSettings,
+    receiver_factory,
+    sender_factory,
+)
 from decode_workers.decode_worker import DecodeWorker
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.kv_head_map import remap_kv_shards
@@ -87,7 +91,8 @@ class LocalDecodePool:
 
 class Pair:
     def __init__(self, model_dir, hub: FakeTransportHub, lease_s: float = 30.0,
-                 policy: DisaggregationPolicy | None = None):
+                 policy: DisaggregationPolicy | None = None, max_migrations: int = 0):
+        """max_migrations 0 (migration off): these tests look at the hand-off's own retries."""
         config = EngineConfig(model=str(model_dir), max_model_len=128, block_size=8, dtype="float32",
                               num_kv_blocks=64)
         self.hub = hub
@@ -98,7 +103,7 @@ class Pair:
         self.prefill_pool = LocalPrefillPool(self.prefill)
         self.decode_pool = LocalDecodePool(self.decode)
         self.backend = ServingBackend(ModelInfo("tiny", 128, 512), self.decode_pool, self.prefill_pool, policy,
-                                      subscriber="router-0")
+                                      subscriber="router-0", max_migrations=max_migrations)
 
     async def start(self):
         await self.prefill.start()
@@ -160,7 +165,7 @@ def test_a_failed_transfer_is_retried_once_then_fails_cleanly(model_dirs, refere
             assert pair.decode_pool.attempts == 2
             await pair.wait_idle()
             pair.hub.fail_next(2, when="transfer", message="link down")   # the pair is up by now
-            with pytest.raises(BackendUnavailableError, match=r"did not arrive at decode.*link down"):
+            with pytest.raises(BackendUnavailableError, match=r"did not arrive at decode.*link down.*migration is off"):
                 await pair.run("bad", PROMPTS[1])
             assert pair.decode_pool.attempts == 4
             await pair.wait_idle()

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kv_head_map import HeadTransfer, check_tp_for_heads, kv_heads_of_rank, kv_transfer_plan
+from engine.kv_head_map import (
+    HeadTransfer,
+    check_tp_for_heads,
+    kv_heads_of_rank,
+    kv_transfer_plan,
+)
 
 
 def _valid_tps(num_kv_heads: int) -> list[int]:

@@ -4,19 +4,28 @@ ranking, ties, targeted calls and retries steered away from a replica."""
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
 
-from cluster.serving.replica_routing import AVOID_REPLICA, TARGET_REPLICA, LoadAwareRouter
+from cluster.serving.replica_routing import (
+    AVOID_REPLICA,
+    TARGET_GRACE_S,
+    TARGET_REPLICA,
+    LoadAwareRouter,
+    ReplicaGoneError,
+)
 
 
 def replica(uid: str, **stats):
     return SimpleNamespace(replica_id=SimpleNamespace(unique_id=uid), routing_stats=stats)
 
 
-def pending(**kwargs):
-    return SimpleNamespace(kwargs=kwargs, routing_context=SimpleNamespace(should_backoff=False))
+def pending(created_at: float | None = None, **kwargs):
+    loop = asyncio.new_event_loop()
+    return SimpleNamespace(kwargs=kwargs, routing_context=SimpleNamespace(should_backoff=False),
+                           created_at=time.time() if created_at is None else created_at, future=loop.create_future())
 
 
 def router(stat: str, prefer: str) -> LoadAwareRouter:
@@ -55,9 +64,22 @@ def test_a_targeted_call_goes_only_to_its_replica_and_a_retry_avoids_one():
     r = router("free_kv_blocks", "max")
     reps = [replica("a", free_kv_blocks=900), replica("b", free_kv_blocks=5)]
     assert ranked(r, reps, pending(**{TARGET_REPLICA: "b"})) == ["b"]
-    assert ranked(r, reps, pending(**{TARGET_REPLICA: "gone"})) == []
     assert ranked(r, reps, pending(**{AVOID_REPLICA: "a"})) == ["b"]
     assert ranked(r, reps[:1], pending(**{AVOID_REPLICA: "a"})) == ["a"]   # the only one left
+
+
+def test_a_call_to_a_replica_that_is_gone_fails_instead_of_waiting():
+    r = router("free_kv_blocks", "max")
+    reps = [replica("a", free_kv_blocks=900), replica("b", free_kv_blocks=5)]
+    ranked(r, reps, pending())                                  # the router has seen a and b
+    # b died: Serve lists only a; a call to b fails at once with ReplicaGoneError
+    call = pending(**{TARGET_REPLICA: "b"})
+    assert ranked(r, reps[:1], call) == [] and isinstance(call.future.exception(), ReplicaGoneError)
+    # a replica this router never saw may still be starting: it waits, up to the grace period
+    young = pending(**{TARGET_REPLICA: "new"})
+    assert ranked(r, reps, young) == [] and not young.future.done()
+    old = pending(created_at=time.time() - TARGET_GRACE_S - 1, **{TARGET_REPLICA: "new"})
+    assert ranked(r, reps, old) == [] and isinstance(old.future.exception(), ReplicaGoneError)
 
 
 def test_prefer_must_be_min_or_max():

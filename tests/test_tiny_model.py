@@ -13,9 +13,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+)
 
-from engine.tiny_model import PRESETS, default_model_dir, ensure_default_model, make_tiny_model
+from engine.tiny_model import (
+    PRESETS,
+    default_model_dir,
+    ensure_default_model,
+    make_tiny_model,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

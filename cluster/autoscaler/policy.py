@@ -182,17 +182,7 @@ class GoodputPolicy:
                    for r in s.roles}
         budget_bound = self._ranks(needed) > s.budget
         if budget_bound:
-            best = self._best_split(capacity)
-            if self._served(best, capacity) > self._served(current, capacity) * (1 + s.split_margin) \
-                    or self._ranks(current) > s.budget:
-                needed = best
-                for r in s.roles:
-                    reasons[r] = f"budget of {s.budget} ranks: best split gives {needed[r]}"
-            else:
-                needed = dict(current)
-                for r in s.roles:
-                    reasons[r] = (f"holds {current[r]}: within the budget of {s.budget} ranks no split serves "
-                                  f"{s.split_margin:.0%} more than this one")
+            needed = self._split_within_budget(current, capacity, reasons)
         self._latency_feedback(obs, current, needed, reasons)
         targets = self._guarded(obs, current, needed, demand, capacity, reasons, budget_bound)
         for r in s.roles:
@@ -250,6 +240,22 @@ class GoodputPolicy:
             if best_key is None or key > best_key:
                 best, best_key = {"prefill": p, "decode": d}, key
         return best
+
+    def _split_within_budget(self, current: dict[str, int], capacity: dict[str, float],
+                             reasons: dict[str, str]) -> dict[str, int]:
+        """Past the budget: the best split, if it serves `split_margin` more than
+        the current one (or the current one is over the budget); else the current."""
+        s = self.settings
+        best = self._best_split(capacity)
+        if self._served(best, capacity) > self._served(current, capacity) * (1 + s.split_margin) \
+                or self._ranks(current) > s.budget:
+            for r in s.roles:
+                reasons[r] = f"budget of {s.budget} ranks: best split gives {best[r]}"
+            return best
+        for r in s.roles:
+            reasons[r] = (f"holds {current[r]}: within the budget of {s.budget} ranks no split serves "
+                          f"{s.split_margin:.0%} more than this one")
+        return dict(current)
 
     def _served(self, replicas: dict[str, int], capacity: dict[str, float]) -> float:
         """Requests/s a split serves: its narrower pool's capacity."""

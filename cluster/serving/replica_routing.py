@@ -3,7 +3,9 @@ router, configured per deployment by the app builder).
 
 - A call that names `target_replica=<replica unique id>` goes to that replica
   only: the prefill replica that holds a request's KV is asked to send or
-  release it.
+  release it. If that replica is gone (this router saw it before and Serve no
+  longer lists it, or it has not appeared within TARGET_GRACE_S), the call
+  fails with ReplicaGoneError instead of waiting for it for ever.
 - A call that names `avoid_replica=<id>` (a retry after a failed KV transfer)
   goes elsewhere when another replica is available.
 - Any other call goes to the replica whose last reported load figure
@@ -15,6 +17,8 @@ router, configured per deployment by the app builder).
 
 from __future__ import annotations
 
+import time
+
 from ray.serve.request_router import (
     FIFOMixin,
     PendingRequest,
@@ -24,6 +28,11 @@ from ray.serve.request_router import (
 
 TARGET_REPLICA = "target_replica"
 AVOID_REPLICA = "avoid_replica"
+TARGET_GRACE_S = 10.0      # a target this router has never seen may still be starting
+
+
+class ReplicaGoneError(RuntimeError):
+    """The replica a call was addressed to is no longer running."""
 
 
 class LoadAwareRouter(FIFOMixin, RequestRouter):
@@ -32,14 +41,19 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
             raise ValueError(f"prefer must be 'min' or 'max', got {prefer!r}")
         self._stat, self._sign = stat, (1.0 if prefer == "min" else -1.0)
         self._in_flight: dict[str, int] = {}
+        self._seen: set[str] = set()                 # replica ids this router has had as candidates
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        self._seen.update(r.replica_id.unique_id for r in candidate_replicas)
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True
             target = pending_request.kwargs.get(TARGET_REPLICA)
             if target:
-                return [[r] for r in candidate_replicas if r.replica_id.unique_id == target]
+                chosen = [[r] for r in candidate_replicas if r.replica_id.unique_id == target]
+                if not chosen:
+                    self._fail_if_gone(pending_request, target)
+                return chosen
             avoid = pending_request.kwargs.get(AVOID_REPLICA)
             others = [r for r in candidate_replicas if r.replica_id.unique_id != avoid]
             if avoid and others:
@@ -49,6 +63,13 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
             value = float((replica.routing_stats or {}).get(self._stat, 0.0))
             return self._sign * value, self._in_flight.get(replica.replica_id.unique_id, 0)
         return [[r] for r in sorted(candidate_replicas, key=load)]
+
+    def _fail_if_gone(self, pending_request: PendingRequest, target: str) -> None:
+        waited = time.time() - pending_request.created_at
+        if target in self._seen or waited > TARGET_GRACE_S:
+            future = pending_request.future
+            if not future.done():
+                future.set_exception(ReplicaGoneError(f"replica {target} is not running (any more)"))
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
         self._in_flight[replica_id.unique_id] = self._in_flight.get(replica_id.unique_id, 0) + 1

@@ -1,0 +1,166 @@
+"""Request migration without Ray: a decode worker that stops mid-stream, its
+requests continued on the other one, one uninterrupted stream per request and
+greedy output equal to transformers'."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from decode_workers.decode_worker import DecodeWorker
+from engine import EngineConfig, SamplingParams
+from router.backend import BackendUnavailableError, ModelInfo
+from router.serving_backend import ServingBackend
+from tests.test_handoff_workers import PROMPTS, run
+
+TOKENS = 24
+GREEDY = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+
+
+class TwoWorkerPool:
+    """Decode replicas A and B in process; a request goes to the first live one it is not steered away from."""
+
+    def __init__(self, workers: dict[str, DecodeWorker]):
+        self.workers = workers
+        self.dead: set[str] = set()
+        self.placed: list[tuple[str, str]] = []          # (request id, replica)
+
+    async def generate(self, request, avoid_replica=None):
+        for name, worker in self.workers.items():
+            if name != avoid_replica and name not in self.dead:
+                self.placed.append((request.request_id, name))
+                return await worker.generate(request)
+        raise BackendUnavailableError("no decode worker left")
+
+    async def abort(self, replica_id, request_id):
+        if replica_id in self.dead:
+            raise BackendUnavailableError(f"{replica_id} is gone")
+        await self.workers[replica_id].abort(request_id)
+
+    def stream(self, replica_id, subscriber):
+        return self.workers[replica_id].stream(subscriber)
+
+    def kill(self, name: str) -> None:
+        """The worker's engine stops: its streams fail, as when its process dies."""
+        self.dead.add(name)
+        self.workers[name].shutdown()
+
+
+def _workers(model_dirs) -> dict[str, DecodeWorker]:
+    config = EngineConfig(model=str(model_dirs["tiny"]), max_model_len=128, block_size=8, dtype="float32",
+                          num_kv_blocks=128)
+    return {name: DecodeWorker(config, replica_id=name) for name in ("A", "B")}
+
+
+def test_requests_on_a_dying_worker_continue_on_the_other(model_dirs, reference):
+    async def main():
+        workers = _workers(model_dirs)
+        for w in workers.values():
+            await w.start()
+        pool = TwoWorkerPool(workers)
+        backend = ServingBackend(ModelInfo("tiny", 128, 512), pool, subscriber="router-0")
+        killed = asyncio.Event()
+
+        async def one(i, prompt):
+            outs = []
+            async for out in backend.generate(f"r{i}", prompt, GREEDY):
+                outs.append(out)
+                if i == 0 and len(out.token_ids) == 6 and not killed.is_set():
+                    killed.set()
+                    await asyncio.to_thread(pool.kill, "A")
+            return outs
+
+        try:
+            return await asyncio.gather(*[one(i, p) for i, p in enumerate(PROMPTS)]), pool.placed
+        finally:
+            await backend.close()
+            for name, w in workers.items():
+                if name not in pool.dead:
+                    w.shutdown()
+
+    results, placed = run(main())
+    assert {r for r, replica in placed if replica == "A"} == {f"r{i}" for i in range(len(PROMPTS))}
+    moved = {r.split("~")[0] for r, replica in placed if replica == "B"}
+    assert moved == {f"r{i}" for i in range(len(PROMPTS))}     # every request was on A, and moved
+    for prompt, outs in zip(PROMPTS, results):
+        final = outs[-1]
+        assert final.finished and final.finish_reason == "length"
+        assert final.token_ids == reference("tiny").greedy(tuple(prompt), TOKENS)
+        # one stream: every output extends the previous one, no token repeated or missing
+        streamed = [t for out in outs for t in out.delta_token_ids]
+        assert streamed == final.token_ids
+        assert "".join(out.delta_text for out in outs) == final.text
+
+
+def test_with_migration_off_the_error_says_so(model_dirs):
+    async def main():
+        workers = _workers(model_dirs)
+        for w in workers.values():
+            await w.start()
+        pool = TwoWorkerPool(workers)
+        backend = ServingBackend(ModelInfo("tiny", 128, 512), pool, subscriber="router-0", max_migrations=0)
+        try:
+            async for out in backend.generate("r0", PROMPTS[0], GREEDY):
+                if len(out.token_ids) == 3:
+                    await asyncio.to_thread(pool.kill, "A")
+        finally:
+            await backend.close()
+            workers["B"].shutdown()
+
+    with pytest.raises(BackendUnavailableError, match=r"migration is off \(max_migrations: 0\)"):
+        run(main())
+
+
+def test_a_hand_off_that_keeps_failing_continues_on_the_decode_worker(model_dirs, reference):
+    """The first token came from the prefill worker; both tries to move its KV fail; the
+    request continues on the decode worker from prompt + first token."""
+    from cluster.transport.fake_transport import FakeTransportHub
+    from tests.test_handoff_workers import Pair
+
+    async def main():
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub(), max_migrations=1).start()
+        try:
+            await pair.run("warm", PROMPTS[0])                       # the pair is connected
+            pair.hub.fail_next(2, when="transfer", message="link down")
+            outs = [out async for out in pair.backend.generate("moved", PROMPTS[1], GREEDY)]
+            await pair.wait_idle()
+            return outs, pair.decode_pool.local
+        finally:
+            await pair.shutdown()
+
+    outs, local = run(main())
+    assert outs[-1].token_ids == reference("tiny").greedy(tuple(PROMPTS[1]), TOKENS)
+    assert [t for out in outs for t in out.delta_token_ids] == outs[-1].token_ids
+    assert local == 1                                              # the one local prefill: the migration
+
+
+def test_a_prefill_worker_that_dies_before_the_first_token(model_dirs, reference):
+    """The prefill call fails (its replica died): the request is prefilled on a decode worker."""
+    from cluster.transport.fake_transport import FakeTransportHub
+    from tests.test_handoff_workers import Pair
+
+    class DeadPrefillPool:
+        calls = 0
+
+        async def prefill(self, request_id, prompt_token_ids, params):
+            self.calls += 1
+            raise BackendUnavailableError("the prefill worker is unavailable: the actor died")
+
+        def release(self, result):
+            raise AssertionError("nothing was prefilled, nothing to release")
+
+    async def main():
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub(), max_migrations=1).start()
+        dead = DeadPrefillPool()
+        pair.backend._prefill = dead
+        try:
+            out = await pair.run("r", PROMPTS[2])
+            phases = pair.backend.phase_timings("r")
+            return out, dead.calls, pair.decode_pool.local, phases
+        finally:
+            await pair.shutdown()
+
+    out, prefill_calls, local, phases = run(main())
+    assert out.token_ids == reference("tiny").greedy(tuple(PROMPTS[2]), 10)     # Pair.run: 10 tokens
+    assert (prefill_calls, local, phases.migrations, phases.prefilled_on) == (1, 1, 1, "prefill")
