@@ -129,7 +129,8 @@ class AdmissionSection(_Strict):
         if not self.enabled:
             return None
         return AdmissionSettings(self.max_waiting_requests, self.max_waiting_prompt_tokens,
-                                 slo.ttft_ms / 1000 if slo.ttft_ms else None, self.slo_factor)
+                                 slo.ttft_ms / 1000 if slo.ttft_ms else None, self.slo_factor,
+                                 slo.tpot_ms / 1000 if slo.tpot_ms else None)
 
 
 class AutoscalingSection(_Strict):

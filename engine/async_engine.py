@@ -66,6 +66,7 @@ class AsyncEngine:
         self._sinks: dict[str, OutputSink] = {}
         self._sinks_lock = threading.Lock()
         self.prefill_s_per_token: float | None = None   # measured on this engine's steps (EWMA)
+        self.decode_s_per_seq: float | None = None      # decode-only steps' time per sequence (EWMA)
         self._num_steps = 0
         self._recent_steps: deque[tuple[int, StepStats]] = deque(maxlen=512)
         self._tickers: list[Ticker] = []
@@ -135,6 +136,8 @@ class AsyncEngine:
         }
         if self.prefill_s_per_token is not None:
             stats["prefill_s_per_token"] = self.prefill_s_per_token
+        if self.decode_s_per_seq is not None:
+            stats["decode_s_per_seq"] = self.decode_s_per_seq
         return stats
 
     def add_ticker(self, ticker: Ticker) -> None:
@@ -236,6 +239,10 @@ class AsyncEngine:
         self._num_steps += 1
         self._recent_steps.append((self._num_steps, step))
         if step.num_prefill_tokens == 0:
+            if step.num_decode_seqs:
+                cost = step.duration_s / step.num_decode_seqs
+                old = self.decode_s_per_seq
+                self.decode_s_per_seq = cost if old is None else (1 - _COST_EWMA) * old + _COST_EWMA * cost
             engine.last_step = None
             return
         cost = step.duration_s / step.num_prefill_tokens

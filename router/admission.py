@@ -9,7 +9,10 @@ each request's time to first token,
     TTFT = (prompt tokens waiting / prefill replicas + this prompt) x prefill s/token
 
 with the per-token cost the workers measure on their own steps, and refuses
-it when that exceeds `slo_factor` x the SLO. A refusal is a 429 with
+it when that exceeds `slo_factor` x the SLO. With a TPOT SLO it bounds the
+requests running at once to what the decode replicas hold with each step
+within `tpot_headroom` of the SLO (their measured step time per sequence):
+past that, every admitted request would miss TPOT. A refusal is a 429 with
 `Retry-After`: the predicted time for what waits now to drain. The checks
 that need no prompt length run before the prompt is tokenized.
 """
@@ -29,6 +32,8 @@ class AdmissionSettings:
     max_waiting_prompt_tokens: int | None = 1 << 18
     ttft_slo_s: float | None = None
     slo_factor: float = 1.0
+    tpot_slo_s: float | None = None
+    tpot_headroom: float = 0.8          # decode steps are held to this share of the TPOT SLO
 
 
 class Overloaded(OpenAIError):
@@ -51,6 +56,9 @@ class AdmissionControl:
         self.waiting_tokens = 0
         self.replicas = 1
         self.s_per_token: float | None = None      # the prefill replicas' measured cost, mean
+        self.running = 0                           # admitted and not ended
+        self.decode_replicas = 1
+        self.decode_s_per_seq: float | None = None # the decode replicas' measured step time per sequence
 
     # ---- the checks ---------------------------------------------------------------------------
     def check_before_tokenizing(self) -> None:
@@ -63,6 +71,20 @@ class AdmissionControl:
             raise self._refuse("queue_tokens", f"{self.waiting_tokens} prompt tokens are waiting, the most this "
                                f"server queues ({s.max_waiting_prompt_tokens})")
         self._check_slo(0)
+        limit = self.max_running()
+        if limit is not None and self.running >= limit:
+            raise self._refuse("tpot_slo", f"{self.running} requests are running, the most that keep a decode "
+                               f"step within {s.tpot_headroom:.0%} of the {s.tpot_slo_s * 1000:.0f} ms TPOT SLO")
+
+    def max_running(self) -> int | None:
+        """Requests the decode replicas hold with each step within the TPOT budget (None:
+        no TPOT SLO or nothing measured yet). A step's time is taken as proportional to its
+        sequences, which overstates larger batches (their fixed cost does not grow): a safe bound."""
+        s = self.settings
+        if s.tpot_slo_s is None or not self.decode_s_per_seq:
+            return None
+        per_replica = max(1, int(s.tpot_slo_s * s.tpot_headroom / self.decode_s_per_seq))
+        return per_replica * self.decode_replicas
 
     def admit(self, num_prompt_tokens: int) -> None:
         """Checks the request with its prompt length, then counts it as waiting.
@@ -75,6 +97,11 @@ class AdmissionControl:
         self._check_slo(num_prompt_tokens)
         self.waiting_requests += 1
         self.waiting_tokens += num_prompt_tokens
+        self.running += 1
+
+    def finished(self) -> None:
+        """An admitted request ended (however)."""
+        self.running = max(0, self.running - 1)
 
     def first_token(self, num_prompt_tokens: int) -> None:
         """An admitted request got its first token, or ended without one."""
@@ -90,10 +117,16 @@ class AdmissionControl:
         return self.predicted_wait_s() + num_prompt_tokens * (self.s_per_token or 0.0)
 
     def observe_workers(self, role: str, stats: Iterable[Mapping[str, float]]) -> None:
-        """The latest stats of every replica of `role`; prefill costs come from the prefill roles."""
+        """The latest stats of every replica of `role`: prefill costs from the prefill roles,
+        decode costs from the decode ones (decode, colocated)."""
+        stats = list(stats)
+        if role in ("decode", "colocated"):
+            self.decode_replicas = max(1, len(stats))
+            costs = [s["decode_s_per_seq"] for s in stats if "decode_s_per_seq" in s]
+            if costs:
+                self.decode_s_per_seq = max(costs)
         if role not in self.prefill_roles:
             return
-        stats = list(stats)
         self.replicas = max(1, len(stats))
         costs = [s["prefill_s_per_token"] for s in stats if "prefill_s_per_token" in s]
         if costs:

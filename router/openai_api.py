@@ -349,6 +349,8 @@ class _Generation:
             return
         self._closed = True
         self._done_waiting()
+        if self._server.admission is not None:
+            self._server.admission.finished()
         aclose = getattr(self.outputs, "aclose", None)
         if aclose is not None:
             try:

@@ -46,6 +46,21 @@ def test_the_ttft_slo_refuses_what_would_miss_it():
     assert a.waiting_requests == 2                     # the refused one is not counted
 
 
+def test_the_tpot_slo_bounds_the_requests_running_at_once():
+    a = AdmissionControl(AdmissionSettings(max_waiting_requests=None, max_waiting_prompt_tokens=None,
+                                           tpot_slo_s=0.1))
+    for _ in range(100):
+        a.admit(10)                                    # nothing measured yet: no bound
+    a.observe_workers("decode", [{"decode_s_per_seq": 0.002}, {"decode_s_per_seq": 0.004}])
+    assert a.max_running() == 2 * int(0.08 / 0.004)    # the slower replica's cost, 40 sequences
+    with pytest.raises(Overloaded) as exc:
+        a.check_before_tokenizing()
+    assert exc.value.reason == "tpot_slo"
+    for _ in range(100 - 39):
+        a.finished()
+    a.check_before_tokenizing()                        # 39 running: room for one more
+
+
 class SlowBackend(FakeBackend):
     """Holds every request before its first token until released."""
 

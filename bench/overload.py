@@ -1,0 +1,161 @@
+"""Overload: a ramp from 0.5x to 10x the measured capacity against `pdserve
+serve`, admission control off and on, in one run.
+
+    python bench/overload.py [--steps 0.5,1,2,5,10] [--step-s 15] [--slo ttft:1000 tpot:100]
+                             [--slo-factor F] [--systems "admission off,admission on"]
+                             [--capacity RPS --unloaded-ttft-ms MS] [--model DIR]
+                             [--json bench/results/overload.json]
+
+Checkpoint: the "bench" preset. Deployment: one colocated replica on a local
+cluster. Requests: ~280-token prompts, 64 output tokens, greedy, ignore_eos,
+streamed. First, with admission off, the capacity C (requests/s at 16
+concurrent) and the unloaded TTFT (requests one at a time); then for each
+system every step of the ramp: --step-s seconds of Poisson arrivals at
+step x C. Per step: goodput (requests meeting both SLOs per second), SLO
+attainment of the admitted requests, the share refused (429), and p99 TTFT of
+the admitted ones. Targets with admission on: goodput at 10x >= 80% of the peak
+goodput; p99 TTFT of admitted requests <= 2x its unloaded value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.loadtest.datasets import random_dataset  # noqa: E402
+from bench.loadtest.metrics import ttft  # noqa: E402
+from bench.loadtest.runner import RunConfig, run_benchmark  # noqa: E402
+from bench.serving_overhead import log_tail, stop_server, wait_healthy  # noqa: E402
+from cluster.cli.plan_goodput import parse_slo  # noqa: E402
+from engine.tp_group import free_port  # noqa: E402
+
+
+def serve(config: dict, log_dir: Path, name: str):
+    port = free_port()
+    path = log_dir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log = log_dir / f"{name}.log"
+    cmd = [sys.executable, "-m", "cluster.cli.main", "serve", "--config", str(path), "--port", str(port),
+           "--address", "local"]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", 300, proc)
+    except Exception:
+        print(log_tail(log))
+        stop_server(proc, 60)
+        raise
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def run(base_url: str, requests, rate: float, tokenizer, *, concurrency: int | None = None):
+    cfg = RunConfig(base_url=base_url, model="bench", ignore_eos=True, request_rate=rate, max_concurrency=concurrency,
+                    disable_tqdm=True, max_duration=600)
+    return asyncio.run(run_benchmark(requests, cfg, tokenizer=tokenizer))
+
+
+def step_figures(result, slos_ms: dict, step_s: float) -> dict:
+    records = result.records
+    refused = [r for r in records if r.status == 429]
+    admitted = [r for r in records if r.succeeded]
+    good = 0
+    ttfts = []
+    for r in admitted:
+        t = ttft(r)
+        tpot = (r.end_time - r.chunk_times[0]) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
+        ttfts.append(t)
+        good += t * 1000 <= slos_ms["ttft"] and tpot * 1000 <= slos_ms["tpot"]
+    ttfts.sort()
+    return {"sent": len(records), "admitted": len(admitted), "refused_share": len(refused) / max(1, len(records)),
+            "failed_other": len(records) - len(admitted) - len(refused), "goodput": good / step_s,
+            "attainment_admitted": good / max(1, len(admitted)),
+            "ttft_p99_ms": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] * 1000 if ttfts else None}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", default="0.5,1,2,5,10")
+    ap.add_argument("--step-s", type=float, default=15.0)
+    ap.add_argument("--slo", nargs=2, type=parse_slo, default=[("ttft", 1000.0), ("tpot", 100.0)])
+    ap.add_argument("--slo-factor", type=float, default=None, help="admission.slo_factor (default: the server's)")
+    ap.add_argument("--systems", default="admission off,admission on")
+    ap.add_argument("--capacity", type=float, default=None, help="skip measuring it (req/s at 16 concurrent)")
+    ap.add_argument("--unloaded-ttft-ms", type=float, default=None)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    from transformers import AutoTokenizer
+
+    from engine.tiny_model import ensure_preset_model
+    model_dir = args.model or str(ensure_preset_model("bench"))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    slos_ms = dict(args.slo)
+    base = {"model": {"path": model_dir, "served_model_name": "bench"}, "mode": "colocated"}
+    systems = {"admission off": {**base, "admission": {"enabled": False}},
+               "admission on": {**base, "slo": {"ttft_ms": slos_ms["ttft"], "tpot_ms": slos_ms["tpot"]},
+                                **({"admission": {"slo_factor": args.slo_factor}} if args.slo_factor else {})}}
+    systems = {name: systems[name] for name in args.systems.split(",")}
+    log_dir = Path(tempfile.mkdtemp(prefix="overload-"))
+    steps = [float(x) for x in args.steps.split(",")]
+    results: dict = {"args": vars(args), "systems": {}}
+    capacity, unloaded_ttft_ms = args.capacity, args.unloaded_ttft_ms
+    for name, config in systems.items():
+        print(f"== {name}", flush=True)
+        proc, url = serve(config, log_dir, name.replace(" ", "-"))
+        try:
+            run(url, random_dataset(tokenizer, num_prompts=8, input_len=280, output_len=64, seed=99), 4.0, tokenizer)
+            if capacity is None:
+                closed = run(url, random_dataset(tokenizer, num_prompts=48, input_len=280, output_len=64, seed=1),
+                             float("inf"), tokenizer, concurrency=16)
+                capacity = sum(r.succeeded for r in closed.records) / closed.duration
+                alone = run(url, random_dataset(tokenizer, num_prompts=6, input_len=280, output_len=64, seed=2),
+                            float("inf"), tokenizer, concurrency=1)
+                unloaded_ttft_ms = statistics.median(ttft(r) for r in alone.records) * 1000
+                print(f"  capacity {capacity:.2f} req/s at 16 concurrent; unloaded TTFT {unloaded_ttft_ms:.0f} ms",
+                      flush=True)
+            rows = []
+            for i, step in enumerate(steps):
+                rate = step * capacity
+                n = max(4, round(rate * args.step_s))
+                reqs = random_dataset(tokenizer, num_prompts=n, input_len=280, output_len=64, seed=100 + i)
+                started = time.monotonic()
+                res = run(url, reqs, rate, tokenizer)
+                row = {"step": step, "rate": rate, **step_figures(res, slos_ms, args.step_s),
+                       "wall_s": time.monotonic() - started}
+                rows.append(row)
+                print(f"  {step:4g}x ({rate:5.2f} req/s): goodput {row['goodput']:.2f} req/s, admitted met SLOs "
+                      f"{row['attainment_admitted']:.0%}, refused {row['refused_share']:.0%}, TTFT p99 "
+                      f"{row['ttft_p99_ms'] or 0:.0f} ms, other failures {row['failed_other']}", flush=True)
+                time.sleep(3)                     # let the queue drain between steps
+            results["systems"][name] = rows
+        finally:
+            stop_server(proc, 120)
+    results["capacity_rps"], results["unloaded_ttft_ms"] = capacity, unloaded_ttft_ms
+    if "admission on" not in results["systems"]:
+        return 0
+    on = results["systems"]["admission on"]
+    peak = max(r["goodput"] for r in on)
+    last = on[-1]
+    print(f"\nadmission on: goodput at {last['step']:g}x is {last['goodput'] / peak:.0%} of its peak "
+          f"(target >= 80%); admitted p99 TTFT at {last['step']:g}x is "
+          f"{(last['ttft_p99_ms'] or 0) / unloaded_ttft_ms:.1f}x the unloaded TTFT (target <= 2x)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
