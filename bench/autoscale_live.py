@@ -30,7 +30,6 @@ import asyncio
 import json
 import random
 import re
-import subprocess
 import sys
 import tempfile
 import threading
@@ -46,7 +45,7 @@ sys.path.insert(0, str(REPO))
 from bench.loadtest.datasets import random_dataset  # noqa: E402
 from bench.loadtest.metrics import summarize  # noqa: E402
 from bench.loadtest.runner import RunConfig, run_benchmark  # noqa: E402
-from bench.serving_overhead import log_tail, stop_server, wait_healthy  # noqa: E402
+from bench.serving_overhead import ServerFailed, served  # noqa: E402
 from cluster.cli.plan_goodput import parse_slo  # noqa: E402
 from engine.tp_group import free_port  # noqa: E402
 
@@ -97,34 +96,25 @@ def replicas_watcher(base_url: str, stop: threading.Event, samples: list) -> Non
 
 
 def run_system(name: str, config: dict, requests, offsets, args, tokenizer, log_dir: Path) -> dict:
-    port = free_port()
     path = log_dir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     log = log_dir / f"{name}.log"
-    cmd = [sys.executable, "-m", "cluster.cli.main", "serve", "--config", str(path), "--port", str(port),
-           "--address", "local"]
-    print(f"== {name}: {' '.join(cmd[3:])} (log {log})", flush=True)
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-    base_url = f"http://127.0.0.1:{port}"
+    print(f"== {name}: pdserve serve --config {path} (log {log})", flush=True)
     samples: list = []
     stop = threading.Event()
     try:
-        try:
-            wait_healthy(base_url, 300, proc)
-        except Exception as exc:  # noqa: BLE001 - reported, the next system runs
-            print(f"  failed to start: {exc}\n{log_tail(log)}", flush=True)
-            return {"error": str(exc)}
-        time.sleep(5)
-        watcher = threading.Thread(target=replicas_watcher, args=(base_url, stop, samples), daemon=True)
-        watcher.start()
-        cfg = RunConfig(base_url=base_url, model="bench", ignore_eos=True, max_duration=args.phase_s * 4,
-                        disable_tqdm=True)
-        result = asyncio.run(run_benchmark(requests, cfg, tokenizer=tokenizer, offsets=offsets))
+        with served(path, free_port(), log, 300) as base_url:
+            time.sleep(5)
+            threading.Thread(target=replicas_watcher, args=(base_url, stop, samples), daemon=True).start()
+            cfg = RunConfig(base_url=base_url, model="bench", ignore_eos=True, max_duration=args.phase_s * 4,
+                            disable_tqdm=True)
+            result = asyncio.run(run_benchmark(requests, cfg, tokenizer=tokenizer, offsets=offsets))
+            stop.set()
+    except ServerFailed as exc:
+        print(f"  failed: {exc}", flush=True)
+        return {"error": str(exc)}
     finally:
         stop.set()
-        stop_server(proc, 120)
     slos_ms = dict(args.slo)
     summary = summarize(result.records, num_requests=len(requests), duration=result.duration, slos_ms=slos_ms,
                         percentiles=[90])

@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,28 +36,15 @@ sys.path.insert(0, str(REPO))
 from bench.loadtest.datasets import random_dataset  # noqa: E402
 from bench.loadtest.metrics import ttft  # noqa: E402
 from bench.loadtest.runner import RunConfig, run_benchmark  # noqa: E402
-from bench.serving_overhead import log_tail, stop_server, wait_healthy  # noqa: E402
+from bench.serving_overhead import served  # noqa: E402
 from cluster.cli.plan_goodput import parse_slo  # noqa: E402
 from engine.tp_group import free_port  # noqa: E402
 
 
-def serve(config: dict, log_dir: Path, name: str):
-    port = free_port()
+def config_file(config: dict, log_dir: Path, name: str) -> Path:
     path = log_dir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
-    log = log_dir / f"{name}.log"
-    cmd = [sys.executable, "-m", "cluster.cli.main", "serve", "--config", str(path), "--port", str(port),
-           "--address", "local"]
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}", 300, proc)
-    except Exception:
-        print(log_tail(log))
-        stop_server(proc, 60)
-        raise
-    return proc, f"http://127.0.0.1:{port}"
+    return path
 
 
 def run(base_url: str, requests, rate: float, tokenizer, *, concurrency: int | None = None):
@@ -114,8 +100,8 @@ def main() -> int:
     capacity, unloaded_ttft_ms = args.capacity, args.unloaded_ttft_ms
     for name, config in systems.items():
         print(f"== {name}", flush=True)
-        proc, url = serve(config, log_dir, name.replace(" ", "-"))
-        try:
+        stem = name.replace(" ", "-")
+        with served(config_file(config, log_dir, stem), free_port(), log_dir / f"{stem}.log", 300) as url:
             run(url, random_dataset(tokenizer, num_prompts=8, input_len=280, output_len=64, seed=99), 4.0, tokenizer)
             if capacity is None:
                 closed = run(url, random_dataset(tokenizer, num_prompts=48, input_len=280, output_len=64, seed=1),
@@ -141,8 +127,6 @@ def main() -> int:
                       f"{row['ttft_p99_ms'] or 0:.0f} ms, other failures {row['failed_other']}", flush=True)
                 time.sleep(3)                     # let the queue drain between steps
             results["systems"][name] = rows
-        finally:
-            stop_server(proc, 120)
     results["capacity_rps"], results["unloaded_ttft_ms"] = capacity, unloaded_ttft_ms
     if "admission on" not in results["systems"]:
         return 0

@@ -253,6 +253,26 @@ def pdserve_server(system: str, model_dir: str, port: int, log_dir: Path, start_
         stop_server(proc, stop_timeout)
 
 
+@contextmanager
+def served(config_path: Path, port: int, log: Path, timeout_s: float = 240.0):
+    """`pdserve serve --config config_path` on a local cluster in a subprocess, its
+    output in `log`; yields its base URL once healthy; stops it, and what it started."""
+    cmd = [sys.executable, "-m", "cluster.cli.main", "serve", "--config", str(config_path), "--port", str(port),
+           "--address", "local"]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    try:
+        base_url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(base_url, timeout_s, proc)
+        except ServerFailed as exc:
+            raise ServerFailed(f"{exc}; last lines of {log}:\n{log_tail(log)}") from None
+        yield base_url
+    finally:
+        stop_server(proc, 60.0)
+
+
 def served_model(base_url: str, wanted: str | None) -> str:
     """`wanted`, else the first model the server lists (its name for the checkpoint)."""
     import aiohttp

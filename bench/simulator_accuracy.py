@@ -29,11 +29,9 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
@@ -45,7 +43,7 @@ from bench.loadtest.datasets import random_dataset  # noqa: E402
 from bench.loadtest.metrics import summarize  # noqa: E402
 from bench.loadtest.report import build_result  # noqa: E402
 from bench.loadtest.runner import RunConfig, RunResult, run_benchmark  # noqa: E402
-from bench.serving_overhead import ServerFailed, log_tail, served_model, stop_server, wait_healthy  # noqa: E402
+from bench.serving_overhead import ServerFailed, served, served_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SLOS_MS = {"ttft": 1000.0, "tpot": 100.0}
@@ -80,24 +78,6 @@ def profile_for(model_dir: str, threads: int, cache: dict) -> object:
               f"{err['mean_abs_rel']:.1%} max {err['max_abs_rel']:.1%} ({time.monotonic() - started:.0f} s)",
               flush=True)
     return cache[threads][0]
-
-
-@contextmanager
-def served(config_path: Path, port: int, log: Path, timeout_s: float = 240.0):
-    cmd = [sys.executable, "-m", "cluster.cli.main", "serve", "--config", str(config_path), "--port", str(port),
-           "--address", "local"]
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-    try:
-        base_url = f"http://127.0.0.1:{port}"
-        try:
-            wait_healthy(base_url, timeout_s, proc)
-        except ServerFailed as exc:
-            raise ServerFailed(f"{exc}; last lines of {log}:\n{log_tail(log)}") from None
-        yield base_url
-    finally:
-        stop_server(proc, 60.0)
 
 
 def corrected(model, overhead_s: float):
