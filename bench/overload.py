@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.loadtest.datasets import random_dataset  # noqa: E402
-from bench.loadtest.metrics import ttft  # noqa: E402
+from bench.loadtest.metrics import meets_slos, ttft  # noqa: E402
 from bench.loadtest.runner import RunConfig, run_benchmark  # noqa: E402
 from bench.serving_overhead import served  # noqa: E402
 from cluster.cli.plan_goodput import parse_slo  # noqa: E402
@@ -57,14 +57,8 @@ def step_figures(result, slos_ms: dict, step_s: float) -> dict:
     records = result.records
     refused = [r for r in records if r.status == 429]
     admitted = [r for r in records if r.succeeded]
-    good = 0
-    ttfts = []
-    for r in admitted:
-        t = ttft(r)
-        tpot = (r.end_time - r.chunk_times[0]) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
-        ttfts.append(t)
-        good += t * 1000 <= slos_ms["ttft"] and tpot * 1000 <= slos_ms["tpot"]
-    ttfts.sort()
+    good = sum(meets_slos(r, slos_ms) for r in admitted)
+    ttfts = sorted(ttft(r) for r in admitted)
     return {"sent": len(records), "admitted": len(admitted), "refused_share": len(refused) / max(1, len(records)),
             "failed_other": len(records) - len(admitted) - len(refused), "goodput": good / step_s,
             "attainment_admitted": good / max(1, len(admitted)),

@@ -26,6 +26,7 @@ from cluster.autoscaler.policy import (
     Observation,
     RoleObservation,
     StepSample,
+    p90,
 )
 from cluster.perf_model.linear_model import LinearStepModel
 from cluster.perf_model.online import OnlineCorrection
@@ -48,7 +49,7 @@ class AutoscaleLoop:
         self.profile = profile
         self.policy: GoodputPolicy | None = None
         self.targets: dict[str, int] = {}
-        self._last_running: dict[str, int] = {}
+        self._waiting: dict[str, float] = {}    # role -> requests queued on its replicas (latest stats)
         self._arrivals = 0
         self._prompt_tokens = 0
         self._ended: list[RequestTimings] = []
@@ -57,6 +58,10 @@ class AutoscaleLoop:
         metrics.add_listener(self)
 
     # ---- what the router sees -----------------------------------------------------------
+    def observe_workers(self, role: str, stats) -> None:
+        """The latest stats of every replica of `role` (the router's periodic refresh)."""
+        self._waiting[role] = sum(s.get("num_waiting", 0.0) for s in stats)
+
     def on_arrival(self, prompt_tokens: int) -> None:
         self._arrivals += 1
         self._prompt_tokens += prompt_tokens
@@ -104,10 +109,9 @@ class AutoscaleLoop:
         handle = self.workers[role]
         try:
             replies = await asyncio.wait_for(handle.broadcast("step_samples").results_async(), 5.0)
-            stats = await asyncio.wait_for(handle.broadcast("stats").results_async(), 5.0)
         except Exception as exc:  # noqa: BLE001 - count it as no replica answering this time
             log.debug("autoscaler: no %s replies: %s", role, exc)
-            replies, stats = [], []
+            replies = []
         running = len(replies)
         asked = self.targets.get(role, running)
         steps = []
@@ -119,22 +123,20 @@ class AutoscaleLoop:
                 steps.append(sample)
                 if sample.warm:
                     self._fit_steps[role].append(sample)
-        waiting = sum(s.get("num_waiting", 0.0) for s in stats)
-        self._last_running[role] = running
-        return RoleObservation(running=running, starting=max(0, asked - running), waiting_requests=waiting,
-                               steps=steps)
+        return RoleObservation(running=running, starting=max(0, asked - running),
+                               waiting_requests=self._waiting.get(role, 0.0), steps=steps)
 
     def _observation(self, now: float, window: float, roles: dict[str, RoleObservation]) -> Observation:
         ended, self._ended = self._ended, []
         arrivals, prompt = self._arrivals, self._prompt_tokens
         self._arrivals = self._prompt_tokens = 0
-        ttfts = sorted(t.time_to_first_token for t in ended if t.time_to_first_token is not None)
-        tpots = sorted(t.time_per_output_token for t in ended if t.time_per_output_token is not None)
+        ttfts = [t.time_to_first_token for t in ended if t.time_to_first_token is not None]
+        tpots = [t.time_per_output_token for t in ended if t.time_per_output_token is not None]
         return Observation(
             now=now, window_s=window, arrivals=arrivals,
             mean_prompt_tokens=prompt / arrivals if arrivals else None,
             mean_output_tokens=sum(t.generation_tokens for t in ended) / len(ended) if ended else None,
-            ttft_p90_s=_p90(ttfts), tpot_p90_s=_p90(tpots), roles=roles)
+            ttft_p90_s=p90(ttfts), tpot_p90_s=p90(tpots), roles=roles)
 
     # ---- the step-time model ------------------------------------------------------------
     def _make_policy(self) -> GoodputPolicy | None:
@@ -165,8 +167,3 @@ class AutoscaleLoop:
         except ValueError:
             return None
 
-
-def _p90(values: list[float]) -> float | None:
-    if not values:
-        return None
-    return values[min(len(values) - 1, int(0.9 * len(values)))]

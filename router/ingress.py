@@ -58,12 +58,12 @@ class Router:
                                           subscriber=subscriber, max_migrations=max_migrations,
                                           detokenize=self._detokenize)
             self._workers = {"prefill": prefill, "decode": decode}
-        self._stats_task = asyncio.get_event_loop().create_task(self._refresh_worker_stats())
         self.autoscaler = None
         if autoscaling is not None:
             profile = load_step_model(autoscaling_profile) if autoscaling_profile else None
             self.autoscaler = AutoscaleLoop(autoscaling, self._workers, self.metrics, profile=profile)
             self._autoscale_task = asyncio.get_event_loop().create_task(self.autoscaler.run())
+        self._stats_task = asyncio.get_event_loop().create_task(self._refresh_worker_stats())
 
     def _detokenize(self, ids: list[int], skip_special_tokens: bool) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -100,6 +100,8 @@ class Router:
                     self.policy.observe_workers(role, replies)
                 if self.admission is not None:
                     self.admission.observe_workers(role, replies)
+                if self.autoscaler is not None:
+                    self.autoscaler.observe_workers(role, replies)
                 for i, stats in enumerate(replies):
                     label = f"{role}-{i}"
                     current.add(label)

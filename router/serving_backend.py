@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import nullcontext
@@ -191,7 +190,8 @@ class ServingBackend(GenerationBackend):
                             "another decode worker", request_id, len(acc.token_ids), exc)
                 phases.migrations += 1
                 if self.detokenize is not None:
-                    acc.retext = functools.partial(_text_of, self.detokenize, params.skip_special_tokens)
+                    detokenize, skip = self.detokenize, params.skip_special_tokens
+                    acc.retext = lambda ids: detokenize(ids, skip)
 
     async def _attempt(self, request_id: str, migration: int, acc: _Accumulator, params: SamplingParams,
                        phases: _Phases, failed_on: list[str | None]) -> AsyncIterator[RequestOutput]:
@@ -276,10 +276,6 @@ class ServingBackend(GenerationBackend):
         finally:
             if not admitted:
                 self._prefill.release(result)
-
-
-def _text_of(detokenize: Callable[[list[int], bool], str], skip_special_tokens: bool, ids: list[int]) -> str:
-    return detokenize(ids, skip_special_tokens)
 
 
 def _remaining(params: SamplingParams, num_sent: int) -> SamplingParams:

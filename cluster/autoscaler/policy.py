@@ -346,6 +346,14 @@ class GoodputPolicy:
         return ttft, tpot
 
 
+def p90(values: list[float]) -> float | None:
+    """The 90th percentile (nearest rank) of `values`, None for none."""
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(0.9 * len(values)))]
+
+
 def _replicas_for(demand: float, capacity: float) -> int:
     if demand <= 0:
         return 0

@@ -12,6 +12,7 @@ from cluster.autoscaler.policy import (
     Observation,
     RoleObservation,
     StepSample,
+    p90,
 )
 
 
@@ -23,7 +24,7 @@ class SimAutoscaler:
         self._sim = None
         self._arrived = 0                      # cursors into the simulation's logs
         self._finished = 0
-        self._last_finished: list = []         # the requests that finished in the last window
+        self._last_latencies: list = []        # (TTFT, TPOT) of the requests that finished in the last window
         self._starting: dict[str, int] = {r: 0 for r in self.settings.roles}
         self._steps: dict[str, list[StepSample]] = {r: [] for r in self.settings.roles}
 
@@ -51,12 +52,12 @@ class SimAutoscaler:
                 victim = min(live, key=lambda r: (len(r.running) + len(r.waiting), -r.started_at))
                 live.remove(victim)
                 sim.drain_replica(victim)
-        done = self._last_finished
         self.timeline.append({
             "time_s": sim.now, "rate": obs.arrivals / obs.window_s, "predicted_rate": decision.predicted_rate,
             "targets": dict(decision.targets),
             "running": running,
-            "attainment": _attainment(done, s.ttft_slo_s, s.tpot_slo_s), "reason": decision.describe()})
+            "attainment": _attainment(self._last_latencies, s.ttft_slo_s, s.tpot_slo_s),
+            "reason": decision.describe()})
         if sim.unfinished:
             sim.at(sim.now + s.interval_s, self._tick)
 
@@ -69,9 +70,12 @@ class SimAutoscaler:
         arrived = sim.arrived[self._arrived:]
         finished = sim.finished[self._finished:]
         self._arrived, self._finished = len(sim.arrived), len(sim.finished)
-        self._last_finished = finished
-        ttfts = [r.token_times[0] - r.send_time for r in finished]
-        tpots = [(r.end_time - r.token_times[0]) / (len(r.token_times) - 1) for r in finished if len(r.token_times) > 1]
+        # (TTFT, TPOT or None below two tokens) of each request that finished in the window
+        self._last_latencies = [(r.token_times[0] - r.send_time,
+                                 (r.end_time - r.token_times[0]) / (len(r.token_times) - 1)
+                                 if len(r.token_times) > 1 else None) for r in finished]
+        ttfts = [ttft for ttft, _ in self._last_latencies]
+        tpots = [tpot for _, tpot in self._last_latencies if tpot is not None]
         roles = {}
         for role in s.roles:
             live = [r for r in sim.pool(role) if not r.draining]
@@ -87,27 +91,16 @@ class SimAutoscaler:
             mean_output_tokens=sum(len(r.token_times) for r in finished) / len(finished) if finished else None,
             mean_inflight_output_tokens=_mean([len(r.token_times) for r in sim.logs
                                                if r.send_time is not None and r.end_time is None]),
-            ttft_p90_s=_p90(ttfts), tpot_p90_s=_p90(tpots), roles=roles)
+            ttft_p90_s=p90(ttfts), tpot_p90_s=p90(tpots), roles=roles)
 
 
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _p90(values: list[float]) -> float | None:
-    if not values:
+def _attainment(latencies: list[tuple[float, float | None]], ttft_slo_s: float, tpot_slo_s: float) -> float | None:
+    """The share of the interval's finished requests (their (TTFT, TPOT)) that met both SLOs."""
+    if not latencies:
         return None
-    values = sorted(values)
-    return values[min(len(values) - 1, int(0.9 * len(values)))]
-
-
-def _attainment(finished, ttft_slo_s: float, tpot_slo_s: float) -> float | None:
-    """The share of the interval's finished requests that met both SLOs."""
-    if not finished:
-        return None
-    ok = 0
-    for r in finished:
-        ttft = r.token_times[0] - r.send_time
-        tpot = (r.end_time - r.token_times[0]) / (len(r.token_times) - 1) if len(r.token_times) > 1 else 0.0
-        ok += ttft <= ttft_slo_s and tpot <= tpot_slo_s
-    return ok / len(finished)
+    ok = sum(ttft <= ttft_slo_s and (tpot or 0.0) <= tpot_slo_s for ttft, tpot in latencies)
+    return ok / len(latencies)
