@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import os
 import re
 import socket
@@ -128,7 +129,10 @@ def as_bytes(buffer: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def time_left(deadline: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+    """Time until `deadline`, rounded up to whole milliseconds plus one: gloo and
+    the store truncate to milliseconds, and a wait that ends even slightly before
+    the deadline would read as a failure instead of a timeout."""
+    return datetime.timedelta(milliseconds=max(math.ceil((deadline - time.monotonic()) * 1000), 0) + 1)
 
 
 def describe(exc: BaseException) -> str:
