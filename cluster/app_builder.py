@@ -104,13 +104,13 @@ def build_application(config: DeploymentConfig) -> serve.Application:
     if config.resources.cpus_per_rank is None:
         raise ValueError("resources.cpus_per_rank is not resolved; call resolve_cpus_per_rank first")
     model_path, info = resolve_model(config)
-    transport = TransportSettings(timeout_s=config.kv_transfer.timeout_s)
     router_args = {}
     if config.mode is Mode.colocated:
         colocated = _worker_options(DecodeServer.options(name="ColocatedServer"), config, "colocated",
                                     "free_kv_blocks", "max")
         workers = {"colocated": colocated.bind(config.engine_config("colocated", model_path))}
     else:
+        transport = TransportSettings(timeout_s=config.kv_transfer.timeout_s, secret=config.kv_transfer_secret())
         prefill = _worker_options(PrefillServer, config, "prefill", "queued_prefill_tokens", "min")
         decode = _worker_options(DecodeServer, config, "decode", "free_kv_blocks", "max")
         prefill_app = prefill.bind(config.engine_config("prefill", model_path), transport,

@@ -62,6 +62,9 @@ class KVTransferSection(_Strict):
     lease_s: float = Field(60.0, gt=0, description="a prefill worker frees KV nobody picked up after this long")
     reserve_timeout_s: float = Field(120.0, gt=0, description="a decode worker refuses a request it found no "
                                      "free KV blocks for in this long")
+    secret_env: str | None = Field(None, description="name of the environment variable that holds the secret "
+                                   "a prefill worker proves to a decode worker before any KV moves (read where "
+                                   "the application is built); default: a random secret made at build time")
 
 
 class DisaggregationSection(_Strict):
@@ -218,6 +221,19 @@ class DeploymentConfig(_Strict):
                                  "to the API key, or give the key with pdserve serve --api-key")
             return api_key_digest(key)
         return None
+
+    def kv_transfer_secret(self) -> str:
+        """The secret every KV-transfer pair of this deployment proves. Raises
+        ValueError when kv_transfer.secret_env names a variable that is not set."""
+        import os
+        import secrets
+        if not self.kv_transfer.secret_env:
+            return secrets.token_hex(32)
+        secret = os.environ.get(self.kv_transfer.secret_env)
+        if not secret:
+            raise ValueError(f"kv_transfer.secret_env names {self.kv_transfer.secret_env}, which is not set here; "
+                             "set it, or leave secret_env out for a random secret per deployment")
+        return secret
 
     def autoscaling_settings(self):
         """The autoscaling policy's settings (autoscaling.enabled must be true)."""

@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 from cluster.cli.main import build_parser
 from cluster.cli.serve_command import config_from_args
 from cluster.config import DeploymentConfig
+from cluster.transport.transport_factory import TransportSettings
 from router.http_guard import api_key_digest
 from router.metrics import ServingMetrics
 from router.openai_api import RequestLimits, build_openai_app
@@ -111,3 +112,15 @@ def test_the_key_reaches_the_deployment_only_as_its_digest(monkeypatch):
     monkeypatch.setenv("MY_KEY", KEY)
     assert config.api_key_sha256() == api_key_digest(KEY)
     assert DeploymentConfig().api_key_sha256() is None
+
+
+def test_the_kv_transfer_secret_comes_from_the_named_variable_or_is_random(monkeypatch):
+    made = {DeploymentConfig().kv_transfer_secret() for _ in range(2)}
+    assert len(made) == 2 and all(len(s) == 64 for s in made)   # 32 random bytes, new per deployment
+    config = DeploymentConfig.model_validate({"kv_transfer": {"secret_env": "KV_SECRET"}})
+    monkeypatch.delenv("KV_SECRET", raising=False)
+    with pytest.raises(ValueError, match="KV_SECRET, which is not set"):
+        config.kv_transfer_secret()
+    monkeypatch.setenv("KV_SECRET", "shared-by-every-node")
+    assert config.kv_transfer_secret() == "shared-by-every-node"
+    assert "shared-by-every-node" not in repr(TransportSettings(secret=config.kv_transfer_secret()))

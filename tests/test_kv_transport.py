@@ -65,14 +65,14 @@ def _die_after_header(pair, t, data) -> None:
     os._exit(3)
 
 
-def _agent_main(conn, role: str, timeout_s: float, sabotage: str | None) -> None:
+def _agent_main(conn, role: str, timeout_s: float, sabotage: str | None, secret: str) -> None:
     """Child: one transport; answers (command, *args) with (ok, value) until "exit"."""
     import cluster.transport.pair_group_receiver as pgr
     import cluster.transport.pair_group_sender as pgs
     if sabotage:   # posts the header of a transfer, then never its data
         pgs._SendPair._move = {"hang": _hang_after_header, "die": _die_after_header}[sabotage]
-    transport = pgr.PairGroupReceiver(timeout_s=timeout_s) if role == "receiver" \
-        else pgs.PairGroupSender(timeout_s=timeout_s)
+    transport = pgr.PairGroupReceiver(timeout_s=timeout_s, secret=secret) if role == "receiver" \
+        else pgs.PairGroupSender(timeout_s=timeout_s, secret=secret)
     buffers: dict[str, torch.Tensor] = {}
     while True:
         cmd, *args = conn.recv()
@@ -106,10 +106,10 @@ def _agent_main(conn, role: str, timeout_s: float, sabotage: str | None) -> None
 class Agent:
     """A child process holding one transport."""
 
-    def __init__(self, role: str, timeout_s: float = 20.0, sabotage: str | None = None):
+    def __init__(self, role: str, timeout_s: float = 20.0, sabotage: str | None = None, secret: str = ""):
         """Starts the process and returns at once (the first call waits for it)."""
         self.conn, child = SPAWN.Pipe()
-        self.proc = SPAWN.Process(target=_agent_main, args=(child, role, timeout_s, sabotage), daemon=True)
+        self.proc = SPAWN.Process(target=_agent_main, args=(child, role, timeout_s, sabotage, secret), daemon=True)
         self.proc.start()
         child.close()
         self._identity: PeerAddress | str | None = None
@@ -361,6 +361,40 @@ def test_close_fails_transfers_on_the_wire_without_hanging(spawn_agent):
         assert "closed" in receiver.error(tid, name)
     with pytest.raises(KVTransportError):
         receiver.expect("i/late", name, torch.empty(4))
+
+
+def test_only_a_sender_holding_the_secret_gets_a_pair(spawn_agent):
+    """A wrong secret is refused with a clear error, moves no byte, and an
+    impostor using a real sender's name does not break that sender's pair."""
+    agent = spawn_agent("receiver", timeout_s=SHORT_S, secret="deployment-secret")
+    address = agent.identity()
+    # SHORT_S on every side: the honest sender's heartbeat (every timeout_s / 4) keeps its pair alive
+    honest = PairGroupSender(timeout_s=SHORT_S, secret="deployment-secret")
+    impostors = [PairGroupSender(timeout_s=SHORT_S, secret="guess"), PairGroupSender(name=honest.name, timeout_s=SHORT_S)]
+    try:
+        roundtrip(honest, agent, address, "s/before", 4096)
+        for i, impostor in enumerate(impostors):
+            agent.call("expect", f"s/forged{i}", impostor.name, 4096, torch.uint8)
+            impostor.send(f"s/forged{i}", address, payload(4096, torch.uint8, seed=i))
+            assert wait_final(impostor.poll, f"s/forged{i}") is TransferState.FAILED
+            assert "refused: the secret does not match" in impostor.error(f"s/forged{i}")
+            state, error, received = agent.result(f"s/forged{i}", impostor.name, limit_s=SHORT_S + SLACK_S)
+            assert state is TransferState.FAILED and "no data" in error
+            assert received == digest(torch.full((4096,), 7, dtype=torch.uint8))   # untouched
+        roundtrip(honest, agent, address, "s/after", 4096)   # the honest pair survived the impostors
+    finally:
+        for s in [honest, *impostors]:
+            s.close()
+
+
+def test_the_receiver_listens_on_its_own_address_only():
+    receiver = PairGroupReceiver(host="127.0.0.1")
+    try:
+        socket.create_connection(("127.0.0.1", receiver.address.port), timeout=5).close()
+        with pytest.raises(ConnectionRefusedError):   # another local address: a wildcard bind would accept
+            socket.create_connection(("127.0.0.2", receiver.address.port), timeout=5).close()
+    finally:
+        receiver.close()
 
 
 def test_buffers_are_checked_and_ids_are_unique():

@@ -11,10 +11,13 @@ pair: gloo for CPU buffers, NCCL for CUDA buffers, one code path.
 Life cycle of a pair (S: a PairGroupSender, R: a PairGroupReceiver):
 
     R  hosts a TCPStore at R.address; its acceptor thread waits on join slot n
+    R  acceptor posts a fresh random challenge for slot n, then waits on join slot n
     S  first send() to R ─▶ S's pair thread: connect to R's store,
            epoch = add("kvpair/S/epoch", 1), claim the next free join slot,
-           rank 0 of a group on PrefixStore("kvpair/S/<epoch>/pg")
-    R  acceptor sees the slot ─▶ R's pair thread: rank 1 of the same group
+           post proof = HMAC-SHA256(secret, challenge | epoch | S | R), wait for R's verdict
+    R  acceptor sees the slot ─▶ R's pair thread: checks the proof, answers the verdict;
+           a wrong proof ends there (the sender's connect fails with "refused")
+    S, R  rank 0 (S) and rank 1 (R) of a group on PrefixStore("kvpair/S/<epoch>/pg")
     S, R  one thread per pair side moves that pair's transfers in `send` order
 
 One transfer, message seq k of the pair (keys under "kvpair/S/<epoch>/"):
@@ -45,6 +48,12 @@ even when a thread is stuck in a call that cannot be interrupted (it then exits
 when that call returns). Every path that fails a transfer on the wire first aborts
 its group, so the caller's buffer is never touched again.
 
+Security: R's store listens on R's own address only (not on every interface),
+and only a sender that holds the deployment's secret gets a pair: it proves it
+with an HMAC over a challenge R made for that join, so a copied proof is worth
+nothing. The store itself has no authentication; the secret keeps strangers
+from writing into, or reading from, the KV caches through a pair.
+
 Caveats: close() does not wait for a thread blocked on a hung peer (it ends within
 timeout_s by itself). CUDA buffers: NCCL orders a send after the work queued on the
 default stream of its device; make buffers written on other streams ready first.
@@ -54,6 +63,8 @@ Each pair holds its own gloo context or NCCL communicator.
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 import logging
 import math
 import os
@@ -82,6 +93,31 @@ JOIN_GRACE_S = 1.0             # how long close() waits for its threads before l
 def join_key(slot: int) -> str:
     """Join slot `slot` of a receiver's store: "<epoch> <sender>" once a sender claimed it."""
     return f"kvpair/join/{slot}"
+
+
+def challenge_key(slot: int) -> str:
+    """The receiver's random challenge for join slot `slot`, posted before anyone can claim it."""
+    return f"kvpair/challenge/{slot}"
+
+
+def proof_key(slot: int) -> str:
+    """The joining sender's answer to the challenge of `slot`: see `prove`."""
+    return f"kvpair/proof/{slot}"
+
+
+def verdict_key(slot: int) -> str:
+    """The receiver's verdict on the proof of `slot`: "" = admitted, else why not."""
+    return f"kvpair/verdict/{slot}"
+
+
+def prove(secret: str, challenge: str, epoch: int, sender: str, receiver: str) -> str:
+    """The proof that a sender joining as (`sender`, `epoch`) holds `secret`."""
+    message = f"{challenge}|{epoch}|{sender}|{receiver}".encode()
+    return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
+
+
+def proof_holds(proof: str, secret: str, challenge: str, epoch: int, sender: str, receiver: str) -> bool:
+    return hmac.compare_digest(proof.encode(), prove(secret, challenge, epoch, sender, receiver).encode())
 
 
 def epoch_key(sender: str) -> str:
@@ -156,6 +192,24 @@ def connect_store(peer: PeerAddress, deadline: float, stopped: Callable[[], bool
     return dist.TCPStore(peer.host, peer.port, None, False, timeout=time_left(deadline), wait_for_workers=False)
 
 
+def host_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A store server listening on `host` only (port 0: a free one). TCPStore on
+    its own listens on every interface whatever `host` says, so it gets a socket
+    bound here (it owns, and closes, the socket from then on)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+        port = sock.getsockname()[1]
+    except OSError as exc:
+        sock.close()
+        raise KVTransportError(f"KV receiver cannot listen on {host}:{port}: {exc}") from exc
+    return dist.TCPStore(host, port, None, True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False, master_listen_fd=sock.detach())
+
+
 def make_group(store: dist.Store, rank: int, backend: str, device: torch.device,
                timeout_s: float) -> dist.Backend:
     """Rank `rank` of a 2-rank group on `store`; blocks until both ranks joined (gloo)."""
@@ -227,6 +281,7 @@ class Settings:
     device: torch.device
     backend: str
     timeout_s: float
+    secret: str = field(default="", repr=False)   # the deployment's KV-transfer secret: both sides hold the same
 
 
 def join_threads(threads: list[threading.Thread]) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -40,15 +41,20 @@ from cluster.transport.pair_group_common import (
     abort_group,
     ack_key,
     as_bytes,
+    challenge_key,
     connect_store,
     default_name,
     describe,
     hdr_key,
+    host_store,
     join_key,
     join_threads,
     make_group,
     pair_prefix,
     pick_backend,
+    proof_holds,
+    proof_key,
+    verdict_key,
     wait_work,
 )
 
@@ -59,10 +65,13 @@ MAX_ORPHANS = 256              # failures kept for transfers that arrived withou
 
 
 class _RecvPair:
-    """The receiving side of one pair (one sender, one epoch) and its thread."""
+    """The receiving side of one pair (one sender, one epoch, joined at `slot`
+    against `challenge`) and its thread; it counts as the sender's pair once
+    the sender proved the secret."""
 
-    def __init__(self, owner: PairGroupReceiver, sender: str, epoch: int):
+    def __init__(self, owner: PairGroupReceiver, sender: str, epoch: int, slot: int, challenge: str):
         self.owner, self.sender, self.epoch = owner, sender, epoch
+        self.slot, self.challenge = slot, challenge
         self.current: Transfer | None = None
         self.broken: str | None = None
         self.group: dist.Backend | None = None
@@ -89,10 +98,34 @@ class _RecvPair:
             except Exception:  # the store is shutting down: the wait fails by itself
                 log.debug("could not wake the pair thread for %s", self.sender, exc_info=True)
 
+    def _admit(self, store: dist.TCPStore) -> bool:
+        """Checks the sender's proof of the secret and answers the verdict; an
+        admitted pair replaces the sender's previous one."""
+        owner = self.owner
+        proof = store.get(proof_key(self.slot)).decode()   # waits up to timeout_s
+        if not proof_holds(proof, owner._cfg.secret, self.challenge, self.epoch, self.sender, owner.address.name):
+            log.warning("KV receiver %s refused a pair from %r: wrong secret", owner.address.name, self.sender)
+            store.set(verdict_key(self.slot), "refused: the secret does not match (is the sender from this "
+                                              "deployment?)")
+            return False
+        with owner._lock:
+            if owner._closed:
+                return False
+            old = owner._pairs.get(self.sender)
+            owner._pairs[self.sender] = self
+        if old is not None:   # a sender only joins again after dropping its side
+            old.drop(f"failed: {self.sender} started a new pair")
+        store.set(verdict_key(self.slot), "")
+        for key in (challenge_key(self.slot), proof_key(self.slot)):
+            store.delete_key(key)
+        return True
+
     def _run(self) -> None:
         cfg, lock = self.owner._cfg, self.owner._lock
         try:
             store = connect_store(self.owner.address, time.monotonic() + cfg.timeout_s, lambda: self.broken is not None)
+            if not self._admit(store):
+                return
             msgs = dist.PrefixStore(pair_prefix(self.sender, self.epoch), store)
             group = make_group(dist.PrefixStore(GROUP_PREFIX, msgs), 1, cfg.backend, cfg.device, cfg.timeout_s)
         except Exception as exc:  # noqa: BLE001 - the sender died or never joined: nothing to fail yet
@@ -151,19 +184,20 @@ class _RecvPair:
 
 class PairGroupReceiver(KVReceiver):
     """One per receiving process: hosts the rendezvous store at `address`
-    (port 0: a free one) and accepts pairs from any sender.
+    (listening on `host` only; port 0: a free one) and accepts pairs from any
+    sender that holds `secret`.
 
     Data that arrives without an expect() is discarded and kept as a FAILED
     transfer (poll and error answer for it; a later expect() of it fails) until
     forget(), or until MAX_ORPHANS newer ones push it out."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, name: str | None = None,
-                 device: str | torch.device = "cpu", backend: str = "auto", timeout_s: float = 30.0):
+                 device: str | torch.device = "cpu", backend: str = "auto", timeout_s: float = 30.0,
+                 secret: str = ""):
         device = torch.device(device)
         name = name or default_name("kvrecv")
-        self._cfg = Settings(name, device, pick_backend(backend, device), float(timeout_s))
-        self._store: dist.TCPStore | None = dist.TCPStore(
-            host, port, None, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        self._cfg = Settings(name, device, pick_backend(backend, device), float(timeout_s), secret)
+        self._store: dist.TCPStore | None = host_store(host, port, timeout_s)
         self.address = PeerAddress(name, host, self._store.port)
         self._lock = threading.Lock()
         self._expected: dict[tuple[str, str], Transfer] = {}        # (sender, transfer id) ->
@@ -250,8 +284,10 @@ class PairGroupReceiver(KVReceiver):
         except Exception:  # noqa: BLE001 - closed before the thread ran
             return
         while True:
-            key = join_key(self._slot)
+            slot, challenge = self._slot, secrets.token_hex(16)
+            key = join_key(slot)
             try:
+                store.set(challenge_key(slot), challenge)
                 store.wait([key], FOREVER)
                 text = store.get(key).decode()
             except Exception:  # noqa: BLE001 - the store shut down: the receiver is closed
@@ -261,11 +297,10 @@ class PairGroupReceiver(KVReceiver):
                 if self._closed:
                     return
                 self._slot += 1
-                old = self._pairs.get(sender)
-                pair = self._pairs[sender] = _RecvPair(self, sender, int(epoch))
-            if old is not None:   # a sender only joins again after dropping its side
-                old.drop(f"failed: {sender} started a new pair")
-            pair.thread.start()
+            if not epoch.isdigit():
+                log.warning("KV receiver %s ignored a malformed join %r", self.address.name, text[:100])
+                continue
+            _RecvPair(self, sender, int(epoch), slot, challenge).thread.start()
 
     def _claim(self, pair: _RecvPair, tid: str, nbytes: int) -> tuple[Transfer | None, torch.Tensor | None, str]:
         """Matches a header to an expect(): (record, buffer to receive into, verdict)."""

@@ -39,6 +39,7 @@ from cluster.transport.pair_group_common import (
     abort_group,
     ack_key,
     as_bytes,
+    challenge_key,
     connect_store,
     default_name,
     describe,
@@ -49,7 +50,10 @@ from cluster.transport.pair_group_common import (
     make_group,
     pair_prefix,
     pick_backend,
+    proof_key,
+    prove,
     time_left,
+    verdict_key,
     wait_work,
 )
 
@@ -133,6 +137,12 @@ class _SendPair:
         while store.compare_set(join_key(slot), "", payload) != payload.encode():
             slot += 1
         store.add(JOIN_HINT, 1)
+        challenge = store.get(challenge_key(slot)).decode()   # the receiver posts it before the slot opens
+        store.set(proof_key(slot), prove(self.cfg.secret, challenge, epoch, self.cfg.name, self.peer.name))
+        verdict = store.get(verdict_key(slot)).decode()
+        store.delete_key(verdict_key(slot))
+        if verdict:
+            raise KVTransportError(f"{self.peer.name} {verdict}")
         msgs = dist.PrefixStore(pair_prefix(self.cfg.name, epoch), store)
         group = make_group(dist.PrefixStore(GROUP_PREFIX, msgs), 0, self.cfg.backend, self.cfg.device,
                            time_left(self.connect_deadline).total_seconds())
@@ -179,13 +189,14 @@ class PairGroupSender(KVSender):
     """One per sending process: a lazily connected pair per receiver.
 
     `name` (default: unique per process) identifies this sender to receivers;
-    buffers must be on `device`'s type; `backend` "auto" picks gloo (cpu) or NCCL (cuda)."""
+    buffers must be on `device`'s type; `backend` "auto" picks gloo (cpu) or NCCL (cuda);
+    `secret` must be the receivers' (a receiver refuses the pair otherwise)."""
 
     def __init__(self, name: str | None = None, device: str | torch.device = "cpu", backend: str = "auto",
-                 timeout_s: float = 30.0):
+                 timeout_s: float = 30.0, secret: str = ""):
         device = torch.device(device)
         self.name = name or default_name("kvsend")
-        self._cfg = Settings(self.name, device, pick_backend(backend, device), float(timeout_s))
+        self._cfg = Settings(self.name, device, pick_backend(backend, device), float(timeout_s), secret)
         self._lock = threading.Lock()
         self._pairs: dict[PeerAddress, _SendPair] = {}
         self._transfers: dict[str, tuple[Transfer, _SendPair]] = {}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,6 +19,7 @@ from cluster.transport.kv_transport import KVReceiver, KVSender
 class TransportSettings:
     host: str = "127.0.0.1"      # the address receivers listen on (this node's IP in a cluster)
     timeout_s: float = 30.0      # any one wait: connecting a pair, one transfer
+    secret: str = field(default="", repr=False)   # the deployment's: a receiver admits only senders that hold it
 
 
 def sender_factory(settings: TransportSettings, name: str) -> Callable[[int, torch.device], KVSender]:
@@ -32,10 +33,10 @@ def receiver_factory(settings: TransportSettings, name: str) -> Callable[[int, t
 def _make_sender(settings: TransportSettings, name: str, rank: int, device: torch.device) -> KVSender:
     from cluster.transport.pair_group_sender import PairGroupSender
     return PairGroupSender(name=f"{name}-rank{rank}-{uuid.uuid4().hex[:8]}", device=device,
-                           timeout_s=settings.timeout_s)
+                           timeout_s=settings.timeout_s, secret=settings.secret)
 
 
 def _make_receiver(settings: TransportSettings, name: str, rank: int, device: torch.device) -> KVReceiver:
     from cluster.transport.pair_group_receiver import PairGroupReceiver
     return PairGroupReceiver(host=settings.host, name=f"{name}-rank{rank}-{uuid.uuid4().hex[:8]}",
-                             device=device, timeout_s=settings.timeout_s)
+                             device=device, timeout_s=settings.timeout_s, secret=settings.secret)
