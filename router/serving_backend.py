@@ -204,6 +204,7 @@ class ServingBackend(GenerationBackend):
         params = _remaining(params, len(acc.token_ids))
         queue = self._fanout.expect(attempt_id)
         replica, finished = None, False
+        held: PrefillResult | None = None   # KV a prefill replica holds for this attempt, not yet handed off
         try:
             if migration > 0 or self._local(len(prompt)):
                 phases.prefilled_on = phases.prefilled_on or "decode"
@@ -213,9 +214,11 @@ class ServingBackend(GenerationBackend):
                 result = await self._prefill_remotely(attempt_id, prompt, params)
                 phases.first_token(result.first)
                 finished = result.first.finished
-                yield acc.add(result.first)
+                held = None if finished else result
+                yield acc.add(result.first)   # a client that leaves here closes us before the hand-off
                 if finished:
                     return
+                held = None   # from here _hand_off releases it unless a decode replica took it
                 admitted = await self._hand_off(attempt_id, prompt, params, result)
                 phases.transfer_s, phases.transfer_bytes = admitted.transfer_time_s, admitted.transfer_bytes
             replica = admitted.replica_id
@@ -230,6 +233,8 @@ class ServingBackend(GenerationBackend):
                 yield acc.add(item)
         finally:
             self._fanout.forget(attempt_id)
+            if held is not None:
+                self._prefill.release(held)
             # a replica whose stream failed aborted the request itself (or died): nothing to send it
             if replica is not None and not finished and failed_on[0] != replica:
                 await _shielded(self._decode.abort(replica, attempt_id), f"abort of {attempt_id}")

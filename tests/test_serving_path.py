@@ -38,6 +38,23 @@ def test_the_first_token_reaches_the_client_before_the_kv_moves(model_dirs, refe
     assert phases.prefill_time > 0 and phases.transfer_time >= 0.5 and phases.transfer_bytes > 0
 
 
+def test_a_client_that_leaves_on_the_first_token_frees_the_prefill_hold(model_dirs):
+    """Closed while the first token goes out, before any decode worker was
+    asked: the router releases the KV the prefill worker holds (not its lease)."""
+    async def main():
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub(), lease_s=600).start()
+        try:
+            outputs = pair.backend.generate("r", PROMPTS[0], GREEDY)
+            await anext(outputs)
+            held = pair.prefill.stats()["num_held"]
+            await outputs.aclose()
+            await pair.wait_idle()
+            return held, pair.prefill.stats()["num_held"], pair.decode_pool.attempts
+        finally:
+            await pair.shutdown()
+    assert run(main()) == (1.0, 0.0, 0)
+
+
 def test_a_request_that_ends_on_its_first_token_never_reaches_a_decode_worker(model_dirs, reference):
     async def main():
         pair = await Pair(model_dirs["tiny"], FakeTransportHub()).start()
