@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 import ray
 from ray import serve
 
+from cluster.serving.detached import detached
 from cluster.serving.messages import Admitted, DecodeRequest, TokenDelta
 from cluster.serving.replica_routing import TARGET_REPLICA
 from cluster.serving.worker_deployment import WorkerDeployment
@@ -74,4 +75,4 @@ class ServePrefillPeer:
 
     def release(self, replica_id: str, request_id: str) -> None:
         # fire and forget: the lease frees the KV if this never lands
-        self._handle.release.remote(request_id, **{TARGET_REPLICA: replica_id})
+        detached(lambda: self._handle.release.remote(request_id, **{TARGET_REPLICA: replica_id}))

@@ -46,6 +46,7 @@ WORKER_GAUGES = (
     ("num_waiting", "pdserve_num_requests_waiting", "Requests queued on a worker."),
     ("kv_cache_usage", "pdserve_kv_cache_usage_ratio", "Fraction of a worker's KV cache blocks in use."),
     ("torch_threads", "pdserve_worker_torch_threads", "Torch threads each rank of a worker runs with."),
+    ("num_held", "pdserve_worker_kv_holds", "Requests whose KV a prefill worker holds for a decode worker."),
     ("prefill_s_per_token", "pdserve_worker_prefill_seconds_per_token",
      "A worker's measured prefill cost per prompt token (moving average)."),
 )

@@ -5,17 +5,20 @@ Errors raised inside a replica come back as Ray's wrapper; they are unwrapped
 to the original exception (InvalidRequestError stays a 400, KVTransferFailed a
 503) so the HTTP layer sees what the worker raised. A replica that died turns
 into BackendUnavailableError. A call whose caller is cancelled (the client
-left) is cancelled on the replica too.
+left) is cancelled on the replica too (a cancelled prefill is also aborted on
+every prefill replica: the one that ran it may have finished first).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Callable
 from contextlib import contextmanager
 
 from ray import exceptions as ray_exceptions
 
+from cluster.serving.detached import detached
 from cluster.serving.messages import Admitted, DecodeRequest, PrefillResult, TokenDelta
 from cluster.serving.replica_routing import (
     AVOID_REPLICA,
@@ -24,6 +27,8 @@ from cluster.serving.replica_routing import (
 )
 from engine.sampling_params import SamplingParams
 from router.backend import BackendUnavailableError
+
+log = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 5.0
 
@@ -49,29 +54,51 @@ def unwrapped_errors(what: str):
         raise BackendUnavailableError(f"the {what} worker is unavailable: {exc}") from None
 
 
-async def _call(response, what: str):
-    """Awaits a Serve call; cancels it on the replica when the caller is cancelled."""
+async def _call(response, what: str, on_cancel: Callable[[], None] | None = None):
+    """Awaits a Serve call; cancels it on the replica when the caller is
+    cancelled, then runs `on_cancel` (for what the replica may have made
+    before the cancel reached it)."""
     try:
         with unwrapped_errors(what):
             return await response
     except asyncio.CancelledError:
         response.cancel()
+        if on_cancel is not None:
+            on_cancel()
         raise
+
+
+def _forget_cleanup(tasks: set[asyncio.Task]) -> Callable[[asyncio.Task], None]:
+    def done(task: asyncio.Task) -> None:
+        tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("a background abort failed: %s", task.exception())
+    return done
 
 
 class ServePrefillPool:
     def __init__(self, handle):
         self._handle = handle
+        self._cleanups: set[asyncio.Task] = set()   # background aborts, kept alive until done
 
     async def check_health(self) -> None:
         await check_replicas(self._handle, "prefill")
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> PrefillResult:
-        return await _call(self._handle.prefill.remote(request_id, prompt_token_ids, params), "prefill")
+        def abort_everywhere() -> None:
+            # A replica that finished before the cancel reached it holds the KV, and its result
+            # (which names it) is lost: every replica drops the id; unknown ids are a no-op.
+            # Only calls cut off mid-prefill (the client left) pay for the broadcast.
+            broadcast = detached(lambda: self._handle.broadcast("abort", request_id, **{TARGET_REPLICA: ""}))
+            task = asyncio.ensure_future(broadcast.results_async())   # a broadcast is sent once awaited
+            self._cleanups.add(task)
+            task.add_done_callback(_forget_cleanup(self._cleanups))
+        return await _call(self._handle.prefill.remote(request_id, prompt_token_ids, params), "prefill",
+                           on_cancel=abort_everywhere)
 
     def release(self, result: PrefillResult) -> None:
         # fire and forget: the lease frees the KV if this never lands
-        self._handle.release.remote(result.request_id, **{TARGET_REPLICA: result.replica_id})
+        detached(lambda: self._handle.release.remote(result.request_id, **{TARGET_REPLICA: result.replica_id}))
 
 
 class ServeDecodePool:
@@ -89,7 +116,8 @@ class ServeDecodePool:
         return await _call(self._handle.generate.remote(request, **{AVOID_REPLICA: avoid_replica}), self._what)
 
     async def abort(self, replica_id: str, request_id: str) -> None:
-        await _call(self._handle.abort.remote(request_id, **{TARGET_REPLICA: replica_id}), self._what)
+        await _call(detached(lambda: self._handle.abort.remote(request_id, **{TARGET_REPLICA: replica_id})),
+                    self._what)
 
     async def stream(self, replica_id: str, subscriber: str) -> AsyncIterator[list[TokenDelta]]:
         stream = self._streams.stream_outputs.remote(subscriber, **{TARGET_REPLICA: replica_id})

@@ -1,5 +1,6 @@
-"""Shared fixtures: tiny checkpoints built once per test session, and
-transformers' greedy generate() as the reference."""
+"""Shared fixtures: tiny checkpoints built once per test session,
+transformers' greedy generate() as the reference, and a local Ray cluster with
+Serve per test module that asks for one."""
 
 from __future__ import annotations
 
@@ -50,6 +51,30 @@ class Reference:
                                       pad_token_id=self.eos,
                                       attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
         return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster no bigger than a 2-core machine (2 CPUs; 4 logical
+    GPUs for the bundle-probe test) with Serve's HTTP on a free port; yields the port."""
+    import ray
+    from ray import serve
+
+    from engine.tp_group import free_port
+    ray.init(address="local", num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield port
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dirs):
+    """The tiny checkpoint's tokenizer."""
+    from engine.tokenizer import load_tokenizer
+    return load_tokenizer(str(model_dirs["tiny"]))
 
 
 @pytest.fixture(scope="session")

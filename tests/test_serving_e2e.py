@@ -2,7 +2,7 @@
 DeploymentConfig, driven over HTTP by the official `openai` client, greedy
 output equal token for token to transformers on the tiny fp32 checkpoint.
 
-One Ray cluster for the module, no bigger than a 2-core machine (2 CPUs; 4
+One Ray cluster for the module (conftest.py: ray_cluster), no bigger than a 2-core machine (2 CPUs; 4
 logical GPUs only for the bundle-probe test); each deployment shape is one
 Serve application (deployed, exercised, deleted) so that only one set of
 workers runs at a time. Shapes with more ranks than CPUs give each rank half a
@@ -24,21 +24,9 @@ openai = pytest.importorskip("openai")
 from ray import serve  # noqa: E402
 
 from bench import serve_app  # noqa: E402
-from engine.tp_group import free_port  # noqa: E402
 
 MAX_TOKENS = 12
 PROMPTS = ["The quick brown fox", "Once upon a time there", "def fibonacci(n):", "a b c d e f g"]
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(address="local", num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    yield port
-    serve.shutdown()
-    ray.shutdown()
 
 
 def deploy(ray_cluster, model_dir, name: str, **shape) -> str:
@@ -59,12 +47,6 @@ def client(base_url: str) -> openai.OpenAI:
 def expected_text(reference, tokenizer, prompt_ids: list[int]) -> tuple[str, int]:
     ids = reference("tiny").greedy(tuple(prompt_ids), MAX_TOKENS)
     return tokenizer.decode(ids, skip_special_tokens=True), len(ids)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dirs):
-    from engine.tokenizer import load_tokenizer
-    return load_tokenizer(str(model_dirs["tiny"]))
 
 
 def check_completions(base_url: str, reference, tokenizer) -> None:
