@@ -52,8 +52,11 @@ class DisaggregationPolicy:
         self.settings = settings
         self._remote, self._local = _Pool(), _Pool()
         self.handoff_s = 0.0               # EWMA of measured KV hand-offs
+        self.prefill_pool_empty = False    # the last stats refresh found no prefill replica running
 
     def prefill_locally(self, num_prompt_tokens: int) -> bool:
+        if self.prefill_pool_empty:   # its replicas died and no replacement runs yet: nowhere else to go
+            return True
         if self.settings.policy == "always":
             return False
         if num_prompt_tokens <= self.settings.local_prefill_max_tokens:
@@ -104,6 +107,8 @@ class DisaggregationPolicy:
         """The latest stats of every replica of `role` ("prefill" or "decode")."""
         stats = list(stats)
         pool = self._remote if role == "prefill" else self._local
+        if role == "prefill":
+            self.prefill_pool_empty = not stats
         pool.replicas = max(1, len(stats))
         costs = [s["prefill_s_per_token"] for s in stats if "prefill_s_per_token" in s]
         if costs:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque, namedtuple
 from types import SimpleNamespace
 
 import pytest
@@ -17,9 +18,11 @@ from cluster.serving.replica_routing import (
     ReplicaGoneError,
 )
 
+ReplicaID = namedtuple("ReplicaID", "unique_id")
+
 
 def replica(uid: str, **stats):
-    return SimpleNamespace(replica_id=SimpleNamespace(unique_id=uid), routing_stats=stats)
+    return SimpleNamespace(replica_id=ReplicaID(uid), routing_stats=stats)
 
 
 def pending(created_at: float | None = None, **kwargs):
@@ -80,6 +83,20 @@ def test_a_call_to_a_replica_that_is_gone_fails_instead_of_waiting():
     assert ranked(r, reps, young) == [] and not young.future.done()
     old = pending(created_at=time.time() - TARGET_GRACE_S - 1, **{TARGET_REPLICA: "new"})
     assert ranked(r, reps, old) == [] and isinstance(old.future.exception(), ReplicaGoneError)
+
+
+def test_calls_to_the_only_replica_fail_when_it_dies():
+    """With no replica left Serve never asks choose_replicas: the death itself fails the calls
+    waiting for that replica (others keep waiting for a replacement)."""
+    r = router("queued_prefill_tokens", "min")
+    only = replica("a")
+    r._replicas, r._replicas_list, r._replica_id_set = {only.replica_id: only}, [only], {only.replica_id}
+    r._queue_len_gauge_last_update = {}
+    ranked(r, [only], pending())                                # the router has seen a
+    to_a, to_any = pending(**{TARGET_REPLICA: "a"}), pending()
+    r._pending_requests_to_fulfill = deque([to_a, to_any])
+    r.on_replica_actor_died(only.replica_id)
+    assert isinstance(to_a.future.exception(), ReplicaGoneError) and not to_any.future.done()
 
 
 def test_prefer_must_be_min_or_max():

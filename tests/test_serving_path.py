@@ -110,6 +110,10 @@ def test_the_policy_overflows_to_the_decode_worker_only_when_the_prefill_pool_is
     assert policy.predict_remote_wait_s() == 0
     always = DisaggregationPolicy(DisaggregationSettings("always"))
     assert not always.prefill_locally(1)
+    always.observe_workers("prefill", [])    # the prefill replicas died; no replacement runs yet
+    assert always.prefill_locally(5000) and policy.prefill_locally(1000) is False
+    always.observe_workers("prefill", [{"prefill_s_per_token": 0.001}])
+    assert not always.prefill_locally(5000)
 
 
 def test_a_worker_stream_carries_one_delta_per_request_per_batch(model_dirs, reference):

@@ -64,12 +64,32 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
             return self._sign * value, self._in_flight.get(replica.replica_id.unique_id, 0)
         return [[r] for r in sorted(candidate_replicas, key=load)]
 
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self._seen.update(r.replica_id.unique_id for r in replicas)
+        self._fail_calls_to_gone_targets()
+
+    def on_replica_actor_died(self, replica_id) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._fail_calls_to_gone_targets()
+
+    def _fail_calls_to_gone_targets(self) -> None:
+        """Serve asks choose_replicas nothing while a deployment has no replica at
+        all (its only one died): calls waiting for a replica that is gone fail here."""
+        live = {replica_id.unique_id for replica_id in self.curr_replicas}
+        for pending in list(getattr(self, "_pending_requests_to_fulfill", ())):
+            target = pending.kwargs.get(TARGET_REPLICA)
+            if target and target not in live:
+                self._fail_if_gone(pending, target)
+
     def _fail_if_gone(self, pending_request: PendingRequest, target: str) -> None:
         waited = time.time() - pending_request.created_at
         if target in self._seen or waited > TARGET_GRACE_S:
             future = pending_request.future
             if not future.done():
                 future.set_exception(ReplicaGoneError(f"replica {target} is not running (any more)"))
+                if hasattr(self, "_pending_requests_by_id"):   # Serve's index of waiting calls
+                    self._remove_pending_request_from_indices(pending_request)
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
         self._in_flight[replica_id.unique_id] = self._in_flight.get(replica_id.unique_id, 0) + 1

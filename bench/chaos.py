@@ -1,0 +1,202 @@
+"""Chaos: a worker replica killed every N seconds under steady load against
+`pdserve serve`; how many requests are lost, and what a migration costs.
+
+    python bench/chaos.py [--duration-s 150] [--kill-every-s 20] [--rate R]
+                          [--baseline-s 40] [--model DIR] [--json bench/results/chaos.json]
+
+Deployment: disaggregated, one prefill and two decode replicas on a local
+cluster (half a CPU per rank), the built-in tiny checkpoint unless --model.
+Requests: ~160-token prompts, 64 output tokens, greedy, ignore_eos, streamed,
+Poisson arrivals at --rate (default: half of the capacity measured first at 8
+concurrent). First a baseline of --baseline-s without failures, then
+--duration-s of the same load while a worker replica's process is SIGKILLed
+every --kill-every-s seconds (decode, decode, prefill, in turn). Serve
+replaces each killed replica.
+
+Figures: requests sent, completed, lost (any that did not complete with
+status 200; target 0); migrations (the router's counter); for requests in
+flight at a kill ("affected") against the others and the baseline: end-to-end
+latency p50/p99 and the longest pause between two chunks (the stall a
+client sees while its request moves). Every prompt of the chaos phase is also
+in the baseline: completed outputs are compared with the undisturbed ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.loadtest.datasets import random_dataset  # noqa: E402
+from bench.loadtest.runner import RunConfig, run_benchmark  # noqa: E402
+from bench.serving_overhead import served  # noqa: E402
+from engine.tp_group import free_port  # noqa: E402
+
+APP = "pdserve"
+INPUT_LEN, OUTPUT_LEN = 160, 64
+KILL_ORDER = ("DecodeServer", "DecodeServer", "PrefillServer")
+
+
+def replica_pids(deployment: str) -> list[int]:
+    """The processes of a deployment's replicas (Ray titles them ray::ServeReplica:APP:DEPLOYMENT)."""
+    out = subprocess.run(["pgrep", "-f", f"^ray::ServeReplica:{APP}:{deployment}"], capture_output=True, text=True)
+    return [int(pid) for pid in out.stdout.split()]
+
+
+def counter(base_url: str, sample: str) -> float:
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(sample + " "):
+                return float(line.split()[-1])
+    return 0.0
+
+
+class Killer(threading.Thread):
+    """SIGKILLs one replica process every `every_s` seconds, in KILL_ORDER, until stopped;
+    records (perf_counter time, deployment) of each kill."""
+
+    def __init__(self, every_s: float, seed: int):
+        super().__init__(daemon=True)
+        self.every_s, self.rng = every_s, random.Random(seed)
+        self.kills: list[tuple[float, str]] = []
+        self.skipped = 0   # no live replica of the deployment (its replacement still starting)
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        turn = 0
+        while not self.stop.wait(self.every_s):
+            deployment = KILL_ORDER[turn % len(KILL_ORDER)]
+            turn += 1
+            pids = replica_pids(deployment)
+            if not pids:
+                self.skipped += 1
+                continue
+            subprocess.run(["kill", "-9", str(self.rng.choice(pids))], check=False)
+            self.kills.append((time.perf_counter(), deployment))
+            print(f"  killed a {deployment} replica at {time.strftime('%X')}", flush=True)
+
+
+def run(base_url: str, requests, rate: float, *, concurrency: int | None = None, duration_s: float = 900):
+    cfg = RunConfig(base_url=base_url, model="tiny", ignore_eos=True, request_rate=rate, max_concurrency=concurrency,
+                    disable_tqdm=True, max_duration=duration_s, request_timeout=300)
+    return asyncio.run(run_benchmark(requests, cfg))
+
+
+def longest_pause_s(record) -> float:
+    times = [record.send_time, *record.chunk_times]
+    return max(b - a for a, b in zip(times, times[1:])) if len(times) > 1 else 0.0
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def latency_figures(records) -> dict:
+    e2e = [r.end_time - r.send_time for r in records]
+    pauses = [longest_pause_s(r) for r in records]
+    return {"count": len(records), "e2e_p50_s": pct(e2e, 0.5), "e2e_p99_s": pct(e2e, 0.99),
+            "pause_p50_s": pct(pauses, 0.5), "pause_p99_s": pct(pauses, 0.99),
+            "pause_max_s": max(pauses) if pauses else None}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--duration-s", type=float, default=150.0)
+    ap.add_argument("--kill-every-s", type=float, default=20.0)
+    ap.add_argument("--baseline-s", type=float, default=40.0)
+    ap.add_argument("--rate", type=float, default=None, help="req/s (default: half the measured capacity)")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    from transformers import AutoTokenizer
+
+    from engine.tiny_model import ensure_default_model
+    model_dir = args.model or str(ensure_default_model())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    config = {"model": {"path": model_dir, "served_model_name": "tiny"}, "mode": "disaggregated",
+              "prefill": {"replicas": 1}, "decode": {"replicas": 2}, "resources": {"cpus_per_rank": 0.5},
+              "kv_transfer": {"timeout_s": 10}}
+    log_dir = Path(tempfile.mkdtemp(prefix="chaos-"))
+    (log_dir / "chaos.yaml").write_text(yaml.safe_dump(config))
+    results: dict = {"args": vars(args)}
+    with served(log_dir / "chaos.yaml", free_port(), log_dir / "serve.log", 300) as url:
+        run(url, random_dataset(tokenizer, num_prompts=8, input_len=INPUT_LEN, output_len=OUTPUT_LEN, seed=99), 4.0)
+        rate = args.rate
+        if rate is None:
+            closed = run(url, random_dataset(tokenizer, num_prompts=32, input_len=INPUT_LEN, output_len=OUTPUT_LEN,
+                                             seed=1), float("inf"), concurrency=8)
+            rate = 0.5 * sum(r.succeeded for r in closed.records) / closed.duration
+        results["rate_rps"] = rate
+        n = max(8, round(rate * args.duration_s))
+        requests = random_dataset(tokenizer, num_prompts=n, input_len=INPUT_LEN, output_len=OUTPUT_LEN,
+                                  seed=args.seed + 7)
+        n_base = min(n, max(8, round(rate * args.baseline_s)))
+        print(f"== baseline: {n_base} requests at {rate:.2f} req/s, no failures", flush=True)
+        baseline = run(url, requests[:n_base], rate)
+        undisturbed = {r.index: r.text for r in baseline.records if r.succeeded}
+        migrations_before = counter(url, "pdserve_request_migrations_total")
+        print(f"== chaos: {n} requests at {rate:.2f} req/s, a replica killed every {args.kill_every_s:g} s",
+              flush=True)
+        killer = Killer(args.kill_every_s, args.seed)
+        killer.start()
+        try:
+            chaos = run(url, requests, rate)
+        finally:
+            killer.stop.set()
+            killer.join()
+        migrations = counter(url, "pdserve_request_migrations_total") - migrations_before
+    kill_times = [t for t, _ in killer.kills]
+    done = [r for r in chaos.records if r.succeeded]
+    lost = [r for r in chaos.records if not r.succeeded]
+    affected = [r for r in done if any(r.send_time <= t <= r.end_time for t in kill_times)]
+    unaffected = [r for r in done if r not in affected]
+    compared = [r for r in done if r.index in undisturbed]
+    equal = sum(r.text == undisturbed[r.index] for r in compared)
+    results.update({
+        "kills": [{"t_s": t - chaos.records[0].send_time if chaos.records else 0.0, "deployment": d}
+                  for t, d in killer.kills],
+        "kills_skipped": killer.skipped, "sent": len(chaos.records), "completed": len(done), "lost": len(lost),
+        "lost_errors": sorted({(r.status, (r.error or "")[:200]) for r in lost}), "migrations": migrations,
+        "affected": latency_figures(affected), "unaffected": latency_figures(unaffected),
+        "baseline": latency_figures([r for r in baseline.records if r.succeeded]),
+        "outputs_equal_to_undisturbed": [equal, len(compared)]})
+    print(f"\nkills: {len(killer.kills)} ({', '.join(d for _, d in killer.kills)}); skipped {killer.skipped}")
+    print(f"requests: sent {len(chaos.records)}, completed {len(done)}, lost {len(lost)} (target 0); "
+          f"migrations {migrations:.0f}")
+    for name in ("baseline", "unaffected", "affected"):
+        f = results[name]
+        if f["count"]:
+            print(f"  {name:>10}: {f['count']:4d} requests, e2e p50 {f['e2e_p50_s']:.2f} s p99 {f['e2e_p99_s']:.2f} s,"
+                  f" longest pause p50 {f['pause_p50_s'] * 1000:.0f} ms p99 {f['pause_p99_s'] * 1000:.0f} ms")
+    if affected and unaffected:
+        extra = statistics.median(r.end_time - r.send_time for r in affected) - results["unaffected"]["e2e_p50_s"]
+        results["extra_latency_p50_s"] = extra
+        print(f"extra latency of requests in flight at a kill (median against the others): {extra:.2f} s")
+    print(f"outputs equal to the undisturbed run: {equal}/{len(compared)}")
+    for status, error in results["lost_errors"]:
+        print(f"  lost: {status} {error}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+    return 0 if not lost else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
