@@ -116,6 +116,16 @@ def latency_figures(records) -> dict:
             "pause_max_s": max(pauses) if pauses else None}
 
 
+def _describe(record, start: float, kills: list[tuple[float, str]]) -> dict:
+    """One request's timing, against the kill before it was sent."""
+    before = [(t, d) for t, d in kills if t <= record.send_time]
+    last = before[-1] if before else None
+    return {"sent_s": record.send_time - start, "e2e_s": record.end_time - record.send_time,
+            "ttft_s": record.chunk_times[0] - record.send_time if record.chunk_times else None,
+            "longest_pause_s": longest_pause_s(record),
+            "since_kill_s": record.send_time - last[0] if last else None, "killed": last[1] if last else None}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration-s", type=float, default=150.0)
@@ -177,7 +187,9 @@ def main() -> int:
         "lost_errors": sorted({(r.status, (r.error or "")[:200]) for r in lost}), "migrations": migrations,
         "affected": latency_figures(affected), "unaffected": latency_figures(unaffected),
         "baseline": latency_figures([r for r in baseline.records if r.succeeded]),
-        "outputs_equal_to_undisturbed": [equal, len(compared)]})
+        "outputs_equal_to_undisturbed": [equal, len(compared)],
+        "slowest": [_describe(r, chaos.records[0].send_time, killer.kills) for r in
+                    sorted(done, key=lambda r: r.end_time - r.send_time)[-10:]]})
     print(f"\nkills: {len(killer.kills)} ({', '.join(d for _, d in killer.kills)}); skipped {killer.skipped}")
     print(f"requests: sent {len(chaos.records)}, completed {len(done)}, lost {len(lost)} (target 0); "
           f"migrations {migrations:.0f}")

@@ -60,6 +60,8 @@ from router.timings import PhaseTimings
 
 log = logging.getLogger(__name__)
 
+PREFILL_POOL_CHECK_S = 0.25    # how often a waiting prefill call checks that the pool still has a replica
+
 
 class PrefillPool(Protocol):
     async def prefill(self, request_id: str, prompt_token_ids: list[int],
@@ -206,12 +208,16 @@ class ServingBackend(GenerationBackend):
         replica, finished = None, False
         held: PrefillResult | None = None   # KV a prefill replica holds for this attempt, not yet handed off
         try:
-            if migration > 0 or self._local(len(prompt)):
+            result = None
+            if not (migration > 0 or self._local(len(prompt))):
+                phases.prefilled_on = "prefill"
+                result = await self._prefill_remotely(attempt_id, prompt, params)
+                if result is None:   # the prefill pool has no replica running
+                    phases.prefilled_on = "decode"
+            if result is None:
                 phases.prefilled_on = phases.prefilled_on or "decode"
                 admitted = await self._prefill_locally(attempt_id, prompt, params, avoid=failed_on[0])
             else:
-                phases.prefilled_on = "prefill"
-                result = await self._prefill_remotely(attempt_id, prompt, params)
                 phases.first_token(result.first)
                 finished = result.first.finished
                 held = None if finished else result
@@ -247,9 +253,23 @@ class ServingBackend(GenerationBackend):
                                                avoid_replica=avoid)
 
     async def _prefill_remotely(self, request_id: str, prompt_token_ids: list[int],
-                                params: SamplingParams) -> PrefillResult:
+                                params: SamplingParams) -> PrefillResult | None:
+        """The prefill pool's answer; None when, before it came, the pool turned
+        out to have no replica running (they died and no replacement is up yet:
+        a call would wait for one), so that a decode replica prefills instead."""
         with self._in_flight(False, len(prompt_token_ids)):
-            return await self._prefill.prefill(request_id, prompt_token_ids, params)
+            call = asyncio.ensure_future(self._prefill.prefill(request_id, prompt_token_ids, params))
+            try:
+                while True:
+                    done, _ = await asyncio.wait({call}, timeout=PREFILL_POOL_CHECK_S)
+                    if done:
+                        return call.result()
+                    if self._policy is not None and self._policy.prefill_pool_empty:
+                        log.warning("request %s: no prefill replica is running; a decode replica prefills it",
+                                    request_id)
+                        return None
+            finally:
+                call.cancel()   # a no-op once done; else the call is cancelled on its replica too
 
     def _in_flight(self, local: bool, num_prompt_tokens: int):
         """The policy's count of prompt tokens in flight (nothing to count without a policy)."""

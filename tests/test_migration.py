@@ -164,3 +164,44 @@ def test_a_prefill_worker_that_dies_before_the_first_token(model_dirs, reference
     out, prefill_calls, local, phases = run(main())
     assert out.token_ids == reference("tiny").greedy(tuple(PROMPTS[2]), 10)     # Pair.run: 10 tokens
     assert (prefill_calls, local, phases.migrations, phases.prefilled_on) == (1, 1, 1, "prefill")
+
+
+def test_a_prompt_waiting_on_a_prefill_pool_that_lost_every_replica_is_prefilled_locally(model_dirs, reference):
+    """The only prefill replica died: the call would wait for a replacement. Once the
+    router's stats show the pool empty, the prompt goes to a decode worker instead
+    (not a migration: nothing was lost) and the waiting call is cancelled."""
+    from cluster.transport.fake_transport import FakeTransportHub
+    from router.disaggregation_policy import DisaggregationPolicy, DisaggregationSettings
+    from tests.test_handoff_workers import Pair
+
+    class EmptyPrefillPool:
+        cancelled = False
+
+        async def prefill(self, request_id, prompt_token_ids, params):
+            try:
+                await asyncio.sleep(3600)       # Serve waits for a replica to route to
+            except asyncio.CancelledError:
+                self.cancelled = True
+                raise
+
+        def release(self, result):
+            raise AssertionError("nothing was prefilled, nothing to release")
+
+    async def main():
+        policy = DisaggregationPolicy(DisaggregationSettings("always"))
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub(), policy=policy).start()
+        empty = pair.backend._prefill = EmptyPrefillPool()
+        try:
+            request = asyncio.ensure_future(pair.run("r", PROMPTS[1]))
+            await asyncio.sleep(0.6)
+            waited = not request.done()
+            policy.observe_workers("prefill", [])      # the stats refresh finds no prefill replica
+            out = await asyncio.wait_for(request, 30)
+            return waited, out, empty.cancelled, pair.backend.phase_timings("r"), pair.decode_pool.local
+        finally:
+            await pair.shutdown()
+
+    waited, out, cancelled, phases, local = run(main())
+    assert waited and cancelled and local == 1
+    assert out.token_ids == reference("tiny").greedy(tuple(PROMPTS[1]), 10)
+    assert (phases.migrations, phases.prefilled_on) == (0, "decode")
