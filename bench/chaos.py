@@ -116,14 +116,19 @@ def latency_figures(records) -> dict:
             "pause_max_s": max(pauses) if pauses else None}
 
 
-def _describe(record, start: float, kills: list[tuple[float, str]]) -> dict:
-    """One request's timing, against the kill before it was sent."""
-    before = [(t, d) for t, d in kills if t <= record.send_time]
+def _describe_sent(record, start: float, kills: list[tuple[float, str]]) -> dict:
+    """When a request was sent, against the kill before it."""
+    before = [(t, d) for t, d in kills if t <= (record.send_time or 0.0)]
     last = before[-1] if before else None
-    return {"sent_s": record.send_time - start, "e2e_s": record.end_time - record.send_time,
-            "ttft_s": record.chunk_times[0] - record.send_time if record.chunk_times else None,
-            "longest_pause_s": longest_pause_s(record),
+    return {"sent_s": (record.send_time or start) - start,
             "since_kill_s": record.send_time - last[0] if last else None, "killed": last[1] if last else None}
+
+
+def _describe(record, start: float, kills: list[tuple[float, str]]) -> dict:
+    """One completed request's timing, against the kill before it was sent."""
+    return {**_describe_sent(record, start, kills), "e2e_s": record.end_time - record.send_time,
+            "ttft_s": record.chunk_times[0] - record.send_time if record.chunk_times else None,
+            "longest_pause_s": longest_pause_s(record)}
 
 
 def main() -> int:
@@ -185,6 +190,8 @@ def main() -> int:
                   for t, d in killer.kills],
         "kills_skipped": killer.skipped, "sent": len(chaos.records), "completed": len(done), "lost": len(lost),
         "lost_errors": sorted({(r.status, (r.error or "")[:200]) for r in lost}), "migrations": migrations,
+        "lost_requests": [{**_describe_sent(r, chaos.records[0].send_time, killer.kills),
+                           "chunks": len(r.chunk_times)} for r in lost],
         "affected": latency_figures(affected), "unaffected": latency_figures(unaffected),
         "baseline": latency_figures([r for r in baseline.records if r.succeeded]),
         "outputs_equal_to_undisturbed": [equal, len(compared)],

@@ -11,6 +11,7 @@ import logging
 import uuid
 
 from ray import serve
+from ray.serve.exceptions import DeploymentUnavailableError
 
 from cluster.autoscaler.policy import AutoscaleSettings
 from cluster.perf_model.step_shape import load_step_model
@@ -92,6 +93,8 @@ class Router:
             for role, handle in self._workers.items():
                 try:
                     replies = await handle.broadcast("stats").results_async()
+                except DeploymentUnavailableError:   # not one replica runs (they died; none replaced yet)
+                    replies = []
                 except Exception as exc:  # noqa: BLE001 - metrics must never take the router down
                     log.debug("no %s stats: %s", role, exc)
                     continue
