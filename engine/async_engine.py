@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 from engine.llm_engine import LLMEngine, StepStats
 from engine.outputs import RequestOutput
+from engine.step_cost import StepCostFit
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class AsyncEngine:
         self._sinks_lock = threading.Lock()
         self.prefill_s_per_token: float | None = None   # measured on this engine's steps (EWMA)
         self.decode_s_per_seq: float | None = None      # decode-only steps' time per sequence (EWMA)
+        self.step_cost = StepCostFit()                   # decode and prefill shares of mixed steps too
         self._num_steps = 0
         self._recent_steps: deque[tuple[int, StepStats]] = deque(maxlen=512)
         self._tickers: list[Ticker] = []
@@ -136,7 +138,11 @@ class AsyncEngine:
         }
         if self.prefill_s_per_token is not None:
             stats["prefill_s_per_token"] = self.prefill_s_per_token
-        if self.decode_s_per_seq is not None:
+        cost = self.step_cost.cost
+        if cost is not None:
+            stats.update(decode_s_per_seq=cost.per_seq_s, decode_step_fixed_s=cost.fixed_s,
+                         prefill_s_per_step=cost.prefill_s_per_step)
+        elif self.decode_s_per_seq is not None:
             stats["decode_s_per_seq"] = self.decode_s_per_seq
         return stats
 
@@ -238,6 +244,7 @@ class AsyncEngine:
             return
         self._num_steps += 1
         self._recent_steps.append((self._num_steps, step))
+        self.step_cost.add(step.num_decode_seqs, step.num_prefill_tokens, step.duration_s)
         if step.num_prefill_tokens == 0:
             if step.num_decode_seqs:
                 cost = step.duration_s / step.num_decode_seqs

@@ -59,6 +59,8 @@ class AdmissionControl:
         self.running = 0                           # admitted and not ended
         self.decode_replicas = 1
         self.decode_s_per_seq: float | None = None # the decode replicas' measured step time per sequence
+        self.decode_step_fixed_s = 0.0             # what a decode step costs whatever its batch
+        self.prefill_s_per_step = 0.0              # prefill work the decode replicas' steps carry now
 
     # ---- the checks ---------------------------------------------------------------------------
     def check_before_tokenizing(self) -> None:
@@ -78,12 +80,15 @@ class AdmissionControl:
 
     def max_running(self) -> int | None:
         """Requests the decode replicas hold with each step within the TPOT budget (None:
-        no TPOT SLO or nothing measured yet). A step's time is taken as proportional to its
-        sequences, which overstates larger batches (their fixed cost does not grow): a safe bound."""
+        no TPOT SLO or nothing measured yet): a step costs its fixed part, the prefill
+        chunks steps carry at the current load, and a share per sequence (the workers
+        fit these on their steps, mixed ones too; engine/step_cost.py). At least one
+        per replica, so that a prefill load past the budget still drains."""
         s = self.settings
         if s.tpot_slo_s is None or not self.decode_s_per_seq:
             return None
-        per_replica = max(1, int(s.tpot_slo_s * s.tpot_headroom / self.decode_s_per_seq))
+        budget = s.tpot_slo_s * s.tpot_headroom - self.decode_step_fixed_s - self.prefill_s_per_step
+        per_replica = max(1, int(budget / self.decode_s_per_seq))
         return per_replica * self.decode_replicas
 
     def admit(self, num_prompt_tokens: int) -> None:
@@ -122,9 +127,11 @@ class AdmissionControl:
         stats = list(stats)
         if role in ("decode", "colocated"):
             self.decode_replicas = max(1, len(stats))
-            costs = [s["decode_s_per_seq"] for s in stats if "decode_s_per_seq" in s]
-            if costs:
-                self.decode_s_per_seq = max(costs)
+            costs = [s for s in stats if "decode_s_per_seq" in s]
+            if costs:   # the slowest replica's
+                self.decode_s_per_seq = max(s["decode_s_per_seq"] for s in costs)
+                self.decode_step_fixed_s = max(s.get("decode_step_fixed_s", 0.0) for s in costs)
+                self.prefill_s_per_step = max(s.get("prefill_s_per_step", 0.0) for s in costs)
         if role not in self.prefill_roles:
             return
         self.replicas = max(1, len(stats))

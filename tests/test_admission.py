@@ -59,6 +59,37 @@ def test_the_tpot_slo_bounds_the_requests_running_at_once():
     for _ in range(100 - 39):
         a.finished()
     a.check_before_tokenizing()                        # 39 running: room for one more
+    # fitted on mixed steps: 10 ms fixed and 30 ms of prefill chunks per step leave 40 ms of the 80
+    a.observe_workers("decode", [{"decode_s_per_seq": 0.004, "decode_step_fixed_s": 0.01,
+                                  "prefill_s_per_step": 0.03}])
+    assert a.max_running() == int(0.04 / 0.004)
+    a.observe_workers("decode", [{"decode_s_per_seq": 0.004, "decode_step_fixed_s": 0.01,
+                                  "prefill_s_per_step": 0.2}])
+    assert a.max_running() == 1                        # past the budget: one at a time still drains
+
+
+def test_the_step_cost_fit_separates_decodes_from_prefill_chunks_in_mixed_steps():
+    import random
+
+    from engine.step_cost import REFIT_EVERY, StepCostFit
+    rng = random.Random(0)
+    fit = StepCostFit()
+    tokens_seen = []
+    for i in range(256):
+        seqs, tokens = rng.randint(1, 48), rng.choice([64, 128, 256, 512])   # every step also prefills
+        tokens_seen.append(tokens)
+        fit.add(seqs, tokens, (0.004 + 0.0015 * seqs + 0.0002 * tokens) * rng.uniform(0.97, 1.03))
+        if i + 1 < REFIT_EVERY:
+            assert fit.cost is None                    # too few steps to fit yet
+    cost = fit.cost
+    assert cost.per_seq_s == pytest.approx(0.0015, rel=0.05)
+    assert cost.per_prefill_token_s == pytest.approx(0.0002, rel=0.05)
+    assert cost.fixed_s == pytest.approx(0.004, abs=0.002)
+    assert cost.prefill_s_per_step == pytest.approx(0.0002 * sum(tokens_seen) / 256, rel=0.05)
+    same_batch = StepCostFit()
+    for _ in range(64):
+        same_batch.add(8, 128, 0.05)
+    assert same_batch.cost is None                     # one batch size: the per-sequence cost is unknown
 
 
 class SlowBackend(FakeBackend):

@@ -1,0 +1,69 @@
+"""What one engine step costs, fitted on the engine's own recent steps:
+
+    step_s ~= fixed_s + per_seq_s * decode_seqs + per_prefill_token_s * prefill_tokens
+
+A loaded engine that prefills and decodes in the same steps (colocated, or a
+decode worker that prefills short prompts) rarely runs a decode-only step, so
+the decodes' share of a step can only come from separating the two terms. The
+fit is least squares over the last WINDOW steps, redone every REFIT_EVERY
+steps, with a term dropped when its coefficient comes out negative. It needs
+steps with different batch sizes; until it has them every figure is None.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+WINDOW = 256
+REFIT_EVERY = 32
+MIN_STEPS = 32
+
+
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    fixed_s: float
+    per_seq_s: float
+    per_prefill_token_s: float
+    mean_prefill_tokens: float      # per step, over the window: the prefill work steps carry now
+
+    @property
+    def prefill_s_per_step(self) -> float:
+        return self.per_prefill_token_s * self.mean_prefill_tokens
+
+
+class StepCostFit:
+    def __init__(self) -> None:
+        self._steps: deque[tuple[int, int, float]] = deque(maxlen=WINDOW)   # (decode seqs, prefill tokens, s)
+        self._since_fit = 0
+        self.cost: StepCost | None = None
+
+    def add(self, num_decode_seqs: int, num_prefill_tokens: int, duration_s: float) -> None:
+        if num_decode_seqs == 0 and num_prefill_tokens == 0:
+            return
+        self._steps.append((num_decode_seqs, num_prefill_tokens, duration_s))
+        self._since_fit += 1
+        if self._since_fit >= REFIT_EVERY and len(self._steps) >= MIN_STEPS:
+            self._since_fit = 0
+            self.cost = self._fit() or self.cost
+
+    def _fit(self) -> StepCost | None:
+        data = np.array(self._steps, dtype=np.float64)        # [steps, 3]
+        seqs, tokens, seconds = data[:, 0], data[:, 1], data[:, 2]
+        if np.ptp(seqs) == 0:          # one batch size only: the per-sequence term is not identifiable
+            return None
+        columns = {"fixed": np.ones_like(seqs), "seq": seqs, "token": tokens}
+        while True:
+            x = np.stack(list(columns.values()), axis=1)
+            coef, *_ = np.linalg.lstsq(x, seconds, rcond=None)
+            fitted = dict(zip(columns, coef))
+            negative = [name for name, c in fitted.items() if c < 0 and name != "seq"]
+            if not negative:
+                break
+            del columns[negative[0]]
+        if fitted.get("seq", 0.0) <= 0:
+            return None
+        return StepCost(fixed_s=float(fitted.get("fixed", 0.0)), per_seq_s=float(fitted["seq"]),
+                        per_prefill_token_s=float(fitted.get("token", 0.0)), mean_prefill_tokens=float(tokens.mean()))
