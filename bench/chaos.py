@@ -14,7 +14,8 @@ every --kill-every-s seconds (decode, decode, prefill, in turn). Serve
 replaces each killed replica.
 
 Figures: requests sent, completed, lost (any that did not complete with
-status 200; target 0); migrations (the router's counter); for requests in
+status 200; target 0); migrations (the router's counter); replica processes
+that ended without being killed (a replacement must not restart the others); for requests in
 flight at a kill ("affected") against the others and the baseline: end-to-end
 latency p50/p99 and the longest pause between two chunks (the stall a
 client sees while its request moves). Every prompt of the chaos phase is also
@@ -74,18 +75,29 @@ class Killer(threading.Thread):
         self.every_s, self.rng = every_s, random.Random(seed)
         self.kills: list[tuple[float, str]] = []
         self.skipped = 0   # no live replica of the deployment (its replacement still starting)
+        self.killed_pids: set[int] = set()
+        self.seen_pids: set[int] = set()   # every replica process seen: one that vanished unkilled was restarted
         self.stop = threading.Event()
+
+    def replicas_lost_unkilled(self) -> int:
+        """Replica processes that ended although nobody killed them (Serve restarted a bystander)."""
+        live = {pid for d in set(KILL_ORDER) for pid in replica_pids(d)}
+        return len(self.seen_pids - live - self.killed_pids)
 
     def run(self) -> None:
         turn = 0
         while not self.stop.wait(self.every_s):
             deployment = KILL_ORDER[turn % len(KILL_ORDER)]
             turn += 1
+            for d in set(KILL_ORDER):
+                self.seen_pids.update(replica_pids(d))
             pids = replica_pids(deployment)
             if not pids:
                 self.skipped += 1
                 continue
-            subprocess.run(["kill", "-9", str(self.rng.choice(pids))], check=False)
+            victim = self.rng.choice(pids)
+            self.killed_pids.add(victim)
+            subprocess.run(["kill", "-9", str(victim)], check=False)
             self.kills.append((time.perf_counter(), deployment))
             print(f"  killed a {deployment} replica at {time.strftime('%X')}", flush=True)
 
@@ -178,6 +190,7 @@ def main() -> int:
             killer.stop.set()
             killer.join()
         migrations = counter(url, "pdserve_request_migrations_total") - migrations_before
+        bystanders_restarted = killer.replicas_lost_unkilled()
     kill_times = [t for t, _ in killer.kills]
     done = [r for r in chaos.records if r.succeeded]
     lost = [r for r in chaos.records if not r.succeeded]
@@ -188,7 +201,7 @@ def main() -> int:
     results.update({
         "kills": [{"t_s": t - chaos.records[0].send_time if chaos.records else 0.0, "deployment": d}
                   for t, d in killer.kills],
-        "kills_skipped": killer.skipped, "sent": len(chaos.records), "completed": len(done), "lost": len(lost),
+        "kills_skipped": killer.skipped, "bystanders_restarted": bystanders_restarted, "sent": len(chaos.records), "completed": len(done), "lost": len(lost),
         "lost_errors": sorted({(r.status, (r.error or "")[:200]) for r in lost}), "migrations": migrations,
         "lost_requests": [{**_describe_sent(r, chaos.records[0].send_time, killer.kills),
                            "chunks": len(r.chunk_times)} for r in lost],
@@ -197,7 +210,8 @@ def main() -> int:
         "outputs_equal_to_undisturbed": [equal, len(compared)],
         "slowest": [_describe(r, chaos.records[0].send_time, killer.kills) for r in
                     sorted(done, key=lambda r: r.end_time - r.send_time)[-10:]]})
-    print(f"\nkills: {len(killer.kills)} ({', '.join(d for _, d in killer.kills)}); skipped {killer.skipped}")
+    print(f"\nkills: {len(killer.kills)} ({', '.join(d for _, d in killer.kills)}); skipped {killer.skipped}; "
+          f"replicas that ended without being killed: {bystanders_restarted}")
     print(f"requests: sent {len(chaos.records)}, completed {len(done)}, lost {len(lost)} (target 0); "
           f"migrations {migrations:.0f}")
     for name in ("baseline", "unaffected", "affected"):
