@@ -12,8 +12,8 @@ streamed. First, with admission off, the capacity C (requests/s at 16
 concurrent) and the unloaded TTFT (requests one at a time); then for each
 system every step of the ramp: --step-s seconds of Poisson arrivals at
 step x C. Per step: goodput (requests meeting both SLOs per second), SLO
-attainment of the admitted requests, the share refused (429), and p99 TTFT of
-the admitted ones. Targets with admission on: goodput at 10x >= 80% of the peak
+attainment of the admitted requests, the share refused (429) and how fast the
+429 came (p99), and p99 TTFT of the admitted ones. Targets with admission on: goodput at 10x >= 80% of the peak
 goodput; p99 TTFT of admitted requests <= 2x its unloaded value.
 """
 
@@ -59,7 +59,10 @@ def step_figures(result, slos_ms: dict, step_s: float) -> dict:
     admitted = [r for r in records if r.succeeded]
     good = sum(meets_slos(r, slos_ms) for r in admitted)
     ttfts = sorted(ttft(r) for r in admitted)
+    refusal_s = sorted(r.end_time - r.send_time for r in refused if r.end_time is not None)
     return {"sent": len(records), "admitted": len(admitted), "refused_share": len(refused) / max(1, len(records)),
+            "refusal_p99_ms": refusal_s[min(len(refusal_s) - 1, int(0.99 * len(refusal_s)))] * 1000
+            if refusal_s else None,
             "failed_other": len(records) - len(admitted) - len(refused), "goodput": good / step_s,
             "attainment_admitted": good / max(1, len(admitted)),
             "ttft_p99_ms": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] * 1000 if ttfts else None}
@@ -118,7 +121,8 @@ def main() -> int:
                 rows.append(row)
                 print(f"  {step:4g}x ({rate:5.2f} req/s): goodput {row['goodput']:.2f} req/s, admitted met SLOs "
                       f"{row['attainment_admitted']:.0%}, refused {row['refused_share']:.0%}, TTFT p99 "
-                      f"{row['ttft_p99_ms'] or 0:.0f} ms, other failures {row['failed_other']}", flush=True)
+                      f"{row['ttft_p99_ms'] or 0:.0f} ms, other failures {row['failed_other']}, 429 answered in "
+                      f"{row['refusal_p99_ms'] or 0:.0f} ms (p99)", flush=True)
                 time.sleep(3)                     # let the queue drain between steps
             results["systems"][name] = rows
     results["capacity_rps"], results["unloaded_ttft_ms"] = capacity, unloaded_ttft_ms
