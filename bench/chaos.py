@@ -43,6 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.loadtest.datasets import random_dataset  # noqa: E402
+from bench.loadtest.metrics import e2el, itls, percentile, ttft  # noqa: E402
 from bench.loadtest.runner import RunConfig, run_benchmark  # noqa: E402
 from bench.serving_overhead import served  # noqa: E402
 from engine.tp_group import free_port  # noqa: E402
@@ -109,22 +110,19 @@ def run(base_url: str, requests, rate: float, *, concurrency: int | None = None,
 
 
 def longest_pause_s(record) -> float:
-    times = [record.send_time, *record.chunk_times]
-    return max(b - a for a, b in zip(times, times[1:])) if len(times) > 1 else 0.0
+    """The longest wait the client saw: for its first chunk, or between two."""
+    return max([ttft(record) or 0.0, *itls(record)])
 
 
 def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
+    return percentile(sorted(values), q) if values else None
 
 
 def latency_figures(records) -> dict:
-    e2e = [r.end_time - r.send_time for r in records]
+    e2e = [e2el(r) for r in records]
     pauses = [longest_pause_s(r) for r in records]
-    return {"count": len(records), "e2e_p50_s": pct(e2e, 0.5), "e2e_p99_s": pct(e2e, 0.99),
-            "pause_p50_s": pct(pauses, 0.5), "pause_p99_s": pct(pauses, 0.99),
+    return {"count": len(records), "e2e_p50_s": pct(e2e, 50), "e2e_p99_s": pct(e2e, 99),
+            "pause_p50_s": pct(pauses, 50), "pause_p99_s": pct(pauses, 99),
             "pause_max_s": max(pauses) if pauses else None}
 
 
@@ -138,8 +136,7 @@ def _describe_sent(record, start: float, kills: list[tuple[float, str]]) -> dict
 
 def _describe(record, start: float, kills: list[tuple[float, str]]) -> dict:
     """One completed request's timing, against the kill before it was sent."""
-    return {**_describe_sent(record, start, kills), "e2e_s": record.end_time - record.send_time,
-            "ttft_s": record.chunk_times[0] - record.send_time if record.chunk_times else None,
+    return {**_describe_sent(record, start, kills), "e2e_s": e2el(record), "ttft_s": ttft(record),
             "longest_pause_s": longest_pause_s(record)}
 
 
@@ -209,7 +206,7 @@ def main() -> int:
         "baseline": latency_figures([r for r in baseline.records if r.succeeded]),
         "outputs_equal_to_undisturbed": [equal, len(compared)],
         "slowest": [_describe(r, chaos.records[0].send_time, killer.kills) for r in
-                    sorted(done, key=lambda r: r.end_time - r.send_time)[-10:]]})
+                    sorted(done, key=e2el)[-10:]]})
     print(f"\nkills: {len(killer.kills)} ({', '.join(d for _, d in killer.kills)}); skipped {killer.skipped}; "
           f"replicas that ended without being killed: {bystanders_restarted}")
     print(f"requests: sent {len(chaos.records)}, completed {len(done)}, lost {len(lost)} (target 0); "
@@ -220,7 +217,7 @@ def main() -> int:
             print(f"  {name:>10}: {f['count']:4d} requests, e2e p50 {f['e2e_p50_s']:.2f} s p99 {f['e2e_p99_s']:.2f} s,"
                   f" longest pause p50 {f['pause_p50_s'] * 1000:.0f} ms p99 {f['pause_p99_s'] * 1000:.0f} ms")
     if affected and unaffected:
-        extra = statistics.median(r.end_time - r.send_time for r in affected) - results["unaffected"]["e2e_p50_s"]
+        extra = statistics.median(e2el(r) for r in affected) - results["unaffected"]["e2e_p50_s"]
         results["extra_latency_p50_s"] = extra
         print(f"extra latency of requests in flight at a kill (median against the others): {extra:.2f} s")
     print(f"outputs equal to the undisturbed run: {equal}/{len(compared)}")

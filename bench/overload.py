@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.loadtest.datasets import random_dataset  # noqa: E402
-from bench.loadtest.metrics import meets_slos, ttft  # noqa: E402
+from bench.loadtest.metrics import e2el, meets_slos, percentile, ttft  # noqa: E402
 from bench.loadtest.runner import RunConfig, run_benchmark  # noqa: E402
 from bench.serving_overhead import served  # noqa: E402
 from cluster.cli.plan_goodput import parse_slo  # noqa: E402
@@ -59,13 +59,12 @@ def step_figures(result, slos_ms: dict, step_s: float) -> dict:
     admitted = [r for r in records if r.succeeded]
     good = sum(meets_slos(r, slos_ms) for r in admitted)
     ttfts = sorted(ttft(r) for r in admitted)
-    refusal_s = sorted(r.end_time - r.send_time for r in refused if r.end_time is not None)
+    refusal_s = sorted(e2el(r) for r in refused if e2el(r) is not None)
     return {"sent": len(records), "admitted": len(admitted), "refused_share": len(refused) / max(1, len(records)),
-            "refusal_p99_ms": refusal_s[min(len(refusal_s) - 1, int(0.99 * len(refusal_s)))] * 1000
-            if refusal_s else None,
+            "refusal_p99_ms": percentile(refusal_s, 99) * 1000 if refusal_s else None,
             "failed_other": len(records) - len(admitted) - len(refused), "goodput": good / step_s,
             "attainment_admitted": good / max(1, len(admitted)),
-            "ttft_p99_ms": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] * 1000 if ttfts else None}
+            "ttft_p99_ms": percentile(ttfts, 99) * 1000 if ttfts else None}
 
 
 def main() -> int:

@@ -209,31 +209,23 @@ class DeploymentConfig(_Strict):
     def api_key_sha256(self) -> str | None:
         """The SHA-256 of the API key the router requires, or None for no key.
         Raises ValueError when http.api_key_env names a variable that is not set."""
-        import os
-
         from router.http_guard import api_key_digest
         if self.http.api_key_sha256:
             return self.http.api_key_sha256.lower()
         if self.http.api_key_env:
-            key = os.environ.get(self.http.api_key_env)
-            if not key:
-                raise ValueError(f"http.api_key_env names {self.http.api_key_env}, which is not set here; set it "
-                                 "to the API key, or give the key with pdserve serve --api-key")
-            return api_key_digest(key)
+            return api_key_digest(_named_variable("http.api_key_env", self.http.api_key_env,
+                                                  "set it to the API key, or give the key with pdserve serve "
+                                                  "--api-key"))
         return None
 
     def kv_transfer_secret(self) -> str:
         """The secret every KV-transfer pair of this deployment proves. Raises
         ValueError when kv_transfer.secret_env names a variable that is not set."""
-        import os
         import secrets
         if not self.kv_transfer.secret_env:
             return secrets.token_hex(32)
-        secret = os.environ.get(self.kv_transfer.secret_env)
-        if not secret:
-            raise ValueError(f"kv_transfer.secret_env names {self.kv_transfer.secret_env}, which is not set here; "
-                             "set it, or leave secret_env out for a random secret per deployment")
-        return secret
+        return _named_variable("kv_transfer.secret_env", self.kv_transfer.secret_env,
+                               "set it, or leave secret_env out for a random secret per deployment")
 
     def autoscaling_settings(self):
         """The autoscaling policy's settings (autoscaling.enabled must be true)."""
@@ -288,3 +280,13 @@ def load_config(path: str | Path) -> DeploymentConfig:
         return DeploymentConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigFileError(f"{path} is not a valid pdserve deployment file:\n{exc}") from None
+
+
+def _named_variable(setting: str, name: str, instead: str) -> str:
+    """The value of the environment variable `name` that `setting` names; ValueError
+    (ending with `instead`: what to do) when it is not set where the application is built."""
+    import os
+    value = os.environ.get(name)
+    if not value:
+        raise ValueError(f"{setting} names {name}, which is not set here; {instead}")
+    return value

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from router.errors import OpenAIError, to_response
 
 OPEN_PATHS = ("/health",)
 
@@ -40,8 +41,8 @@ class HttpGuard:
             await self.app(scope, receive, send)
             return
         if self.digest is not None and self._needs_key(scope["path"]) and not self._authorized(scope):
-            await _reply(send, 401, "Incorrect API key provided: send it as 'Authorization: Bearer KEY'.",
-                         "invalid_api_key", {"www-authenticate": "Bearer"})
+            await _reply(scope, receive, send, 401, "Incorrect API key provided: send it as 'Authorization: "
+                         "Bearer KEY'.", "invalid_api_key", {"www-authenticate": "Bearer"})
             return
         limit = self.max_body_bytes
         if limit is None:
@@ -49,7 +50,7 @@ class HttpGuard:
             return
         length = _header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            await _reply(send, 413, _too_large(limit), "request_too_large")
+            await _reply(scope, receive, send, 413, _too_large(limit), "request_too_large")
             return
         # Read the body here (the routes read all of it anyway), so that one sent without a
         # Content-Length is refused as soon as it passes the limit; the app gets it replayed.
@@ -61,7 +62,7 @@ class HttpGuard:
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > limit:
-                await _reply(send, 413, _too_large(limit), "request_too_large")
+                await _reply(scope, receive, send, 413, _too_large(limit), "request_too_large")
                 return
         replayed = False
 
@@ -98,10 +99,8 @@ def _too_large(limit: int) -> str:
     return f"The request body is larger than this server accepts ({limit} bytes)."
 
 
-async def _reply(send: Send, status: int, message: str, code: str, headers: dict[str, str] | None = None) -> None:
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": code}}).encode()
-    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    raw += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": body})
+async def _reply(scope: Scope, receive: Receive, send: Send, status: int, message: str, code: str,
+                 headers: dict[str, str] | None = None) -> None:
+    response = to_response(OpenAIError(status, message, type="invalid_request_error", code=code))
+    response.headers.update(headers or {})
+    await response(scope, receive, send)

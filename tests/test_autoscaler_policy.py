@@ -262,8 +262,9 @@ def test_at_the_budget_a_near_equal_split_is_not_worth_a_move():
     d = p.decide(observe(10.0, 40.0, 1200, 400, {"prefill": 4, "decode": 4}))
     cap = d.capacity
     assert d.targets == {"prefill": 3, "decode": 5} and "best split gives" in d.reasons["prefill"]
-    # from 2P+6D the best split (1P+7D) serves 7/6 as much, under the 20% margin: hold
-    assert 7 * cap["decode"] < cap["prefill"] and 7 / 6 < 1.2
+    # from 2P+6D the best split (1P+7D) serves 7/6 as much (decode stays the narrow pool),
+    # under the 20% margin: hold
+    assert 7 * cap["decode"] < cap["prefill"]
     p = policy(budget=8, downscale_cooldown_s=0.0)
     d = p.decide(observe(10.0, 40.0, 1200, 400, {"prefill": 2, "decode": 6}))
     assert d.targets == {"prefill": 2, "decode": 6} and "no split serves 20% more" in d.reasons["prefill"]

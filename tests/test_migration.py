@@ -171,7 +171,10 @@ def test_a_prompt_waiting_on_a_prefill_pool_that_lost_every_replica_is_prefilled
     router's stats show the pool empty, the prompt goes to a decode worker instead
     (not a migration: nothing was lost) and the waiting call is cancelled."""
     from cluster.transport.fake_transport import FakeTransportHub
-    from router.disaggregation_policy import DisaggregationPolicy, DisaggregationSettings
+    from router.disaggregation_policy import (
+        DisaggregationPolicy,
+        DisaggregationSettings,
+    )
     from tests.test_handoff_workers import Pair
 
     class EmptyPrefillPool:
