@@ -23,6 +23,7 @@ token.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -52,7 +53,15 @@ class DisaggregationPolicy:
         self.settings = settings
         self._remote, self._local = _Pool(), _Pool()
         self.handoff_s = 0.0               # EWMA of measured KV hand-offs
-        self.prefill_pool_empty = False    # the last stats refresh found no prefill replica running
+        self._prefill_pool_empty = asyncio.Event()   # set: the last stats refresh found no prefill replica
+
+    @property
+    def prefill_pool_empty(self) -> bool:
+        return self._prefill_pool_empty.is_set()
+
+    async def prefill_pool_emptied(self) -> None:
+        """Returns once a stats refresh finds no prefill replica running (at once if so now)."""
+        await self._prefill_pool_empty.wait()
 
     def prefill_locally(self, num_prompt_tokens: int) -> bool:
         if self.prefill_pool_empty:   # its replicas died and no replacement runs yet: nowhere else to go
@@ -107,8 +116,10 @@ class DisaggregationPolicy:
         """The latest stats of every replica of `role` ("prefill" or "decode")."""
         stats = list(stats)
         pool = self._remote if role == "prefill" else self._local
-        if role == "prefill":
-            self.prefill_pool_empty = not stats
+        if role == "prefill" and stats:
+            self._prefill_pool_empty.clear()
+        elif role == "prefill":
+            self._prefill_pool_empty.set()
         pool.replicas = max(1, len(stats))
         costs = [s["prefill_s_per_token"] for s in stats if "prefill_s_per_token" in s]
         if costs:

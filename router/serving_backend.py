@@ -60,9 +60,6 @@ from router.timings import PhaseTimings
 
 log = logging.getLogger(__name__)
 
-PREFILL_POOL_CHECK_S = 0.25    # how often a waiting prefill call checks that the pool still has a replica
-
-
 class PrefillPool(Protocol):
     async def prefill(self, request_id: str, prompt_token_ids: list[int],
                       params: SamplingParams) -> PrefillResult: ...
@@ -258,18 +255,19 @@ class ServingBackend(GenerationBackend):
         out to have no replica running (they died and no replacement is up yet:
         a call would wait for one), so that a decode replica prefills instead."""
         with self._in_flight(False, len(prompt_token_ids)):
+            if self._policy is None:
+                return await self._prefill.prefill(request_id, prompt_token_ids, params)
             call = asyncio.ensure_future(self._prefill.prefill(request_id, prompt_token_ids, params))
+            emptied = asyncio.ensure_future(self._policy.prefill_pool_emptied())
             try:
-                while True:
-                    done, _ = await asyncio.wait({call}, timeout=PREFILL_POOL_CHECK_S)
-                    if done:
-                        return call.result()
-                    if self._policy is not None and self._policy.prefill_pool_empty:
-                        log.warning("request %s: no prefill replica is running; a decode replica prefills it",
-                                    request_id)
-                        return None
+                await asyncio.wait({call, emptied}, return_when=asyncio.FIRST_COMPLETED)
+                if call.done():
+                    return call.result()
+                log.warning("request %s: no prefill replica is running; a decode replica prefills it", request_id)
+                return None
             finally:
-                call.cancel()   # a no-op once done; else the call is cancelled on its replica too
+                call.cancel()      # a no-op once done; else the call is cancelled on its replica too
+                emptied.cancel()
 
     def _in_flight(self, local: bool, num_prompt_tokens: int):
         """The policy's count of prompt tokens in flight (nothing to count without a policy)."""
