@@ -5,11 +5,20 @@ on the `bench` checkpoint, CPU:
 1. profile the engine with the torch threads each of that deployment's ranks
    gets (`pdserve profile`'s code, in process);
 2. start `pdserve serve --config` on a local cluster of this machine's size
-   and run a calibration load (a trickle of requests); the step model is
-   corrected online from it (cluster/perf_model/online.py): the measured TPOT
-   minus the simulated one is the serving path's cost per step, added to every
-   step; the TTFT left over after that is the cost per request (router, HTTP,
-   the hand-off's messages), added to its token times;
+   and correct the model online (cluster/perf_model/online.py) from two
+   calibration loads, a trickle (1 req/s) and a busy one (0.4x the profile's
+   simulated capacity):
+   - the live replicas' own engine steps (shapes and wall times, fetched from
+     the workers) give, per role and load, how much slower a served step is
+     than the profiled one. It grows with load: the replicas share the
+     machine's cores with each other, the router, the HTTP path and the load
+     generator. The simulator's shared-cores model (cluster/simulator) is
+     fitted to both: the cores the serving path takes per request in flight,
+     and a per-role factor for the rest;
+   - from the trickle, the measured TPOT minus the simulated one is the
+     serving path's cost between steps, added to every step; the TTFT left
+     over after that is the cost per request (router, HTTP, the hand-off's
+     messages), added to its token times;
 3. find the corrected model's simulated capacity (the highest rate at >= 90%
    SLO attainment) and pick three loads from it: light (0.3x), near capacity
    (0.9x), overloaded (1.5x);
@@ -28,7 +37,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -55,13 +66,18 @@ DEPLOYMENTS = {
               "disaggregation": {"policy": "always"}},
 }
 LOAD_FACTORS = {"light": 0.3, "near capacity": 0.9, "overloaded": 1.5}
+REPEATED_LOAD = "near capacity"    # measured twice, with other prompts: how far the live system moves by itself
 FIGURES = ("request_goodput", "median_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "p90_tpot_ms")
-CALIBRATION_RATE = 1.0       # req/s: requests rarely overlap, so each one's times are its own steps'
+BUSY_CALIBRATION_LOAD = 0.4   # x the profile's simulated capacity: busy enough that the cores are shared
+# Cores per request streaming tried by the fit. The router, HTTP proxy, Serve controller and Ray's
+# daemons measured ~0.2 cores together (from /proc) at 2-8 req/s of this load, the client less:
+# a few hundredths per stream, so 0.3 bounds it well above.
+SERVING_CORES_GRID = [i * 0.01 for i in range(31)]
+TRICKLE_RATE = 1.0            # req/s: requests rarely overlap, so each one's times are its own steps'
 
 
 def ranks(deployment: dict) -> int:
-    pools = ("colocated",) if deployment["mode"] == "colocated" else ("prefill", "decode")
-    return sum(deployment[p]["replicas"] for p in pools)
+    return sum(deployment[role]["replicas"] for role in roles_of(deployment))
 
 
 def profile_for(model_dir: str, threads: int, cache: dict) -> object:
@@ -80,20 +96,74 @@ def profile_for(model_dir: str, threads: int, cache: dict) -> object:
     return cache[threads][0]
 
 
-def corrected(model, overhead_s: float):
-    """`model` with a fixed per-step overhead added (an online correction)."""
+def corrected(model, factor: float = 1.0, overhead_s: float = 0.0):
+    """`model`'s step times x `factor`, plus a fixed per-step overhead (an online correction)."""
     from cluster.perf_model import OnlineCorrection
-    return OnlineCorrection(model, overhead_s=overhead_s)
+    return OnlineCorrection(model, factor=factor, overhead_s=overhead_s)
+
+
+def roles_of(deployment: dict) -> tuple[str, ...]:
+    return ("colocated",) if deployment["mode"] == "colocated" else ("prefill", "decode")
+
+
+def take_live_steps(roles: tuple[str, ...]) -> dict[str, list]:
+    """Per role, the engine steps its live replicas ran since the last call, as
+    (StepShape, seconds) (bench/worker_steps.py, in a process of its own)."""
+    from cluster.perf_model.step_shape import StepShape
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "worker_steps.py"), *roles], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise ServerFailed(f"fetching the workers' steps failed: {out.stderr.strip()[-2000:]}")
+    return {role: [(StepShape(int(p), a, int(d), int(c)), seconds) for p, a, d, c, seconds in steps]
+            for role, steps in json.loads(out.stdout).items()}
+
+
+def step_factors(base, live: dict[str, list]) -> dict[str, float]:
+    """Per role, the median of measured / profiled time over its live steps (1.0 without any)."""
+    factors = {}
+    for role, steps in live.items():
+        ratios = sorted(seconds / base.step_time(shape) for shape, seconds in steps if base.step_time(shape) > 0)
+        factors[role] = ratios[len(ratios) // 2] if ratios else 1.0
+    return factors
+
+
+def fit_contention(spec_with, trickle_run: tuple, busy_run: tuple, trickle_factors: dict,
+                   busy_factors: dict) -> tuple[float, dict]:
+    """The serving cores per request in flight, and per role the factor for the
+    rest, with which the simulated calibration runs slow the steps down as the
+    live ones did: factor x simulated stretch = the live factor, on the trickle
+    exactly, on the busy run as closely as the grid of serving cores allows
+    (least squares of the logs over roles)."""
+    best = None
+    for serving_cores in SERVING_CORES_GRID:
+        per_role = dict(trickle_factors)
+        for _ in range(2):       # the factors change the steps' overlap, hence the stretch: settle them
+            stretch = mean_stretch(spec_with(per_role, serving_cores), *trickle_run)
+            per_role = {r: f / stretch.get(r, 1.0) for r, f in trickle_factors.items()}
+        stretch = mean_stretch(spec_with(per_role, serving_cores), *busy_run)
+        error = sum(math.log(per_role[r] * stretch.get(r, 1.0) / f) ** 2 for r, f in busy_factors.items())
+        if best is None or error < best[0]:
+            best = (error, serving_cores, per_role)
+    return best[1], best[2]
+
+
+def mean_stretch(spec, requests, rate: float, seed: int) -> dict[str, float]:
+    """Per role, the simulated steps' mean of step time / the model's time."""
+    return run_simulation(spec, requests, rate, seed).mean_stretch
 
 
 def figures(result: dict) -> dict:
     return {k: result.get(k) for k in (*FIGURES, "slo_attainment")}
 
 
-def simulated(spec, requests, rate: float, seed: int) -> dict:
+def run_simulation(spec, requests, rate: float, seed: int):
     from cluster.simulator import simulate
     lengths = [(r.prompt_len, r.expected_output_len) for r in requests]
-    sim = simulate(spec, lengths, arrival_offsets(len(requests), rate, 1.0, seed))
+    return simulate(spec, lengths, arrival_offsets(len(requests), rate, 1.0, seed))
+
+
+def simulated(spec, requests, rate: float, seed: int) -> dict:
+    sim = run_simulation(spec, requests, rate, seed)
     records = sim.records()
     run = RunResult(RunConfig(base_url="simulated", model="bench", request_rate=rate, seed=seed), records,
                     len(requests), 0.0, sim.duration, None)
@@ -133,7 +203,7 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--deployments", default=",".join(DEPLOYMENTS))
     parser.add_argument("--port", type=int, default=8123)
-    parser.add_argument("--calibration-prompts", type=int, default=20)
+    parser.add_argument("--calibration-prompts", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench/results/simulator_accuracy.json")
     args = parser.parse_args()
@@ -148,8 +218,19 @@ def main() -> int:
     model_dir = str(ensure_preset_model("bench"))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model_config = ModelConfig.from_pretrained(model_dir)
-    requests = random_dataset(tokenizer, num_prompts=args.num_prompts, input_len=args.input_len,
-                              output_len=args.output_len, range_ratio=0.25, prefix_len=0, seed=args.seed)
+
+    def dataset(num_prompts: int, seed: int) -> list:
+        return random_dataset(tokenizer, num_prompts=num_prompts, input_len=args.input_len,
+                              output_len=args.output_len, range_ratio=0.25, prefix_len=0, seed=seed)
+
+    # Every phase gets prompts no other phase sent: a repeated prompt would be a prefix-cache
+    # hit on the live server (its prefill nearly free) that the simulator does not model.
+    requests = dataset(args.num_prompts, args.seed)                      # sizes the loads
+    warmup = dataset(8, args.seed + 99)
+    busy = dataset(args.calibration_prompts, args.seed + 98)
+    trickle = dataset(20, args.seed + 97)
+    per_load = {load: dataset(args.num_prompts, args.seed + 1 + i) for i, load in enumerate(LOAD_FACTORS)}
+    repeat = dataset(args.num_prompts, args.seed + 50)     # the near-capacity load again: the live noise
     cores = os.cpu_count() or 1
     profiles: dict = {}
     results = {"cores": cores, "slos_ms": SLOS_MS, "num_prompts": args.num_prompts, "input_len": args.input_len,
@@ -169,26 +250,52 @@ def main() -> int:
         try:
             with served(path, args.port, workdir / f"{name}.log") as base_url:
                 model = served_model(base_url, None)
-                measured(base_url, model, requests[:8], 1000.0, args.seed + 99, tokenizer)    # warm-up
-                calibration = requests[:args.calibration_prompts]
-                meas = measured(base_url, model, calibration, CALIBRATION_RATE, args.seed + 7, tokenizer)
-                sim = simulated(raw_spec, calibration, CALIBRATION_RATE, args.seed + 7)
+                measured(base_url, model, warmup, 1000.0, args.seed + 99, tokenizer)
+                roles = roles_of(body)
+                take_live_steps(roles)                           # drops the warm-up's steps
+                trickle_run = (trickle, TRICKLE_RATE, args.seed + 7)
+                meas = measured(base_url, model, *trickle_run, tokenizer)
+                trickle_factors = step_factors(base, take_live_steps(roles))
+                busy_run = (busy, round(BUSY_CALIBRATION_LOAD * capacity(raw_spec, requests, args.seed), 3),
+                            args.seed + 8)
+                measured(base_url, model, *busy_run, tokenizer)
+                busy_factors = step_factors(base, take_live_steps(roles))
+
+                def spec_with(per_role: dict, serving_cores: float, step_s: float = 0.0, request_s: float = 0.0):
+                    models = {role: corrected(base, f, step_s) for role, f in per_role.items()}
+                    return cluster_spec(config, models.get("colocated") or models["decode"],
+                                        prefill_model=models.get("prefill"), model_config=model_config,
+                                        request_overhead_s=request_s, shared_cores=cores, threads_per_rank=threads,
+                                        serving_cores_per_stream=serving_cores)
+                serving_cores, per_role = fit_contention(spec_with, trickle_run, busy_run, trickle_factors,
+                                                         busy_factors)
+                sim = simulated(spec_with(per_role, serving_cores), *trickle_run)
                 step_s = max(0.0, (meas["median_tpot_ms"] - sim["median_tpot_ms"]) / 1000)
-                stepped = cluster_spec(config, corrected(base, step_s), model_config=model_config)
-                sim = simulated(stepped, calibration, CALIBRATION_RATE, args.seed + 7)
+                sim = simulated(spec_with(per_role, serving_cores, step_s), *trickle_run)
                 request_s = max(0.0, (meas["median_ttft_ms"] - sim["median_ttft_ms"]) / 1000)
-                factors = {"per_step_s": step_s, "per_request_s": request_s}
-                spec = cluster_spec(config, corrected(base, step_s), model_config=model_config,
-                                    request_overhead_s=request_s)
+                factors = {"busy_rate": busy_run[1], "live_step_factor": {"trickle": trickle_factors,
+                                                                           "busy": busy_factors},
+                           "serving_cores_per_stream": serving_cores, "step_factor": per_role,
+                           "per_step_s": step_s, "per_request_s": request_s}
+                spec = spec_with(per_role, serving_cores, step_s, request_s)
                 cap = capacity(spec, requests, args.seed)
-                print(f"  online correction: +{step_s * 1e3:.1f} ms per step, +{request_s * 1e3:.1f} ms per request; "
+                print("  online correction: served/profiled step " + ", ".join(
+                      f"{r} x{trickle_factors[r]:.2f} at {TRICKLE_RATE:g} req/s, x{busy_factors[r]:.2f} at "
+                      f"{busy_run[1]:.2f} req/s" for r in roles)
+                      + f"; fitted: {serving_cores:.2f} serving cores per request in flight, step x"
+                      + ", ".join(f"{f:.2f}" for f in per_role.values())
+                      + f", +{step_s * 1e3:.1f} ms per step, +{request_s * 1e3:.1f} ms per request; "
                       f"simulated capacity {cap:.2f} req/s", flush=True)
                 for load, factor in LOAD_FACTORS.items():
                     rate = round(cap * factor, 3)
-                    meas = measured(base_url, model, requests, rate, args.seed, tokenizer)
-                    sim = simulated(spec, requests, rate, args.seed)
-                    raw = simulated(raw_spec, requests, rate, args.seed)
+                    load_requests = per_load[load]
+                    meas = measured(base_url, model, load_requests, rate, args.seed, tokenizer)
+                    sim = simulated(spec, load_requests, rate, args.seed)
+                    raw = simulated(raw_spec, load_requests, rate, args.seed)
                     rows[load] = {"rate": rate, "simulated": sim, "measured": meas, "uncorrected": raw}
+                    if load == REPEATED_LOAD:
+                        rows[load]["measured_again"] = measured(base_url, model, repeat, rate, args.seed + 50,
+                                                                tokenizer)
                     print(f"  {load} ({rate:.2f} req/s): " + ", ".join(
                         f"{k} {_fmt(sim[k])} / {_fmt(meas[k])}" for k in FIGURES), flush=True)
         except ServerFailed as exc:
@@ -213,14 +320,23 @@ def table(results: dict) -> str:
         for load, row in d["loads"].items():
             if load == "error":
                 continue
-            cells = []
-            for k in FIGURES:
-                s, m = row["simulated"][k], row["measured"][k]
-                ratio = f"{s / m:.2f}" if s is not None and m else "-"
-                cells.append(f"{_fmt(s)} / {_fmt(m)} ({ratio})")
             raw = row["uncorrected"]["request_goodput"]
-            lines.append(f"| {name} | {load} | {row['rate']:.2f} | " + " | ".join(cells) + f" | {_fmt(raw)} |")
+            lines.append(f"| {name} | {load} | {row['rate']:.2f} | " + _cells(row["simulated"], row["measured"])
+                         + f" | {_fmt(raw)} |")
+            if "measured_again" in row:
+                lines.append(f"| {name} | {load}, measured again / measured | {row['rate']:.2f} | "
+                             + _cells(row["measured_again"], row["measured"]) + " | |")
     return "\n".join(lines)
+
+
+def _cells(a: dict, b: dict) -> str:
+    """Each figure as "a / b (a/b)"."""
+    cells = []
+    for k in FIGURES:
+        x, y = a[k], b[k]
+        ratio = f"{x / y:.2f}" if x is not None and y else "-"
+        cells.append(f"{_fmt(x)} / {_fmt(y)} ({ratio})")
+    return " | ".join(cells)
 
 
 if __name__ == "__main__":

@@ -99,11 +99,40 @@ def test_same_seed_same_result_and_ten_thousand_requests_run(tmp_path):
     assert [r.token_times for r in other.requests] != [r.token_times for r in first.requests]
 
 
+def test_shared_cores_are_shared_by_the_steps_running_and_the_streams():
+    # one 2-thread replica on 2 cores, 0.5 core of serving per request streaming: the prefill
+    # step (nothing streams yet) takes T, the decode steps after it (2 + 0.5) / 2 x T
+    spec = ClusterSpec("colocated", decode=ReplicaSpec(FIXED, 1000, threads=2), shared_cores=2.0,
+                       serving_cores_per_stream=0.5)
+    result = simulate(spec, [(5, 3)], [0.0])
+    assert _times(result, 0) == pytest.approx([T, 2.25 * T, 3.5 * T])
+    assert result.mean_stretch == {"colocated": pytest.approx((1 + 1.25 + 1.25) / 3)}
+    # two 1-thread replicas on 1 core: the second request goes to the idle replica at 0.1 T; from
+    # then on both steps run at half speed, so the first ends at 0.1 + 2 x 0.9 = 1.9 T, and the
+    # second, with 0.1 T of work left then, alone at full speed at 2.0 T
+    spec = ClusterSpec("colocated", decode=ReplicaSpec(FIXED, 1000), decode_replicas=2, shared_cores=1.0)
+    result = simulate(spec, [(5, 1), (5, 1)], [0.0, 0.1 * T])
+    assert [r.token_times[0] for r in result.requests] == pytest.approx([1.9 * T, 2.0 * T])
+    assert result.mean_stretch == {"colocated": pytest.approx((1.9 + 1.9) / 2)}
+    # many steps ending and starting while others run: none ever runs faster than alone
+    model = LinearStepModel((T, 1e-4, 0.0, 1e-4, 0.0))
+    replica = ReplicaSpec(model, 1000)
+    spec = ClusterSpec("disaggregated", prefill=replica, decode=replica, prefill_replicas=1, decode_replicas=1,
+                       shared_cores=2.0, serving_cores_per_stream=0.2)
+    result = simulate(spec, [(50, 20)] * 30, [i * 3 * T for i in range(30)])
+    assert min(result.mean_stretch.values()) > 1.0
+    # a device per replica (the default): the model's time
+    result = simulate(_colocated(replicas=2), [(5, 1), (5, 1)], [0.0, 0.1 * T])
+    assert [r.token_times[0] for r in result.requests] == pytest.approx([T, 1.1 * T])
+
+
 def test_bad_specs_are_refused():
     with pytest.raises(ValueError, match="needs at least one prefill replica"):
         ClusterSpec("disaggregated", decode=ReplicaSpec(FIXED, 10))
     with pytest.raises(ValueError, match="mode must be"):
         ClusterSpec("split", decode=ReplicaSpec(FIXED, 10))
+    with pytest.raises(ValueError, match="shared_cores must be > 0"):
+        ClusterSpec("colocated", decode=ReplicaSpec(FIXED, 10), shared_cores=0.0)
     with pytest.raises(ValueError, match="lengths must be >= 1"):
         simulate(_colocated(), [(0, 3)], [0.0])
 
@@ -113,10 +142,11 @@ def test_pdserve_simulate_writes_loadtest_keys(tmp_path):
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps(LinearStepModel((1e-3, 1e-5, 1e-9, 5e-5, 1e-7)).to_json()))
     out = []
-    for run in range(2):
+    machine = [[], [], ["--shared-cores", "1", "--threads-per-rank", "1", "--serving-cores-per-stream", "0.1"]]
+    for run, flags in enumerate(machine):
         code = main(["simulate", "--config", "configs/tiny-cpu.yaml", "--profile", str(profile), "--num-prompts",
                      "50", "--request-rate", "10", "--goodput", "ttft:100", "tpot:20", "--save-result",
-                     "--result-dir", str(tmp_path), "--result-file", f"r{run}.json"])
+                     "--result-dir", str(tmp_path), "--result-file", f"r{run}.json", *flags])
         assert code == 0
         out.append(json.loads((tmp_path / f"r{run}.json").read_text()))
     result = out[0]
@@ -125,3 +155,5 @@ def test_pdserve_simulate_writes_loadtest_keys(tmp_path):
         assert key in result, key
     assert result["simulated"] is True and result["completed"] == 50
     assert {k: v for k, v in out[0].items() if k != "date"} == {k: v for k, v in out[1].items() if k != "date"}
+    # the 1 prefill + 1 decode ranks sharing one core, with the serving path on it too, step slower
+    assert out[2]["mean_tpot_ms"] > 1.1 * result["mean_tpot_ms"]

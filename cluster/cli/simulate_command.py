@@ -44,7 +44,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     model_config = ModelConfig.from_pretrained(model_dir)
     link = KVLink(args.kv_bandwidth_gibps * (1 << 30), args.kv_latency_ms / 1000)
     spec = cluster_spec(config, step_model, model_config=model_config, link=link,
-                        request_overhead_s=args.request_overhead_ms / 1000)
+                        request_overhead_s=args.request_overhead_ms / 1000, shared_cores=args.shared_cores,
+                        threads_per_rank=max(1, int(args.threads_per_rank or config.resources.cpus_per_rank or 1)),
+                        serving_cores_per_stream=args.serving_cores_per_stream)
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir)
     requests = _build_dataset(args, tokenizer, config.model.max_model_len, args.seed)
@@ -122,6 +124,16 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
                    help="fixed cost of one hand-off in ms (default 8.4, measured on this CPU machine)")
     p.add_argument("--request-overhead-ms", type=float, default=0.0,
                    help="router + HTTP time added to every token of a request (default 0)")
+    p.add_argument("--shared-cores", type=float, default=None,
+                   help="CPU deployments on one machine: the cores all replicas share; a step slows down "
+                        "when the replicas in a step and the serving path ask for more (default: a device "
+                        "per rank)")
+    p.add_argument("--threads-per-rank", type=int, default=None,
+                   help="with --shared-cores: torch threads per rank (default: the config's "
+                        "resources.cpus_per_rank, else 1)")
+    p.add_argument("--serving-cores-per-stream", type=float, default=0.0,
+                   help="with --shared-cores: cores the router, the HTTP path and the client keep busy per "
+                        "request streaming tokens (bench/simulator_accuracy.py fits it; default 0)")
     p.add_argument("--autoscale", action="store_true",
                    help="let the deployment's autoscaling policy (its autoscaling: section) set the pools; "
                         "a replica asked for serves after autoscaling.startup_s")

@@ -15,6 +15,14 @@ router/disaggregation_policy.py, cluster/serving/replica_routing.py):
 A request's time on the router and the HTTP path (`request_overhead_s`) is
 added to all its token times.
 
+Replicas sharing one machine's CPU cores (`shared_cores`, CPU deployments):
+the steps running at any moment share them (processor sharing): each runs at
+min(1, cores / demand) of its own speed, where the demand is the threads of
+every replica in a step plus `serving_cores_per_stream` for each request
+streaming tokens (the router, the HTTP path and the client; a request still
+waiting for its first token costs them nothing). Replicas with devices of their
+own (GPUs) leave `shared_cores` None and take the model's time.
+
 With an autoscaler (cluster/simulator/autoscaling.py) the pools change while
 the requests run: a replica asked for joins its pool once its start-up time
 has passed; a replica scaled down takes nothing new, finishes what it holds,
@@ -39,6 +47,7 @@ class ReplicaSpec:
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    threads: int = 1                 # CPU threads of one replica's ranks together (for shared_cores)
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,8 @@ class ClusterSpec:
     kv_bandwidth_bytes_per_s: float = 1e9
     kv_latency_s: float = 0.0
     request_overhead_s: float = 0.0
+    shared_cores: float | None = None          # CPU cores all replicas share; None: a device each
+    serving_cores_per_stream: float = 0.0      # cores the serving path keeps busy per request streaming
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
@@ -65,6 +76,10 @@ class ClusterSpec:
             raise ValueError("disaggregated mode needs at least one prefill replica")
         if self.policy not in ("always", "conditional"):
             raise ValueError(f"policy must be always or conditional, got {self.policy!r}")
+        if self.shared_cores is not None and self.shared_cores <= 0:
+            raise ValueError(f"shared_cores must be > 0 (or None), got {self.shared_cores}")
+        if self.serving_cores_per_stream < 0:
+            raise ValueError(f"serving_cores_per_stream must be >= 0, got {self.serving_cores_per_stream}")
 
 
 @dataclass
@@ -88,6 +103,7 @@ class SimulationResult:
     num_local_prefills: int
     replica_seconds: dict[str, float] = field(default_factory=dict)   # per role
     timeline: list[dict] = field(default_factory=list)                # the autoscaler's intervals
+    mean_stretch: dict[str, float] = field(default_factory=dict)      # per role: step time / model's time
 
     def records(self):
         """The requests as `pdserve loadtest` RequestRecords (times in seconds from 0)."""
@@ -130,6 +146,7 @@ class _Simulation:
         self.counter = itertools.count()
         self.logs: list[SimRequestLog] = []
         self.in_flight = 0
+        self.streaming = 0                              # requests in flight past their first token
         self.pending: list[SimRequestLog] = []          # held back by max_concurrency
         self.awaiting_decode: list[tuple[SimSequence, SimReplica]] = []   # prefilled, no decode blocks yet
         self.prefill_pool = [self._replica(f"prefill-{i}", spec.prefill) for i in range(spec.prefill_replicas)] \
@@ -141,7 +158,7 @@ class _Simulation:
 
     def _replica(self, name: str, rs: ReplicaSpec) -> SimReplica:
         replica = SimReplica(name, rs.model, rs.num_kv_blocks, rs.block_size, rs.max_num_seqs,
-                             rs.max_num_batched_tokens, started_at=self.now)
+                             rs.max_num_batched_tokens, started_at=self.now, threads=rs.threads)
         replica.on_token = self._on_token
         replica.on_prefilled = lambda seq, t, r=replica: self._on_prefilled(seq, r)
         return replica
@@ -173,8 +190,14 @@ class _Simulation:
             role = self.role_of(r)
             seconds[role] = seconds.get(role, 0.0) + max(0.0, (r.stopped_at or duration) - r.started_at)
         timeline = self.autoscaler.timeline if self.autoscaler is not None else []
+        stretch: dict[str, list[float]] = {}
+        for r in pools:
+            totals = stretch.setdefault(self.role_of(r), [0.0, 0])
+            totals[0] += r.stretch_sum
+            totals[1] += r.num_steps
         return SimulationResult(self.logs, duration, sum(r.num_steps for r in pools),
-                                sum(r.num_preemptions for r in pools), self.num_local_prefills, seconds, timeline)
+                                sum(r.num_preemptions for r in pools), self.num_local_prefills, seconds, timeline,
+                                {role: total / n for role, (total, n) in stretch.items() if n})
 
     # ---- pools ------------------------------------------------------------------------------
     @property
@@ -246,13 +269,18 @@ class _Simulation:
     def _on_token(self, seq: SimSequence, time: float) -> None:
         log = self.logs[seq.index]
         log.token_times.append(time + self.spec.request_overhead_s)
+        streaming = self.streaming
+        self.streaming += len(log.token_times) == 1
         if seq.finished:
             log.end_time = time + self.spec.request_overhead_s
             self.finished.append(log)
             self.in_flight -= 1
+            self.streaming -= 1
             if self.pending:            # sent once this step's results are all applied
                 log = self.pending.pop(0)
                 self.at(self.now, lambda: self._arrive(log))
+        if self.streaming != streaming:
+            self._share_cores()
 
     # ---- the hand-off ---------------------------------------------------------------------
     def _on_prefilled(self, seq: SimSequence, source: SimReplica) -> None:
@@ -298,7 +326,41 @@ class _Simulation:
             return        # blocked on KV blocks held elsewhere: kicked again when they are freed
         replica.busy = True
         seconds = replica.model.step_time(shape)
-        self.at(self.now + seconds, lambda: self._step_done(replica, work, shape, seconds))
+        if self.spec.shared_cores is None:
+            replica.stretch_sum += 1.0
+            self.at(self.now + seconds, lambda: self._step_done(replica, work, shape, seconds))
+            return
+        replica.step = _SharedStep(work, shape, seconds, started=self.now, left=seconds)
+        self._share_cores()
+
+    # ---- steps on shared cores ------------------------------------------------------------
+    def _share_cores(self) -> None:
+        """Shares the cores among the steps running now (processor sharing): each runs
+        at min(1, cores / demand) of its own speed until the demand changes, where the
+        demand is their threads plus the serving path's cores per request streaming."""
+        spec = self.spec
+        if spec.shared_cores is None:
+            return
+        running = [r for r in self.prefill_pool + self.decode_pool + self.retired if r.step is not None]
+        demand = sum(r.threads for r in running) + spec.serving_cores_per_stream * self.streaming
+        speed = min(1.0, spec.shared_cores / demand) if demand > 0 else 1.0
+        for replica in running:
+            step = replica.step
+            step.left -= (self.now - step.since) * step.speed
+            step.since, step.speed = self.now, speed
+            step.version = version = next(self.counter)     # unique: no other step's old end matches
+            self.at(self.now + max(0.0, step.left) / speed,
+                    lambda r=replica, v=version: self._shared_step_done(r, v))
+
+    def _shared_step_done(self, replica: SimReplica, version: int) -> None:
+        step = replica.step
+        if step is None or step.version != version:
+            return            # the sharing changed since this end was scheduled
+        replica.step = None
+        seconds = self.now - step.started
+        replica.stretch_sum += seconds / step.model_seconds if step.model_seconds > 0 else 1.0
+        self._step_done(replica, step.work, step.shape, seconds)
+        self._share_cores()
 
     def _step_done(self, replica: SimReplica, work, shape: StepShape, seconds: float) -> None:
         replica.busy = False
@@ -309,6 +371,23 @@ class _Simulation:
             self._admit_awaiting()
         self._kick(replica)
         self._retire_if_done(replica)
+
+
+@dataclass
+class _SharedStep:
+    """A step running on shared cores: `left` model-seconds of it remain as of `since`,
+    run at `speed` (a fraction of its own); `version` names its one live end event."""
+    work: object
+    shape: StepShape
+    model_seconds: float
+    started: float
+    left: float
+    since: float = 0.0
+    speed: float = 1.0
+    version: int = -1
+
+    def __post_init__(self) -> None:
+        self.since = self.started
 
 
 def _prefill_time(model: StepTimeModel, tokens: int) -> float:

@@ -24,9 +24,13 @@ class KVLink:
 
 
 def cluster_spec(config, model: StepTimeModel, *, model_config, link: KVLink = KVLink(),
-                 request_overhead_s: float = 0.0, prefill_model: StepTimeModel | None = None) -> ClusterSpec:
+                 request_overhead_s: float = 0.0, prefill_model: StepTimeModel | None = None,
+                 shared_cores: float | None = None, threads_per_rank: int = 1,
+                 serving_cores_per_stream: float = 0.0) -> ClusterSpec:
     """`config`: a cluster.config.DeploymentConfig; `model_config`: the engine
-    ModelConfig of its checkpoint (KV bytes per token, context limit)."""
+    ModelConfig of its checkpoint (KV bytes per token, context limit).
+    `shared_cores`: the CPU cores every replica shares (one machine), with
+    `threads_per_rank` torch threads per rank; None: a device per rank."""
     from engine.memory_planner import kv_bytes_per_token
     e = config.engine
     max_len = config.model.max_model_len or model_config.max_position_embeddings
@@ -36,18 +40,20 @@ def cluster_spec(config, model: StepTimeModel, *, model_config, link: KVLink = K
 
     def replica(pool, step_model: StepTimeModel) -> ReplicaSpec:
         return ReplicaSpec(step_model, kv_blocks(config, pool, model_config, dtype, max_len), e.block_size,
-                           e.max_num_seqs, e.max_num_batched_tokens)
+                           e.max_num_seqs, e.max_num_batched_tokens, threads_per_rank * pool.tensor_parallel_size)
 
     d = config.disaggregation
     if config.mode.value == "colocated":
         return ClusterSpec("colocated", decode=replica(config.colocated, model),
-                           decode_replicas=config.colocated.replicas, request_overhead_s=request_overhead_s)
+                           decode_replicas=config.colocated.replicas, request_overhead_s=request_overhead_s,
+                           shared_cores=shared_cores, serving_cores_per_stream=serving_cores_per_stream)
     return ClusterSpec(
         "disaggregated", prefill=replica(config.prefill, prefill_model or model), decode=replica(config.decode, model),
         prefill_replicas=config.prefill.replicas, decode_replicas=config.decode.replicas, policy=d.policy,
         local_prefill_max_tokens=d.local_prefill_max_tokens, max_remote_wait_s=d.max_remote_wait_ms / 1000,
         kv_bytes_per_token=kv_per_token, kv_bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
-        kv_latency_s=link.latency_s, request_overhead_s=request_overhead_s)
+        kv_latency_s=link.latency_s, request_overhead_s=request_overhead_s, shared_cores=shared_cores,
+        serving_cores_per_stream=serving_cores_per_stream)
 
 
 def kv_blocks(config, pool, model_config, dtype: str, max_len: int) -> int:

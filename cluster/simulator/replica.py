@@ -63,6 +63,9 @@ class SimReplica:
     stopped_at: float | None = None
     num_steps: int = 0
     num_preemptions: int = 0
+    threads: int = 1                 # CPU threads a step keeps busy (ClusterSpec.shared_cores)
+    stretch_sum: float = 0.0         # sum over its steps of step time / the model's time
+    step: object = None              # the step it runs on shared cores (cluster_sim._SharedStep)
 
     # ---- load figures the router reads --------------------------------------------
     @property
