@@ -13,7 +13,7 @@ on the `bench` checkpoint, CPU:
      than the profiled one. It grows with load: the replicas share the
      machine's cores with each other, the router, the HTTP path and the load
      generator. The simulator's shared-cores model (cluster/simulator) is
-     fitted to both: the cores the serving path takes per request in flight,
+     fitted to both: the cores the serving path takes per request streaming,
      and a per-role factor for the rest;
    - from the trickle, the measured TPOT minus the simulated one is the
      serving path's cost between steps, added to every step; the TTFT left
@@ -129,7 +129,7 @@ def step_factors(base, live: dict[str, list]) -> dict[str, float]:
 
 def fit_contention(spec_with, trickle_run: tuple, busy_run: tuple, trickle_factors: dict,
                    busy_factors: dict) -> tuple[float, dict]:
-    """The serving cores per request in flight, and per role the factor for the
+    """The serving cores per request streaming, and per role the factor for the
     rest, with which the simulated calibration runs slow the steps down as the
     live ones did: factor x simulated stretch = the live factor, on the trickle
     exactly, on the busy run as closely as the grid of serving cores allows
@@ -282,7 +282,7 @@ def main() -> int:
                 print("  online correction: served/profiled step " + ", ".join(
                       f"{r} x{trickle_factors[r]:.2f} at {TRICKLE_RATE:g} req/s, x{busy_factors[r]:.2f} at "
                       f"{busy_run[1]:.2f} req/s" for r in roles)
-                      + f"; fitted: {serving_cores:.2f} serving cores per request in flight, step x"
+                      + f"; fitted: {serving_cores:.2f} serving cores per request streaming, step x"
                       + ", ".join(f"{f:.2f}" for f in per_role.values())
                       + f", +{step_s * 1e3:.1f} ms per step, +{request_s * 1e3:.1f} ms per request; "
                       f"simulated capacity {cap:.2f} req/s", flush=True)
