@@ -15,6 +15,8 @@ on the `bench` checkpoint, CPU:
      generator. The simulator's shared-cores model (cluster/simulator) is
      fitted to both: the cores the serving path takes per request streaming,
      and a per-role factor for the rest;
+   - the busy load's KV hand-offs (the server's /metrics) give the link's
+     latency: their mean time less the bytes at the modelled bandwidth;
    - from the trickle, the measured TPOT minus the simulated one is the
      serving path's cost between steps, added to every step; the TTFT left
      over after that is the cost per request (router, HTTP, the hand-off's
@@ -116,6 +118,32 @@ def take_live_steps(roles: tuple[str, ...]) -> dict[str, list]:
         raise ServerFailed(f"fetching the workers' steps failed: {out.stderr.strip()[-2000:]}")
     return {role: [(StepShape(int(p), a, int(d), int(c)), seconds) for p, a, d, c, seconds in steps]
             for role, steps in json.loads(out.stdout).items()}
+
+
+def handoff_totals(base_url: str) -> tuple[float, float, int]:
+    """The server's KV hand-offs so far: (seconds, bytes, count), from GET /metrics."""
+    import urllib.request
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("pdserve_kv_transfer_time_seconds_sum", "pdserve_kv_transfer_time_seconds_count",
+                    "pdserve_kv_transfer_bytes_sum"):
+            values[name] = float(value)
+    return (values.get("pdserve_kv_transfer_time_seconds_sum", 0.0), values.get("pdserve_kv_transfer_bytes_sum", 0.0),
+            int(values.get("pdserve_kv_transfer_time_seconds_count", 0)))
+
+
+def measured_link(before: tuple, after: tuple):
+    """The KV link as the live hand-offs between two handoff_totals: the modelled
+    bandwidth, and a latency making up the rest of their mean time (the default
+    link without hand-offs)."""
+    from cluster.simulator.from_config import CPU_KV_BANDWIDTH, KVLink
+    seconds, nbytes, count = (a - b for a, b in zip(after, before))
+    if count <= 0:
+        return KVLink()
+    return KVLink(CPU_KV_BANDWIDTH, max(0.0, (seconds - nbytes / CPU_KV_BANDWIDTH) / count))
 
 
 def step_factors(base, live: dict[str, list]) -> dict[str, float]:
@@ -258,13 +286,15 @@ def main() -> int:
                 trickle_factors = step_factors(base, take_live_steps(roles))
                 busy_run = (busy, round(BUSY_CALIBRATION_LOAD * capacity(raw_spec, requests, args.seed), 3),
                             args.seed + 8)
+                handoffs = handoff_totals(base_url)
                 measured(base_url, model, *busy_run, tokenizer)
                 busy_factors = step_factors(base, take_live_steps(roles))
+                link = measured_link(handoffs, handoff_totals(base_url))
 
                 def spec_with(per_role: dict, serving_cores: float, step_s: float = 0.0, request_s: float = 0.0):
                     models = {role: corrected(base, f, step_s) for role, f in per_role.items()}
                     return cluster_spec(config, models.get("colocated") or models["decode"],
-                                        prefill_model=models.get("prefill"), model_config=model_config,
+                                        prefill_model=models.get("prefill"), model_config=model_config, link=link,
                                         request_overhead_s=request_s, shared_cores=cores, threads_per_rank=threads,
                                         serving_cores_per_stream=serving_cores)
                 serving_cores, per_role = fit_contention(spec_with, trickle_run, busy_run, trickle_factors,
@@ -276,6 +306,7 @@ def main() -> int:
                 factors = {"busy_rate": busy_run[1], "live_step_factor": {"trickle": trickle_factors,
                                                                            "busy": busy_factors},
                            "serving_cores_per_stream": serving_cores, "step_factor": per_role,
+                           "handoff_latency_s": link.latency_s,
                            "per_step_s": step_s, "per_request_s": request_s}
                 spec = spec_with(per_role, serving_cores, step_s, request_s)
                 cap = capacity(spec, requests, args.seed)
@@ -284,7 +315,8 @@ def main() -> int:
                       f"{busy_run[1]:.2f} req/s" for r in roles)
                       + f"; fitted: {serving_cores:.2f} serving cores per request streaming, step x"
                       + ", ".join(f"{f:.2f}" for f in per_role.values())
-                      + f", +{step_s * 1e3:.1f} ms per step, +{request_s * 1e3:.1f} ms per request; "
+                      + f", +{step_s * 1e3:.1f} ms per step, +{request_s * 1e3:.1f} ms per request, "
+                      f"hand-off latency {link.latency_s * 1e3:.1f} ms; "
                       f"simulated capacity {cap:.2f} req/s", flush=True)
                 for load, factor in LOAD_FACTORS.items():
                     rate = round(cap * factor, 3)
