@@ -34,7 +34,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import yaml
@@ -42,6 +41,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.loadtest.client import scrape_metrics  # noqa: E402
 from bench.loadtest.datasets import random_dataset  # noqa: E402
 from bench.loadtest.metrics import e2el, itls, percentile, ttft  # noqa: E402
 from bench.loadtest.runner import RunConfig, run_benchmark  # noqa: E402
@@ -60,11 +60,7 @@ def replica_pids(deployment: str) -> list[int]:
 
 
 def counter(base_url: str, sample: str) -> float:
-    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(sample + " "):
-                return float(line.split()[-1])
-    return 0.0
+    return scrape_metrics(base_url).get(sample, 0.0)
 
 
 class Killer(threading.Thread):
@@ -198,7 +194,8 @@ def main() -> int:
     results.update({
         "kills": [{"t_s": t - chaos.records[0].send_time if chaos.records else 0.0, "deployment": d}
                   for t, d in killer.kills],
-        "kills_skipped": killer.skipped, "bystanders_restarted": bystanders_restarted, "sent": len(chaos.records), "completed": len(done), "lost": len(lost),
+        "kills_skipped": killer.skipped, "bystanders_restarted": bystanders_restarted,
+        "sent": len(chaos.records), "completed": len(done), "lost": len(lost),
         "lost_errors": sorted({(r.status, (r.error or "")[:200]) for r in lost}), "migrations": migrations,
         "lost_requests": [{**_describe_sent(r, chaos.records[0].send_time, killer.kills),
                            "chunks": len(r.chunk_times)} for r in lost],

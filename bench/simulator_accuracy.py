@@ -52,6 +52,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.loadtest.arrivals import arrival_offsets  # noqa: E402
+from bench.loadtest.client import scrape_metrics  # noqa: E402
 from bench.loadtest.datasets import random_dataset  # noqa: E402
 from bench.loadtest.metrics import summarize  # noqa: E402
 from bench.loadtest.report import build_result  # noqa: E402
@@ -122,17 +123,9 @@ def take_live_steps(roles: tuple[str, ...]) -> dict[str, list]:
 
 def handoff_totals(base_url: str) -> tuple[float, float, int]:
     """The server's KV hand-offs so far: (seconds, bytes, count), from GET /metrics."""
-    import urllib.request
-    with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as reply:
-        text = reply.read().decode()
-    values = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in ("pdserve_kv_transfer_time_seconds_sum", "pdserve_kv_transfer_time_seconds_count",
-                    "pdserve_kv_transfer_bytes_sum"):
-            values[name] = float(value)
-    return (values.get("pdserve_kv_transfer_time_seconds_sum", 0.0), values.get("pdserve_kv_transfer_bytes_sum", 0.0),
-            int(values.get("pdserve_kv_transfer_time_seconds_count", 0)))
+    m = scrape_metrics(base_url, timeout_s=30)
+    return (m.get("pdserve_kv_transfer_time_seconds_sum", 0.0), m.get("pdserve_kv_transfer_bytes_sum", 0.0),
+            int(m.get("pdserve_kv_transfer_time_seconds_count", 0)))
 
 
 def measured_link(before: tuple, after: tuple):

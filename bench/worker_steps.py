@@ -32,7 +32,7 @@ def main(roles: list[str]) -> int:
     steps = {}
     for role in roles:
         replies = serve.get_deployment_handle(WORKER_DEPLOYMENTS[role], app_name=APP_NAME) \
-            .broadcast("step_samples").results()
+            .broadcast("step_samples").results(timeout_s=60)
         steps[role] = [[s.num_prefill_tokens, s.prefill_attention, s.num_decode_seqs, s.decode_context,
                         s.duration_s] for reply in replies for _, s in reply["steps"]]
     print(json.dumps(steps))

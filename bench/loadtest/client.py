@@ -214,3 +214,17 @@ async def fetch_models(session: aiohttp.ClientSession, base_url: str, timeout_s:
     except (ValueError, KeyError, TypeError):
         raise ValueError(f"GET {url} did not return an OpenAI model list: {body[:200]!r}") from None
     return [c for c in cards if isinstance(c, dict) and isinstance(c.get("id"), str)]
+
+
+def scrape_metrics(base_url: str, timeout_s: float = 10.0) -> dict[str, float]:
+    """The unlabelled samples of GET {base_url}/metrics (Prometheus text), by name:
+    counters, and histograms' `_sum` and `_count`."""
+    import urllib.request
+    with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=timeout_s) as reply:
+        text = reply.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name and not name.startswith("#") and "{" not in name:
+            samples[name] = float(value.split()[0])
+    return samples
