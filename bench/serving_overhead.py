@@ -4,7 +4,7 @@ disaggregated) and, optionally, a peer server, measured in one run.
     python bench/serving_overhead.py [--systems offline,colocated,disaggregated]
                                      [--peer-url URL] [--peer-model NAME] [--peer-name NAME]
                                      [--num-prompts 48] [--input-len 280] [--output-len 64]
-                                     [--model DIR] [--json FILE]
+                                     [--model DIR] [--rounds N] [--json FILE]
 
 Checkpoint: the "bench" preset (~30M-parameter random Llama, fp32, its own
 tokenizer), built on first use in pdserve's model cache (--model DIR to use
@@ -28,7 +28,12 @@ Loads per served system (bench/loadtest's runner, metrics and report):
       req/s, SLO attainment, TTFT and TPOT p50/p99;
   (c) Poisson 2 req/s -> TPOT p50.
 Prints one row per (system, load) as it goes, then a summary table; --json FILE
-saves every figure. A server that does not start (exit, or no GET /health 200
+saves every figure. --rounds N measures every system N times in turn (offline,
+colocated, disaggregated, peer; then again), each round with prompts of its
+own, and ends with each figure's median and range over the rounds and its ratio
+to the offline engine and to the peer taken within each round: on a shared
+machine the same system's figures move by tens of percent from one run to the
+next, so a ratio between systems measured minutes apart is what can be trusted. A server that does not start (exit, or no GET /health 200
 within --start-timeout) or whose requests fail is reported as such, and the
 run goes on with the next system.
 
@@ -91,6 +96,7 @@ SYSTEMS = ("offline", "colocated", "disaggregated")
 SERVE_ARGS = {"colocated": ["--mode", "colocated"], "disaggregated": []}
 SLOS_MS = {"ttft": 1000.0, "tpot": 100.0}
 WARMUP_PROMPTS = 8
+ROUND_SEED_STRIDE = 10_000   # round r's loads use seed + r * stride (+ each load's offset)
 # Per-request keys of build_result left out of the JSON (they dwarf the figures).
 _BULKY = ("input_lens", "output_lens", "ttfts", "itls", "generated_texts", "errors", "requests")
 
@@ -118,13 +124,22 @@ class ServerFailed(RuntimeError):
 # ------------------------------------------------------------------------------ workload
 
 
-def build_workloads(tokenizer, args) -> dict[str, list[SampleRequest]]:
-    """The requests of each load, plus "warmup": the same for every system."""
+def round_seed(args, round_index: int) -> int:
+    """The base seed of a round: every round sends prompts of its own."""
+    return args.seed + ROUND_SEED_STRIDE * round_index
+
+
+def build_workloads(tokenizer, args, round_index: int = 0) -> dict:
+    """The requests of each load, plus "warmup" (the same for every system of a
+    round), and "seed": the round's base seed."""
+    seed = round_seed(args, round_index)
+
     def dataset(num: int, seed: int) -> list[SampleRequest]:
         return random_dataset(tokenizer, num_prompts=num, input_len=args.input_len,
                               output_len=args.output_len, seed=seed)
-    workloads = {load.name: dataset(args.num_prompts, args.seed + load.seed_offset) for load in LOADS}
-    workloads["warmup"] = dataset(WARMUP_PROMPTS, args.seed + 1000)
+    workloads = {load.name: dataset(args.num_prompts, seed + load.seed_offset) for load in LOADS}
+    workloads["warmup"] = dataset(WARMUP_PROMPTS, seed + 1000)
+    workloads["seed"] = seed
     return workloads
 
 
@@ -295,11 +310,12 @@ def served_model(base_url: str, wanted: str | None) -> str:
 
 
 def run_load(base_url: str, model: str, requests: list[SampleRequest], load: Load, args,
-             tokenizer) -> dict:
-    """One load through the server: build_result's figures, less the per-request lists."""
+             tokenizer, seed: int) -> dict:
+    """One load through the server (arrival times drawn from `seed` + the load's
+    offset): build_result's figures, less the per-request lists."""
     config = RunConfig(base_url=base_url, model=model, request_rate=load.rate, max_concurrency=load.concurrency,
                        max_duration=args.max_duration, request_timeout=args.request_timeout, temperature=0.0,
-                       ignore_eos=True, seed=args.seed + load.seed_offset, disable_tqdm=True)
+                       ignore_eos=True, seed=seed + load.seed_offset, disable_tqdm=True)
     run = asyncio.run(run_benchmark(requests, config, tokenizer=tokenizer))
     if run.cancelled:  # Ctrl-C: the runner returned what it had; stop the whole benchmark
         raise KeyboardInterrupt
@@ -311,13 +327,14 @@ def run_load(base_url: str, model: str, requests: list[SampleRequest], load: Loa
 
 def measure_server(system: str, base_url: str, model: str, workloads: dict, args, tokenizer) -> dict:
     """Warm-up, then the three loads; a load whose requests all fail stops the system."""
+    seed = workloads["seed"]
     warm = run_load(base_url, model, workloads["warmup"], Load("warmup", float("inf"), 16, {}, 1000), args,
-                    tokenizer)
+                    tokenizer, seed)
     if warm["completed"] == 0:
         raise ServerFailed(f"every warm-up request failed: {warm['error_counts']}")
     loads = {}
     for load in LOADS:
-        result = run_load(base_url, model, workloads[load.name], load, args, tokenizer)
+        result = run_load(base_url, model, workloads[load.name], load, args, tokenizer, seed)
         loads[load.name] = result
         print(load_row(system, load.name, result), flush=True)
         if result["completed"] == 0:
@@ -405,6 +422,82 @@ def _ratio(a: float | None, b: float | None) -> str:
     return "-" if a is None or not b else f"{a / b:.2f}"
 
 
+# The figures compared across rounds, in the summary's order; "lower" ones are
+# better when smaller (their ratio to the peer is read the other way).
+ROUND_FIGURES = ("tok/s@16", "goodput@16", "goodput@4", "TTFT p50@4", "TPOT p50@2")
+
+
+def round_figures(r: dict | None) -> dict[str, float]:
+    """One system's summary figures in one round (a figure it lacks is left out)."""
+    if not r or r.get("error"):
+        return {}
+    if "loads" not in r:
+        return {"tok/s@16": r["output_throughput"]}
+    c16, r4, r2 = (r["loads"][name] for name in ("c16", "rate4", "rate2"))
+    figures = {"tok/s@16": c16.get("output_throughput"), "goodput@16": c16.get("request_goodput"),
+               "goodput@4": r4.get("request_goodput"), "TTFT p50@4": r4.get("median_ttft_ms"),
+               "TPOT p50@2": r2.get("median_tpot_ms")}
+    return {k: v for k, v in figures.items() if v is not None}
+
+
+def spread(values: list[float]) -> dict | None:
+    """Median, min and max of `values` (None when empty)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return {"median": median, "min": ordered[0], "max": ordered[-1], "n": len(ordered)}
+
+
+def rounds_summary(rounds: list[dict], peer: str | None) -> dict:
+    """Per system and figure: the spread over rounds of the figure, of its ratio to
+    the offline engine's tok/s (tok/s@16 only) and of its ratio to the peer's figure,
+    each ratio taken within one round (the systems of a round ran minutes apart)."""
+    summary: dict[str, dict] = {}
+    systems = list(dict.fromkeys(name for results in rounds for name in results))
+    for system in systems:
+        per_figure = {}
+        for figure in ROUND_FIGURES:
+            values, x_offline, x_peer = [], [], []
+            for results in rounds:
+                own = round_figures(results.get(system)).get(figure)
+                if own is None:
+                    continue
+                values.append(own)
+                offline = round_figures(results.get("offline")).get("tok/s@16")
+                if figure == "tok/s@16" and offline and system != "offline":
+                    x_offline.append(own / offline)
+                theirs = round_figures(results.get(peer)).get(figure) if peer and system != peer else None
+                if theirs:
+                    x_peer.append(own / theirs)
+            if values:
+                per_figure[figure] = {"value": spread(values), "x_offline": spread(x_offline),
+                                      "x_peer": spread(x_peer)}
+        summary[system] = per_figure
+    return summary
+
+
+def rounds_table(summary: dict, num_rounds: int, peer: str | None) -> str:
+    """The summary over rounds: median [min-max] of each figure and of its ratios."""
+    def cell(s: dict | None, fmt: str) -> str:
+        if s is None:
+            return "-"
+        return f"{s['median']:{fmt}} [{s['min']:{fmt}}-{s['max']:{fmt}}]"
+    header = f"{'system':<14} {'figure':<11} {'median [min-max]':>24} {'x offline':>18}" + \
+        (f" {'x ' + peer:>18}" if peer else "")
+    lines = [f"Over {num_rounds} rounds (ratios within each round; goodput in req/s, latencies in ms; "
+             "for TTFT and TPOT a ratio below 1 is better)", header, "-" * len(header)]
+    for system, figures in summary.items():
+        for figure, s in figures.items():
+            line = (f"{system:<14} {figure:<11} {cell(s['value'], '.1f'):>24} "
+                    f"{cell(s['x_offline'], '.2f'):>18}")
+            if peer:
+                line += f" {cell(s['x_peer'], '.2f'):>18}"
+            lines.append(line)
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------------- main
 
 
@@ -425,6 +518,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--stop-timeout", type=float, default=60.0, help="seconds to wait after each stop signal")
     p.add_argument("--max-duration", type=float, default=300.0, help="seconds one load may take")
     p.add_argument("--request-timeout", type=float, default=120.0, help="seconds one request may take")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure every system this many times, in turn, each round with prompts of its "
+                        "own; the summary gives medians and per-round ratios (default 1)")
     p.add_argument("--json", default=None, help="also write every figure to this file")
     args = p.parse_args()
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -435,6 +531,8 @@ def parse_args() -> argparse.Namespace:
         p.error("nothing to measure: give --systems or --peer-url")
     if args.peer_url and args.peer_name in SYSTEMS:
         p.error(f"--peer-name must differ from {', '.join(SYSTEMS)}")
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, not {args.rounds}")
     args.systems = systems
     return args
 
@@ -463,26 +561,36 @@ def main() -> int:
 
     model_dir = args.model or str(ensure_preset_model("bench"))
     tokenizer = load_tokenizer(model_dir)
-    workloads = build_workloads(tokenizer, args)
     log_dir = Path(tempfile.mkdtemp(prefix="serving-overhead-"))
     print(f"model {model_dir}; {args.num_prompts} requests per load, ~{args.input_len}-token prompts, "
           f"{args.output_len} output tokens, greedy, ignore_eos; loads: c16 = 16 concurrent, rate inf; "
-          f"rate4 = Poisson 4 req/s, SLOs TTFT <= 1000 ms, TPOT <= 100 ms; rate2 = Poisson 2 req/s", flush=True)
-    print(LOAD_HEADER, flush=True)
+          f"rate4 = Poisson 4 req/s, SLOs TTFT <= 1000 ms, TPOT <= 100 ms; rate2 = Poisson 2 req/s; "
+          f"{args.rounds} round(s)", flush=True)
     order = args.systems + ([args.peer_name] if args.peer_url else [])
-    results = {system: measure(system, model_dir, workloads, args, tokenizer, log_dir) for system in order}
-    print()
-    print(summary_table(results, args.peer_name if args.peer_url else None))
+    peer = args.peer_name if args.peer_url else None
+    rounds: list[dict] = []
+    for index in range(args.rounds):
+        workloads = build_workloads(tokenizer, args, index)
+        print(f"\n=== round {index + 1} of {args.rounds} (seed {workloads['seed']})", flush=True)
+        print(LOAD_HEADER, flush=True)
+        results = {system: measure(system, model_dir, workloads, args, tokenizer, log_dir) for system in order}
+        rounds.append(results)
+        print()
+        print(summary_table(results, peer))
+    summary = rounds_summary(rounds, peer)
+    if args.rounds > 1:
+        print()
+        print(rounds_table(summary, args.rounds, peer))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({
             "args": vars(args), "model": model_dir, "slos_ms": SLOS_MS,
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}",
             "loads": {load.name: {"request_rate": str(load.rate), "max_concurrency": load.concurrency,
-                                  "seed": args.seed + load.seed_offset} for load in LOADS},
-            "systems": results}, indent=2) + "\n")
+                                  "seed_offset": load.seed_offset} for load in LOADS},
+            "summary": summary, "rounds": rounds}, indent=2) + "\n")
         print(f"wrote {args.json}")
-    return 1 if any(r.get("error") for r in results.values()) else 0
+    return 1 if any(r.get("error") for results in rounds for r in results.values()) else 0
 
 
 if __name__ == "__main__":

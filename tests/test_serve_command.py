@@ -112,6 +112,14 @@ def test_pdserve_serve_answers_and_stops_cleanly_on_ctrl_c(model_dirs, tmp_path)
         # the router answers on the port itself (direct ingress), not Serve's HTTP proxy
         assert "ServeReplica:pdserve:Router" in _listener_of(port)
         check_loadtest_against(f"http://127.0.0.1:{port}", tmp_path)
+        # the local cluster runs lean: Serve's controller loop slowed, no dashboard modules
+        session = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        commands = {pid: _command_line(pid) for pid in session}
+        controller = [pid for pid, cmd in commands.items() if "ServeController" in cmd]
+        assert len(controller) == 1, commands
+        assert "RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5" in Path(f"/proc/{controller[0]}/environ").read_text(
+            errors="replace").split("\0")
+        assert not [cmd for cmd in commands.values() if "ray-dashboard-" in cmd], commands
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=90)
         assert proc.returncode == 0
@@ -127,6 +135,13 @@ def test_pdserve_serve_answers_and_stops_cleanly_on_ctrl_c(model_dirs, tmp_path)
             break
         time.sleep(0.5)
     assert left == [], f"processes of the pdserve session still running 30 s after Ctrl-C: {left}"
+
+
+def _command_line(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text(errors="replace").replace("\0", " ")
+    except OSError:   # exited meanwhile
+        return ""
 
 
 def _listener_of(port: int) -> str:

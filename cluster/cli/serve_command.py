@@ -5,12 +5,13 @@
                   [--prefill-tp N] [--decode-tp N] [--colocated-replicas N] [--colocated-tp N]
                   [--device cpu|cuda] [--dtype D] [--max-model-len L] [--served-model-name NAME]
                   [--autoscale --slo ttft:MS tpot:MS [--max-replicas N]] [--api-key KEY]
-                  [--address RAY_ADDRESS]
+                  [--address RAY_ADDRESS] [--ray-dashboard]
 
 Flags override the config file; with neither, the built-in tiny model is served
 on CPU by 1 prefill + 1 decode worker at http://127.0.0.1:8000. Joins the Ray
 cluster at --address (or a running local one); otherwise starts a local
-cluster declaring enough CPUs for every gang, whose router answers HTTP on the
+cluster declaring enough CPUs for every gang, lean on background work
+(cluster/serving/local_cluster.py), whose router answers HTTP on the
 port itself (cluster/serving/direct_ingress.py), and on Ctrl-C/SIGTERM stops
 everything it started. A deployment whose gangs can never be placed on the
 cluster is refused before anything is deployed (exit 2, the message on stderr).
@@ -77,6 +78,9 @@ def add_serve_parser(sub) -> None:
                                                      "pools start with)")
     p.add_argument("--address", help="Ray cluster to join (default: a running local one, else start one; "
                                       "'local': always start a new one)")
+    p.add_argument("--ray-dashboard", action="store_true",
+                   help="start the Ray dashboard with the local cluster (off by default: on a small "
+                        "machine its polling takes CPU from the engine)")
     p.set_defaults(func=_cmd_serve)
 
 
@@ -117,7 +121,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     machine_cpus = os.cpu_count() or 1
     local_env = direct_ingress_env(config.http.port) if config.http.direct_ingress else {}
-    started_ray = _connect(args.address, local_cluster_cpus(config, machine_cpus), local_env)
+    started_ray = _connect(args.address, local_cluster_cpus(config, machine_cpus), local_env, args.ray_dashboard)
     direct_ingress = started_ray and config.http.direct_ingress
     try:
         config = placed_config(config, machine_cpus if started_ray else None)
@@ -184,13 +188,16 @@ def _wait_running(name: str, timeout_s: float = 600.0) -> None:
     raise TimeoutError(f"the application was not running after {timeout_s:.0f} s")
 
 
-def _connect(address: str | None, local_cpus: int, local_env: dict[str, str]) -> bool:
+def _connect(address: str | None, local_cpus: int, local_env: dict[str, str], dashboard: bool) -> bool:
     """Joins `address`, or a running local cluster, or starts one declaring
-    `local_cpus` CPUs with `local_env` in its processes' environment; True when
-    this process started it (and must stop it)."""
+    `local_cpus` CPUs with `local_env` in its processes' environment (and the
+    Ray dashboard if `dashboard`); True when this process started it (and must
+    stop it)."""
     import ray
+
+    from cluster.serving.local_cluster import start_local_cluster
     if address == "local":
-        _start_local(local_cpus, local_env)
+        start_local_cluster(local_cpus, local_env, dashboard=dashboard)
         return True
     if address:
         ray.init(address=address)
@@ -199,14 +206,5 @@ def _connect(address: str | None, local_cpus: int, local_env: dict[str, str]) ->
         ray.init(address="auto")
         return False
     except ConnectionError:
-        _start_local(local_cpus, local_env)
+        start_local_cluster(local_cpus, local_env, dashboard=dashboard)
         return True
-
-
-def _start_local(num_cpus: int, env: dict[str, str]) -> None:
-    """A local cluster whose workers run at normal priority (cluster/serving/process_priority.py)."""
-    import ray
-
-    from cluster.serving.process_priority import LOCAL_CLUSTER_ENV
-    os.environ.update({**LOCAL_CLUSTER_ENV, **env})   # read by the raylet this starts and its workers
-    ray.init(address="local", num_cpus=num_cpus)
