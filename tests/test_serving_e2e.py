@@ -252,7 +252,6 @@ def _kill_the_busiest(pids: list[int]) -> None:
     whose engine is stepping: the one holding streams)."""
     import os
     import signal
-    import time
 
     def cpu_ticks(pid: int) -> int:
         fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
@@ -300,9 +299,9 @@ def test_streams_survive_a_killed_decode_or_prefill_worker(ray_cluster, model_di
         prompts = [tokenizer.encode(f"{PROMPTS[i % len(PROMPTS)]} {i}") for i in range(16)]
         decode_pids = _replica_pids("mig", "DecodeServer")
         assert len(decode_pids) == 2
-        # kill a decode replica that holds streams (the router may have placed every one on the other)
-        # as many tokens as max_model_len allows: the tiny model streams 150 in well under a second,
-        # and the kill must land while the streams run
+        # the kill must land while the streams run (the tiny model streams 150 tokens in well under a
+        # second: so as many as max_model_len allows), on a decode replica that holds streams (the
+        # router may have placed every one on the other)
         texts = _texts_with_a_kill(base, prompts, MIGRATION_MAX_TOKENS, lambda: _kill_the_busiest(decode_pids), 4)
         for prompt, text in zip(prompts, texts):
             ids = reference("tiny").greedy(tuple(prompt), MIGRATION_MAX_TOKENS, ignore_eos=True)
