@@ -1,10 +1,13 @@
 """Lets kernels run under Triton's CPU interpreter (TRITON_INTERPRET=1).
-Compiled kernels are unaffected. Two interpreter gaps are filled:
+Compiled kernels are unaffected. Three interpreter gaps are filled:
 - it holds a program id as a 1-element array, and NumPy 2 refuses `int()` of
   that, so a loop whose bounds derive from a program id fails ("only
   0-dimensional arrays can be converted");
 - it stores bfloat16 as raw uint16 and `tl.dot` multiplies those integers:
-  bf16 operands are widened to float32 first here.
+  bf16 operands are widened to float32 first here;
+- Triton 3.9's interpreter can hand its load/store a mask held as int32 (an
+  int1 tensor combined with a broadcast scalar condition), which its C loader
+  refuses ("mask has unsupported dtype"): masks are made boolean first here.
 """
 
 from __future__ import annotations
@@ -48,3 +51,19 @@ def patch_interpreter_scalars() -> None:
         return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
     builder.create_dot = create_dot_bf16
+
+    def as_bool(mask):
+        if mask.data.dtype == np.bool_:
+            return mask
+        return interpreter.TensorHandle(mask.data.astype(np.bool_), tl.int1)
+
+    masked_load, masked_store = builder.create_masked_load, builder.create_masked_store
+
+    def create_masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
+        return masked_load(self, ptrs, as_bool(mask), other, cache_policy, is_volatile)
+
+    def create_masked_store(self, ptrs, value, mask, cache_policy):
+        return masked_store(self, ptrs, value, as_bool(mask), cache_policy)
+
+    builder.create_masked_load = create_masked_load
+    builder.create_masked_store = create_masked_store
