@@ -54,7 +54,8 @@ class EngineSection(_Strict):
     max_cuda_graph_batch_size: int = Field(256, ge=1, description="CUDA: decode batches up to this size "
                                            "replay a graph captured at start-up")
     cpu_weight_prepack: bool = Field(True, description="CPU: linear weights also kept in oneDNN's packed layout "
-                                     "(used from 16 rows up; twice the linear weights' memory)")
+                                     "(used from the row count where it is faster, measured at load; twice the "
+                                     "linear weights' memory)")
 
 
 class KVTransferSection(_Strict):
