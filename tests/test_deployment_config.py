@@ -32,6 +32,16 @@ def test_tiny_tp2_shards_decode_only():
     assert (e.tensor_parallel_size, e.device, e.max_model_len, e.dtype) == (2, "cpu", 1024, "float32")
 
 
+@pytest.mark.parametrize("device, engine, expected", [
+    ("cpu", {}, 512), ("cuda", {}, 2048), ("cpu", {"max_num_batched_tokens": 96}, 96),
+    ("cuda", {"max_num_batched_tokens": 8192}, 8192)])
+def test_tokens_per_step_default_by_device_and_the_set_value_wins(device, engine, expected):
+    c = DeploymentConfig(device=device, engine=engine)
+    assert c.tokens_per_step() == expected
+    if device == "cpu":   # a CUDA EngineConfig needs a visible GPU
+        assert c.engine_config("prefill", "/m").max_num_batched_tokens == expected
+
+
 @pytest.mark.parametrize("name, model", [("llama-3-8b-1xh100.yaml", "llama-3-8b"),
                                          ("llama-3-70b-8xh100.yaml", "llama-3-70b")])
 def test_gpu_files_fit_by_the_planner(name, model):

@@ -40,7 +40,7 @@ def cluster_spec(config, model: StepTimeModel, *, model_config, link: KVLink = K
 
     def replica(pool, step_model: StepTimeModel) -> ReplicaSpec:
         return ReplicaSpec(step_model, kv_blocks(config, pool, model_config, dtype, max_len), e.block_size,
-                           e.max_num_seqs, e.max_num_batched_tokens, threads_per_rank * pool.tensor_parallel_size)
+                           e.max_num_seqs, config.tokens_per_step(), threads_per_rank * pool.tensor_parallel_size)
 
     d = config.disaggregation
     if config.mode.value == "colocated":
