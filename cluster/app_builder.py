@@ -130,6 +130,7 @@ def build_application(config: DeploymentConfig) -> serve.Application:
                                           lim.max_stop_sequences, lim.max_request_body_bytes)
     router_args["api_key_sha256"] = config.api_key_sha256()
     router_args["protect_metrics"] = config.http.protect_metrics
+    router_args["stream_interval_s"] = config.http.stream_interval_ms / 1000
     router_args["admission"] = config.admission.settings(config.slo)
     router_args["max_migrations"] = config.migration.max_migrations
     if config.autoscaling.enabled:

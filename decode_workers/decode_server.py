@@ -5,7 +5,8 @@ transport and no prefill pool: it prefills every request itself).
 
 Remote operations (one definition each):
 - generate(DecodeRequest) -> Admitted          routed by free KV blocks (`record_routing_stats`)
-- stream_outputs(subscriber) -> list[TokenDelta] per engine step   (target_replica: this replica)
+- stream_outputs(subscriber, min_interval_s) -> list[TokenDelta] per engine step, or per
+  interval (stream batching)                                       (target_replica: this replica)
 - abort(request_id)                                                (target_replica: this replica)
 """
 
@@ -53,8 +54,9 @@ class DecodeServer(WorkerDeployment):
         """`avoid_replica` steers a retry away from a replica (cluster/serving/replica_routing.py)."""
         return await self.worker.generate(request)
 
-    async def stream_outputs(self, subscriber: str, *, target_replica: str) -> AsyncIterator[list[TokenDelta]]:
-        async for batch in self.worker.stream(subscriber):
+    async def stream_outputs(self, subscriber: str, min_interval_s: float = 0.0, *,
+                             target_replica: str) -> AsyncIterator[list[TokenDelta]]:
+        async for batch in self.worker.stream(subscriber, min_interval_s):
             yield batch
 
     async def abort(self, request_id: str, *, target_replica: str) -> None:

@@ -164,9 +164,10 @@ class DecodeWorker:
         gets a final delta with finish_reason "abort"."""
         await self._engine.call(self._abort, request_id)
 
-    async def stream(self, subscriber_id: str) -> AsyncIterator[list[TokenDelta]]:
+    async def stream(self, subscriber_id: str, min_interval_s: float = 0.0) -> AsyncIterator[list[TokenDelta]]:
         """The subscriber's deltas, one list per engine step (several steps when
-        the reader is slower). Closing it aborts the subscriber's requests. It
+        the reader is slower, or within `min_interval_s` of the previous list:
+        delta_outbox.py's stream batching). Closing it aborts the subscriber's requests. It
         ends by itself once the subscriber has had no request here for
         STREAM_IDLE_CLOSE_S, so that a replica being scaled down holds no
         endless call and Serve can stop it."""
@@ -174,6 +175,7 @@ class DecodeWorker:
         if subscriber.streaming:
             raise InvalidRequestError(f"subscriber {subscriber_id!r} already streams from {self.name}")
         subscriber.streaming = True
+        subscriber.outbox.min_interval_s = min_interval_s
         try:
             while True:
                 try:

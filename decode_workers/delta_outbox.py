@@ -7,6 +7,13 @@ A reader that falls behind gets several steps in one batch (still one delta per
 request), so a busy router receives fewer, larger messages instead of one per
 token. Only deltas cross the
 process boundary: new token ids, new text, new logprobs.
+
+Stream batching (`min_interval_s`, Ray Serve LLM's and vLLM's stream interval):
+a batch of mid-stream tokens waits until `min_interval_s` after the previous
+one, gathering the steps in between. A first token or a finished request goes
+at once, so time to first token and end-to-end latency do not change; what it
+saves is a message per engine step when steps are short (each costs the
+router and this replica CPU that a small machine's engine would otherwise use).
 """
 
 from __future__ import annotations
@@ -14,14 +21,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 
 from cluster.serving.messages import TokenDelta
 from engine.outputs import RequestOutput
 
 
 class DeltaOutbox:
-    def __init__(self) -> None:
+    def __init__(self, min_interval_s: float = 0.0) -> None:
         """Create on the event loop that will read it."""
+        self.min_interval_s = min_interval_s   # the reader's; 0: a batch per engine step
+        self._last_take = float("-inf")        # monotonic time of the last batch taken
         self._loop = asyncio.get_running_loop()
         self._lock = threading.Lock()
         self._pending: dict[str, TokenDelta] = {}   # request id -> its delta since the last take
@@ -41,7 +51,8 @@ class DeltaOutbox:
                 self._sent_logprobs[out.request_id] = sent + len(delta.logprobs)
             deltas.append(delta)
         with self._lock:
-            wake = not self._pending
+            # a reader holding tokens back for the interval wakes for an urgent one
+            wake = not self._pending or any(is_urgent(d) for d in deltas)
             for delta in deltas:   # one entry per request: a request that produced again is merged
                 earlier = self._pending.get(delta.request_id)
                 self._pending[delta.request_id] = delta if earlier is None else merge(earlier, delta)
@@ -55,11 +66,23 @@ class DeltaOutbox:
     # ---- event loop --------------------------------------------------------------------------------
     async def take(self) -> list[TokenDelta]:
         """Waits for at least one delta and returns all pending ones, one per
-        request; raises what the engine failed with once nothing is left."""
+        request, no sooner than `min_interval_s` after the previous batch unless
+        one of them is urgent (a first token, a finish); raises what the engine
+        failed with once nothing is left."""
         while True:
+            if self._batching_wait_s() > 0:
+                self._ready.clear()   # then look again: a put after this look sets it
+                wait_s = self._batching_wait_s()
+                if wait_s > 0:
+                    try:
+                        await asyncio.wait_for(self._ready.wait(), wait_s)
+                    except asyncio.TimeoutError:
+                        pass
+                    continue
             with self._lock:
                 batch, self._pending = list(self._pending.values()), {}
             if batch:
+                self._last_take = time.monotonic()
                 return batch
             if self._failure is not None:
                 raise self._failure
@@ -68,6 +91,21 @@ class DeltaOutbox:
                 if self._pending:
                     continue
             await self._ready.wait()
+
+    def _batching_wait_s(self) -> float:
+        """How long pending deltas should wait to be batched with later steps' (0: take them now)."""
+        if self.min_interval_s <= 0 or self._failure is not None:
+            return 0.0
+        with self._lock:
+            if not self._pending or any(is_urgent(d) for d in self._pending.values()):
+                return 0.0
+        return self._last_take + self.min_interval_s - time.monotonic()
+
+
+def is_urgent(delta: TokenDelta) -> bool:
+    """A delta stream batching never holds back: a request's first token (its
+    TTFT) or its end."""
+    return delta.finished or delta.first_token_times is not None
 
 
 def merge(earlier: TokenDelta, later: TokenDelta) -> TokenDelta:

@@ -39,7 +39,7 @@ class Router:
                  autoscaling: AutoscaleSettings | None = None, autoscaling_profile: str | None = None,
                  limits: RequestLimits = RequestLimits(), api_key_sha256: str | None = None,
                  protect_metrics: bool = True, admission: AdmissionSettings | None = None,
-                 max_migrations: int = 3):
+                 max_migrations: int = 3, stream_interval_s: float = 0.0):
         normal_priority()
         self.admission = AdmissionControl(admission) if admission is not None else None
         self._http = {"limits": limits, "api_key_sha256": api_key_sha256, "protect_metrics": protect_metrics,
@@ -50,12 +50,12 @@ class Router:
         subscriber = f"router-{replica}-{uuid.uuid4().hex[:8]}"
         self.policy = None
         if mode == "colocated":
-            self.backend = ServingBackend(info, ServeDecodePool(colocated, "colocated"), subscriber=subscriber,
+            self.backend = ServingBackend(info, ServeDecodePool(colocated, "colocated", stream_interval_s), subscriber=subscriber,
                                           max_migrations=max_migrations, detokenize=self._detokenize)
             self._workers = {"colocated": colocated}
         else:
             self.policy = DisaggregationPolicy(disaggregation or DisaggregationSettings())
-            self.backend = ServingBackend(info, ServeDecodePool(decode), ServePrefillPool(prefill), self.policy,
+            self.backend = ServingBackend(info, ServeDecodePool(decode, "decode", stream_interval_s), ServePrefillPool(prefill), self.policy,
                                           subscriber=subscriber, max_migrations=max_migrations,
                                           detokenize=self._detokenize)
             self._workers = {"prefill": prefill, "decode": decode}

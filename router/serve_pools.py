@@ -104,10 +104,13 @@ class ServePrefillPool:
 class ServeDecodePool:
     """Decode replicas (or colocated ones: the same deployment class)."""
 
-    def __init__(self, handle, what: str = "decode"):
+    def __init__(self, handle, what: str = "decode", stream_interval_s: float = 0.0):
+        """`stream_interval_s`: the replicas batch this router's mid-stream tokens
+        over at least this long (decode_workers/delta_outbox.py)."""
         self._handle = handle
         self._streams = handle.options(stream=True)
         self._what = what
+        self._stream_interval_s = stream_interval_s
 
     async def check_health(self) -> None:
         await check_replicas(self._handle, self._what)
@@ -120,7 +123,8 @@ class ServeDecodePool:
                     self._what)
 
     async def stream(self, replica_id: str, subscriber: str) -> AsyncIterator[list[TokenDelta]]:
-        stream = self._streams.stream_outputs.remote(subscriber, **{TARGET_REPLICA: replica_id})
+        stream = self._streams.stream_outputs.remote(subscriber, self._stream_interval_s,
+                                                      **{TARGET_REPLICA: replica_id})
         try:
             with unwrapped_errors(self._what):
                 async for batch in stream:

@@ -65,6 +65,7 @@ def test_gpu_files_fit_by_the_planner(name, model):
     ({"engine": {"gpu_memory_utilization": 1.5}}, r"engine.gpu_memory_utilization\n.*less than or equal to 1"),
     ({"model": {"dtype": "int8"}}, r"model.dtype"),
     ({"prefil": {}}, r"prefil\n.*Extra inputs are not permitted"),
+    ({"http": {"stream_interval_ms": -5}}, r"http.stream_interval_ms\n.*greater than or equal to 0"),
 ])
 def test_mistakes_name_the_field(tmp_path, data, match):
     import yaml

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from cluster.serving.messages import DecodeRequest
 from cluster.transport.fake_transport import FakeTransportHub
 from decode_workers.decode_worker import DecodeWorker
+from decode_workers.delta_outbox import is_urgent
 from engine import EngineConfig, SamplingParams
 from router.backend import ModelInfo
 from router.disaggregation_policy import DisaggregationPolicy, DisaggregationSettings
@@ -116,10 +119,13 @@ def test_the_policy_overflows_to_the_decode_worker_only_when_the_prefill_pool_is
     assert not always.prefill_locally(5000)
 
 
-def test_a_worker_stream_carries_one_delta_per_request_per_batch(model_dirs, reference):
+@pytest.mark.parametrize("min_interval_s", [0.0, 60.0])
+def test_a_worker_stream_carries_one_delta_per_request_per_batch(model_dirs, reference, min_interval_s):
     """Eight requests decoding together on a colocated worker: every batch names a
     request at most once, the batches' deltas rebuild each request exactly, and
-    there are far fewer batches than tokens (one message per step, not per token)."""
+    there are far fewer batches than tokens (one message per step, not per token).
+    With stream batching over a long interval, only a first token or a finish
+    sends a batch: every batch carries one."""
     config = EngineConfig(model=str(model_dirs["tiny"]), max_model_len=128, block_size=8, dtype="float32",
                           num_kv_blocks=64)
     prompts = {f"r{i}": [7 + i, 20, 30 + i, 41] for i in range(8)}
@@ -128,7 +134,7 @@ def test_a_worker_stream_carries_one_delta_per_request_per_batch(model_dirs, ref
         worker = DecodeWorker(config, replica_id="C")
         await worker.start()
         try:
-            stream = worker.stream("router-0")
+            stream = worker.stream("router-0", min_interval_s)
             for rid, prompt in prompts.items():
                 admitted = await worker.generate(DecodeRequest(rid, prompt, GREEDY, "router-0"))
                 assert admitted.replica_id == "C" and admitted.transfer_time_s is None
@@ -152,6 +158,9 @@ def test_a_worker_stream_carries_one_delta_per_request_per_batch(model_dirs, ref
         expected = reference("tiny").greedy(tuple(prompt), 10)   # stops early at EOS; ignore_eos here
         assert len(tokens[rid]) == 10 and tokens[rid][:len(expected)] == expected
     assert len(batches) <= 10 + 8    # ~one per step (10 tokens each), not one per token (80)
+    if min_interval_s:
+        assert all(any(is_urgent(d) for d in batch) for batch in batches)
+        assert sum(len(d.token_ids) > 1 for batch in batches for d in batch) > 0   # steps were merged
 
 
 def test_colocated_backend_matches_transformers(model_dirs, reference):
