@@ -31,12 +31,27 @@ def _reference(q, kv_cache, tables, lens, scale):
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (8, 2, 64), (6, 1, 80), (4, 2, 128)])
 @pytest.mark.parametrize("block_size", [5, 16])
-def test_decode_attention_matches_float64_attention(heads, kv_heads, head_dim, block_size):
+@pytest.mark.parametrize("batch,threads", [(5, None), (1, 2), (2, 2), (3, 2), (3, 3), (1, 4)])
+def test_decode_attention_matches_float64_attention(heads, kv_heads, head_dim, block_size, batch, threads):
+    """Every way the kernel splits the work over threads (whole sequences, or a
+    sequence's KV heads in groups) gives the same attention."""
+    if threads is not None:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            _check_decode_attention(heads, kv_heads, head_dim, block_size, batch)
+        finally:
+            torch.set_num_threads(before)
+    else:
+        _check_decode_attention(heads, kv_heads, head_dim, block_size, batch)
+
+
+def _check_decode_attention(heads, kv_heads, head_dim, block_size, batch):
     gen = torch.Generator().manual_seed(heads * 100 + head_dim + block_size)
     num_blocks = 64
     kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen)
     # ragged lengths on and off block boundaries; shuffled, non-contiguous blocks; padded table rows
-    lens = torch.tensor([1, block_size, block_size + 1, 3 * block_size - 1, 7 * block_size], dtype=torch.long)
+    lens = torch.tensor([7 * block_size, block_size + 1, 1, 3 * block_size - 1, block_size], dtype=torch.long)[:batch]
     width = int(-(-lens.max() // block_size))
     order = torch.randperm(num_blocks, generator=gen)
     tables = torch.zeros(len(lens), width, dtype=torch.long)
