@@ -167,8 +167,8 @@ class DecodeWorker:
     async def stream(self, subscriber_id: str, min_interval_s: float = 0.0) -> AsyncIterator[list[TokenDelta]]:
         """The subscriber's deltas, one list per engine step (several steps when
         the reader is slower, or within `min_interval_s` of the previous list:
-        delta_outbox.py's stream batching). Closing it aborts the subscriber's requests. It
-        ends by itself once the subscriber has had no request here for
+        delta_outbox.py's stream batching). Closing it aborts the subscriber's
+        requests. It ends by itself once the subscriber has had no request here for
         STREAM_IDLE_CLOSE_S, so that a replica being scaled down holds no
         endless call and Serve can stop it."""
         subscriber = self._subscriber(subscriber_id)

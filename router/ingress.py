@@ -50,12 +50,14 @@ class Router:
         subscriber = f"router-{replica}-{uuid.uuid4().hex[:8]}"
         self.policy = None
         if mode == "colocated":
-            self.backend = ServingBackend(info, ServeDecodePool(colocated, "colocated", stream_interval_s), subscriber=subscriber,
-                                          max_migrations=max_migrations, detokenize=self._detokenize)
+            self.backend = ServingBackend(info, ServeDecodePool(colocated, "colocated", stream_interval_s),
+                                          subscriber=subscriber, max_migrations=max_migrations,
+                                          detokenize=self._detokenize)
             self._workers = {"colocated": colocated}
         else:
             self.policy = DisaggregationPolicy(disaggregation or DisaggregationSettings())
-            self.backend = ServingBackend(info, ServeDecodePool(decode, "decode", stream_interval_s), ServePrefillPool(prefill), self.policy,
+            self.backend = ServingBackend(info, ServeDecodePool(decode, "decode", stream_interval_s),
+                                          ServePrefillPool(prefill), self.policy,
                                           subscriber=subscriber, max_migrations=max_migrations,
                                           detokenize=self._detokenize)
             self._workers = {"prefill": prefill, "decode": decode}
