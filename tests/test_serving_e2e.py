@@ -111,6 +111,16 @@ def _counter_reaches(base_url: str, sample: str, minimum: float, timeout_s: floa
     return True
 
 
+def _gauge_names_worker(base_url: str, name: str, worker: str, timeout_s: float = 15) -> bool:
+    """Whether the per-worker gauge has a value for `worker` within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while worker not in worker_gauge(base_url, name, timeout_s=0):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
 def worker_gauge(base_url: str, name: str, timeout_s: float = 15) -> dict[str, float]:
     """worker label -> value of a per-worker gauge (waits for the first stats refresh)."""
     deadline = time.monotonic() + timeout_s
@@ -146,6 +156,9 @@ def test_one_prefill_two_decoders_and_bad_input(ray_cluster, model_dirs, referen
                   resources={"cpus_per_rank": 0.5},
                   disaggregation={"policy": "conditional", "local_prefill_max_tokens": 10})
     try:
+        # until the router's stats refresh has seen the prefill replica running, it prefills
+        # every prompt on a decode replica (a pool with no replica running); wait for it
+        assert _gauge_names_worker(base, "pdserve_worker_torch_threads", "prefill-0")
         check_concurrent(base, reference, tokenizer, n_requests=16)
         prefills = {role: counter(base, f'pdserve_prefills_total{{worker_role="{role}"}}')
                     for role in ("prefill", "decode")}
