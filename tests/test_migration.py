@@ -208,3 +208,44 @@ def test_a_prompt_waiting_on_a_prefill_pool_that_lost_every_replica_is_prefilled
     assert waited and cancelled and local == 1
     assert out.token_ids == reference("tiny").greedy(tuple(PROMPTS[1]), 10)
     assert (phases.migrations, phases.prefilled_on) == (0, "decode")
+
+
+def test_a_prefill_result_that_arrives_as_the_request_is_cancelled_is_released(model_dirs):
+    """The prefill replica answered (it holds the KV) in the same loop turn as the
+    client left: the router never hands that KV off, so it releases it."""
+    from cluster.transport.fake_transport import FakeTransportHub
+    from router.disaggregation_policy import (
+        DisaggregationPolicy,
+        DisaggregationSettings,
+    )
+    from tests.test_handoff_workers import Pair
+
+    class AnsweringPrefillPool:
+        def __init__(self):
+            self.answer: asyncio.Future = asyncio.get_running_loop().create_future()
+            self.released: list[str] = []
+
+        async def prefill(self, request_id, prompt_token_ids, params):
+            return await self.answer
+
+        def release(self, result):
+            self.released.append(result)
+
+    async def main():
+        policy = DisaggregationPolicy(DisaggregationSettings("always"))
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub(), policy=policy).start()
+        pool = pair.backend._prefill = AnsweringPrefillPool()
+        try:
+            request = asyncio.ensure_future(pair.run("r", PROMPTS[1]))
+            while not pair.backend._policy._remote.tokens_in_flight:   # the prefill call is out
+                await asyncio.sleep(0.01)
+            pool.answer.set_result("the hold")
+            await asyncio.sleep(0)      # the call finishes; the request has not resumed yet
+            request.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await request
+            return pool.released
+        finally:
+            await pair.shutdown()
+
+    assert run(main()) == ["the hold"]
