@@ -31,7 +31,11 @@ ABORTED = 'pdserve_requests_total{finish_reason="abort"}'
 @pytest.fixture(scope="module")
 def live(ray_cluster, model_dirs):
     """The deployment's base URL (no /v1)."""
-    base = deploy(ray_cluster, model_dirs["tiny"], "robust", limits={"max_tokens": 16})
+    # A client that leaves during its hand-off leaves a send in flight towards a receiver that
+    # gave up: the prefill side frees that KV when the transfer times out. The abandoned-streams
+    # test waits 20 s for every block to be free: longer than this timeout, shorter than the lease.
+    base = deploy(ray_cluster, model_dirs["tiny"], "robust", limits={"max_tokens": 16},
+                  kv_transfer={"timeout_s": 8, "lease_s": 30})
     yield base.removesuffix("/v1")
     serve.delete("robust")
 
@@ -118,7 +122,7 @@ def test_abandoned_streams_leave_no_block_in_use(live, reference, tokenizer):
     read = asyncio.run(main())
     left_early = sum(n == 0 for n in read)
     assert left_early > 0 and sum(n == 1 for n in read) > 0 and sum(n > 1 for n in read) > 0, read
-    _wait_kv_idle(f"{live}/v1", timeout_s=20)     # well inside the prefill lease (60 s)
+    _wait_kv_idle(f"{live}/v1", timeout_s=20)     # past the transfer timeout (8 s), inside the lease (30 s)
     held = [line for line in urllib.request.urlopen(f"{live}/metrics", timeout=10).read().decode().splitlines()
             if line.startswith("pdserve_worker_kv_holds{")]
     assert held and all(float(line.split()[-1]) == 0 for line in held), held
