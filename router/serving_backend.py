@@ -259,20 +259,20 @@ class ServingBackend(GenerationBackend):
                 return await self._prefill.prefill(request_id, prompt_token_ids, params)
             call = asyncio.ensure_future(self._prefill.prefill(request_id, prompt_token_ids, params))
             emptied = asyncio.ensure_future(self._policy.prefill_pool_emptied())
-            returned = False
             try:
                 await asyncio.wait({call, emptied}, return_when=asyncio.FIRST_COMPLETED)
-                if call.done():
-                    returned = True
-                    return call.result()
-                log.warning("request %s: no prefill replica is running; a decode replica prefills it", request_id)
-                return None
+            except BaseException:
+                if call.done() and not call.cancelled() and call.exception() is None:
+                    # the result came in as this request was cancelled: nobody hands its KV off
+                    self._prefill.release(call.result())
+                raise
             finally:
                 call.cancel()      # a no-op once done; else the call is cancelled on its replica too
                 emptied.cancel()
-                if not returned and call.done() and not call.cancelled() and call.exception() is None:
-                    # the result came in as this request was cancelled: nobody hands its KV off
-                    self._prefill.release(call.result())
+            if call.done():
+                return call.result()
+            log.warning("request %s: no prefill replica is running; a decode replica prefills it", request_id)
+            return None
 
     def _in_flight(self, local: bool, num_prompt_tokens: int):
         """The policy's count of prompt tokens in flight (nothing to count without a policy)."""

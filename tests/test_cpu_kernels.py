@@ -33,17 +33,14 @@ def _reference(q, kv_cache, tables, lens, scale):
 @pytest.mark.parametrize("block_size", [5, 16])
 @pytest.mark.parametrize("batch,threads", [(5, None), (1, 2), (2, 2), (3, 2), (3, 3), (1, 4)])
 def test_decode_attention_matches_float64_attention(heads, kv_heads, head_dim, block_size, batch, threads):
-    """Every way the kernel splits the work over threads (whole sequences, or a
-    sequence's KV heads in groups) gives the same attention."""
-    if threads is not None:
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            _check_decode_attention(heads, kv_heads, head_dim, block_size, batch)
-        finally:
-            torch.set_num_threads(before)
-    else:
+    """The same attention whether the sequences outnumber the threads or not
+    (`threads` None: the current count)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
         _check_decode_attention(heads, kv_heads, head_dim, block_size, batch)
+    finally:
+        torch.set_num_threads(before)
 
 
 def _check_decode_attention(heads, kv_heads, head_dim, block_size, batch):

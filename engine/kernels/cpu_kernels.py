@@ -71,13 +71,12 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv
   // few sequences there are: splitting a sequence's heads over threads measured slower in the
   // model (bench preset, 2 threads, 280 keys: 1 sequence 1.0 against 0.53 ms a step, 3 sequences
   // 1.9 against 1.0 ms) and no faster alone up to 4,000 keys.
-  const int64_t R = H;   // query heads of a task
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(R * D), row_max(R), row_sum(R);
+    std::vector<float> scores, acc(H * D), row_max(H), row_sum(H);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t L = lens[b];
-      const float* qr = q_base + b * H * D;                   // the R query heads, contiguous
-      scores.resize(R * L);
+      const float* qr = q_base + b * H * D;                   // its H query heads, contiguous
+      scores.resize(H * L);
       std::fill(row_max.begin(), row_max.end(), -FLT_MAX);   // finite: built with -ffast-math
       // block by block: the table lookup once per block, not once per key
       for (int64_t t0 = 0; t0 < L; t0 += block_size) {
@@ -85,7 +84,7 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv
         const int64_t n = std::min(block_size, L - t0);
         for (int64_t i = 0; i < n; ++i) {
           const float* k = kb + i * token_stride;
-          for (int64_t r = 0; r < R; ++r) {
+          for (int64_t r = 0; r < H; ++r) {
             const float* qh = qr + r * D;
             const float* kr = k + (r / G) * D;
             float dot = 0.f;
@@ -97,7 +96,7 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv
           }
         }
       }
-      for (int64_t r = 0; r < R; ++r) {
+      for (int64_t r = 0; r < H; ++r) {
         float sum = 0.f;
         float* sr = scores.data() + r * L;
         const float m = row_max[r];
@@ -111,7 +110,7 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv
         const int64_t n = std::min(block_size, L - t0);
         for (int64_t i = 0; i < n; ++i) {
           const float* v = vb + i * token_stride;
-          for (int64_t r = 0; r < R; ++r) {
+          for (int64_t r = 0; r < H; ++r) {
             const float p = scores[r * L + t0 + i];
             const float* vr = v + (r / G) * D;
             float* a = acc.data() + r * D;
@@ -120,7 +119,7 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv
           }
         }
       }
-      for (int64_t r = 0; r < R; ++r) {
+      for (int64_t r = 0; r < H; ++r) {
         float* o = o_base + (b * H + r) * D;
         const float inv = 1.f / row_sum[r];
         for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inv;
