@@ -37,7 +37,12 @@ def deploy(ray_cluster, model_dir, name: str, **shape) -> str:
         "kv_transfer": {"timeout_s": 20, "lease_s": 30},
         "disaggregation": {"policy": "always"},
         **shape}
-    return serve_app.deploy(name, settings, ray_cluster, timeout_s=120) + "/v1"
+    base = serve_app.deploy(name, settings, ray_cluster, timeout_s=120) + "/v1"
+    if settings.get("mode", "disaggregated") == "disaggregated" and settings.get("prefill", {}).get("replicas", 1):
+        # until the router's stats refresh has seen a prefill replica running, it treats the pool
+        # as empty and prefills every prompt on a decode replica: tests expect hand-offs
+        assert _gauge_names_worker(base, "pdserve_worker_torch_threads", "prefill-0"), name
+    return base
 
 
 def client(base_url: str) -> openai.OpenAI:
@@ -156,9 +161,6 @@ def test_one_prefill_two_decoders_and_bad_input(ray_cluster, model_dirs, referen
                   resources={"cpus_per_rank": 0.5},
                   disaggregation={"policy": "conditional", "local_prefill_max_tokens": 10})
     try:
-        # until the router's stats refresh has seen the prefill replica running, it prefills
-        # every prompt on a decode replica (a pool with no replica running); wait for it
-        assert _gauge_names_worker(base, "pdserve_worker_torch_threads", "prefill-0")
         check_concurrent(base, reference, tokenizer, n_requests=16)
         prefills = {role: counter(base, f'pdserve_prefills_total{{worker_role="{role}"}}')
                     for role in ("prefill", "decode")}
