@@ -19,7 +19,9 @@ each system gets the whole GPU, and a crash or hang costs one phase, not the run
    holds one (a marker file records the recipe);
 3. decode step time at batch 1, 8, 32, 64, 128 x context 512, 2048 for
    - pdserve: the engine's defaults (Triton paged attention, CUDA graphs, fused ops),
+   - pdserve-sync (not run by default): the defaults with async_scheduling=False,
    - pdserve-eager-old: attention_backend="torch", enforce_eager=True, fused_ops=False,
+     skinny_gemm=False, async_scheduling=False,
    - transformers generate() in bf16 with cache_implementation="static", uncompiled at
      every point, then torch.compile'd (generate's auto-compile, reduce-overhead) at as
      many points as the time budget allows (each new shape recompiles);
@@ -94,7 +96,10 @@ MAX_MODEL_LEN = 8192              # the engines' context limit (the checkpoint a
 
 SYSTEMS = {
     "pdserve": {},                                   # the engine's defaults
-    "pdserve-eager-old": {"attention_backend": "torch", "enforce_eager": True, "fused_ops": False},
+    # the engine's defaults but with every step read back before the next is scheduled
+    "pdserve-sync": {"async_scheduling": False},
+    "pdserve-eager-old": {"attention_backend": "torch", "enforce_eager": True, "fused_ops": False,
+                          "skinny_gemm": False, "async_scheduling": False},
     "transformers": None,
 }
 TARGETS = (  # (kind, batch or prompt length, minimum)
@@ -107,6 +112,7 @@ PHASE_LIMITS = {
     "ceilings": (60, 15),
     "checkpoint": (200, 30),
     "pdserve": (160, 45),
+    "pdserve-sync": (160, 45),
     "pdserve-eager-old": (120, 40),
     "transformers": (260, 45),
 }
@@ -1034,7 +1040,7 @@ def build_plan(args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="few points, short runs, no torch.compile (smoke test)")
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}")
+    ap.add_argument("--systems", default="pdserve,pdserve-eager-old,transformers", help=f"comma-separated, from {', '.join(SYSTEMS)}")
     ap.add_argument("--skip-transformers", action="store_true", help="drop transformers from --systems")
     ap.add_argument("--model-dir", default=None, help="checkpoint dir, written unless it already holds one "
                                                       "(default /tmp/llama3-8b-random)")

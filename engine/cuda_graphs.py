@@ -87,14 +87,17 @@ class DecodeGraphs:
         """True for a decode-only step this instance captured a size for."""
         return inputs.is_decode_only and inputs.input_ids.shape[0] <= self.sizes[-1]
 
-    def run(self, inputs) -> torch.Tensor | None:
+    def run(self, inputs, fill=None) -> torch.Tensor | None:
         """Logits [B, vocab] for a decode-only step of B sequences (rank 0; None elsewhere).
-        `inputs` are on the CPU, as the runner built them."""
+        `inputs` are on the CPU, as the runner built them; `fill` (a TokenFill) sets
+        input tokens that are only on the device."""
         batch = inputs.input_ids.shape[0]
         padded = next(b for b in self.sizes if b >= batch)
         paged = inputs.meta.paged
         # straight from pinned host memory into the static buffers: one copy each, no host wait
         _upload(self.input_ids[:batch], inputs.input_ids)
+        if fill is not None:
+            fill.applied_to(self.input_ids)
         _upload(self.positions[:batch], inputs.positions)
         _upload(self.slot_mapping[:batch], inputs.meta.slot_mapping)
         _upload(self.seq_lens[:batch], paged.seq_lens)

@@ -35,6 +35,10 @@ class EngineConfig:
     max_cuda_graph_batch_size: int = 256        # CUDA: decode batches up to this replay a captured graph
     fused_ops: bool = True                      # fused RMSNorm+residual, SiLU-and-mul, rotary:
                                                 # Triton on CUDA, C++ on CPU (float32)
+    skinny_gemm: bool = True                    # CUDA: one-row matmuls (batch-1 decode) through a Triton GEMV
+    # the next step is scheduled and launched while the device runs the current one; its
+    # outputs come back one step() call later. auto: on for CUDA with tensor_parallel_size 1
+    async_scheduling: bool | str = "auto"
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -62,6 +66,11 @@ class EngineConfig:
                              f"{torch.cuda.device_count()} visible CUDA device(s)")
         if self.attention_backend not in ("auto", "torch", "triton", "cpp"):
             raise ValueError(f"attention_backend must be auto, torch, triton or cpp, got {self.attention_backend!r}")
+        if self.async_scheduling not in ("auto", True, False):
+            raise ValueError(f"async_scheduling must be auto, true or false, got {self.async_scheduling!r}")
+        if self.async_scheduling is True and self.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling needs tensor_parallel_size 1 (the other ranks would need each "
+                             "step's sampled tokens); set async_scheduling to auto or false")
         if self.tp_backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"tp_backend must be auto, gloo or nccl, got {self.tp_backend!r}")
 
@@ -77,6 +86,11 @@ class EngineConfig:
         if self.attention_backend != "auto":
             return self.attention_backend
         return "triton" if self.resolved_device().type == "cuda" else "cpp"
+
+    def uses_async_scheduling(self) -> bool:
+        if self.async_scheduling == "auto":
+            return self.resolved_device().type == "cuda" and self.tensor_parallel_size == 1
+        return self.async_scheduling
 
     def uses_cuda_graphs(self) -> bool:
         return (self.resolved_device().type == "cuda" and not self.enforce_eager

@@ -13,6 +13,14 @@ Disaggregated roles use the same engine:
 - decode: `reserve_prefilled` allocates blocks for a prompt whose K/V will be
   written into `kv_cache` from outside, `commit_prefilled` admits it into the
   running batch with its first token already sampled; step(prefill=False).
+
+Async scheduling (`config.async_scheduling`; on by default on CUDA): step()
+schedules and launches the next batch before it reads back the samples of the
+one launched by the previous call, so the host's scheduling, input preparation
+and output processing run while the device computes. A step's outputs then come
+from the next step() call. Work that reaches the KV cache from outside the
+device's stream (KV transfers, read/write_kv_shards) is ordered after the
+launched steps by the stream or by the read's own synchronisation.
 """
 
 from __future__ import annotations
@@ -31,11 +39,11 @@ from engine.model.parallel import SINGLE_PROCESS, TensorParallel
 from engine.model_worker import KV_READ, KV_WRITE, RPC, ModelWorker, RankCallError, run_rank_call
 from engine.output_processor import RequestTextState
 from engine.outputs import RequestOutput
-from engine.runner import ModelRunner
+from engine.runner import LaunchedStep, ModelRunner
 from engine.sampler import Sampler, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from engine.tokenizer import load_tokenizer
 from engine.tp_group import RankProcesses, create_group, free_port, resolve_backend
 
@@ -85,7 +93,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
-                                   enable_chunked_prefill=config.enable_chunked_prefill)
+                                   enable_chunked_prefill=config.enable_chunked_prefill,
+                                   max_model_len=self.max_model_len)
         batch_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.runner = ModelRunner(self.worker, Sampler(batch_generator))
         tokenizer_eos = [] if self.tokenizer.eos_token_id is None else [self.tokenizer.eos_token_id]
@@ -94,6 +103,9 @@ class LLMEngine:
         self._held: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.last_step: StepStats | None = None   # the latest non-empty step
+        self.async_scheduling = config.uses_async_scheduling()
+        self._in_flight: _InFlight | None = None    # launched by the previous step() call, not read back
+        self._last_resolved = time.monotonic()
 
     # ---- tensor-parallel ranks ----------------------------------------------------------
     def _start_ranks(self, config: EngineConfig) -> TensorParallel:
@@ -205,33 +217,66 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > len(self.scheduler.reserved)
+        """True while a step() call has work: requests to run, or samples to read back."""
+        return self.scheduler.num_unfinished > len(self.scheduler.reserved) or self._in_flight is not None
 
     # ---- the step -----------------------------------------------------------------------
     def step(self, *, prefill: bool = True, decode: bool = True) -> list[RequestOutput]:
         """Runs one batch. Returns an output for every request that produced a
-        token (or finished) in this step."""
+        token (or finished) in a step whose samples were read back in this call:
+        this call's step, or with async scheduling the previous call's."""
         self._check_ranks()
+        previous, self._in_flight = self._in_flight, None
         step = self.scheduler.schedule(prefill=prefill, decode=decode)
-        if step.is_empty:
-            return []
-        prefill_attention, decode_context = _step_shape(step)
-        now = started = time.monotonic()
+        launched = self._launch(step, previous) if not step.is_empty else None
+        outputs = self._resolve(previous) if previous is not None else []
+        if launched is not None:
+            if launched.run.overlapped:
+                self._in_flight = launched
+            else:
+                outputs += self._resolve(launched)
+        return outputs
+
+    def _launch(self, step, previous: _InFlight | None) -> _InFlight:
+        """Queues the step on the device; its sequences' new tokens become pending
+        when their samples stay there."""
+        started = time.monotonic()
         for seq in step.seqs:
             if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = now
+                seq.first_scheduled_time = started
         try:
-            sampled, result = self.runner.execute(step)
+            run = self.runner.launch(step, previous.run if previous else None, overlap=self.async_scheduling)
         except Exception as exc:
             self._on_rank_error(exc)
             raise
         self.scheduler.after_step(step)
+        if run.overlapped:
+            for seq in run.sampled:
+                seq.token_ids.append(PENDING_TOKEN)
+                seq.num_pending_tokens += 1
+        return _InFlight(run, started, *_step_shape(step))
+
+    def _resolve(self, launched: _InFlight) -> list[RequestOutput]:
+        """Reads back a launched step's samples and turns them into outputs. A
+        sequence that ended (or was aborted) since the launch drops its sample."""
+        try:
+            result = launched.run.result()
+        except Exception as exc:
+            self._on_rank_error(exc)
+            raise
+        now = time.monotonic()
+        step = launched.run.step
+        self.last_step = StepStats(step.num_prefill_tokens, step.num_decode_seqs,
+                                   now - max(launched.started, self._last_resolved),
+                                   launched.prefill_attention, launched.decode_context)
+        self._last_resolved = now
         outputs = []
         if result is None:
             return outputs
-        now = time.monotonic()
-        for i, seq in enumerate(sampled):
-            state = self._states[seq.request_id]
+        for i, seq in enumerate(launched.run.sampled):
+            state = self._states.get(seq.request_id)
+            if state is None or state.seq is not seq:
+                continue
             if seq.first_token_time is None:
                 seq.first_token_time = now
             state.append(result.token_ids[i], result.logprobs[i])
@@ -239,8 +284,6 @@ class LLMEngine:
             if finished or seq.hold_kv:
                 self._finish(seq)
             outputs.append(state.make_output(finished))
-        self.last_step = StepStats(step.num_prefill_tokens, step.num_decode_seqs, time.monotonic() - started,
-                                   prefill_attention, decode_context)
         return outputs
 
     def _finish(self, seq: Sequence) -> None:
@@ -379,6 +422,15 @@ class LLMEngine:
         while self.has_unfinished_requests():
             done.extend(o for o in self.step() if o.finished or o.request_id in self._held)
         return done
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A launched step, with what its StepStats needs."""
+    run: LaunchedStep
+    started: float
+    prefill_attention: float
+    decode_context: int
 
 
 def _step_shape(step) -> tuple[float, int]:

@@ -29,7 +29,7 @@ from engine.model.attention_metadata import (
     PrefillChunk,
     to_device,
 )
-from engine.model.cpu_gemm import pack_linear_weights, packing_supported
+from engine.model.cpu_gemm import pack_linear_weights, packing_supported, use_skinny_gemm
 from engine.model.llama import use_fused_ops
 from engine.model.parallel import SINGLE_PROCESS, TensorParallel
 
@@ -55,6 +55,18 @@ class ModelInputs:
     def is_decode_only(self) -> bool:
         paged = self.meta.paged
         return paged is not None and paged.num_decodes == self.input_ids.shape[0]
+
+
+@dataclass(slots=True)
+class TokenFill:
+    """Input tokens known only on the device (sampled by a step still in flight):
+    input_ids[rows[i]] = token_ids[i]."""
+    rows: torch.Tensor           # [P] int64, on the CPU
+    token_ids: torch.Tensor      # [P] int64, on the device
+
+    def applied_to(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """`input_ids` (on the device) with the rows filled in place."""
+        return input_ids.index_copy_(0, to_device(self.rows, input_ids.device), self.token_ids)
 
 
 class ModelWorker:
@@ -87,6 +99,9 @@ class ModelWorker:
         elif config.fused_ops and _cpp_kernels_run(self.device, self.dtype):
             from engine.kernels import cpu_kernels
             use_fused_ops(self.model, cpu_kernels)
+        if config.skinny_gemm and self.device.type == "cuda":
+            from engine.kernels import gemv
+            use_skinny_gemm(self.model, gemv.skinny_linear, gemv.ROWS_FASTER_THAN_CUBLAS)
         if config.cpu_weight_prepack and packing_supported(self.dtype, self.device):
             pack_linear_weights(self.model)
         attn = self.model.model.layers[0].self_attn
@@ -197,13 +212,14 @@ class ModelWorker:
         self.kv_cache.write_blocks(block_ids, data)
 
     @torch.inference_mode()
-    def execute(self, inputs: ModelInputs) -> torch.Tensor | None:
+    def execute(self, inputs: ModelInputs, fill: TokenFill | None = None) -> torch.Tensor | None:
         """Forward pass; returns logits [S, vocab] (float32) on rank 0, None elsewhere
-        or when nothing is sampled."""
+        or when nothing is sampled. `fill` sets input tokens on the device first."""
         if self.graphs is not None and self.graphs.can_run(inputs):
-            return self.graphs.run(inputs)
+            return self.graphs.run(inputs, fill)
         inputs = inputs.to(self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_layers, inputs.meta)
+        input_ids = inputs.input_ids if fill is None else fill.applied_to(inputs.input_ids)
+        hidden = self.model(input_ids, inputs.positions, self.kv_layers, inputs.meta)
         if inputs.sample_indices.numel() == 0:
             return None
         return self.model.compute_logits(hidden[inputs.sample_indices])

@@ -33,12 +33,19 @@ class RequestTextState:
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
 
     def append(self, token_id: int, logprobs: TokenLogprobs | None) -> None:
-        """Adds a sampled token to the sequence; sets seq.finish_reason when it ends it."""
+        """Adds a sampled token to the sequence (in place of its oldest pending
+        token, if it has one); sets seq.finish_reason when it ends it."""
         seq, params = self.seq, self.seq.params
-        seq.token_ids.append(token_id)
+        if seq.num_pending_tokens:
+            index = seq.num_known_tokens
+            seq.token_ids[index] = token_id
+            seq.num_pending_tokens -= 1
+        else:
+            index = len(seq.token_ids)
+            seq.token_ids.append(token_id)
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.append(logprobs)
-        n_out = seq.num_output_tokens
+        n_out = index + 1 - seq.num_prompt_tokens
         past_min = n_out >= params.min_tokens
         if past_min and not params.ignore_eos and token_id in seq.eos_token_ids:
             self._finish("stop", None)
@@ -50,7 +57,7 @@ class RequestTextState:
         self.text += self.detokenizer.add_token(token_id)
         if past_min and self.stop_strings and self._check_stop_strings(prev_len):
             return
-        if n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if n_out >= params.max_tokens or index + 1 >= self.max_model_len:
             self._finish("length", None)
 
     def _check_stop_strings(self, prev_len: int) -> bool:
@@ -68,6 +75,10 @@ class RequestTextState:
         return True
 
     def _finish(self, reason: str, stop_reason: int | str | None) -> None:
+        seq = self.seq
+        if seq.num_pending_tokens:      # a token sampled after the last one: never part of the output
+            del seq.token_ids[seq.num_known_tokens:]
+            seq.num_pending_tokens = 0
         self.seq.finish_reason = reason
         self.seq.stop_reason = stop_reason
         if reason != "stop" or isinstance(stop_reason, int) or stop_reason is None:
@@ -78,7 +89,7 @@ class RequestTextState:
         visible = len(self.text) if finished else max(self.num_emitted_chars, len(self.text) - self.hold_back)
         delta_text = self.text[self.num_emitted_chars:visible]
         self.num_emitted_chars = visible
-        out_ids = seq.output_token_ids
+        out_ids = seq.token_ids[seq.num_prompt_tokens:seq.num_known_tokens]
         delta_ids = out_ids[self.num_emitted_tokens:]
         self.num_emitted_tokens = len(out_ids)
         return RequestOutput(

@@ -4,9 +4,17 @@ Input: a ScheduledStep (decodes first, then prefill chunks). Output: one sampled
 token per sequence whose last uncomputed token ran in this step (decodes, and
 prefills that reached the end of their tokens); chunks that stop mid-prompt
 produce nothing.
+
+With async scheduling a launched step's samples stay on the device until the
+engine asks for them (`LaunchedStep.result`), so the host can schedule and
+launch the next step meanwhile. A decode whose input token is still pending
+(sampled by the previous launched step) gets it on the device: the runner
+copies it from that step's sampled ids into the batch before the forward pass.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -16,11 +24,34 @@ from engine.model.attention_metadata import (
     DecodeGroup,
     PagedBatch,
     PrefillChunk,
+    to_device,
 )
-from engine.model_worker import STEP, ModelInputs, ModelWorker
+from engine.model_worker import STEP, ModelInputs, ModelWorker, TokenFill
 from engine.sampler import Sampler, SampleResult, SamplingRow
 from engine.scheduler import ScheduledStep
 from engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step queued on the device. `sampled[i]` gets token row i of `token_ids`."""
+    step: ScheduledStep
+    sampled: list[Sequence]
+    token_ids: torch.Tensor | None = None        # [S] int64 on the device
+    row_of: dict[str, int] = field(default_factory=dict)   # request id -> row of token_ids
+    overlapped: bool = False                     # the samples are read back in `result`
+    _host_ids: torch.Tensor | None = None        # pinned copy of token_ids, filled by the device
+    _ready: torch.cuda.Event | None = None       # recorded after that copy
+    _result: SampleResult | None = None
+
+    def result(self) -> SampleResult | None:
+        """The samples (None when nothing was sampled); waits for the device if it must."""
+        if self._result is None and self.overlapped:
+            if self._ready is not None:
+                self._ready.synchronize()
+            ids = self._host_ids.tolist()
+            self._result = SampleResult(token_ids=ids, logprobs=[None] * len(ids))
+        return self._result
 
 
 class ModelRunner:
@@ -34,8 +65,9 @@ class ModelRunner:
         self.paged = worker.attention_backend == "triton"
         self.cpp_decode = worker.attention_backend == "cpp"
 
-    def prepare(self, step: ScheduledStep) -> tuple[ModelInputs, list[Sequence]]:
-        """The step's model inputs, and the sequences sampled (in logits row order)."""
+    def prepare(self, step: ScheduledStep) -> tuple[ModelInputs, list[Sequence], list[tuple[int, Sequence]]]:
+        """The step's model inputs, the sequences sampled (in logits row order), and
+        the (token row, sequence) of each decode whose input token is pending."""
         bs = self.block_size
         # decodes (one new token after a cached context) first, shortest context first,
         # so that neighbours have similar lengths and can share a padded gather
@@ -51,10 +83,15 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         prefill_tables: list[list[int]] = []
         chunks: list[PrefillChunk] = []
+        pending: list[tuple[int, Sequence]] = []
         for seq, n in decodes + prefills:
             start = seq.num_computed_tokens
             end = start + n
             token_start = len(ids)
+            if seq.num_pending_tokens:
+                if n != 1 or seq.num_pending_tokens != 1:
+                    raise RuntimeError(f"request {seq.request_id}: only a decode's one input token may be pending")
+                pending.append((token_start, seq))
             ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             table = seq.block_table
@@ -86,7 +123,7 @@ class ModelRunner:
             meta=meta,
             sample_indices=torch.tensor(sample_rows, dtype=torch.long),
         )
-        return inputs, sampled
+        return inputs, sampled, pending
 
     def _paged_batch(self, tables: list[list[int]], decode_lens: list[int],
                      chunks: list[PrefillChunk]) -> PagedBatch:
@@ -139,16 +176,49 @@ class ModelRunner:
             mask = (torch.arange(max_blocks * bs)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
         return DecodeGroup(token_start, padded, mask)
 
-    def execute(self, step: ScheduledStep) -> tuple[list[Sequence], SampleResult | None]:
-        """Runs the step on every rank; returns the sequences that sampled and their samples."""
-        inputs, sampled = self.prepare(step)
+    def launch(self, step: ScheduledStep, previous: LaunchedStep | None = None,
+               overlap: bool = False) -> LaunchedStep:
+        """Queues the step on every rank and samples. With `overlap`, a step whose
+        rows need nothing from the host to sample (no logprobs, no penalties)
+        leaves its samples on the device for `result()`; otherwise they are read
+        here. `previous`: the launched step whose samples are the pending input
+        tokens of this one (overlapped and not yet resolved)."""
+        inputs, sampled, pending = self.prepare(step)
+        fill = None
+        if pending:
+            if previous is None or previous.token_ids is None:
+                raise RuntimeError("a step has pending input tokens but no launched step to take them from")
+            src = to_device(torch.tensor([previous.row_of[seq.request_id] for _, seq in pending]),
+                            previous.token_ids.device)
+            fill = TokenFill(torch.tensor([row for row, _ in pending], dtype=torch.long), previous.token_ids[src])
         tp = self.worker.tp
         if tp.size > 1:
             tp.broadcast_object((STEP, inputs))
-        logits = self.worker.execute(inputs)
+        logits = self.worker.execute(inputs, fill)
+        launched = LaunchedStep(step, sampled)
         if not sampled:
-            return [], None
-        return sampled, self.sampler(logits, [sampling_row(seq) for seq in sampled])
+            return launched
+        rows = [sampling_row(seq) for seq in sampled]
+        if not (overlap and all(row.reads_nothing_from_host for row in rows)):
+            launched._result = self.sampler(logits, rows)
+            return launched
+        launched.overlapped = True
+        launched.token_ids = self.sampler.sample(logits, rows)
+        launched.row_of = {seq.request_id: i for i, seq in enumerate(sampled)}
+        launched._host_ids, launched._ready = _copy_to_host_async(launched.token_ids)
+        return launched
+
+
+def _copy_to_host_async(ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """A host copy of `ids` that the device fills after the work queued so far,
+    and the event to wait on before reading it (None on a CPU: already there)."""
+    if ids.device.type != "cuda":
+        return ids, None
+    host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+    host.copy_(ids, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
 
 
 def _padded(tables: list[list[int]]) -> torch.Tensor:

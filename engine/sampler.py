@@ -37,6 +37,14 @@ class SamplingRow:
     # Forced to -inf this step (e.g. EOS and stop_token_ids while under min_tokens).
     banned_token_ids: list[int] = field(default_factory=list)
 
+    @property
+    def reads_nothing_from_host(self) -> bool:
+        """True when sampling this row needs no token history and returns no
+        logprobs: its token can stay on the device until the host wants it."""
+        p = self.params
+        return (p.logprobs is None and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
+                and p.frequency_penalty == 0.0)
+
 
 @dataclass(slots=True)
 class TokenLogprobs:
@@ -57,6 +65,15 @@ class SampleResult:
 # ---------------------------------------------------------------------------
 # Pure masking / penalty steps
 # ---------------------------------------------------------------------------
+
+def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.tensor(values) on `device`, copied through pinned memory so that the
+    host does not wait for the work already queued there (async scheduling)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
 
 def _row_values(value: float | Sequence[float], num_rows: int) -> list:
     if isinstance(value, (int, float)):
@@ -165,8 +182,7 @@ def apply_penalties(logits: torch.Tensor,
 def apply_temperature(logits: torch.Tensor, temperature: float | Sequence[float]) -> torch.Tensor:
     """logits / T per row (T > 0)."""
     # logits: [num_rows, vocab_size] -> same shape
-    t = torch.tensor(_row_values(temperature, logits.shape[0]), dtype=logits.dtype,
-                     device=logits.device)
+    t = _on_device(_row_values(temperature, logits.shape[0]), logits.dtype, logits.device)
     return logits / t.unsqueeze(1)
 
 
@@ -183,7 +199,7 @@ def apply_top_k(logits: torch.Tensor, k: int | Sequence[int]) -> torch.Tensor:
     if max_k == 0:
         return logits.clone()
     top = logits.topk(max_k, dim=-1).values                            # [n, max_k] descending
-    k_t = torch.tensor(ks, dtype=torch.long, device=logits.device).unsqueeze(1)
+    k_t = _on_device(ks, torch.long, logits.device).unsqueeze(1)
     kth = top.gather(1, (k_t - 1).clamp(min=0))                         # [n, 1]
     kth = kth.masked_fill(k_t == 0, float("-inf"))
     return logits.masked_fill(logits < kth, float("-inf"))
@@ -197,7 +213,7 @@ def apply_top_p(logits: torch.Tensor, p: float | Sequence[float]) -> torch.Tenso
     """
     # logits: [num_rows, vocab_size] -> same shape, dropped entries -inf
     n = logits.shape[0]
-    ps = torch.tensor(_row_values(p, n), dtype=torch.float32, device=logits.device)
+    ps = _on_device(_row_values(p, n), torch.float32, logits.device)
     limit = torch.where(ps >= 1.0, float("inf"), ps - _TOP_P_SLACK).unsqueeze(1)
     probs = logits.float().softmax(dim=-1)
     sorted_probs = probs.sort(dim=-1, descending=True).values
@@ -216,8 +232,7 @@ def apply_min_p(logits: torch.Tensor, min_p: float | Sequence[float]) -> torch.T
     on normalisation, so no softmax is needed. min_p = 0 keeps everything.
     """
     # logits: [num_rows, vocab_size] -> same shape, dropped entries -inf
-    mp = torch.tensor(_row_values(min_p, logits.shape[0]), dtype=torch.float32,
-                      device=logits.device).unsqueeze(1)
+    mp = _on_device(_row_values(min_p, logits.shape[0]), torch.float32, logits.device).unsqueeze(1)
     cutoff = logits.amax(dim=-1, keepdim=True) + mp.log()              # log(0) = -inf: no cutoff
     return logits.masked_fill(logits < cutoff, float("-inf"))
 
@@ -246,8 +261,8 @@ def sample_from_probs(probs: torch.Tensor, generators: Sequence[torch.Generator 
         else:
             unseeded = [i for i, g in enumerate(generators) if g is None]
             noise = torch.empty_like(probs)
-            noise[torch.tensor(seeded, device=probs.device)] = own
-            noise[torch.tensor(unseeded, device=probs.device)] = torch.empty(
+            noise[_on_device(seeded, torch.long, probs.device)] = own
+            noise[_on_device(unseeded, torch.long, probs.device)] = torch.empty(
                 len(unseeded), vocab_size, dtype=probs.dtype,
                 device=probs.device).exponential_(generator=batch_generator)
     # An Exp(1) draw can be exactly 0; p / 0 would be inf (or NaN for p = 0, which
@@ -270,12 +285,24 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleResult:
         """Sample one token per row; logits are not modified."""
         # logits: [num_rows, vocab_size], any float dtype; rows[i] describes logits[i]
+        if len(rows) == 0:
+            self._check_shape(logits, rows)
+            return SampleResult(token_ids=[], logprobs=[])
+        token_ids = self.sample(logits, rows)
+        return SampleResult(token_ids=token_ids.tolist(),
+                            logprobs=_gather_logprobs(logits, token_ids, [row.params for row in rows]))
+
+    @staticmethod
+    def _check_shape(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab_size], "
                              f"got {tuple(logits.shape)}")
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """The sampled token ids [num_rows] int64, on the logits' device (nothing
+        waits for the device: no logprobs here)."""
+        self._check_shape(logits, rows)
         num_rows = len(rows)
-        if num_rows == 0:
-            return SampleResult(token_ids=[], logprobs=[])
         device = logits.device
         params = [row.params for row in rows]
         # Every step below is out-of-place, so aliasing float32 input here is safe.
@@ -299,24 +326,19 @@ class Sampler:
 
         greedy = [p.is_greedy for p in params]
         if all(greedy):
-            token_ids = x.argmax(dim=-1)
-        else:
-            random_idx = [i for i, g in enumerate(greedy) if not g]
-            token_ids = self._sample(x, [rows[i] for i in random_idx], random_idx, num_rows)
-            if any(greedy):
-                token_ids = torch.where(
-                    torch.tensor(greedy, device=device), x.argmax(dim=-1), token_ids)
-
-        token_list = token_ids.tolist()
-        return SampleResult(token_ids=token_list,
-                            logprobs=_gather_logprobs(logits, token_ids, params))
+            return x.argmax(dim=-1)
+        random_idx = [i for i, g in enumerate(greedy) if not g]
+        token_ids = self._sample(x, [rows[i] for i in random_idx], random_idx, num_rows)
+        if any(greedy):
+            token_ids = torch.where(_on_device(greedy, torch.bool, device), x.argmax(dim=-1), token_ids)
+        return token_ids
 
     def _sample(self, x: torch.Tensor, rows: list[SamplingRow], idx: list[int],
                 num_rows: int) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p and a draw for the non-greedy rows x[idx]."""
         # x: [num_rows, vocab_size] float32 -> [num_rows] int64 (entries outside idx are 0)
         subset = len(idx) < num_rows
-        idx_t = torch.tensor(idx, device=x.device) if subset else None
+        idx_t = _on_device(idx, torch.long, x.device) if subset else None
         xs = x[idx_t] if subset else x
         params = [row.params for row in rows]
 

@@ -16,6 +16,13 @@ decoding sequence and the next chunk of every running prefill, then chunks of
 newly admitted prompts (chunked prefill splits a long prompt over steps).
 `schedule(prefill=..., decode=...)` can restrict a step to one phase, which is
 what dedicated prefill and decode workers run.
+
+With async scheduling a step is scheduled while the previous one still runs:
+a sequence whose last token is pending (sampled on the device, not read back)
+decodes that token next, unless the pending token is known to end it
+(max_tokens, the context limit, or a prefill-role request that ends after its
+first token). A pending token that turns out to end it (EOS, a stop) wastes that
+sequence's row of the next step; the engine drops the row's sample.
 """
 
 from __future__ import annotations
@@ -47,8 +54,9 @@ class ScheduledStep:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True):
+                 enable_chunked_prefill: bool = True, max_model_len: int | None = None):
         self.block_manager = block_manager
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -107,6 +115,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_pending_tokens and not self._continues_after_pending(seq):
+                i += 1
+                continue
             remaining = seq.num_uncomputed_tokens
             is_decode = remaining == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
             if (is_decode and not decode) or (not is_decode and not prefill):
@@ -158,6 +169,12 @@ class Scheduler:
             step.num_new_tokens.append(n)
         return step
 
+    def _continues_after_pending(self, seq: Sequence) -> bool:
+        """False when the sequence's pending token is sure to be its last."""
+        if seq.hold_kv or seq.num_output_tokens >= seq.params.max_tokens:
+            return False
+        return self.max_model_len is None or seq.num_tokens < self.max_model_len
+
     def _preempt(self, seq: Sequence) -> None:
         """Recompute-style preemption: drop the sequence's K/V; it starts over later
         (its generated tokens are kept and recomputed as part of its prompt)."""
@@ -175,8 +192,10 @@ class Scheduler:
         seq.num_computed_tokens = 0
 
     def after_step(self, step: ScheduledStep) -> None:
-        """Records the tokens the step computed and registers newly full blocks."""
+        """Records the tokens the step computed and registers newly full blocks
+        (those whose token ids are all known: a pending token is hashed later)."""
         for seq, n in zip(step.seqs, step.num_new_tokens):
             seq.num_computed_tokens += n
             seq.num_hashed_blocks = self.block_manager.cache_full_blocks(
-                seq.token_ids, seq.block_table, seq.num_computed_tokens, seq.num_hashed_blocks)
+                seq.token_ids, seq.block_table, min(seq.num_computed_tokens, seq.num_known_tokens),
+                seq.num_hashed_blocks)

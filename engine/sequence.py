@@ -20,6 +20,10 @@ import torch
 from engine.sampling_params import SamplingParams
 
 
+# stands for a token the device sampled and the host has not read yet (async scheduling)
+PENDING_TOKEN = -1
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -48,10 +52,17 @@ class Sequence:
     first_scheduled_time: float | None = None   # end of queueing: the first step it ran in
     first_token_time: float | None = None
     num_preemptions: int = 0
+    # trailing PENDING_TOKENs in token_ids: sampled by a launched step, not yet read back
+    num_pending_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host has (all but the pending ones)."""
+        return len(self.token_ids) - self.num_pending_tokens
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -137,8 +137,8 @@ def test_prefill_then_decode_handoff_matches(model_dirs, reference):
         decode.commit_prefilled(rid)
     assert prefill.block_manager.num_free_blocks == prefill.block_manager.num_blocks
     steps_tokens = []
-    execute = decode.runner.execute
-    decode.runner.execute = lambda step: (steps_tokens.extend(step.num_new_tokens), execute(step))[1]
+    launch = decode.runner.launch
+    decode.runner.launch = lambda step, *a, **k: (steps_tokens.extend(step.num_new_tokens), launch(step, *a, **k))[1]
     got = {int(o.request_id): o.token_ids for o in decode.run_to_completion()}
     assert steps_tokens and set(steps_tokens) == {1}, "the decode side must never re-run a prompt"
     _check(reference, preset, prompts, [15] * len(prompts), got)

@@ -47,16 +47,30 @@ def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
 class PackedLinearMixin:
     """For modules with a 2-D `weight` [out, in]: `packed_weight` is None until
     `pack_linear_weights` fills it; `linear(x, bias)` then takes the packed path
-    for batches of `packed_min_rows` rows or more."""
+    for batches of `packed_min_rows` rows or more. On CUDA, `skinny` (set by
+    `use_skinny_gemm`) takes batches of up to `skinny_max_rows` rows."""
 
     packed_weight: torch.Tensor | None = None
     packed_min_rows: int = CANDIDATE_ROWS[-1]
+    skinny = None                     # (x, weight) -> x @ weight.T, e.g. engine/kernels/gemv.py
+    skinny_max_rows: int = 0
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # x: [T, in] -> [T, out]
+        if x.shape[0] <= self.skinny_max_rows:
+            y = self.skinny(x, self.weight)
+            return y if bias is None else y.add_(bias)
         if self.packed_weight is not None and x.shape[0] >= self.packed_min_rows:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
         return F.linear(x, self.weight, bias)
+
+
+def use_skinny_gemm(model: nn.Module, skinny, max_rows: int) -> None:
+    """Routes every linear layer's batches of up to `max_rows` rows to `skinny`."""
+    for module in model.modules():
+        if isinstance(module, PackedLinearMixin):
+            module.skinny = skinny
+            module.skinny_max_rows = max_rows
 
 
 def pack_linear_weights(model: nn.Module, min_rows: int | None = None) -> int:
