@@ -38,19 +38,20 @@ def candidate_configs(block_m: int, n: int, k: int) -> list[tuple[int, int, int,
     """Tile configurations whose registers fit, the likeliest first (a run that
     runs out of budget has tried those)."""
     found = []
-    for bn, bk, split, warps, stages in itertools.product((4, 8, 16), (256, 512, 1024), (1, 2, 4), (4, 8), (3, 4)):
-        if block_m * bn * bk > 4096 * warps or bk * 2 > k:
-            continue   # the fp32 product would spill registers / fewer than two K steps
+    for bn, bk, split, warps, stages in itertools.product((2, 4, 8, 16), (256, 512, 1024, 2048, 4096), (1, 2, 4),
+                                                          (4, 8), (2, 3, 4)):
+        if block_m * bn * bk > 4096 * warps or bk * 2 > k or bn * bk < 1024:
+            continue   # the fp32 product would spill registers / fewer than two K steps / tiny tiles
         if split > 1 and (n > 8192 or k % (bk * split)):
             continue
         found.append((bn, bk, split, warps, stages))
-    likeliest = (8, 512, 1, 4, 3)
+    likeliest = (4, 1024, 1, 4, 4)
     return sorted(found, key=lambda c: sum(a != b for a, b in zip(c, likeliest)))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rows", default="1,8")
+    parser.add_argument("--rows", default="1")
     parser.add_argument("--budget-s", type=float, default=420)
     parser.add_argument("--out", default="bench/results/gpu_gemv.json")
     args = parser.parse_args()

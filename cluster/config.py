@@ -64,6 +64,10 @@ class EngineSection(_Strict):
     enforce_eager: bool = Field(False, description="CUDA: run every step eagerly, without CUDA graphs")
     max_cuda_graph_batch_size: int = Field(256, ge=1, description="CUDA: decode batches up to this size "
                                            "replay a graph captured at start-up")
+    async_scheduling: Literal["auto"] | bool = Field(
+        "auto", description="schedule and launch the next step while the device runs the current one "
+        "(auto: on for CUDA; pools with tensor_parallel_size > 1 always step synchronously)")
+    skinny_gemm: bool = Field(True, description="CUDA: one-row matmuls through a Triton GEMV")
     cpu_weight_prepack: bool = Field(True, description="CPU: linear weights also kept in oneDNN's packed layout "
                                      "(used from the row count where it is faster, measured at load; twice the "
                                      "linear weights' memory)")
@@ -283,7 +287,8 @@ class DeploymentConfig(_Strict):
             enable_chunked_prefill=e.enable_chunked_prefill, enable_prefix_caching=e.enable_prefix_caching,
             tensor_parallel_size=pool.tensor_parallel_size, attention_backend=e.attention_backend,
             enforce_eager=e.enforce_eager, max_cuda_graph_batch_size=e.max_cuda_graph_batch_size,
-            cpu_weight_prepack=e.cpu_weight_prepack,
+            cpu_weight_prepack=e.cpu_weight_prepack, skinny_gemm=e.skinny_gemm,
+            async_scheduling=e.async_scheduling if pool.tensor_parallel_size == 1 else False,
             cpu_threads=max(1, int(cpus)) if self.device == "cpu" and cpus is not None else None)
 
 

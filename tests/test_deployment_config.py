@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from cluster.config import ConfigFileError, DeploymentConfig, Mode, load_config
+from cluster.config import ConfigFileError, DeploymentConfig, EngineSection, Mode, load_config
 from engine.memory_planner import plan
 from engine.model import ModelConfig
 
@@ -30,6 +30,17 @@ def test_tiny_tp2_shards_decode_only():
     assert (c.prefill.tensor_parallel_size, c.decode.tensor_parallel_size) == (1, 2)
     e = c.engine_config("decode", "/m")
     assert (e.tensor_parallel_size, e.device, e.max_model_len, e.dtype) == (2, "cpu", 1024, "float32")
+
+
+def test_async_scheduling_reaches_the_engine_and_tensor_parallel_pools_step_synchronously():
+    c = load_config(CONFIGS / "tiny-cpu-tp2.yaml").model_copy(
+        update={"engine": EngineSection(async_scheduling=True, skinny_gemm=False)})
+    assert c.engine_config("prefill", "/m").async_scheduling is True
+    assert c.engine_config("prefill", "/m").skinny_gemm is False
+    assert c.engine_config("decode", "/m").async_scheduling is False      # TP 2
+    assert DeploymentConfig().engine_config("decode", "/m").async_scheduling == "auto"
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineSection(async_scheduling="sometimes")
 
 
 @pytest.mark.parametrize("device, engine, expected", [

@@ -25,7 +25,7 @@ import triton.language as tl
 
 MAX_ROWS = 16   # the largest x the kernel takes
 # the engine routes matmuls of up to this many rows here: at 1 row the whole decode
-# step's matmuls took 5.24 ms against cuBLAS's 5.53 (H100, Llama-3-8B shapes,
+# step's matmuls took 5.04 ms against cuBLAS's 5.54 (the copy floor: 5.00) (H100, Llama-3-8B shapes,
 # bench/gpu_gemv.py); at 8 rows this kernel was 3.8x slower than cuBLAS
 ROWS_FASTER_THAN_CUBLAS = 1
 
@@ -65,13 +65,13 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
 # (N, K, BLOCK_M) -> (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages), the fastest of
 # bench/gpu_gemv.py's search on an H100 (Llama-3-8B shapes: qkv, o, gate_up, down, lm_head)
 CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {
-    (4096, 4096, 1): (4, 1024, 1, 4, 3),
-    (4096, 14336, 1): (4, 1024, 1, 4, 4),
-    (6144, 4096, 1): (8, 1024, 1, 4, 3),
-    (28672, 4096, 1): (4, 1024, 1, 4, 4),
-    (128256, 4096, 1): (4, 1024, 1, 4, 4),
+    (4096, 4096, 1): (2, 2048, 1, 4, 2),
+    (4096, 14336, 1): (2, 2048, 1, 4, 4),
+    (6144, 4096, 1): (4, 2048, 1, 8, 4),
+    (28672, 4096, 1): (2, 2048, 1, 4, 3),
+    (128256, 4096, 1): (2, 2048, 1, 4, 2),
 }
-DEFAULT_CONFIG = (4, 1024, 1, 4, 4)   # the most frequent winner
+DEFAULT_CONFIG = (2, 2048, 1, 4, 3)   # the most frequent winner
 
 
 def padded_rows(m: int) -> int:
