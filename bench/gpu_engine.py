@@ -505,11 +505,12 @@ def worker_pdserve(spec: dict, out: dict, save) -> None:
     high = spec["prompt_id_high"]
     rng = random.Random(spec["seed"])
 
-    # runner.execute time (forward + sampling) next to the whole step, where the engine has one
+    # runner.launch time next to the whole step, where the engine has one: forward + sampling when
+    # the step is read back at once; with async scheduling, the host's time to queue the step
     model_times: list[float] = []
     runner = getattr(engine, "runner", None)
-    if runner is not None and hasattr(runner, "execute"):
-        original = runner.execute
+    if runner is not None and hasattr(runner, "launch"):
+        original = runner.launch
 
         def timed_execute(*a, **k):
             t = time.perf_counter()
@@ -517,7 +518,7 @@ def worker_pdserve(spec: dict, out: dict, save) -> None:
                 return original(*a, **k)
             finally:
                 model_times.append(time.perf_counter() - t)
-        runner.execute = timed_execute
+        runner.launch = timed_execute
 
     def drain(rids) -> None:
         for rid in rids:

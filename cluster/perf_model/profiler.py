@@ -42,19 +42,19 @@ class StepRecorder:
     def step(self, kind: str) -> list:
         captured: list[StepShape] = []
         runner = self.engine.runner
-        execute = runner.execute
+        launch = runner.launch
 
-        def recording_execute(step):
+        def recording_launch(step, *args, **kwargs):
             captured.append(shape_of(step))
-            return execute(step)
+            return launch(step, *args, **kwargs)
 
-        runner.execute = recording_execute
+        runner.launch = recording_launch
         try:
             started = time.perf_counter()
             outputs = self.engine.step()
             elapsed = time.perf_counter() - started
         finally:
-            runner.execute = execute
+            runner.launch = launch
         if captured and not captured[0].is_empty:
             self.shapes.append(captured[0])
             self.seconds.append(elapsed)
@@ -128,7 +128,8 @@ def run_profile(model: str, *, tp: int = 1, device: str = "auto", dtype: str = "
     """Builds an engine, profiles it, fits the model; returns the profile JSON
     (the fitted model plus every raw point)."""
     from engine import EngineConfig, LLMEngine
-    options = {"max_num_seqs": max(grid.batch_sizes) + 1, **(engine_options or {})}
+    # one step at a time: with async scheduling a step() call would also read back the previous step
+    options = {"max_num_seqs": max(grid.batch_sizes) + 1, **(engine_options or {}), "async_scheduling": False}
     engine = LLMEngine(EngineConfig(model=model, tensor_parallel_size=tp, device=device, dtype=dtype, **options))
     try:
         engine.step()     # nothing queued: a no-op, but fails early on a broken engine
