@@ -512,13 +512,13 @@ def worker_pdserve(spec: dict, out: dict, save) -> None:
     if runner is not None and hasattr(runner, "launch"):
         original = runner.launch
 
-        def timed_execute(*a, **k):
+        def timed_launch(*a, **k):
             t = time.perf_counter()
             try:
                 return original(*a, **k)
             finally:
                 model_times.append(time.perf_counter() - t)
-        runner.launch = timed_execute
+        runner.launch = timed_launch
 
     def drain(rids) -> None:
         for rid in rids:

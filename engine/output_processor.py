@@ -79,8 +79,8 @@ class RequestTextState:
         if seq.num_pending_tokens:      # a token sampled after the last one: never part of the output
             del seq.token_ids[seq.num_known_tokens:]
             seq.num_pending_tokens = 0
-        self.seq.finish_reason = reason
-        self.seq.stop_reason = stop_reason
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
         if reason != "stop" or isinstance(stop_reason, int) or stop_reason is None:
             self.text += self.detokenizer.flush()
 
@@ -89,7 +89,7 @@ class RequestTextState:
         visible = len(self.text) if finished else max(self.num_emitted_chars, len(self.text) - self.hold_back)
         delta_text = self.text[self.num_emitted_chars:visible]
         self.num_emitted_chars = visible
-        out_ids = seq.token_ids[seq.num_prompt_tokens:seq.num_known_tokens]
+        out_ids = seq.output_token_ids
         delta_ids = out_ids[self.num_emitted_tokens:]
         self.num_emitted_tokens = len(out_ids)
         return RequestOutput(

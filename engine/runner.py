@@ -14,7 +14,7 @@ copies it from that step's sampled ids into the batch before the forward pass.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -38,7 +38,6 @@ class LaunchedStep:
     step: ScheduledStep
     sampled: list[Sequence]
     token_ids: torch.Tensor | None = None        # [S] int64 on the device
-    row_of: dict[str, int] = field(default_factory=dict)   # request id -> row of token_ids
     overlapped: bool = False                     # the samples are read back in `result`
     _host_ids: torch.Tensor | None = None        # pinned copy of token_ids, filled by the device
     _ready: torch.cuda.Event | None = None       # recorded after that copy
@@ -188,8 +187,8 @@ class ModelRunner:
         if pending:
             if previous is None or previous.token_ids is None:
                 raise RuntimeError("a step has pending input tokens but no launched step to take them from")
-            src = to_device(torch.tensor([previous.row_of[seq.request_id] for _, seq in pending]),
-                            previous.token_ids.device)
+            row_of = {seq.request_id: i for i, seq in enumerate(previous.sampled)}
+            src = to_device(torch.tensor([row_of[seq.request_id] for _, seq in pending]), previous.token_ids.device)
             fill = TokenFill(torch.tensor([row for row, _ in pending], dtype=torch.long), previous.token_ids[src])
         tp = self.worker.tp
         if tp.size > 1:
@@ -204,7 +203,6 @@ class ModelRunner:
             return launched
         launched.overlapped = True
         launched.token_ids = self.sampler.sample(logits, rows)
-        launched.row_of = {seq.request_id: i for i, seq in enumerate(sampled)}
         launched._host_ids, launched._ready = _copy_to_host_async(launched.token_ids)
         return launched
 

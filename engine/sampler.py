@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.model.attention_metadata import to_device
 from engine.sampling_params import SamplingParams
 
 # top_p is compared against float32 cumulative sums whose rounding error is ~1e-7;
@@ -69,10 +70,7 @@ class SampleResult:
 def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """torch.tensor(values) on `device`, copied through pinned memory so that the
     host does not wait for the work already queued there (async scheduling)."""
-    t = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def _row_values(value: float | Sequence[float], num_rows: int) -> list:
@@ -285,9 +283,6 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleResult:
         """Sample one token per row; logits are not modified."""
         # logits: [num_rows, vocab_size], any float dtype; rows[i] describes logits[i]
-        if len(rows) == 0:
-            self._check_shape(logits, rows)
-            return SampleResult(token_ids=[], logprobs=[])
         token_ids = self.sample(logits, rows)
         return SampleResult(token_ids=token_ids.tolist(),
                             logprobs=_gather_logprobs(logits, token_ids, [row.params for row in rows]))

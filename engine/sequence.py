@@ -66,7 +66,8 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        """The generated tokens the host knows (pending ones excluded)."""
+        return self.token_ids[self.num_prompt_tokens:self.num_known_tokens]
 
     @property
     def num_output_tokens(self) -> int:

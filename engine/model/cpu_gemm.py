@@ -57,7 +57,7 @@ class PackedLinearMixin:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # x: [T, in] -> [T, out]
-        if x.shape[0] <= self.skinny_max_rows:
+        if self.skinny is not None and x.shape[0] <= self.skinny_max_rows:
             y = self.skinny(x, self.weight)
             return y if bias is None else y.add_(bias)
         if self.packed_weight is not None and x.shape[0] >= self.packed_min_rows:
