@@ -15,6 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from engine.core_lending import default_ledger_path
 from engine.engine_config import EngineConfig
 
 
@@ -123,6 +124,9 @@ class Resources(_Strict):
     cpus_per_rank: float | None = Field(None, gt=0, description="CPUs each rank's bundle reserves; null: on CPU, "
                                         "the node's cores shared equally among all ranks of the deployment "
                                         "(at least 1 each); on CUDA, 1")
+    lend_idle_cores: bool = Field(True, description="CPU: an idle one-rank engine lends its cores to busy ones "
+                                  "on the same machine (decode and colocated engines borrow, prefill engines "
+                                  "only lend); engine/core_lending.py")
     gpu_type: str | None = Field(None, description="H100-SXM, H200 or A100-80GB: for `pdserve plan` checks")
     gpu_memory_gib: float | None = Field(None, gt=0)
 
@@ -289,7 +293,9 @@ class DeploymentConfig(_Strict):
             enforce_eager=e.enforce_eager, max_cuda_graph_batch_size=e.max_cuda_graph_batch_size,
             cpu_weight_prepack=e.cpu_weight_prepack, skinny_gemm=e.skinny_gemm,
             async_scheduling=e.async_scheduling if pool.tensor_parallel_size == 1 else False,
-            cpu_threads=max(1, int(cpus)) if self.device == "cpu" and cpus is not None else None)
+            cpu_threads=max(1, int(cpus)) if self.device == "cpu" and cpus is not None else None,
+            cpu_core_ledger=default_ledger_path() if self.device == "cpu" and self.resources.lend_idle_cores
+            else None)
 
 
 class ConfigFileError(ValueError):

@@ -7,6 +7,10 @@
                                                  │   engine.step() → outputs → one put per sink
                                                  └── sleep until woken (or a ticker is busy)
 
+On CPU an engine may lend its cores to other engines on the machine while it
+sleeps, and borrow theirs while it steps (engine/core_lending.py,
+EngineConfig.cpu_core_ledger); a prefill-only engine lends but never borrows.
+
 Every touch of the engine happens on the engine thread, so the engine needs no
 locks; the event loop never blocks on a forward pass. A ticker is a function
 called with the engine once per loop iteration; it returns True while it has
@@ -27,6 +31,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from engine.core_lending import NoLending, join_ledger
 from engine.llm_engine import LLMEngine, StepStats
 from engine.outputs import RequestOutput
 from engine.step_cost import StepCostFit
@@ -73,6 +78,7 @@ class AsyncEngine:
         self._recent_steps: deque[tuple[int, StepStats]] = deque(maxlen=512)
         self._tickers: list[Ticker] = []
         self._failure: BaseException | None = None
+        self._cores = NoLending()
         self._loop = asyncio.get_running_loop()
         self._ready = self._loop.create_future()
         self.engine: LLMEngine | None = None
@@ -135,6 +141,8 @@ class AsyncEngine:
             "num_running": float(len(engine.scheduler.running)),
             "kv_cache_usage": 1.0 - blocks.num_free_blocks / blocks.num_blocks,
             "torch_threads": float(engine.worker.num_threads),
+            "cpu_cores_borrowed": float(self._cores.borrowed),
+            "cpu_borrowed_steps": float(self._cores.steps_with_borrowed),
         }
         if self.prefill_s_per_token is not None:
             stats["prefill_s_per_token"] = self.prefill_s_per_token
@@ -169,6 +177,7 @@ class AsyncEngine:
             self._failure = exc
             settle_from_thread(self._ready, exc=exc)
             return
+        self._cores = _join_core_ledger(self.engine, borrows=self._step_kwargs["decode"])
         settle_from_thread(self._ready, self.engine)
         try:
             self._serve(self.engine)
@@ -177,6 +186,7 @@ class AsyncEngine:
             self._failure = exc
         finally:
             self._fail_everything(self._failure or EngineStoppedError("the engine was shut down"))
+            self._cores.close()
             self.engine.shutdown()
 
     def _serve(self, engine: LLMEngine) -> None:
@@ -190,9 +200,11 @@ class AsyncEngine:
                     log.exception("ticker %s failed", getattr(ticker, "__qualname__", ticker))
                     busy = True
             if engine.has_unfinished_requests():
+                self._cores.at_work()
                 self.deliver(engine.step(**self._step_kwargs))
                 self._measure(engine)
                 continue
+            self._cores.idle()
             self._wake.wait(_BUSY_POLL_S if busy else _IDLE_WAIT_S)
             self._wake.clear()
 
@@ -269,6 +281,15 @@ class AsyncEngine:
             sinks = {id(sink): sink for sink in self._sinks.values()}
         for sink in sinks.values():
             sink.fail(exc)
+
+
+def _join_core_ledger(engine: LLMEngine, *, borrows: bool):
+    """The engine's slot in its CPU core ledger: CPU engines of one rank with
+    a ledger configured (a TP gang's ranks keep their threads)."""
+    config = engine.config
+    if engine.worker.device.type != "cpu" or config.tensor_parallel_size != 1:
+        return NoLending()
+    return join_ledger(config.cpu_core_ledger, engine.worker.num_threads, borrows=borrows)
 
 
 def _resolve_lazy_imports() -> None:

@@ -26,6 +26,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1               # ranks the model is sharded over
     tp_backend: str = "auto"                    # auto: nccl for CUDA tensors, gloo for CPU tensors
     cpu_threads: int | None = None              # CPU: torch threads per rank; default: cores // TP
+    # CPU, TP 1: a file through which engines on one machine lend idle cores to busy ones
+    # (engine/core_lending.py); None: the engine keeps its cpu_threads
+    cpu_core_ledger: str | None = None
     cpu_weight_prepack: bool = True             # CPU: linear weights also kept in oneDNN's packed layout
     # attention kernels: "triton" reads K/V in place from the cache blocks (default on CUDA);
     # "cpp": decode attention in C++ reading the blocks in place (default on CPU, float32, where

@@ -146,6 +146,9 @@ def test_disaggregated_one_prefill_one_decode(ray_cluster, model_dirs, reference
         assert [m.id for m in client(base).models.list().data] == ["tiny"]
         # 2 CPUs, 2 TP-1 ranks: one CPU, so one torch thread, each (whatever Ray set OMP_NUM_THREADS to)
         assert worker_gauge(base, "pdserve_worker_torch_threads") == {"prefill-0": 1.0, "decode-0": 1.0}
+        # ... and the decode worker steps on both cores while the prefill worker is idle; prefill never borrows
+        borrowed = worker_gauge(base, "pdserve_worker_cpu_borrowed_steps")
+        assert borrowed["decode-0"] > 0 and borrowed["prefill-0"] == 0, borrowed
         text = metrics_text(base)
         for name in ("pdserve_time_to_first_token_seconds_count", "pdserve_kv_transfer_time_seconds_count",
                      "pdserve_request_prefill_time_seconds_count", "pdserve_e2e_request_latency_seconds_count"):

@@ -1,0 +1,207 @@
+"""Idle cores lent between CPU engines on one machine.
+
+A deployment's CPU ranks split a node's cores (cluster/serving/placement.py):
+1 prefill + 1 decode replica on 2 cores run one torch thread each. Under a
+light or uneven load one of them is often idle, and the other then runs at half
+the speed the machine allows. A CoreLedger lets an engine at work use the
+cores of engines that are idle:
+
+- every engine in the ledger has a slot in one small shared-memory file: its
+  pid, the cores it owns (its bundle's CPUs), the cores it borrows, and whether
+  it is at work;
+- before each step a borrowing engine takes the owned cores of idle engines
+  that no other engine at work already borrows, and runs that many more torch
+  threads;
+- an engine that goes back to work takes its cores back at once (it never
+  waits): the borrower gives them back at its next step, so the machine is
+  oversubscribed for at most one of the borrower's steps. That is why only
+  engines whose steps are short borrow (decode and colocated; a prefill-only
+  engine lends but does not borrow).
+
+Only cores that an engine in the ledger owns are ever lent: other processes'
+cores, and TP gangs (which do not join), are never touched. A slot whose
+process died is reclaimed by the next engine that joins.
+
+    slot layout (12 bytes, little-endian): pid i32 | own u16 | borrowed u16 | busy u8 | borrows u8 | pad
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import struct
+import tempfile
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_MAGIC = b"pdserve-cores-v1"                  # 16-byte header
+_SLOT = struct.Struct("<iHHBBxx")
+_NUM_SLOTS = 64
+_SIZE = len(_MAGIC) + _NUM_SLOTS * _SLOT.size
+
+
+def default_ledger_path() -> str:
+    """One ledger per machine and user: in shared memory where there is one."""
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(root, f"pdserve-cpu-cores-{os.getuid()}")
+
+
+class CoreLedger:
+    """This engine's slot in the machine's ledger. Not thread-safe: one engine
+    thread calls at_work() and idle()."""
+
+    def __init__(self, path: str, own: int, *, borrows: bool, machine_cores: int | None = None):
+        """Joins the ledger at `path` (created if need be) owning `own` cores;
+        it never runs more threads than `machine_cores` (default: the cores
+        this process may run on)."""
+        self.path = path
+        self.own = own
+        self.borrows = borrows
+        self.borrowed = 0
+        self.steps_with_borrowed = 0     # steps this engine ran with borrowed cores
+        self._busy = False
+        cores = machine_cores if machine_cores is not None else len(os.sched_getaffinity(0))
+        self._max_extra = max(0, cores - own)
+        self._map, self._slot = _join(path, own, borrows)
+
+    def at_work(self) -> int:
+        """Marks this engine at work; sets and returns the torch threads its next
+        step runs with: its own cores plus those it may borrow now."""
+        extra = self._lendable() if self.borrows else 0
+        if extra != self.borrowed or not self._busy:
+            self.borrowed, self._busy = extra, True
+            self._write()
+        self.steps_with_borrowed += extra > 0
+        threads = self.own + extra
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        return threads
+
+    def idle(self) -> None:
+        """Marks this engine idle: its cores may be lent, it borrows none."""
+        if self._busy or self.borrowed:
+            self.borrowed, self._busy = 0, False
+            self._write()
+
+    def close(self) -> None:
+        """Leaves the ledger (the slot is freed) and goes back to its own threads."""
+        if self._map is None:
+            return
+        with _locked(self.path) as fd:
+            _SLOT.pack_into(self._map, self._offset, 0, 0, 0, 0, 0)
+            self._map.close()
+            self._map = None
+            if not _any_member(fd):
+                os.unlink(self.path)
+        if torch.get_num_threads() != self.own:
+            torch.set_num_threads(self.own)
+
+    def _lendable(self) -> int:
+        idle_owned = taken = 0
+        for index, (pid, own, borrowed, busy, _) in enumerate(_SLOT.iter_unpack(self._map[len(_MAGIC):])):
+            if pid == 0 or index == self._slot:
+                continue
+            if busy:
+                taken += borrowed
+            else:
+                idle_owned += own
+        return min(self._max_extra, max(0, idle_owned - taken))
+
+    @property
+    def _offset(self) -> int:
+        return len(_MAGIC) + self._slot * _SLOT.size
+
+    def _write(self) -> None:
+        _SLOT.pack_into(self._map, self._offset, os.getpid(), self.own, self.borrowed, int(self._busy),
+                        int(self.borrows))
+
+
+class NoLending:
+    """An engine outside any ledger: its threads never change."""
+
+    borrowed = 0
+    steps_with_borrowed = 0
+
+    def at_work(self) -> int:
+        return torch.get_num_threads()
+
+    def idle(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def join_ledger(path: str | None, own: int, *, borrows: bool) -> CoreLedger | NoLending:
+    """This engine's slot in the ledger at `path`; NoLending where there is no
+    path, or the ledger cannot be used (logged: the engine runs as before)."""
+    if path is None:
+        return NoLending()
+    try:
+        return CoreLedger(path, own, borrows=borrows)
+    except (OSError, ValueError, RuntimeError) as exc:
+        log.warning("idle cores are not lent to or from this engine: %s", exc)
+        return NoLending()
+
+
+class _locked:
+    """The ledger file, created if needed, open and exclusively locked."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __enter__(self) -> int:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.fstat(fd).st_nlink > 0:       # not unlinked by the last member meanwhile
+                break
+            os.close(fd)
+        self.fd = fd
+        if os.fstat(fd).st_size != _SIZE:
+            os.ftruncate(fd, 0)
+            os.ftruncate(fd, _SIZE)
+            os.pwrite(fd, _MAGIC, 0)
+        elif os.pread(fd, len(_MAGIC), 0) != _MAGIC:
+            raise ValueError(f"{self.path} is not a pdserve core ledger")
+        return fd
+
+    def __exit__(self, *exc) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)   # explicitly: an mmap of the file shares its lock
+        os.close(self.fd)
+
+
+def _join(path: str, own: int, borrows: bool) -> tuple[mmap.mmap, int]:
+    with _locked(path) as fd:
+        ledger = mmap.mmap(fd, _SIZE)
+        free = None
+        for index, (pid, *_rest) in enumerate(_SLOT.iter_unpack(ledger[len(_MAGIC):])):
+            if pid and not _alive(pid):
+                _SLOT.pack_into(ledger, len(_MAGIC) + index * _SLOT.size, 0, 0, 0, 0, 0)
+                pid = 0
+            if pid == 0 and free is None:
+                free = index
+        if free is None:
+            ledger.close()
+            raise RuntimeError(f"{path} has no free slot ({_NUM_SLOTS} engines)")
+        _SLOT.pack_into(ledger, len(_MAGIC) + free * _SLOT.size, os.getpid(), own, 0, 0, int(borrows))
+        return ledger, free
+
+
+def _any_member(fd: int) -> bool:
+    data = os.pread(fd, _SIZE, 0)
+    return any(pid and _alive(pid) for pid, *_rest in _SLOT.iter_unpack(data[len(_MAGIC):]))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

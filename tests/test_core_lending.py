@@ -1,0 +1,134 @@
+"""Idle cores lent between CPU engines (engine/core_lending.py): who may borrow
+what, when it is given back, slots of dead processes, and an AsyncEngine that
+borrows while it steps and lends while it sleeps."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.async_engine import AsyncEngine
+from engine.core_lending import CoreLedger, NoLending, join_ledger
+
+
+@pytest.fixture
+def ledger_path(tmp_path):
+    return str(tmp_path / "cores")
+
+
+@pytest.fixture(autouse=True)
+def keep_torch_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_a_busy_borrower_takes_the_cores_of_idle_lenders_and_gives_them_back(ledger_path):
+    decode = CoreLedger(ledger_path, 2, borrows=True, machine_cores=8)
+    prefill_a = CoreLedger(ledger_path, 1, borrows=False, machine_cores=8)
+    prefill_b = CoreLedger(ledger_path, 3, borrows=False, machine_cores=8)
+
+    assert decode.at_work() == 6          # both lenders are idle: 2 + 1 + 3
+    assert torch.get_num_threads() == 6
+    assert decode.borrowed == 4
+    prefill_b.at_work()                   # a lender goes back to work: its 3 cores return at the next step
+    assert decode.at_work() == 3
+    assert torch.get_num_threads() == 3
+    assert prefill_a.at_work() == 1       # a prefill engine never borrows, even with cores idle
+    assert decode.at_work() == 2
+    prefill_a.idle()
+    prefill_b.idle()
+    assert decode.at_work() == 6
+    decode.idle()
+    assert decode.borrowed == 0
+    assert decode.steps_with_borrowed == 3
+
+
+def test_a_core_is_lent_to_one_borrower_at_a_time(ledger_path):
+    lender = CoreLedger(ledger_path, 2, borrows=False, machine_cores=8)
+    first = CoreLedger(ledger_path, 1, borrows=True, machine_cores=8)
+    second = CoreLedger(ledger_path, 1, borrows=True, machine_cores=8)
+    assert first.at_work() == 4           # the lender's 2 and idle `second`'s own 1
+    assert second.at_work() == 1          # every idle core is taken by `first`
+    assert first.at_work() == 3           # `second` took its own core back
+    first.idle()                          # an idle borrower holds nothing: `second` may take them now
+    assert second.at_work() == 4          # the lender's 2, and idle `first`'s own 1
+    lender.close()
+
+
+def test_borrowing_never_goes_past_the_machine(ledger_path):
+    CoreLedger(ledger_path, 4, borrows=False, machine_cores=3)
+    decode = CoreLedger(ledger_path, 1, borrows=True, machine_cores=3)
+    assert decode.at_work() == 3
+
+
+def test_the_slot_of_a_dead_engine_is_reclaimed_and_the_last_member_removes_the_file(ledger_path):
+    code = ("import sys; sys.path.insert(0, %r); from engine.core_lending import CoreLedger; "
+            "CoreLedger(%r, 1, borrows=False)" % (os.getcwd(), ledger_path))
+    subprocess.run([sys.executable, "-c", code], check=True)   # joins, then dies without leaving
+    decode = CoreLedger(ledger_path, 1, borrows=True, machine_cores=4)
+    assert decode._slot == 0              # the dead process's slot, reused
+    assert decode.at_work() == 1          # and nothing is lent by it
+    decode.close()
+    assert not os.path.exists(ledger_path)
+
+
+def test_a_file_that_is_not_a_ledger_leaves_the_engine_as_it_was(ledger_path, caplog):
+    with open(ledger_path, "wb") as f:
+        f.write(b"x" * 784)
+    with caplog.at_level(logging.WARNING):
+        cores = join_ledger(ledger_path, 1, borrows=True)
+    assert isinstance(cores, NoLending)
+    assert "is not a pdserve core ledger" in caplog.text
+    assert isinstance(join_ledger(None, 1, borrows=True), NoLending)
+
+
+class _ThreadsAtEachStep:
+    """A sink that notes the engine thread's torch threads at every step."""
+
+    def __init__(self):
+        self.threads: list[int] = []
+        self.finished = asyncio.get_running_loop().create_future()
+        self._loop = asyncio.get_running_loop()
+
+    def put(self, outputs):
+        self.threads.append(torch.get_num_threads())
+        if any(o.finished for o in outputs):
+            self._loop.call_soon_threadsafe(self.finished.set_result, None)
+
+    def fail(self, exc):
+        self._loop.call_soon_threadsafe(self.finished.set_exception, exc)
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["decode-borrows", "prefill-only-lends"])
+def test_an_engine_borrows_an_idle_engines_core_while_it_steps(model_dirs, ledger_path, decode):
+    idle_lender = CoreLedger(ledger_path, 1, borrows=False, machine_cores=2)
+    config = EngineConfig(model=str(model_dirs["tiny"]), dtype="float32", device="cpu", max_model_len=128,
+                          cpu_threads=1, cpu_core_ledger=ledger_path)
+
+    async def run() -> tuple[list[int], float]:
+        engine = AsyncEngine(lambda: LLMEngine(config), decode=decode, name="lending-test")
+        await engine.ready()
+        sink = _ThreadsAtEachStep()
+        engine.attach("r", sink)
+        params = SamplingParams(max_tokens=1 if not decode else 6, temperature=0.0, ignore_eos=True)
+        engine.submit(lambda e: e.add_request("r", [1, 5, 9, 13], params))
+        await asyncio.wait_for(sink.finished, 60)
+        await asyncio.sleep(0.05)         # the loop goes idle
+        borrowed_after = engine.load_stats()["cpu_cores_borrowed"]
+        engine.shutdown()
+        return sink.threads, borrowed_after
+
+    threads, borrowed_after = asyncio.run(run())
+    assert threads and set(threads) == ({2} if decode else {1}), threads
+    assert borrowed_after == 0.0
+    assert idle_lender.at_work() == 1
+    idle_lender.close()
+    assert not os.path.exists(ledger_path)   # the engine left the ledger when it stopped
