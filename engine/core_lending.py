@@ -162,12 +162,13 @@ class _locked:
                 break
             os.close(fd)
         self.fd = fd
-        if os.fstat(fd).st_size != _SIZE:
-            os.ftruncate(fd, 0)
+        size = os.fstat(fd).st_size
+        if size == 0:                           # new: this engine is the first
             os.ftruncate(fd, _SIZE)
             os.pwrite(fd, _MAGIC, 0)
-        elif os.pread(fd, len(_MAGIC), 0) != _MAGIC:
-            raise ValueError(f"{self.path} is not a pdserve core ledger")
+        elif size != _SIZE or os.pread(fd, len(_MAGIC), 0) != _MAGIC:
+            self.__exit__()
+            raise ValueError(f"{self.path} is not a pdserve core ledger of this version")
         return fd
 
     def __exit__(self, *exc) -> None:
