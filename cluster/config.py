@@ -105,7 +105,7 @@ class HttpSection(_Strict):
     direct_ingress: bool = Field(True, description="on a cluster `pdserve serve` starts itself, the router "
                                  "answers HTTP on `port` (Ray Serve's direct ingress) instead of Serve's "
                                  "HTTP proxy, one process hop fewer per streamed chunk")
-    stream_interval_ms: float = Field(25.0, ge=0, le=1000, description="stream batching: a worker sends "
+    stream_interval_ms: float = Field(50.0, ge=0, le=1000, description="stream batching: a worker sends "
                                       "mid-stream tokens to the router at most this often, the steps in "
                                       "between in one message (first tokens and finishes go at once); 0: "
                                       "one message per engine step")
