@@ -111,13 +111,14 @@ def roles_of(deployment: dict) -> tuple[str, ...]:
 
 def take_live_steps(roles: tuple[str, ...]) -> dict[str, list]:
     """Per role, the engine steps its live replicas ran since the last call, as
-    (StepShape, seconds) (bench/worker_steps.py, in a process of its own)."""
+    (StepShape, seconds, threads) (bench/worker_steps.py, in a process of its own)."""
     from cluster.perf_model.step_shape import StepShape
     out = subprocess.run([sys.executable, str(REPO / "bench" / "worker_steps.py"), *roles], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     if out.returncode != 0:
         raise ServerFailed(f"fetching the workers' steps failed: {out.stderr.strip()[-2000:]}")
-    return {role: [(StepShape(int(p), a, int(d), int(c)), seconds) for p, a, d, c, seconds in steps]
+    return {role: [(StepShape(int(p), a, int(d), int(c)), seconds, int(threads))
+                   for p, a, d, c, seconds, threads in steps]
             for role, steps in json.loads(out.stdout).items()}
 
 
@@ -139,11 +140,14 @@ def measured_link(before: tuple, after: tuple):
     return KVLink(CPU_KV_BANDWIDTH, max(0.0, (seconds - nbytes / CPU_KV_BANDWIDTH) / count))
 
 
-def step_factors(base, live: dict[str, list]) -> dict[str, float]:
-    """Per role, the median of measured / profiled time over its live steps (1.0 without any)."""
+def step_factors(profiled, live: dict[str, list]) -> dict[str, float]:
+    """Per role, the median of measured / profiled time over its live steps (1.0
+    without any); `profiled(shape, threads)` is a step's profiled time with the
+    threads it ran with."""
     factors = {}
     for role, steps in live.items():
-        ratios = sorted(seconds / base.step_time(shape) for shape, seconds in steps if base.step_time(shape) > 0)
+        ratios = sorted(seconds / profiled(shape, threads) for shape, seconds, threads in steps
+                        if profiled(shape, threads) > 0)
         factors[role] = ratios[len(ratios) // 2] if ratios else 1.0
     return factors
 
@@ -232,6 +236,7 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from cluster.config import DeploymentConfig
+    from cluster.simulator.cluster_sim import lent_step_time
     from cluster.simulator.from_config import cluster_spec
     from engine.model.model_config import ModelConfig
     from engine.tiny_model import ensure_preset_model
@@ -264,6 +269,13 @@ def main() -> int:
         threads = max(1, cores // ranks(body))
         print(f"{name}: {ranks(body)} rank(s) on {cores} cores, {threads} thread(s) each", flush=True)
         base = profile_for(model_dir, threads, profiles)
+        # a one-rank decode (colocated) engine steps on the idle engines' cores too (resources.lend_idle_cores)
+        wide = profile_for(model_dir, cores, profiles) if threads < cores else None
+
+        def profiled(shape, step_threads: int) -> float:
+            if wide is None or step_threads <= threads:
+                return base.step_time(shape)
+            return lent_step_time(base, wide, shape, own_threads=threads, threads=step_threads, cores=cores)
         raw_spec = cluster_spec(config, base, model_config=model_config)
         path = workdir / f"{name}.yaml"
         path.write_text(yaml.safe_dump(body))
@@ -276,20 +288,22 @@ def main() -> int:
                 take_live_steps(roles)                           # drops the warm-up's steps
                 trickle_run = (trickle, TRICKLE_RATE, args.seed + 7)
                 meas = measured(base_url, model, *trickle_run, tokenizer)
-                trickle_factors = step_factors(base, take_live_steps(roles))
+                trickle_factors = step_factors(profiled, take_live_steps(roles))
                 busy_run = (busy, round(BUSY_CALIBRATION_LOAD * capacity(raw_spec, requests, args.seed), 3),
                             args.seed + 8)
                 handoffs = handoff_totals(base_url)
                 measured(base_url, model, *busy_run, tokenizer)
-                busy_factors = step_factors(base, take_live_steps(roles))
+                busy_factors = step_factors(profiled, take_live_steps(roles))
                 link = measured_link(handoffs, handoff_totals(base_url))
 
                 def spec_with(per_role: dict, serving_cores: float, step_s: float = 0.0, request_s: float = 0.0):
                     models = {role: corrected(base, f, step_s) for role, f in per_role.items()}
-                    return cluster_spec(config, models.get("colocated") or models["decode"],
-                                        prefill_model=models.get("prefill"), model_config=model_config, link=link,
-                                        request_overhead_s=request_s, shared_cores=cores, threads_per_rank=threads,
-                                        serving_cores_per_stream=serving_cores)
+                    borrower = "colocated" if "colocated" in per_role else "decode"
+                    wide_model = corrected(wide, per_role[borrower], step_s) if wide is not None else None
+                    return cluster_spec(config, models[borrower], prefill_model=models.get("prefill"),
+                                        model_config=model_config, link=link, request_overhead_s=request_s,
+                                        shared_cores=cores, threads_per_rank=threads,
+                                        serving_cores_per_stream=serving_cores, wide_model=wide_model)
                 serving_cores, per_role = fit_contention(spec_with, trickle_run, busy_run, trickle_factors,
                                                          busy_factors)
                 sim = simulated(spec_with(per_role, serving_cores), *trickle_run)

@@ -2,7 +2,9 @@
 since the last call, as JSON on stdout (each replica keeps its last 512):
 
     python bench/worker_steps.py ROLE [ROLE ...]    # colocated | prefill | decode
-    -> {"prefill": [[prefill_tokens, prefill_attention, decode_seqs, decode_context, seconds], ...], ...}
+    -> {"prefill": [[prefill_tokens, prefill_attention, decode_seqs, decode_context, seconds, threads], ...], ...}
+
+(threads: the torch threads the step ran with, its own plus any borrowed from idle engines.)
 
 It joins the newest local Ray cluster as a driver of its own, so a benchmark
 that starts one cluster after another gets the right one each time (Serve
@@ -34,7 +36,7 @@ def main(roles: list[str]) -> int:
         replies = serve.get_deployment_handle(WORKER_DEPLOYMENTS[role], app_name=APP_NAME) \
             .broadcast("step_samples").results(timeout_s=60)
         steps[role] = [[s.num_prefill_tokens, s.prefill_attention, s.num_decode_seqs, s.decode_context,
-                        s.duration_s] for reply in replies for _, s in reply["steps"]]
+                        s.duration_s, s.threads] for reply in replies for _, s in reply["steps"]]
     print(json.dumps(steps))
     return 0
 

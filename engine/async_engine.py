@@ -250,12 +250,18 @@ class AsyncEngine:
 
     def _measure(self, engine: LLMEngine) -> None:
         """Keeps the last step for take_step_samples, and folds it into the
-        per-token prefill cost (steps with prefill tokens only)."""
+        per-token prefill cost (steps with prefill tokens only) when it ran on
+        the engine's own cores only."""
         step = engine.last_step
         if step is None:
             return
         self._num_steps += 1
         self._recent_steps.append((self._num_steps, step))
+        if step.borrowed_threads:
+            # the cost estimates are of this engine on its own cores: what it can count on
+            # when its neighbours are busy (engine/core_lending.py)
+            engine.last_step = None
+            return
         self.step_cost.add(step.num_decode_seqs, step.num_prefill_tokens, step.duration_s)
         if step.num_prefill_tokens == 0:
             if step.num_decode_seqs:

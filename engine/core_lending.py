@@ -10,8 +10,9 @@ cores of engines that are idle:
   pid, the cores it owns (its bundle's CPUs), the cores it borrows, and whether
   it is at work;
 - before each step a borrowing engine takes the owned cores of idle engines
-  that no other engine at work already borrows, and runs that many more torch
-  threads;
+  that no other engine at work already borrows, as long as the threads of the
+  engines at work stay within the machine's cores, and runs that many more
+  torch threads;
 - an engine that goes back to work takes its cores back at once (it never
   waits): the borrower gives them back at its next step, so the machine is
   oversubscribed for at most one of the borrower's steps. That is why only
@@ -101,15 +102,20 @@ class CoreLedger:
             torch.set_num_threads(self.own)
 
     def _lendable(self) -> int:
-        idle_owned = taken = 0
+        """Idle engines' owned cores that no engine at work borrows, and no more
+        than the machine has left beside the threads of the engines at work (a
+        placement may give ranks more cores than the machine has: 1 prefill + 2
+        decode on 2 cores own 3)."""
+        idle_owned = taken = threads_at_work = 0
         for index, (pid, own, borrowed, busy, _) in enumerate(_SLOT.iter_unpack(self._map[len(_MAGIC):])):
             if pid == 0 or index == self._slot:
                 continue
             if busy:
                 taken += borrowed
+                threads_at_work += own + borrowed
             else:
                 idle_owned += own
-        return min(self._max_extra, max(0, idle_owned - taken))
+        return max(0, min(self._max_extra - threads_at_work, idle_owned - taken))
 
     @property
     def _offset(self) -> int:

@@ -59,6 +59,8 @@ class StepStats:
     duration_s: float
     prefill_attention: float = 0.0    # query-key pairs of the prompt chunks, causal
     decode_context: int = 0           # keys the decodes attend to, summed
+    threads: int = 1                  # torch threads it ran with
+    borrowed_threads: int = 0         # of which on cores borrowed from idle engines (engine/core_lending.py)
 
 
 class LLMEngine:
@@ -254,7 +256,8 @@ class LLMEngine:
             for seq in run.sampled:
                 seq.token_ids.append(PENDING_TOKEN)
                 seq.num_pending_tokens += 1
-        return _InFlight(run, started, *_step_shape(step))
+        threads = torch.get_num_threads()     # a CPU engine's own, or more on borrowed idle cores
+        return _InFlight(run, started, *_step_shape(step), threads, max(0, threads - self.worker.num_threads))
 
     def _resolve(self, launched: _InFlight) -> list[RequestOutput]:
         """Reads back a launched step's samples and turns them into outputs. A
@@ -268,7 +271,8 @@ class LLMEngine:
         step = launched.run.step
         self.last_step = StepStats(step.num_prefill_tokens, step.num_decode_seqs,
                                    now - max(launched.started, self._last_resolved),
-                                   launched.prefill_attention, launched.decode_context)
+                                   launched.prefill_attention, launched.decode_context, launched.threads,
+                                   launched.borrowed_threads)
         self._last_resolved = now
         outputs = []
         if result is None:
@@ -431,6 +435,8 @@ class _InFlight:
     started: float
     prefill_attention: float
     decode_context: int
+    threads: int
+    borrowed_threads: int
 
 
 def _step_shape(step) -> tuple[float, int]:

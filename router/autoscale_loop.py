@@ -119,7 +119,9 @@ class AutoscaleLoop:
             for index, step in reply["steps"]:
                 shape = StepShape(step.num_prefill_tokens, step.prefill_attention, step.num_decode_seqs,
                                   step.decode_context)
-                sample = StepSample(shape, step.duration_s, warm=index > self.settings.warmup_steps)
+                # a step on borrowed idle cores is faster than the replica can count on: not fitted
+                own_cores = step.borrowed_threads == 0
+                sample = StepSample(shape, step.duration_s, warm=index > self.settings.warmup_steps and own_cores)
                 steps.append(sample)
                 if sample.warm:
                     self._fit_steps[role].append(sample)

@@ -69,6 +69,20 @@ def test_borrowing_never_goes_past_the_machine(ledger_path):
     assert decode.at_work() == 3
 
 
+def test_ranks_placed_on_more_cores_than_the_machine_has_borrow_only_what_is_left(ledger_path):
+    # 1 prefill + 2 decode engines own a core each on a 2-core machine
+    prefill = CoreLedger(ledger_path, 1, borrows=False, machine_cores=2)
+    first = CoreLedger(ledger_path, 1, borrows=True, machine_cores=2)
+    second = CoreLedger(ledger_path, 1, borrows=True, machine_cores=2)
+    assert first.at_work() == 2           # both others idle: the machine's second core
+    assert second.at_work() == 1          # `first` runs 2 threads: nothing left (prefill's core is no spare)
+    assert first.at_work() == 1           # `second` at work on its own core: `first` gives back the spare
+    second.idle()
+    prefill.at_work()
+    assert first.at_work() == 1           # the prefill engine at work: 2 threads on 2 cores already
+    prefill.close()
+
+
 def test_the_slot_of_a_dead_engine_is_reclaimed_and_the_last_member_removes_the_file(ledger_path):
     code = ("import sys; sys.path.insert(0, %r); from engine.core_lending import CoreLedger; "
             "CoreLedger(%r, 1, borrows=False)" % (os.getcwd(), ledger_path))
@@ -113,7 +127,7 @@ def test_an_engine_borrows_an_idle_engines_core_while_it_steps(model_dirs, ledge
     config = EngineConfig(model=str(model_dirs["tiny"]), dtype="float32", device="cpu", max_model_len=128,
                           cpu_threads=1, cpu_core_ledger=ledger_path)
 
-    async def run() -> tuple[list[int], float]:
+    async def run() -> tuple[list[int], float, list, float | None]:
         engine = AsyncEngine(lambda: LLMEngine(config), decode=decode, name="lending-test")
         await engine.ready()
         sink = _ThreadsAtEachStep()
@@ -123,12 +137,16 @@ def test_an_engine_borrows_an_idle_engines_core_while_it_steps(model_dirs, ledge
         await asyncio.wait_for(sink.finished, 60)
         await asyncio.sleep(0.05)         # the loop goes idle
         borrowed_after = engine.load_stats()["cpu_cores_borrowed"]
+        samples, prefill_cost = engine.take_step_samples(), engine.prefill_s_per_token
         engine.shutdown()
-        return sink.threads, borrowed_after
+        return sink.threads, borrowed_after, samples, prefill_cost
 
-    threads, borrowed_after = asyncio.run(run())
+    threads, borrowed_after, samples, prefill_cost = asyncio.run(run())
     assert threads and set(threads) == ({2} if decode else {1}), threads
     assert borrowed_after == 0.0
+    # each step says what it ran with; steps on borrowed cores stay out of the cost estimates
+    assert [(s.threads, s.borrowed_threads) for _, s in samples] == [(2, 1) if decode else (1, 0)] * len(threads)
+    assert (prefill_cost is None) == decode
     assert idle_lender.at_work() == 1
     idle_lender.close()
     assert not os.path.exists(ledger_path)   # the engine left the ledger when it stopped

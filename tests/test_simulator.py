@@ -5,6 +5,7 @@ determinism; and `pdserve simulate` writing loadtest's JSON keys."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -126,6 +127,35 @@ def test_shared_cores_are_shared_by_the_steps_running_and_the_streams():
     assert [r.token_times[0] for r in result.requests] == pytest.approx([T, 1.1 * T])
 
 
+def test_idle_cores_are_lent_to_decode_steps_and_kept_for_the_step():
+    # 1 prefill + 1 decode, 1 thread each on 2 cores; with both cores a step takes T / 2
+    replica = ReplicaSpec(FIXED, 1000, in_core_ledger=True, wide_model=LinearStepModel((T / 2, 0, 0, 0, 0)))
+    spec = ClusterSpec("disaggregated", prefill=replica, decode=replica, prefill_replicas=1, decode_replicas=1,
+                       shared_cores=2.0, lend_idle_cores=True)
+    # the prefill replica never borrows (its step takes T though the decode replica is idle); the
+    # decode steps after the hand-off borrow its core
+    result = simulate(spec, [(100, 3)], [0.0])
+    assert _times(result, 0) == pytest.approx([T, 1.5 * T, 2 * T])
+    # a second prompt reaches the prefill replica at 1.25 T, mid-way through the decode replica's
+    # borrowed step: 3 threads on 2 cores, both at 2/3 speed. The decode step's last 0.25 T of work
+    # takes 0.375 T (ends 1.625 T); its next step finds the lender busy: T on its own core. The
+    # prefill step's 0.75 T left at 1.625 T runs at full speed: its first token at 2.375 T
+    result = simulate(spec, [(100, 3), (100, 3)], [0.0, 1.25 * T])
+    assert _times(result, 0) == pytest.approx([T, 1.625 * T, 2.625 * T])
+    assert _times(result, 1)[0] == pytest.approx(2.375 * T)
+    # 1 prefill + 2 decode on 2 cores: two decode replicas at work leave no core to borrow
+    two = dataclasses.replace(spec, decode_replicas=2)
+    result = simulate(two, [(100, 3), (100, 3)], [0.0, 0.0])
+    assert [r.token_times[1] - r.token_times[0] for r in result.requests] == pytest.approx([T, T])
+    # lending off: the decode replica keeps its own core
+    result = simulate(dataclasses.replace(spec, lend_idle_cores=False), [(100, 3)], [0.0])
+    assert _times(result, 0) == pytest.approx([T, 2 * T, 3 * T])
+    # a replica outside the ledger (a TP gang) neither lends nor borrows
+    outside = dataclasses.replace(replica, in_core_ledger=False)
+    result = simulate(dataclasses.replace(spec, prefill=outside), [(100, 3)], [0.0])
+    assert _times(result, 0) == pytest.approx([T, 2 * T, 3 * T])
+
+
 def test_bad_specs_are_refused():
     with pytest.raises(ValueError, match="needs at least one prefill replica"):
         ClusterSpec("disaggregated", decode=ReplicaSpec(FIXED, 10))
@@ -133,6 +163,8 @@ def test_bad_specs_are_refused():
         ClusterSpec("split", decode=ReplicaSpec(FIXED, 10))
     with pytest.raises(ValueError, match="shared_cores must be > 0"):
         ClusterSpec("colocated", decode=ReplicaSpec(FIXED, 10), shared_cores=0.0)
+    with pytest.raises(ValueError, match="lend_idle_cores needs shared_cores"):
+        ClusterSpec("colocated", decode=ReplicaSpec(FIXED, 10), lend_idle_cores=True)
     with pytest.raises(ValueError, match="lengths must be >= 1"):
         simulate(_colocated(), [(0, 3)], [0.0])
 
@@ -141,8 +173,12 @@ def test_pdserve_simulate_writes_loadtest_keys(tmp_path):
     from cluster.cli.main import main
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps(LinearStepModel((1e-3, 1e-5, 1e-9, 5e-5, 1e-7)).to_json()))
+    wide = tmp_path / "wide.json"        # the same engine on both cores: every step half as long
+    wide.write_text(json.dumps(LinearStepModel((5e-4, 5e-6, 5e-10, 2.5e-5, 5e-8)).to_json()))
     out = []
-    machine = [[], [], ["--shared-cores", "1", "--threads-per-rank", "1", "--serving-cores-per-stream", "0.1"]]
+    two_cores = ["--shared-cores", "2", "--threads-per-rank", "1"]
+    machine = [[], [], ["--shared-cores", "1", "--threads-per-rank", "1", "--serving-cores-per-stream", "0.1"],
+               two_cores, [*two_cores, "--lend-profile", str(wide)]]
     for run, flags in enumerate(machine):
         code = main(["simulate", "--config", "configs/tiny-cpu.yaml", "--profile", str(profile), "--num-prompts",
                      "50", "--request-rate", "10", "--goodput", "ttft:100", "tpot:20", "--save-result",
@@ -157,3 +193,6 @@ def test_pdserve_simulate_writes_loadtest_keys(tmp_path):
     assert {k: v for k, v in out[0].items() if k != "date"} == {k: v for k, v in out[1].items() if k != "date"}
     # the 1 prefill + 1 decode ranks sharing one core, with the serving path on it too, step slower
     assert out[2]["mean_tpot_ms"] > 1.1 * result["mean_tpot_ms"]
+    # on two cores, a decode replica that borrows the idle prefill replica's core steps faster
+    assert out[3]["mean_tpot_ms"] == pytest.approx(result["mean_tpot_ms"])
+    assert out[4]["mean_tpot_ms"] < 0.9 * out[3]["mean_tpot_ms"]

@@ -106,7 +106,9 @@ class StepSample:
     """One engine step a replica measured."""
     shape: StepShape
     seconds: float
-    warm: bool = True         # False for a replica's first steps
+    # False for a step kept out of the correction: a replica's first steps (warm-up), or one
+    # that ran on cores borrowed from idle neighbours (faster than the replica can count on)
+    warm: bool = True
 
 
 @dataclass

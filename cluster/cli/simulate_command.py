@@ -37,6 +37,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config)
         step_model = load_step_model(args.profile)
+        wide_model = load_step_model(args.lend_profile) if args.lend_profile else None
     except (ConfigFileError, ValueError, OSError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -46,7 +47,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     spec = cluster_spec(config, step_model, model_config=model_config, link=link,
                         request_overhead_s=args.request_overhead_ms / 1000, shared_cores=args.shared_cores,
                         threads_per_rank=max(1, int(args.threads_per_rank or config.resources.cpus_per_rank or 1)),
-                        serving_cores_per_stream=args.serving_cores_per_stream)
+                        serving_cores_per_stream=args.serving_cores_per_stream, wide_model=wide_model)
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir)
     requests = _build_dataset(args, tokenizer, config.model.max_model_len, args.seed)
@@ -134,6 +135,10 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     p.add_argument("--serving-cores-per-stream", type=float, default=0.0,
                    help="with --shared-cores: cores the router, the HTTP path and the client keep busy per "
                         "request streaming tokens (bench/simulator_accuracy.py fits it; default 0)")
+    p.add_argument("--lend-profile", default=None, metavar="PROFILE.json",
+                   help="with --shared-cores and the config's resources.lend_idle_cores: a profile taken at "
+                        "--shared-cores threads; one-rank decode (colocated) replicas then borrow idle "
+                        "replicas' cores for their steps, as the engines do")
     p.add_argument("--autoscale", action="store_true",
                    help="let the deployment's autoscaling policy (its autoscaling: section) set the pools; "
                         "a replica asked for serves after autoscaling.startup_s")

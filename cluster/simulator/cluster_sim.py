@@ -23,6 +23,16 @@ streaming tokens (the router, the HTTP path and the client; a request still
 waiting for its first token costs them nothing). Replicas with devices of their
 own (GPUs) leave `shared_cores` None and take the model's time.
 
+Idle cores lent (`lend_idle_cores`, engine/core_lending.py): replicas in the
+core ledger (`ReplicaSpec.in_core_ledger`: one-rank CPU pools) lend the cores
+they own while they have no work; a decode or colocated replica with a
+`wide_model` (its step time with every shared core as a thread) starts each
+step with its own threads plus the owned cores of idle replicas that no replica
+at work already borrows, and runs at the step time interpolated between its
+own and its wide model (linear in 1 / threads). It keeps them for the whole
+step even when the lender goes back to work meanwhile (the cores are then
+oversubscribed), as the engine does.
+
 With an autoscaler (cluster/simulator/autoscaling.py) the pools change while
 the requests run: a replica asked for joins its pool once its start-up time
 has passed; a replica scaled down takes nothing new, finishes what it holds,
@@ -48,6 +58,8 @@ class ReplicaSpec:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     threads: int = 1                 # CPU threads of one replica's ranks together (for shared_cores)
+    in_core_ledger: bool = False     # lends its cores while idle (ClusterSpec.lend_idle_cores)
+    wide_model: StepTimeModel | None = None   # its step time at shared_cores threads: it borrows idle cores
 
 
 @dataclass(frozen=True)
@@ -66,6 +78,7 @@ class ClusterSpec:
     request_overhead_s: float = 0.0
     shared_cores: float | None = None          # CPU cores all replicas share; None: a device each
     serving_cores_per_stream: float = 0.0      # cores the serving path keeps busy per request streaming
+    lend_idle_cores: bool = False              # with shared_cores: idle replicas' cores are lent (module doc)
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
@@ -80,6 +93,9 @@ class ClusterSpec:
             raise ValueError(f"shared_cores must be > 0 (or None), got {self.shared_cores}")
         if self.serving_cores_per_stream < 0:
             raise ValueError(f"serving_cores_per_stream must be >= 0, got {self.serving_cores_per_stream}")
+        if self.lend_idle_cores and self.shared_cores is None:
+            raise ValueError("lend_idle_cores needs shared_cores: cores are lent only between replicas "
+                             "sharing one machine's")
 
 
 @dataclass
@@ -149,16 +165,20 @@ class _Simulation:
         self.streaming = 0                              # requests in flight past their first token
         self.pending: list[SimRequestLog] = []          # held back by max_concurrency
         self.awaiting_decode: list[tuple[SimSequence, SimReplica]] = []   # prefilled, no decode blocks yet
-        self.prefill_pool = [self._replica(f"prefill-{i}", spec.prefill) for i in range(spec.prefill_replicas)] \
+        self.prefill_pool = [self._replica(f"prefill-{i}", spec.prefill, borrows=False) for i in range(spec.prefill_replicas)] \
             if spec.mode == "disaggregated" else []
         role = "decode" if spec.mode == "disaggregated" else "colocated"
-        self.decode_pool = [self._replica(f"{role}-{i}", spec.decode) for i in range(spec.decode_replicas)]
+        self.decode_pool = [self._replica(f"{role}-{i}", spec.decode, borrows=True) for i in range(spec.decode_replicas)]
         self.num_local_prefills = 0
         self.names = itertools.count(max(spec.prefill_replicas, spec.decode_replicas))
 
-    def _replica(self, name: str, rs: ReplicaSpec) -> SimReplica:
+    def _replica(self, name: str, rs: ReplicaSpec, *, borrows: bool) -> SimReplica:
+        """`borrows`: a decode (colocated) replica, which may borrow idle cores."""
         replica = SimReplica(name, rs.model, rs.num_kv_blocks, rs.block_size, rs.max_num_seqs,
                              rs.max_num_batched_tokens, started_at=self.now, threads=rs.threads)
+        if self.spec.lend_idle_cores and rs.in_core_ledger:
+            replica.in_core_ledger = True
+            replica.wide_model = rs.wide_model if borrows else None
         replica.on_token = self._on_token
         replica.on_prefilled = lambda seq, t, r=replica: self._on_prefilled(seq, r)
         return replica
@@ -213,7 +233,7 @@ class _Simulation:
     def add_replica(self, role: str) -> SimReplica:
         """A new replica of `role` (prefill, decode or colocated), serving from now."""
         spec = self.spec.prefill if role == "prefill" else self.spec.decode
-        replica = self._replica(f"{role}-{next(self.names)}", spec)
+        replica = self._replica(f"{role}-{next(self.names)}", spec, borrows=role != "prefill")
         self.pool(role).append(replica)
         self._admit_awaiting()
         return replica
@@ -325,13 +345,37 @@ class _Simulation:
         if not work:
             return        # blocked on KV blocks held elsewhere: kicked again when they are freed
         replica.busy = True
-        seconds = replica.model.step_time(shape)
+        seconds = self._step_seconds(replica, shape)
         if self.spec.shared_cores is None:
             replica.stretch_sum += 1.0
             self.at(self.now + seconds, lambda: self._step_done(replica, work, shape, seconds))
             return
         replica.step = _SharedStep(work, shape, seconds, started=self.now, left=seconds)
         self._share_cores()
+
+    def _step_seconds(self, replica: SimReplica, shape: StepShape) -> float:
+        """The step's time alone on its cores: with its own threads, or with the
+        idle cores it borrows now (lend_idle_cores)."""
+        replica.borrowed = self._lendable_to(replica) if replica.wide_model is not None else 0
+        if replica.borrowed == 0:
+            return replica.model.step_time(shape)
+        return lent_step_time(replica.model, replica.wide_model, shape, own_threads=replica.threads,
+                              threads=replica.threads + replica.borrowed, cores=int(self.spec.shared_cores))
+
+    def _lendable_to(self, borrower: SimReplica) -> int:
+        """Owned cores of the ledger's idle replicas that no replica at work
+        borrows, within the cores the replicas at work leave (engine/core_lending.py's rule)."""
+        idle_owned = taken = threads_at_work = 0
+        for r in self.prefill_pool + self.decode_pool + self.retired:
+            if r is borrower or not r.in_core_ledger or r.stopped_at is not None:
+                continue
+            if r.busy or r.has_work:
+                taken += r.borrowed
+                threads_at_work += r.threads + r.borrowed
+            else:
+                idle_owned += r.threads
+        spare = int(self.spec.shared_cores) - borrower.threads - threads_at_work
+        return max(0, min(spare, idle_owned - taken))
 
     # ---- steps on shared cores ------------------------------------------------------------
     def _share_cores(self) -> None:
@@ -342,7 +386,7 @@ class _Simulation:
         if spec.shared_cores is None:
             return
         running = [r for r in self.prefill_pool + self.decode_pool + self.retired if r.step is not None]
-        demand = sum(r.threads for r in running) + spec.serving_cores_per_stream * self.streaming
+        demand = sum(r.threads + r.borrowed for r in running) + spec.serving_cores_per_stream * self.streaming
         speed = min(1.0, spec.shared_cores / demand) if demand > 0 else 1.0
         for replica in running:
             step = replica.step
@@ -365,6 +409,8 @@ class _Simulation:
     def _step_done(self, replica: SimReplica, work, shape: StepShape, seconds: float) -> None:
         replica.busy = False
         replica.finish_step(work, self.now)
+        if not replica.has_work:
+            replica.borrowed = 0      # idle: gives back what it borrowed
         if self.autoscaler is not None:
             self.autoscaler.on_step(replica, shape, seconds)
         if self.awaiting_decode and replica in self.decode_pool:
@@ -388,6 +434,17 @@ class _SharedStep:
 
     def __post_init__(self) -> None:
         self.since = self.started
+
+
+def lent_step_time(model: StepTimeModel, wide_model: StepTimeModel, shape: StepShape, *, own_threads: int,
+                   threads: int, cores: int) -> float:
+    """A step's time with `threads` (own plus borrowed) where `model` runs it with
+    `own_threads` and `wide_model` with `cores`: interpolated linearly in 1 / threads."""
+    own = model.step_time(shape)
+    if threads <= own_threads or cores <= own_threads:
+        return own
+    share = (1 / own_threads - 1 / min(threads, cores)) / (1 / own_threads - 1 / cores)
+    return own + (wide_model.step_time(shape) - own) * share
 
 
 def _prefill_time(model: StepTimeModel, tokens: int) -> float:

@@ -26,11 +26,14 @@ class KVLink:
 def cluster_spec(config, model: StepTimeModel, *, model_config, link: KVLink = KVLink(),
                  request_overhead_s: float = 0.0, prefill_model: StepTimeModel | None = None,
                  shared_cores: float | None = None, threads_per_rank: int = 1,
-                 serving_cores_per_stream: float = 0.0) -> ClusterSpec:
+                 serving_cores_per_stream: float = 0.0, wide_model: StepTimeModel | None = None) -> ClusterSpec:
     """`config`: a cluster.config.DeploymentConfig; `model_config`: the engine
     ModelConfig of its checkpoint (KV bytes per token, context limit).
     `shared_cores`: the CPU cores every replica shares (one machine), with
-    `threads_per_rank` torch threads per rank; None: a device per rank."""
+    `threads_per_rank` torch threads per rank; None: a device per rank.
+    `wide_model`: the step model at `shared_cores` threads; with it, and the
+    config's resources.lend_idle_cores, one-rank decode (colocated) replicas
+    borrow idle replicas' cores as the engines do."""
     from engine.memory_planner import kv_bytes_per_token
     e = config.engine
     max_len = config.model.max_model_len or model_config.max_position_embeddings
@@ -38,22 +41,27 @@ def cluster_spec(config, model: StepTimeModel, *, model_config, link: KVLink = K
         ("bfloat16" if config.model.dtype == "auto" else config.model.dtype)
     kv_per_token = kv_bytes_per_token(model_config, 1, dtype)      # the whole model's: what a hand-off moves
 
+    lending = shared_cores is not None and config.resources.lend_idle_cores
+
     def replica(pool, step_model: StepTimeModel) -> ReplicaSpec:
+        one_rank = pool.tensor_parallel_size == 1       # TP gangs keep their threads (engine/core_lending.py)
         return ReplicaSpec(step_model, kv_blocks(config, pool, model_config, dtype, max_len), e.block_size,
-                           e.max_num_seqs, config.tokens_per_step(), threads_per_rank * pool.tensor_parallel_size)
+                           e.max_num_seqs, config.tokens_per_step(), threads_per_rank * pool.tensor_parallel_size,
+                           in_core_ledger=lending and one_rank, wide_model=wide_model if lending else None)
 
     d = config.disaggregation
     if config.mode.value == "colocated":
         return ClusterSpec("colocated", decode=replica(config.colocated, model),
                            decode_replicas=config.colocated.replicas, request_overhead_s=request_overhead_s,
-                           shared_cores=shared_cores, serving_cores_per_stream=serving_cores_per_stream)
+                           shared_cores=shared_cores, serving_cores_per_stream=serving_cores_per_stream,
+                           lend_idle_cores=lending)
     return ClusterSpec(
         "disaggregated", prefill=replica(config.prefill, prefill_model or model), decode=replica(config.decode, model),
         prefill_replicas=config.prefill.replicas, decode_replicas=config.decode.replicas, policy=d.policy,
         local_prefill_max_tokens=d.local_prefill_max_tokens, max_remote_wait_s=d.max_remote_wait_ms / 1000,
         kv_bytes_per_token=kv_per_token, kv_bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
         kv_latency_s=link.latency_s, request_overhead_s=request_overhead_s, shared_cores=shared_cores,
-        serving_cores_per_stream=serving_cores_per_stream)
+        serving_cores_per_stream=serving_cores_per_stream, lend_idle_cores=lending)
 
 
 def kv_blocks(config, pool, model_config, dtype: str, max_len: int) -> int:

@@ -64,6 +64,9 @@ class SimReplica:
     num_steps: int = 0
     num_preemptions: int = 0
     threads: int = 1                 # CPU threads a step keeps busy (ClusterSpec.shared_cores)
+    in_core_ledger: bool = False     # lends its threads' cores while idle (ClusterSpec.lend_idle_cores)
+    wide_model: StepTimeModel | None = None   # set on a replica that borrows idle cores
+    borrowed: int = 0                # cores borrowed for the step it runs
     stretch_sum: float = 0.0         # sum over its steps of step time / the model's time
     step: object = None              # the step it runs on shared cores (cluster_sim._SharedStep)
 
