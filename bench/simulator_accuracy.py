@@ -71,7 +71,7 @@ DEPLOYMENTS = {
 LOAD_FACTORS = {"light": 0.3, "near capacity": 0.9, "overloaded": 1.5}
 REPEATED_LOAD = "near capacity"    # measured twice, with other prompts: how far the live system moves by itself
 FIGURES = ("request_goodput", "median_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "p90_tpot_ms")
-BUSY_CALIBRATION_LOAD = 0.4   # x the profile's simulated capacity: busy enough that the cores are shared
+BUSY_CALIBRATION_LOAD = 0.7   # x the profile's simulated capacity: busy enough that the engine and the serving path contend for the cores
 # Cores per request streaming tried by the fit. The router, HTTP proxy, Serve controller and Ray's
 # daemons measured ~0.2 cores together (from /proc) at 2-8 req/s of this load, the client less:
 # a few hundredths per stream, so 0.3 bounds it well above.
