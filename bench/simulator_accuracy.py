@@ -6,7 +6,7 @@ on the `bench` checkpoint, CPU:
    gets (`pdserve profile`'s code, in process);
 2. start `pdserve serve --config` on a local cluster of this machine's size
    and correct the model online (cluster/perf_model/online.py) from two
-   calibration loads, a trickle (1 req/s) and a busy one (0.4x the profile's
+   calibration loads, a trickle (1 req/s) and a busy one (0.7x the profile's
    simulated capacity):
    - the live replicas' own engine steps (shapes and wall times, fetched from
      the workers) give, per role and load, how much slower a served step is
@@ -22,7 +22,8 @@ on the `bench` checkpoint, CPU:
      over after that is the cost per request (router, HTTP, the hand-off's
      messages), added to its token times;
 3. find the corrected model's simulated capacity (the highest rate at >= 90%
-   SLO attainment) and pick three loads from it: light (0.3x), near capacity
+   SLO attainment, sustained over 600 simulated requests) and pick three
+   loads from it: light (0.3x), near capacity
    (0.9x), overloaded (1.5x);
 4. run each load through the load generator (`pdserve loadtest`'s code) and
    simulate the same requests (same lengths, same arrival times);
@@ -76,6 +77,7 @@ BUSY_CALIBRATION_LOAD = 0.7   # x the profile's simulated capacity: busy enough 
 # daemons measured ~0.2 cores together (from /proc) at 2-8 req/s of this load, the client less:
 # a few hundredths per stream, so 0.3 bounds it well above.
 SERVING_CORES_GRID = [i * 0.01 for i in range(31)]
+SUSTAINED_REQUESTS = 600      # requests a capacity search simulates (module doc: capacity)
 TRICKLE_RATE = 1.0            # req/s: requests rarely overlap, so each one's times are its own steps'
 
 
@@ -207,7 +209,11 @@ def measured(base_url: str, model: str, requests, rate: float, seed: int, tokeni
 
 
 def capacity(spec, requests, seed: int) -> float:
-    """The simulated highest rate with >= 90% of these requests meeting the SLOs."""
+    """The simulated highest rate with >= 90% of requests meeting the SLOs, on
+    these requests' lengths cycled to SUSTAINED_REQUESTS: over a short run a
+    queue that grows slowly stays under the TTFT SLO, and the rate found would
+    not be sustainable."""
+    requests = [requests[i % len(requests)] for i in range(max(len(requests), SUSTAINED_REQUESTS))]
     low, high = 0.0, 0.25
     while _attains(spec, requests, high, seed) and high < 1000:
         low, high = high, high * 2
