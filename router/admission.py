@@ -9,7 +9,13 @@ each request's time to first token,
     TTFT = (prompt tokens waiting / prefill replicas + this prompt) x prefill s/token
 
 with the per-token cost the workers measure on their own steps, and refuses
-it when that exceeds `slo_factor` x the SLO. With a TPOT SLO it bounds the
+it when that exceeds `slo_factor` x the SLO. When prompts arrive faster than
+the prefill replicas serve them (over the last `overload_window_s`, refused
+ones included), queueing more cannot raise throughput, only every admitted
+request's TTFT: then a request is admitted only while what waits ahead of it
+takes at most `overload_wait_factor` x its own prefill, so the queue holds
+about what keeps the replicas busy and admitted TTFT stays near its unloaded
+value instead of climbing to the SLO. With a TPOT SLO it bounds the
 requests running at once to what the decode replicas hold with each step
 within `tpot_headroom` of the SLO (their measured step time per sequence):
 past that, every admitted request would miss TPOT. A refusal is a 429 with
@@ -20,7 +26,9 @@ that need no prompt length run before the prompt is tokenized.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from router.errors import OpenAIError
@@ -34,6 +42,8 @@ class AdmissionSettings:
     slo_factor: float = 1.0
     tpot_slo_s: float | None = None
     tpot_headroom: float = 0.8          # decode steps are held to this share of the TPOT SLO
+    overload_wait_factor: float | None = 1.0   # with a TTFT SLO, in overload: wait <= this x own prefill
+    overload_window_s: float = 5.0      # arrivals over this long decide whether prompts outpace prefill
 
 
 class Overloaded(OpenAIError):
@@ -49,9 +59,14 @@ class Overloaded(OpenAIError):
 
 
 class AdmissionControl:
-    def __init__(self, settings: AdmissionSettings, *, prefill_roles: tuple[str, ...] = ("prefill", "colocated")):
+    def __init__(self, settings: AdmissionSettings, *, prefill_roles: tuple[str, ...] = ("prefill", "colocated"),
+                 clock: Callable[[], float] = time.monotonic):
         self.settings = settings
         self.prefill_roles = prefill_roles
+        self.clock = clock
+        self._arrivals: deque[float] = deque()       # arrival times within overload_window_s, refused ones too
+        self._first_arrival: float | None = None
+        self.mean_prompt_tokens: float | None = None  # of the requests checked with their prompt, running mean
         self.waiting_requests = 0
         self.waiting_tokens = 0
         self.replicas = 1
@@ -64,8 +79,15 @@ class AdmissionControl:
 
     # ---- the checks ---------------------------------------------------------------------------
     def check_before_tokenizing(self) -> None:
-        """Raises Overloaded when the queue alone is past a bound or the SLO."""
+        """Counts the request's arrival; raises Overloaded when the queue alone is
+        past a bound or the SLO."""
         s = self.settings
+        now = self.clock()
+        if not self._arrivals and self._first_arrival is None:
+            self._first_arrival = now
+        self._arrivals.append(now)
+        while self._arrivals and self._arrivals[0] < now - s.overload_window_s:
+            self._arrivals.popleft()
         if s.max_waiting_requests is not None and self.waiting_requests >= s.max_waiting_requests:
             raise self._refuse("queue_requests", f"{self.waiting_requests} requests are waiting for their first "
                                f"token, the most this server queues ({s.max_waiting_requests})")
@@ -99,6 +121,8 @@ class AdmissionControl:
                 self.waiting_tokens + num_prompt_tokens > s.max_waiting_prompt_tokens and self.waiting_requests:
             raise self._refuse("queue_tokens", f"{self.waiting_tokens} prompt tokens are waiting and this prompt "
                                f"has {num_prompt_tokens}; this server queues at most {s.max_waiting_prompt_tokens}")
+        old = self.mean_prompt_tokens
+        self.mean_prompt_tokens = num_prompt_tokens if old is None else 0.95 * old + 0.05 * num_prompt_tokens
         self._check_slo(num_prompt_tokens)
         self.waiting_requests += 1
         self.waiting_tokens += num_prompt_tokens
@@ -120,6 +144,18 @@ class AdmissionControl:
 
     def predicted_ttft_s(self, num_prompt_tokens: int) -> float:
         return self.predicted_wait_s() + num_prompt_tokens * (self.s_per_token or 0.0)
+
+    def overloaded(self) -> bool:
+        """Whether prompt tokens arrived over the last overload_window_s faster than the
+        prefill replicas serve them (at their measured cost)."""
+        if not self.s_per_token or not self.mean_prompt_tokens or not self._arrivals:
+            return False
+        window = self.settings.overload_window_s
+        seen = self.clock() - self._first_arrival
+        if seen < window / 2:
+            return False     # too little history to tell a burst from a rate
+        offered = len(self._arrivals) / min(window, seen) * self.mean_prompt_tokens   # prompt tokens per second
+        return offered * self.s_per_token > self.replicas
 
     def observe_workers(self, role: str, stats: Iterable[Mapping[str, float]]) -> None:
         """The latest stats of every replica of `role`: prefill costs from the prefill roles,
@@ -148,6 +184,15 @@ class AdmissionControl:
         if predicted > limit:
             raise self._refuse("ttft_slo", f"its predicted time to first token is {predicted * 1000:.0f} ms, past "
                                f"the {limit * 1000:.0f} ms this server admits")
+        if s.overload_wait_factor is None or not self.overloaded():
+            return
+        own = (num_prompt_tokens or self.mean_prompt_tokens or 0.0) * self.s_per_token
+        wait = self.predicted_wait_s()
+        if wait > s.overload_wait_factor * own:
+            raise self._refuse("overload", f"prompts are arriving faster than this server prefills them, and "
+                               f"{wait * 1000:.0f} ms of prompts wait ahead of this one; it admits a request "
+                               f"only while at most {s.overload_wait_factor:g}x its own prefill "
+                               f"({own * 1000:.0f} ms) waits ahead")
 
     def _refuse(self, reason: str, why: str) -> Overloaded:
         return Overloaded(f"The server is overloaded: {why}. Retry after the Retry-After header's seconds.",

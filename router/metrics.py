@@ -97,7 +97,7 @@ class ServingMetrics:
         self._migrations = Counter("pdserve_request_migrations_total", "Times a request was continued on "
                                    "another worker after its worker failed.", registry=r)
         self._rejected = Counter("pdserve_requests_rejected_total", "Requests refused by admission control "
-                                 "(HTTP 429), by reason: queue_requests, queue_tokens, ttft_slo, tpot_slo.", ["reason"],
+                                 "(HTTP 429), by reason: queue_requests, queue_tokens, ttft_slo, overload, tpot_slo.", ["reason"],
                                  registry=r)
         self._worker_gauges = {key: Gauge(name, doc, ["worker"], registry=r)
                                for key, name, doc in WORKER_GAUGES}

@@ -46,6 +46,59 @@ def test_the_ttft_slo_refuses_what_would_miss_it():
     assert a.waiting_requests == 2                     # the refused one is not counted
 
 
+class _Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _arrivals(a: AdmissionControl, clock: _Clock, rate: float, seconds: float, prompt: int) -> None:
+    """Requests of `prompt` tokens at `rate` for `seconds`, each served before the next arrives."""
+    for _ in range(int(rate * seconds)):
+        clock.now += 1 / rate
+        a.check_before_tokenizing()
+        a.admit(prompt)
+        a.first_token(prompt)
+        a.finished()
+
+
+@pytest.mark.parametrize("factor", [1.0, None], ids=["overload-wait-bound", "up-to-the-slo"])
+def test_in_overload_only_what_keeps_the_prefill_busy_is_admitted(factor):
+    clock = _Clock()
+    a = AdmissionControl(AdmissionSettings(ttft_slo_s=1.0, overload_wait_factor=factor, overload_window_s=5.0),
+                         clock=clock)
+    a.observe_workers("prefill", [{"prefill_s_per_token": 1e-3}])    # 100-token prompts: 0.1 s, 10 req/s
+    _arrivals(a, clock, rate=5.0, seconds=5.0, prompt=100)             # half the prefill capacity
+    assert not a.overloaded()
+    a.admit(100)
+    a.admit(100)
+    a.admit(100)                                       # 0.2 s waits ahead: within the SLO, admitted
+    for _ in range(3):
+        a.first_token(100)
+    _arrivals(a, clock, rate=20.0, seconds=5.0, prompt=100)            # twice what the replica prefills
+    assert a.overloaded()
+    a.admit(100)                                       # nothing waits ahead
+    a.admit(100)                                       # 0.1 s ahead: 1x its own prefill
+    if factor is None:
+        a.admit(100)                                   # 0.2 s ahead, 0.3 s predicted: within the SLO
+        return
+    with pytest.raises(Overloaded) as exc:
+        a.admit(100)                                   # 0.2 s ahead > 1x its own 0.1 s
+    assert exc.value.reason == "overload" and "faster than this server prefills" in exc.value.message
+    with pytest.raises(Overloaded):
+        a.check_before_tokenizing()                    # refused before tokenizing, at the mean prompt's cost
+    a.first_token(100)
+    a.first_token(100)
+    clock.now += 10.0                                  # the burst is over: nothing arrived for a window
+    a.check_before_tokenizing()
+    assert not a.overloaded()
+    a.admit(100)
+    a.admit(100)
+    a.admit(100)
+
+
 def test_the_tpot_slo_bounds_the_requests_running_at_once():
     a = AdmissionControl(AdmissionSettings(max_waiting_requests=None, max_waiting_prompt_tokens=None,
                                            tpot_slo_s=0.1))
@@ -140,3 +193,13 @@ def test_a_busy_server_answers_429_at_once_and_serves_what_it_admitted():
         assert admission.waiting_requests == 0 and admission.waiting_tokens == 0
         text = client.get("/metrics").text
         assert 'pdserve_requests_rejected_total{reason="queue_requests"} 1.0' in text
+
+
+def test_the_deployment_file_sets_the_overload_wait_bound():
+    from cluster.config import DeploymentConfig
+    config = DeploymentConfig.model_validate({"slo": {"ttft_ms": 800}, "admission": {"overload_wait_factor": 0.5}})
+    settings = config.admission.settings(config.slo)
+    assert (settings.ttft_slo_s, settings.overload_wait_factor) == (0.8, 0.5)
+    off = DeploymentConfig.model_validate({"admission": {"overload_wait_factor": None}})
+    assert off.admission.settings(off.slo).overload_wait_factor is None
+    assert DeploymentConfig().admission.settings(DeploymentConfig().slo).overload_wait_factor == 1.0
