@@ -83,7 +83,7 @@ class AdmissionControl:
         past a bound or the SLO."""
         s = self.settings
         now = self.clock()
-        if not self._arrivals and self._first_arrival is None:
+        if self._first_arrival is None:
             self._first_arrival = now
         self._arrivals.append(now)
         while self._arrivals and self._arrivals[0] < now - s.overload_window_s:

@@ -165,10 +165,11 @@ class _Simulation:
         self.streaming = 0                              # requests in flight past their first token
         self.pending: list[SimRequestLog] = []          # held back by max_concurrency
         self.awaiting_decode: list[tuple[SimSequence, SimReplica]] = []   # prefilled, no decode blocks yet
-        self.prefill_pool = [self._replica(f"prefill-{i}", spec.prefill, borrows=False) for i in range(spec.prefill_replicas)] \
-            if spec.mode == "disaggregated" else []
+        self.prefill_pool = [self._replica(f"prefill-{i}", spec.prefill, borrows=False)
+                             for i in range(spec.prefill_replicas)] if spec.mode == "disaggregated" else []
         role = "decode" if spec.mode == "disaggregated" else "colocated"
-        self.decode_pool = [self._replica(f"{role}-{i}", spec.decode, borrows=True) for i in range(spec.decode_replicas)]
+        self.decode_pool = [self._replica(f"{role}-{i}", spec.decode, borrows=True)
+                            for i in range(spec.decode_replicas)]
         self.num_local_prefills = 0
         self.names = itertools.count(max(spec.prefill_replicas, spec.decode_replicas))
 
