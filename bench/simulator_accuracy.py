@@ -148,8 +148,8 @@ def step_factors(profiled, live: dict[str, list]) -> dict[str, float]:
     threads it ran with."""
     factors = {}
     for role, steps in live.items():
-        ratios = sorted(seconds / profiled(shape, threads) for shape, seconds, threads in steps
-                        if profiled(shape, threads) > 0)
+        expected = [(seconds, profiled(shape, threads)) for shape, seconds, threads in steps]
+        ratios = sorted(seconds / model_s for seconds, model_s in expected if model_s > 0)
         factors[role] = ratios[len(ratios) // 2] if ratios else 1.0
     return factors
 

@@ -252,7 +252,7 @@ class AsyncEngine:
         """Keeps the last step for take_step_samples, and folds it into the
         per-token prefill cost (steps with prefill tokens only) when it ran on
         the engine's own cores only."""
-        step = engine.last_step
+        step, engine.last_step = engine.last_step, None
         if step is None:
             return
         self._num_steps += 1
@@ -260,7 +260,6 @@ class AsyncEngine:
         if step.borrowed_threads:
             # the cost estimates are of this engine on its own cores: what it can count on
             # when its neighbours are busy (engine/core_lending.py)
-            engine.last_step = None
             return
         self.step_cost.add(step.num_decode_seqs, step.num_prefill_tokens, step.duration_s)
         if step.num_prefill_tokens == 0:
@@ -268,12 +267,10 @@ class AsyncEngine:
                 cost = step.duration_s / step.num_decode_seqs
                 old = self.decode_s_per_seq
                 self.decode_s_per_seq = cost if old is None else (1 - _COST_EWMA) * old + _COST_EWMA * cost
-            engine.last_step = None
             return
         cost = step.duration_s / step.num_prefill_tokens
         old = self.prefill_s_per_token
         self.prefill_s_per_token = cost if old is None else (1 - _COST_EWMA) * old + _COST_EWMA * cost
-        engine.last_step = None
 
     def _fail_everything(self, exc: BaseException) -> None:
         while True:

@@ -34,8 +34,7 @@ import mmap
 import os
 import struct
 import tempfile
-
-import torch
+from collections.abc import Iterable
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +76,7 @@ class CoreLedger:
             self.borrowed, self._busy = extra, True
             self._write()
         self.steps_with_borrowed += extra > 0
-        threads = self.own + extra
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-        return threads
+        return _run_with_threads(self.own + extra)
 
     def idle(self) -> None:
         """Marks this engine idle: its cores may be lent, it borrows none."""
@@ -98,24 +94,13 @@ class CoreLedger:
             self._map = None
             if not _any_member(fd):
                 os.unlink(self.path)
-        if torch.get_num_threads() != self.own:
-            torch.set_num_threads(self.own)
+        _run_with_threads(self.own)
 
     def _lendable(self) -> int:
-        """Idle engines' owned cores that no engine at work borrows, and no more
-        than the machine has left beside the threads of the engines at work (a
-        placement may give ranks more cores than the machine has: 1 prefill + 2
-        decode on 2 cores own 3)."""
-        idle_owned = taken = threads_at_work = 0
-        for index, (pid, own, borrowed, busy, _) in enumerate(_SLOT.iter_unpack(self._map[len(_MAGIC):])):
-            if pid == 0 or index == self._slot:
-                continue
-            if busy:
-                taken += borrowed
-                threads_at_work += own + borrowed
-            else:
-                idle_owned += own
-        return max(0, min(self._max_extra - threads_at_work, idle_owned - taken))
+        others = [(own, borrowed, bool(busy))
+                  for index, (pid, own, borrowed, busy, _) in enumerate(_SLOT.iter_unpack(self._map[len(_MAGIC):]))
+                  if pid != 0 and index != self._slot]
+        return lendable_cores(self.own + self._max_extra, self.own, others)
 
     @property
     def _offset(self) -> int:
@@ -126,6 +111,22 @@ class CoreLedger:
                         int(self.borrows))
 
 
+def lendable_cores(machine_cores: int, own: int, others: Iterable[tuple[int, int, bool]]) -> int:
+    """The cores an engine owning `own` may borrow beside `others` (own, borrowed,
+    at work): idle engines' owned cores that no engine at work borrows, and no
+    more than the machine has left beside the threads of the engines at work (a
+    placement may give ranks more cores than the machine has: 1 prefill + 2
+    decode on 2 cores own 3). The simulator applies the same rule."""
+    idle_owned = taken = threads_at_work = 0
+    for other_own, borrowed, at_work in others:
+        if at_work:
+            taken += borrowed
+            threads_at_work += other_own + borrowed
+        else:
+            idle_owned += other_own
+    return max(0, min(machine_cores - own - threads_at_work, idle_owned - taken))
+
+
 class NoLending:
     """An engine outside any ledger: its threads never change."""
 
@@ -133,6 +134,7 @@ class NoLending:
     steps_with_borrowed = 0
 
     def at_work(self) -> int:
+        import torch
         return torch.get_num_threads()
 
     def idle(self) -> None:
@@ -197,6 +199,13 @@ def _join(path: str, own: int, borrows: bool) -> tuple[mmap.mmap, int]:
             raise RuntimeError(f"{path} has no free slot ({_NUM_SLOTS} engines)")
         _SLOT.pack_into(ledger, len(_MAGIC) + free * _SLOT.size, os.getpid(), own, 0, 0, int(borrows))
         return ledger, free
+
+
+def _run_with_threads(threads: int) -> int:
+    import torch
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    return threads
 
 
 def _any_member(fd: int) -> bool:

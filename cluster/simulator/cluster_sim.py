@@ -48,6 +48,7 @@ from typing import Callable, Sequence
 
 from cluster.perf_model.step_shape import StepShape, StepTimeModel
 from cluster.simulator.replica import SimReplica, SimSequence
+from engine.core_lending import lendable_cores
 
 
 @dataclass(frozen=True)
@@ -364,19 +365,11 @@ class _Simulation:
                               threads=replica.threads + replica.borrowed, cores=int(self.spec.shared_cores))
 
     def _lendable_to(self, borrower: SimReplica) -> int:
-        """Owned cores of the ledger's idle replicas that no replica at work
-        borrows, within the cores the replicas at work leave (engine/core_lending.py's rule)."""
-        idle_owned = taken = threads_at_work = 0
-        for r in self.prefill_pool + self.decode_pool + self.retired:
-            if r is borrower or not r.in_core_ledger or r.stopped_at is not None:
-                continue
-            if r.busy or r.has_work:
-                taken += r.borrowed
-                threads_at_work += r.threads + r.borrowed
-            else:
-                idle_owned += r.threads
-        spare = int(self.spec.shared_cores) - borrower.threads - threads_at_work
-        return max(0, min(spare, idle_owned - taken))
+        """What the engines' ledger would lend `borrower` now (engine/core_lending.py)."""
+        others = [(r.threads, r.borrowed, r.busy or r.has_work)
+                  for r in self.prefill_pool + self.decode_pool + self.retired
+                  if r is not borrower and r.in_core_ledger and r.stopped_at is None]
+        return lendable_cores(int(self.spec.shared_cores), borrower.threads, others)
 
     # ---- steps on shared cores ------------------------------------------------------------
     def _share_cores(self) -> None:
