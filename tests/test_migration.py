@@ -101,7 +101,9 @@ def test_with_migration_off_the_error_says_so(model_dirs):
         pool = TwoWorkerPool(workers)
         backend = ServingBackend(ModelInfo("tiny", 128, 512), pool, subscriber="router-0", max_migrations=0)
         try:
-            async for out in backend.generate("r0", PROMPTS[0], GREEDY):
+            # a long request, so that the kill lands before its end however busy the machine is
+            long = SamplingParams(max_tokens=112, temperature=0.0, ignore_eos=True)
+            async for out in backend.generate("r0", PROMPTS[0], long):
                 if len(out.token_ids) == 3:
                     await asyncio.to_thread(pool.kill, "A")
         finally:

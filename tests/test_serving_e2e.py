@@ -319,8 +319,10 @@ def test_streams_survive_a_killed_decode_or_prefill_worker(ray_cluster, model_di
         assert len(decode_pids) == 2
         # the kill must land while the streams run (the tiny model streams 150 tokens in well under a
         # second: so as many as max_model_len allows), on a decode replica that holds streams (the
-        # router may have placed every one on the other)
-        texts = _texts_with_a_kill(base, prompts, MIGRATION_MAX_TOKENS, lambda: _kill_the_busiest(decode_pids), 4)
+        # router may have placed every one on the other). The second chunk is the first from a decode
+        # replica; later ones carry 50 ms of tokens each (stream batching), so waiting for more leaves
+        # the kill too little of the stream
+        texts = _texts_with_a_kill(base, prompts, MIGRATION_MAX_TOKENS, lambda: _kill_the_busiest(decode_pids), 2)
         for prompt, text in zip(prompts, texts):
             ids = reference("tiny").greedy(tuple(prompt), MIGRATION_MAX_TOKENS, ignore_eos=True)
             assert text == tokenizer.decode(ids, skip_special_tokens=True)
