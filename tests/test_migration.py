@@ -66,7 +66,8 @@ def test_requests_on_a_dying_worker_continue_on_the_other(model_dirs, reference)
             outs = []
             async for out in backend.generate(f"r{i}", prompt, GREEDY):
                 outs.append(out)
-                if i == 0 and len(out.token_ids) == 6 and not killed.is_set():
+                # at least: a busy reader gets several steps' tokens in one output
+                if i == 0 and len(out.token_ids) >= 6 and not killed.is_set():
                     killed.set()
                     await asyncio.to_thread(pool.kill, "A")
             return outs
@@ -101,10 +102,9 @@ def test_with_migration_off_the_error_says_so(model_dirs):
         pool = TwoWorkerPool(workers)
         backend = ServingBackend(ModelInfo("tiny", 128, 512), pool, subscriber="router-0", max_migrations=0)
         try:
-            # a long request, so that the kill lands before its end however busy the machine is
-            long = SamplingParams(max_tokens=112, temperature=0.0, ignore_eos=True)
-            async for out in backend.generate("r0", PROMPTS[0], long):
-                if len(out.token_ids) == 3:
+            async for out in backend.generate("r0", PROMPTS[0], GREEDY):
+                # at least: a busy reader gets several steps' tokens in one output
+                if len(out.token_ids) >= 3 and "A" not in pool.dead:
                     await asyncio.to_thread(pool.kill, "A")
         finally:
             await backend.close()
