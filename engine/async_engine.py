@@ -149,6 +149,7 @@ class AsyncEngine:
         cost = self.step_cost.cost
         if cost is not None:
             stats.update(decode_s_per_seq=cost.per_seq_s, decode_step_fixed_s=cost.fixed_s,
+                         decode_s_per_prefill_token=cost.per_prefill_token_s,
                          prefill_s_per_step=cost.prefill_s_per_step)
         elif self.decode_s_per_seq is not None:
             stats["decode_s_per_seq"] = self.decode_s_per_seq

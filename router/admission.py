@@ -15,10 +15,18 @@ ones included), queueing more cannot raise throughput, only every admitted
 request's TTFT: then a request is admitted only while what waits ahead of it
 takes at most `overload_wait_factor` x its own prefill, so the queue holds
 about what keeps the replicas busy and admitted TTFT stays near its unloaded
-value instead of climbing to the SLO. With a TPOT SLO it bounds the
-requests running at once to what the decode replicas hold with each step
-within `tpot_headroom` of the SLO (their measured step time per sequence):
-past that, every admitted request would miss TPOT. A refusal is a 429 with
+value instead of climbing to the SLO. With a TPOT SLO it admits a request
+only while the decode replicas' predicted step time, with it, stays within
+`tpot_headroom` of the SLO:
+
+    step = fixed + (running x s/sequence + prefill tokens per step x s/token) / decode replicas
+
+with the costs the decode replicas fit on their own steps (engine/step_cost.py).
+Where the decode replicas prefill too (colocated), every running request
+brings its prompt onto their steps once over the steps it decodes: it counts
+prompt / expected output tokens per step, so that a request is priced with
+the prefill it will cause, not the prefill steps carried a while ago. Past
+that bound every admitted request would miss TPOT. A refusal is a 429 with
 `Retry-After`: the predicted time for what waits now to drain. The checks
 that need no prompt length run before the prompt is tokenized.
 """
@@ -46,6 +54,14 @@ class AdmissionSettings:
     overload_window_s: float = 5.0      # arrivals over this long decide whether prompts outpace prefill
 
 
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """What admission control counts for one admitted request until it ends."""
+
+    prompt_tokens: int
+    prefill_tokens_per_step: float   # its prompt over the decode steps it is expected to run (colocated)
+
+
 class Overloaded(OpenAIError):
     """429 with the seconds after which a retry is predicted to be admitted."""
 
@@ -60,9 +76,12 @@ class Overloaded(OpenAIError):
 
 class AdmissionControl:
     def __init__(self, settings: AdmissionSettings, *, prefill_roles: tuple[str, ...] = ("prefill", "colocated"),
-                 clock: Callable[[], float] = time.monotonic):
+                 prefill_on_decode_steps: bool = False, clock: Callable[[], float] = time.monotonic):
+        """prefill_on_decode_steps: the decode replicas prefill every prompt in their
+        own steps (a colocated deployment)."""
         self.settings = settings
         self.prefill_roles = prefill_roles
+        self.prefill_on_decode_steps = prefill_on_decode_steps
         self.clock = clock
         self._arrivals: deque[float] = deque()       # arrival times within overload_window_s, refused ones too
         self._first_arrival: float | None = None
@@ -72,10 +91,13 @@ class AdmissionControl:
         self.replicas = 1
         self.s_per_token: float | None = None      # the prefill replicas' measured cost, mean
         self.running = 0                           # admitted and not ended
+        self.prefill_tokens_per_step = 0.0         # the running requests' Admitted.prefill_tokens_per_step, sum
+        self.mean_output_tokens: float | None = None   # of the requests that ended, running mean
         self.decode_replicas = 1
         self.decode_s_per_seq: float | None = None # the decode replicas' measured step time per sequence
         self.decode_step_fixed_s = 0.0             # what a decode step costs whatever its batch
-        self.prefill_s_per_step = 0.0              # prefill work the decode replicas' steps carry now
+        self.decode_s_per_prefill_token = 0.0      # what a prompt token adds to a decode replica's step
+        self.prefill_s_per_step = 0.0              # prefill work the decode replicas' steps carried lately
 
     # ---- the checks ---------------------------------------------------------------------------
     def check_before_tokenizing(self) -> None:
@@ -95,27 +117,24 @@ class AdmissionControl:
             raise self._refuse("queue_tokens", f"{self.waiting_tokens} prompt tokens are waiting, the most this "
                                f"server queues ({s.max_waiting_prompt_tokens})")
         self._check_slo(0)
-        limit = self.max_running()
-        if limit is not None and self.running >= limit:
-            raise self._refuse("tpot_slo", f"{self.running} requests are running, the most that keep a decode "
-                               f"step within {s.tpot_headroom:.0%} of the {s.tpot_slo_s * 1000:.0f} ms TPOT SLO")
+        typical = self.mean_prompt_tokens or 0.0
+        self._check_tpot(self._prefill_tokens_per_step(typical, self.mean_output_tokens))
 
-    def max_running(self) -> int | None:
-        """Requests the decode replicas hold with each step within the TPOT budget (None:
-        no TPOT SLO or nothing measured yet): a step costs its fixed part, the prefill
-        chunks steps carry at the current load, and a share per sequence (the workers
-        fit these on their steps, mixed ones too; engine/step_cost.py). At least one
-        per replica, so that a prefill load past the budget still drains."""
-        s = self.settings
-        if s.tpot_slo_s is None or not self.decode_s_per_seq:
+    def predicted_step_s(self, extra_prefill_tokens_per_step: float = 0.0, extra_seqs: int = 0) -> float | None:
+        """A decode replica's step time with what runs now and `extra_seqs` more
+        requests bringing `extra_prefill_tokens_per_step` (None: no cost measured yet)."""
+        if not self.decode_s_per_seq:
             return None
-        budget = s.tpot_slo_s * s.tpot_headroom - self.decode_step_fixed_s - self.prefill_s_per_step
-        per_replica = max(1, int(budget / self.decode_s_per_seq))
-        return per_replica * self.decode_replicas
+        seqs = self.running + extra_seqs
+        tokens = self.prefill_tokens_per_step + extra_prefill_tokens_per_step
+        carried = 0.0 if self.prefill_on_decode_steps else self.prefill_s_per_step
+        return self.decode_step_fixed_s + carried + \
+            (seqs * self.decode_s_per_seq + tokens * self.decode_s_per_prefill_token) / self.decode_replicas
 
-    def admit(self, num_prompt_tokens: int) -> None:
-        """Checks the request with its prompt length, then counts it as waiting.
-        Raises Overloaded (and counts nothing) when it must be refused."""
+    def admit(self, num_prompt_tokens: int, max_tokens: int | None = None) -> Admitted:
+        """Checks the request with its prompt length and output bound, then counts it
+        as waiting and running. Raises Overloaded (and counts nothing) when it must
+        be refused."""
         s = self.settings
         if s.max_waiting_prompt_tokens is not None and \
                 self.waiting_tokens + num_prompt_tokens > s.max_waiting_prompt_tokens and self.waiting_requests:
@@ -124,18 +143,36 @@ class AdmissionControl:
         old = self.mean_prompt_tokens
         self.mean_prompt_tokens = num_prompt_tokens if old is None else 0.95 * old + 0.05 * num_prompt_tokens
         self._check_slo(num_prompt_tokens)
+        expected_output = max_tokens if self.mean_output_tokens is None or max_tokens is None \
+            else min(max_tokens, self.mean_output_tokens)
+        ticket = Admitted(num_prompt_tokens, self._prefill_tokens_per_step(num_prompt_tokens, expected_output))
+        self._check_tpot(ticket.prefill_tokens_per_step)
         self.waiting_requests += 1
         self.waiting_tokens += num_prompt_tokens
         self.running += 1
+        self.prefill_tokens_per_step += ticket.prefill_tokens_per_step
+        return ticket
 
-    def finished(self) -> None:
-        """An admitted request ended (however)."""
-        self.running = max(0, self.running - 1)
-
-    def first_token(self, num_prompt_tokens: int) -> None:
-        """An admitted request got its first token, or ended without one."""
+    def first_token(self, ticket: Admitted) -> None:
+        """An admitted request got its first token, or ended without one (once per request)."""
         self.waiting_requests = max(0, self.waiting_requests - 1)
-        self.waiting_tokens = max(0, self.waiting_tokens - num_prompt_tokens)
+        self.waiting_tokens = max(0, self.waiting_tokens - ticket.prompt_tokens)
+
+    def finished(self, ticket: Admitted, output_tokens: int | None = None) -> None:
+        """An admitted request ended (however; output_tokens when it ran to its end)."""
+        self.running = max(0, self.running - 1)
+        self.prefill_tokens_per_step = max(0.0, self.prefill_tokens_per_step - ticket.prefill_tokens_per_step) \
+            if self.running else 0.0
+        if output_tokens:
+            old = self.mean_output_tokens
+            self.mean_output_tokens = output_tokens if old is None else 0.95 * old + 0.05 * output_tokens
+
+    def _prefill_tokens_per_step(self, prompt_tokens: float, expected_output: float | None) -> float:
+        """A request's prompt spread over the decode steps it runs, where the decode
+        replicas prefill it (0 elsewhere, and while its output length is unknown)."""
+        if not self.prefill_on_decode_steps or not expected_output:
+            return 0.0
+        return prompt_tokens / expected_output
 
     # ---- predictions --------------------------------------------------------------------------
     def predicted_wait_s(self) -> float:
@@ -167,6 +204,7 @@ class AdmissionControl:
             if costs:   # the slowest replica's
                 self.decode_s_per_seq = max(s["decode_s_per_seq"] for s in costs)
                 self.decode_step_fixed_s = max(s.get("decode_step_fixed_s", 0.0) for s in costs)
+                self.decode_s_per_prefill_token = max(s.get("decode_s_per_prefill_token", 0.0) for s in costs)
                 self.prefill_s_per_step = max(s.get("prefill_s_per_step", 0.0) for s in costs)
         if role not in self.prefill_roles:
             return
@@ -193,6 +231,20 @@ class AdmissionControl:
                                f"{wait * 1000:.0f} ms of prompts wait ahead of this one; it admits a request "
                                f"only while at most {s.overload_wait_factor:g}x its own prefill "
                                f"({own * 1000:.0f} ms) waits ahead")
+
+    def _check_tpot(self, prefill_tokens_per_step: float) -> None:
+        """Refuses a request that would push the decode steps past the TPOT budget, while
+        every decode replica has at least one request (so that a load past the budget
+        still drains, one request per replica at a time)."""
+        s = self.settings
+        if s.tpot_slo_s is None or self.running < self.decode_replicas:
+            return
+        step = self.predicted_step_s(prefill_tokens_per_step, extra_seqs=1)
+        budget = s.tpot_slo_s * s.tpot_headroom
+        if step is not None and step > budget:
+            raise self._refuse("tpot_slo", f"{self.running} requests are running and with this one a decode step "
+                               f"is predicted to take {step * 1000:.0f} ms, past {s.tpot_headroom:.0%} of the "
+                               f"{s.tpot_slo_s * 1000:.0f} ms TPOT SLO")
 
     def _refuse(self, reason: str, why: str) -> Overloaded:
         return Overloaded(f"The server is overloaded: {why}. Retry after the Retry-After header's seconds.",

@@ -41,7 +41,8 @@ class Router:
                  protect_metrics: bool = True, admission: AdmissionSettings | None = None,
                  max_migrations: int = 3, stream_interval_s: float = 0.0):
         normal_priority()
-        self.admission = AdmissionControl(admission) if admission is not None else None
+        self.admission = AdmissionControl(admission, prefill_on_decode_steps=mode == "colocated") \
+            if admission is not None else None
         self._http = {"limits": limits, "api_key_sha256": api_key_sha256, "protect_metrics": protect_metrics,
                       "admission": self.admission}
         self.tokenizer = load_tokenizer(tokenizer_path)

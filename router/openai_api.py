@@ -37,7 +37,7 @@ from starlette.types import Receive, Scope, Send
 from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams, SamplingParamsError
-from router.admission import AdmissionControl, Overloaded
+from router.admission import AdmissionControl, Admitted, Overloaded
 from router.backend import BackendUnavailableError, GenerationBackend
 from router.errors import (
     OpenAIError,
@@ -152,7 +152,7 @@ class _Server:
                               code="model_not_found")
         body.check_supported()
         self._check_request_limits(body)
-        self._admit(None)
+        self._admit(None, None)
         prompt_ids = self._tokenize(body)
         prompt_param = "messages" if chat else "prompt"
         self._check_prompt(prompt_ids, prompt_param)
@@ -164,8 +164,8 @@ class _Server:
 
         fmt = ChatResponses(self.tokenizer) if chat else CompletionResponses(self.tokenizer)
         request_id = f"{'chat' if chat else ''}{self.prefix}-{uuid.uuid4().hex}"
-        self._admit(len(prompt_ids))
-        gen = _Generation(self, request_id, prompt_ids, params, arrival)
+        admitted = self._admit(len(prompt_ids), params.max_tokens)
+        gen = _Generation(self, request_id, prompt_ids, params, arrival, admitted)
         header = {"id": request_id, "object": fmt.chunk_object if body.stream else fmt.object,
                   "created": int(time.time()), "model": self.info.served_model_name}
         try:
@@ -203,16 +203,17 @@ class _Server:
             ids = ids["input_ids"]
         return [int(t) for t in ids]
 
-    def _admit(self, num_prompt_tokens: int | None) -> None:
+    def _admit(self, num_prompt_tokens: int | None, max_tokens: int | None) -> Admitted | None:
         """Admission control (router/admission.py): without a prompt length, the checks
-        that need none; with one, the rest, and the request counts as waiting."""
+        that need none; with one, the rest, and the request counts as waiting and
+        running (what it returns, with admission control on)."""
         if self.admission is None:
-            return
+            return None
         try:
             if num_prompt_tokens is None:
                 self.admission.check_before_tokenizing()
-            else:
-                self.admission.admit(num_prompt_tokens)
+                return None
+            return self.admission.admit(num_prompt_tokens, max_tokens)
         except Overloaded as exc:
             self.metrics.observe_rejection(exc.reason)
             raise
@@ -306,7 +307,7 @@ class _Generation:
     """One request's backend stream plus the router's timings; metrics recorded once, on close."""
 
     def __init__(self, server: _Server, request_id: str, prompt_ids: list[int],
-                 params: SamplingParams, arrival: float):
+                 params: SamplingParams, arrival: float, admitted: Admitted | None):
         self._server = server
         self.request_id = request_id
         self.outputs = server.backend.generate(request_id, prompt_ids, params)
@@ -314,12 +315,13 @@ class _Generation:
         self._server.metrics.observe_arrival(len(prompt_ids))
         self.last: RequestOutput | None = None
         self._closed = False
-        self._waiting = server.admission is not None     # counted by admission control until its first token
+        self._admitted = admitted
+        self._waiting = admitted is not None     # counted by admission control until its first token
 
     def _done_waiting(self) -> None:
         if self._waiting:
             self._waiting = False
-            self._server.admission.first_token(self.timings.prompt_tokens)
+            self._server.admission.first_token(self._admitted)
 
     async def next(self) -> RequestOutput | None:
         """The next output, or None when the backend's stream ended."""
@@ -349,8 +351,9 @@ class _Generation:
             return
         self._closed = True
         self._done_waiting()
-        if self._server.admission is not None:
-            self._server.admission.finished()
+        if self._admitted is not None:
+            ended = self.last is not None and self.last.finished and finish_reason in ("stop", "length")
+            self._server.admission.finished(self._admitted, len(self.last.token_ids) if ended else None)
         aclose = getattr(self.outputs, "aclose", None)
         if aclose is not None:
             try:

@@ -19,12 +19,12 @@ def test_queue_bounds_refuse_with_the_drain_time():
     a = AdmissionControl(AdmissionSettings(max_waiting_requests=2, max_waiting_prompt_tokens=1000))
     a.observe_workers("prefill", [{"prefill_s_per_token": 0.004}, {"prefill_s_per_token": 0.002}])
     a.admit(300)
-    a.admit(500)
+    five_hundred = a.admit(500)
     with pytest.raises(Overloaded) as exc:
         a.check_before_tokenizing()
     # 800 tokens over 2 replicas at 3 ms a token: 1.2 s to drain -> Retry-After 2
     assert exc.value.reason == "queue_requests" and exc.value.headers() == {"Retry-After": "2"}
-    a.first_token(500)
+    a.first_token(five_hundred)
     a.check_before_tokenizing()
     with pytest.raises(Overloaded) as exc:
         a.admit(701)                                   # 300 + 701 tokens > 1000
@@ -59,9 +59,9 @@ def _arrivals(a: AdmissionControl, clock: _Clock, rate: float, seconds: float, p
     for _ in range(int(rate * seconds)):
         clock.now += 1 / rate
         a.check_before_tokenizing()
-        a.admit(prompt)
-        a.first_token(prompt)
-        a.finished()
+        ticket = a.admit(prompt)
+        a.first_token(ticket)
+        a.finished(ticket)
 
 
 @pytest.mark.parametrize("factor", [1.0, None], ids=["overload-wait-bound", "up-to-the-slo"])
@@ -72,15 +72,13 @@ def test_in_overload_only_what_keeps_the_prefill_busy_is_admitted(factor):
     a.observe_workers("prefill", [{"prefill_s_per_token": 1e-3}])    # 100-token prompts: 0.1 s, 10 req/s
     _arrivals(a, clock, rate=5.0, seconds=5.0, prompt=100)             # half the prefill capacity
     assert not a.overloaded()
-    a.admit(100)
-    a.admit(100)
-    a.admit(100)                                       # 0.2 s waits ahead: within the SLO, admitted
-    for _ in range(3):
-        a.first_token(100)
+    tickets = [a.admit(100) for _ in range(3)]         # the third: 0.2 s waits ahead, within the SLO
+    for ticket in tickets:
+        a.first_token(ticket)
     _arrivals(a, clock, rate=20.0, seconds=5.0, prompt=100)            # twice what the replica prefills
     assert a.overloaded()
-    a.admit(100)                                       # nothing waits ahead
-    a.admit(100)                                       # 0.1 s ahead: 1x its own prefill
+    first = a.admit(100)                               # nothing waits ahead
+    second = a.admit(100)                              # 0.1 s ahead: 1x its own prefill
     if factor is None:
         a.admit(100)                                   # 0.2 s ahead, 0.3 s predicted: within the SLO
         return
@@ -89,8 +87,8 @@ def test_in_overload_only_what_keeps_the_prefill_busy_is_admitted(factor):
     assert exc.value.reason == "overload" and "faster than this server prefills" in exc.value.message
     with pytest.raises(Overloaded):
         a.check_before_tokenizing()                    # refused before tokenizing, at the mean prompt's cost
-    a.first_token(100)
-    a.first_token(100)
+    a.first_token(first)
+    a.first_token(second)
     clock.now += 10.0                                  # the burst is over: nothing arrived for a window
     a.check_before_tokenizing()
     assert not a.overloaded()
@@ -102,23 +100,63 @@ def test_in_overload_only_what_keeps_the_prefill_busy_is_admitted(factor):
 def test_the_tpot_slo_bounds_the_requests_running_at_once():
     a = AdmissionControl(AdmissionSettings(max_waiting_requests=None, max_waiting_prompt_tokens=None,
                                            tpot_slo_s=0.1))
-    for _ in range(100):
-        a.admit(10)                                    # nothing measured yet: no bound
+    tickets = [a.admit(10, max_tokens=100) for _ in range(100)]   # nothing measured yet: no bound
     a.observe_workers("decode", [{"decode_s_per_seq": 0.002}, {"decode_s_per_seq": 0.004}])
-    assert a.max_running() == 2 * int(0.08 / 0.004)    # the slower replica's cost, 40 sequences
+    # the slower replica's cost: 101 sequences over 2 replicas, 4 ms each, a 202 ms step
+    assert a.predicted_step_s(extra_seqs=1) == pytest.approx(0.202)
     with pytest.raises(Overloaded) as exc:
         a.check_before_tokenizing()
-    assert exc.value.reason == "tpot_slo"
-    for _ in range(100 - 39):
-        a.finished()
-    a.check_before_tokenizing()                        # 39 running: room for one more
+    assert exc.value.reason == "tpot_slo" and "202 ms, past 80% of the 100 ms TPOT SLO" in exc.value.message
+    for ticket in tickets[39:]:
+        a.finished(ticket)
+    a.check_before_tokenizing()                        # 39 running: a 40th keeps the step at 80 ms
+    tickets = tickets[:39] + [a.admit(10, max_tokens=100)]
+    with pytest.raises(Overloaded):
+        a.admit(10, max_tokens=100)
     # fitted on mixed steps: 10 ms fixed and 30 ms of prefill chunks per step leave 40 ms of the 80
     a.observe_workers("decode", [{"decode_s_per_seq": 0.004, "decode_step_fixed_s": 0.01,
                                   "prefill_s_per_step": 0.03}])
-    assert a.max_running() == int(0.04 / 0.004)
+    for ticket in tickets[9:]:
+        a.finished(ticket)
+    a.admit(10, max_tokens=100)                        # the 10th: 10 x 4 ms / 1 replica + 40 ms
+    with pytest.raises(Overloaded):
+        a.admit(10, max_tokens=100)
     a.observe_workers("decode", [{"decode_s_per_seq": 0.004, "decode_step_fixed_s": 0.01,
                                   "prefill_s_per_step": 0.2}])
-    assert a.max_running() == 1                        # past the budget: one at a time still drains
+    with pytest.raises(Overloaded):
+        a.check_before_tokenizing()                    # past the budget with any one running
+    drained = AdmissionControl(a.settings)
+    drained.observe_workers("decode", [{"decode_s_per_seq": 0.004, "decode_step_fixed_s": 0.01,
+                                        "prefill_s_per_step": 0.2}])
+    drained.admit(10, max_tokens=100)                  # none running: one at a time still drains
+
+
+def test_colocated_requests_are_priced_with_the_prefill_they_bring_to_the_decode_steps():
+    a = AdmissionControl(AdmissionSettings(max_waiting_requests=None, max_waiting_prompt_tokens=None,
+                                           tpot_slo_s=0.1), prefill_on_decode_steps=True)
+    # 5 ms fixed, 1 ms a sequence, 0.25 ms a prompt token; the steps' recent prefill is not counted
+    # twice: the running requests' prompts stand for it
+    a.observe_workers("colocated", [{"decode_s_per_seq": 0.001, "decode_step_fixed_s": 0.005,
+                                     "decode_s_per_prefill_token": 0.00025, "prefill_s_per_step": 0.05}])
+    # a 256-token prompt over 64 output tokens: 4 prompt tokens per step, 1 ms; 2 ms a step in all
+    tickets = [a.admit(256, max_tokens=64) for _ in range(37)]
+    assert a.prefill_tokens_per_step == pytest.approx(37 * 4)
+    assert a.predicted_step_s() == pytest.approx(0.005 + 37 * 0.002)
+    with pytest.raises(Overloaded) as exc:
+        a.admit(256, max_tokens=64)                    # the 38th: 81 ms
+    assert exc.value.reason == "tpot_slo"
+    a.finished(tickets.pop())                          # 77 ms
+    tickets.append(a.admit(16, max_tokens=64))         # a short prompt fits: 78.06 ms
+    with pytest.raises(Overloaded):
+        a.admit(256, max_tokens=64)                    # a long one does not: 80.06 ms
+    for ticket in tickets:
+        a.finished(ticket, output_tokens=16)           # they stopped early: 16 tokens each
+    assert a.mean_output_tokens < 40
+    short = a.admit(256, max_tokens=64)                # expected to run ~16+ steps, not 64
+    assert short.prefill_tokens_per_step == pytest.approx(256 / a.mean_output_tokens)
+    assert short.prefill_tokens_per_step > 256 / 40
+    disaggregated = AdmissionControl(a.settings)       # its decode replicas do not prefill
+    assert disaggregated.admit(256, max_tokens=64).prefill_tokens_per_step == 0.0
 
 
 def test_the_step_cost_fit_separates_decodes_from_prefill_chunks_in_mixed_steps():
