@@ -10,12 +10,12 @@ each request's time to first token,
 
 with the per-token cost the workers measure on their own steps, and refuses
 it when that exceeds `slo_factor` x the SLO. When prompts arrive faster than
-the prefill replicas serve them (over the last `overload_window_s`, refused
-ones included), queueing more cannot raise throughput, only every admitted
-request's TTFT: then a request is admitted only while what waits ahead of it
-takes at most `overload_wait_factor` x its own prefill, so the queue holds
-about what keeps the replicas busy and admitted TTFT stays near its unloaded
-value instead of climbing to the SLO. With a TPOT SLO it admits a request
+the prefill replicas serve them (over the last `overload_window_s` or the
+last few arrivals, refused ones included), queueing more cannot raise
+throughput, only every admitted request's TTFT: then a request is admitted
+only while what waits ahead of it takes at most `overload_wait_factor` x its
+own prefill, so the queue holds about what keeps the replicas busy and
+admitted TTFT stays near its unloaded value instead of climbing to the SLO. With a TPOT SLO it admits a request
 only while the decode replicas' predicted step time, with it, stays within
 `tpot_headroom` of the SLO:
 
@@ -52,6 +52,9 @@ class AdmissionSettings:
     tpot_headroom: float = 0.8          # decode steps are held to this share of the TPOT SLO
     overload_wait_factor: float | None = 1.0   # with a TTFT SLO, in overload: wait <= this x own prefill
     overload_window_s: float = 5.0      # arrivals over this long decide whether prompts outpace prefill
+
+
+BURST_ARRIVALS = 8     # the arrival rate over this many latest arrivals also tells overload
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,16 +186,24 @@ class AdmissionControl:
         return self.predicted_wait_s() + num_prompt_tokens * (self.s_per_token or 0.0)
 
     def overloaded(self) -> bool:
-        """Whether prompt tokens arrived over the last overload_window_s faster than the
-        prefill replicas serve them (at their measured cost)."""
+        """Whether prompt tokens arrive faster than the prefill replicas serve them (at
+        their measured cost): at the arrival rate over the last overload_window_s, or
+        over the last BURST_ARRIVALS arrivals, whichever is higher. The second sees a
+        burst that starts after a quiet spell within a few arrivals, where the
+        window's rate would be diluted by the quiet part for seconds; it needs that
+        many arrivals, so that a rate under capacity seldom looks like one above it."""
         if not self.s_per_token or not self.mean_prompt_tokens or not self._arrivals:
             return False
-        window = self.settings.overload_window_s
-        seen = self.clock() - self._first_arrival
-        if seen < window / 2:
-            return False     # too little history to tell a burst from a rate
-        offered = len(self._arrivals) / min(window, seen) * self.mean_prompt_tokens   # prompt tokens per second
-        return offered * self.s_per_token > self.replicas
+        now = self.clock()
+        rate = 0.0
+        window, seen = self.settings.overload_window_s, now - self._first_arrival
+        if seen >= window / 2:      # less history cannot tell a rate from the first few arrivals
+            rate = len(self._arrivals) / min(window, seen)
+        if len(self._arrivals) >= BURST_ARRIVALS:
+            span = now - self._arrivals[-BURST_ARRIVALS]
+            if span > 0:
+                rate = max(rate, (BURST_ARRIVALS - 1) / span)
+        return rate * self.mean_prompt_tokens * self.s_per_token > self.replicas
 
     def observe_workers(self, role: str, stats: Iterable[Mapping[str, float]]) -> None:
         """The latest stats of every replica of `role`: prefill costs from the prefill roles,

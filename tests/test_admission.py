@@ -97,6 +97,21 @@ def test_in_overload_only_what_keeps_the_prefill_busy_is_admitted(factor):
     a.admit(100)
 
 
+def test_a_burst_after_a_quiet_spell_is_overload_within_a_few_arrivals():
+    from router.admission import BURST_ARRIVALS
+    clock = _Clock()
+    a = AdmissionControl(AdmissionSettings(ttft_slo_s=1.0, overload_window_s=5.0), clock=clock)
+    a.observe_workers("prefill", [{"prefill_s_per_token": 1e-3}])    # 100-token prompts: 10 req/s
+    _arrivals(a, clock, rate=5.0, seconds=10.0, prompt=100)
+    _arrivals(a, clock, rate=20.0, seconds=4 / 20, prompt=100)
+    assert not a.overloaded()                          # the last 8: 4 at 20/s after 4 at 5/s, 8.75 req/s
+    _arrivals(a, clock, rate=20.0, seconds=(BURST_ARRIVALS - 4) / 20, prompt=100)
+    # over the last 8 arrivals, 20 req/s; over the window, 8 at 20/s and 23 at 5/s in 5 s, 6.2 req/s
+    assert a.overloaded()
+    clock.now += 1.0                                   # the burst paused: the last 8 span 1.35 s
+    assert not a.overloaded()
+
+
 def test_the_tpot_slo_bounds_the_requests_running_at_once():
     a = AdmissionControl(AdmissionSettings(max_waiting_requests=None, max_waiting_prompt_tokens=None,
                                            tpot_slo_s=0.1))
