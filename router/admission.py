@@ -15,9 +15,9 @@ last few arrivals, refused ones included), queueing more cannot raise
 throughput, only every admitted request's TTFT: then a request is admitted
 only while what waits ahead of it takes at most `overload_wait_factor` x its
 own prefill, so the queue holds about what keeps the replicas busy and
-admitted TTFT stays near its unloaded value instead of climbing to the SLO. With a TPOT SLO it admits a request
-only while the decode replicas' predicted step time, with it, stays within
-`tpot_headroom` of the SLO:
+admitted TTFT stays near its unloaded value instead of climbing to the SLO.
+With a TPOT SLO it admits a request only while the decode replicas'
+predicted step time, with it, stays within `tpot_headroom` of the SLO:
 
     step = fixed + (running x s/sequence + prefill tokens per step x s/token) / decode replicas
 
@@ -54,7 +54,7 @@ class AdmissionSettings:
     overload_window_s: float = 5.0      # arrivals over this long decide whether prompts outpace prefill
 
 
-BURST_ARRIVALS = 8     # the arrival rate over this many latest arrivals also tells overload
+BURST_ARRIVALS = 16    # the arrival rate over this many latest arrivals also tells overload
 
 
 @dataclass(frozen=True, slots=True)

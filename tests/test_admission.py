@@ -103,12 +103,12 @@ def test_a_burst_after_a_quiet_spell_is_overload_within_a_few_arrivals():
     a = AdmissionControl(AdmissionSettings(ttft_slo_s=1.0, overload_window_s=5.0), clock=clock)
     a.observe_workers("prefill", [{"prefill_s_per_token": 1e-3}])    # 100-token prompts: 10 req/s
     _arrivals(a, clock, rate=5.0, seconds=10.0, prompt=100)
-    _arrivals(a, clock, rate=20.0, seconds=4 / 20, prompt=100)
-    assert not a.overloaded()                          # the last 8: 4 at 20/s after 4 at 5/s, 8.75 req/s
-    _arrivals(a, clock, rate=20.0, seconds=(BURST_ARRIVALS - 4) / 20, prompt=100)
-    # over the last 8 arrivals, 20 req/s; over the window, 8 at 20/s and 23 at 5/s in 5 s, 6.2 req/s
+    _arrivals(a, clock, rate=20.0, seconds=8 / 20, prompt=100)
+    assert not a.overloaded()                          # the last 16: 8 at 20/s after 8 at 5/s, 8.3 req/s
+    _arrivals(a, clock, rate=20.0, seconds=(BURST_ARRIVALS - 8) / 20, prompt=100)
+    # over the last 16 arrivals, 20 req/s; over the window, 16 at 20/s and 21 at 5/s in 5 s, 7.4 req/s
     assert a.overloaded()
-    clock.now += 1.0                                   # the burst paused: the last 8 span 1.35 s
+    clock.now += 1.0                                   # the burst paused: the last 16 span 1.75 s
     assert not a.overloaded()
 
 
