@@ -244,6 +244,8 @@ def test_a_busy_server_answers_429_at_once_and_serves_what_it_admitted():
             t.join(timeout=30)
         assert [x.status_code for x in results] == [200, 200, 200]
         assert admission.waiting_requests == 0 and admission.waiting_tokens == 0
+        # each ended with its 3 tokens: the output length the TPOT bound expects next
+        assert admission.running == 0 and admission.mean_output_tokens == pytest.approx(3)
         text = client.get("/metrics").text
         assert 'pdserve_requests_rejected_total{reason="queue_requests"} 1.0' in text
 
