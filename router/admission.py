@@ -120,8 +120,7 @@ class AdmissionControl:
             raise self._refuse("queue_tokens", f"{self.waiting_tokens} prompt tokens are waiting, the most this "
                                f"server queues ({s.max_waiting_prompt_tokens})")
         self._check_slo(0)
-        typical = self.mean_prompt_tokens or 0.0
-        self._check_tpot(self._prefill_tokens_per_step(typical, self.mean_output_tokens))
+        self._check_tpot(self._prefill_tokens_per_step(self.mean_prompt_tokens or 0.0, max_tokens=None))
 
     def predicted_step_s(self, extra_prefill_tokens_per_step: float = 0.0, extra_seqs: int = 0) -> float | None:
         """A decode replica's step time with what runs now and `extra_seqs` more
@@ -146,9 +145,7 @@ class AdmissionControl:
         old = self.mean_prompt_tokens
         self.mean_prompt_tokens = num_prompt_tokens if old is None else 0.95 * old + 0.05 * num_prompt_tokens
         self._check_slo(num_prompt_tokens)
-        expected_output = max_tokens if self.mean_output_tokens is None or max_tokens is None \
-            else min(max_tokens, self.mean_output_tokens)
-        ticket = Admitted(num_prompt_tokens, self._prefill_tokens_per_step(num_prompt_tokens, expected_output))
+        ticket = Admitted(num_prompt_tokens, self._prefill_tokens_per_step(num_prompt_tokens, max_tokens))
         self._check_tpot(ticket.prefill_tokens_per_step)
         self.waiting_requests += 1
         self.waiting_tokens += num_prompt_tokens
@@ -170,12 +167,14 @@ class AdmissionControl:
             old = self.mean_output_tokens
             self.mean_output_tokens = output_tokens if old is None else 0.95 * old + 0.05 * output_tokens
 
-    def _prefill_tokens_per_step(self, prompt_tokens: float, expected_output: float | None) -> float:
-        """A request's prompt spread over the decode steps it runs, where the decode
-        replicas prefill it (0 elsewhere, and while its output length is unknown)."""
-        if not self.prefill_on_decode_steps or not expected_output:
+    def _prefill_tokens_per_step(self, prompt_tokens: float, max_tokens: int | None) -> float:
+        """A request's prompt spread over the decode steps it is expected to run
+        (min(max_tokens, the mean output), whichever is known), where the decode
+        replicas prefill it; 0 elsewhere, and while neither is known."""
+        known = [n for n in (max_tokens, self.mean_output_tokens) if n]
+        if not self.prefill_on_decode_steps or not known:
             return 0.0
-        return prompt_tokens / expected_output
+        return prompt_tokens / min(known)
 
     # ---- predictions --------------------------------------------------------------------------
     def predicted_wait_s(self) -> float:

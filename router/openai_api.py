@@ -351,9 +351,10 @@ class _Generation:
             return
         self._closed = True
         self._done_waiting()
+        generated = len(self.last.token_ids) if self.last is not None else 0
         if self._admitted is not None:
-            ended = self.last is not None and self.last.finished and finish_reason in ("stop", "length")
-            self._server.admission.finished(self._admitted, len(self.last.token_ids) if ended else None)
+            ran_to_end = self.last is not None and self.last.finished and finish_reason in ("stop", "length")
+            self._server.admission.finished(self._admitted, generated if ran_to_end else None)
         aclose = getattr(self.outputs, "aclose", None)
         if aclose is not None:
             try:
@@ -364,7 +365,7 @@ class _Generation:
         t = self.timings
         if t.finished_time is None:
             t.finished_time = time.monotonic()
-        t.generation_tokens = len(self.last.token_ids) if self.last is not None else 0
+        t.generation_tokens = generated
         t.finish_reason = finish_reason
         phases = self._server.backend.phase_timings(self.request_id)
         if phases is not None:
