@@ -70,16 +70,19 @@ def test_app_builder_builds_from_the_tiny_serve_config(monkeypatch):
 
 
 def check_loadtest_against(base_url: str, out_dir: Path) -> None:
-    """`pdserve loadtest` for a handful of requests against the running server."""
+    """`pdserve loadtest` for a handful of requests against the running server.
+    The outputs are long enough (40 tokens) to span more than one stream-batching
+    interval, so a request's tokens reach the client in more than one read and
+    its TPOT is above zero; 5 tokens of the tiny model could all arrive at once."""
     done = subprocess.run(
         [sys.executable, "-m", "cluster.cli.main", "loadtest", "--base-url", base_url, "--num-prompts", "6",
-         "--random-input-len", "24", "--random-output-len", "5", "--ignore-eos", "--request-rate", "20",
+         "--random-input-len", "24", "--random-output-len", "40", "--ignore-eos", "--request-rate", "20",
          "--goodput", "ttft:60000", "tpot:60000", "--disable-tqdm", "--save-result", "--result-dir", str(out_dir),
          "--result-file", "loadtest.json"], capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads((out_dir / "loadtest.json").read_text())
     assert (result["completed"], result["failed"]) == (6, 0), result.get("error_counts")
-    assert result["output_lens"] == [5] * 6 and result["total_output_tokens"] == 30
+    assert result["output_lens"] == [40] * 6 and result["total_output_tokens"] == 240
     assert result["slo_attainment"] == 1.0 and result["request_goodput"] > 0
     assert result["median_ttft_ms"] > 0 and result["median_tpot_ms"] > 0
 
