@@ -117,12 +117,21 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         local_cluster_cpus,
         placed_config,
     )
+    from cluster.serving.port_check import wait_for_port
     from engine.tp_group import free_port
 
     machine_cpus = os.cpu_count() or 1
     local_env = direct_ingress_env(config.http.port) if config.http.direct_ingress else {}
     started_ray = _connect(args.address, local_cluster_cpus(config, machine_cpus), local_env, args.ray_dashboard)
     direct_ingress = started_ray and config.http.direct_ingress
+    host, port = config.http.host, config.http.port
+    # on a cluster of its own nothing of this server listens yet: the port must be free to bind
+    # as the router (direct ingress: no SO_REUSEADDR) or Serve's proxy will bind it
+    if started_ray and (problem := wait_for_port(host, port, reuse_address=not direct_ingress,
+                                                 notify=lambda m: print(m, flush=True))):
+        print(f"error: {problem}", file=sys.stderr)
+        ray.shutdown()
+        return 2
     try:
         config = placed_config(config, machine_cpus if started_ray else None)
         app = build_application(config)
@@ -138,13 +147,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         # with direct ingress the router listens on the port; Serve's proxy gets another
-        proxy_port = free_port(config.http.host) if direct_ingress else config.http.port
-        serve.start(http_options={"host": config.http.host, "port": proxy_port})
+        proxy_port = free_port(host) if direct_ingress else port
+        serve.start(http_options={"host": host, "port": proxy_port})
         if config.autoscaling.enabled:
             _deploy_autoscaled(config)
         else:
             serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
-        url = f"http://{config.http.host}:{config.http.port}"
+        url = f"http://{host}:{port}"
         print(f"pdserve is serving {config.mode.value} at {url}/v1 (Ctrl-C stops it)", flush=True)
         while not stop.is_set():
             time.sleep(0.2)

@@ -1,0 +1,104 @@
+"""The HTTP port check of `pdserve serve`: a port something listens on is
+reported by number before anything deploys; one blocked only by a stopped
+server's connections in TIME_WAIT is waited for."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+import cluster.cli.serve_command as serve_command
+import cluster.serving.port_check as port_check
+from cluster.cli.main import build_parser
+from cluster.serving.port_check import can_bind, has_listener, wait_for_port
+
+
+@pytest.fixture()
+def listener():
+    """A socket listening on a free loopback port for the test's duration."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    yield s, s.getsockname()[1]
+    s.close()
+
+
+def closed_server_port(reuse_address: bool) -> int:
+    """A port whose server (listening with or without SO_REUSEADDR) closed a
+    connection first and then stopped listening: the server's side of that
+    connection stays in TIME_WAIT, and nothing listens."""
+    server = socket.socket()
+    if reuse_address:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = server.accept()
+    conn.close()                      # the server closes first ...
+    assert client.recv(1) == b""      # ... the client sees its FIN ...
+    client.close()                    # ... and closes: the server's side goes to TIME_WAIT
+    server.close()
+    time.sleep(0.05)
+    return port
+
+
+def test_a_listening_port_is_seen_and_cannot_be_bound(listener):
+    sock, port = listener
+    assert has_listener("127.0.0.1", port) and has_listener("0.0.0.0", port)
+    assert not can_bind("127.0.0.1", port) and not can_bind("127.0.0.1", port, reuse_address=True)
+    sock.close()
+    assert not has_listener("127.0.0.1", port)
+    assert can_bind("127.0.0.1", port)
+
+
+def test_time_wait_blocks_a_plain_bind_only_after_a_server_without_reuse_address():
+    port = closed_server_port(reuse_address=False)
+    assert not has_listener("127.0.0.1", port)
+    assert not can_bind("127.0.0.1", port)          # how Serve's direct ingress binds
+    port = closed_server_port(reuse_address=True)
+    assert not can_bind("127.0.0.1", port)
+    assert can_bind("127.0.0.1", port, reuse_address=True)
+
+
+def test_waits_for_a_listener_that_goes_away(listener):
+    sock, port = listener
+    threading.Timer(0.5, sock.close).start()
+    started = time.monotonic()
+    assert wait_for_port("127.0.0.1", port, listener_grace_s=10.0, poll_s=0.05) is None
+    assert 0.4 < time.monotonic() - started < 5.0
+
+
+def test_a_listener_that_stays_is_reported_with_the_port(listener):
+    _, port = listener
+    problem = wait_for_port("127.0.0.1", port, listener_grace_s=0.3, poll_s=0.05)
+    assert f"127.0.0.1:{port} is in use by another process" in problem and "--port" in problem
+
+
+def test_time_wait_is_waited_for_with_a_notice():
+    port = closed_server_port(reuse_address=False)
+    notices = []
+    problem = wait_for_port("127.0.0.1", port, time_wait_s=0.3, poll_s=0.05, notify=notices.append)
+    assert len(notices) == 1 and "TIME_WAIT" in notices[0]      # said once, not every poll
+    assert "nothing listens on it" in problem                  # past the (shortened) wait
+    assert wait_for_port("127.0.0.1", closed_server_port(reuse_address=True), reuse_address=True,
+                         time_wait_s=0.3, notify=notices.append) is None
+    assert len(notices) == 1                                   # bound at once: no wait, no notice
+
+
+def test_serve_on_a_held_port_exits_with_the_port_in_the_message(listener, monkeypatch, capsys):
+    """On a cluster of its own, `pdserve serve` checks the port before deploying
+    (here without Ray: the cluster start and stop are stubbed)."""
+    _, port = listener
+    import ray
+    shutdowns = []
+    monkeypatch.setattr(serve_command, "_connect", lambda *a, **k: True)
+    monkeypatch.setattr(ray, "shutdown", lambda: shutdowns.append(True))
+    monkeypatch.setattr(port_check, "LISTENER_GRACE_S", 0.3)
+    args = build_parser().parse_args(["serve", "--port", str(port)])
+    assert serve_command._cmd_serve(args) == 2
+    assert f"127.0.0.1:{port} is in use" in capsys.readouterr().err
+    assert shutdowns == [True]          # the cluster it started is stopped
