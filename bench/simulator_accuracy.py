@@ -170,10 +170,8 @@ def fit_contention(spec_with, trickle_run: tuple, busy_run: tuple, trickle_facto
     (least squares of the logs over roles)."""
     best = None
     for serving_cores in SERVING_CORES_GRID:
-        per_role = dict(trickle_factors)
-        for _ in range(2):       # the factors change the steps' overlap, hence the stretch: settle them
-            stretch = mean_stretch(spec_with(per_role, serving_cores), *trickle_run)
-            per_role = {r: f / stretch.get(r, 1.0) for r, f in trickle_factors.items()}
+        per_role = factors_for_live_steps(lambda per: spec_with(per, serving_cores), trickle_factors, trickle_run,
+                                          trickle_factors)
         stretch = mean_stretch(spec_with(per_role, serving_cores), *busy_run)
         error = sum(math.log(per_role[r] * stretch.get(r, 1.0) / f) ** 2 for r, f in busy_factors.items())
         if best is None or error < best[0]:
@@ -181,14 +179,14 @@ def fit_contention(spec_with, trickle_run: tuple, busy_run: tuple, trickle_facto
     return best[1], best[2]
 
 
-def refit_to_load(spec_for, per_role: dict, load_run: tuple, live_factors: dict) -> dict:
-    """The online correction for one load: per role, the factor with which the
-    simulated run of `load_run` slows its steps down as the live workers' steps
-    in that same load were slowed (factor x simulated stretch = live factor), the
-    rest of the calibrated model kept. `spec_for(per_role)` builds the spec."""
-    per = dict(per_role)
+def factors_for_live_steps(spec_for, start: dict, run: tuple, live_factors: dict) -> dict:
+    """Per role, the factor with which the simulated `run` slows its steps down
+    as the live workers' steps in that run were slowed (factor x simulated
+    stretch = live factor), starting from `start`; `spec_for(per_role)` builds
+    the spec. On a load's own steps, this is the online correction."""
+    per = dict(start)
     for _ in range(2):       # the factors change the steps' overlap, hence the stretch: settle them
-        stretch = mean_stretch(spec_for(per), *load_run)
+        stretch = mean_stretch(spec_for(per), *run)
         per = {r: live_factors.get(r, per[r]) / stretch.get(r, 1.0) for r in per}
     return per
 
@@ -359,8 +357,8 @@ def main() -> int:
                     sim = simulated(spec, load_requests, rate, args.seed)
                     raw = simulated(raw_spec, load_requests, rate, args.seed)
                     load_run = (load_requests, rate, args.seed)
-                    online = refit_to_load(lambda per: spec_with(per, serving_cores, step_s, request_s), per_role,
-                                           load_run, load_factors)
+                    online = factors_for_live_steps(lambda per: spec_with(per, serving_cores, step_s, request_s),
+                                                    per_role, load_run, load_factors)
                     rows[load] = {"rate": rate, "simulated": sim, "measured": meas, "uncorrected": raw,
                                   "live_step_factor": load_factors, "online_step_factor": online,
                                   "simulated_online": simulated(spec_with(online, serving_cores, step_s, request_s),
