@@ -142,8 +142,7 @@ class AdmissionControl:
                 self.waiting_tokens + num_prompt_tokens > s.max_waiting_prompt_tokens and self.waiting_requests:
             raise self._refuse("queue_tokens", f"{self.waiting_tokens} prompt tokens are waiting and this prompt "
                                f"has {num_prompt_tokens}; this server queues at most {s.max_waiting_prompt_tokens}")
-        old = self.mean_prompt_tokens
-        self.mean_prompt_tokens = num_prompt_tokens if old is None else 0.95 * old + 0.05 * num_prompt_tokens
+        self.mean_prompt_tokens = _running_mean(self.mean_prompt_tokens, num_prompt_tokens)
         self._check_slo(num_prompt_tokens)
         ticket = Admitted(num_prompt_tokens, self._prefill_tokens_per_step(num_prompt_tokens, max_tokens))
         self._check_tpot(ticket.prefill_tokens_per_step)
@@ -164,8 +163,7 @@ class AdmissionControl:
         self.prefill_tokens_per_step = max(0.0, self.prefill_tokens_per_step - ticket.prefill_tokens_per_step) \
             if self.running else 0.0
         if output_tokens:
-            old = self.mean_output_tokens
-            self.mean_output_tokens = output_tokens if old is None else 0.95 * old + 0.05 * output_tokens
+            self.mean_output_tokens = _running_mean(self.mean_output_tokens, output_tokens)
 
     def _prefill_tokens_per_step(self, prompt_tokens: float, max_tokens: int | None) -> float:
         """A request's prompt spread over the decode steps it is expected to run
@@ -259,3 +257,8 @@ class AdmissionControl:
     def _refuse(self, reason: str, why: str) -> Overloaded:
         return Overloaded(f"The server is overloaded: {why}. Retry after the Retry-After header's seconds.",
                           reason, self.predicted_wait_s())
+
+
+def _running_mean(old: float | None, new: float, weight: float = 0.05) -> float:
+    """An exponentially weighted mean: `new` alone at first, then `weight` of each new value."""
+    return new if old is None else (1 - weight) * old + weight * new
