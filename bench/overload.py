@@ -4,10 +4,13 @@ serve`, admission control off and on, in one run.
     python bench/overload.py [--steps 0.5,1,2,5,10] [--step-s 15] [--slo ttft:1000 tpot:100]
                              [--slo-factor F] [--systems "admission off,admission on"]
                              [--capacity RPS --unloaded-ttft-ms MS] [--model DIR]
+                             [--mode colocated|disaggregated]
                              [--json bench/results/overload.json]
 
-Checkpoint: the "bench" preset. Deployment: one colocated replica on a local
-cluster. Requests: ~280-token prompts, 64 output tokens, greedy, ignore_eos,
+Checkpoint: the "bench" preset. Deployment, on a local cluster: one colocated
+replica (--mode colocated, the default), or pdserve's default deployment (one
+prefill and one decode replica, conditional disaggregation: --mode
+disaggregated). Requests: ~280-token prompts, 64 output tokens, greedy, ignore_eos,
 streamed. First, with admission off, the capacity C (requests/s at 16
 concurrent) and the unloaded TTFT (requests one at a time); then for each
 system every step of the ramp: --step-s seconds of Poisson arrivals at
@@ -77,6 +80,7 @@ def main() -> int:
     ap.add_argument("--capacity", type=float, default=None, help="skip measuring it (req/s at 16 concurrent)")
     ap.add_argument("--unloaded-ttft-ms", type=float, default=None)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--mode", choices=("colocated", "disaggregated"), default="colocated")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from transformers import AutoTokenizer
@@ -85,7 +89,7 @@ def main() -> int:
     model_dir = args.model or str(ensure_preset_model("bench"))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     slos_ms = dict(args.slo)
-    base = {"model": {"path": model_dir, "served_model_name": "bench"}, "mode": "colocated"}
+    base = {"model": {"path": model_dir, "served_model_name": "bench"}, "mode": args.mode}
     systems = {"admission off": {**base, "admission": {"enabled": False}},
                "admission on": {**base, "slo": {"ttft_ms": slos_ms["ttft"], "tpot_ms": slos_ms["tpot"]},
                                 **({"admission": {"slo_factor": args.slo_factor}} if args.slo_factor else {})}}

@@ -54,7 +54,11 @@ class AdmissionSettings:
     overload_window_s: float = 5.0      # arrivals over this long decide whether prompts outpace prefill
 
 
-BURST_ARRIVALS = 16    # the arrival rate over this many latest arrivals also tells overload
+# (latest arrivals, factor): their rate past `factor` x what the prefill replicas serve is
+# overload too. Fewer arrivals see a burst sooner and need a higher factor to tell it from
+# chance: at a rate equal to capacity, 4 (8) Poisson arrivals come 3.7x (2.1)x that fast
+# 5% of the time; 16 come at least that fast about half the time.
+BURST_RULES = ((4, 3.7), (8, 2.1), (16, 1.0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,22 +189,23 @@ class AdmissionControl:
     def overloaded(self) -> bool:
         """Whether prompt tokens arrive faster than the prefill replicas serve them (at
         their measured cost): at the arrival rate over the last overload_window_s, or
-        over the last BURST_ARRIVALS arrivals, whichever is higher. The second sees a
-        burst that starts after a quiet spell within a few arrivals, where the
-        window's rate would be diluted by the quiet part for seconds; it needs that
-        many arrivals, so that a rate under capacity seldom looks like one above it."""
+        over the latest few arrivals (BURST_RULES). The second sees a burst that
+        starts after a quiet spell within 4 arrivals when it is several times the
+        capacity, within 16 when it is just past it, where the window's rate would be
+        diluted by the quiet part for seconds."""
         if not self.s_per_token or not self.mean_prompt_tokens or not self._arrivals:
             return False
         now = self.clock()
-        rate = 0.0
+        capacity = self.replicas / (self.mean_prompt_tokens * self.s_per_token)    # requests/s
         window, seen = self.settings.overload_window_s, now - self._first_arrival
-        if seen >= window / 2:      # less history cannot tell a rate from the first few arrivals
-            rate = len(self._arrivals) / min(window, seen)
-        if len(self._arrivals) >= BURST_ARRIVALS:
-            span = now - self._arrivals[-BURST_ARRIVALS]
-            if span > 0:
-                rate = max(rate, (BURST_ARRIVALS - 1) / span)
-        return rate * self.mean_prompt_tokens * self.s_per_token > self.replicas
+        if seen >= window / 2 and len(self._arrivals) / min(window, seen) > capacity:
+            return True             # (less history cannot tell a rate from the first few arrivals)
+        for count, factor in BURST_RULES:
+            if len(self._arrivals) >= count:
+                span = now - self._arrivals[-count]
+                if span > 0 and (count - 1) / span > factor * capacity:
+                    return True
+        return False
 
     def observe_workers(self, role: str, stats: Iterable[Mapping[str, float]]) -> None:
         """The latest stats of every replica of `role`: prefill costs from the prefill roles,

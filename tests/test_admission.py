@@ -98,18 +98,31 @@ def test_in_overload_only_what_keeps_the_prefill_busy_is_admitted(factor):
 
 
 def test_a_burst_after_a_quiet_spell_is_overload_within_a_few_arrivals():
-    from router.admission import BURST_ARRIVALS
     clock = _Clock()
     a = AdmissionControl(AdmissionSettings(ttft_slo_s=1.0, overload_window_s=5.0), clock=clock)
     a.observe_workers("prefill", [{"prefill_s_per_token": 1e-3}])    # 100-token prompts: 10 req/s
     _arrivals(a, clock, rate=5.0, seconds=10.0, prompt=100)
     _arrivals(a, clock, rate=20.0, seconds=8 / 20, prompt=100)
     assert not a.overloaded()                          # the last 16: 8 at 20/s after 8 at 5/s, 8.3 req/s
-    _arrivals(a, clock, rate=20.0, seconds=(BURST_ARRIVALS - 8) / 20, prompt=100)
+    _arrivals(a, clock, rate=20.0, seconds=8 / 20, prompt=100)
     # over the last 16 arrivals, 20 req/s; over the window, 16 at 20/s and 21 at 5/s in 5 s, 7.4 req/s
     assert a.overloaded()
     clock.now += 1.0                                   # the burst paused: the last 16 span 1.75 s
     assert not a.overloaded()
+
+
+def test_a_burst_of_many_times_the_capacity_is_overload_within_four_arrivals():
+    clock = _Clock()
+    a = AdmissionControl(AdmissionSettings(ttft_slo_s=1.0, overload_window_s=5.0), clock=clock)
+    a.observe_workers("prefill", [{"prefill_s_per_token": 1e-3}])    # 100-token prompts: 10 req/s
+    _arrivals(a, clock, rate=6.0, seconds=10.0, prompt=100)            # under capacity, evenly spaced
+    assert not a.overloaded()
+    _arrivals(a, clock, rate=50.0, seconds=2 / 50, prompt=100)
+    assert not a.overloaded()                          # the last 4 span 1/6 s + 2/50 s: 14.5 req/s
+    _arrivals(a, clock, rate=50.0, seconds=1 / 50, prompt=100)
+    assert a.overloaded()                              # the last 4 span 3/50 s: 50 req/s, past 3.7x the capacity
+    _arrivals(a, clock, rate=25.0, seconds=10.0, prompt=100)
+    assert a.overloaded()                              # 2.5x: every 8 latest arrivals, past 2.1x
 
 
 def test_the_tpot_slo_bounds_the_requests_running_at_once():
