@@ -56,7 +56,7 @@ class AdmissionSettings:
 
 # (latest arrivals, factor): their rate past `factor` x what the prefill replicas serve is
 # overload too. Fewer arrivals see a burst sooner and need a higher factor to tell it from
-# chance: at a rate equal to capacity, 4 (8) Poisson arrivals come 3.7x (2.1)x that fast
+# chance: at a rate equal to capacity, 4 (8) Poisson arrivals come 3.7x (2.1x) that fast
 # 5% of the time; 16 come at least that fast about half the time.
 BURST_RULES = ((4, 3.7), (8, 2.1), (16, 1.0))
 
