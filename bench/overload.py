@@ -80,7 +80,8 @@ def main() -> int:
     ap.add_argument("--capacity", type=float, default=None, help="skip measuring it (req/s at 16 concurrent)")
     ap.add_argument("--unloaded-ttft-ms", type=float, default=None)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--mode", choices=("colocated", "disaggregated"), default="colocated")
+    ap.add_argument("--mode", choices=("colocated", "disaggregated"), default="colocated",
+                    help="one colocated replica, or the default 1 prefill + 1 decode deployment")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from transformers import AutoTokenizer
