@@ -52,7 +52,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
@@ -92,20 +94,21 @@ def ranks(deployment: dict) -> int:
     return sum(deployment[role]["replicas"] for role in roles_of(deployment))
 
 
-def profile_for(model_dir: str, threads: int, cache: dict) -> object:
+def profile_for(model_dir: str, threads: int, profiles: dict) -> None:
+    """Profile the engine at `threads` torch threads (`pdserve profile`'s code, in
+    process) into profiles[str(threads)], unless it is there."""
     from cluster.perf_model.profiler import ProfileGrid, run_profile
-    from cluster.perf_model.step_shape import load_step_model
-    if threads not in cache:
-        started = time.monotonic()
-        grid = ProfileGrid(prompt_lens=(16, 64, 256, 512), batch_sizes=(1, 4, 16), contexts=(64, 300),
-                           chunk_len=64, decode_steps=4)
-        data = run_profile(model_dir, device="cpu", grid=grid, engine_options={"cpu_threads": threads})
-        cache[threads] = (load_step_model(data), data)
-        err = data["fit_error"]
-        print(f"  profile at {threads} thread(s): {len(data['points'])} steps, fit error mean "
-              f"{err['mean_abs_rel']:.1%} max {err['max_abs_rel']:.1%} ({time.monotonic() - started:.0f} s)",
-              flush=True)
-    return cache[threads][0]
+    if str(threads) in profiles:
+        return
+    started = time.monotonic()
+    grid = ProfileGrid(prompt_lens=(16, 64, 256, 512), batch_sizes=(1, 4, 16), contexts=(64, 300),
+                       chunk_len=64, decode_steps=4)
+    data = run_profile(model_dir, device="cpu", grid=grid, engine_options={"cpu_threads": threads})
+    profiles[str(threads)] = data
+    err = data["fit_error"]
+    print(f"  profile at {threads} thread(s): {len(data['points'])} steps, fit error mean "
+          f"{err['mean_abs_rel']:.1%} max {err['max_abs_rel']:.1%} ({time.monotonic() - started:.0f} s)",
+          flush=True)
 
 
 def corrected(model, factor: float = 1.0, overhead_s: float = 0.0):
@@ -120,15 +123,13 @@ def roles_of(deployment: dict) -> tuple[str, ...]:
 
 def take_live_steps(roles: tuple[str, ...]) -> dict[str, list]:
     """Per role, the engine steps its live replicas ran since the last call, as
-    (StepShape, seconds, threads) (bench/worker_steps.py, in a process of its own)."""
-    from cluster.perf_model.step_shape import StepShape
+    [prefill tokens, prefill attention, decode seqs, decode context, seconds,
+    threads] (bench/worker_steps.py, in a process of its own)."""
     out = subprocess.run([sys.executable, str(REPO / "bench" / "worker_steps.py"), *roles], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     if out.returncode != 0:
         raise ServerFailed(f"fetching the workers' steps failed: {out.stderr.strip()[-2000:]}")
-    return {role: [(StepShape(int(p), a, int(d), int(c)), seconds, int(threads))
-                   for p, a, d, c, seconds, threads in steps]
-            for role, steps in json.loads(out.stdout).items()}
+    return json.loads(out.stdout)
 
 
 def handoff_totals(base_url: str) -> tuple[float, float, int]:
@@ -191,27 +192,27 @@ def factors_for_live_steps(spec_for, start: dict, run: tuple, live_factors: dict
     return per
 
 
-def mean_stretch(spec, requests, rate: float, seed: int) -> dict[str, float]:
+def mean_stretch(spec, lengths, rate: float, seed: int) -> dict[str, float]:
     """Per role, the simulated steps' mean of step time / the model's time."""
-    return run_simulation(spec, requests, rate, seed).mean_stretch
+    return run_simulation(spec, lengths, rate, seed).mean_stretch
 
 
 def figures(result: dict) -> dict:
     return {k: result.get(k) for k in (*FIGURES, "slo_attainment")}
 
 
-def run_simulation(spec, requests, rate: float, seed: int):
+def run_simulation(spec, lengths, rate: float, seed: int):
+    """`lengths`: each request's (prompt, output) tokens; arrivals as the load generator's."""
     from cluster.simulator import simulate
-    lengths = [(r.prompt_len, r.expected_output_len) for r in requests]
-    return simulate(spec, lengths, arrival_offsets(len(requests), rate, 1.0, seed))
+    return simulate(spec, lengths, arrival_offsets(len(lengths), rate, 1.0, seed))
 
 
-def simulated(spec, requests, rate: float, seed: int) -> dict:
-    sim = run_simulation(spec, requests, rate, seed)
+def simulated(spec, lengths, rate: float, seed: int) -> dict:
+    sim = run_simulation(spec, lengths, rate, seed)
     records = sim.records()
     run = RunResult(RunConfig(base_url="simulated", model="bench", request_rate=rate, seed=seed), records,
-                    len(requests), 0.0, sim.duration, None)
-    summary = summarize(records, num_requests=len(requests), duration=sim.duration, slos_ms=SLOS_MS,
+                    len(lengths), 0.0, sim.duration, None)
+    summary = summarize(records, num_requests=len(lengths), duration=sim.duration, slos_ms=SLOS_MS,
                         percentiles=(50, 90, 99))
     return figures(build_result(run, summary))
 
@@ -225,23 +226,192 @@ def measured(base_url: str, model: str, requests, rate: float, seed: int, tokeni
     return figures(build_result(run, summary))
 
 
-def capacity(spec, requests, seed: int) -> float:
+def capacity(spec, lengths, seed: int) -> float:
     """The simulated highest rate with >= 90% of requests meeting the SLOs, on
     these requests' lengths cycled to SUSTAINED_REQUESTS: over a short run a
     queue that grows slowly stays under the TTFT SLO, and the rate found would
     not be sustainable."""
-    requests = [requests[i % len(requests)] for i in range(max(len(requests), SUSTAINED_REQUESTS))]
+    lengths = [lengths[i % len(lengths)] for i in range(max(len(lengths), SUSTAINED_REQUESTS))]
     low, high = 0.0, 0.25
-    while _attains(spec, requests, high, seed) and high < 1000:
+    while _attains(spec, lengths, high, seed) and high < 1000:
         low, high = high, high * 2
     for _ in range(7):
         mid = (low + high) / 2
-        low, high = (mid, high) if _attains(spec, requests, mid, seed) else (low, mid)
+        low, high = (mid, high) if _attains(spec, lengths, mid, seed) else (low, mid)
     return max(low, 0.05)
 
 
-def _attains(spec, requests, rate: float, seed: int) -> bool:
-    return (simulated(spec, requests, rate, seed)["slo_attainment"] or 0.0) >= 0.9
+def _attains(spec, lengths, rate: float, seed: int) -> bool:
+    return (simulated(spec, lengths, rate, seed)["slo_attainment"] or 0.0) >= 0.9
+
+
+@dataclass
+class Calibration:
+    """A deployment's simulator as corrected from its two calibration loads."""
+    spec_with: Callable              # (per-role factor, serving cores, step s, request s) -> ClusterSpec
+    raw_spec: object                 # the engine-only profile's ClusterSpec
+    spec: object                     # the corrected one
+    per_role: dict[str, float]
+    serving_cores: float
+    step_s: float
+    request_s: float
+    summary: dict                    # what was fitted, for the results file
+
+
+def profiled_step(base, wide, threads: int, cores: int) -> Callable:
+    """`(shape, threads it ran with) -> profiled seconds`: the rank's own profile,
+    or with cores borrowed (resources.lend_idle_cores) the lent-step model."""
+    from cluster.simulator.cluster_sim import lent_step_time
+
+    def profiled(shape, step_threads: int) -> float:
+        if wide is None or step_threads <= threads:
+            return base.step_time(shape)
+        return lent_step_time(base, wide, shape, own_threads=threads, threads=step_threads, cores=cores)
+    return profiled
+
+
+def deployment_models(dep: dict, profiles: dict) -> tuple:
+    """(base, wide or None) step models of a recorded deployment: at its ranks'
+    threads, and at the machine's cores when a rank can borrow them."""
+    from cluster.perf_model.step_shape import load_step_model
+    base = load_step_model(profiles[str(dep["threads"])])
+    wide = load_step_model(profiles[str(dep["cores"])]) if dep["threads"] < dep["cores"] else None
+    return base, wide
+
+
+def calibrate(dep: dict, profiles: dict, model_config) -> Calibration:
+    """The corrected simulator of a recorded deployment, from its calibration
+    phases only (module doc, step 2): what the loads are predicted with."""
+    from cluster.config import DeploymentConfig
+    from cluster.simulator.from_config import KVLink, cluster_spec
+    config = DeploymentConfig.model_validate(dep["body"])
+    cores, threads = dep["cores"], dep["threads"]
+    base, wide = deployment_models(dep, profiles)
+    profiled = profiled_step(base, wide, threads, cores)
+    link = KVLink(**dep["link"])
+    trickle, busy = dep["calibration"]["trickle"], dep["calibration"]["busy"]
+    trickle_factors = step_factors(profiled, live_steps(trickle))
+    busy_factors = step_factors(profiled, live_steps(busy))
+
+    def spec_with(per_role: dict, serving_cores: float, step_s: float = 0.0, request_s: float = 0.0):
+        models = {role: corrected(base, f, step_s) for role, f in per_role.items()}
+        borrower = "colocated" if "colocated" in per_role else "decode"
+        wide_model = corrected(wide, per_role[borrower], step_s) if wide is not None else None
+        return cluster_spec(config, models[borrower], prefill_model=models.get("prefill"),
+                            model_config=model_config, link=link, request_overhead_s=request_s,
+                            shared_cores=cores, threads_per_rank=threads,
+                            serving_cores_per_stream=serving_cores, wide_model=wide_model)
+    trickle_run, busy_run = phase_run(trickle), phase_run(busy)
+    serving_cores, per_role = fit_contention(spec_with, trickle_run, busy_run, trickle_factors, busy_factors)
+    meas = trickle["measured"]
+    sim = simulated(spec_with(per_role, serving_cores), *trickle_run)
+    step_s = max(0.0, (meas["median_tpot_ms"] - sim["median_tpot_ms"]) / 1000)
+    sim = simulated(spec_with(per_role, serving_cores, step_s), *trickle_run)
+    request_s = max(0.0, (meas["median_ttft_ms"] - sim["median_ttft_ms"]) / 1000)
+    spec = spec_with(per_role, serving_cores, step_s, request_s)
+    summary = {"busy_rate": busy["rate"], "live_step_factor": {"trickle": trickle_factors, "busy": busy_factors},
+               "serving_cores_per_stream": serving_cores, "step_factor": per_role,
+               "handoff_latency_s": link.latency_s, "per_step_s": step_s, "per_request_s": request_s}
+    return Calibration(spec_with, cluster_spec(config, base, model_config=model_config), spec, per_role,
+                       serving_cores, step_s, request_s, summary)
+
+
+def predict(dep: dict, profiles: dict, calibration: Calibration) -> dict:
+    """Per recorded load: the measured figures beside the simulated ones (as
+    calibrated, online-corrected, uncorrected)."""
+    base, wide = deployment_models(dep, profiles)
+    profiled = profiled_step(base, wide, dep["threads"], dep["cores"])
+    c = calibration
+    rows = {}
+    for load, phase in dep["loads"].items():
+        run = phase_run(phase)
+        load_factors = step_factors(profiled, live_steps(phase))
+        online = factors_for_live_steps(lambda per: c.spec_with(per, c.serving_cores, c.step_s, c.request_s),
+                                        c.per_role, run, load_factors)
+        rows[load] = {"rate": phase["rate"], "simulated": simulated(c.spec, *run), "measured": phase["measured"],
+                      "uncorrected": simulated(c.raw_spec, *run), "live_step_factor": load_factors,
+                      "online_step_factor": online,
+                      "simulated_online": simulated(c.spec_with(online, c.serving_cores, c.step_s, c.request_s), *run)}
+        if "measured_again" in phase:
+            rows[load]["measured_again"] = phase["measured_again"]
+    return rows
+
+
+def phase_run(phase: dict) -> tuple:
+    """(request lengths, rate, seed) of a recorded phase: what simulating it takes."""
+    return [tuple(x) for x in phase["lengths"]], phase["rate"], phase["seed"]
+
+
+def live_steps(phase: dict) -> dict[str, list]:
+    """A recorded phase's live engine steps, per role, as (StepShape, seconds, threads)."""
+    from cluster.perf_model.step_shape import StepShape
+    return {role: [(StepShape(int(p), a, int(d), int(c)), seconds, int(threads))
+                   for p, a, d, c, seconds, threads in steps]
+            for role, steps in phase["steps"].items()}
+
+
+def record_deployment(name: str, args, base_url: str, datasets: dict, tokenizer, profiles: dict,
+                      model_config, cores: int, threads: int) -> dict:
+    """Run the warm-up, the two calibration loads and the three loads against the
+    live deployment at `base_url`; the loads' rates come from the calibrated
+    simulator's capacity. Returns the record `calibrate` and `predict` read."""
+    body = deployment_body(name, datasets["model_dir"])
+    dep = {"body": body, "cores": cores, "threads": threads, "calibration": {}, "loads": {}}
+    model = served_model(base_url, None)
+    roles = roles_of(body)
+    requests = datasets["sizing"]
+
+    def phase(prompts: list, rate: float, seed: int) -> dict:
+        take_live_steps(roles)                                       # drops earlier phases' steps
+        meas = measured(base_url, model, prompts, rate, seed, tokenizer)
+        return {"lengths": lengths_of(prompts), "rate": rate, "seed": seed, "measured": meas,
+                "steps": take_live_steps(roles)}
+    measured(base_url, model, datasets["warmup"], 1000.0, args.seed + 99, tokenizer)
+    dep["calibration"]["trickle"] = phase(datasets["trickle"], TRICKLE_RATE, args.seed + 7)
+    from cluster.config import DeploymentConfig
+    from cluster.simulator.from_config import cluster_spec
+    base, _ = deployment_models(dep, profiles)
+    raw_spec = cluster_spec(DeploymentConfig.model_validate(body), base, model_config=model_config)
+    busy_rate = round(BUSY_CALIBRATION_LOAD * capacity(raw_spec, lengths_of(requests), args.seed), 3)
+    handoffs = handoff_totals(base_url)
+    dep["calibration"]["busy"] = phase(datasets["busy"], busy_rate, args.seed + 8)
+    link = measured_link(handoffs, handoff_totals(base_url))
+    dep["link"] = {"bandwidth_bytes_per_s": link.bandwidth_bytes_per_s, "latency_s": link.latency_s}
+    calibration = calibrate(dep, profiles, model_config)
+    cap = capacity(calibration.spec, lengths_of(requests), args.seed)
+    dep["capacity"] = cap
+    print(f"  {calibration_line(calibration, roles)}; simulated capacity {cap:.2f} req/s", flush=True)
+    for load, factor in LOAD_FACTORS.items():
+        rate = round(cap * factor, 3)
+        dep["loads"][load] = phase(datasets["loads"][load], rate, args.seed)
+        if load == REPEATED_LOAD:
+            dep["loads"][load]["measured_again"] = measured(base_url, model, datasets["repeat"], rate,
+                                                            args.seed + 50, tokenizer)
+        meas = dep["loads"][load]["measured"]
+        print(f"  {load} ({rate:.2f} req/s) measured: "
+              + ", ".join(f"{k} {_fmt(meas[k])}" for k in FIGURES), flush=True)
+    return dep
+
+
+def calibration_line(c: Calibration, roles) -> str:
+    s = c.summary
+    live = s["live_step_factor"]
+    return ("online correction: served/profiled step " + ", ".join(
+        f"{r} x{live['trickle'][r]:.2f} at {TRICKLE_RATE:g} req/s, x{live['busy'][r]:.2f} at "
+        f"{s['busy_rate']:.2f} req/s" for r in roles)
+        + f"; fitted: {c.serving_cores:.2f} serving cores per request streaming, step x"
+        + ", ".join(f"{f:.2f}" for f in c.per_role.values())
+        + f", +{c.step_s * 1e3:.1f} ms per step, +{c.request_s * 1e3:.1f} ms per request, "
+        f"hand-off latency {s['handoff_latency_s'] * 1e3:.1f} ms")
+
+
+def deployment_body(name: str, model_dir: str) -> dict:
+    return {"model": {"path": model_dir, "max_model_len": 2048}, "device": "cpu", **DEPLOYMENTS[name],
+            "engine": {"max_num_seqs": 32, "max_num_batched_tokens": 2048}}
+
+
+def lengths_of(requests) -> list[list[int]]:
+    return [[r.prompt_len, r.expected_output_len] for r in requests]
 
 
 def main() -> int:
@@ -254,125 +424,31 @@ def main() -> int:
     parser.add_argument("--calibration-prompts", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench/results/simulator_accuracy.json")
+    parser.add_argument("--record", default="bench/results/simulator_accuracy_record.json",
+                        help="where the live run's record goes (its profiles, requests, measured figures and "
+                             "the workers' engine steps)")
+    parser.add_argument("--replay", metavar="RECORD",
+                        help="no live run: calibrate and simulate again from a recorded one")
     args = parser.parse_args()
 
-    from transformers import AutoTokenizer
-
-    from cluster.config import DeploymentConfig
-    from cluster.simulator.cluster_sim import lent_step_time
-    from cluster.simulator.from_config import cluster_spec
     from engine.model.model_config import ModelConfig
     from engine.tiny_model import ensure_preset_model
 
     model_dir = str(ensure_preset_model("bench"))
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model_config = ModelConfig.from_pretrained(model_dir)
-
-    def dataset(num_prompts: int, seed: int) -> list:
-        return random_dataset(tokenizer, num_prompts=num_prompts, input_len=args.input_len,
-                              output_len=args.output_len, range_ratio=0.25, prefix_len=0, seed=seed)
-
-    # Every phase gets prompts no other phase sent: a repeated prompt would be a prefix-cache
-    # hit on the live server (its prefill nearly free) that the simulator does not model.
-    requests = dataset(args.num_prompts, args.seed)                      # sizes the loads
-    warmup = dataset(8, args.seed + 99)
-    busy = dataset(args.calibration_prompts, args.seed + 98)
-    trickle = dataset(20, args.seed + 97)
-    per_load = {load: dataset(args.num_prompts, args.seed + 1 + i) for i, load in enumerate(LOAD_FACTORS)}
-    repeat = dataset(args.num_prompts, args.seed + 50)     # the near-capacity load again: the live noise
-    cores = os.cpu_count() or 1
-    profiles: dict = {}
-    results = {"cores": cores, "slos_ms": SLOS_MS, "num_prompts": args.num_prompts, "input_len": args.input_len,
-               "output_len": args.output_len, "deployments": {}}
-    workdir = Path(tempfile.mkdtemp(prefix="pdserve-simacc-"))
-    for name in args.deployments.split(","):
-        body = {"model": {"path": model_dir, "max_model_len": 2048}, "device": "cpu", **DEPLOYMENTS[name],
-                "engine": {"max_num_seqs": 32, "max_num_batched_tokens": 2048}}
-        config = DeploymentConfig.model_validate(body)
-        threads = max(1, cores // ranks(body))
-        print(f"{name}: {ranks(body)} rank(s) on {cores} cores, {threads} thread(s) each", flush=True)
-        base = profile_for(model_dir, threads, profiles)
-        # a one-rank decode (colocated) engine steps on the idle engines' cores too (resources.lend_idle_cores)
-        wide = profile_for(model_dir, cores, profiles) if threads < cores else None
-
-        def profiled(shape, step_threads: int) -> float:
-            if wide is None or step_threads <= threads:
-                return base.step_time(shape)
-            return lent_step_time(base, wide, shape, own_threads=threads, threads=step_threads, cores=cores)
-        raw_spec = cluster_spec(config, base, model_config=model_config)
-        path = workdir / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(body))
-        rows, factors, cap = {}, {}, None
-        try:
-            with served(path, args.port, workdir / f"{name}.log") as base_url:
-                model = served_model(base_url, None)
-                measured(base_url, model, warmup, 1000.0, args.seed + 99, tokenizer)
-                roles = roles_of(body)
-                take_live_steps(roles)                           # drops the warm-up's steps
-                trickle_run = (trickle, TRICKLE_RATE, args.seed + 7)
-                meas = measured(base_url, model, *trickle_run, tokenizer)
-                trickle_factors = step_factors(profiled, take_live_steps(roles))
-                busy_run = (busy, round(BUSY_CALIBRATION_LOAD * capacity(raw_spec, requests, args.seed), 3),
-                            args.seed + 8)
-                handoffs = handoff_totals(base_url)
-                measured(base_url, model, *busy_run, tokenizer)
-                busy_factors = step_factors(profiled, take_live_steps(roles))
-                link = measured_link(handoffs, handoff_totals(base_url))
-
-                def spec_with(per_role: dict, serving_cores: float, step_s: float = 0.0, request_s: float = 0.0):
-                    models = {role: corrected(base, f, step_s) for role, f in per_role.items()}
-                    borrower = "colocated" if "colocated" in per_role else "decode"
-                    wide_model = corrected(wide, per_role[borrower], step_s) if wide is not None else None
-                    return cluster_spec(config, models[borrower], prefill_model=models.get("prefill"),
-                                        model_config=model_config, link=link, request_overhead_s=request_s,
-                                        shared_cores=cores, threads_per_rank=threads,
-                                        serving_cores_per_stream=serving_cores, wide_model=wide_model)
-                serving_cores, per_role = fit_contention(spec_with, trickle_run, busy_run, trickle_factors,
-                                                         busy_factors)
-                sim = simulated(spec_with(per_role, serving_cores), *trickle_run)
-                step_s = max(0.0, (meas["median_tpot_ms"] - sim["median_tpot_ms"]) / 1000)
-                sim = simulated(spec_with(per_role, serving_cores, step_s), *trickle_run)
-                request_s = max(0.0, (meas["median_ttft_ms"] - sim["median_ttft_ms"]) / 1000)
-                factors = {"busy_rate": busy_run[1], "live_step_factor": {"trickle": trickle_factors,
-                                                                           "busy": busy_factors},
-                           "serving_cores_per_stream": serving_cores, "step_factor": per_role,
-                           "handoff_latency_s": link.latency_s,
-                           "per_step_s": step_s, "per_request_s": request_s}
-                spec = spec_with(per_role, serving_cores, step_s, request_s)
-                cap = capacity(spec, requests, args.seed)
-                print("  online correction: served/profiled step " + ", ".join(
-                      f"{r} x{trickle_factors[r]:.2f} at {TRICKLE_RATE:g} req/s, x{busy_factors[r]:.2f} at "
-                      f"{busy_run[1]:.2f} req/s" for r in roles)
-                      + f"; fitted: {serving_cores:.2f} serving cores per request streaming, step x"
-                      + ", ".join(f"{f:.2f}" for f in per_role.values())
-                      + f", +{step_s * 1e3:.1f} ms per step, +{request_s * 1e3:.1f} ms per request, "
-                      f"hand-off latency {link.latency_s * 1e3:.1f} ms; "
-                      f"simulated capacity {cap:.2f} req/s", flush=True)
-                for load, factor in LOAD_FACTORS.items():
-                    rate = round(cap * factor, 3)
-                    load_requests = per_load[load]
-                    take_live_steps(roles)                       # drops the steps of earlier loads
-                    meas = measured(base_url, model, load_requests, rate, args.seed, tokenizer)
-                    load_factors = step_factors(profiled, take_live_steps(roles))
-                    sim = simulated(spec, load_requests, rate, args.seed)
-                    raw = simulated(raw_spec, load_requests, rate, args.seed)
-                    load_run = (load_requests, rate, args.seed)
-                    online = factors_for_live_steps(lambda per: spec_with(per, serving_cores, step_s, request_s),
-                                                    per_role, load_run, load_factors)
-                    rows[load] = {"rate": rate, "simulated": sim, "measured": meas, "uncorrected": raw,
-                                  "live_step_factor": load_factors, "online_step_factor": online,
-                                  "simulated_online": simulated(spec_with(online, serving_cores, step_s, request_s),
-                                                                *load_run)}
-                    if load == REPEATED_LOAD:
-                        rows[load]["measured_again"] = measured(base_url, model, repeat, rate, args.seed + 50,
-                                                                tokenizer)
-                    print(f"  {load} ({rate:.2f} req/s): " + ", ".join(
-                        f"{k} {_fmt(sim[k])} / {_fmt(meas[k])}" for k in FIGURES), flush=True)
-        except ServerFailed as exc:
-            print(f"  {name} failed: {exc}", file=sys.stderr)
-            rows["error"] = str(exc)
-        results["deployments"][name] = {"capacity": cap, "threads": threads, "online_factors": factors,
-                                        "loads": rows}
+    record = json.loads(Path(args.replay).read_text()) if args.replay else record_live(args, model_dir, model_config)
+    results = {key: record[key] for key in ("cores", "slos_ms", "num_prompts", "input_len", "output_len")}
+    results["deployments"] = {}
+    for name, dep in record["deployments"].items():
+        if "error" in dep:
+            results["deployments"][name] = {"loads": {"error": dep["error"]}}
+            continue
+        calibration = calibrate(dep, record["profiles"], model_config)
+        if args.replay:
+            print(f"{name}: {calibration_line(calibration, roles_of(dep['body']))}")
+        results["deployments"][name] = {"capacity": dep.get("capacity"), "threads": dep["threads"],
+                                        "online_factors": calibration.summary,
+                                        "loads": predict(dep, record["profiles"], calibration)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     print(table(results))
@@ -380,6 +456,46 @@ def main() -> int:
         hits, total = within_target(results, key)
         print(f"{what}: {hits} of {total} figures within +-{TOLERANCE:.0%} of the measured ones")
     return 0
+
+
+def record_live(args, model_dir: str, model_config) -> dict:
+    """Every deployment's live run (record_deployment), with the profiles they
+    are simulated with; written to args.record."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    def dataset(num_prompts: int, seed: int) -> list:
+        return random_dataset(tokenizer, num_prompts=num_prompts, input_len=args.input_len,
+                              output_len=args.output_len, range_ratio=0.25, prefix_len=0, seed=seed)
+
+    # Every phase gets prompts no other phase sent: a repeated prompt would be a prefix-cache
+    # hit on the live server (its prefill nearly free) that the simulator does not model.
+    datasets = {"model_dir": model_dir, "sizing": dataset(args.num_prompts, args.seed), "warmup": dataset(8, args.seed + 99),
+                "busy": dataset(args.calibration_prompts, args.seed + 98), "trickle": dataset(20, args.seed + 97),
+                "loads": {load: dataset(args.num_prompts, args.seed + 1 + i) for i, load in enumerate(LOAD_FACTORS)},
+                "repeat": dataset(args.num_prompts, args.seed + 50)}   # the near-capacity load again: the live noise
+    cores = os.cpu_count() or 1
+    record = {"cores": cores, "slos_ms": SLOS_MS, "num_prompts": args.num_prompts, "input_len": args.input_len,
+              "output_len": args.output_len, "seed": args.seed, "profiles": {}, "deployments": {}}
+    workdir = Path(tempfile.mkdtemp(prefix="pdserve-simacc-"))
+    for name in args.deployments.split(","):
+        body = deployment_body(name, model_dir)
+        threads = max(1, cores // ranks(body))
+        print(f"{name}: {ranks(body)} rank(s) on {cores} cores, {threads} thread(s) each", flush=True)
+        for t in {threads, cores}:     # a one-rank decode (colocated) engine borrows idle engines' cores
+            profile_for(model_dir, t, record["profiles"])
+        path = workdir / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(body))
+        try:
+            with served(path, args.port, workdir / f"{name}.log") as base_url:
+                record["deployments"][name] = record_deployment(name, args, base_url, datasets, tokenizer,
+                                                                record["profiles"], model_config, cores, threads)
+        except ServerFailed as exc:
+            print(f"  {name} failed: {exc}", file=sys.stderr)
+            record["deployments"][name] = {"error": str(exc)}
+        Path(args.record).parent.mkdir(parents=True, exist_ok=True)     # after each: a later failure keeps it
+        Path(args.record).write_text(json.dumps(record, separators=(",", ":")) + "\n")
+    return record
 
 
 def within_target(results: dict, key: str) -> tuple[int, int]:
