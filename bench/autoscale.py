@@ -103,6 +103,8 @@ def main() -> int:
                     help="load predictors to run the autoscaler with (the first one is plotted)")
     ap.add_argument("--startup-s", type=float, default=30.0)
     ap.add_argument("--interval-s", type=float, default=10.0)
+    ap.add_argument("--downscale-window-s", type=float, default=AutoscaleSettings.downscale_window_s,
+                    help="a scale-down must hold the peak demand of this window (0: the latest demand)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
@@ -135,7 +137,8 @@ def main() -> int:
     for predictor in args.predictors.split(","):
         settings = AutoscaleSettings(ttft_slo_s=ttft_s, tpot_slo_s=tpot_s, budget=args.gpus,
                                      tensor_parallel={"prefill": args.tp, "decode": args.tp},
-                                     interval_s=args.interval_s, startup_s=args.startup_s, predictor=predictor)
+                                     interval_s=args.interval_s, startup_s=args.startup_s, predictor=predictor,
+                                     downscale_window_s=args.downscale_window_s)
         scaler = SimAutoscaler(GoodputPolicy(settings, {"prefill": base.prefill.model,
                                                         "decode": base.decode.model}, limits))
         auto = simulate(base, lengths, arrivals, autoscaler=scaler)

@@ -179,6 +179,8 @@ class AutoscalingSection(_Strict):
                              "load is predicted this far ahead")
     upscale_cooldown_s: float = Field(0.0, ge=0)
     downscale_cooldown_s: float = Field(60.0, ge=0)
+    downscale_window_s: float = Field(120.0, ge=0, description="a scale-down that frees ranks must hold the "
+                                      "peak demand of this window (a lull shorter than it keeps the replicas)")
     predictor: Literal["constant", "ewma", "trend"] = "ewma"
     profile: str | None = Field(None, description="step-time profile (pdserve profile); null: fitted to the "
                                 "steps the workers measure while serving")
@@ -195,7 +197,7 @@ class AutoscalingSection(_Strict):
             min_replicas=dict(self.min_replicas), max_replicas=dict(self.max_replicas), tensor_parallel=tp,
             budget=budget, interval_s=self.interval_s, startup_s=self.startup_s,
             upscale_cooldown_s=self.upscale_cooldown_s, downscale_cooldown_s=self.downscale_cooldown_s,
-            predictor=self.predictor, correct_models=self.correct_profile)
+            downscale_window_s=self.downscale_window_s, predictor=self.predictor, correct_models=self.correct_profile)
 
 
 class DeploymentConfig(_Strict):

@@ -172,6 +172,34 @@ def test_scale_down_keeps_replicas_the_load_still_needs():
     assert d.targets["prefill"] == 1
 
 
+def test_a_lull_shorter_than_the_downscale_window_keeps_the_replicas_the_load_before_it_needed():
+    # 0.9x one prefill replica's capacity needs 2 (N-1 rule); then a lull at 0.1x
+    cap = prefill_capacity(MODEL, 1000, 0.8)
+    current = {"prefill": 2, "decode": 1}
+    p = policy(downscale_cooldown_s=0.0, downscale_window_s=60.0)
+    assert p.decide(observe(10.0, 0.9 * cap, 1000, 10, current)).targets == current
+    for now in (20.0, 30.0, 40.0, 50.0, 60.0, 70.0):        # the busy interval is within the last 60 s
+        d = p.decide(observe(now, 0.1 * cap, 1000, 10, current))
+        assert d.targets["prefill"] == 2, now
+        assert "the peak of the last 60 s" in d.reasons["prefill"]
+    d = p.decide(observe(80.0, 0.1 * cap, 1000, 10, current))   # 70 s after it: the window has let it go
+    assert d.targets["prefill"] == 1
+    # without a window the lull gives the replica back at once
+    p = policy(downscale_cooldown_s=0.0, downscale_window_s=0.0)
+    p.decide(observe(10.0, 0.9 * cap, 1000, 10, current))
+    assert p.decide(observe(20.0, 0.1 * cap, 1000, 10, current)).targets["prefill"] == 1
+
+
+def test_at_the_budget_a_resplit_does_not_wait_for_the_downscale_window():
+    # prompt-heavy, then output-heavy at the same rate: the budget moves a rank to decode at once
+    p = policy(budget=4, downscale_cooldown_s=0.0, downscale_window_s=600.0, split_margin=0.0)
+    current = {"prefill": 3, "decode": 1}
+    d = p.decide(observe(10.0, 20.0, 4000, 4, current))
+    assert d.targets == current
+    d = p.decide(observe(20.0, 20.0, 50, 2000, current, mean_inflight_output_tokens=2000))
+    assert d.targets["prefill"] < 3 and d.targets["decode"] > 1, d.reasons
+
+
 def test_scale_down_waits_for_finished_requests_with_latency_to_spare():
     p = policy(downscale_cooldown_s=0.0)
     idle = dict(ttft_p90_s=None, tpot_p90_s=None)

@@ -27,13 +27,17 @@ Per interval:
    the budget needs the replica elsewhere, only when requests finished in the
    interval with the role's latency (TTFT for prefill, TPOT for decode) at
    most `downscale_headroom` of its SLO, and the remaining replicas are
-   predicted to hold the whole load with `downscale_headroom` to spare
-   (Dynamo's N-1 rule).
+   predicted to hold the peak demand of the last `downscale_window_s` with
+   `downscale_headroom` to spare (Dynamo's N-1 rule, on the peak as Ray
+   Serve's downscale delay and Kubernetes' stabilisation window do: a lull
+   shorter than the window keeps the replicas the load before it needed,
+   rather than giving one back that takes a start-up to return).
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 from cluster.autoscaler.capacity import (
@@ -64,6 +68,7 @@ class AutoscaleSettings:
     startup_s: float = 30.0                   # from asking for a replica to its first request
     upscale_cooldown_s: float = 0.0
     downscale_cooldown_s: float = 60.0
+    downscale_window_s: float = 120.0         # a scale-down must hold this window's peak demand
     slo_headroom: float = 0.8                 # the model's means are held to this share of each SLO
     downscale_headroom: float = 0.8           # N-1 replicas must hold the load at this share of capacity
     split_margin: float = 0.2                 # at the budget, a new split must serve this much more
@@ -76,8 +81,8 @@ class AutoscaleSettings:
             raise ValueError(f"mode must be disaggregated or colocated, got {self.mode!r}")
         if self.ttft_slo_s <= 0 or self.tpot_slo_s <= 0:
             raise ValueError("the TTFT and TPOT SLOs must be > 0")
-        if self.interval_s <= 0 or self.startup_s < 0:
-            raise ValueError("interval_s must be > 0 and startup_s >= 0")
+        if self.interval_s <= 0 or self.startup_s < 0 or self.downscale_window_s < 0:
+            raise ValueError("interval_s must be > 0, startup_s and downscale_window_s >= 0")
         if not 0 < self.slo_headroom <= 1 or not 0 < self.downscale_headroom <= 1:
             raise ValueError("slo_headroom and downscale_headroom must be in (0, 1]")
         floor = sum(self.min_for(r) * self.tp(r) for r in self.roles)
@@ -163,6 +168,7 @@ class GoodputPolicy:
         self.output_tokens: float | None = None
         self.last_up: dict[str, float] = {}
         self.last_change: dict[str, float] = {}
+        self.recent_demand: deque[tuple[float, dict[str, float]]] = deque()   # (time, demand per role)
 
     # ---- one interval ---------------------------------------------------------------------
     def decide(self, obs: Observation) -> Decision:
@@ -179,6 +185,7 @@ class GoodputPolicy:
             return Decision(dict(current), {r: "no traffic seen yet" for r in s.roles}, rate, capacity)
         drain_s = max(s.startup_s, s.interval_s)
         demand = {r: rate + (obs.roles[r].waiting_requests / drain_s if r in obs.roles else 0.0) for r in s.roles}
+        peak = self._peak_demand(obs.now, demand)
         needed = {r: _replicas_for(demand[r], capacity[r]) for r in s.roles}
         reasons = {r: f"needs {needed[r]} for {demand[r]:.2f} req/s at {capacity[r]:.2f} req/s each"
                    for r in s.roles}
@@ -186,7 +193,7 @@ class GoodputPolicy:
         if budget_bound:
             needed = self._split_within_budget(current, capacity, reasons)
         self._latency_feedback(obs, current, needed, reasons)
-        targets = self._guarded(obs, current, needed, demand, capacity, reasons, budget_bound)
+        targets = self._guarded(obs, current, needed, peak, capacity, reasons, budget_bound)
         for r in s.roles:
             if targets[r] > current[r]:
                 self.last_up[r] = obs.now
@@ -221,6 +228,13 @@ class GoodputPolicy:
                                                     self.limits["colocated"])}
         return {"prefill": prefill_capacity(self.models["prefill"], prompt, ttft),
                 "decode": decode_capacity(self.models["decode"], prompt, output, tpot, self.limits["decode"])}
+
+    def _peak_demand(self, now: float, demand: dict[str, float]) -> dict[str, float]:
+        """Per role, the highest demand of the last `downscale_window_s`, this one's included."""
+        self.recent_demand.append((now, dict(demand)))
+        while self.recent_demand and self.recent_demand[0][0] < now - self.settings.downscale_window_s:
+            self.recent_demand.popleft()
+        return {r: max(d.get(r, 0.0) for _, d in self.recent_demand) for r in demand}
 
     # ---- sizing -----------------------------------------------------------------------
     def _ranks(self, replicas: dict[str, int]) -> int:
@@ -275,8 +289,9 @@ class GoodputPolicy:
             reasons[role] = f"observed {name.upper()} p90 {observed * 1000:.0f} ms > SLO {slo * 1000:.0f} ms"
 
     def _guarded(self, obs: Observation, current: dict[str, int], needed: dict[str, int],
-                 demand: dict[str, float], capacity: dict[str, float], reasons: dict[str, str],
+                 peak: dict[str, float], capacity: dict[str, float], reasons: dict[str, str],
                  budget_bound: bool) -> dict[str, int]:
+        """`peak`: per role, the highest demand of the last downscale window."""
         s = self.settings
         targets = dict(current)
         # downs first, so that their ranks count for the ups of the same interval
@@ -294,9 +309,9 @@ class GoodputPolicy:
             elif not budget_bound and latency[0] > latency[1] * s.downscale_headroom:
                 reasons[r] = (f"holds {current[r]}: observed p90 {latency[0] * 1000:.0f} ms is within "
                               f"{1 - s.downscale_headroom:.0%} of the SLO")
-            elif not budget_bound and demand[r] > (current[r] - 1) * capacity[r] * s.downscale_headroom:
-                reasons[r] = (f"holds {current[r]}: {current[r] - 1} would not hold {demand[r]:.2f} req/s "
-                              f"with {1 - s.downscale_headroom:.0%} to spare")
+            elif not budget_bound and peak[r] > (current[r] - 1) * capacity[r] * s.downscale_headroom:
+                reasons[r] = (f"holds {current[r]}: {current[r] - 1} would not hold {peak[r]:.2f} req/s (the peak "
+                              f"of the last {s.downscale_window_s:.0f} s) with {1 - s.downscale_headroom:.0%} to spare")
             else:
                 targets[r] = current[r] - 1
                 reasons[r] = "scale down by one: " + reasons[r]
