@@ -200,6 +200,20 @@ def test_at_the_budget_a_resplit_does_not_wait_for_the_downscale_window():
     assert d.targets["prefill"] < 3 and d.targets["decode"] > 1, d.reasons
 
 
+def test_a_rank_another_role_needs_is_given_up_without_waiting_for_the_downscale_window():
+    # budget 3 exactly fits 1 prefill + 2 decode, so this is not a split past the budget
+    cap = prefill_capacity(MODEL, 1000, 0.8)
+    p = policy(budget=3, downscale_cooldown_s=0.0, downscale_window_s=600.0, predictor="constant")
+    current = {"prefill": 2, "decode": 1}
+    d = p.decide(observe(10.0, 1.2 * cap, 1000, 4, current))     # long prompts: 2 prefill replicas
+    assert d.targets == current
+    # fewer of them, with longer outputs: one prefill replica holds the latest demand (not the
+    # window's peak, which a lull alone would keep), and decode needs the rank now
+    d = p.decide(observe(20.0, 0.7 * cap, 1000, 100, current, mean_inflight_output_tokens=100))
+    assert d.targets == {"prefill": 1, "decode": 2}, d.reasons
+    assert 1.2 * cap > 0.8 * d.capacity["prefill"]
+
+
 def test_scale_down_waits_for_finished_requests_with_latency_to_spare():
     p = policy(downscale_cooldown_s=0.0)
     idle = dict(ttft_p90_s=None, tpot_p90_s=None)

@@ -31,7 +31,8 @@ Per interval:
    `downscale_headroom` to spare (Dynamo's N-1 rule, on the peak as Ray
    Serve's downscale delay and Kubernetes' stabilisation window do: a lull
    shorter than the window keeps the replicas the load before it needed,
-   rather than giving one back that takes a start-up to return).
+   rather than giving one back that takes a start-up to return); when another
+   role needs the rank, the latest demand is enough (a re-split does not wait).
 """
 
 from __future__ import annotations
@@ -193,7 +194,7 @@ class GoodputPolicy:
         if budget_bound:
             needed = self._split_within_budget(current, capacity, reasons)
         self._latency_feedback(obs, current, needed, reasons)
-        targets = self._guarded(obs, current, needed, peak, capacity, reasons, budget_bound)
+        targets = self._guarded(obs, current, needed, demand, peak, capacity, reasons, budget_bound)
         for r in s.roles:
             if targets[r] > current[r]:
                 self.last_up[r] = obs.now
@@ -289,9 +290,11 @@ class GoodputPolicy:
             reasons[role] = f"observed {name.upper()} p90 {observed * 1000:.0f} ms > SLO {slo * 1000:.0f} ms"
 
     def _guarded(self, obs: Observation, current: dict[str, int], needed: dict[str, int],
-                 peak: dict[str, float], capacity: dict[str, float], reasons: dict[str, str],
-                 budget_bound: bool) -> dict[str, int]:
-        """`peak`: per role, the highest demand of the last downscale window."""
+                 demand: dict[str, float], peak: dict[str, float], capacity: dict[str, float],
+                 reasons: dict[str, str], budget_bound: bool) -> dict[str, int]:
+        """`demand`: per role, this interval's; `peak`: the highest of the last
+        downscale window, which a scale-down must hold unless another role needs
+        the rank (then the latest demand is enough: a re-split does not wait)."""
         s = self.settings
         targets = dict(current)
         # downs first, so that their ranks count for the ups of the same interval
@@ -299,6 +302,8 @@ class GoodputPolicy:
             want = max(s.min_for(r), min(s.max_for(r), needed[r]))
             if want >= current[r]:
                 continue
+            resplit = self._rank_wanted_elsewhere(r, current, needed)
+            held = demand[r] if resplit else peak[r]
             ro = obs.roles.get(r)
             if ro is not None and ro.starting:
                 reasons[r] = f"holds {current[r]}: a replica is still starting"
@@ -309,9 +314,11 @@ class GoodputPolicy:
             elif not budget_bound and latency[0] > latency[1] * s.downscale_headroom:
                 reasons[r] = (f"holds {current[r]}: observed p90 {latency[0] * 1000:.0f} ms is within "
                               f"{1 - s.downscale_headroom:.0%} of the SLO")
-            elif not budget_bound and peak[r] > (current[r] - 1) * capacity[r] * s.downscale_headroom:
-                reasons[r] = (f"holds {current[r]}: {current[r] - 1} would not hold {peak[r]:.2f} req/s (the peak "
-                              f"of the last {s.downscale_window_s:.0f} s) with {1 - s.downscale_headroom:.0%} to spare")
+            elif not budget_bound and held > (current[r] - 1) * capacity[r] * s.downscale_headroom:
+                which = "" if resplit or not s.downscale_window_s else \
+                    f" (the peak of the last {s.downscale_window_s:.0f} s)"
+                reasons[r] = (f"holds {current[r]}: {current[r] - 1} would not hold {held:.2f} req/s{which} "
+                              f"with {1 - s.downscale_headroom:.0%} to spare")
             else:
                 targets[r] = current[r] - 1
                 reasons[r] = "scale down by one: " + reasons[r]
@@ -329,6 +336,12 @@ class GoodputPolicy:
             targets[r] = current[r] + min(room, want - current[r])
             reasons[r] = "scale up: " + reasons[r]
         return targets
+
+    def _rank_wanted_elsewhere(self, role: str, current: dict[str, int], needed: dict[str, int]) -> bool:
+        """Whether another role needs a replica the budget has no room for unless `role` gives one up."""
+        s = self.settings
+        return any(needed[o] > current[o] and self._ranks(current) + s.tp(o) > s.budget
+                   for o in s.roles if o != role)
 
     def _observed_for(self, obs: Observation, role: str) -> tuple[float, float] | None:
         """(observed p90, SLO) of the latency `role` answers for: TTFT for prefill,
