@@ -15,6 +15,8 @@ prompt runs on a prefill worker and the roles stay apart):
   autoscaled: starting at the split that suits the first phase, budget
   --budget ranks, interval 5 s, start-up horizon 15 s, scale-down cool-down 15 s,
   the step model fitted to the workers' own steps.
+Every system has the same `slo:` section, so admission control refuses (429)
+by the same rules in each; refusals are counted apart from failures.
 For each: goodput (requests meeting both SLOs per second of the run),
 attainment, TTFT/TPOT p90, and replica-seconds (the autoscaled run reads the
 replicas serving from /metrics every second; a static split holds all of its
@@ -72,9 +74,9 @@ def deployment(args, model_dir: str, prefill: int, decode: int, autoscale: bool)
     config = {"model": {"path": model_dir, "served_model_name": "bench"},
               "prefill": {"replicas": prefill}, "decode": {"replicas": decode},
               "disaggregation": {"policy": "always"}}
+    slo = dict(args.slo)      # every system: the SLOs also set what admission control refuses
+    config["slo"] = {"ttft_ms": slo["ttft"], "tpot_ms": slo["tpot"]}
     if autoscale:
-        slo = dict(args.slo)
-        config["slo"] = {"ttft_ms": slo["ttft"], "tpot_ms": slo["tpot"]}
         config["autoscaling"] = {"enabled": True, "budget": args.budget, "interval_s": 5, "startup_s": 15,
                                  "downscale_cooldown_s": 15}
     return config
@@ -126,13 +128,20 @@ def run_system(name: str, config: dict, requests, offsets, args, tokenizer, log_
     else:
         replica_s = (config["prefill"]["replicas"] + config["decode"]["replicas"]) * result.duration
         timeline = []
+    # admission control's answers (429 + Retry-After) are refusals, not lost requests
+    refused = sum(n for error, n in summary.error_counts.items() if error.startswith("HTTP 429"))
     row = {"goodput": good / result.duration, "attainment": good / max(1, len(requests)),
-           "failed": summary.failed, "duration_s": result.duration, "replica_seconds": replica_s,
+           "failed": summary.failed, "refused": refused, "errors": summary.error_counts,
+           "duration_s": result.duration, "replica_seconds": replica_s,
            "ttft_p90_ms": summary.latency["ttft"].percentiles.get(90),
            "tpot_p90_ms": summary.latency["tpot"].percentiles.get(90), "timeline": timeline}
-    print(f"  goodput {row['goodput']:.2f} req/s ({row['attainment']:.0%} met), failed {row['failed']}, "
+    print(f"  goodput {row['goodput']:.2f} req/s ({row['attainment']:.0%} met), refused {refused} (429), "
+          f"failed {row['failed'] - refused}, "
           f"replica-s {replica_s:.0f}, TTFT p90 {row['ttft_p90_ms']:.0f} ms, TPOT p90 {row['tpot_p90_ms']:.1f} ms",
           flush=True)
+    for error, count in summary.error_counts.items():
+        if not error.startswith("HTTP 429"):
+            print(f"  {count} failed: {error}", flush=True)
     return row
 
 
@@ -146,6 +155,8 @@ def main() -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--static", action=argparse.BooleanOptionalAction, default=True,
+                    help="also serve every static split (--no-static: the autoscaled system alone)")
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
@@ -157,7 +168,7 @@ def main() -> int:
           f"{dict(args.slo)} ms", flush=True)
     rows = {}
     log_dir = Path(tempfile.mkdtemp(prefix="autoscale-live-"))
-    for k in range(1, args.budget):
+    for k in range(1, args.budget if args.static else 1):
         rows[f"static {k}P+{args.budget - k}D"] = run_system(
             f"static-{k}p{args.budget - k}d", deployment(args, model_dir, k, args.budget - k, False),
             requests, offsets, args, tokenizer, log_dir)

@@ -27,12 +27,14 @@ Per interval:
    the budget needs the replica elsewhere, only when requests finished in the
    interval with the role's latency (TTFT for prefill, TPOT for decode) at
    most `downscale_headroom` of its SLO, and the remaining replicas are
-   predicted to hold the peak demand of the last `downscale_window_s` with
-   `downscale_headroom` to spare (Dynamo's N-1 rule, on the peak as Ray
-   Serve's downscale delay and Kubernetes' stabilisation window do: a lull
-   shorter than the window keeps the replicas the load before it needed,
-   rather than giving one back that takes a start-up to return); when another
-   role needs the rank, the latest demand is enough (a re-split does not wait).
+   predicted to hold the load with `downscale_headroom` to spare (Dynamo's
+   N-1 rule) in every interval of the last `downscale_window_s`: the most
+   replicas any of them needed, as Kubernetes' stabilisation window takes the
+   highest recommendation over the window (and Ray Serve delays a
+   downscale), so a lull shorter than the window, or a capacity estimate that
+   jumps for an interval, does not give back a replica that takes a start-up
+   to return. When another role needs the rank, the latest interval is
+   enough (a re-split does not wait).
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ class AutoscaleSettings:
     startup_s: float = 30.0                   # from asking for a replica to its first request
     upscale_cooldown_s: float = 0.0
     downscale_cooldown_s: float = 60.0
-    downscale_window_s: float = 120.0         # a scale-down must hold this window's peak demand
+    downscale_window_s: float = 120.0         # a scale-down must hold every interval of this window
     slo_headroom: float = 0.8                 # the model's means are held to this share of each SLO
     downscale_headroom: float = 0.8           # N-1 replicas must hold the load at this share of capacity
     split_margin: float = 0.2                 # at the budget, a new split must serve this much more
@@ -169,7 +171,7 @@ class GoodputPolicy:
         self.output_tokens: float | None = None
         self.last_up: dict[str, float] = {}
         self.last_change: dict[str, float] = {}
-        self.recent_demand: deque[tuple[float, dict[str, float]]] = deque()   # (time, demand per role)
+        self.recent_holding: deque[tuple[float, dict[str, int]]] = deque()   # (time, replicas to hold per role)
 
     # ---- one interval ---------------------------------------------------------------------
     def decide(self, obs: Observation) -> Decision:
@@ -186,7 +188,6 @@ class GoodputPolicy:
             return Decision(dict(current), {r: "no traffic seen yet" for r in s.roles}, rate, capacity)
         drain_s = max(s.startup_s, s.interval_s)
         demand = {r: rate + (obs.roles[r].waiting_requests / drain_s if r in obs.roles else 0.0) for r in s.roles}
-        peak = self._peak_demand(obs.now, demand)
         needed = {r: _replicas_for(demand[r], capacity[r]) for r in s.roles}
         reasons = {r: f"needs {needed[r]} for {demand[r]:.2f} req/s at {capacity[r]:.2f} req/s each"
                    for r in s.roles}
@@ -194,7 +195,9 @@ class GoodputPolicy:
         if budget_bound:
             needed = self._split_within_budget(current, capacity, reasons)
         self._latency_feedback(obs, current, needed, reasons)
-        targets = self._guarded(obs, current, needed, demand, peak, capacity, reasons, budget_bound)
+        holding = {r: _replicas_for(demand[r], capacity[r] * s.downscale_headroom) for r in s.roles}
+        window_holding = self._window_holding(obs.now, holding)
+        targets = self._guarded(obs, current, needed, holding, window_holding, reasons, budget_bound)
         for r in s.roles:
             if targets[r] > current[r]:
                 self.last_up[r] = obs.now
@@ -230,12 +233,13 @@ class GoodputPolicy:
         return {"prefill": prefill_capacity(self.models["prefill"], prompt, ttft),
                 "decode": decode_capacity(self.models["decode"], prompt, output, tpot, self.limits["decode"])}
 
-    def _peak_demand(self, now: float, demand: dict[str, float]) -> dict[str, float]:
-        """Per role, the highest demand of the last `downscale_window_s`, this one's included."""
-        self.recent_demand.append((now, dict(demand)))
-        while self.recent_demand and self.recent_demand[0][0] < now - self.settings.downscale_window_s:
-            self.recent_demand.popleft()
-        return {r: max(d.get(r, 0.0) for _, d in self.recent_demand) for r in demand}
+    def _window_holding(self, now: float, holding: dict[str, int]) -> dict[str, int]:
+        """Per role, the most replicas any interval of the last `downscale_window_s`
+        (this one included) needed to hold its demand with `downscale_headroom` to spare."""
+        self.recent_holding.append((now, dict(holding)))
+        while self.recent_holding and self.recent_holding[0][0] < now - self.settings.downscale_window_s:
+            self.recent_holding.popleft()
+        return {r: max(h.get(r, 0) for _, h in self.recent_holding) for r in holding}
 
     # ---- sizing -----------------------------------------------------------------------
     def _ranks(self, replicas: dict[str, int]) -> int:
@@ -290,11 +294,12 @@ class GoodputPolicy:
             reasons[role] = f"observed {name.upper()} p90 {observed * 1000:.0f} ms > SLO {slo * 1000:.0f} ms"
 
     def _guarded(self, obs: Observation, current: dict[str, int], needed: dict[str, int],
-                 demand: dict[str, float], peak: dict[str, float], capacity: dict[str, float],
-                 reasons: dict[str, str], budget_bound: bool) -> dict[str, int]:
-        """`demand`: per role, this interval's; `peak`: the highest of the last
-        downscale window, which a scale-down must hold unless another role needs
-        the rank (then the latest demand is enough: a re-split does not wait)."""
+                 holding: dict[str, int], window_holding: dict[str, int], reasons: dict[str, str],
+                 budget_bound: bool) -> dict[str, int]:
+        """`holding`: per role, the replicas that hold this interval's demand with
+        downscale_headroom to spare; `window_holding`: the most of those over the
+        downscale window, which a scale-down must keep unless another role needs
+        the rank (then this interval's is enough: a re-split does not wait)."""
         s = self.settings
         targets = dict(current)
         # downs first, so that their ranks count for the ups of the same interval
@@ -303,7 +308,7 @@ class GoodputPolicy:
             if want >= current[r]:
                 continue
             resplit = self._rank_wanted_elsewhere(r, current, needed)
-            held = demand[r] if resplit else peak[r]
+            keep = holding[r] if resplit else window_holding[r]
             ro = obs.roles.get(r)
             if ro is not None and ro.starting:
                 reasons[r] = f"holds {current[r]}: a replica is still starting"
@@ -314,10 +319,9 @@ class GoodputPolicy:
             elif not budget_bound and latency[0] > latency[1] * s.downscale_headroom:
                 reasons[r] = (f"holds {current[r]}: observed p90 {latency[0] * 1000:.0f} ms is within "
                               f"{1 - s.downscale_headroom:.0%} of the SLO")
-            elif not budget_bound and held > (current[r] - 1) * capacity[r] * s.downscale_headroom:
-                which = "" if resplit or not s.downscale_window_s else \
-                    f" (the peak of the last {s.downscale_window_s:.0f} s)"
-                reasons[r] = (f"holds {current[r]}: {current[r] - 1} would not hold {held:.2f} req/s{which} "
+            elif not budget_bound and keep > current[r] - 1:
+                when = "now" if resplit or keep == holding[r] else f"within the last {s.downscale_window_s:.0f} s"
+                reasons[r] = (f"holds {current[r]}: {current[r] - 1} would not hold the load {when} "
                               f"with {1 - s.downscale_headroom:.0%} to spare")
             else:
                 targets[r] = current[r] - 1
