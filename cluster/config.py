@@ -180,7 +180,8 @@ class AutoscalingSection(_Strict):
     upscale_cooldown_s: float = Field(0.0, ge=0)
     downscale_cooldown_s: float = Field(60.0, ge=0)
     downscale_window_s: float = Field(120.0, ge=0, description="a scale-down that frees ranks must hold the "
-                                      "peak demand of this window (a lull shorter than it keeps the replicas)")
+                                      "load of every interval of this window (a lull shorter than it keeps the "
+                                      "replicas)")
     predictor: Literal["constant", "ewma", "trend"] = "ewma"
     profile: str | None = Field(None, description="step-time profile (pdserve profile); null: fitted to the "
                                 "steps the workers measure while serving")

@@ -200,6 +200,18 @@ def test_at_the_budget_a_resplit_does_not_wait_for_the_downscale_window():
     assert d.targets["prefill"] < 3 and d.targets["decode"] > 1, d.reasons
 
 
+def test_a_replica_added_for_a_missed_slo_is_not_given_back_within_the_downscale_window():
+    p = policy(downscale_cooldown_s=0.0, downscale_window_s=60.0)
+    current = {"prefill": 1, "decode": 1}
+    d = p.decide(observe(10.0, 0.5, 200, 50, current, tpot_p90_s=0.2))     # TPOT p90 4x the SLO
+    assert d.targets == {"prefill": 1, "decode": 2} and "observed TPOT" in d.reasons["decode"]
+    current = d.targets
+    for now in (20.0, 30.0, 40.0, 50.0, 60.0, 70.0):                        # the model alone says 1
+        d = p.decide(observe(now, 0.5, 200, 50, current))
+        assert d.targets["decode"] == 2, (now, d.reasons)
+    assert p.decide(observe(80.0, 0.5, 200, 50, current)).targets["decode"] == 1
+
+
 def test_a_rank_another_role_needs_is_given_up_without_waiting_for_the_downscale_window():
     # budget 3 exactly fits 1 prefill + 2 decode, so this is not a split past the budget
     cap = prefill_capacity(MODEL, 1000, 0.8)

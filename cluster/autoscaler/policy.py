@@ -195,7 +195,10 @@ class GoodputPolicy:
         if budget_bound:
             needed = self._split_within_budget(current, capacity, reasons)
         self._latency_feedback(obs, current, needed, reasons)
-        holding = {r: _replicas_for(demand[r], capacity[r] * s.downscale_headroom) for r in s.roles}
+        # what holds this interval's load: the model's count with headroom, or more where observed
+        # latency asked for more (a replica added for a missed SLO is not given back next interval)
+        holding = {r: max(needed[r], _replicas_for(demand[r], capacity[r] * s.downscale_headroom))
+                   for r in s.roles}
         window_holding = self._window_holding(obs.now, holding)
         targets = self._guarded(obs, current, needed, holding, window_holding, reasons, budget_bound)
         for r in s.roles:
