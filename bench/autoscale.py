@@ -104,7 +104,7 @@ def main() -> int:
     ap.add_argument("--startup-s", type=float, default=30.0)
     ap.add_argument("--interval-s", type=float, default=10.0)
     ap.add_argument("--downscale-window-s", type=float, default=AutoscaleSettings.downscale_window_s,
-                    help="a scale-down must hold the peak demand of this window (0: the latest demand)")
+                    help="a scale-down must hold the load of every interval of this window (0: the latest)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)

@@ -129,19 +129,19 @@ def run_system(name: str, config: dict, requests, offsets, args, tokenizer, log_
         replica_s = (config["prefill"]["replicas"] + config["decode"]["replicas"]) * result.duration
         timeline = []
     # admission control's answers (429 + Retry-After) are refusals, not lost requests
-    refused = sum(n for error, n in summary.error_counts.items() if error.startswith("HTTP 429"))
+    failures = {error: n for error, n in summary.error_counts.items() if not error.startswith("HTTP 429")}
+    refused = summary.failed - sum(failures.values())
     row = {"goodput": good / result.duration, "attainment": good / max(1, len(requests)),
            "failed": summary.failed, "refused": refused, "errors": summary.error_counts,
            "duration_s": result.duration, "replica_seconds": replica_s,
            "ttft_p90_ms": summary.latency["ttft"].percentiles.get(90),
            "tpot_p90_ms": summary.latency["tpot"].percentiles.get(90), "timeline": timeline}
     print(f"  goodput {row['goodput']:.2f} req/s ({row['attainment']:.0%} met), refused {refused} (429), "
-          f"failed {row['failed'] - refused}, "
+          f"failed {sum(failures.values())}, "
           f"replica-s {replica_s:.0f}, TTFT p90 {row['ttft_p90_ms']:.0f} ms, TPOT p90 {row['tpot_p90_ms']:.1f} ms",
           flush=True)
-    for error, count in summary.error_counts.items():
-        if not error.startswith("HTTP 429"):
-            print(f"  {count} failed: {error}", flush=True)
+    for error, count in failures.items():
+        print(f"  {count} failed: {error}", flush=True)
     return row
 
 

@@ -251,11 +251,22 @@ class Calibration:
     spec_with: Callable              # (per-role factor, serving cores, step s, request s) -> ClusterSpec
     raw_spec: object                 # the engine-only profile's ClusterSpec
     spec: object                     # the corrected one
+    profiled: Callable               # (shape, threads) -> profiled seconds (profiled_step)
     per_role: dict[str, float]
     serving_cores: float
     step_s: float
     request_s: float
-    summary: dict                    # what was fitted, for the results file
+    live_factors: dict               # per calibration load, per role: served / profiled step
+    busy_rate: float
+    handoff_latency_s: float
+
+    @property
+    def summary(self) -> dict:
+        """What was fitted, for the results file."""
+        return {"busy_rate": self.busy_rate, "live_step_factor": self.live_factors,
+                "serving_cores_per_stream": self.serving_cores, "step_factor": self.per_role,
+                "handoff_latency_s": self.handoff_latency_s, "per_step_s": self.step_s,
+                "per_request_s": self.request_s}
 
 
 def profiled_step(base, wide, threads: int, cores: int) -> Callable:
@@ -309,23 +320,19 @@ def calibrate(dep: dict, profiles: dict, model_config) -> Calibration:
     sim = simulated(spec_with(per_role, serving_cores, step_s), *trickle_run)
     request_s = max(0.0, (meas["median_ttft_ms"] - sim["median_ttft_ms"]) / 1000)
     spec = spec_with(per_role, serving_cores, step_s, request_s)
-    summary = {"busy_rate": busy["rate"], "live_step_factor": {"trickle": trickle_factors, "busy": busy_factors},
-               "serving_cores_per_stream": serving_cores, "step_factor": per_role,
-               "handoff_latency_s": link.latency_s, "per_step_s": step_s, "per_request_s": request_s}
-    return Calibration(spec_with, cluster_spec(config, base, model_config=model_config), spec, per_role,
-                       serving_cores, step_s, request_s, summary)
+    return Calibration(spec_with, cluster_spec(config, base, model_config=model_config), spec, profiled, per_role,
+                       serving_cores, step_s, request_s, {"trickle": trickle_factors, "busy": busy_factors},
+                       busy["rate"], link.latency_s)
 
 
-def predict(dep: dict, profiles: dict, calibration: Calibration) -> dict:
+def predict(dep: dict, calibration: Calibration) -> dict:
     """Per recorded load: the measured figures beside the simulated ones (as
     calibrated, online-corrected, uncorrected)."""
-    base, wide = deployment_models(dep, profiles)
-    profiled = profiled_step(base, wide, dep["threads"], dep["cores"])
     c = calibration
     rows = {}
     for load, phase in dep["loads"].items():
         run = phase_run(phase)
-        load_factors = step_factors(profiled, live_steps(phase))
+        load_factors = step_factors(c.profiled, live_steps(phase))
         online = factors_for_live_steps(lambda per: c.spec_with(per, c.serving_cores, c.step_s, c.request_s),
                                         c.per_role, run, load_factors)
         rows[load] = {"rate": phase["rate"], "simulated": simulated(c.spec, *run), "measured": phase["measured"],
@@ -394,15 +401,14 @@ def record_deployment(name: str, args, base_url: str, datasets: dict, tokenizer,
 
 
 def calibration_line(c: Calibration, roles) -> str:
-    s = c.summary
-    live = s["live_step_factor"]
+    live = c.live_factors
     return ("online correction: served/profiled step " + ", ".join(
         f"{r} x{live['trickle'][r]:.2f} at {TRICKLE_RATE:g} req/s, x{live['busy'][r]:.2f} at "
-        f"{s['busy_rate']:.2f} req/s" for r in roles)
+        f"{c.busy_rate:.2f} req/s" for r in roles)
         + f"; fitted: {c.serving_cores:.2f} serving cores per request streaming, step x"
         + ", ".join(f"{f:.2f}" for f in c.per_role.values())
         + f", +{c.step_s * 1e3:.1f} ms per step, +{c.request_s * 1e3:.1f} ms per request, "
-        f"hand-off latency {s['handoff_latency_s'] * 1e3:.1f} ms")
+        f"hand-off latency {c.handoff_latency_s * 1e3:.1f} ms")
 
 
 def deployment_body(name: str, model_dir: str) -> dict:
@@ -448,7 +454,7 @@ def main() -> int:
             print(f"{name}: {calibration_line(calibration, roles_of(dep['body']))}")
         results["deployments"][name] = {"capacity": dep.get("capacity"), "threads": dep["threads"],
                                         "online_factors": calibration.summary,
-                                        "loads": predict(dep, record["profiles"], calibration)}
+                                        "loads": predict(dep, calibration)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     print(table(results))

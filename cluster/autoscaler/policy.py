@@ -239,7 +239,7 @@ class GoodputPolicy:
     def _window_holding(self, now: float, holding: dict[str, int]) -> dict[str, int]:
         """Per role, the most replicas any interval of the last `downscale_window_s`
         (this one included) needed to hold its demand with `downscale_headroom` to spare."""
-        self.recent_holding.append((now, dict(holding)))
+        self.recent_holding.append((now, holding))
         while self.recent_holding and self.recent_holding[0][0] < now - self.settings.downscale_window_s:
             self.recent_holding.popleft()
         return {r: max(h.get(r, 0) for _, h in self.recent_holding) for r in holding}
