@@ -50,7 +50,8 @@ class AutoscaleLoop:
         self.policy: GoodputPolicy | None = None
         self.targets: dict[str, int] = {}
         self._waiting: dict[str, float] = {}    # role -> requests queued on its replicas (latest stats)
-        self._arrivals = 0
+        self._arrivals = 0                      # offered this interval: served or refused
+        self._sized_arrivals = 0                # of which with a known prompt length
         self._prompt_tokens = 0
         self._ended: list[RequestTimings] = []
         self._fit_steps: dict[str, deque] = {r: deque(maxlen=FIT_WINDOW) for r in settings.roles}
@@ -62,9 +63,14 @@ class AutoscaleLoop:
         """The latest stats of every replica of `role` (the router's periodic refresh)."""
         self._waiting[role] = sum(s.get("num_waiting", 0.0) for s in stats)
 
-    def on_arrival(self, prompt_tokens: int) -> None:
+    def on_arrival(self, prompt_tokens: int | None) -> None:
+        """Every request offered, the ones admission control refuses included (their
+        prompt length is None when refused before tokenizing): the demand is what
+        arrives, not what the current replicas let in."""
         self._arrivals += 1
-        self._prompt_tokens += prompt_tokens
+        if prompt_tokens is not None:
+            self._sized_arrivals += 1
+            self._prompt_tokens += prompt_tokens
 
     def on_request(self, timings: RequestTimings) -> None:
         if timings.finish_reason in ("stop", "length"):
@@ -130,13 +136,13 @@ class AutoscaleLoop:
 
     def _observation(self, now: float, window: float, roles: dict[str, RoleObservation]) -> Observation:
         ended, self._ended = self._ended, []
-        arrivals, prompt = self._arrivals, self._prompt_tokens
-        self._arrivals = self._prompt_tokens = 0
+        arrivals, sized, prompt = self._arrivals, self._sized_arrivals, self._prompt_tokens
+        self._arrivals = self._sized_arrivals = self._prompt_tokens = 0
         ttfts = [t.time_to_first_token for t in ended if t.time_to_first_token is not None]
         tpots = [t.time_per_output_token for t in ended if t.time_per_output_token is not None]
         return Observation(
             now=now, window_s=window, arrivals=arrivals,
-            mean_prompt_tokens=prompt / arrivals if arrivals else None,
+            mean_prompt_tokens=prompt / sized if sized else None,
             mean_output_tokens=sum(t.generation_tokens for t in ended) / len(ended) if ended else None,
             ttft_p90_s=p90(ttfts), tpot_p90_s=p90(tpots), roles=roles)
 

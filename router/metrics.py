@@ -113,11 +113,12 @@ class ServingMetrics:
         self._listeners: list = []
 
     def add_listener(self, listener) -> None:
-        """`listener.on_arrival(prompt_tokens)` for every request the backend
-        takes, `listener.on_request(timings)` for every one that ends."""
+        """`listener.on_arrival(prompt_tokens)` for every request offered (taken by
+        the backend, or refused by admission control: then prompt_tokens may be
+        None), `listener.on_request(timings)` for every one that ends."""
         self._listeners.append(listener)
 
-    def observe_arrival(self, prompt_tokens: int) -> None:
+    def observe_arrival(self, prompt_tokens: int | None) -> None:
         for listener in self._listeners:
             listener.on_arrival(prompt_tokens)
 

@@ -216,6 +216,7 @@ class _Server:
             return self.admission.admit(num_prompt_tokens, max_tokens)
         except Overloaded as exc:
             self.metrics.observe_rejection(exc.reason)
+            self.metrics.observe_arrival(num_prompt_tokens)    # refused, but demand all the same
             raise
 
     def _check_request_limits(self, body: CompletionRequest | ChatCompletionRequest) -> None:

@@ -231,6 +231,15 @@ def test_a_busy_server_answers_429_at_once_and_serves_what_it_admitted():
     tokenizer = load_tokenizer(ensure_default_model())
     backend = SlowBackend(tokenizer, len(tokenizer))
     metrics = ServingMetrics()
+    offered = []                                      # what an autoscaler listening to the metrics sees
+
+    class Listener:
+        def on_arrival(self, prompt_tokens):
+            offered.append(prompt_tokens)
+
+        def on_request(self, timings):
+            pass
+    metrics.add_listener(Listener())
     admission = AdmissionControl(AdmissionSettings(max_waiting_requests=3))
     app = build_openai_app(backend, tokenizer, metrics, admission=admission)
     with TestClient(app, raise_server_exceptions=False) as client:
@@ -261,6 +270,9 @@ def test_a_busy_server_answers_429_at_once_and_serves_what_it_admitted():
         assert admission.running == 0 and admission.mean_output_tokens == pytest.approx(3)
         text = client.get("/metrics").text
         assert 'pdserve_requests_rejected_total{reason="queue_requests"} 1.0' in text
+    # the refused request is demand too (refused before tokenizing: no prompt length)
+    prompt_len = len(tokenizer("Hi")["input_ids"])
+    assert sorted(offered, key=lambda n: n is None) == [prompt_len] * 3 + [None]
 
 
 def test_the_deployment_file_sets_the_overload_wait_bound():

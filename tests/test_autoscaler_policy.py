@@ -322,3 +322,19 @@ def test_at_the_budget_a_near_equal_split_is_not_worth_a_move():
     p = policy(budget=8, downscale_cooldown_s=0.0)
     d = p.decide(observe(10.0, 40.0, 1200, 400, {"prefill": 2, "decode": 6}))
     assert d.targets == {"prefill": 2, "decode": 6} and "no split serves 20% more" in d.reasons["prefill"]
+
+
+def test_the_live_loop_counts_refused_requests_as_arrivals():
+    """Admission control's refusals are demand the autoscaler must see: a pool
+    that refuses a quarter of its requests would otherwise look big enough."""
+    from router.autoscale_loop import AutoscaleLoop
+    from router.metrics import ServingMetrics
+    metrics = ServingMetrics()
+    loop = AutoscaleLoop(AutoscaleSettings(ttft_slo_s=1.0, tpot_slo_s=0.1, interval_s=5.0), {}, metrics)
+    metrics.observe_arrival(100)
+    metrics.observe_arrival(None)         # refused before its prompt was tokenized
+    metrics.observe_arrival(300)
+    obs = loop._observation(now=5.0, window=5.0, roles={})
+    assert obs.arrivals == 3
+    assert obs.mean_prompt_tokens == 200  # of the two whose length is known
+    assert loop._observation(now=10.0, window=5.0, roles={}).arrivals == 0
