@@ -64,7 +64,7 @@ def workload(spec, ttft_s: float, tpot_s: float, slots: int, seed: int):
     limits = ReplicaLimits(spec.decode.max_num_seqs, spec.decode.num_kv_blocks, spec.decode.block_size)
     phases = []
     for name, prompt, output, share in PHASES:
-        cap_p = prefill_capacity(spec.prefill.model, prompt, 0.8 * ttft_s)
+        cap_p = prefill_capacity(spec.prefill.model, prompt, ttft_s)
         cap_d = decode_capacity(spec.decode.model, prompt, output, 0.8 * tpot_s, limits)
         best_p = max(range(1, slots), key=lambda p: min(p * cap_p, (slots - p) * cap_d))
         rate = share * min(best_p * cap_p, (slots - best_p) * cap_d)

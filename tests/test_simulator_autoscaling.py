@@ -31,7 +31,7 @@ def steady(rate: float, seconds: float, prompt: int, output: int):
 
 
 def test_a_replica_asked_for_serves_after_startup_and_counts_from_the_asking():
-    cap = prefill_capacity(MODEL, 2000, 0.8)
+    cap = prefill_capacity(MODEL, 2000, 1.0)
     lengths, arrivals = steady(1.5 * cap, 60.0, 2000, 4)          # needs two prefill replicas
     result = run(1, 1, lengths, arrivals, budget=3, downscale_cooldown_s=1000.0)
     first = result.timeline[0]

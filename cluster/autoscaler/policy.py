@@ -72,7 +72,8 @@ class AutoscaleSettings:
     upscale_cooldown_s: float = 0.0
     downscale_cooldown_s: float = 60.0
     downscale_window_s: float = 120.0         # a scale-down must hold every interval of this window
-    slo_headroom: float = 0.8                 # the model's means are held to this share of each SLO
+    ttft_percentile: float = 0.9              # the share of TTFTs a prefill replica's capacity holds within the SLO
+    slo_headroom: float = 0.8                 # the model's mean decode step is held to this share of the TPOT SLO
     downscale_headroom: float = 0.8           # N-1 replicas must hold the load at this share of capacity
     split_margin: float = 0.2                 # at the budget, a new split must serve this much more
     predictor: str = "ewma"
@@ -88,6 +89,8 @@ class AutoscaleSettings:
             raise ValueError("interval_s must be > 0, startup_s and downscale_window_s >= 0")
         if not 0 < self.slo_headroom <= 1 or not 0 < self.downscale_headroom <= 1:
             raise ValueError("slo_headroom and downscale_headroom must be in (0, 1]")
+        if not 0 < self.ttft_percentile < 1:
+            raise ValueError("ttft_percentile must be in (0, 1)")
         floor = sum(self.min_for(r) * self.tp(r) for r in self.roles)
         if floor > self.budget:
             raise ValueError(f"the minimum replicas need {floor} ranks, more than the budget of {self.budget}")
@@ -229,11 +232,11 @@ class GoodputPolicy:
         s = self.settings
         prompt = self.prompt_tokens or 1.0
         output = self.output_tokens or 1.0
-        ttft, tpot = s.ttft_slo_s * s.slo_headroom, s.tpot_slo_s * s.slo_headroom
+        ttft, tpot = s.ttft_slo_s, s.tpot_slo_s * s.slo_headroom
         if s.mode == "colocated":
             return {"colocated": colocated_capacity(self.models["colocated"], prompt, output, ttft, tpot,
-                                                    self.limits["colocated"])}
-        return {"prefill": prefill_capacity(self.models["prefill"], prompt, ttft),
+                                                    self.limits["colocated"], s.ttft_percentile)}
+        return {"prefill": prefill_capacity(self.models["prefill"], prompt, ttft, s.ttft_percentile),
                 "decode": decode_capacity(self.models["decode"], prompt, output, tpot, self.limits["decode"])}
 
     def _window_holding(self, now: float, holding: dict[str, int]) -> dict[str, int]:
