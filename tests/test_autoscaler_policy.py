@@ -164,7 +164,7 @@ def test_noisy_steady_load_does_not_flap():
 
 
 def test_scale_down_is_one_at_a_time_after_the_cooldown():
-    p = policy(downscale_cooldown_s=30.0)
+    p = policy(downscale_cooldown_s=30.0, downscale_window_s=0.0)
     current = {"prefill": 4, "decode": 4}
     d = p.decide(observe(10.0, 0.1, 200, 50, current))          # nearly idle, but just deployed
     assert d.targets == current and "cool-down" in d.reasons["prefill"]
@@ -180,10 +180,10 @@ def test_scale_down_is_one_at_a_time_after_the_cooldown():
 def test_scale_down_keeps_replicas_the_load_still_needs():
     # Dynamo's N-1 rule: 2 -> 1 prefill replica only when one replica holds the load at 80% of capacity
     cap = prefill_capacity(MODEL, 1000, 1.0)
-    p = policy(downscale_cooldown_s=0.0)
+    p = policy(downscale_cooldown_s=0.0, downscale_window_s=0.0)
     d = p.decide(observe(10.0, 0.9 * cap, 1000, 10, {"prefill": 2, "decode": 1}))
     assert d.targets["prefill"] == 2 and "would not hold" in d.reasons["prefill"]
-    p = policy(downscale_cooldown_s=0.0)
+    p = policy(downscale_cooldown_s=0.0, downscale_window_s=0.0)
     d = p.decide(observe(10.0, 0.7 * cap, 1000, 10, {"prefill": 2, "decode": 1}))
     assert d.targets["prefill"] == 1
 
@@ -204,6 +204,19 @@ def test_a_lull_shorter_than_the_downscale_window_keeps_the_replicas_the_load_be
     p = policy(downscale_cooldown_s=0.0, downscale_window_s=0.0)
     p.decide(observe(10.0, 0.9 * cap, 1000, 10, current))
     assert p.decide(observe(20.0, 0.1 * cap, 1000, 10, current)).targets["prefill"] == 1
+
+
+def test_the_pools_as_deployed_are_held_for_the_first_downscale_window():
+    # the first intervals' rates are a few arrivals each: a quiet start gives nothing back
+    # until the window has seen enough of the load, as the deployment's own size counts in it
+    cap = prefill_capacity(MODEL, 1000, 1.0)
+    current = {"prefill": 2, "decode": 1}
+    p = policy(downscale_cooldown_s=0.0, downscale_window_s=60.0)
+    for now in (10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0):
+        d = p.decide(observe(now, 0.1 * cap, 1000, 10, current))
+        assert d.targets["prefill"] == 2, now
+    assert "would not hold the load within the last 60 s" in d.reasons["prefill"]
+    assert p.decide(observe(80.0, 0.1 * cap, 1000, 10, current)).targets["prefill"] == 1
 
 
 def test_at_the_budget_a_resplit_does_not_wait_for_the_downscale_window():
@@ -243,7 +256,7 @@ def test_a_rank_another_role_needs_is_given_up_without_waiting_for_the_downscale
 
 
 def test_scale_down_waits_for_finished_requests_with_latency_to_spare():
-    p = policy(downscale_cooldown_s=0.0)
+    p = policy(downscale_cooldown_s=0.0, downscale_window_s=0.0)
     idle = dict(ttft_p90_s=None, tpot_p90_s=None)
     d = p.decide(observe(10.0, 0.1, 200, 50, {"prefill": 2, "decode": 2}, **idle))
     assert d.targets == {"prefill": 2, "decode": 2} and "no request finished" in d.reasons["decode"]

@@ -45,7 +45,7 @@ def test_a_replica_asked_for_serves_after_startup_and_counts_from_the_asking():
 
 def test_scaled_down_replicas_finish_what_they_hold_and_leave():
     lengths, arrivals = steady(0.5, 120.0, 100, 400)               # light: 3 decode replicas are too many
-    result = run(1, 3, lengths, arrivals, downscale_cooldown_s=0.0)
+    result = run(1, 3, lengths, arrivals, downscale_cooldown_s=0.0, downscale_window_s=0.0)
     decode_running = [e["running"]["decode"] for e in result.timeline]
     assert decode_running[0] == 3 and decode_running[-1] == 1
     assert all(b >= a - 1 for a, b in zip(decode_running, decode_running[1:]))   # one at a time

@@ -5,10 +5,11 @@ serve_policy.py) and the simulator (cluster/simulator/autoscaling.py) feed it
 the same Observation.
 
 Per interval:
-1. The request rate (arrivals over the window) goes into the load predictor;
-   prompt and output lengths into running means. The demand is the rate
-   predicted one start-up horizon ahead (a replica asked for now serves then),
-   plus what the queues need to drain within that horizon.
+1. The request rate (arrivals over the window, the ones admission control
+   refused included) goes into the load predictor; prompt and output lengths
+   into running means. The demand is the rate predicted one start-up horizon
+   ahead (a replica asked for now serves then), plus what the queues need to
+   drain within that horizon.
 2. Each role's step model is corrected by the steps its warm replicas measured
    (OnlineCorrection); a replica's first steps (warming up) are left out.
 3. One replica's capacity at the SLOs (cluster/autoscaler/capacity.py) gives
@@ -184,6 +185,10 @@ class GoodputPolicy:
         self._learn(obs)
         current = {r: obs.roles[r].running + obs.roles[r].starting if r in obs.roles else s.min_for(r)
                    for r in s.roles}
+        if not self.recent_holding and s.downscale_window_s > 0:
+            # ... and as what the downscale window held so far: the first intervals' rates are a few
+            # arrivals each, too few to give back a replica on (a re-split still may)
+            self.recent_holding.append((obs.now, dict(current)))
         horizon = s.startup_s / s.interval_s
         rate = self.predictor.predict(horizon)
         capacity = self._capacities()
