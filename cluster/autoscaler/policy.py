@@ -34,8 +34,9 @@ Per interval:
    highest recommendation over the window (and Ray Serve delays a
    downscale), so a lull shorter than the window, or a capacity estimate that
    jumps for an interval, does not give back a replica that takes a start-up
-   to return. When another role needs the rank, the latest interval is
-   enough (a re-split does not wait).
+   to return; the pools as deployed count in the window too (the first
+   intervals' rates rest on a few arrivals). When another role needs the
+   rank, the latest interval is enough (a re-split does not wait).
 """
 
 from __future__ import annotations
