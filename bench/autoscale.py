@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.loadtest.metrics import summarize  # noqa: E402
-from cluster.autoscaler.capacity import ReplicaLimits, decode_capacity, prefill_capacity  # noqa: E402
+from cluster.autoscaler.capacity import ReplicaLimits, decode_capacity, prefill_seconds  # noqa: E402
 from cluster.autoscaler.policy import AutoscaleSettings, GoodputPolicy  # noqa: E402
 from cluster.cli.plan_command import resolve_model_dir  # noqa: E402
 from cluster.cli.plan_goodput import parse_slo  # noqa: E402
@@ -54,17 +54,30 @@ PHASES = (("chat", 1000, 256, 0.8), ("long prompts", 3000, 128, 0.8), ("long out
           ("quiet", 1000, 256, 0.2), ("burst", 1000, 256, 1.0))
 
 
+def phase_prefill_capacity(model, prompt_len: float, ttft_s: float) -> float:
+    """What the phases' rates count one prefill replica to serve: the rate at
+    which an M/D/1 queue's mean TTFT is 80% of the SLO. The workload's own
+    definition, fixed so that runs of different policies compare; the policy's
+    capacity (cluster/autoscaler/capacity.py) holds the 90th percentile instead."""
+    s = prefill_seconds(model, prompt_len)
+    budget = 0.8 * ttft_s
+    if s >= budget:
+        return 0.0
+    x = (budget - s) / s
+    return (2 * x / (1 + 2 * x)) / s
+
+
 def workload(spec, ttft_s: float, tpot_s: float, slots: int, seed: int):
     """(lengths, arrivals, phases): each phase's rate is `share` x the most that
     any split of `slots` replicas serves at its lengths (the narrower pool's
-    capacity at 80% of the SLOs), so every phase fits the budget, each with
-    its own best split."""
+    capacity at 80% of the SLOs' means), so every phase fits the budget, each
+    with its own best split."""
     rng = random.Random(seed)
     lengths, arrivals, t = [], [], 0.0
     limits = ReplicaLimits(spec.decode.max_num_seqs, spec.decode.num_kv_blocks, spec.decode.block_size)
     phases = []
     for name, prompt, output, share in PHASES:
-        cap_p = prefill_capacity(spec.prefill.model, prompt, ttft_s)
+        cap_p = phase_prefill_capacity(spec.prefill.model, prompt, ttft_s)
         cap_d = decode_capacity(spec.decode.model, prompt, output, 0.8 * tpot_s, limits)
         best_p = max(range(1, slots), key=lambda p: min(p * cap_p, (slots - p) * cap_d))
         rate = share * min(best_p * cap_p, (slots - best_p) * cap_d)
