@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.loadtest.datasets import random_dataset  # noqa: E402
-from bench.loadtest.metrics import summarize  # noqa: E402
+from bench.loadtest.metrics import meets_slos, summarize  # noqa: E402
 from bench.loadtest.runner import RunConfig, run_benchmark  # noqa: E402
 from bench.serving_overhead import ServerFailed, served  # noqa: E402
 from cluster.cli.plan_goodput import parse_slo  # noqa: E402
@@ -97,7 +97,28 @@ def replicas_watcher(base_url: str, stop: threading.Event, samples: list) -> Non
         stop.wait(1.0)
 
 
-def run_system(name: str, config: dict, requests, offsets, args, tokenizer, log_dir: Path) -> dict:
+# admission control's refusal messages (router/admission.py), by the SLO or bound they protect
+REFUSAL_KINDS = (("a decode step is predicted", "tpot"), ("predicted time to first token", "ttft"),
+                 ("faster than this server prefills", "overload"))
+
+
+def phase_figures(records, phases: list[dict], slos_ms: dict) -> dict:
+    """Per phase (by each request's scheduled send time): requests sent, those
+    meeting both SLOs, and refusals (429) by kind with their send times (s)."""
+    starts = [p["start_s"] for p in phases]
+    out = {p["name"]: {"sent": 0, "met": 0, "refused": {}, "refused_at_s": []} for p in phases}
+    for r in records:
+        fig = out[phases[max(i for i, t in enumerate(starts) if r.scheduled_offset >= t)]["name"]]
+        fig["sent"] += 1
+        fig["met"] += bool(r.succeeded and meets_slos(r, slos_ms))
+        if r.status == 429:
+            kind = next((k for text, k in REFUSAL_KINDS if text in (r.error or "")), "queue")
+            fig["refused"][kind] = fig["refused"].get(kind, 0) + 1
+            fig["refused_at_s"].append(round(r.scheduled_offset, 1))
+    return out
+
+
+def run_system(name: str, config: dict, requests, offsets, phases, args, tokenizer, log_dir: Path) -> dict:
     path = log_dir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     log = log_dir / f"{name}.log"
@@ -131,11 +152,14 @@ def run_system(name: str, config: dict, requests, offsets, args, tokenizer, log_
     # admission control's answers (429 + Retry-After) are refusals, not lost requests
     failures = {error: n for error, n in summary.error_counts.items() if not error.startswith("HTTP 429")}
     refused = summary.failed - sum(failures.values())
-    row = {"goodput": good / result.duration, "attainment": good / max(1, len(requests)),
+    row = {"phases": phase_figures(result.records, phases, slos_ms),
+           "goodput": good / result.duration, "attainment": good / max(1, len(requests)),
            "failed": summary.failed, "refused": refused, "errors": summary.error_counts,
            "duration_s": result.duration, "replica_seconds": replica_s,
            "ttft_p90_ms": summary.latency["ttft"].percentiles.get(90),
            "tpot_p90_ms": summary.latency["tpot"].percentiles.get(90), "timeline": timeline}
+    for name, fig in row["phases"].items():
+        print(f"  {name}: {fig['met']}/{fig['sent']} met SLOs, refused {fig['refused']}", flush=True)
     print(f"  goodput {row['goodput']:.2f} req/s ({row['attainment']:.0%} met), refused {refused} (429), "
           f"failed {sum(failures.values())}, "
           f"replica-s {replica_s:.0f}, TTFT p90 {row['ttft_p90_ms']:.0f} ms, TPOT p90 {row['tpot_p90_ms']:.1f} ms",
@@ -171,9 +195,9 @@ def main() -> int:
     for k in range(1, args.budget if args.static else 1):
         rows[f"static {k}P+{args.budget - k}D"] = run_system(
             f"static-{k}p{args.budget - k}d", deployment(args, model_dir, k, args.budget - k, False),
-            requests, offsets, args, tokenizer, log_dir)
+            requests, offsets, phases, args, tokenizer, log_dir)
     rows["autoscaled"] = run_system("autoscaled", deployment(args, model_dir, args.budget - 1, 1, True),
-                                    requests, offsets, args, tokenizer, log_dir)
+                                    requests, offsets, phases, args, tokenizer, log_dir)
     ok = {n: r for n, r in rows.items() if "error" not in r}
     statics = [n for n in ok if n.startswith("static")]
     if statics and "autoscaled" in ok:

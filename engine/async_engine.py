@@ -42,6 +42,10 @@ Ticker = Callable[[LLMEngine], bool]
 _BUSY_POLL_S = 0.002
 _IDLE_WAIT_S = 0.5
 _COST_EWMA = 0.2      # weight of the newest step in the per-token prefill cost
+# a new engine's first steps are slow (cold caches and allocator, first kernels, a replica
+# that starts beside busy ones): they stay out of its cost estimates, as out of the
+# autoscaler's fit, so a replica joining a pool does not make admission control refuse
+COST_WARMUP_STEPS = 20
 
 
 class OutputSink(Protocol):
@@ -60,9 +64,10 @@ class EngineStoppedError(RuntimeError):
 
 class AsyncEngine:
     def __init__(self, make_engine: Callable[[], LLMEngine], *, prefill: bool = True, decode: bool = True,
-                 name: str = "engine"):
+                 name: str = "engine", cost_warmup_steps: int = COST_WARMUP_STEPS):
         """Starts the thread, which builds the engine with `make_engine()`;
-        await `ready()` before anything else."""
+        await `ready()` before anything else. The first `cost_warmup_steps`
+        steps stay out of the cost estimates."""
         _resolve_lazy_imports()
         self._make_engine = make_engine
         self._step_kwargs = {"prefill": prefill, "decode": decode}
@@ -75,6 +80,7 @@ class AsyncEngine:
         self.decode_s_per_seq: float | None = None      # decode-only steps' time per sequence (EWMA)
         self.step_cost = StepCostFit()                   # decode and prefill shares of mixed steps too
         self._num_steps = 0
+        self._cost_warmup_steps = cost_warmup_steps
         self._recent_steps: deque[tuple[int, StepStats]] = deque(maxlen=512)
         self._tickers: list[Ticker] = []
         self._failure: BaseException | None = None
@@ -251,13 +257,15 @@ class AsyncEngine:
 
     def _measure(self, engine: LLMEngine) -> None:
         """Keeps the last step for take_step_samples, and folds it into the
-        per-token prefill cost (steps with prefill tokens only) when it ran on
-        the engine's own cores only."""
+        cost estimates when it ran on the engine's own cores only and is past
+        the engine's first COST_WARMUP_STEPS."""
         step, engine.last_step = engine.last_step, None
         if step is None:
             return
         self._num_steps += 1
         self._recent_steps.append((self._num_steps, step))
+        if self._num_steps <= self._cost_warmup_steps:
+            return
         if step.borrowed_threads:
             # the cost estimates are of this engine on its own cores: what it can count on
             # when its neighbours are busy (engine/core_lending.py)

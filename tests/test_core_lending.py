@@ -128,7 +128,7 @@ def test_an_engine_borrows_an_idle_engines_core_while_it_steps(model_dirs, ledge
                           cpu_threads=1, cpu_core_ledger=ledger_path)
 
     async def run() -> tuple[list[int], float, list, float | None]:
-        engine = AsyncEngine(lambda: LLMEngine(config), decode=decode, name="lending-test")
+        engine = AsyncEngine(lambda: LLMEngine(config), decode=decode, name="lending-test", cost_warmup_steps=0)
         await engine.ready()
         sink = _ThreadsAtEachStep()
         engine.attach("r", sink)

@@ -1,0 +1,50 @@
+"""A new engine's first steps stay out of the cost estimates it reports (the
+per-token prefill cost and the decode step fit admission control prices
+requests with): they are slow, and a replica joining a pool would otherwise
+make the router refuse requests until its estimates settled."""
+
+from __future__ import annotations
+
+import asyncio
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.async_engine import AsyncEngine
+
+
+class _Finished:
+    def __init__(self, loop):
+        self._loop = loop
+        self.done = loop.create_future()
+
+    def put(self, outputs):
+        if any(o.finished for o in outputs):
+            self._loop.call_soon_threadsafe(self.done.set_result, None)
+
+    def fail(self, exc):
+        self._loop.call_soon_threadsafe(self.done.set_exception, exc)
+
+
+def test_the_first_steps_stay_out_of_the_cost_estimates(model_dirs):
+    config = EngineConfig(model=str(model_dirs["tiny"]), dtype="float32", device="cpu", max_model_len=128,
+                          cpu_threads=1)
+
+    async def run() -> list:
+        engine = AsyncEngine(lambda: LLMEngine(config), decode=False, name="warmup-test", cost_warmup_steps=3)
+        await engine.ready()
+        costs = []
+        for i in range(5):                 # one prompt, one step each
+            sink = _Finished(asyncio.get_running_loop())
+            engine.attach(f"r{i}", sink)
+            params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+            engine.submit(lambda e, rid=f"r{i}": e.add_request(rid, [1, 5, 9, 13, 2 + i], params))
+            await asyncio.wait_for(sink.done, 60)
+            await asyncio.sleep(0.05)      # the step is measured after its outputs go out
+            costs.append(engine.load_stats().get("prefill_s_per_token"))
+        steps = [index for index, _ in engine.take_step_samples()]
+        engine.shutdown()
+        return costs, steps
+
+    costs, steps = asyncio.run(run())
+    assert steps == [1, 2, 3, 4, 5]        # every step is still sampled (the autoscaler skips its own warm-up)
+    assert costs[:3] == [None, None, None]
+    assert costs[3] is not None and costs[3] > 0 and costs[4] is not None
