@@ -258,7 +258,7 @@ class AsyncEngine:
     def _measure(self, engine: LLMEngine) -> None:
         """Keeps the last step for take_step_samples, and folds it into the
         cost estimates when it ran on the engine's own cores only and is past
-        the engine's first COST_WARMUP_STEPS."""
+        the engine's first `cost_warmup_steps`."""
         step, engine.last_step = engine.last_step, None
         if step is None:
             return
