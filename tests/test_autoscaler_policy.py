@@ -193,12 +193,14 @@ def test_a_lull_shorter_than_the_downscale_window_keeps_the_replicas_the_load_be
     cap = prefill_capacity(MODEL, 1000, 1.0)
     current = {"prefill": 2, "decode": 1}
     p = policy(downscale_cooldown_s=0.0, downscale_window_s=60.0)
-    assert p.decide(observe(10.0, 0.9 * cap, 1000, 10, current)).targets == current
-    for now in (20.0, 30.0, 40.0, 50.0, 60.0, 70.0):        # the busy interval is within the last 60 s
+    # busy until 80 s, past the 70 s at which the deployed pool's own place in the window lapses
+    for now in (10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0):
+        assert p.decide(observe(now, 0.9 * cap, 1000, 10, current)).targets == current
+    for now in (90.0, 100.0, 110.0, 120.0, 130.0, 140.0):    # the busy interval is within the last 60 s
         d = p.decide(observe(now, 0.1 * cap, 1000, 10, current))
         assert d.targets["prefill"] == 2, now
         assert "would not hold the load within the last 60 s" in d.reasons["prefill"]
-    d = p.decide(observe(80.0, 0.1 * cap, 1000, 10, current))   # 70 s after it: the window has let it go
+    d = p.decide(observe(150.0, 0.1 * cap, 1000, 10, current))  # 70 s after it: the window has let it go
     assert d.targets["prefill"] == 1
     # without a window the lull gives the replica back at once
     p = policy(downscale_cooldown_s=0.0, downscale_window_s=0.0)
