@@ -9,6 +9,8 @@ from collections import deque, namedtuple
 from types import SimpleNamespace
 
 import pytest
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID as ServeReplicaID, RequestMetadata
+from ray.serve._private.request_router.common import PendingRequest
 
 from cluster.serving.replica_routing import (
     AVOID_REPLICA,
@@ -77,12 +79,14 @@ def test_a_call_to_a_replica_that_is_gone_fails_instead_of_waiting():
     ranked(r, reps, pending())                                  # the router has seen a and b
     # b died: Serve lists only a; a call to b fails at once with ReplicaGoneError
     call = pending(**{TARGET_REPLICA: "b"})
-    assert ranked(r, reps[:1], call) == [] and isinstance(call.future.exception(), ReplicaGoneError)
+    ranked(r, reps[:1], call)
+    assert isinstance(call.future.exception(), ReplicaGoneError)
     # a replica this router never saw may still be starting: it waits, up to the grace period
     young = pending(**{TARGET_REPLICA: "new"})
     assert ranked(r, reps, young) == [] and not young.future.done()
     old = pending(created_at=time.time() - TARGET_GRACE_S - 1, **{TARGET_REPLICA: "new"})
-    assert ranked(r, reps, old) == [] and isinstance(old.future.exception(), ReplicaGoneError)
+    ranked(r, reps, old)
+    assert isinstance(old.future.exception(), ReplicaGoneError)
 
 
 def test_calls_to_the_only_replica_fail_when_it_dies():
@@ -102,3 +106,69 @@ def test_calls_to_the_only_replica_fail_when_it_dies():
 def test_prefer_must_be_min_or_max():
     with pytest.raises(ValueError, match="prefer must be 'min' or 'max'"):
         router("free_kv_blocks", "most")
+
+
+# ---- with Serve's own routing machinery (its routing tasks, queues and backoff) ---------------
+_DEPLOYMENT = DeploymentID(name="PrefillServer", app_name="pdserve")
+
+class FakeServeReplica:
+    """What Serve's RequestRouter reads of a replica: id, limit, queue length."""
+
+    def __init__(self, uid: str):
+        self.replica_id = ServeReplicaID(uid, _DEPLOYMENT)
+        self.routing_stats, self.max_ongoing_requests = {}, 64
+        self.node_id, self.availability_zone, self.multiplexed_model_ids = "node", None, set()
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        return 0
+
+
+def _serve_router(*replica_sets: list[FakeServeReplica]) -> LoadAwareRouter:
+    r = LoadAwareRouter(deployment_id=_DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
+    r.initialize_state(stat="queued_prefill_tokens", prefer="min")
+    for replicas in replica_sets:   # the router's view over time
+        r.update_replicas(replicas)
+    return r
+
+
+def _route(r: LoadAwareRouter, call_id: str, **kwargs) -> asyncio.Task:
+    """One call's replica choice, as a Serve handle starts it."""
+    request = PendingRequest(args=[], kwargs=kwargs,
+                             metadata=RequestMetadata(request_id=call_id, internal_request_id=call_id))
+    return asyncio.ensure_future(r._choose_replica_for_request(request))
+
+
+
+
+def test_calls_to_a_scaled_down_replica_do_not_hold_up_calls_to_the_live_one():
+    """Serve runs at most 2 routing tasks per replica. A call whose target is gone
+    must free its task: two such calls used to hold both for ever, and the next
+    send_kv to the surviving prefill replica waited out its 60 s timeout."""
+    async def scenario():
+        a, b = FakeServeReplica("a"), FakeServeReplica("b")
+        r = _serve_router([a, b], [b])                    # a was scaled down
+        for n in range(3):
+            with pytest.raises(ReplicaGoneError, match="replica a is not running"):
+                await asyncio.wait_for(_route(r, f"to-a-{n}", **{TARGET_REPLICA: "a"}), 2.0)
+        chosen = await asyncio.wait_for(_route(r, "to-b", **{TARGET_REPLICA: "b"}), 2.0)
+        assert chosen.replica_id.unique_id == "b"
+    asyncio.run(scenario())
+
+
+def test_a_replica_chosen_for_one_call_is_not_handed_to_an_older_call_for_another():
+    """An older call waits for a replica that is still starting; a newer call to b
+    gets b, and the older one keeps waiting for its own replica (Serve's FIFO
+    hand-over gave it b, sending a send_kv or a stream to the wrong replica)."""
+    async def scenario():
+        b = FakeServeReplica("b")
+        r = _serve_router([b])
+        waiting = _route(r, "to-new", **{TARGET_REPLICA: "new"})
+        await asyncio.sleep(0.05)
+        chosen = await asyncio.wait_for(_route(r, "to-b", **{TARGET_REPLICA: "b"}), 2.0)
+        assert chosen.replica_id.unique_id == "b"
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        new = FakeServeReplica("new")
+        r.update_replicas([b, new])                        # it started
+        assert (await asyncio.wait_for(waiting, 2.0)).replica_id.unique_id == "new"
+    asyncio.run(scenario())

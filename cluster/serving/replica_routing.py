@@ -6,6 +6,9 @@ router, configured per deployment by the app builder).
   release it. If that replica is gone (this router saw it before and Serve no
   longer lists it, or it has not appeared within TARGET_GRACE_S), the call
   fails with ReplicaGoneError instead of waiting for it for ever.
+- A replica chosen for a call goes to that call (Serve's match by request id),
+  never to an older waiting one as Serve's FIFOMixin would do: an older call
+  may be addressed to another replica.
 - A call that names `avoid_replica=<id>` (a retry after a failed KV transfer)
   goes elsewhere when another replica is available.
 - Any other call goes to the replica whose last reported load figure
@@ -20,7 +23,6 @@ from __future__ import annotations
 import time
 
 from ray.serve.request_router import (
-    FIFOMixin,
     PendingRequest,
     RequestRouter,
     RunningReplica,
@@ -35,7 +37,7 @@ class ReplicaGoneError(RuntimeError):
     """The replica a call was addressed to is no longer running."""
 
 
-class LoadAwareRouter(FIFOMixin, RequestRouter):
+class LoadAwareRouter(RequestRouter):
     def initialize_state(self, stat: str = "num_waiting", prefer: str = "min", **kwargs) -> None:
         if prefer not in ("min", "max"):
             raise ValueError(f"prefer must be 'min' or 'max', got {prefer!r}")
@@ -53,6 +55,11 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
                 chosen = [[r] for r in candidate_replicas if r.replica_id.unique_id == target]
                 if not chosen:
                     self._fail_if_gone(pending_request, target)
+                if pending_request.future.done():
+                    # Serve's routing task looks at the call's future only when handed a
+                    # replica: with nothing it would back off and ask again for ever,
+                    # holding one of its few routing slots (2 per replica) from live calls
+                    return [candidate_replicas[:1]]
                 return chosen
             avoid = pending_request.kwargs.get(AVOID_REPLICA)
             others = [r for r in candidate_replicas if r.replica_id.unique_id != avoid]
