@@ -34,6 +34,13 @@ ROUTING_STATS_PERIOD_S = 0.5
 # Serve's default (5) would queue every request past the fifth in the HTTP proxy, in front of
 # an engine that batches hundreds: the router admits them all and the engines queue them.
 ROUTER_MAX_ONGOING_REQUESTS = 100_000
+# Nor does Serve bound the calls in flight to a worker replica: its engine queues the work, and
+# admission control bounds what waits. A bound here would also hold back the calls that free
+# KV (a decode replica's send_kv and release to the prefill replica that holds it) behind
+# prompts that wait in that replica's engine for those very blocks: with small KV caches and
+# ~150 concurrent requests, send_kv calls waited 48 s for a free slot, the holds' leases ran
+# out, and 135 of 300 requests failed.
+WORKER_MAX_ONGOING_REQUESTS = 100_000
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
@@ -172,7 +179,7 @@ def _worker_options(deployment, config: DeploymentConfig, role: str, stat: str, 
     return deployment.options(
         **_replica_count(config, role), ray_actor_options=actor,
         placement_group_bundles=bundles, placement_group_strategy="STRICT_PACK",
-        max_ongoing_requests=max(64, config.engine.max_num_seqs * 2),
+        max_ongoing_requests=WORKER_MAX_ONGOING_REQUESTS,
         request_router_config=RequestRouterConfig(
             request_router_class=LoadAwareRouter, request_router_kwargs={"stat": stat, "prefer": prefer},
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S),
