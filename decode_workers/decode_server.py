@@ -78,3 +78,7 @@ class ServePrefillPeer:
     def release(self, replica_id: str, request_id: str) -> None:
         # fire and forget: the lease frees the KV if this never lands
         detached(lambda: self._handle.release.remote(request_id, **{TARGET_REPLICA: replica_id}))
+
+    def renew(self, replica_id: str, request_id: str) -> None:
+        # fire and forget: a lost renew costs at most a prefill again
+        detached(lambda: self._handle.renew.remote(request_id, **{TARGET_REPLICA: replica_id}))

@@ -34,6 +34,7 @@ from cluster.serving.messages import (
     Admitted,
     DecodeRequest,
     KVTransferFailed,
+    PrefillResult,
     TokenDelta,
 )
 from cluster.transport import kv_handoff
@@ -60,6 +61,10 @@ class PrefillPeer(Protocol):
 
     def release(self, replica_id: str, request_id: str) -> None:
         """Tells the replica it may free the request's KV (fire and forget)."""
+
+    def renew(self, replica_id: str, request_id: str) -> None:
+        """Tells the replica to keep holding the request's KV for another lease
+        (fire and forget)."""
 
 
 class Phase(enum.Enum):
@@ -144,7 +149,7 @@ class DecodeWorker:
         reserved = loop.create_future()
         t0 = time.monotonic()
         await self._engine.call(self._reserve, request, reserved)
-        nbytes, arrived = await reserved
+        nbytes, arrived = await self._wait_for_blocks(reserved, prefill)
         t1 = time.monotonic()
         try:
             await self._peer.send_kv(prefill.replica_id, rid, request.transfer_id, list(self.receivers))
@@ -158,6 +163,20 @@ class DecodeWorker:
         self._peer.release(prefill.replica_id, rid)
         return Admitted(self.replica_id, reserve_time_s=t1 - t0, transfer_time_s=time.monotonic() - t1,
                         transfer_bytes=nbytes)
+
+    async def _wait_for_blocks(self, reserved: asyncio.Future,
+                               prefill: PrefillResult) -> tuple[int, asyncio.Future]:
+        """The reservation's result. Waiting for free blocks may outlast the
+        hold's lease (reserve_timeout_s is longer): the hold is renewed meanwhile."""
+        try:
+            while not reserved.done():
+                await asyncio.wait({reserved}, timeout=prefill.lease_s / 3)
+                if not reserved.done():
+                    self._peer.renew(prefill.replica_id, prefill.request_id)
+            return reserved.result()
+        except BaseException:
+            reserved.cancel()
+            raise
 
     async def abort(self, request_id: str) -> None:
         """Ends the request wherever it is and frees its blocks; its subscriber

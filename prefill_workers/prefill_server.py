@@ -1,8 +1,8 @@
 """PrefillServer: the Ray Serve deployment around a PrefillWorker (one replica =
 one TP gang; its ranks sit in the replica's placement-group bundles).
 
-Calls that concern a request whose KV this replica holds (`send_kv` from a
-decode replica, `release`, `abort`) carry `target_replica`, which
+Calls that concern a request whose KV this replica holds (`send_kv` and
+`renew` from a decode replica, `release`, `abort`) carry `target_replica`, which
 cluster/serving/replica_routing.py uses to route them here;
 `record_routing_stats` reports the queued prefill tokens that new prompts are
 routed by.
@@ -36,6 +36,9 @@ class PrefillServer(WorkerDeployment):
     async def send_kv(self, request_id: str, transfer_id: str, receivers: list[PeerAddress], *,
                       target_replica: str) -> int:
         return await self.worker.send_kv(request_id, transfer_id, receivers)
+
+    async def renew(self, request_id: str, *, target_replica: str) -> bool:
+        return await self.worker.renew(request_id)
 
     async def release(self, request_id: str, *, target_replica: str) -> bool:
         return await self.worker.release(request_id)

@@ -7,6 +7,7 @@ to a decode worker (plain class; prefill_server.py wraps it for Ray Serve).
                                  holding: KV blocks kept ──send_kv──▶ sending (packed copies on the wire)
                                      │   (asked by the decode worker that posted the receives)
                   release (the decode side has the KV), abort, or lease expiry
+                  (a decode worker still waiting for free blocks renews the lease)
                                      ▼
                                    freed
 
@@ -103,6 +104,11 @@ class PrefillWorker:
         self._engine.submit(self._note_send, request_id, transfer_id)
         return nbytes
 
+    async def renew(self, request_id: str) -> bool:
+        """A decode worker still means to take the KV (it waits for free blocks):
+        the lease starts again. False if the request holds nothing here."""
+        return await self._engine.call(self._renew, request_id)
+
     async def release(self, request_id: str) -> bool:
         """The decode side has the KV (or gave up): free the blocks once no
         transfer reads them. False if the request holds nothing here."""
@@ -141,7 +147,7 @@ class PrefillWorker:
             request_id=out.request_id, first=TokenDelta.from_output(out),
             generator_state=seq.generator.get_state() if seq.generator is not None else None,
             num_blocks=len(seq.block_table), sender_names=list(self.sender_names),
-            num_kv_heads=self.num_kv_heads, replica_id=self.replica_id)
+            num_kv_heads=self.num_kv_heads, replica_id=self.replica_id, lease_s=self.lease_s)
         if out.finished:   # nothing left to decode: nobody will ask for the KV
             engine.release_kv(out.request_id)
         else:
@@ -169,6 +175,12 @@ class PrefillWorker:
                                            self.num_kv_heads))
         hold.transfer_id, hold.transfer_state = transfer_id, TransferState.PENDING
         return nbytes
+
+    def _renew(self, engine: LLMEngine, request_id: str) -> bool:
+        hold = self._holds.get(request_id)
+        if hold is not None:
+            hold.deadline = time.monotonic() + self.lease_s
+        return hold is not None
 
     def _release(self, engine: LLMEngine, request_id: str) -> bool:
         hold = self._holds.get(request_id)

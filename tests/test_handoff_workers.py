@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -67,6 +68,9 @@ class LocalPrefillPeer:
 
     def release(self, replica_id, request_id):
         _later(self.worker.release(request_id))
+
+    def renew(self, replica_id, request_id):
+        _later(self.worker.renew(request_id))
 
 
 class LocalDecodePool:
@@ -221,6 +225,55 @@ def test_kv_nobody_picks_up_is_freed_when_its_lease_expires(model_dirs):
             assert await pair.prefill.release("orphan") is False
         finally:
             await pair.shutdown()
+    run(main())
+
+
+def test_a_renewed_hold_outlives_its_lease_and_then_expires(model_dirs):
+    async def main():
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub(), lease_s=0.4).start()
+        try:
+            result = await pair.prefill.prefill("waiting", PROMPTS[1], GREEDY)
+            assert result.lease_s == 0.4
+            for _ in range(4):                              # 0.8 s: twice the lease
+                await asyncio.sleep(0.2)
+                assert await pair.prefill.renew("waiting") is True
+            assert pair.prefill.stats()["num_held"] == 1
+            await pair.wait_idle(timeout_s=5)               # no more renewals: it expires
+            assert await pair.prefill.renew("waiting") is False
+        finally:
+            await pair.shutdown()
+    run(main())
+
+
+def test_a_decode_worker_waiting_for_blocks_renews_the_hold_until_they_free_up():
+    """Blocks can take longer to free up than the hold's lease (reserve_timeout_s
+    is the longer): the waiting decode worker renews the hold every third of it."""
+    renewed = []
+
+    class Peer:
+        def renew(self, replica_id, request_id):
+            renewed.append((replica_id, request_id, time.monotonic()))
+
+    async def main():
+        worker = DecodeWorker.__new__(DecodeWorker)     # the wait needs no engine
+        worker._peer = Peer()
+        prefill = SimpleNamespace(replica_id="P", request_id="r1", lease_s=0.15)
+        reserved = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_later(0.4, reserved.set_result, (1024, "arrival"))
+        start = time.monotonic()
+        assert await worker._wait_for_blocks(reserved, prefill) == (1024, "arrival")
+        times = [t - start for _, _, t in renewed]
+        assert {(r, q) for r, q, _ in renewed} == {("P", "r1")}
+        # every 0.05 s while waiting: the gaps never reach the lease
+        assert len(times) >= 3 and max(b - a for a, b in zip([0.0, *times], times)) < 0.15
+
+        waiting = asyncio.get_running_loop().create_future()
+        task = asyncio.ensure_future(worker._wait_for_blocks(waiting, prefill))
+        await asyncio.sleep(0.01)
+        task.cancel()                                   # the request went away: the reservation too
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert waiting.cancelled()
     run(main())
 
 

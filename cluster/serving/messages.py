@@ -66,6 +66,7 @@ class PrefillResult:
     sender_names: list[str]                # one per prefill rank
     num_kv_heads: int
     replica_id: str                        # the prefill replica holding the KV
+    lease_s: float = 60.0                  # the hold ends this long after the last renew (or the prefill)
 
 
 @dataclass(frozen=True, slots=True)
