@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import json
 import random
 import re
@@ -108,7 +109,7 @@ def phase_figures(records, phases: list[dict], slos_ms: dict) -> dict:
     starts = [p["start_s"] for p in phases]
     out = {p["name"]: {"sent": 0, "met": 0, "refused": {}, "refused_at_s": []} for p in phases}
     for r in records:
-        fig = out[phases[max(i for i, t in enumerate(starts) if r.scheduled_offset >= t)]["name"]]
+        fig = out[phases[bisect.bisect_right(starts, r.scheduled_offset) - 1]["name"]]
         fig["sent"] += 1
         fig["met"] += bool(r.succeeded and meets_slos(r, slos_ms))
         if r.status == 429:
