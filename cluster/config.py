@@ -188,8 +188,9 @@ class AutoscalingSection(_Strict):
     correct_profile: bool = Field(True, description="scale the profile by the steps the workers measure "
                                   "(false: trust it as it is)")
 
-    def settings(self, mode: str, initial: dict[str, WorkerPool], slo: "SloSection"):
-        """The policy's AutoscaleSettings for `mode`, whose pools start as `initial`."""
+    def settings(self, mode: str, initial: dict[str, WorkerPool], slo: "SloSection", *, lend_idle_cores: bool = False):
+        """The policy's AutoscaleSettings for `mode`, whose pools start as `initial`;
+        `lend_idle_cores`: CPU replicas that lend idle cores (resources.lend_idle_cores)."""
         from cluster.autoscaler.policy import AutoscaleSettings
         tp = {role: pool.tensor_parallel_size for role, pool in initial.items()}
         budget = self.budget or sum(p.replicas * p.tensor_parallel_size for p in initial.values())
@@ -198,7 +199,8 @@ class AutoscalingSection(_Strict):
             min_replicas=dict(self.min_replicas), max_replicas=dict(self.max_replicas), tensor_parallel=tp,
             budget=budget, interval_s=self.interval_s, startup_s=self.startup_s,
             upscale_cooldown_s=self.upscale_cooldown_s, downscale_cooldown_s=self.downscale_cooldown_s,
-            downscale_window_s=self.downscale_window_s, predictor=self.predictor, correct_models=self.correct_profile)
+            downscale_window_s=self.downscale_window_s, predictor=self.predictor, correct_models=self.correct_profile,
+            lend_idle_cores=lend_idle_cores)
 
 
 class DeploymentConfig(_Strict):
@@ -262,7 +264,11 @@ class DeploymentConfig(_Strict):
 
     def autoscaling_settings(self):
         """The autoscaling policy's settings (autoscaling.enabled must be true)."""
-        return self.autoscaling.settings(self.mode.value, self.pools(), self.slo)
+        return self.autoscaling.settings(self.mode.value, self.pools(), self.slo, lend_idle_cores=self.lends_idle_cores())
+
+    def lends_idle_cores(self) -> bool:
+        """Whether one-rank CPU engines lend idle cores to each other (engine/core_lending.py)."""
+        return self.device == "cpu" and self.resources.lend_idle_cores
 
     @model_validator(mode="after")
     def _pools_match_mode(self) -> "DeploymentConfig":
@@ -303,8 +309,7 @@ class DeploymentConfig(_Strict):
             cpu_weight_prepack=e.cpu_weight_prepack, skinny_gemm=e.skinny_gemm,
             async_scheduling=e.async_scheduling if pool.tensor_parallel_size == 1 else False,
             cpu_threads=max(1, int(cpus)) if self.device == "cpu" and cpus is not None else None,
-            cpu_core_ledger=default_ledger_path() if self.device == "cpu" and self.resources.lend_idle_cores
-            else None)
+            cpu_core_ledger=default_ledger_path() if self.lends_idle_cores() else None)
 
 
 class ConfigFileError(ValueError):

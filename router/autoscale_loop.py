@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import deque
 
@@ -125,11 +126,12 @@ class AutoscaleLoop:
             for index, step in reply["steps"]:
                 shape = StepShape(step.num_prefill_tokens, step.prefill_attention, step.num_decode_seqs,
                                   step.decode_context)
-                # a step on borrowed idle cores is faster than the replica can count on: not fitted
-                own_cores = step.borrowed_threads == 0
-                sample = StepSample(shape, step.duration_s, warm=index > self.settings.warmup_steps and own_cores)
+                sample = StepSample(shape, step.duration_s, warm=index > self.settings.warmup_steps,
+                                    threads=step.threads, borrowed_threads=step.borrowed_threads)
                 steps.append(sample)
-                if sample.warm:
+                if sample.warm and not sample.borrowed_threads:
+                    # the model is of a replica on its own cores; borrowed idle cores (faster) the
+                    # policy counts apart (cluster/autoscaler/lending.py)
                     self._fit_steps[role].append(sample)
         return RoleObservation(running=running, starting=max(0, asked - running),
                                waiting_requests=self._waiting.get(role, 0.0), steps=steps)
@@ -149,11 +151,24 @@ class AutoscaleLoop:
     # ---- the step-time model ------------------------------------------------------------
     def _make_policy(self) -> GoodputPolicy | None:
         if self.profile is not None:
-            return GoodputPolicy(self.settings, {r: self.profile for r in self.settings.roles})
-        models = {r: self._fit(r) for r in self.settings.roles}
-        if any(m is None for m in models.values()):
+            models = {r: self.profile for r in self.settings.roles}
+        else:
+            models = {r: self._fit(r) for r in self.settings.roles}
+            if any(m is None for m in models.values()):
+                return None
+        return GoodputPolicy(self.settings, models, shared_cores=self._shared_cores())
+
+    def _shared_cores(self) -> int | None:
+        """This machine's cores where the replicas lend idle cores to each other and
+        all run here (a one-node cluster); else None."""
+        if not self.settings.lend_idle_cores:
             return None
-        return GoodputPolicy(self.settings, models)
+        import ray
+        try:
+            nodes = [n for n in ray.nodes() if n.get("Alive")]
+        except Exception:  # noqa: BLE001 - not connected (tests): count this machine alone
+            nodes = [None]
+        return len(os.sched_getaffinity(0)) if len(nodes) == 1 else None
 
     def _refit(self) -> None:
         for role in self.settings.roles:

@@ -81,3 +81,31 @@ def test_pdserve_simulate_autoscale(tmp_path, capsys):
     # so the first decision (at 10 s) asks for a second one; outputs of 8 tokens need one decode replica
     assert timeline[0]["time_s"] == 10.0 and timeline[0]["targets"] == {"prefill": 2, "decode": 1}
     assert result["completed"] == 300 and result["replica_seconds"]["prefill"] > result["replica_seconds"]["decode"]
+
+
+def test_on_a_lending_machine_the_policy_counts_the_cores_a_decode_replica_borrows():
+    """2 cores, 2 prefill + 1 decode (budget 3), an output-heavy load one decode
+    replica on its own core cannot hold within the TPOT budget but can on two:
+    the simulated replica borrows the idle prefill cores, the policy sees it in
+    the steps and keeps the split; told nothing of lending, it re-splits."""
+    from cluster.autoscaler.lending import ScaledStepModel
+    lender = ReplicaSpec(MODEL, num_kv_blocks=100_000, in_core_ledger=True)
+    borrower = ReplicaSpec(MODEL, num_kv_blocks=100_000, in_core_ledger=True,
+                           wide_model=ScaledStepModel(MODEL, 0.55))
+    spec = ClusterSpec("disaggregated", prefill=lender, decode=borrower, prefill_replicas=2, decode_replicas=1,
+                       kv_bytes_per_token=1000, shared_cores=2, lend_idle_cores=True)
+    lengths, arrivals = steady(3.5, 60.0, 200, 256)
+    settings = AutoscaleSettings(ttft_slo_s=1.0, tpot_slo_s=0.05, budget=3, interval_s=10.0, startup_s=5.0,
+                                 downscale_cooldown_s=0.0, lend_idle_cores=True)
+
+    def targets(shared_cores):
+        policy = GoodputPolicy(settings, {"prefill": MODEL, "decode": MODEL}, shared_cores=shared_cores)
+        result = simulate(spec, lengths, arrivals, autoscaler=SimAutoscaler(policy))
+        return {tuple(sorted(e["targets"].items())) for e in result.timeline}, policy
+
+    seen, policy = targets(2)
+    assert seen == {(("decode", 1), ("prefill", 2))}
+    assert policy.lent_speedup.num_observed > 100
+    assert 0.5 < policy.lent_speedup.factor(1, 2) < 0.65      # what the simulated borrowed steps took
+    seen, _ = targets(None)
+    assert (("decode", 2), ("prefill", 1)) in seen

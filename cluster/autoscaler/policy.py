@@ -37,6 +37,13 @@ Per interval:
    to return; the pools as deployed count in the window too (the first
    intervals' rates rest on a few arrivals). When another role needs the
    rank, the latest interval is enough (a re-split does not wait).
+
+On a CPU machine whose one-rank replicas lend idle cores to each other
+(`lend_idle_cores`, and the machine's cores given as `shared_cores`), a decode
+pool's capacity counts the prefill replicas' idle cores it borrows, at the
+speed-up its own borrowed steps showed (cluster/autoscaler/lending.py): a
+split whose one decode replica runs on the cores of idle prefill replicas is
+not re-split for a second decode replica that would add no compute.
 """
 
 from __future__ import annotations
@@ -51,7 +58,9 @@ from cluster.autoscaler.capacity import (
     decode_capacity,
     decode_shape,
     prefill_capacity,
+    prefill_seconds,
 )
+from cluster.autoscaler.lending import LentCoreSpeedup, ScaledStepModel, decode_threads
 from cluster.autoscaler.load_predictor import LoadPredictor
 from cluster.perf_model.online import OnlineCorrection
 from cluster.perf_model.step_shape import StepShape, StepTimeModel
@@ -81,6 +90,7 @@ class AutoscaleSettings:
     predictor: str = "ewma"
     warmup_steps: int = 20                    # a replica's first steps are left out of the correction
     correct_models: bool = True               # scale the step models by the steps replicas measure
+    lend_idle_cores: bool = False             # CPU: one-rank replicas lend idle cores to each other
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
@@ -119,9 +129,9 @@ class StepSample:
     """One engine step a replica measured."""
     shape: StepShape
     seconds: float
-    # False for a step kept out of the correction: a replica's first steps (warm-up), or one
-    # that ran on cores borrowed from idle neighbours (faster than the replica can count on)
-    warm: bool = True
+    warm: bool = True                 # False for a replica's first steps (warm-up): kept out of every fit
+    threads: int = 1                  # torch threads it ran with (CPU)
+    borrowed_threads: int = 0         # of which on cores borrowed from idle replicas (not the replica's own)
 
 
 @dataclass
@@ -163,8 +173,10 @@ class Decision:
 
 class GoodputPolicy:
     def __init__(self, settings: AutoscaleSettings, models: dict[str, StepTimeModel],
-                 limits: dict[str, ReplicaLimits] | None = None):
-        """`models`: a step-time model per role (a colocated deployment: "colocated")."""
+                 limits: dict[str, ReplicaLimits] | None = None, *, shared_cores: float | None = None):
+        """`models`: a step-time model per role (a colocated deployment: "colocated").
+        `shared_cores`: the machine's cores where every replica runs on one machine
+        and `settings.lend_idle_cores`; None: ranks with cores or devices of their own."""
         missing = [r for r in settings.roles if r not in models]
         if missing:
             raise ValueError(f"no step-time model for {', '.join(missing)}")
@@ -177,6 +189,10 @@ class GoodputPolicy:
         self.last_up: dict[str, float] = {}
         self.last_change: dict[str, float] = {}
         self.recent_holding: deque[tuple[float, dict[str, int]]] = deque()   # (time, replicas to hold per role)
+        lends = settings.lend_idle_cores and settings.mode == "disaggregated" and settings.tp("decode") == 1
+        self.shared_cores = shared_cores if lends and shared_cores else None
+        self.lent_speedup = LentCoreSpeedup()
+        self.own_threads = {r: 1 for r in settings.roles}     # per rank, as the replicas' steps report
 
     # ---- one interval ---------------------------------------------------------------------
     def decide(self, obs: Observation) -> Decision:
@@ -197,16 +213,21 @@ class GoodputPolicy:
             return Decision(dict(current), {r: "no traffic seen yet" for r in s.roles}, rate, capacity)
         drain_s = max(s.startup_s, s.interval_s)
         demand = {r: rate + (obs.roles[r].waiting_requests / drain_s if r in obs.roles else 0.0) for r in s.roles}
-        needed = {r: _replicas_for(demand[r], capacity[r]) for r in s.roles}
-        reasons = {r: f"needs {needed[r]} for {demand[r]:.2f} req/s at {capacity[r]:.2f} req/s each"
+        # one replica's capacity in the pools as they are (a decode replica's with the cores lent it)
+        each = {r: self._pool_capacity(r, current, capacity, demand) / current[r] if current[r] else capacity[r]
+                for r in s.roles}
+        needed = {r: self._replicas_needed(r, current, capacity, demand) for r in s.roles}
+        reasons = {r: f"needs {needed[r]} for {demand[r]:.2f} req/s at {each[r]:.2f} req/s each"
                    for r in s.roles}
         budget_bound = self._ranks(needed) > s.budget
         if budget_bound:
-            needed = self._split_within_budget(current, capacity, reasons)
+            needed = self._split_within_budget(current, capacity, demand, reasons)
+        else:
+            self._hold_near_split(current, capacity, demand, needed, reasons)
         self._latency_feedback(obs, current, needed, reasons)
         # what holds this interval's load: the model's count with headroom, or more where observed
         # latency asked for more (a replica added for a missed SLO is not given back next interval)
-        holding = {r: max(needed[r], _replicas_for(demand[r], capacity[r] * s.downscale_headroom))
+        holding = {r: max(needed[r], self._replicas_needed(r, current, capacity, demand, s.downscale_headroom))
                    for r in s.roles}
         window_holding = self._window_holding(obs.now, holding)
         targets = self._guarded(obs, current, needed, holding, window_holding, reasons, budget_bound)
@@ -216,7 +237,7 @@ class GoodputPolicy:
             if targets[r] != current[r]:
                 self.last_change[r] = obs.now
         ttft, tpot = self._predicted_latency(rate, targets)
-        return Decision(targets, reasons, rate, capacity, ttft, tpot)
+        return Decision(targets, reasons, rate, each, ttft, tpot)
 
     # ---- inputs -----------------------------------------------------------------------
     def _learn(self, obs: Observation) -> None:
@@ -231,10 +252,21 @@ class GoodputPolicy:
         for role, ro in obs.roles.items():
             model = self.models.get(role)
             for sample in ro.steps:
-                if model is not None and sample.warm and self.settings.correct_models:
-                    model.observe(sample.shape, sample.seconds)
+                if model is None or not sample.warm:
+                    continue
+                own = max(1, sample.threads - sample.borrowed_threads)
+                self.own_threads[role] = own
+                if sample.borrowed_threads == 0:
+                    if self.settings.correct_models:
+                        model.observe(sample.shape, sample.seconds)
+                elif role == "decode" and self.shared_cores is not None:
+                    # faster than the replica's own cores: how much, not the model itself
+                    predicted = model.step_time(sample.shape)
+                    if predicted > 0:
+                        self.lent_speedup.observe(own, sample.threads, sample.seconds / predicted)
 
     def _capacities(self) -> dict[str, float]:
+        """Requests/s one replica of each role sustains on its own cores."""
         s = self.settings
         prompt = self.prompt_tokens or 1.0
         output = self.output_tokens or 1.0
@@ -244,6 +276,43 @@ class GoodputPolicy:
                                                     self.limits["colocated"], s.ttft_percentile)}
         return {"prefill": prefill_capacity(self.models["prefill"], prompt, ttft, s.ttft_percentile),
                 "decode": decode_capacity(self.models["decode"], prompt, output, tpot, self.limits["decode"])}
+
+    def _lent_factor(self, replicas: dict[str, int], prefill_rate: float) -> float:
+        """A decode step's time in split `replicas` over its time on the replica's
+        own cores (1.0 where no cores are lent)."""
+        if self.shared_cores is None or replicas.get("decode", 0) < 1:
+            return 1.0
+        p = replicas.get("prefill", 0)
+        busy = prefill_rate * prefill_seconds(self.models["prefill"], self.prompt_tokens or 1.0) / max(1, p)
+        threads = decode_threads(self.shared_cores, p, replicas["decode"], busy,
+                                 self.own_threads["prefill"], self.own_threads["decode"])
+        return self.lent_speedup.factor(self.own_threads["decode"], threads)
+
+    def _pool_capacity(self, role: str, replicas: dict[str, int], capacity: dict[str, float],
+                       demand: dict[str, float]) -> float:
+        """Requests/s the `role` pool of split `replicas` sustains: its replicas times
+        `capacity` (one replica on its own cores), a decode pool on lent cores more."""
+        n = replicas.get(role, 0)
+        factor = self._lent_factor(replicas, demand.get("prefill", 0.0)) if role == "decode" else 1.0
+        if n == 0 or factor >= 1.0:
+            return n * capacity[role]
+        s = self.settings
+        model = ScaledStepModel(self.models["decode"], factor)
+        return n * decode_capacity(model, self.prompt_tokens or 1.0, self.output_tokens or 1.0,
+                                   s.tpot_slo_s * s.slo_headroom, self.limits["decode"])
+
+    def _replicas_needed(self, role: str, current: dict[str, int], capacity: dict[str, float],
+                         demand: dict[str, float], share: float = 1.0) -> int:
+        """Replicas of `role` that serve its demand at `share` of their capacity,
+        the other roles as they are now."""
+        if demand[role] <= 0 or self.shared_cores is None or role != "decode":
+            return _replicas_for(demand[role], capacity[role] * share)
+        split = dict(current)
+        for n in range(1, self.settings.max_for(role) + 1):
+            split[role] = n
+            if self._pool_capacity(role, split, capacity, demand) * share >= demand[role] - 1e-9:
+                return n
+        return max(self.settings.max_for(role) + 1, _replicas_for(demand[role], capacity[role] * share))
 
     def _window_holding(self, now: float, holding: dict[str, int]) -> dict[str, int]:
         """Per role, the most replicas any interval of the last `downscale_window_s`
@@ -257,7 +326,7 @@ class GoodputPolicy:
     def _ranks(self, replicas: dict[str, int]) -> int:
         return sum(n * self.settings.tp(r) for r, n in replicas.items())
 
-    def _best_split(self, capacity: dict[str, float]) -> dict[str, int]:
+    def _best_split(self, capacity: dict[str, float], demand: dict[str, float]) -> dict[str, int]:
         """Within the budget: the prefill/decode split whose narrower pool is
         widest (ties: fewer ranks). Colocated: as many replicas as fit."""
         s = self.settings
@@ -269,18 +338,19 @@ class GoodputPolicy:
             d = min(s.max_for("decode"), left // s.tp("decode"))
             if d < s.min_for("decode"):
                 break
-            key = (min(p * capacity["prefill"], d * capacity["decode"]), -(p * s.tp("prefill") + d * s.tp("decode")))
+            split = {"prefill": p, "decode": d}
+            key = (self._served(split, capacity, demand), -(p * s.tp("prefill") + d * s.tp("decode")))
             if best_key is None or key > best_key:
-                best, best_key = {"prefill": p, "decode": d}, key
+                best, best_key = split, key
         return best
 
-    def _split_within_budget(self, current: dict[str, int], capacity: dict[str, float],
+    def _split_within_budget(self, current: dict[str, int], capacity: dict[str, float], demand: dict[str, float],
                              reasons: dict[str, str]) -> dict[str, int]:
         """Past the budget: the best split, if it serves `split_margin` more than
         the current one (or the current one is over the budget); else the current."""
         s = self.settings
-        best = self._best_split(capacity)
-        if self._served(best, capacity) > self._served(current, capacity) * (1 + s.split_margin) \
+        best = self._best_split(capacity, demand)
+        if self._served(best, capacity, demand) > self._served(current, capacity, demand) * (1 + s.split_margin) \
                 or self._ranks(current) > s.budget:
             for r in s.roles:
                 reasons[r] = f"budget of {s.budget} ranks: best split gives {best[r]}"
@@ -290,9 +360,30 @@ class GoodputPolicy:
                           f"{s.split_margin:.0%} more than this one")
         return dict(current)
 
-    def _served(self, replicas: dict[str, int], capacity: dict[str, float]) -> float:
+    def _hold_near_split(self, current: dict[str, int], capacity: dict[str, float], demand: dict[str, float],
+                         needed: dict[str, int], reasons: dict[str, str]) -> None:
+        """On a machine whose replicas lend cores: at the budget a role gets a replica
+        more only by another role giving up a rank (a re-split, and a start-up
+        without either replica), which adds little compute where the cores are
+        shared anyway; not for a predicted demand within `split_margin` of what
+        the role's pool serves now (the observed-latency rule still adds one where
+        the SLO is missed). With a device per rank the move is taken at once: the
+        simulated 70B runs lose up to 1% of goodput to this hold."""
+        s = self.settings
+        if self.shared_cores is None:
+            return
+        for r in s.roles:
+            if needed[r] <= current[r] or self._ranks(current) + s.tp(r) <= s.budget:
+                continue
+            served = self._pool_capacity(r, current, capacity, demand)
+            if demand[r] <= served * (1 + s.split_margin):
+                needed[r] = current[r]
+                reasons[r] = (f"holds {current[r]}: {demand[r]:.2f} req/s is within {s.split_margin:.0%} of the "
+                              f"{served:.2f} req/s they serve, not worth a re-split")
+
+    def _served(self, replicas: dict[str, int], capacity: dict[str, float], demand: dict[str, float]) -> float:
         """Requests/s a split serves: its narrower pool's capacity."""
-        return min(replicas.get(r, 0) * capacity[r] for r in self.settings.roles)
+        return min(self._pool_capacity(r, replicas, capacity, demand) for r in self.settings.roles)
 
     def _latency_feedback(self, obs: Observation, current: dict[str, int], needed: dict[str, int],
                           reasons: dict[str, str]) -> None:
@@ -382,9 +473,10 @@ class GoodputPolicy:
         ttft = math.inf if rho >= 1 else service + rho * service / (2 * (1 - rho))
         context = prompt + output / 2
         most = self.limits[decode_role].max_num_seqs
+        decode_model = ScaledStepModel(self.models[decode_role], self._lent_factor(targets, rate))
         batch, tpot = 1, 0.0
         for _ in range(50):       # fixed point: concurrency = rate * output * tpot (Little's law)
-            tpot = self.models[decode_role].step_time(decode_shape(batch, context))
+            tpot = decode_model.step_time(decode_shape(batch, context))
             new = min(most, max(1, math.ceil(rate * output * tpot / max(1, targets[decode_role]))))
             if new == batch:
                 break

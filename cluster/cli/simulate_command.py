@@ -105,12 +105,14 @@ def _autoscaler(config, args, spec):
     if slo.ttft_ms is None or slo.tpot_ms is None:
         raise ValueError("--autoscale needs the SLOs: --slo ttft:MS tpot:MS, or slo.ttft_ms and slo.tpot_ms in "
                          "the deployment file")
-    settings = config.autoscaling.settings(config.mode.value, config.pools(), slo)
+    settings = config.autoscaling.settings(config.mode.value, config.pools(), slo,
+                                           lend_idle_cores=config.lends_idle_cores())
     replicas = {"prefill": spec.prefill, "decode": spec.decode, "colocated": spec.decode}
     models = {r: replicas[r].model for r in settings.roles}
     limits = {r: ReplicaLimits(replicas[r].max_num_seqs, replicas[r].num_kv_blocks, replicas[r].block_size)
               for r in settings.roles}
-    return SimAutoscaler(GoodputPolicy(settings, models, limits))
+    shared = spec.shared_cores if spec.lend_idle_cores else None
+    return SimAutoscaler(GoodputPolicy(settings, models, limits, shared_cores=shared))
 
 
 def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

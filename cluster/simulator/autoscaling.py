@@ -34,7 +34,9 @@ class SimAutoscaler:
 
     def on_step(self, replica, shape, seconds: float) -> None:
         role = self._sim.role_of(replica)
-        self._steps[role].append(StepSample(shape, seconds, warm=replica.num_steps > self.settings.warmup_steps))
+        self._steps[role].append(StepSample(shape, seconds, warm=replica.num_steps > self.settings.warmup_steps,
+                                            threads=replica.threads + replica.borrowed,
+                                            borrowed_threads=replica.borrowed))
 
     # ---- one interval -----------------------------------------------------------------------
     def _tick(self) -> None:

@@ -403,10 +403,10 @@ class _Simulation:
     def _step_done(self, replica: SimReplica, work, shape: StepShape, seconds: float) -> None:
         replica.busy = False
         replica.finish_step(work, self.now)
-        if not replica.has_work:
-            replica.borrowed = 0      # idle: gives back what it borrowed
         if self.autoscaler is not None:
             self.autoscaler.on_step(replica, shape, seconds)
+        if not replica.has_work:
+            replica.borrowed = 0      # idle: gives back what it borrowed
         if self.awaiting_decode and replica in self.decode_pool:
             self._admit_awaiting()
         self._kick(replica)

@@ -1,0 +1,124 @@
+"""The autoscaler on a CPU machine whose replicas lend idle cores to each other
+(cluster/autoscaler/lending.py): no Ray, no engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.autoscaler.lending import LentCoreSpeedup, decode_threads
+from cluster.autoscaler.policy import AutoscaleSettings, GoodputPolicy, Observation, RoleObservation, StepSample
+from cluster.config import DeploymentConfig
+from cluster.perf_model.linear_model import LinearStepModel
+from cluster.perf_model.step_shape import StepShape
+
+# 5 ms a step, 0.1 ms a prompt token, 1 ms a decoding sequence, 1 us per key a decode reads
+MODEL = LinearStepModel((5e-3, 1e-4, 0.0, 1e-3, 1e-6))
+DECODE_STEP = StepShape(decode_seqs=20, decode_context=20 * 300)
+
+
+@pytest.mark.parametrize("cores, prefill, decode, busy, threads", [
+    (2, 2, 1, 0.0, 2.0),      # both prefill replicas idle: the decode replica takes the machine's other core
+    (2, 2, 1, 0.25, 1.5),     # the busy prefill quarter-threads leave 0.5 of a core
+    (2, 2, 1, 1.0, 1.0),      # prefill at work all the time: nothing to borrow
+    (2, 1, 2, 0.5, 1.0),      # two decode threads fill the machine already
+    (4, 2, 1, 0.0, 3.0),      # two idle prefill cores, room for both
+    (3, 2, 2, 0.0, 1.5),      # one spare core for two decode replicas: half each
+])
+def test_decode_threads_take_idle_prefill_cores_within_the_machine(cores, prefill, decode, busy, threads):
+    assert decode_threads(cores, prefill, decode, busy) == pytest.approx(threads)
+
+
+def test_speedup_is_learned_from_borrowed_steps_and_interpolated_in_inverse_threads():
+    speedup = LentCoreSpeedup()
+    assert speedup.factor(1, 2) == 1.0                  # nothing seen: lending counts for nothing
+    for ratio in (0.5, 0.6, 0.7):
+        speedup.observe(1, 2, ratio)
+    speedup.observe(1, 1, 0.1)                          # not a borrowed step: ignored
+    assert speedup.num_observed == 3
+    assert speedup.factor(1, 2) == pytest.approx(0.6)   # the median, at the threads seen
+    # 1.5 threads: 1 + (0.6 - 1) * (1 - 1/1.5) / (1 - 1/2)
+    assert speedup.factor(1, 1.5) == pytest.approx(1 - 0.4 * (1 / 3) / 0.5)
+    assert speedup.factor(1, 1) == 1.0
+    fast = LentCoreSpeedup()
+    fast.observe(1, 2, 0.3)                              # faster than two threads can be (noise)
+    assert fast.factor(1, 2) == pytest.approx(0.5)       # no better than perfect scaling
+
+
+def _observation(now: float, rate: float, current: dict[str, int], decode_steps: list[StepSample]) -> Observation:
+    roles = {"prefill": RoleObservation(running=current["prefill"]),
+             "decode": RoleObservation(running=current["decode"], steps=decode_steps)}
+    return Observation(now=now, window_s=10.0, arrivals=round(rate * 10), mean_prompt_tokens=200,
+                       mean_output_tokens=256, ttft_p90_s=0.1, tpot_p90_s=0.02, roles=roles)
+
+
+def _output_heavy_targets(shared_cores: int | None, borrowed_ratio: float | None) -> dict[str, int]:
+    """2 prefill + 1 decode at a budget of 3 ranks, 4 req/s of 200-token prompts
+    and 256-token outputs: one decode replica on its own core holds ~2.6 req/s
+    within the TPOT budget, on two cores (steps at `borrowed_ratio`) ~4.8."""
+    settings = AutoscaleSettings(ttft_slo_s=1.0, tpot_slo_s=0.05, budget=3, interval_s=10.0, startup_s=10.0,
+                                 downscale_cooldown_s=0.0, lend_idle_cores=True)
+    policy = GoodputPolicy(settings, {"prefill": MODEL, "decode": MODEL}, shared_cores=shared_cores)
+    steps = []
+    if borrowed_ratio is not None:
+        steps = [StepSample(DECODE_STEP, MODEL.step_time(DECODE_STEP) * borrowed_ratio, threads=2,
+                            borrowed_threads=1)] * 30
+    current = {"prefill": 2, "decode": 1}
+    for i in range(3):
+        current = dict(policy.decide(_observation(10.0 * (i + 1), 4.0, current, steps)).targets)
+    return current
+
+
+def test_a_decode_replica_on_lent_cores_is_not_resplit_for_compute_it_already_has():
+    assert _output_heavy_targets(shared_cores=2, borrowed_ratio=0.55) == {"prefill": 2, "decode": 1}
+
+
+def test_without_lent_cores_or_before_any_borrowed_step_the_split_moves_to_decode():
+    assert _output_heavy_targets(shared_cores=None, borrowed_ratio=0.55) == {"prefill": 1, "decode": 2}
+    assert _output_heavy_targets(shared_cores=2, borrowed_ratio=None) == {"prefill": 1, "decode": 2}
+
+
+def test_lent_cores_too_few_for_the_load_still_add_a_decode_replica():
+    # 4 cores, budget 4: the one decode replica borrows ~1.8 idle prefill cores, ~6 req/s; 7 arrive
+    settings = AutoscaleSettings(ttft_slo_s=1.0, tpot_slo_s=0.05, budget=4, interval_s=10.0, startup_s=10.0,
+                                 downscale_cooldown_s=0.0, lend_idle_cores=True)
+    policy = GoodputPolicy(settings, {"prefill": MODEL, "decode": MODEL}, shared_cores=4)
+    steps = [StepSample(DECODE_STEP, MODEL.step_time(DECODE_STEP) * 0.55, threads=2, borrowed_threads=1)] * 30
+    decision = policy.decide(_observation(10.0, 7.0, {"prefill": 2, "decode": 1}, steps))
+    assert decision.targets == {"prefill": 2, "decode": 2}
+    assert 5.0 < decision.capacity["decode"] < 7.0      # the lent replica's, reported per replica
+
+
+def test_borrowed_steps_stay_out_of_the_own_core_correction():
+    settings = AutoscaleSettings(ttft_slo_s=1.0, tpot_slo_s=0.05, budget=3, lend_idle_cores=True)
+    policy = GoodputPolicy(settings, {"prefill": MODEL, "decode": MODEL}, shared_cores=2)
+    steps = [StepSample(DECODE_STEP, MODEL.step_time(DECODE_STEP) * 1.2)] * 10
+    steps += [StepSample(DECODE_STEP, MODEL.step_time(DECODE_STEP) * 0.72, threads=2, borrowed_threads=1)] * 10
+    policy.decide(_observation(10.0, 1.0, {"prefill": 2, "decode": 1}, steps))
+    assert policy.models["decode"].factor == pytest.approx(1.2)
+    assert policy.lent_speedup.factor(1, 2) == pytest.approx(0.72 / 1.2)   # against the corrected model
+
+
+def test_lending_is_set_for_cpu_deployments_that_lend_only():
+    assert DeploymentConfig.model_validate(_autoscaled("cpu", True)).autoscaling_settings().lend_idle_cores
+    assert not DeploymentConfig.model_validate(_autoscaled("cpu", False)).autoscaling_settings().lend_idle_cores
+    assert not DeploymentConfig.model_validate(_autoscaled("cuda", True)).autoscaling_settings().lend_idle_cores
+
+
+def _autoscaled(device: str, lend: bool) -> dict:
+    return {"device": device, "resources": {"lend_idle_cores": lend}, "slo": {"ttft_ms": 1000, "tpot_ms": 100},
+            "autoscaling": {"enabled": True}}
+
+
+@pytest.mark.parametrize("split_margin, targets", [(0.2, {"prefill": 2, "decode": 1}),
+                                                   (0.0, {"prefill": 1, "decode": 2})])
+def test_on_a_lending_machine_a_shortfall_within_the_split_margin_is_not_worth_a_resplit(split_margin, targets):
+    # 4 cores, budget 3: the lent decode replica serves ~6.1 req/s, 6.8 are predicted; 1P+2D would serve ~7
+    settings = AutoscaleSettings(ttft_slo_s=1.0, tpot_slo_s=0.05, budget=3, interval_s=10.0, startup_s=10.0,
+                                 downscale_cooldown_s=0.0, split_margin=split_margin, lend_idle_cores=True)
+    policy = GoodputPolicy(settings, {"prefill": MODEL, "decode": MODEL}, shared_cores=4)
+    steps = [StepSample(DECODE_STEP, MODEL.step_time(DECODE_STEP) * 0.55, threads=2, borrowed_threads=1)] * 30
+    decision = policy.decide(_observation(10.0, 6.8, {"prefill": 2, "decode": 1}, steps))
+    assert 5.7 < decision.capacity["decode"] < 6.8
+    assert decision.targets == targets
+    if split_margin:
+        assert "not worth a re-split" in decision.reasons["decode"]
