@@ -19,8 +19,8 @@ Every system has the same `slo:` section, so admission control refuses (429)
 by the same rules in each; refusals are counted apart from failures.
 For each: goodput (requests meeting both SLOs per second of the run),
 attainment, TTFT/TPOT p90, and replica-seconds (the autoscaled run reads the
-replicas serving from /metrics every second; a static split holds all of its
-replicas for the whole run). On 2 cores the replicas share the cores, so a
+replicas serving from /metrics every second: their mean times the run's
+duration; a static split holds all of its replicas for the whole run). On 2 cores the replicas share the cores, so a
 replica more of one role takes CPU from the others: what moves is which role
 the cores work for.
 """
@@ -119,6 +119,14 @@ def phase_figures(records, phases: list[dict], slos_ms: dict) -> dict:
     return out
 
 
+def autoscaled_replica_seconds(samples: list[dict], deployed: int, duration_s: float) -> float:
+    """The mean replicas serving over the samples (about one a second) times the
+    run's duration; a sample from before the autoscaler's first decision (no
+    figures in /metrics yet) counts the pools as deployed."""
+    counts = [sum(s["running"].values()) or deployed for s in samples]
+    return (sum(counts) / len(counts) if counts else deployed) * duration_s
+
+
 def run_system(name: str, config: dict, requests, offsets, phases, args, tokenizer, log_dir: Path) -> dict:
     path = log_dir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -143,12 +151,13 @@ def run_system(name: str, config: dict, requests, offsets, phases, args, tokeniz
     summary = summarize(result.records, num_requests=len(requests), duration=result.duration, slos_ms=slos_ms,
                         percentiles=[90])
     good = summary.good or 0
+    deployed = config["prefill"]["replicas"] + config["decode"]["replicas"]
     if config.get("autoscaling"):
         start = samples[0]["time_s"] if samples else 0.0
-        replica_s = sum(sum(s["running"].values()) for s in samples)        # one sample a second
+        replica_s = autoscaled_replica_seconds(samples, deployed, result.duration)
         timeline = [{**s, "time_s": s["time_s"] - start} for s in samples]
     else:
-        replica_s = (config["prefill"]["replicas"] + config["decode"]["replicas"]) * result.duration
+        replica_s = deployed * result.duration
         timeline = []
     # admission control's answers (429 + Retry-After) are refusals, not lost requests
     failures = {error: n for error, n in summary.error_counts.items() if not error.startswith("HTTP 429")}
