@@ -18,6 +18,7 @@ are long), so only the decode role's capacity changes.
   over own-thread prediction, and interpolated from there linearly in
   1 / threads (the simulator's `lent_step_time`), never faster than perfect
   scaling. Until a borrowed step is seen, lending counts for nothing.
+- `ScaledStepModel`: a step model at that factor, for the capacity rules.
 """
 
 from __future__ import annotations
