@@ -20,9 +20,9 @@ by the same rules in each; refusals are counted apart from failures.
 For each: goodput (requests meeting both SLOs per second of the run),
 attainment, TTFT/TPOT p90, and replica-seconds (the autoscaled run reads the
 replicas serving from /metrics every second: their mean times the run's
-duration; a static split holds all of its replicas for the whole run). On 2 cores the replicas share the cores, so a
-replica more of one role takes CPU from the others: what moves is which role
-the cores work for.
+duration; a static split holds all of its replicas for the whole run). On 2
+cores the replicas share the cores, so a replica more of one role takes CPU
+from the others: what moves is which role the cores work for.
 """
 
 from __future__ import annotations

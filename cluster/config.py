@@ -264,7 +264,8 @@ class DeploymentConfig(_Strict):
 
     def autoscaling_settings(self):
         """The autoscaling policy's settings (autoscaling.enabled must be true)."""
-        return self.autoscaling.settings(self.mode.value, self.pools(), self.slo, lend_idle_cores=self.lends_idle_cores())
+        return self.autoscaling.settings(self.mode.value, self.pools(), self.slo,
+                                         lend_idle_cores=self.lends_idle_cores())
 
     def lends_idle_cores(self) -> bool:
         """Whether one-rank CPU engines lend idle cores to each other (engine/core_lending.py)."""
