@@ -129,9 +129,8 @@ class AutoscaleLoop:
                 sample = StepSample(shape, step.duration_s, warm=index > self.settings.warmup_steps,
                                     threads=step.threads, borrowed_threads=step.borrowed_threads)
                 steps.append(sample)
-                if sample.warm and not sample.borrowed_threads:
-                    # the model is of a replica on its own cores; borrowed idle cores (faster) the
-                    # policy counts apart (cluster/autoscaler/lending.py)
+                if sample.fits_own_cores:
+                    # borrowed idle cores (faster) the policy counts apart (cluster/autoscaler/lending.py)
                     self._fit_steps[role].append(sample)
         return RoleObservation(running=running, starting=max(0, asked - running),
                                waiting_requests=self._waiting.get(role, 0.0), steps=steps)

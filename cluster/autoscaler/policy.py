@@ -133,6 +133,11 @@ class StepSample:
     threads: int = 1                  # torch threads it ran with (CPU)
     borrowed_threads: int = 0         # of which on cores borrowed from idle replicas (not the replica's own)
 
+    @property
+    def fits_own_cores(self) -> bool:
+        """A warm step on the replica's own cores: what its step model is fitted and corrected to."""
+        return self.warm and self.borrowed_threads == 0
+
 
 @dataclass
 class RoleObservation:
@@ -256,7 +261,7 @@ class GoodputPolicy:
                     continue
                 own = max(1, sample.threads - sample.borrowed_threads)
                 self.own_threads[role] = own
-                if sample.borrowed_threads == 0:
+                if sample.fits_own_cores:
                     if self.settings.correct_models:
                         model.observe(sample.shape, sample.seconds)
                 elif role == "decode" and self.shared_cores is not None:
@@ -275,7 +280,13 @@ class GoodputPolicy:
             return {"colocated": colocated_capacity(self.models["colocated"], prompt, output, ttft, tpot,
                                                     self.limits["colocated"], s.ttft_percentile)}
         return {"prefill": prefill_capacity(self.models["prefill"], prompt, ttft, s.ttft_percentile),
-                "decode": decode_capacity(self.models["decode"], prompt, output, tpot, self.limits["decode"])}
+                "decode": self._decode_capacity(self.models["decode"])}
+
+    def _decode_capacity(self, model: StepTimeModel) -> float:
+        """Requests/s one decode replica whose steps take `model`'s times sustains."""
+        s = self.settings
+        return decode_capacity(model, self.prompt_tokens or 1.0, self.output_tokens or 1.0,
+                               s.tpot_slo_s * s.slo_headroom, self.limits["decode"])
 
     def _lent_factor(self, replicas: dict[str, int], prefill_rate: float) -> float:
         """A decode step's time in split `replicas` over its time on the replica's
@@ -296,10 +307,7 @@ class GoodputPolicy:
         factor = self._lent_factor(replicas, demand.get("prefill", 0.0)) if role == "decode" else 1.0
         if n == 0 or factor >= 1.0:
             return n * capacity[role]
-        s = self.settings
-        model = ScaledStepModel(self.models["decode"], factor)
-        return n * decode_capacity(model, self.prompt_tokens or 1.0, self.output_tokens or 1.0,
-                                   s.tpot_slo_s * s.slo_headroom, self.limits["decode"])
+        return n * self._decode_capacity(ScaledStepModel(self.models["decode"], factor))
 
     def _replicas_needed(self, role: str, current: dict[str, int], capacity: dict[str, float],
                          demand: dict[str, float], share: float = 1.0) -> int:
