@@ -34,14 +34,14 @@ from typing import Any, Protocol
 from engine.core_lending import NoLending, join_ledger
 from engine.llm_engine import LLMEngine, StepStats
 from engine.outputs import RequestOutput
-from engine.step_cost import StepCostFit
+from engine.step_cost import PrefillTokenCost, StepCostFit
 
 log = logging.getLogger(__name__)
 
 Ticker = Callable[[LLMEngine], bool]
 _BUSY_POLL_S = 0.002
 _IDLE_WAIT_S = 0.5
-_COST_EWMA = 0.2      # weight of the newest step in the per-token prefill cost
+_COST_EWMA = 0.2      # weight of the newest decode-only step in the per-sequence decode cost
 # a new engine's first steps are slow (cold caches and allocator, first kernels, a replica
 # that starts beside busy ones): they stay out of its cost estimates, as out of the
 # autoscaler's fit, so a replica joining a pool does not make admission control refuse
@@ -76,7 +76,8 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._sinks: dict[str, OutputSink] = {}
         self._sinks_lock = threading.Lock()
-        self.prefill_s_per_token: float | None = None   # measured on this engine's steps (EWMA)
+        self._prefill_cost = PrefillTokenCost()
+        self.prefill_s_per_token: float | None = None   # measured on this engine's recent prefill steps
         self.decode_s_per_seq: float | None = None      # decode-only steps' time per sequence (EWMA)
         self.step_cost = StepCostFit()                   # decode and prefill shares of mixed steps too
         self._num_steps = 0
@@ -277,9 +278,8 @@ class AsyncEngine:
                 old = self.decode_s_per_seq
                 self.decode_s_per_seq = cost if old is None else (1 - _COST_EWMA) * old + _COST_EWMA * cost
             return
-        cost = step.duration_s / step.num_prefill_tokens
-        old = self.prefill_s_per_token
-        self.prefill_s_per_token = cost if old is None else (1 - _COST_EWMA) * old + _COST_EWMA * cost
+        self._prefill_cost.add(step.num_prefill_tokens, step.duration_s)
+        self.prefill_s_per_token = self._prefill_cost.s_per_token
 
     def _fail_everything(self, exc: BaseException) -> None:
         while True:

@@ -67,3 +67,29 @@ class StepCostFit:
             return None
         return StepCost(fixed_s=float(fitted.get("fixed", 0.0)), per_seq_s=float(fitted["seq"]),
                         per_prefill_token_s=float(fitted.get("token", 0.0)), mean_prefill_tokens=float(tokens.mean()))
+
+
+PREFILL_WINDOW = 16
+
+
+class PrefillTokenCost:
+    """Seconds per prompt token of the steps that carried prefill, over the last
+    PREFILL_WINDOW of them: their total time over their total prompt tokens, the
+    decodes riding along included (they lengthen a prompt's step, hence its
+    time to first token). A ratio of sums, not a mean of ratios: a step that
+    carries a few prompt tokens beside many decodes (a prompt's last chunk, a
+    short prompt) counts for its few tokens instead of setting the cost of
+    every token to its own."""
+
+    def __init__(self, window: int = PREFILL_WINDOW) -> None:
+        self._steps: deque[tuple[int, float]] = deque(maxlen=window)   # (prefill tokens, seconds)
+
+    def add(self, num_prefill_tokens: int, duration_s: float) -> None:
+        if num_prefill_tokens > 0:
+            self._steps.append((num_prefill_tokens, duration_s))
+
+    @property
+    def s_per_token(self) -> float | None:
+        if not self._steps:
+            return None
+        return sum(s for _, s in self._steps) / sum(n for n, _ in self._steps)

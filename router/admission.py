@@ -9,7 +9,8 @@ each request's time to first token,
     TTFT = (prompt tokens waiting / prefill replicas + this prompt) x prefill s/token
 
 with the per-token cost the workers measure on their own steps, and refuses
-it when that exceeds `slo_factor` x the SLO. When prompts arrive faster than
+it when that exceeds `slo_factor` x the SLO while anything waits ahead of it
+(alone, it is admitted: its own prefill is the best this server can do). When prompts arrive faster than
 the prefill replicas serve them (over the last `overload_window_s` or the
 last few arrivals, refused ones included), queueing more cannot raise
 throughput, only every admitted request's TTFT: then a request is admitted
@@ -232,7 +233,10 @@ class AdmissionControl:
             return
         limit = s.ttft_slo_s * s.slo_factor
         predicted = self.predicted_ttft_s(num_prompt_tokens)
-        if predicted > limit:
+        # With nothing waiting ahead the prediction is this prompt's own prefill: no later
+        # retry does better, and refusing would also keep the cost estimate from ever
+        # being measured again (one inflated figure would refuse every request for good).
+        if predicted > limit and self.waiting_requests:
             raise self._refuse("ttft_slo", f"its predicted time to first token is {predicted * 1000:.0f} ms, past "
                                f"the {limit * 1000:.0f} ms this server admits")
         if s.overload_wait_factor is None or not self.overloaded():

@@ -46,6 +46,32 @@ def test_the_ttft_slo_refuses_what_would_miss_it():
     assert a.waiting_requests == 2                     # the refused one is not counted
 
 
+def test_a_request_alone_is_admitted_whatever_its_own_prefill_is_predicted_to_take():
+    a = AdmissionControl(AdmissionSettings(ttft_slo_s=1.0))
+    a.observe_workers("colocated", [{"prefill_s_per_token": 3.7e-3}])   # an inflated estimate
+    first = a.admit(280)                               # 1.04 s predicted, but nothing waits ahead
+    with pytest.raises(Overloaded) as exc:
+        a.admit(280)                                   # 2.07 s with the first one ahead
+    assert exc.value.reason == "ttft_slo"
+    a.first_token(first)
+    a.admit(280)                                       # alone again
+
+
+def test_the_prefill_cost_is_total_time_over_total_prompt_tokens_of_recent_steps():
+    from engine.step_cost import PREFILL_WINDOW, PrefillTokenCost
+    cost = PrefillTokenCost()
+    assert cost.s_per_token is None
+    cost.add(0, 0.02)                                  # a decode-only step: not a prefill step
+    assert cost.s_per_token is None
+    for _ in range(PREFILL_WINDOW - 1):
+        cost.add(280, 0.125)                           # a prompt beside the running decodes
+    cost.add(4, 0.030)                                 # a 4-token chunk beside them: 7.5 ms a token alone
+    assert cost.s_per_token == pytest.approx((15 * 0.125 + 0.030) / (15 * 280 + 4))
+    for _ in range(PREFILL_WINDOW):
+        cost.add(100, 0.01)                            # the window moves on
+    assert cost.s_per_token == pytest.approx(1e-4)
+
+
 class _Clock:
     def __init__(self):
         self.now = 100.0
