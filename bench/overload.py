@@ -2,7 +2,8 @@
 serve`, admission control off and on, in one run.
 
     python bench/overload.py [--steps 0.5,1,2,5,10] [--step-s 15] [--slo ttft:1000 tpot:100]
-                             [--slo-factor F] [--systems "admission off,admission on"]
+                             [--slo-factor F] [--overload-wait-factor F]
+                             [--systems "admission off,admission on"]
                              [--capacity RPS --unloaded-ttft-ms MS] [--model DIR]
                              [--mode colocated|disaggregated]
                              [--json bench/results/overload.json]
@@ -76,6 +77,8 @@ def main() -> int:
     ap.add_argument("--step-s", type=float, default=15.0)
     ap.add_argument("--slo", nargs=2, type=parse_slo, default=[("ttft", 1000.0), ("tpot", 100.0)])
     ap.add_argument("--slo-factor", type=float, default=None, help="admission.slo_factor (default: the server's)")
+    ap.add_argument("--overload-wait-factor", type=float, default=None,
+                    help="admission.overload_wait_factor (default: the server's)")
     ap.add_argument("--systems", default="admission off,admission on")
     ap.add_argument("--capacity", type=float, default=None, help="skip measuring it (req/s at 16 concurrent)")
     ap.add_argument("--unloaded-ttft-ms", type=float, default=None)
@@ -93,7 +96,9 @@ def main() -> int:
     base = {"model": {"path": model_dir, "served_model_name": "bench"}, "mode": args.mode}
     systems = {"admission off": {**base, "admission": {"enabled": False}},
                "admission on": {**base, "slo": {"ttft_ms": slos_ms["ttft"], "tpot_ms": slos_ms["tpot"]},
-                                **({"admission": {"slo_factor": args.slo_factor}} if args.slo_factor else {})}}
+                                "admission": {k: v for k, v in (("slo_factor", args.slo_factor),
+                                                                ("overload_wait_factor", args.overload_wait_factor))
+                                              if v is not None}}}
     systems = {name: systems[name] for name in args.systems.split(",")}
     log_dir = Path(tempfile.mkdtemp(prefix="overload-"))
     steps = [float(x) for x in args.steps.split(",")]

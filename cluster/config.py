@@ -149,11 +149,11 @@ class AdmissionSection(_Strict):
     max_waiting_prompt_tokens: int | None = Field(1 << 18, ge=1, description="their prompt tokens; null: no bound")
     slo_factor: float = Field(1.0, gt=0, description="with slo.ttft_ms: refuse a request whose predicted time to "
                               "first token is past this many times the SLO")
-    overload_wait_factor: float | None = Field(1.0, ge=0, description="with slo.ttft_ms, while prompts arrive "
+    overload_wait_factor: float | None = Field(0.25, ge=0, description="with slo.ttft_ms, while prompts arrive "
                                                "faster than the prefill replicas serve them: admit a request only "
-                                               "while what waits ahead of it takes at most this many times its own "
-                                               "prefill (keeps admitted TTFT near its unloaded value); null: admit "
-                                               "up to the SLO")
+                                               "while what still waits ahead of it takes at most this many times its "
+                                               "own prefill (keeps admitted TTFT near its unloaded value); null: "
+                                               "admit up to the SLO")
 
     def settings(self, slo: "SloSection"):
         """The router's AdmissionSettings, or None when admission control is off."""

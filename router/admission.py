@@ -14,8 +14,10 @@ it when that exceeds `slo_factor` x the SLO while anything waits ahead of it
 the prefill replicas serve them (over the last `overload_window_s` or the
 last few arrivals, refused ones included), queueing more cannot raise
 throughput, only every admitted request's TTFT: then a request is admitted
-only while what waits ahead of it takes at most `overload_wait_factor` x its
-own prefill, so the queue holds about what keeps the replicas busy and
+only while what still waits ahead of it (the queued prompts' prefill, less
+what the prompts at its head have had since they started) takes at most
+`overload_wait_factor` x its own prefill. The next prompt then reaches a
+replica about when the one before it is done: the replicas stay busy and
 admitted TTFT stays near its unloaded value instead of climbing to the SLO.
 With a TPOT SLO it admits a request only while the decode replicas'
 predicted step time, with it, stays within `tpot_headroom` of the SLO:
@@ -51,7 +53,7 @@ class AdmissionSettings:
     slo_factor: float = 1.0
     tpot_slo_s: float | None = None
     tpot_headroom: float = 0.8          # decode steps are held to this share of the TPOT SLO
-    overload_wait_factor: float | None = 1.0   # with a TTFT SLO, in overload: wait <= this x own prefill
+    overload_wait_factor: float | None = 0.25  # with a TTFT SLO, in overload: wait <= this x own prefill
     overload_window_s: float = 5.0      # arrivals over this long decide whether prompts outpace prefill
 
 
@@ -96,6 +98,7 @@ class AdmissionControl:
         self.mean_prompt_tokens: float | None = None  # of the requests checked with their prompt, running mean
         self.waiting_requests = 0
         self.waiting_tokens = 0
+        self._head_since: float | None = None        # when the prompt now being prefilled started, about
         self.replicas = 1
         self.s_per_token: float | None = None      # the prefill replicas' measured cost, mean
         self.running = 0                           # admitted and not ended
@@ -151,6 +154,8 @@ class AdmissionControl:
         self._check_slo(num_prompt_tokens)
         ticket = Admitted(num_prompt_tokens, self._prefill_tokens_per_step(num_prompt_tokens, max_tokens))
         self._check_tpot(ticket.prefill_tokens_per_step)
+        if not self.waiting_requests:
+            self._head_since = self.clock()
         self.waiting_requests += 1
         self.waiting_tokens += num_prompt_tokens
         self.running += 1
@@ -161,6 +166,7 @@ class AdmissionControl:
         """An admitted request got its first token, or ended without one (once per request)."""
         self.waiting_requests = max(0, self.waiting_requests - 1)
         self.waiting_tokens = max(0, self.waiting_tokens - ticket.prompt_tokens)
+        self._head_since = self.clock() if self.waiting_requests else None
 
     def finished(self, ticket: Admitted, output_tokens: int | None = None) -> None:
         """An admitted request ended (however; output_tokens when it ran to its end)."""
@@ -181,8 +187,17 @@ class AdmissionControl:
 
     # ---- predictions --------------------------------------------------------------------------
     def predicted_wait_s(self) -> float:
-        """Until what waits now has had its first token (0 before any cost is measured)."""
-        return self.waiting_tokens / self.replicas * (self.s_per_token or 0.0)
+        """Until what waits now has had its first token (0 before any cost is measured):
+        its prompts' prefill, less what the prompts at the head of the queue have
+        had since they started (since the latest first token, or their admission
+        into an empty queue; at most a mean prompt's prefill each)."""
+        if not self.s_per_token or not self.waiting_requests:
+            return 0.0
+        work = self.waiting_tokens * self.s_per_token
+        heads = min(self.replicas, self.waiting_requests)
+        per_head = (self.mean_prompt_tokens or 0.0) * self.s_per_token
+        done = heads * min(self.clock() - self._head_since, per_head) if self._head_since is not None else 0.0
+        return max(0.0, work - done) / self.replicas
 
     def predicted_ttft_s(self, num_prompt_tokens: int) -> float:
         return self.predicted_wait_s() + num_prompt_tokens * (self.s_per_token or 0.0)

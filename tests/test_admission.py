@@ -15,8 +15,17 @@ from router.openai_api import build_openai_app
 from tests.test_openai_api import MODEL, FakeBackend
 
 
+class _Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_queue_bounds_refuse_with_the_drain_time():
-    a = AdmissionControl(AdmissionSettings(max_waiting_requests=2, max_waiting_prompt_tokens=1000))
+    a = AdmissionControl(AdmissionSettings(max_waiting_requests=2, max_waiting_prompt_tokens=1000),
+                         clock=_Clock())
     a.observe_workers("prefill", [{"prefill_s_per_token": 0.004}, {"prefill_s_per_token": 0.002}])
     a.admit(300)
     five_hundred = a.admit(500)
@@ -34,7 +43,7 @@ def test_queue_bounds_refuse_with_the_drain_time():
 
 
 def test_the_ttft_slo_refuses_what_would_miss_it():
-    a = AdmissionControl(AdmissionSettings(ttft_slo_s=1.0, slo_factor=1.5))
+    a = AdmissionControl(AdmissionSettings(ttft_slo_s=1.0, slo_factor=1.5), clock=_Clock())
     a.admit(10_000)                                    # no cost measured yet: no prediction, admitted
     a.observe_workers("prefill", [{"prefill_s_per_token": 1e-4}])
     a.observe_workers("decode", [{"prefill_s_per_token": 1.0}])       # not a prefill role: ignored
@@ -70,14 +79,6 @@ def test_the_prefill_cost_is_total_time_over_total_prompt_tokens_of_recent_steps
     for _ in range(PREFILL_WINDOW):
         cost.add(100, 0.01)                            # the window moves on
     assert cost.s_per_token == pytest.approx(1e-4)
-
-
-class _Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _arrivals(a: AdmissionControl, clock: _Clock, rate: float, seconds: float, prompt: int) -> None:
@@ -121,6 +122,39 @@ def test_in_overload_only_what_keeps_the_prefill_busy_is_admitted(factor):
     a.admit(100)
     a.admit(100)
     a.admit(100)
+
+
+def test_in_overload_the_wait_ahead_is_what_the_head_of_the_queue_has_left():
+    clock = _Clock()
+    a = AdmissionControl(AdmissionSettings(ttft_slo_s=1.0, overload_wait_factor=0.25), clock=clock)
+    a.observe_workers("prefill", [{"prefill_s_per_token": 1e-3}])    # 100-token prompts: 0.1 s, 10 req/s
+    _arrivals(a, clock, rate=20.0, seconds=5.0, prompt=100)
+    assert a.overloaded()
+    first = a.admit(100)                               # into an empty queue: its prefill starts now
+    assert a.predicted_wait_s() == pytest.approx(0.1)
+    clock.now += 0.06
+    assert a.predicted_wait_s() == pytest.approx(0.04)
+    with pytest.raises(Overloaded) as exc:
+        a.admit(100)                                   # 40 ms left ahead > 0.25 x its own 100 ms
+    assert exc.value.reason == "overload"
+    clock.now += 0.02
+    second = a.admit(100)                              # 20 ms left ahead
+    assert a.predicted_wait_s() == pytest.approx(0.12)
+    clock.now += 0.05                                  # the first is late: no credit past its prefill
+    assert a.predicted_wait_s() == pytest.approx(0.1)
+    a.first_token(first)                               # the second starts now
+    assert a.predicted_wait_s() == pytest.approx(0.1)
+    clock.now += 0.08
+    a.admit(100)
+    a.first_token(second)
+    assert a.predicted_wait_s() == pytest.approx(0.1)  # the third is the head now
+    two = AdmissionControl(AdmissionSettings(ttft_slo_s=1.0), clock=clock)
+    two.observe_workers("prefill", [{"prefill_s_per_token": 1e-3}, {"prefill_s_per_token": 1e-3}])
+    two.admit(100)
+    two.admit(100)
+    two.admit(100)
+    clock.now += 0.05                                  # two replicas each 50 ms into a prompt
+    assert two.predicted_wait_s() == pytest.approx((0.3 - 2 * 0.05) / 2)
 
 
 def test_a_burst_after_a_quiet_spell_is_overload_within_a_few_arrivals():
@@ -308,4 +342,4 @@ def test_the_deployment_file_sets_the_overload_wait_bound():
     assert (settings.ttft_slo_s, settings.overload_wait_factor) == (0.8, 0.5)
     off = DeploymentConfig.model_validate({"admission": {"overload_wait_factor": None}})
     assert off.admission.settings(off.slo).overload_wait_factor is None
-    assert DeploymentConfig().admission.settings(DeploymentConfig().slo).overload_wait_factor == 1.0
+    assert DeploymentConfig().admission.settings(DeploymentConfig().slo).overload_wait_factor == 0.25
