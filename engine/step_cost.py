@@ -8,6 +8,10 @@ the decodes' share of a step can only come from separating the two terms. The
 fit is least squares over the last WINDOW steps, redone every REFIT_EVERY
 steps, with a term dropped when its coefficient comes out negative. It needs
 steps with different batch sizes; until it has them every figure is None.
+
+PrefillTokenCost is the simpler figure admission control and conditional
+disaggregation price a prompt with: the recent prefill steps' seconds per
+prompt token, whatever rode along.
 """
 
 from __future__ import annotations

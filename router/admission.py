@@ -10,10 +10,10 @@ each request's time to first token,
 
 with the per-token cost the workers measure on their own steps, and refuses
 it when that exceeds `slo_factor` x the SLO while anything waits ahead of it
-(alone, it is admitted: its own prefill is the best this server can do). When prompts arrive faster than
-the prefill replicas serve them (over the last `overload_window_s` or the
-last few arrivals, refused ones included), queueing more cannot raise
-throughput, only every admitted request's TTFT: then a request is admitted
+(alone, it is admitted: its own prefill is the best this server can do).
+When prompts arrive faster than the prefill replicas serve them (over the
+last `overload_window_s` or the last few arrivals, refused ones included),
+queueing more cannot raise throughput, only every admitted request's TTFT: then a request is admitted
 only while what still waits ahead of it (the queued prompts' prefill, less
 what the prompts at its head have had since they started) takes at most
 `overload_wait_factor` x its own prefill. The next prompt then reaches a
@@ -98,7 +98,7 @@ class AdmissionControl:
         self.mean_prompt_tokens: float | None = None  # of the requests checked with their prompt, running mean
         self.waiting_requests = 0
         self.waiting_tokens = 0
-        self._head_since: float | None = None        # when the prompt now being prefilled started, about
+        self._head_since: float | None = None        # when the prompts at the queue's head started (about)
         self.replicas = 1
         self.s_per_token: float | None = None      # the prefill replicas' measured cost, mean
         self.running = 0                           # admitted and not ended
