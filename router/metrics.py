@@ -52,7 +52,7 @@ WORKER_GAUGES = (
      "Engine steps a worker has run with cores borrowed from idle engines, since it started."),
     ("num_held", "pdserve_worker_kv_holds", "Requests whose KV a prefill worker holds for a decode worker."),
     ("prefill_s_per_token", "pdserve_worker_prefill_seconds_per_token",
-     "A worker's measured prefill cost per prompt token (moving average)."),
+     "A worker's measured prefill cost per prompt token (its last 16 prefill steps' time over their tokens)."),
 )
 
 
