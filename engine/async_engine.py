@@ -77,7 +77,8 @@ class AsyncEngine:
         self._sinks: dict[str, OutputSink] = {}
         self._sinks_lock = threading.Lock()
         self._prefill_cost = PrefillTokenCost()
-        self.prefill_s_per_token: float | None = None   # measured on this engine's recent prefill steps
+        # _prefill_cost's figure after each step, for readers on other threads (load_stats)
+        self.prefill_s_per_token: float | None = None
         self.decode_s_per_seq: float | None = None      # decode-only steps' time per sequence (EWMA)
         self.step_cost = StepCostFit()                   # decode and prefill shares of mixed steps too
         self._num_steps = 0
