@@ -58,10 +58,12 @@ class AdmissionSettings:
 
 
 # (latest arrivals, factor): their rate past `factor` x what the prefill replicas serve is
-# overload too. Fewer arrivals see a burst sooner and need a higher factor to tell it from
-# chance: at a rate equal to capacity, 4 (8) Poisson arrivals come 3.7x (2.1x) that fast
-# 5% of the time; 16 come at least that fast about half the time.
-BURST_RULES = ((4, 3.7), (8, 2.1), (16, 1.0))
+# overload too. Each factor is the one that Poisson arrivals at exactly the capacity pass
+# 5% of the time (the 5% quantile of the gamma distribution of n - 1 gaps): fewer arrivals
+# see a burst sooner and need a higher factor to tell it from chance. A load under the
+# capacity passes them less often still (at 0.75x, about 1-3% of arrivals), and a request
+# is refused then only if a prompt it would wait behind is far from done.
+BURST_RULES = ((3, 5.6), (4, 3.7), (8, 2.1), (16, 1.6))
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,8 +208,8 @@ class AdmissionControl:
         """Whether prompt tokens arrive faster than the prefill replicas serve them (at
         their measured cost): at the arrival rate over the last overload_window_s, or
         over the latest few arrivals (BURST_RULES). The second sees a burst that
-        starts after a quiet spell within 4 arrivals when it is several times the
-        capacity, within 16 when it is just past it, where the window's rate would be
+        starts after a quiet spell within 3 arrivals when it is several times the
+        capacity, within 16 when it is 1.6x, where the window's rate would be
         diluted by the quiet part for seconds."""
         if not self.s_per_token or not self.mean_prompt_tokens or not self._arrivals:
             return False

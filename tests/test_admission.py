@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 import time
 
@@ -183,6 +184,41 @@ def test_a_burst_of_many_times_the_capacity_is_overload_within_four_arrivals():
     assert a.overloaded()                              # the last 4 span 3/50 s: 50 req/s, past 3.7x the capacity
     _arrivals(a, clock, rate=25.0, seconds=10.0, prompt=100)
     assert a.overloaded()                              # 2.5x: every 8 latest arrivals, past 2.1x
+
+
+def _share_judged_overloaded(rate: float, capacity: float, arrivals: int, seed: int) -> float:
+    """Of Poisson arrivals at `rate` against one replica serving `capacity` req/s (each
+    served before the next arrives), the share at which the router judges overload."""
+    rng = random.Random(seed)
+    clock = _Clock()
+    a = AdmissionControl(AdmissionSettings(ttft_slo_s=1.0, overload_window_s=5.0), clock=clock)
+    a.observe_workers("prefill", [{"prefill_s_per_token": 1 / (100 * capacity)}])   # 100-token prompts
+    judged = 0
+    for _ in range(arrivals):
+        clock.now += rng.expovariate(rate)
+        a.check_before_tokenizing()
+        judged += a.overloaded()
+        a.first_token(a.admit(100))
+    return judged / arrivals
+
+
+def test_a_load_under_the_capacity_is_rarely_judged_overload_by_chance():
+    # The 5 s window's rate alone passes the capacity at 3% of these arrivals by chance;
+    # with a 16-arrival rule at 1x the capacity (no margin for chance) it was 19%.
+    assert _share_judged_overloaded(7.5, 10.0, 4000, seed=1) < 0.1
+    assert _share_judged_overloaded(15.0, 10.0, 4000, seed=1) > 0.9    # while overload is still seen
+
+
+def test_a_burst_of_ten_times_the_capacity_is_overload_at_its_third_arrival():
+    clock = _Clock()
+    a = AdmissionControl(AdmissionSettings(ttft_slo_s=1.0, overload_window_s=5.0), clock=clock)
+    a.observe_workers("prefill", [{"prefill_s_per_token": 1e-3}])    # 100-token prompts: 10 req/s
+    _arrivals(a, clock, rate=1.0, seconds=10.0, prompt=100)
+    clock.now += 0.5
+    _arrivals(a, clock, rate=100.0, seconds=2 / 100, prompt=100)
+    assert not a.overloaded()                          # two arrivals 10 ms apart: chance, for all it knows
+    _arrivals(a, clock, rate=100.0, seconds=1 / 100, prompt=100)
+    assert a.overloaded()                              # three in 20 ms: 100 req/s, past 5.6x the capacity
 
 
 def test_the_tpot_slo_bounds_the_requests_running_at_once():
