@@ -61,7 +61,7 @@ class AdmissionSettings:
 # overload too. Each factor is the one that Poisson arrivals at exactly the capacity pass
 # 5% of the time (the 5% quantile of the gamma distribution of n - 1 gaps): fewer arrivals
 # see a burst sooner and need a higher factor to tell it from chance. A load under the
-# capacity passes them less often still (at 0.75x, about 1-3% of arrivals), and a request
+# capacity passes them less often still (at 0.75x, 0.4-3% of arrivals each), and a request
 # is refused then only if a prompt it would wait behind is far from done.
 BURST_RULES = ((3, 5.6), (4, 3.7), (8, 2.1), (16, 1.6))
 
