@@ -80,6 +80,8 @@ def deployment(args, model_dir: str, prefill: int, decode: int, autoscale: bool)
     if autoscale:
         config["autoscaling"] = {"enabled": True, "budget": args.budget, "interval_s": 5, "startup_s": 15,
                                  "downscale_cooldown_s": 15}
+        if args.downscale_window_s is not None:
+            config["autoscaling"]["downscale_window_s"] = args.downscale_window_s
     return config
 
 
@@ -188,6 +190,8 @@ def main() -> int:
     ap.add_argument("--output-heavy-rate", type=float, default=1.2)
     ap.add_argument("--model", default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--downscale-window-s", type=float, default=None,
+                    help="autoscaling.downscale_window_s (default: the server's)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--static", action=argparse.BooleanOptionalAction, default=True,
                     help="also serve every static split (--no-static: the autoscaled system alone)")
