@@ -1,22 +1,31 @@
 """The goodput planner: candidates within the GPU budget only, none that does
 not fit memory, the better configuration found on a case with a known answer,
-and `pdserve plan --slo` writing a deployment file that validates."""
+a refined rate that converges to the exact M/D/1 answer where a short run
+overstates it, and `pdserve plan --slo` writing a deployment file that
+validates."""
 
 from __future__ import annotations
+
+import importlib
+import math
 
 import pytest
 
 from cluster.perf_model import LinearStepModel
 from cluster.planner.search import (
     Candidate,
+    RateEstimate,
     Workload,
     candidates,
     max_rate,
     roofline_spec_builder,
     search,
+    sustained_max_rate,
 )
 from cluster.simulator import ClusterSpec
 from cluster.simulator.cluster_sim import ReplicaSpec
+
+search_module = importlib.import_module("cluster.planner.search")   # the package's `search` is the function
 
 
 def test_candidates_stay_within_the_gpu_budget():
@@ -31,7 +40,7 @@ def test_planner_never_returns_what_does_not_fit_memory():
     model = ModelConfig.from_pretrained("configs/models/llama-3-70b")
     build = roofline_spec_builder(model, gpu="H100-SXM", dtype="bfloat16", max_model_len=8192)
     result = search(num_gpus=4, tps=[1, 2, 4], workload=Workload(512, 32, num_requests=60),
-                    slos_s={"ttft": 2.0, "tpot": 0.1}, build_spec=build)
+                    slos_s={"ttft": 2.0, "tpot": 0.1}, build_spec=build, max_requests=240)
     # 70B bf16 (131 GiB) cannot sit on one 80 GiB GPU: every TP-1 candidate is skipped, with the reason
     assert all(1 not in (e.candidate.prefill_tp, e.candidate.decode_tp) for e in result.evaluated)
     assert any("TP 1" in why for _, why in result.skipped)
@@ -47,6 +56,102 @@ def test_max_rate_finds_the_capacity_of_a_fixed_time_replica():
     assert 5.0 < rate < 10.0 and att >= 0.9
 
 
+def md1_rate_for_wait(wait_s: float, service_s: float, quantile: float) -> float:
+    """The Poisson arrival rate at which an M/D/1 queue's waiting time is within
+    `wait_s` with probability `quantile` (Erlang's closed form, bisected)."""
+    def wait_cdf(lam: float) -> float:
+        return (1 - lam * service_s) * sum(
+            (lam * (k * service_s - wait_s)) ** k / math.factorial(k) * math.exp(-lam * (k * service_s - wait_s))
+            for k in range(int(wait_s / service_s) + 1))
+    low, high = 0.0, 1 / service_s
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if wait_cdf(mid) >= quantile else (low, mid)
+    return low
+
+
+def fixed_time_replica(step_s: float = 0.1) -> ClusterSpec:
+    """One replica serving one request at a time, each exactly one step of `step_s`."""
+    model = LinearStepModel((step_s, 0.0, 0.0, 0.0, 0.0))
+    return ClusterSpec("colocated", decode=ReplicaSpec(model, 1000, 16, 1, 2048), decode_replicas=1)
+
+
+def test_a_short_run_overstates_the_rate_and_refinement_converges_to_the_md1_answer():
+    # a 0.1 s server with a TTFT SLO of 1 s (the step included): 90% of waits within
+    # 0.9 s, which M/D/1 gives at ~8.8 req/s; it can never sustain more than 10
+    spec, workload, slos = fixed_time_replica(), Workload(10, 1, num_requests=100), {"ttft": 1.0}
+    exact = md1_rate_for_wait(0.9, 0.1, 0.9)
+    assert 8.5 < exact < 9.0
+    short, _ = max_rate(spec, workload, slos)
+    assert short > 10.0          # 100 requests end before the queue shows it is unstable
+
+    estimates = sustained_max_rate(spec, workload, slos, tolerance=0.03, max_requests=8000)
+    assert [e.num_requests for e in estimates] == [100 * 2 ** i for i in range(len(estimates))]
+    assert estimates[0].rate == pytest.approx(short)
+    assert estimates[-1].rate == pytest.approx(exact, rel=0.03)
+    last3 = [e.rate for e in estimates[-3:]]
+    assert len(estimates) >= 3 and max(last3) - min(last3) <= 0.03 * max(last3)
+    assert all(e.attainment >= 0.9 for e in estimates)
+
+
+def test_refinement_stops_at_max_requests():
+    estimates = sustained_max_rate(fixed_time_replica(), Workload(10, 1, num_requests=100), {"ttft": 1.0},
+                                   max_requests=400)
+    assert [e.num_requests for e in estimates] == [100, 200, 400]
+
+
+def test_search_refines_the_leaders_of_each_mode_and_ranks_on_refined_rates():
+    def build(c: Candidate):
+        return fixed_time_replica_cluster(c), ""
+    # 3 GPUs: one colocated candidate (3 x TP1), three disaggregated ones
+    result = search(num_gpus=3, tps=[1], workload=Workload(10, 1, num_requests=100), slos_s={"ttft": 1.0},
+                    build_spec=build, refine_top=1, max_requests=1600)
+    for mode in ("colocated", "disaggregated"):
+        best = result.best(mode)
+        assert best.refined and best.num_requests > 100
+        assert best.max_rate == best.refined[-1].rate
+        assert best.refined[0] == RateEstimate(100, best.refined[0].rate, best.refined[0].attainment)
+    screened = [e for e in result.evaluated if not e.refined]
+    assert screened and all(e.num_requests is None for e in screened)
+
+    unrefined = search(num_gpus=3, tps=[1], workload=Workload(10, 1, num_requests=100), slos_s={"ttft": 1.0},
+                       build_spec=build, refine_top=0)
+    assert not any(e.refined for e in unrefined.evaluated)
+
+
+def fixed_time_replica_cluster(c: Candidate) -> ClusterSpec:
+    replica = fixed_time_replica().decode
+    if c.mode == "colocated":
+        return ClusterSpec("colocated", decode=replica, decode_replicas=c.decode_replicas)
+    return ClusterSpec("disaggregated", prefill=replica, decode=replica, prefill_replicas=c.prefill_replicas,
+                       decode_replicas=c.decode_replicas)
+
+
+def test_a_candidate_that_refinement_leaves_on_top_is_refined_too(monkeypatch):
+    # screening ranks A over B; refining A drops it under B's screened rate, so B is
+    # refined as well, and the mode's best is a refined figure
+    from types import SimpleNamespace
+    a, b = Candidate("colocated", 0, 0, 2, 1), Candidate("colocated", 0, 0, 1, 2)
+    specs = {c: SimpleNamespace(name=c, decode=SimpleNamespace(num_kv_blocks=1), prefill=None) for c in (a, b)}
+    screened = {a: 10.0, b: 9.0}           # req/s on the 2 GPUs each uses
+    refined_to = {a: 4.0, b: 8.0}
+
+    def fake_max_rate(spec, workload, slos_s, target=0.9, iterations=7, near=None):
+        return screened[spec.name], 0.95
+
+    def fake_sustained(spec, workload, slos_s, target=0.9, *, tolerance, max_requests, first):
+        return [first, RateEstimate(2 * first.num_requests, refined_to[spec.name], 0.95)]
+
+    monkeypatch.setattr(search_module, "max_rate", fake_max_rate)
+    monkeypatch.setattr(search_module, "sustained_max_rate", fake_sustained)
+    monkeypatch.setattr(search_module, "candidates", lambda num_gpus, tps: [a, b])
+    result = search(num_gpus=2, tps=[1, 2], workload=Workload(10, 1, num_requests=100), slos_s={"ttft": 1.0},
+                    build_spec=lambda c: (specs[c], ""), refine_top=1)
+    assert {e.candidate: e.max_rate for e in result.evaluated} == {a: 4.0, b: 8.0}   # both refined
+    assert all(e.num_requests == 200 for e in result.evaluated)
+    assert result.best("colocated").candidate == b
+
+
 def test_a_faster_decode_pool_wins(tmp_path):
     # the same cluster with twice the decode replicas sustains a higher rate on a decode-bound workload
     model = LinearStepModel((2e-3, 1e-5, 0.0, 1e-3, 0.0))
@@ -58,7 +163,7 @@ def test_a_faster_decode_pool_wins(tmp_path):
         return ClusterSpec("disaggregated", prefill=replica, decode=replica, prefill_replicas=c.prefill_replicas,
                            decode_replicas=c.decode_replicas), ""
     result = search(num_gpus=3, tps=[1], workload=Workload(64, 64, num_requests=120),
-                    slos_s={"ttft": 1.0, "tpot": 0.05}, build_spec=build)
+                    slos_s={"ttft": 1.0, "tpot": 0.05}, build_spec=build, max_requests=480)
     best = result.best("disaggregated")
     assert (best.candidate.prefill_replicas, best.candidate.decode_replicas) == (1, 2)
 
@@ -68,18 +173,21 @@ def test_pdserve_plan_slo_writes_a_valid_deployment(tmp_path, capsys):
     from cluster.config import load_config
     out = tmp_path / "best.yaml"
     code = main(["plan", "--model", "llama-3-8b", "--slo", "ttft:1000", "tpot:50", "--gpus", "2",
-                 "--num-prompts", "60", "--random-input-len", "512", "--random-output-len", "32",
-                 "--write-config", str(out)])
+                 "--num-prompts", "60", "--max-prompts", "240", "--random-input-len", "512",
+                 "--random-output-len", "32", "--write-config", str(out)])
     assert code == 0
     config = load_config(out)
     used = sum(p.replicas * p.tensor_parallel_size for p in config.pools().values())
     assert config.device == "cuda" and used <= 2
-    assert "best colocated" in capsys.readouterr().out
+    out_text = capsys.readouterr().out
+    assert "best colocated" in out_text and "| 60: " in out_text and " -> 120: " in out_text
 
 
 def test_pdserve_plan_slo_rejects_bad_input(capsys):
     from cluster.cli.main import main
     assert main(["plan", "--model", "llama-3-8b", "--slo", "ttft:1000"]) == 2
     assert "--gpus" in capsys.readouterr().err
+    assert main(["plan", "--model", "llama-3-8b", "--slo", "ttft:1000", "--gpus", "2", "--rate-tolerance", "0"]) == 2
+    assert "--rate-tolerance" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["plan", "--model", "llama-3-8b", "--slo", "latency:5", "--gpus", "2"])

@@ -4,7 +4,13 @@ and a deployment file for the winner.
 
     pdserve plan --model M --slo ttft:MS tpot:MS --gpus N --gpu-type T
                  [--random-input-len L --random-output-len L --random-range-ratio R --num-prompts N]
+                 [--max-prompts N --refine-top K --rate-tolerance T]
                  [--profile PROFILE.json] [--policy always|conditional] [--attainment 0.9]
+
+Every candidate is screened on --num-prompts simulated requests; the
+--refine-top best of each mode are then simulated on 2x, 4x, ... as many until
+their rate settles within --rate-tolerance (at most --max-prompts requests): a
+short run overstates what a configuration sustains.
                  [--write-config FILE] [--json]
 """
 
@@ -52,6 +58,10 @@ def run_goodput_plan(args: argparse.Namespace, model_dir, model) -> int:
     if args.gpus is None or args.gpus < 1:
         print("error: --slo needs --gpus N (the GPU budget, N >= 1)", file=sys.stderr)
         return 2
+    if args.num_prompts < 1 or args.refine_top < 0 or not 0 < args.rate_tolerance < 1:
+        print("error: --num-prompts must be >= 1, --refine-top >= 0 and --rate-tolerance in (0, 1)",
+              file=sys.stderr)
+        return 2
     tps = [t for t in valid_tps(model) if t <= args.gpus]
     models = None
     if args.profile:
@@ -71,16 +81,21 @@ def run_goodput_plan(args: argparse.Namespace, model_dir, model) -> int:
                                   gpu_memory_utilization=args.gpu_memory_utilization, policy=args.policy,
                                   models=models)
     result = search(num_gpus=args.gpus, tps=tps, workload=workload, slos_s={k: v / 1000 for k, v in slos.items()},
-                    build_spec=build, target=args.attainment,
+                    build_spec=build, target=args.attainment, refine_top=args.refine_top,
+                    tolerance=args.rate_tolerance, max_requests=args.max_prompts,
                     progress=None if args.json else lambda m: print(f"  {m}", file=sys.stderr))
     best = result.best()
     report = {
         "model": str(model_dir), "gpu_type": gpu, "gpus": args.gpus, "dtype": dtype, "slos_ms": slos,
         "attainment_target": args.attainment, "step_model": "profile" if models else "roofline",
+        "refinement": {"top_per_mode": args.refine_top, "tolerance": args.rate_tolerance,
+                       "max_requests": args.max_prompts},
         "workload": vars(workload),
         "candidates": [{"config": e.candidate.describe(), **vars(e.candidate), "gpus_used": e.candidate.gpus,
                         "max_rate": e.max_rate, "goodput_per_gpu": e.goodput_per_gpu,
-                        "attainment_at_max": e.attainment_at_max, "kv_blocks": e.kv_blocks}
+                        "attainment_at_max": e.attainment_at_max, "kv_blocks": e.kv_blocks,
+                        "num_requests": e.num_requests or workload.num_requests,
+                        "estimates": [vars(r) for r in e.refined]}
                        for e in sorted(result.evaluated, key=lambda e: -e.goodput_per_gpu)],
         "skipped": [{"config": c.describe(), "why": why} for c, why in result.skipped],
         "best": {m: (None if result.best(m) is None else result.best(m).candidate.describe())
@@ -105,9 +120,13 @@ def format_report(report: dict) -> str:
     lines = [f"goodput per GPU at >= {report['attainment_target']:.0%} SLO attainment "
              f"({', '.join(f'{k} <= {v:g} ms' for k, v in report['slos_ms'].items())}), "
              f"{report['gpus']} x {report['gpu_type']}, {report['step_model']} step times:", "",
-             "| configuration | GPUs | max rate (req/s) | goodput per GPU |", "|---|---:|---:|---:|"]
+             "| configuration | GPUs | max rate (req/s) | goodput per GPU | simulated requests |",
+             "|---|---:|---:|---:|---|"]
     for c in report["candidates"]:
-        lines.append(f"| {c['config']} | {c['gpus_used']} | {c['max_rate']:.2f} | {c['goodput_per_gpu']:.3f} |")
+        runs = (" -> ".join(f"{e['num_requests']}: {e['rate']:.2f}" for e in c["estimates"]) if c["estimates"]
+                else f"{c['num_requests']} (screened)")
+        lines.append(f"| {c['config']} | {c['gpus_used']} | {c['max_rate']:.2f} | {c['goodput_per_gpu']:.3f} "
+                     f"| {runs} |")
     lines += ["", f"best colocated:     {report['best']['colocated']}",
               f"best disaggregated: {report['best']['disaggregated']}"]
     if report["skipped"]:
@@ -147,6 +166,14 @@ def add_goodput_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--random-output-len", type=int, default=256, help="output tokens (default 256)")
     g.add_argument("--random-range-ratio", type=float, default=0.2,
                    help="lengths uniform in [len*(1-r), len*(1+r)] (default 0.2)")
-    g.add_argument("--num-prompts", type=int, default=500, help="simulated requests per rate probed (default 500)")
+    g.add_argument("--num-prompts", type=int, default=500,
+                   help="simulated requests per rate probed when screening every candidate (default 500)")
+    g.add_argument("--max-prompts", type=int, default=8000,
+                   help="most simulated requests when refining the leaders (default 8000; at most --num-prompts: "
+                        "no refinement)")
+    g.add_argument("--refine-top", type=int, default=2,
+                   help="leaders of each mode refined on 2x, 4x, ... the requests (default 2; 0: none)")
+    g.add_argument("--rate-tolerance", type=float, default=0.03,
+                   help="refinement stops when three successive rates agree within this fraction (default 0.03)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--write-config", default=None, metavar="FILE", help="write a deployment file for the winner")
