@@ -4,13 +4,14 @@ and a deployment file for the winner.
 
     pdserve plan --model M --slo ttft:MS tpot:MS --gpus N --gpu-type T
                  [--random-input-len L --random-output-len L --random-range-ratio R --num-prompts N]
-                 [--max-prompts N --refine-top K --rate-tolerance T]
+                 [--max-prompts N --refine-top K --rate-tolerance T] [--jobs N]
                  [--profile PROFILE.json] [--policy always|conditional] [--attainment 0.9]
 
 Every candidate is screened on --num-prompts simulated requests; the
 --refine-top best of each mode are then simulated on 2x, 4x, ... as many until
 their rate settles within --rate-tolerance (at most --max-prompts requests): a
-short run overstates what a configuration sustains.
+short run overstates what a configuration sustains. --jobs simulates that many
+candidates at once (default: every core).
                  [--write-config FILE] [--json]
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import yaml
@@ -58,8 +60,8 @@ def run_goodput_plan(args: argparse.Namespace, model_dir, model) -> int:
     if args.gpus is None or args.gpus < 1:
         print("error: --slo needs --gpus N (the GPU budget, N >= 1)", file=sys.stderr)
         return 2
-    if args.num_prompts < 1 or args.refine_top < 0 or not 0 < args.rate_tolerance < 1:
-        print("error: --num-prompts must be >= 1, --refine-top >= 0 and --rate-tolerance in (0, 1)",
+    if args.num_prompts < 1 or args.refine_top < 0 or not 0 < args.rate_tolerance < 1 or args.jobs < 1:
+        print("error: --num-prompts and --jobs must be >= 1, --refine-top >= 0 and --rate-tolerance in (0, 1)",
               file=sys.stderr)
         return 2
     tps = [t for t in valid_tps(model) if t <= args.gpus]
@@ -82,7 +84,7 @@ def run_goodput_plan(args: argparse.Namespace, model_dir, model) -> int:
                                   models=models)
     result = search(num_gpus=args.gpus, tps=tps, workload=workload, slos_s={k: v / 1000 for k, v in slos.items()},
                     build_spec=build, target=args.attainment, refine_top=args.refine_top,
-                    tolerance=args.rate_tolerance, max_requests=args.max_prompts,
+                    tolerance=args.rate_tolerance, max_requests=args.max_prompts, jobs=args.jobs,
                     progress=None if args.json else lambda m: print(f"  {m}", file=sys.stderr))
     best = result.best()
     report = {
@@ -95,7 +97,7 @@ def run_goodput_plan(args: argparse.Namespace, model_dir, model) -> int:
                         "max_rate": e.max_rate, "goodput_per_gpu": e.goodput_per_gpu,
                         "attainment_at_max": e.attainment_at_max, "kv_blocks": e.kv_blocks,
                         "num_requests": e.num_requests or workload.num_requests,
-                        "estimates": [vars(r) for r in e.refined]}
+                        "estimates": [vars(r) for r in e.refined], "settled": e.settled}
                        for e in sorted(result.evaluated, key=lambda e: -e.goodput_per_gpu)],
         "skipped": [{"config": c.describe(), "why": why} for c, why in result.skipped],
         "best": {m: (None if result.best(m) is None else result.best(m).candidate.describe())
@@ -125,6 +127,8 @@ def format_report(report: dict) -> str:
     for c in report["candidates"]:
         runs = (" -> ".join(f"{e['num_requests']}: {e['rate']:.2f}" for e in c["estimates"]) if c["estimates"]
                 else f"{c['num_requests']} (screened)")
+        if c["estimates"] and not c["settled"]:
+            runs += " (not settled: raise --max-prompts)"
         lines.append(f"| {c['config']} | {c['gpus_used']} | {c['max_rate']:.2f} | {c['goodput_per_gpu']:.3f} "
                      f"| {runs} |")
     lines += ["", f"best colocated:     {report['best']['colocated']}",
@@ -175,5 +179,7 @@ def add_goodput_arguments(p: argparse.ArgumentParser) -> None:
                    help="leaders of each mode refined on 2x, 4x, ... the requests (default 2; 0: none)")
     g.add_argument("--rate-tolerance", type=float, default=0.03,
                    help="refinement stops when three successive rates agree within this fraction (default 0.03)")
+    g.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="candidates simulated at once, in worker processes (default: every core)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--write-config", default=None, metavar="FILE", help="write a deployment file for the winner")

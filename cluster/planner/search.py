@@ -24,7 +24,10 @@ refined figure.
 from __future__ import annotations
 
 import random
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
+from functools import partial
+from itertools import repeat
 from typing import Callable
 
 from cluster.perf_model.step_shape import StepTimeModel
@@ -82,6 +85,7 @@ class Evaluated:
     attainment_at_max: float
     kv_blocks: dict[str, int]
     refined: list[RateEstimate] = field(default_factory=list)   # sustained_max_rate's estimates; [] if screened only
+    settled: bool = False                # refined, and its last three estimates agree within the tolerance
 
     @property
     def goodput_per_gpu(self) -> float:
@@ -209,48 +213,80 @@ def _agree(estimates: list[RateEstimate], tolerance: float) -> bool:
 
 def search(*, num_gpus: int, tps: list[int], workload: Workload, slos_s: dict[str, float],
            build_spec: Callable[[Candidate], tuple[ClusterSpec | None, str]], target: float = 0.9,
-           refine_top: int = 2, tolerance: float = 0.03, max_requests: int = 8000,
+           refine_top: int = 2, tolerance: float = 0.03, max_requests: int = 8000, jobs: int = 1,
            progress: Callable[[str], None] | None = None) -> PlanResult:
     """Evaluates every candidate `build_spec` can place (it returns (None, why)
     for one that does not fit memory) on the workload, then refines the
     `refine_top` best of each mode with `sustained_max_rate`, and any other
     that a refinement leaves on top of its mode, so each mode's best is a
-    refined figure (`refine_top` 0 or `max_requests` <= the workload's
-    requests: screening only)."""
+    refined figure (`refine_top` 0 or `max_requests` < 2x the workload's
+    requests: screening only). `jobs` > 1 simulates that many candidates at
+    once, in worker processes."""
     result = PlanResult()
     specs: dict[Candidate, ClusterSpec] = {}
     for cand in candidates(num_gpus, tps):
         spec, why = build_spec(cand)
         if spec is None:
             result.skipped.append((cand, why))
-            continue
-        specs[cand] = spec
-        rate, att = max_rate(spec, workload, slos_s, target)
-        blocks = {"decode": spec.decode.num_kv_blocks}
-        if spec.prefill is not None:
-            blocks["prefill"] = spec.prefill.num_kv_blocks
-        result.evaluated.append(Evaluated(cand, rate, att, blocks))
-        if progress:
-            progress(f"{cand.describe()}: {rate:.2f} req/s ({rate / cand.gpus:.3f} per GPU)")
-    if refine_top <= 0 or max_requests < 2 * workload.num_requests:
-        return result
+        else:
+            specs[cand] = spec
+    with _pool(jobs) as pool:
+        screened = pool.map(max_rate, specs.values(), repeat(workload), repeat(slos_s), repeat(target))
+        for (cand, spec), (rate, att) in zip(specs.items(), screened):
+            blocks = {"decode": spec.decode.num_kv_blocks}
+            if spec.prefill is not None:
+                blocks["prefill"] = spec.prefill.num_kv_blocks
+            result.evaluated.append(Evaluated(cand, rate, att, blocks))
+            if progress:
+                progress(f"{cand.describe()}: {rate:.2f} req/s ({rate / cand.gpus:.3f} per GPU)")
+        if refine_top <= 0 or max_requests < 2 * workload.num_requests:
+            return result
 
-    def refine(e: Evaluated) -> None:
-        e.refined = sustained_max_rate(specs[e.candidate], workload, slos_s, target, tolerance=tolerance,
-                                       max_requests=max_requests,
-                                       first=RateEstimate(workload.num_requests, e.max_rate, e.attainment_at_max))
-        e.max_rate, e.attainment_at_max = e.refined[-1].rate, e.refined[-1].attainment
-        if progress:
-            steps = ", ".join(f"{r.rate:.2f} at {r.num_requests}" for r in e.refined)
-            progress(f"{e.candidate.describe()} refined: {steps} requests")
+        def refine(batch: list[Evaluated]) -> None:
+            runs = pool.map(partial(_refine_one, tolerance=tolerance, max_requests=max_requests),
+                            [specs[e.candidate] for e in batch], repeat(workload), repeat(slos_s), repeat(target),
+                            [RateEstimate(workload.num_requests, e.max_rate, e.attainment_at_max) for e in batch])
+            for e, estimates in zip(batch, runs):
+                e.refined, e.settled = estimates, _agree(estimates[-3:], tolerance)
+                e.max_rate, e.attainment_at_max = estimates[-1].rate, estimates[-1].attainment
+                if progress:
+                    steps = ", ".join(f"{r.rate:.2f} at {r.num_requests}" for r in estimates)
+                    progress(f"{e.candidate.describe()} refined: {steps} requests")
 
-    for mode in ("colocated", "disaggregated"):
-        pool = sorted((e for e in result.evaluated if e.candidate.mode == mode), key=lambda e: -e.goodput_per_gpu)
-        for e in pool[:refine_top]:
-            refine(e)
-        while (best := result.best(mode)) is not None and not best.refined and best.max_rate > 0:
-            refine(best)
+        leaders = []
+        for mode in ("colocated", "disaggregated"):
+            ranked = sorted((e for e in result.evaluated if e.candidate.mode == mode), key=lambda e: -e.goodput_per_gpu)
+            leaders += ranked[:refine_top]
+        refine(leaders)
+        while overtaken := [b for mode in ("colocated", "disaggregated")
+                            if (b := result.best(mode)) is not None and not b.refined and b.max_rate > 0]:
+            refine(overtaken)
     return result
+
+
+def _refine_one(spec: ClusterSpec, workload: Workload, slos_s: dict[str, float], target: float,
+                first: RateEstimate, *, tolerance: float, max_requests: int) -> list[RateEstimate]:
+    """sustained_max_rate with `first` by position (for a pool's map)."""
+    return sustained_max_rate(spec, workload, slos_s, target, tolerance=tolerance, max_requests=max_requests,
+                              first=first)
+
+
+class _InProcess:
+    """`map` in this process (jobs == 1: no worker start-up, and tests can patch the functions)."""
+
+    def __enter__(self) -> "_InProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    @staticmethod
+    def map(fn, *iterables):
+        return list(map(fn, *iterables))
+
+
+def _pool(jobs: int):
+    return ProcessPoolExecutor(max_workers=jobs) if jobs > 1 else _InProcess()
 
 
 def roofline_spec_builder(model_config, *, gpu: str, dtype: str, max_model_len: int, block_size: int = 16,
