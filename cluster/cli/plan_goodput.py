@@ -6,13 +6,13 @@ and a deployment file for the winner.
                  [--random-input-len L --random-output-len L --random-range-ratio R --num-prompts N]
                  [--max-prompts N --refine-top K --rate-tolerance T] [--jobs N]
                  [--profile PROFILE.json] [--policy always|conditional] [--attainment 0.9]
+                 [--write-config FILE] [--json]
 
 Every candidate is screened on --num-prompts simulated requests; the
 --refine-top best of each mode are then simulated on 2x, 4x, ... as many until
 their rate settles within --rate-tolerance (at most --max-prompts requests): a
 short run overstates what a configuration sustains. --jobs simulates that many
 candidates at once (default: every core).
-                 [--write-config FILE] [--json]
 """
 
 from __future__ import annotations
@@ -173,8 +173,8 @@ def add_goodput_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-prompts", type=int, default=500,
                    help="simulated requests per rate probed when screening every candidate (default 500)")
     g.add_argument("--max-prompts", type=int, default=8000,
-                   help="most simulated requests when refining the leaders (default 8000; at most --num-prompts: "
-                        "no refinement)")
+                   help="most simulated requests when refining the leaders (default 8000; under twice "
+                        "--num-prompts: no refinement)")
     g.add_argument("--refine-top", type=int, default=2,
                    help="leaders of each mode refined on 2x, 4x, ... the requests (default 2; 0: none)")
     g.add_argument("--rate-tolerance", type=float, default=0.03,

@@ -157,6 +157,7 @@ def max_rate(spec: ClusterSpec, workload: Workload, slos_s: dict[str, float], ta
 
 
 def _bisect_near(holds, near: float, iterations: int) -> tuple[float, float]:
+    """Brackets the answer around a previous estimate `near`, then narrows it."""
     low, high = 0.85 * near, 1.05 * near
     ok, low_att = holds(low)
     while not ok:                                # the answer is lower still
