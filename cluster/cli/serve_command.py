@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
-import threading
 import time
 
 from cluster.cli.plan_goodput import parse_slo
+from cluster.cli.stop_signal import StopSignal
 from router.http_guard import api_key_digest
 
 APP_NAME = "pdserve"
@@ -142,9 +141,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except BaseException:
         ray.shutdown()
         raise
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = StopSignal().install()
     try:
         # with direct ingress the router listens on the port; Serve's proxy gets another
         proxy_port = free_port(host) if direct_ingress else port
@@ -155,7 +152,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
         url = f"http://{host}:{port}"
         print(f"pdserve is serving {config.mode.value} at {url}/v1 (Ctrl-C stops it)", flush=True)
-        while not stop.is_set():
+        while not stop.requested:
             time.sleep(0.2)
         print("stopping pdserve ...", flush=True)
     finally:

@@ -1,0 +1,32 @@
+"""A stop request from SIGINT or SIGTERM, for a command that serves until told to stop.
+
+The handler only assigns a flag, which the command polls. It must not take a
+lock: Python runs a handler on the main thread between bytecodes, so a signal
+that arrives while an earlier handler is inside `threading.Event.set` runs a
+second `set` that waits for the lock the first one holds, for ever (Ctrl-C
+pressed twice, a terminal's INT followed by a supervisor's TERM); the process
+then ignores every later signal too. Printing from a handler has the same
+problem (a buffered stream's lock).
+"""
+
+from __future__ import annotations
+
+import signal
+
+
+class StopSignal:
+    """`install()` makes SIGINT and SIGTERM set `requested`; nothing else runs in the handler."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.signum: int | None = None      # the last signal received
+
+    def install(self) -> "StopSignal":
+        """Main thread only (Python's rule for signal handlers)."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame) -> None:
+        self.requested = True
+        self.signum = signum
