@@ -137,8 +137,9 @@ def test_a_candidate_that_refinement_leaves_on_top_is_refined_too(monkeypatch):
     # refined as well, and the mode's best is a refined figure
     from types import SimpleNamespace
     a, b = Candidate("colocated", 0, 0, 2, 1), Candidate("colocated", 0, 0, 1, 2)
-    specs = {c: SimpleNamespace(name=c, decode=SimpleNamespace(num_kv_blocks=1), prefill=None) for c in (a, b)}
-    screened = {a: 10.0, b: 9.0}           # req/s on the 2 GPUs each uses
+    never = Candidate("colocated", 0, 0, 1, 1)
+    specs = {c: SimpleNamespace(name=c, decode=SimpleNamespace(num_kv_blocks=1), prefill=None) for c in (a, b, never)}
+    screened = {a: 10.0, b: 9.0, never: 0.0}    # req/s on the GPUs each uses; `never` meets the SLOs at no rate
     refined_to = {a: 4.0, b: 8.0}
 
     def fake_max_rate(spec, workload, slos_s, target=0.9, iterations=7, near=None):
@@ -149,12 +150,16 @@ def test_a_candidate_that_refinement_leaves_on_top_is_refined_too(monkeypatch):
 
     monkeypatch.setattr(search_module, "max_rate", fake_max_rate)
     monkeypatch.setattr(search_module, "sustained_max_rate", fake_sustained)
-    monkeypatch.setattr(search_module, "candidates", lambda num_gpus, tps: [a, b])
+    monkeypatch.setattr(search_module, "candidates", lambda num_gpus, tps: [a, b, never])
     result = search(num_gpus=2, tps=[1, 2], workload=Workload(10, 1, num_requests=100), slos_s={"ttft": 1.0},
                     build_spec=lambda c: (specs[c], ""), refine_top=1)
-    assert {e.candidate: e.max_rate for e in result.evaluated} == {a: 4.0, b: 8.0}   # both refined
-    assert all(e.num_requests == 200 for e in result.evaluated)
+    assert {e.candidate: e.max_rate for e in result.evaluated} == {a: 4.0, b: 8.0, never: 0.0}
+    assert {e.candidate: e.num_requests for e in result.evaluated} == {a: 200, b: 200, never: None}
     assert result.best("colocated").candidate == b
+    # however many leaders are refined, one that meets the SLOs at no rate is not
+    result = search(num_gpus=2, tps=[1, 2], workload=Workload(10, 1, num_requests=100), slos_s={"ttft": 1.0},
+                    build_spec=lambda c: (specs[c], ""), refine_top=3)
+    assert {e.candidate: e.num_requests for e in result.evaluated} == {a: 200, b: 200, never: None}
 
 
 def test_a_faster_decode_pool_wins(tmp_path):

@@ -256,8 +256,9 @@ def search(*, num_gpus: int, tps: list[int], workload: Workload, slos_s: dict[st
 
         leaders = []
         for mode in ("colocated", "disaggregated"):
-            ranked = sorted((e for e in result.evaluated if e.candidate.mode == mode), key=lambda e: -e.goodput_per_gpu)
-            leaders += ranked[:refine_top]
+            ranked = sorted((e for e in result.evaluated if e.candidate.mode == mode and e.max_rate > 0),
+                            key=lambda e: -e.goodput_per_gpu)
+            leaders += ranked[:refine_top]      # a candidate that meets the SLOs at no rate stays as screened
         refine(leaders)
         while overtaken := [b for mode in ("colocated", "disaggregated")
                             if (b := result.best(mode)) is not None and not b.refined and b.max_rate > 0]:
