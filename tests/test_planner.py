@@ -100,6 +100,15 @@ def test_refinement_stops_at_max_requests():
     assert [e.num_requests for e in estimates] == [100, 200, 400]
 
 
+def fixed_time_replica_cluster(c: Candidate) -> ClusterSpec:
+    """The candidate's replicas, each a `fixed_time_replica`."""
+    replica = fixed_time_replica().decode
+    if c.mode == "colocated":
+        return ClusterSpec("colocated", decode=replica, decode_replicas=c.decode_replicas)
+    return ClusterSpec("disaggregated", prefill=replica, decode=replica, prefill_replicas=c.prefill_replicas,
+                       decode_replicas=c.decode_replicas)
+
+
 def test_search_refines_the_leaders_of_each_mode_and_ranks_on_refined_rates():
     def build(c: Candidate):
         return fixed_time_replica_cluster(c), ""
@@ -122,14 +131,6 @@ def test_search_refines_the_leaders_of_each_mode_and_ranks_on_refined_rates():
     unrefined = search(num_gpus=3, tps=[1], workload=Workload(10, 1, num_requests=100), slos_s={"ttft": 1.0},
                        build_spec=build, refine_top=0)
     assert not any(e.refined for e in unrefined.evaluated)
-
-
-def fixed_time_replica_cluster(c: Candidate) -> ClusterSpec:
-    replica = fixed_time_replica().decode
-    if c.mode == "colocated":
-        return ClusterSpec("colocated", decode=replica, decode_replicas=c.decode_replicas)
-    return ClusterSpec("disaggregated", prefill=replica, decode=replica, prefill_replicas=c.prefill_replicas,
-                       decode_replicas=c.decode_replicas)
 
 
 def test_a_candidate_that_refinement_leaves_on_top_is_refined_too(monkeypatch):
