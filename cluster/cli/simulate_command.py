@@ -61,8 +61,11 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     started = time.perf_counter()
+    # the prompts' tokens, for the replicas' prefix caches (a shared-prefix dataset reuses them)
+    prompt_token_ids = [tokenizer.encode(r.prompt, add_special_tokens=False) for r in requests]   # as prompt_len
     result = simulate(spec, [(r.prompt_len, r.expected_output_len) for r in requests], arrivals,
-                      max_concurrency=args.max_concurrency, max_duration=args.max_duration, autoscaler=autoscaler)
+                      max_concurrency=args.max_concurrency, max_duration=args.max_duration, autoscaler=autoscaler,
+                      prompt_token_ids=prompt_token_ids)
     wall = time.perf_counter() - started
     run_config = RunConfig(base_url=f"simulated:{args.config}", model=config.model.served_model_name or model_dir,
                            request_rate=rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
@@ -75,7 +78,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     print(format_table(summary, metrics=args.percentile_metrics, percentiles=args.metric_percentiles,
                        title="Simulated Serving Benchmark Result", interrupted=None), flush=True)
     print(f"simulated {len(requests)} requests in {wall:.2f} s: {result.num_steps} replica steps, "
-          f"{result.num_preemptions} preemptions, {result.num_local_prefills} prompts prefilled on a decode worker")
+          f"{result.num_preemptions} preemptions, {result.num_local_prefills} prompts prefilled on a decode worker, "
+          f"{result.cached_prompt_tokens} prompt tokens from prefix caches")
     if autoscaler is not None:
         for entry in result.timeline:
             print(f"  {entry['time_s']:7.1f} s  {entry['rate']:6.2f} req/s  serving {entry['running']}  "
@@ -86,6 +90,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             "simulated": True, "profile": str(args.profile), "config": str(args.config),
             "dataset_name": args.dataset_name, "num_steps": result.num_steps,
             "num_preemptions": result.num_preemptions, "num_local_prefills": result.num_local_prefills,
+            "cached_prompt_tokens": result.cached_prompt_tokens,
             "replica_seconds": result.replica_seconds, "autoscaler_timeline": result.timeline})
         name = args.result_file or f"simulate-{time.strftime('%Y%m%d-%H%M%S')}.json"
         path = Path(args.result_dir or ".") / name

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from cluster.perf_model.step_shape import StepShape, StepTimeModel
+from cluster.simulator.prefix_cache import PrefixCache, prompt_block_hashes
 from cluster.simulator.replica import SimReplica, SimSequence
 from engine.core_lending import lendable_cores
 
@@ -61,6 +62,7 @@ class ReplicaSpec:
     threads: int = 1                 # CPU threads of one replica's ranks together (for shared_cores)
     in_core_ledger: bool = False     # lends its cores while idle (ClusterSpec.lend_idle_cores)
     wide_model: StepTimeModel | None = None   # its step time at shared_cores threads: it borrows idle cores
+    enable_prefix_caching: bool = True  # reuses cached prompt blocks (when simulate() gets the prompts' tokens)
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,7 @@ class SimulationResult:
     replica_seconds: dict[str, float] = field(default_factory=dict)   # per role
     timeline: list[dict] = field(default_factory=list)                # the autoscaler's intervals
     mean_stretch: dict[str, float] = field(default_factory=dict)      # per role: step time / model's time
+    cached_prompt_tokens: int = 0                                     # prompt tokens served by prefix caches
 
     def records(self):
         """The requests as `pdserve loadtest` RequestRecords (times in seconds from 0)."""
@@ -141,12 +144,23 @@ class SimulationResult:
 
 def simulate(spec: ClusterSpec, lengths: Sequence[tuple[int, int]], arrivals: Sequence[float], *,
              max_concurrency: int | None = None, max_duration: float = float("inf"),
-             autoscaler=None) -> SimulationResult:
+             autoscaler=None, prompt_token_ids: Sequence[Sequence[int]] | None = None) -> SimulationResult:
     """Runs requests (prompt_len, output_len) arriving at offsets `arrivals` (s).
-    `autoscaler`: a cluster.simulator.autoscaling.SimAutoscaler, or None for fixed pools."""
+    `autoscaler`: a cluster.simulator.autoscaling.SimAutoscaler, or None for fixed pools.
+    `prompt_token_ids`: each request's prompt, for prefix caching (without them
+    no prompt shares anything with another)."""
     if len(lengths) != len(arrivals):
         raise ValueError(f"{len(lengths)} requests but {len(arrivals)} arrival times")
-    return _Simulation(spec, max_concurrency, max_duration, autoscaler).run(lengths, arrivals)
+    sim = _Simulation(spec, max_concurrency, max_duration, autoscaler)
+    if prompt_token_ids is not None:
+        if len(prompt_token_ids) != len(lengths):
+            raise ValueError(f"{len(lengths)} requests but {len(prompt_token_ids)} prompts")
+        sizes = {rs.block_size for rs in (spec.prefill, spec.decode) if rs is not None}
+        if len(sizes) != 1:
+            raise ValueError(f"prefix caching needs one block size for every replica, got {sorted(sizes)}")
+        block_size = sizes.pop()
+        sim.block_hashes = [prompt_block_hashes(ids, block_size) for ids in prompt_token_ids]
+    return sim.run(lengths, arrivals)
 
 
 class _Simulation:
@@ -173,6 +187,7 @@ class _Simulation:
                             for i in range(spec.decode_replicas)]
         self.num_local_prefills = 0
         self.names = itertools.count(max(spec.prefill_replicas, spec.decode_replicas))
+        self.block_hashes: list[tuple[int, ...]] | None = None   # per request (simulate's prompt_token_ids)
 
     def _replica(self, name: str, rs: ReplicaSpec, *, borrows: bool) -> SimReplica:
         """`borrows`: a decode (colocated) replica, which may borrow idle cores."""
@@ -181,6 +196,8 @@ class _Simulation:
         if self.spec.lend_idle_cores and rs.in_core_ledger:
             replica.in_core_ledger = True
             replica.wide_model = rs.wide_model if borrows else None
+        if rs.enable_prefix_caching:
+            replica.prefix_cache = PrefixCache(rs.num_kv_blocks)
         replica.on_token = self._on_token
         replica.on_prefilled = lambda seq, t, r=replica: self._on_prefilled(seq, r)
         return replica
@@ -219,7 +236,8 @@ class _Simulation:
             totals[1] += r.num_steps
         return SimulationResult(self.logs, duration, sum(r.num_steps for r in pools),
                                 sum(r.num_preemptions for r in pools), self.num_local_prefills, seconds, timeline,
-                                {role: total / n for role, (total, n) in stretch.items() if n})
+                                {role: total / n for role, (total, n) in stretch.items() if n},
+                                sum(r.prefix_cache.hit_tokens for r in pools if r.prefix_cache is not None))
 
     # ---- pools ------------------------------------------------------------------------------
     @property
@@ -264,6 +282,8 @@ class _Simulation:
         log.send_time = self.now
         self.arrived.append(log)
         seq = SimSequence(log.index, log.prompt_len, log.output_len)
+        if self.block_hashes is not None:
+            seq.block_hashes = self.block_hashes[log.index]
         if self.spec.mode == "colocated" or self._prefill_locally(seq):
             log.prefilled_locally = self.spec.mode == "disaggregated"
             self.num_local_prefills += log.prefilled_locally

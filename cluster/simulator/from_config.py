@@ -47,7 +47,8 @@ def cluster_spec(config, model: StepTimeModel, *, model_config, link: KVLink = K
         one_rank = pool.tensor_parallel_size == 1       # TP gangs keep their threads (engine/core_lending.py)
         return ReplicaSpec(step_model, kv_blocks(config, pool, model_config, dtype, max_len), e.block_size,
                            e.max_num_seqs, config.tokens_per_step(), threads_per_rank * pool.tensor_parallel_size,
-                           in_core_ledger=lending and one_rank, wide_model=wide_model if lending else None)
+                           in_core_ledger=lending and one_rank, wide_model=wide_model if lending else None,
+                           enable_prefix_caching=e.enable_prefix_caching)
 
     d = config.disaggregation
     if config.mode.value == "colocated":

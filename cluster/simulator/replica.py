@@ -6,8 +6,9 @@ decode costs one token of the step's budget, a prompt chunk as many tokens as
 fit); a sequence that needs a block when none is free preempts the newest
 running one, which loses its KV and is recomputed later (prompt and output so
 far); waiting sequences are admitted while blocks, the budget and
-max_num_seqs allow, and not in a step that had to preempt. Prefix caching is
-not modelled.
+max_num_seqs allow, and not in a step that had to preempt. With a prefix
+cache (cluster/simulator/prefix_cache.py), a sequence that starts with no KV
+here starts after the prompt blocks the replica has cached.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from cluster.perf_model.step_shape import StepShape, StepTimeModel
+from cluster.simulator.prefix_cache import PrefixCache
 
 
 @dataclass(eq=False)
@@ -29,6 +31,7 @@ class SimSequence:
     computed: int = 0             # tokens whose KV is on this replica
     hold_after_first: bool = False  # prefill role: stop after the first token, keep the KV
     is_running: bool = False      # in its replica's running list
+    block_hashes: tuple[int, ...] = ()   # chained hashes of the prompt's full blocks (prefix_cache.py)
 
     @property
     def num_tokens(self) -> int:
@@ -69,6 +72,7 @@ class SimReplica:
     borrowed: int = 0                # cores borrowed for the step it runs
     stretch_sum: float = 0.0         # sum over its steps of step time / the model's time
     step: object = None              # the step it runs on shared cores (cluster_sim._SharedStep)
+    prefix_cache: PrefixCache | None = None   # None: prefix caching off
 
     # ---- load figures the router reads --------------------------------------------
     @property
@@ -144,9 +148,13 @@ class SimReplica:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) + len(self.reserved) < self.max_num_seqs):
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.computed, budget)
-            if not self._allocate(seq, seq.computed + n):
+            cached = self._cached_tokens(seq)
+            n = min(seq.num_tokens - seq.computed - cached, budget)
+            if not self._allocate(seq, seq.computed + cached + n):
                 break
+            seq.computed += cached
+            if cached:
+                self.prefix_cache.hit_tokens += cached
             self.waiting.popleft()
             self.running.append(seq)
             seq.is_running = True
@@ -161,6 +169,10 @@ class SimReplica:
         self.num_steps += 1
         for seq, n in work:
             seq.computed += n
+            if self.prefix_cache is not None and seq.block_hashes and seq.computed - n < seq.prompt_len:
+                bs = self.block_size           # the prompt blocks this chunk filled
+                self.prefix_cache.insert(seq.block_hashes[(seq.computed - n) // bs:
+                                                          min(seq.computed, seq.prompt_len) // bs])
             if seq.computed < seq.num_tokens:
                 continue                      # a chunk that stops mid-prompt samples nothing
             seq.generated += 1
@@ -174,6 +186,12 @@ class SimReplica:
                 self.on_prefilled(seq, now)
 
     # ---- blocks -----------------------------------------------------------------------
+    def _cached_tokens(self, seq: SimSequence) -> int:
+        """Prompt tokens a sequence starting here with no KV can skip (0 without a cache)."""
+        if self.prefix_cache is None or seq.computed or not seq.block_hashes:
+            return 0
+        return self.prefix_cache.match(seq.block_hashes, seq.prompt_len, self.block_size)
+
     def _allocate(self, seq: SimSequence, tokens: int) -> bool:
         """Blocks for `tokens` of `seq` (it holds blocks for its computed tokens)."""
         extra = self.blocks_for(tokens) - self.blocks_for(seq.computed)

@@ -1,0 +1,90 @@
+"""Prefix caching in the simulator: the engine's block hashes, hits counted by
+hand, a cached prefix shortening the prefill by exactly its tokens, and
+`pdserve simulate` on a shared-prefix dataset."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cluster.perf_model import LinearStepModel
+from cluster.simulator import ClusterSpec, simulate
+from cluster.simulator.cluster_sim import ReplicaSpec
+from cluster.simulator.prefix_cache import PrefixCache, prompt_block_hashes
+from engine.block_manager import BlockManager
+
+PER_TOKEN = 1e-3
+TOKENS = LinearStepModel((0.0, PER_TOKEN, 0.0, 0.0, 0.0))      # a step costs 1 ms per prompt token it computes
+
+
+def test_block_hashes_are_the_engines():
+    ids = list(range(100, 150))                       # 50 tokens: 3 full blocks of 16
+    manager = BlockManager(num_blocks=8, block_size=16)
+    table: list[int] = []
+    assert manager.allocate(table, 50)
+    manager.cache_full_blocks(ids, table, num_computed=50, num_already_cached=0)
+    assert list(prompt_block_hashes(ids, 16)) == [manager.blocks[b].hash for b in table[:3]]
+    # and what one finds the other finds: a prompt sharing the 3 blocks matches them in the engine
+    assert manager.match_prefix(ids[:48] + [1, 2, 3], []) == 48
+
+
+def test_a_match_is_the_leading_run_of_cached_blocks_short_of_the_last_token():
+    cache = PrefixCache(capacity=100)
+    a = prompt_block_hashes(list(range(64)), 16)                     # 4 blocks
+    b = prompt_block_hashes(list(range(32)) + [999] * 32, 16)        # shares a's first 2 blocks
+    cache.insert(a)
+    assert cache.match(b, 64, 16) == 32
+    assert cache.match(a, 64, 16) == 48          # 4 cached blocks, but the last token must run: 3
+    assert cache.match(a, 65, 16) == 64
+    assert cache.match(prompt_block_hashes([7] * 64, 16), 64, 16) == 0
+
+
+def test_the_least_recently_used_blocks_go_first():
+    cache = PrefixCache(capacity=4)
+    a = prompt_block_hashes(list(range(64)), 16)
+    b = prompt_block_hashes(list(range(1000, 1064)), 16)
+    cache.insert(a)
+    cache.insert(b[:2])                          # a's first two blocks are now the oldest: evicted
+    assert cache.match(a, 65, 16) == 0
+    assert cache.match(b, 65, 16) == 32
+
+
+def _one_replica(caching: bool = True) -> ClusterSpec:
+    return ClusterSpec("colocated", decode=ReplicaSpec(TOKENS, 1000, 16, 256, 2048, enable_prefix_caching=caching))
+
+
+def test_a_cached_prefix_shortens_the_prefill_by_exactly_its_tokens():
+    # two 200-token prompts sharing their first 160 tokens (10 blocks), one after the other
+    shared = list(range(160))
+    prompts = [shared + list(range(1000, 1040)), shared + list(range(2000, 2040))]
+    arrivals = [0.0, 1.0]
+    result = simulate(_one_replica(), [(200, 1), (200, 1)], arrivals, prompt_token_ids=prompts)
+    ttfts = [r.token_times[0] - r.send_time for r in result.requests]
+    assert ttfts == pytest.approx([200 * PER_TOKEN, 40 * PER_TOKEN])
+    assert result.cached_prompt_tokens == 160
+
+    off = simulate(_one_replica(caching=False), [(200, 1), (200, 1)], arrivals, prompt_token_ids=prompts)
+    assert [r.token_times[0] - r.send_time for r in off.requests] == pytest.approx([0.2, 0.2])
+    assert off.cached_prompt_tokens == 0
+    without_prompts = simulate(_one_replica(), [(200, 1), (200, 1)], arrivals)
+    assert without_prompts.cached_prompt_tokens == 0
+
+
+def test_a_disaggregated_prefill_replica_reuses_its_cache():
+    model = LinearStepModel((0.0, PER_TOKEN, 0.0, 1e-3, 0.0))
+    replica = ReplicaSpec(model, 1000, 16, 256, 2048)
+    spec = ClusterSpec("disaggregated", prefill=replica, decode=replica, prefill_replicas=1, decode_replicas=1,
+                       kv_bytes_per_token=1.0, kv_bandwidth_bytes_per_s=1e12)
+    shared = list(range(320))
+    prompts = [shared + [5000 + i] * 16 for i in range(4)]
+    result = simulate(spec, [(336, 2)] * 4, [0.0, 1.0, 2.0, 3.0], prompt_token_ids=prompts)
+    assert result.cached_prompt_tokens == 3 * 320
+    ttfts = [r.token_times[0] - r.send_time for r in result.requests]
+    assert ttfts[0] == pytest.approx(336 * PER_TOKEN)
+    assert ttfts[1:] == pytest.approx([16 * PER_TOKEN] * 3)
+
+
+def test_prompts_must_match_the_requests():
+    with pytest.raises(ValueError, match="2 requests but 1 prompts"):
+        simulate(_one_replica(), [(20, 1), (20, 1)], [0.0, 0.0], prompt_token_ids=[list(range(20))])
