@@ -88,3 +88,24 @@ def test_a_disaggregated_prefill_replica_reuses_its_cache():
 def test_prompts_must_match_the_requests():
     with pytest.raises(ValueError, match="2 requests but 1 prompts"):
         simulate(_one_replica(), [(20, 1), (20, 1)], [0.0, 0.0], prompt_token_ids=[list(range(20))])
+
+
+def test_pdserve_simulate_counts_the_prefix_cache_on_a_shared_prefix_dataset(tmp_path):
+    from cluster.cli.main import main
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(LinearStepModel((1e-3, 1e-4, 0.0, 5e-5, 0.0)).to_json()))
+    results = {}
+    for name, dataset in (("prefix", ["--dataset-name", "prefix", "--prefix-repetition-prefix-len", "128",
+                                      "--prefix-repetition-suffix-len", "16", "--prefix-repetition-num-prefixes",
+                                      "2", "--prefix-repetition-output-len", "8"]),
+                          ("random", ["--dataset-name", "random", "--random-input-len", "144",
+                                      "--random-output-len", "8"])):
+        code = main(["simulate", "--config", "configs/tiny-cpu.yaml", "--profile", str(profile), "--num-prompts", "20",
+                     "--request-rate", "5", "--save-result", "--result-dir", str(tmp_path), "--result-file",
+                     f"{name}.json", *dataset])
+        assert code == 0
+        results[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    # 18 of the 20 prompts find their 128-token prefix (8 blocks of 16) computed by an earlier one
+    assert results["prefix"]["cached_prompt_tokens"] == 18 * 128
+    assert results["random"]["cached_prompt_tokens"] == 0
+    assert results["prefix"]["median_ttft_ms"] < 0.5 * results["random"]["median_ttft_ms"]
