@@ -259,6 +259,8 @@ def search(*, num_gpus: int, tps: list[int], workload: Workload, slos_s: dict[st
             ranked = sorted((e for e in result.evaluated if e.candidate.mode == mode and e.max_rate > 0),
                             key=lambda e: -e.goodput_per_gpu)
             leaders += ranked[:refine_top]      # a candidate that meets the SLOs at no rate stays as screened
+        if progress and leaders:
+            progress(f"refining {len(leaders)} leaders on 2x, 4x, ... the requests (at most {max_requests} each)")
         refine(leaders)
         while overtaken := [b for mode in ("colocated", "disaggregated")
                             if (b := result.best(mode)) is not None and not b.refined and b.max_rate > 0]:
