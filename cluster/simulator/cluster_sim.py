@@ -237,7 +237,7 @@ class _Simulation:
         return SimulationResult(self.logs, duration, sum(r.num_steps for r in pools),
                                 sum(r.num_preemptions for r in pools), self.num_local_prefills, seconds, timeline,
                                 {role: total / n for role, (total, n) in stretch.items() if n},
-                                sum(r.prefix_cache.hit_tokens for r in pools if r.prefix_cache is not None))
+                                sum(r.cached_prompt_tokens for r in pools))
 
     # ---- pools ------------------------------------------------------------------------------
     @property

@@ -36,7 +36,6 @@ class PrefixCache:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._blocks: OrderedDict[int, None] = OrderedDict()
-        self.hit_tokens = 0              # prompt tokens served from the cache, in all (the replica counts them)
 
     def match(self, hashes: tuple[int, ...], prompt_len: int, block_size: int) -> int:
         """Tokens of a prompt whose KV is cached here: its longest run of leading

@@ -73,6 +73,7 @@ class SimReplica:
     stretch_sum: float = 0.0         # sum over its steps of step time / the model's time
     step: object = None              # the step it runs on shared cores (cluster_sim._SharedStep)
     prefix_cache: PrefixCache | None = None   # None: prefix caching off
+    cached_prompt_tokens: int = 0    # prompt tokens its prefix cache spared it, in all
 
     # ---- load figures the router reads --------------------------------------------
     @property
@@ -153,8 +154,7 @@ class SimReplica:
             if not self._allocate(seq, seq.computed + cached + n):
                 break
             seq.computed += cached
-            if cached:
-                self.prefix_cache.hit_tokens += cached
+            self.cached_prompt_tokens += cached
             self.waiting.popleft()
             self.running.append(seq)
             seq.is_running = True
