@@ -26,16 +26,22 @@ a decode step of 1 sequence took 6.2 against 7.3 ms, 2 sequences 8.0 against
 
 The extension is compiled on first use with the C++ compiler torch's
 `cpp_extension` finds (a few tens of seconds, then cached under
-`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions; built for the
-machine's own CPU, so a cache shared by different CPUs should be per machine).
+`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions). It is built for
+the machine's own CPU (`-march=native`), so its name carries a digest of the
+CPU's instruction-set flags: nodes of different CPUs that share one cache (a
+home directory on NFS) each build their own, where one name would hand a node
+another CPU's build and kill the process on its first unknown instruction.
 Where it cannot be built, `available()` is False and the engine keeps the torch
 backend.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import platform
 import threading
+from pathlib import Path
 
 import torch
 
@@ -211,6 +217,23 @@ _module = None
 _failed = False
 
 
+def extension_name(cpuinfo: str | None = None) -> str:
+    """The extension's build name: one per instruction set. `cpuinfo` is
+    /proc/cpuinfo's text (read when None); its first `flags` line (x86) or
+    `Features` line (arm) is digested, else the platform's machine and processor."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    isa = next((line.partition(":")[2] for line in cpuinfo.splitlines()
+                if line.split(":")[0].strip() in ("flags", "Features")), None)
+    if isa is None:
+        isa = f"{platform.machine()} {platform.processor()}"
+    digest = hashlib.sha256(" ".join(sorted(isa.split())).encode()).hexdigest()[:12]
+    return f"pdserve_cpu_kernels_{digest}"
+
+
 def _load():
     global _module, _failed
     if _module is not None:   # every kernel call comes here: no lock once built
@@ -220,7 +243,7 @@ def _load():
             try:
                 from torch.utils.cpp_extension import load_inline
                 _module = load_inline(
-                    name="pdserve_cpu_kernels", cpp_sources=_SOURCE, functions=["paged_decode_attention", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary"],
+                    name=extension_name(), cpp_sources=_SOURCE, functions=["paged_decode_attention", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary"],
                     extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
             except Exception as exc:  # noqa: BLE001 - no compiler, no headers: the torch backend serves
                 _failed = True
