@@ -1,7 +1,7 @@
 """Overload: a ramp from 0.5x to 10x the measured capacity against `pdserve
 serve`, admission control off and on, in one run.
 
-    python bench/overload.py [--steps 0.5,1,2,5,10] [--step-s 15] [--slo ttft:1000 tpot:100]
+    python bench/overload.py [--steps 0.5,1,2,5,10] [--step-s 15] [--drain-s 0] [--slo ttft:1000 tpot:100]
                              [--slo-factor F] [--overload-wait-factor F]
                              [--systems "admission off,admission on"]
                              [--capacity RPS --unloaded-ttft-ms MS] [--model DIR]
@@ -14,11 +14,15 @@ prefill and one decode replica, conditional disaggregation: --mode
 disaggregated). Requests: ~280-token prompts, 64 output tokens, greedy, ignore_eos,
 streamed. First, with admission off, the capacity C (requests/s at 16
 concurrent) and the unloaded TTFT (requests one at a time); then for each
-system every step of the ramp: --step-s seconds of Poisson arrivals at
-step x C. Per step: goodput (requests meeting both SLOs per second), SLO
-attainment of the admitted requests, the share refused (429) and how fast the
-429 came (p99), and p99 TTFT of the admitted ones. Targets with admission on: goodput at 10x >= 80% of the peak
-goodput; p99 TTFT of admitted requests <= 2x its unloaded value.
+system the ramp: --step-s seconds of Poisson arrivals at step x C for each
+step, back to back in one run (--drain-s S > 0 instead runs each step on its
+own, S seconds after the previous one ended, so that every step starts from an
+idle server). Per step, over the requests that arrived in it: goodput
+(requests meeting both SLOs per second of the step), SLO attainment of the
+admitted requests, the share refused (429) and how fast the 429 came (p99),
+and TTFT p50 / p99 / max of the admitted ones. Targets with admission on:
+goodput at 10x >= 80% of the peak goodput; p99 TTFT of admitted requests <= 2x
+its unloaded value.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import statistics
 import sys
 import tempfile
@@ -51,14 +56,73 @@ def config_file(config: dict, log_dir: Path, name: str) -> Path:
     return path
 
 
-def run(base_url: str, requests, rate: float, tokenizer, *, concurrency: int | None = None):
+def run(base_url: str, requests, rate: float, tokenizer, *, concurrency: int | None = None,
+        offsets: list[float] | None = None):
     cfg = RunConfig(base_url=base_url, model="bench", ignore_eos=True, request_rate=rate, max_concurrency=concurrency,
-                    disable_tqdm=True, max_duration=600)
-    return asyncio.run(run_benchmark(requests, cfg, tokenizer=tokenizer))
+                    disable_tqdm=True, max_duration=900)
+    return asyncio.run(run_benchmark(requests, cfg, tokenizer=tokenizer, offsets=offsets))
 
 
-def step_figures(result, slos_ms: dict, step_s: float) -> dict:
-    records = result.records
+def step_load(tokenizer, index: int, rate: float, step_s: float) -> tuple[list, list[float]]:
+    """Step `index`'s requests, round(rate x step_s) of them, and their send
+    times over [0, step_s) in seconds: Poisson arrivals given their count
+    (sorted uniform times), so each step offers exactly its rate and the steps
+    follow one another without a gap or an overlap. The same for every system."""
+    rng = random.Random(200 + index)
+    arrivals = sorted(rng.uniform(0.0, step_s) for _ in range(max(1, round(rate * step_s))))
+    requests = random_dataset(tokenizer, num_prompts=len(arrivals), input_len=280, output_len=64, seed=100 + index)
+    return requests, arrivals
+
+
+def ramp(url: str, steps: list[float], capacity: float, step_s: float, tokenizer, slos_ms: dict) -> list[dict]:
+    """The steps back to back in one run (a ramp): step i's requests arrive over
+    [i, i + 1) x step_s at steps[i] x capacity; each step's figures are over the
+    requests that arrived in it."""
+    requests, offsets, step_of = [], [], []
+    for i, step in enumerate(steps):
+        step_requests, arrivals = step_load(tokenizer, i, step * capacity, step_s)
+        requests += step_requests
+        offsets += [i * step_s + t for t in arrivals]
+        step_of += [i] * len(arrivals)
+    started = time.monotonic()
+    res = run(url, requests, capacity, tokenizer, offsets=offsets)
+    wall_s = time.monotonic() - started
+    by_step: list[list] = [[] for _ in steps]
+    for record in res.records:
+        by_step[step_of[record.index]].append(record)
+    rows = []
+    for i, step in enumerate(steps):
+        rows.append({"step": step, "rate": step * capacity, **step_figures(by_step[i], slos_ms, step_s),
+                     "wall_s": wall_s})
+        print_row(rows[-1])
+    return rows
+
+
+def steps_from_idle(url: str, steps: list[float], capacity: float, step_s: float, drain_s: float, tokenizer,
+                    slos_ms: dict) -> list[dict]:
+    """Each step a run of its own, started `drain_s` after the previous one ended
+    (every step starts from an idle server)."""
+    rows = []
+    for i, step in enumerate(steps):
+        rate = step * capacity
+        reqs, arrivals = step_load(tokenizer, i, rate, step_s)
+        started = time.monotonic()
+        res = run(url, reqs, rate, tokenizer, offsets=arrivals)
+        rows.append({"step": step, "rate": rate, **step_figures(res.records, slos_ms, step_s),
+                     "wall_s": time.monotonic() - started})
+        print_row(rows[-1])
+        time.sleep(drain_s)
+    return rows
+
+
+def print_row(row: dict) -> None:
+    print(f"  {row['step']:4g}x ({row['rate']:5.2f} req/s): goodput {row['goodput']:.2f} req/s, admitted met SLOs "
+          f"{row['attainment_admitted']:.0%}, refused {row['refused_share']:.0%}, TTFT p50 / p99 "
+          f"{row['ttft_p50_ms'] or 0:.0f} / {row['ttft_p99_ms'] or 0:.0f} ms, other failures {row['failed_other']}, "
+          f"429 answered in {row['refusal_p99_ms'] or 0:.0f} ms (p99)", flush=True)
+
+
+def step_figures(records: list, slos_ms: dict, step_s: float) -> dict:
     refused = [r for r in records if r.status == 429]
     admitted = [r for r in records if r.succeeded]
     good = sum(meets_slos(r, slos_ms) for r in admitted)
@@ -68,13 +132,19 @@ def step_figures(result, slos_ms: dict, step_s: float) -> dict:
             "refusal_p99_ms": percentile(refusal_s, 99) * 1000 if refusal_s else None,
             "failed_other": len(records) - len(admitted) - len(refused), "goodput": good / step_s,
             "attainment_admitted": good / max(1, len(admitted)),
-            "ttft_p99_ms": percentile(ttfts, 99) * 1000 if ttfts else None}
+            "ttft_p50_ms": percentile(ttfts, 50) * 1000 if ttfts else None,
+            "ttft_p99_ms": percentile(ttfts, 99) * 1000 if ttfts else None,
+            "ttft_max_ms": ttfts[-1] * 1000 if ttfts else None,
+            "ttfts_ms": [round(t * 1000, 1) for t in ttfts]}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", default="0.5,1,2,5,10")
     ap.add_argument("--step-s", type=float, default=15.0)
+    ap.add_argument("--drain-s", type=float, default=0.0,
+                    help="0: the steps back to back (a ramp); > 0: each step starts from an idle server, "
+                         "this many seconds after the previous step ended")
     ap.add_argument("--slo", nargs=2, type=parse_slo, default=[("ttft", 1000.0), ("tpot", 100.0)])
     ap.add_argument("--slo-factor", type=float, default=None, help="admission.slo_factor (default: the server's)")
     ap.add_argument("--overload-wait-factor", type=float, default=None,
@@ -118,21 +188,8 @@ def main() -> int:
                 unloaded_ttft_ms = statistics.median(ttft(r) for r in alone.records) * 1000
                 print(f"  capacity {capacity:.2f} req/s at 16 concurrent; unloaded TTFT {unloaded_ttft_ms:.0f} ms",
                       flush=True)
-            rows = []
-            for i, step in enumerate(steps):
-                rate = step * capacity
-                n = max(4, round(rate * args.step_s))
-                reqs = random_dataset(tokenizer, num_prompts=n, input_len=280, output_len=64, seed=100 + i)
-                started = time.monotonic()
-                res = run(url, reqs, rate, tokenizer)
-                row = {"step": step, "rate": rate, **step_figures(res, slos_ms, args.step_s),
-                       "wall_s": time.monotonic() - started}
-                rows.append(row)
-                print(f"  {step:4g}x ({rate:5.2f} req/s): goodput {row['goodput']:.2f} req/s, admitted met SLOs "
-                      f"{row['attainment_admitted']:.0%}, refused {row['refused_share']:.0%}, TTFT p99 "
-                      f"{row['ttft_p99_ms'] or 0:.0f} ms, other failures {row['failed_other']}, 429 answered in "
-                      f"{row['refusal_p99_ms'] or 0:.0f} ms (p99)", flush=True)
-                time.sleep(3)                     # let the queue drain between steps
+            rows = (ramp(url, steps, capacity, args.step_s, tokenizer, slos_ms) if args.drain_s == 0 else
+                    steps_from_idle(url, steps, capacity, args.step_s, args.drain_s, tokenizer, slos_ms))
             results["systems"][name] = rows
     results["capacity_rps"], results["unloaded_ttft_ms"] = capacity, unloaded_ttft_ms
     if "admission on" not in results["systems"]:

@@ -1,0 +1,30 @@
+"""bench/overload.py's ramp: every step offers exactly its rate over its own
+window, with the same requests for every system."""
+
+from __future__ import annotations
+
+from bench.overload import step_load
+
+
+def test_a_step_offers_its_rate_within_its_window(tokenizer):
+    requests, arrivals = step_load(tokenizer, 3, rate=6.4, step_s=15.0)
+    assert len(arrivals) == len(requests) == 96                # round(6.4 x 15)
+    assert arrivals == sorted(arrivals)
+    assert 0.0 <= arrivals[0] and arrivals[-1] < 15.0
+    # spread over the window, not bunched at its start (Poisson given the count)
+    assert 30 <= sum(t < 7.5 for t in arrivals) <= 66
+
+
+def test_the_same_step_gives_every_system_the_same_load_and_steps_differ(tokenizer):
+    requests, arrivals = step_load(tokenizer, 2, rate=3.0, step_s=10.0)
+    again_requests, again_arrivals = step_load(tokenizer, 2, rate=3.0, step_s=10.0)
+    assert arrivals == again_arrivals
+    assert [r.prompt for r in requests] == [r.prompt for r in again_requests]
+    other_requests, other_arrivals = step_load(tokenizer, 4, rate=3.0, step_s=10.0)
+    assert other_arrivals != arrivals
+    assert [r.prompt for r in other_requests] != [r.prompt for r in requests]
+
+
+def test_a_light_step_still_sends_one_request(tokenizer):
+    requests, arrivals = step_load(tokenizer, 0, rate=0.01, step_s=10.0)
+    assert len(requests) == len(arrivals) == 1
