@@ -31,6 +31,11 @@ from cluster.transport.transport_factory import TransportSettings
 from router.backend import ModelInfo
 
 ROUTING_STATS_PERIOD_S = 0.5
+# Worker replicas log no access line per call: their calls are the router's internal RPCs
+# (generate, prefill, KV hand-offs, the routing stats every ROUTING_STATS_PERIOD_S), whose
+# lines would bury the router's HTTP access log on the console, and each line costs CPU
+# in the replica, Ray's log monitor and the driver that prints it.
+WORKER_LOGGING = {"enable_access_log": False}
 # Serve's default (5) would queue every request past the fifth in the HTTP proxy, in front of
 # an engine that batches hundreds: the router admits them all and the engines queue them.
 ROUTER_MAX_ONGOING_REQUESTS = 100_000
@@ -183,4 +188,4 @@ def _worker_options(deployment, config: DeploymentConfig, role: str, stat: str, 
         request_router_config=RequestRouterConfig(
             request_router_class=LoadAwareRouter, request_router_kwargs={"stat": stat, "prefer": prefer},
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S),
-        health_check_period_s=5.0)
+        health_check_period_s=5.0, logging_config=WORKER_LOGGING)

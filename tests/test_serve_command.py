@@ -124,8 +124,12 @@ def test_pdserve_serve_answers_and_stops_cleanly_on_ctrl_c(model_dirs, tmp_path)
             errors="replace").split("\0")
         assert not [cmd for cmd in commands.values() if "ray-dashboard-" in cmd], commands
         proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=90)
+        rest, _ = proc.communicate(timeout=90)
         assert proc.returncode == 0
+        # the console shows the router's HTTP access log, not the workers' internal calls
+        output = "".join(lines) + rest
+        assert "POST /v1/completions 200" in output, output[-3000:]
+        assert "CALL generate" not in output and "CALL stats" not in output, output[-3000:]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
