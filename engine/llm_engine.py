@@ -246,6 +246,7 @@ class LLMEngine:
         for seq in step.seqs:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = started
+        shape = _step_shape(step)     # before after_step() counts the step's tokens as computed
         try:
             run = self.runner.launch(step, previous.run if previous else None, overlap=self.async_scheduling)
         except Exception as exc:
@@ -257,7 +258,7 @@ class LLMEngine:
                 seq.token_ids.append(PENDING_TOKEN)
                 seq.num_pending_tokens += 1
         threads = torch.get_num_threads()     # a CPU engine's own, or more on borrowed idle cores
-        return _InFlight(run, started, *_step_shape(step), threads, max(0, threads - self.worker.num_threads))
+        return _InFlight(run, started, *shape, threads, max(0, threads - self.worker.num_threads))
 
     def _resolve(self, launched: _InFlight) -> list[RequestOutput]:
         """Reads back a launched step's samples and turns them into outputs. A
@@ -440,7 +441,9 @@ class _InFlight:
 
 
 def _step_shape(step) -> tuple[float, int]:
-    """(prefill attention pairs, decode context) of a scheduled step, before it runs."""
+    """(prefill attention pairs, decode context) of a scheduled step, before it
+    runs: its sequences' num_computed_tokens must not count the step's tokens yet
+    (the same shapes cluster/perf_model/profiler.py fits a profile on)."""
     d = step.num_decode_seqs
     decode_context = sum(seq.num_computed_tokens + 1 for seq in step.seqs[:d])
     attention = 0.0
