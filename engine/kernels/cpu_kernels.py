@@ -79,7 +79,8 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv
   // 1.9 against 1.0 ms) and no faster alone up to 4,000 keys. Sequences are handed out one at a
   // time (dynamic): a thread that loses its core to another process leaves the sequences it has
   // not started to the others instead of holding them all at the end of the loop.
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), B);
+  if (B == 0) return;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), B);   // >= 1
   #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     std::vector<float> scores, acc(H * D), row_max(H), row_sum(H);
