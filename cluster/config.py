@@ -69,8 +69,9 @@ class EngineSection(_Strict):
         "auto", description="schedule and launch the next step while the device runs the current one "
         "(auto: on for CUDA; pools with tensor_parallel_size > 1 always step synchronously)")
     skinny_gemm: bool = Field(True, description="CUDA: one-row matmuls through a Triton GEMV")
-    cpu_weight_prepack: bool = Field(True, description="CPU: linear weights also kept in oneDNN's packed layout "
-                                     "(used from the row count where it is faster, measured at load; twice the "
+    cpu_weight_prepack: bool = Field(True, description="CPU: linear weights also kept packed for oneDNN and, "
+                                     "float32, in panels for pdserve's few-row kernel (each path used for the "
+                                     "batch sizes where it is fastest, measured at load; up to three times the "
                                      "linear weights' memory)")
 
 

@@ -29,7 +29,9 @@ class EngineConfig:
     # CPU, TP 1: a file through which engines on one machine lend idle cores to busy ones
     # (engine/core_lending.py); None: the engine keeps its cpu_threads
     cpu_core_ledger: str | None = None
-    cpu_weight_prepack: bool = True             # CPU: linear weights also kept in oneDNN's packed layout
+    # CPU: linear weights also kept packed for oneDNN and, float32, in panels for the few-row kernel
+    # (engine/model/cpu_gemm.py); the path per batch size is measured at load
+    cpu_weight_prepack: bool = True
     # attention kernels: "triton" reads K/V in place from the cache blocks (default on CUDA);
     # "cpp": decode attention in C++ reading the blocks in place (default on CPU, float32, where
     # the extension builds); "torch" gathers each sequence's blocks and runs SDPA

@@ -1,4 +1,4 @@
-"""Linear layers through oneDNN with pre-packed weights (engine/model/cpu_gemm.py)."""
+"""CPU linear layers: the plain, oneDNN-packed and panel paths (engine/model/cpu_gemm.py)."""
 
 from __future__ import annotations
 
@@ -10,16 +10,26 @@ from torch.profiler import ProfilerActivity, profile
 from engine import LLM, SamplingParams
 from engine.model.cpu_gemm import (
     CANDIDATE_ROWS,
+    PACKED,
+    PANELS,
+    PLAIN,
     PackedLinearMixin,
-    min_rows_from_timings,
+    fastest_paths,
     pack_linear_weights,
     packing_supported,
+    panels_supported,
+    paths_by_rows,
 )
 from engine.model.linear import ColumnParallelLinear, RowParallelLinear
 from engine.model.parallel import SINGLE_PROCESS
 
 pytestmark = pytest.mark.skipif(not packing_supported(torch.float32, torch.device("cpu")),
                                 reason="this torch build cannot pack weights for oneDNN")
+needs_panels = pytest.mark.skipif(not panels_supported(torch.float32, torch.device("cpu")),
+                                  reason="the C++ CPU kernels do not build here")
+
+# 1 row plain, 2-4 panels, 8 and up packed
+MIXED = {1: PLAIN, 2: PANELS, 4: PANELS, 8: PACKED, 16: PACKED}
 
 
 def _ops_run(fn) -> set[str]:
@@ -28,60 +38,101 @@ def _ops_run(fn) -> set[str]:
     return {event.key for event in prof.key_averages()}
 
 
-MIN_ROWS = 8
-
-
-@pytest.mark.parametrize("rows", [1, MIN_ROWS - 1, MIN_ROWS, 300])
-def test_packed_linear_equals_f_linear_and_takes_the_packed_path_from_the_threshold(rows):
+@needs_panels
+@pytest.mark.parametrize("rows, path", [(1, PLAIN), (2, PANELS), (3, PANELS), (4, PANELS), (5, PACKED),
+                                        (16, PACKED), (300, PACKED)])
+def test_each_batch_size_takes_its_path_and_every_path_equals_f_linear(rows, path):
     torch.manual_seed(0)
-    layer = ColumnParallelLinear(96, 200, bias=True, tp=SINGLE_PROCESS)
+    layer = ColumnParallelLinear(96, 200, bias=True, tp=SINGLE_PROCESS)   # 200: not a multiple of a panel
     layer.weight.data.normal_()
     layer.bias.data.normal_()
     x = torch.randn(rows, 96)
     expected = F.linear(x, layer.weight, layer.bias)
-    assert pack_linear_weights(layer, min_rows=MIN_ROWS) == 1
+    assert pack_linear_weights(layer, MIXED) == 1
     ops = _ops_run(lambda: layer(x))
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-4)
-    assert ("mkldnn::_linear_pointwise" in ops) == (rows >= MIN_ROWS)
+    assert ("mkldnn::_linear_pointwise" in ops) == (path == PACKED)
+    assert ("aten::linear" in ops) == (path == PLAIN)
 
 
-@pytest.mark.parametrize("timings, expected", [
-    # rows: (plain s, packed s)
-    ({1: (1.0, 0.8), 2: (2.0, 1.0), 4: (3.0, 2.0), 16: (5.0, 4.0)}, 1),    # packed wins everywhere
-    ({1: (1.0, 1.2), 2: (2.0, 1.0), 4: (3.0, 2.0), 16: (5.0, 4.0)}, 2),    # plain wins at one row (a gemv)
-    ({1: (1.0, 0.8), 2: (2.0, 2.5), 4: (3.0, 2.0), 16: (5.0, 4.0)}, 4),    # a loss at 2 rows: not from 1
-    ({1: (1.0, 1.2), 2: (2.0, 2.5), 4: (3.0, 3.5), 16: (5.0, 6.0)}, 16),   # never wins: the largest count
-    ({1: (1.0, 1.0), 2: (2.0, 2.0), 4: (3.0, 3.0), 16: (5.0, 5.0)}, 1),    # a tie counts as no slower
+@needs_panels
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 40])
+@pytest.mark.parametrize("out_features, in_features", [(8, 3), (33, 17), (512, 1408)])
+def test_the_panel_kernel_equals_f_linear_for_any_shape(rows, out_features, in_features):
+    from engine.kernels.cpu_kernels import pack_panels, panel_linear
+    torch.manual_seed(rows + out_features)
+    weight, x = torch.randn(out_features, in_features), torch.randn(rows, in_features)
+    panels = pack_panels(weight)
+    assert panels.shape[0] * panels.shape[2] >= out_features > (panels.shape[0] - 1) * panels.shape[2]
+    torch.testing.assert_close(panel_linear(x, panels, out_features), F.linear(x, weight), rtol=1e-5, atol=1e-4)
+    strided = torch.randn(in_features, rows).t()                   # a non-contiguous input
+    torch.testing.assert_close(panel_linear(strided, panels, out_features), F.linear(strided, weight),
+                               rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("paths, expected", [
+    ({1: PLAIN, 4: PANELS, 16: PACKED}, [PLAIN, PLAIN, PANELS, PANELS, PANELS] + [PACKED] * 12),
+    ({2: PACKED, 8: PLAIN}, [PACKED, PACKED, PACKED, PLAIN, PLAIN, PLAIN, PLAIN, PLAIN, PLAIN]),
 ])
-def test_packed_min_rows_is_the_smallest_count_from_which_packed_is_never_slower(timings, expected):
-    assert min_rows_from_timings(timings) == expected
+def test_a_batch_takes_the_path_of_the_smallest_candidate_at_or_above_its_size(paths, expected):
+    assert list(paths_by_rows(paths)) == expected
 
 
-def test_packing_measures_a_threshold_among_the_candidates_and_sets_it_on_every_layer():
+@pytest.mark.parametrize("seconds, expected", [
+    ({1: {PLAIN: 1.0, PACKED: 0.8, PANELS: 0.5}}, {1: PANELS}),
+    ({1: {PLAIN: 1.0, PACKED: 1.2}, 2: {PLAIN: 2.0, PACKED: 1.0}}, {1: PLAIN, 2: PACKED}),
+    ({4: {PLAIN: 3.0, PACKED: 3.0, PANELS: 3.0}}, {4: PACKED}),     # a tie goes to packed, then panels
+    ({4: {PLAIN: 3.0, PACKED: 3.5, PANELS: 3.0}}, {4: PANELS}),
+])
+def test_each_count_takes_its_fastest_path(seconds, expected):
+    assert fastest_paths(seconds) == expected
+
+
+def test_packing_measures_a_path_per_candidate_and_sets_the_same_on_every_layer():
     torch.manual_seed(2)
     layers = torch.nn.Sequential(ColumnParallelLinear(64, 128, bias=False, tp=SINGLE_PROCESS),
                                  RowParallelLinear(128, 64, bias=False, tp=SINGLE_PROCESS))
     for layer in layers:
         layer.weight.data.normal_()
     assert pack_linear_weights(layers) == 2
-    assert layers[0].packed_min_rows in CANDIDATE_ROWS
-    assert layers[1].packed_min_rows == layers[0].packed_min_rows
+    assert len(layers[0].row_paths) == CANDIDATE_ROWS[-1] + 1
+    assert set(layers[0].row_paths) <= {PLAIN, PACKED, PANELS}
+    assert layers[1].row_paths == layers[0].row_paths
+    # a panel copy that no batch size takes is not kept
+    assert (layers[0].panel_weight is not None) == (PANELS in layers[0].row_paths)
 
 
-def test_row_parallel_adds_its_bias_once_on_the_packed_path():
+def test_without_panels_no_panel_copy_is_made_and_none_is_chosen():
+    layer = ColumnParallelLinear(64, 128, bias=False, tp=SINGLE_PROCESS)
+    layer.weight.data.normal_()
+    pack_linear_weights(layer, panels=False)
+    assert layer.panel_weight is None and PANELS not in layer.row_paths
+
+
+@pytest.mark.parametrize("path", [PACKED, PANELS])
+def test_row_parallel_adds_its_bias_once(path):
+    if path == PANELS and not panels_supported(torch.float32, torch.device("cpu")):
+        pytest.skip("the C++ CPU kernels do not build here")
     torch.manual_seed(1)
     layer = RowParallelLinear(64, 32, bias=True, tp=SINGLE_PROCESS)
     layer.weight.data.normal_()
     layer.bias.data.normal_()
-    x = torch.randn(MIN_ROWS + 4, 64)
-    pack_linear_weights(layer, min_rows=MIN_ROWS)
+    x = torch.randn(12, 64)
+    pack_linear_weights(layer, {rows: path for rows in CANDIDATE_ROWS})
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
 
 
-def test_the_engine_packs_every_linear_and_the_lm_head_and_generates_the_same_tokens(model_dirs):
-    # more sequences than the largest threshold: decode steps take the packed path whatever was measured
+@pytest.mark.parametrize("paths", [None, {rows: PANELS for rows in CANDIDATE_ROWS}])
+def test_the_engine_packs_every_linear_and_the_lm_head_and_generates_the_same_tokens(model_dirs, monkeypatch, paths):
+    # more sequences than the largest candidate: decode steps take every path on the way down
     prompts = [[5 + i, 17, 42 + 3 * i, 99, 3, 8 + i][: 3 + i % 4] for i in range(CANDIDATE_ROWS[-1] + 2)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    if paths is not None:
+        if not panels_supported(torch.float32, torch.device("cpu")):
+            pytest.skip("the C++ CPU kernels do not build here")
+        import engine.model_worker
+        monkeypatch.setattr(engine.model_worker, "pack_linear_weights",
+                            lambda model: pack_linear_weights(model, paths))
     outputs = {}
     for prepack in (True, False):
         llm = LLM(str(model_dirs["tiny"]), max_model_len=256, dtype="float32", cpu_weight_prepack=prepack)
@@ -89,5 +140,7 @@ def test_the_engine_packs_every_linear_and_the_lm_head_and_generates_the_same_to
         num_layers = llm.engine.worker.model_config.num_layers
         assert len(modules) == 4 * num_layers + 1          # qkv, o, gate_up, down per layer; the LM head
         assert all((m.packed_weight is not None) == prepack for m in modules)
+        if paths is not None:
+            assert all((m.panel_weight is not None) == prepack for m in modules)
         outputs[prepack] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outputs[True] == outputs[False]

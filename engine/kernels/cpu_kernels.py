@@ -51,6 +51,9 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <array>
+#include <cstring>
+#include <utility>
 #include <cfloat>
 #include <cmath>
 #include <vector>
@@ -216,6 +219,105 @@ void rotary(torch::Tensor out, torch::Tensor x, torch::Tensor cos, torch::Tensor
     }
   });
 }
+// ---- linear layers over weights packed in column panels -----------------------------------
+// The weight [N, K] is packed once at load into panels of kPanel output columns, [P, K, kPanel]
+// (zero-padded past N), so a panel streams from memory in order while a tile of rows accumulates
+// in registers: each weight vector is loaded once per tile and used by every row of it. A decode
+// step (a row per sequence, up to kTileRows) is one tile of all its rows over one panel; more rows
+// go in tiles of kWideTileRows rows over two panels, which load fewer operands per multiply-add.
+// Panels are handed out kChunkPanels at a time (dynamic): a thread that loses its core to another
+// process leaves the chunks it has not started to the others instead of holding them all at the
+// end of the layer.
+#if defined(__AVX512F__)
+constexpr int kPanel = 16;         // one 512-bit register of float32
+constexpr int kTileRows = 16;      // one panel: 16 accumulators + its weight vector, of 32 registers
+constexpr int kWideTileRows = 12;  // two panels: 24 accumulators + two weight vectors
+#else
+constexpr int kPanel = 8;          // one 256-bit register
+constexpr int kTileRows = 8;       // 8 + 1 of 16 registers
+constexpr int kWideTileRows = 6;   // 12 + 2
+#endif
+constexpr int64_t kChunkPanels = 2;
+constexpr int64_t kPrefetchRows = 32;   // weight rows (kPanel floats each) ahead of the one in use
+typedef float PanelVec __attribute__((vector_size(kPanel * sizeof(float))));
+
+int64_t panel_width() { return kPanel; }
+
+// For R rows and C panels (C panels_apart floats apart): out[r, c * kPanel + j] = sum_k xt[k, r] *
+// w_c[k, j] for j < cols_c, where the last panel has `last_cols` columns; xt rows ldx apart, out rows
+// ldo apart.
+template <int R, int C>
+static void panel_tile(const float* xt, int64_t ldx, int64_t K, const float* w, int64_t panels_apart,
+                       float* out, int64_t ldo, int64_t last_cols) {
+  PanelVec acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = PanelVec{};
+  for (int64_t k = 0; k < K; ++k) {
+    PanelVec wk[C];
+    for (int c = 0; c < C; ++c) {
+      const float* wc = w + c * panels_apart + k * kPanel;
+      std::memcpy(&wk[c], wc, sizeof(PanelVec));
+      __builtin_prefetch(wc + kPrefetchRows * kPanel);   // past the end is harmless: no fault
+    }
+    const float* xk = xt + k * ldx;
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const float xr = xk[r];
+      for (int c = 0; c < C; ++c) acc[r][c] += xr * wk[c];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      std::memcpy(out + r * ldo + c * kPanel, &acc[r][c], (c == C - 1 ? last_cols : kPanel) * sizeof(float));
+}
+
+using PanelTileFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, float*, int64_t, int64_t);
+template <int C, size_t... I>
+static constexpr std::array<PanelTileFn, sizeof...(I)> panel_tiles(std::index_sequence<I...>) {
+  return {{&panel_tile<I + 1, C>...}};
+}
+static constexpr auto kNarrowTiles = panel_tiles<1>(std::make_index_sequence<kTileRows>{});    // [R - 1]
+static constexpr auto kWideTiles = panel_tiles<2>(std::make_index_sequence<kWideTileRows>{});  // [R - 1]
+
+// x [M, K] float32, panels [P, K, kPanel] -> out [M, N] = x @ W^T (N <= P * kPanel)
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && panels.scalar_type() == torch::kFloat,
+              "float32 x [M, K] expected");
+  TORCH_CHECK(panels.is_contiguous() && panels.size(2) == kPanel && panels.size(1) == x.size(1)
+              && N <= panels.size(0) * kPanel && N > (panels.size(0) - 1) * kPanel,
+              "panels [P, K, ", kPanel, "] matching x and N expected");
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
+  auto out = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const auto xt = x.t().contiguous();                        // [K, M]: a tile's rows of one k side by side
+  const float* xp = xt.data_ptr<float>();
+  const float* wp = panels.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t panel_size = K * kPanel;
+  const int64_t chunks = (P + kChunkPanels - 1) / kChunkPanels;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), chunks);
+  #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(dynamic, 1)
+  for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+    const int64_t p0 = chunk * kChunkPanels, p1 = std::min(P, p0 + kChunkPanels);
+    const float* w = wp + p0 * panel_size;
+    if (M > kTileRows && p1 - p0 == 2) {                      // two panels at once, kWideTileRows rows a tile
+      const int64_t last_cols = std::min<int64_t>(kPanel, N - (p0 + 1) * kPanel);
+      for (int64_t m0 = 0; m0 < M; m0 += kWideTileRows) {
+        const int64_t rows = std::min<int64_t>(kWideTileRows, M - m0);
+        kWideTiles[rows - 1](xp + m0, M, K, w, panel_size, op + m0 * N + p0 * kPanel, N, last_cols);
+      }
+      continue;
+    }
+    for (int64_t p = p0; p < p1; ++p, w += panel_size) {       // one panel at a time, kTileRows rows a tile
+      const int64_t cols = std::min<int64_t>(kPanel, N - p * kPanel);
+      for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+        const int64_t rows = std::min<int64_t>(kTileRows, M - m0);
+        kNarrowTiles[rows - 1](xp + m0, M, K, w, panel_size, op + m0 * N + p * kPanel, N, cols);
+      }
+    }
+  }
+  return out;
+}
 """
 
 _lock = threading.Lock()
@@ -249,7 +351,8 @@ def _load():
             try:
                 from torch.utils.cpp_extension import load_inline
                 _module = load_inline(
-                    name=extension_name(), cpp_sources=_SOURCE, functions=["paged_decode_attention", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary"],
+                    name=extension_name(), cpp_sources=_SOURCE, functions=["paged_decode_attention", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary",
+                               "panel_width", "panel_linear"],
                     extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
             except Exception as exc:  # noqa: BLE001 - no compiler, no headers: the torch backend serves
                 _failed = True
@@ -308,3 +411,25 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     module.rotary(q_out, q, cos, sin, positions)
     module.rotary(k_out, k, cos, sin, positions)
     return q_out, k_out
+
+
+# ---- linear layers over weights packed in column panels -----------------------------------
+def panel_width() -> int:
+    """Output columns per panel: one SIMD register of float32 (16 with AVX-512, else 8)."""
+    return _load().panel_width()
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] float32 -> panels [ceil(N / W), K, W] for panel_linear (W = panel_width(),
+    zero-padded past N)."""
+    width = panel_width()
+    n, k = weight.shape
+    num_panels = -(-n // width)
+    padded = torch.zeros(num_panels * width, k, dtype=weight.dtype)
+    padded[:n] = weight
+    return padded.view(num_panels, width, k).transpose(1, 2).contiguous()
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [T, K] float32 @ W^T -> [T, out_features], W packed by pack_panels."""
+    return _load().panel_linear(x.contiguous(), panels, out_features)
