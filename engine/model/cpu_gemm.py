@@ -30,11 +30,14 @@ takes them, the panels: up to three times the memory of the linear weights
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 PLAIN, PACKED, PANELS = "plain", "packed", "panels"
 # the row counts the load-time measurement compares; larger batches take the packed path
@@ -125,6 +128,8 @@ def pack_linear_weights(model: nn.Module, paths: dict[int, str] | None = None, *
             module.panel_weight = pack_panels(weight)
     if paths is None:
         paths = choose_row_paths(modules, with_panels=panels)
+        log.info("CPU linears, path by batch rows (larger: %s): %s", PACKED,
+                 ", ".join(f"{rows}: {path}" for rows, path in sorted(paths.items())))
     row_paths = paths_by_rows(paths)
     for module in modules:
         module.row_paths = row_paths
