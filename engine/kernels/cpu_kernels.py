@@ -289,7 +289,18 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N) {
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
   auto out = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-  const auto xt = x.t().contiguous();                        // [K, M]: a tile's rows of one k side by side
+  // x rearranged so that a tile's rows of one k sit side by side, each tile's rows in one stream:
+  // [K, M] for one tile (M <= kTileRows), else [ceil(M / kWideTileRows), K, kWideTileRows] (zero-padded)
+  const bool wide = M > kTileRows;
+  torch::Tensor xt;
+  if (wide) {
+    const int64_t tiles = (M + kWideTileRows - 1) / kWideTileRows;
+    xt = torch::zeros({tiles * kWideTileRows, K}, x.options());
+    xt.narrow(0, 0, M).copy_(x);
+    xt = xt.view({tiles, kWideTileRows, K}).transpose(1, 2).contiguous();
+  } else {
+    xt = x.t().contiguous();
+  }
   const float* xp = xt.data_ptr<float>();
   const float* wp = panels.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -300,19 +311,22 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N) {
   for (int64_t chunk = 0; chunk < chunks; ++chunk) {
     const int64_t p0 = chunk * kChunkPanels, p1 = std::min(P, p0 + kChunkPanels);
     const float* w = wp + p0 * panel_size;
-    if (M > kTileRows && p1 - p0 == 2) {                      // two panels at once, kWideTileRows rows a tile
+    if (wide && p1 - p0 == 2) {                               // two panels at once, kWideTileRows rows a tile
       const int64_t last_cols = std::min<int64_t>(kPanel, N - (p0 + 1) * kPanel);
       for (int64_t m0 = 0; m0 < M; m0 += kWideTileRows) {
         const int64_t rows = std::min<int64_t>(kWideTileRows, M - m0);
-        kWideTiles[rows - 1](xp + m0, M, K, w, panel_size, op + m0 * N + p0 * kPanel, N, last_cols);
+        kWideTiles[rows - 1](xp + m0 * K, kWideTileRows, K, w, panel_size, op + m0 * N + p0 * kPanel, N,
+                             last_cols);
       }
       continue;
     }
-    for (int64_t p = p0; p < p1; ++p, w += panel_size) {       // one panel at a time, kTileRows rows a tile
+    for (int64_t p = p0; p < p1; ++p, w += panel_size) {       // one panel at a time (x's tiles as laid out)
       const int64_t cols = std::min<int64_t>(kPanel, N - p * kPanel);
-      for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
-        const int64_t rows = std::min<int64_t>(kTileRows, M - m0);
-        kNarrowTiles[rows - 1](xp + m0, M, K, w, panel_size, op + m0 * N + p * kPanel, N, cols);
+      const int64_t tile_rows = wide ? kWideTileRows : M;
+      for (int64_t m0 = 0; m0 < M; m0 += tile_rows) {
+        const int64_t rows = std::min<int64_t>(tile_rows, M - m0);
+        kNarrowTiles[rows - 1](wide ? xp + m0 * K : xp, wide ? kWideTileRows : M, K, w, panel_size,
+                               op + m0 * N + p * kPanel, N, cols);
       }
     }
   }
