@@ -144,3 +144,25 @@ def test_the_engine_packs_every_linear_and_the_lm_head_and_generates_the_same_to
             assert all((m.panel_weight is not None) == prepack for m in modules)
         outputs[prepack] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outputs[True] == outputs[False]
+
+
+@needs_panels
+def test_the_panel_kernel_built_without_avx512_equals_f_linear():
+    """The 8-wide build that CPUs without AVX-512 get, built here too where the native one is 16 wide."""
+    from torch.utils.cpp_extension import load_inline
+
+    from engine.kernels import cpu_kernels
+    if cpu_kernels.panel_width() != 16:
+        pytest.skip("the native build is the 8-wide one: the other tests run it")
+    narrow = load_inline(name=cpu_kernels.extension_name() + "_no_avx512", cpp_sources=cpu_kernels._SOURCE,
+                         functions=["panel_width", "panel_linear"], extra_cflags=cpu_kernels.CFLAGS + ["-mno-avx512f"],
+                         extra_ldflags=["-fopenmp"], verbose=False)
+    assert narrow.panel_width() == 8
+    torch.manual_seed(3)
+    for out_features, in_features in [(8, 3), (33, 17), (512, 96)]:
+        weight = torch.randn(out_features, in_features)
+        panels = cpu_kernels.pack_panels(weight, width=8)
+        for rows in (1, 8, 9, 20, 61):
+            x = torch.randn(rows, in_features)
+            torch.testing.assert_close(narrow.panel_linear(x, panels, out_features), F.linear(x, weight),
+                                       rtol=1e-5, atol=1e-4)

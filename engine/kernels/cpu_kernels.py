@@ -334,6 +334,10 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N) {
 }
 """
 
+FUNCTIONS = ["paged_decode_attention", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary",
+             "panel_width", "panel_linear"]
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+
 _lock = threading.Lock()
 _module = None
 _failed = False
@@ -364,10 +368,8 @@ def _load():
         if _module is None and not _failed:
             try:
                 from torch.utils.cpp_extension import load_inline
-                _module = load_inline(
-                    name=extension_name(), cpp_sources=_SOURCE, functions=["paged_decode_attention", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary",
-                               "panel_width", "panel_linear"],
-                    extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+                _module = load_inline(name=extension_name(), cpp_sources=_SOURCE, functions=FUNCTIONS,
+                                      extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
             except Exception as exc:  # noqa: BLE001 - no compiler, no headers: the torch backend serves
                 _failed = True
                 log.warning("the C++ CPU attention kernel could not be built (%s); using the torch backend", exc)
@@ -433,10 +435,10 @@ def panel_width() -> int:
     return _load().panel_width()
 
 
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] float32 -> panels [ceil(N / W), K, W] for panel_linear (W = panel_width(),
-    zero-padded past N)."""
-    width = panel_width()
+def pack_panels(weight: torch.Tensor, width: int | None = None) -> torch.Tensor:
+    """weight [N, K] float32 -> panels [ceil(N / W), K, W] for panel_linear (W: `width`, default
+    panel_width()), zero-padded past N."""
+    width = width or panel_width()
     n, k = weight.shape
     num_panels = -(-n // width)
     padded = torch.zeros(num_panels * width, k, dtype=weight.dtype)
