@@ -11,7 +11,7 @@
   does not hold the others at the end of the layer.
 
 Which is fastest for a few rows depends on the processor, so it is measured at
-load (`choose_row_paths`) for 1, 2, 4, 8, 16 and 32 rows; a batch takes the path
+load (`choose_row_paths`) for 1, 2, 4, 8, 16, 32 and 64 rows; a batch takes the path
 measured at the smallest of those counts at or above its size, and larger
 batches take the packed one. Measured:
 - a 2-core Xeon (AVX-512), `bench` preset, in-model, before the panels: packed
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 PLAIN, PACKED, PANELS = "plain", "packed", "panels"
 # the row counts the load-time measurement compares; larger batches take the packed path
-CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32)
+CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 # oneDNN picks its blocked layout for a typical row count; any count works
 _PACK_FOR_ROWS = 64
 # weights the measurement streams per pass: more than a last-level cache holds,
