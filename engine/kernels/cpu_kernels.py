@@ -22,8 +22,8 @@ inputs the kernel takes 0.27 ms per layer at 16 × 324 tokens.
 Linear layers over weights packed in column panels (`panel_linear`; which
 batch sizes take it is measured at load, engine/model/cpu_gemm.py). The
 panels are handed out to the threads dynamically, as the attention's
-sequences are; on the `bench` preset's 33 linears at 16 rows, 6.4 ms against
-oneDNN's 8.4 alone and 7.4 against 11.5 beside a busy loop taking 0.2 cores.
+sequences are; on the `bench` preset's 32 decoder-layer linears at 16 rows,
+5.8 ms against oneDNN's 6.4.
 
 Fused small ops. A decoder layer's norms, rotary and SiLU were ~50 torch ops,
 each a Python call and an OpenMP region; here they are four calls. Same A/B:

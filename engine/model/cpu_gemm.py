@@ -17,9 +17,11 @@ batches take the packed one. Measured:
 - a 2-core Xeon (AVX-512), `bench` preset, in-model, before the panels: packed
   from 16 rows (a 16-sequence decode step 28.4 ms packed against 34.3 ms
   plain; at 8 rows level; at 3-4 rows plain ~10% faster). With the panels:
-  plain at 1-2 rows, panels at 3-32; the 33 linears at 16 rows took 6.4 ms
-  against oneDNN's 8.4 alone, and 7.4 against 11.5 ms beside a busy loop
-  taking 0.2 cores; in the engine, 16 sequences of 256 output tokens +10%;
+  plain at 1 row, panels at 2-64; the 32 decoder-layer linears took 5.8 ms
+  against oneDNN's 6.4 at 16 rows and 12.5 against 12.9 at 64 (296 rows:
+  40-50 against 36-46 ms, so larger batches stay on oneDNN); in the engine,
+  16 sequences of 256 output tokens +15%, and beside a busy loop taking
+  0.1-0.2 cores +8-11% (bench/cpu_contention.py);
 - a 2-core AMD EPYC (MKL takes its generic kernels there): packed from 1 row;
   decode steps of 1 / 2 / 4 / 8 sequences took 8.4 / 9.3 / 10.5 / 13.0 ms
   packed against 10.8 / 18.1 / 21.9 / 19.8 ms plain.
