@@ -166,3 +166,26 @@ def test_the_panel_kernel_built_without_avx512_equals_f_linear():
             x = torch.randn(rows, in_features)
             torch.testing.assert_close(narrow.panel_linear(x, panels, out_features), F.linear(x, weight),
                                        rtol=1e-5, atol=1e-4)
+
+
+def test_layers_of_the_same_shapes_are_measured_once_per_process_and_take_the_same_paths(monkeypatch):
+    """Two engines of one model in one process (a prefill and a decode engine) must not pick
+    different kernels by the noise of two measurements: their outputs would differ in low bits."""
+    import engine.model.cpu_gemm as cpu_gemm
+    calls = []
+    answers = iter([{rows: PLAIN for rows in CANDIDATE_ROWS}, {rows: PACKED for rows in CANDIDATE_ROWS}])
+
+    def measured(modules, *, with_panels):
+        calls.append(len(modules))
+        return next(answers)
+
+    monkeypatch.setattr(cpu_gemm, "choose_row_paths", measured)
+    monkeypatch.setattr(cpu_gemm, "_paths_measured", {})
+    first, second = (ColumnParallelLinear(48, 80, bias=False, tp=SINGLE_PROCESS) for _ in range(2))
+    pack_linear_weights(first, panels=False)
+    pack_linear_weights(second, panels=False)
+    assert calls == [1]
+    assert first.row_paths == second.row_paths == paths_by_rows({rows: PLAIN for rows in CANDIDATE_ROWS})
+    other_shape = ColumnParallelLinear(48, 96, bias=False, tp=SINGLE_PROCESS)
+    pack_linear_weights(other_shape, panels=False)                   # another model: measured again
+    assert calls == [1, 1] and set(other_shape.row_paths) == {PACKED}

@@ -50,6 +50,9 @@ _PACK_FOR_ROWS = 64
 # so they come from memory as they do in a forward pass
 _MEASURE_BYTES = 256 << 20
 _MEASURE_REPEATS = 3
+# measured paths per (layer shapes, dtype, threads, panels): engines of one model in one process
+# take the same paths, so their outputs agree bit for bit (a prefill and a decode engine side by side)
+_paths_measured: dict[tuple, dict[int, str]] = {}
 
 
 def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -114,9 +117,10 @@ def pack_linear_weights(model: nn.Module, paths: dict[int, str] | None = None, *
     """Packs the weight of every PackedLinearMixin module of `model` (CPU, after
     loading; the weights must not change afterwards) for oneDNN, and in panels
     when `panels` (default: where panels_supported), and sets which path each
-    batch size takes: `paths` (candidate row count -> path), or measured here
-    (`choose_row_paths`) when None. A panel copy no count takes is dropped.
-    Returns how many modules it packed."""
+    batch size takes: `paths` (candidate row count -> path), or when None
+    measured (`choose_row_paths`) once per process for these layers' shapes,
+    dtype and torch threads. A panel copy no count takes is dropped. Returns
+    how many modules it packed."""
     modules = [m for m in model.modules() if isinstance(m, PackedLinearMixin)]
     if not modules:
         return 0
@@ -129,7 +133,11 @@ def pack_linear_weights(model: nn.Module, paths: dict[int, str] | None = None, *
             from engine.kernels.cpu_kernels import pack_panels
             module.panel_weight = pack_panels(weight)
     if paths is None:
-        paths = choose_row_paths(modules, with_panels=panels)
+        key = (tuple(tuple(m.weight.shape) for m in modules), modules[0].weight.dtype, torch.get_num_threads(),
+               panels)
+        if key not in _paths_measured:
+            _paths_measured[key] = choose_row_paths(modules, with_panels=panels)
+        paths = _paths_measured[key]
         log.info("CPU linears, path by batch rows (larger: %s): %s", PACKED,
                  ", ".join(f"{rows}: {path}" for rows, path in sorted(paths.items())))
     row_paths = paths_by_rows(paths)
