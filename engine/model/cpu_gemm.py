@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import cpu_kernels
+
 log = logging.getLogger(__name__)
 
 PLAIN, PACKED, PANELS = "plain", "packed", "panels"
@@ -70,7 +72,6 @@ def panels_supported(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the panel kernel runs here: float32 on CPU, its C++ extension built."""
     if device.type != "cpu" or dtype != torch.float32:
         return False
-    from engine.kernels import cpu_kernels
     return cpu_kernels.available()
 
 
@@ -96,8 +97,7 @@ class PackedLinearMixin:
             return y if bias is None else y.add_(bias)
         path = self.row_paths[rows] if rows < len(self.row_paths) else PACKED
         if path == PANELS:
-            from engine.kernels.cpu_kernels import panel_linear
-            y = panel_linear(x, self.panel_weight, self.weight.shape[0])
+            y = cpu_kernels.panel_linear(x, self.panel_weight, self.weight.shape[0])
             return y if bias is None else y.add_(bias)
         if path == PACKED and self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
@@ -130,8 +130,7 @@ def pack_linear_weights(model: nn.Module, paths: dict[int, str] | None = None, *
         weight = module.weight.detach()
         module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_FOR_ROWS)
         if panels:
-            from engine.kernels.cpu_kernels import pack_panels
-            module.panel_weight = pack_panels(weight)
+            module.panel_weight = cpu_kernels.pack_panels(weight)
     if paths is None:
         key = (tuple(tuple(m.weight.shape) for m in modules), modules[0].weight.dtype, torch.get_num_threads(),
                panels)
@@ -172,8 +171,6 @@ def choose_row_paths(modules: list[PackedLinearMixin], *, with_panels: bool) -> 
     inputs = {(rows, m.weight.shape[1]): torch.randn(rows, m.weight.shape[1], dtype=dtype)
               for rows in CANDIDATE_ROWS for m in sample}
     candidates = (PLAIN, PACKED, PANELS) if with_panels else (PLAIN, PACKED)
-    if with_panels:
-        from engine.kernels.cpu_kernels import panel_linear
 
     def one_pass(rows: int, path: str) -> float:
         start = time.perf_counter()
@@ -183,7 +180,7 @@ def choose_row_paths(modules: list[PackedLinearMixin], *, with_panels: bool) -> 
                 if path == PACKED:
                     torch.ops.mkldnn._linear_pointwise(x, m.packed_weight, None, "none", [], "")
                 elif path == PANELS:
-                    panel_linear(x, m.panel_weight, m.weight.shape[0])
+                    cpu_kernels.panel_linear(x, m.panel_weight, m.weight.shape[0])
                 else:
                     F.linear(x, m.weight)
         return time.perf_counter() - start
