@@ -7,10 +7,10 @@ on the `bench` checkpoint, CPU:
 2. start `pdserve serve --config` on a local cluster of this machine's size
    and correct the model online (cluster/perf_model/online.py) from two
    calibration loads, a trickle (1 req/s) and a busy one (0.7x the profile's
-   simulated capacity):
+   simulated capacity on the machine's shared cores):
    - the live replicas' own engine steps (shapes and wall times, fetched from
      the workers) give, per role and load, how much slower a served step is
-     than the profiled one. It grows with load: the replicas share the
+     than the profiled one (the mean ratio). It grows with load: the replicas share the
      machine's cores with each other, the router, the HTTP path and the load
      generator. The simulator's shared-cores model (cluster/simulator) is
      fitted to both: the cores the serving path takes per request streaming,
@@ -151,14 +151,17 @@ def measured_link(before: tuple, after: tuple):
 
 
 def step_factors(profiled, live: dict[str, list]) -> dict[str, float]:
-    """Per role, the median of measured / profiled time over its live steps (1.0
+    """Per role, the mean of measured / profiled time over its live steps (1.0
     without any); `profiled(shape, threads)` is a step's profiled time with the
-    threads it ran with."""
+    threads it ran with. The mean, as the workers' online correction keeps it
+    (cluster/perf_model/online.py): a step that lost its core for a while is
+    time every request in it waited, and a TPOT is the mean of its steps. A
+    median left those steps out and under-predicted TPOT under load."""
     factors = {}
     for role, steps in live.items():
-        expected = [(seconds, profiled(shape, threads)) for shape, seconds, threads in steps]
-        ratios = sorted(seconds / model_s for seconds, model_s in expected if model_s > 0)
-        factors[role] = ratios[len(ratios) // 2] if ratios else 1.0
+        ratios = [seconds / model_s for seconds, model_s in
+                  ((seconds, profiled(shape, threads)) for shape, seconds, threads in steps) if model_s > 0]
+        factors[role] = sum(ratios) / len(ratios) if ratios else 1.0
     return factors
 
 
@@ -290,6 +293,19 @@ def deployment_models(dep: dict, profiles: dict) -> tuple:
     return base, wide
 
 
+def profile_only_spec(dep: dict, profiles: dict, model_config):
+    """The deployment on this machine's shared cores, its engines' steps as
+    profiled (no correction, no serving cost): what sizes the busy calibration
+    load. A spec without the shared cores would give every rank a core of its
+    own: 1 prefill + 2 decode on 2 cores, three one-thread ranks, got a "busy"
+    load past its capacity (1.2x and 2.2x the corrected model's on two machines)."""
+    from cluster.config import DeploymentConfig
+    from cluster.simulator.from_config import cluster_spec
+    base, wide = deployment_models(dep, profiles)
+    return cluster_spec(DeploymentConfig.model_validate(dep["body"]), base, model_config=model_config,
+                        shared_cores=dep["cores"], threads_per_rank=dep["threads"], wide_model=wide)
+
+
 def calibrate(dep: dict, profiles: dict, model_config) -> Calibration:
     """The corrected simulator of a recorded deployment, from its calibration
     phases only (module doc, step 2): what the loads are predicted with."""
@@ -375,11 +391,8 @@ def record_deployment(name: str, args, base_url: str, datasets: dict, tokenizer,
                 "steps": take_live_steps(roles)}
     measured(base_url, model, datasets["warmup"], 1000.0, args.seed + 99, tokenizer)
     dep["calibration"]["trickle"] = phase(datasets["trickle"], TRICKLE_RATE, args.seed + 7)
-    from cluster.config import DeploymentConfig
-    from cluster.simulator.from_config import cluster_spec
-    base, _ = deployment_models(dep, profiles)
-    raw_spec = cluster_spec(DeploymentConfig.model_validate(body), base, model_config=model_config)
-    busy_rate = round(BUSY_CALIBRATION_LOAD * capacity(raw_spec, lengths_of(requests), args.seed), 3)
+    busy_rate = round(BUSY_CALIBRATION_LOAD * capacity(profile_only_spec(dep, profiles, model_config),
+                                                       lengths_of(requests), args.seed), 3)
     handoffs = handoff_totals(base_url)
     dep["calibration"]["busy"] = phase(datasets["busy"], busy_rate, args.seed + 8)
     link = measured_link(handoffs, handoff_totals(base_url))
