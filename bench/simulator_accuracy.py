@@ -159,8 +159,11 @@ def step_factors(profiled, live: dict[str, list]) -> dict[str, float]:
     median left those steps out and under-predicted TPOT under load."""
     factors = {}
     for role, steps in live.items():
-        ratios = [seconds / model_s for seconds, model_s in
-                  ((seconds, profiled(shape, threads)) for shape, seconds, threads in steps) if model_s > 0]
+        ratios = []
+        for shape, seconds, threads in steps:
+            model_s = profiled(shape, threads)
+            if model_s > 0:
+                ratios.append(seconds / model_s)
         factors[role] = sum(ratios) / len(ratios) if ratios else 1.0
     return factors
 
