@@ -96,12 +96,21 @@ class PackedLinearMixin:
             y = self.skinny(x, self.weight)
             return y if bias is None else y.add_(bias)
         path = self.row_paths[rows] if rows < len(self.row_paths) else PACKED
-        if path == PANELS:
-            y = cpu_kernels.panel_linear(x, self.panel_weight, self.weight.shape[0])
-            return y if bias is None else y.add_(bias)
-        if path == PACKED and self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
-        return F.linear(x, self.weight, bias)
+        if path == PACKED and self.packed_weight is None:
+            path = PLAIN
+        return linear_on_path(self, x, path, bias)
+
+
+def linear_on_path(module: PackedLinearMixin, x: torch.Tensor, path: str,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, in] @ module's weight^T (+ bias) -> [T, out] through `path`, whose
+    weight copy the module must hold."""
+    if path == PANELS:
+        y = cpu_kernels.panel_linear(x, module.panel_weight, module.weight.shape[0])
+        return y if bias is None else y.add_(bias)
+    if path == PACKED:
+        return torch.ops.mkldnn._linear_pointwise(x, module.packed_weight, bias, "none", [], "")
+    return F.linear(x, module.weight, bias)
 
 
 def use_skinny_gemm(model: nn.Module, skinny, max_rows: int) -> None:
@@ -176,13 +185,7 @@ def choose_row_paths(modules: list[PackedLinearMixin], *, with_panels: bool) -> 
         start = time.perf_counter()
         with torch.no_grad():
             for m in sample:
-                x = inputs[rows, m.weight.shape[1]]
-                if path == PACKED:
-                    torch.ops.mkldnn._linear_pointwise(x, m.packed_weight, None, "none", [], "")
-                elif path == PANELS:
-                    cpu_kernels.panel_linear(x, m.panel_weight, m.weight.shape[0])
-                else:
-                    F.linear(x, m.weight)
+                linear_on_path(m, inputs[rows, m.weight.shape[1]], path)
         return time.perf_counter() - start
 
     best = {(rows, path): float("inf") for rows in CANDIDATE_ROWS for path in candidates}
