@@ -67,30 +67,37 @@ def phase_prefill_capacity(model, prompt_len: float, ttft_s: float) -> float:
     return (2 * x / (1 + 2 * x)) / s
 
 
-def workload(spec, ttft_s: float, tpot_s: float, slots: int, seed: int):
-    """(lengths, arrivals, phases): each phase's rate is `share` x the most that
-    any split of `slots` replicas serves at its lengths (the narrower pool's
-    capacity at 80% of the SLOs' means), so every phase fits the budget, each
-    with its own best split."""
-    rng = random.Random(seed)
-    lengths, arrivals, t = [], [], 0.0
-    limits = ReplicaLimits(spec.decode.max_num_seqs, spec.decode.num_kv_blocks, spec.decode.block_size)
-    phases = []
-    for name, prompt, output, share in PHASES:
-        cap_p = phase_prefill_capacity(spec.prefill.model, prompt, ttft_s)
-        cap_d = decode_capacity(spec.decode.model, prompt, output, 0.8 * tpot_s, limits)
+def phase_rates(prefill_model, decode_model, limits: ReplicaLimits, phases, ttft_s: float, tpot_s: float,
+                slots: int, scale: float = 1.0, phase_s: float = PHASE_S) -> list[dict]:
+    """Each phase of `phases` ((name, prompt, output, share), `phase_s` each) with
+    its rate: `share` x the most that any split of `slots` one-rank replicas
+    serves at its lengths (the narrower pool's capacity at 80% of the SLOs'
+    means) x `scale`, so every phase fits the budget, each with its own best
+    split."""
+    out, start = [], 0.0
+    for name, prompt, output, share in phases:
+        cap_p = phase_prefill_capacity(prefill_model, prompt, ttft_s)
+        cap_d = decode_capacity(decode_model, prompt, output, 0.8 * tpot_s, limits)
         best_p = max(range(1, slots), key=lambda p: min(p * cap_p, (slots - p) * cap_d))
-        rate = share * min(best_p * cap_p, (slots - best_p) * cap_d)
-        start, end = t, t + PHASE_S
-        phases.append({"name": name, "start_s": start, "rate": rate, "prompt": prompt, "output": output,
-                       "best_split": f"{best_p}P+{slots - best_p}D"})
-        while True:
-            t += rng.expovariate(rate)
-            if t > end:
-                t = end
-                break
-            lengths.append((max(1, round(prompt * rng.uniform(0.75, 1.25))),
-                            max(1, round(output * rng.uniform(0.75, 1.25)))))
+        rate = share * scale * min(best_p * cap_p, (slots - best_p) * cap_d)
+        out.append({"name": name, "start_s": start, "rate": rate, "prompt": prompt, "output": output,
+                    "best_split": f"{best_p}P+{slots - best_p}D"})
+        start += phase_s
+    return out
+
+
+def workload(spec, ttft_s: float, tpot_s: float, slots: int, seed: int):
+    """(lengths, arrivals, phases): PHASES at phase_rates on `spec`'s step
+    models, Poisson arrivals, lengths +-25% around each phase's."""
+    rng = random.Random(seed)
+    limits = ReplicaLimits(spec.decode.max_num_seqs, spec.decode.num_kv_blocks, spec.decode.block_size)
+    phases = phase_rates(spec.prefill.model, spec.decode.model, limits, PHASES, ttft_s, tpot_s, slots)
+    lengths, arrivals = [], []
+    for phase in phases:
+        t, end = phase["start_s"], phase["start_s"] + PHASE_S
+        while (t := t + rng.expovariate(phase["rate"])) <= end:
+            lengths.append((max(1, round(phase["prompt"] * rng.uniform(0.75, 1.25))),
+                            max(1, round(phase["output"] * rng.uniform(0.75, 1.25)))))
             arrivals.append(t)
     return lengths, arrivals, phases
 

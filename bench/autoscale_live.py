@@ -1,16 +1,28 @@
 """The goodput autoscaler against each static split of the same budget, served
 live by `pdserve serve` on this machine, one phased workload, one run.
 
-    python bench/autoscale_live.py [--budget 3] [--phase-s 90] [--slo ttft:1000 tpot:100]
-                                   [--prompt-heavy-rate 1.2] [--output-heavy-rate 1.2]
-                                   [--model DIR] [--json bench/results/autoscale_live.json]
+    python bench/autoscale_live.py [--budget 3] [--phase-s 60] [--slo ttft:1000 tpot:100]
+                                   [--served-factor 1.25] [--model DIR] [--profile FILE]
+                                   [--json bench/results/autoscale_live.json] [--plot PNG]
 
-Checkpoint: the "bench" preset (~30M-parameter Llama, fp32). Workload (Poisson):
-  prompt-heavy  ~900-token prompts, 16 output tokens, for --phase-s
-  output-heavy  ~200-token prompts, 256 output tokens, for --phase-s
-greedy, ignore_eos, streamed (bench/loadtest). Systems, one at a time, each a
-fresh `pdserve serve` on a local cluster (disaggregation policy "always", so a
-prompt runs on a prefill worker and the roles stay apart):
+Checkpoint: the "bench" preset (~30M-parameter Llama, fp32). Workload: the
+phases of bench/autoscale.py (the simulator's scenario) at lengths this CPU
+serves within the SLOs, Poisson arrivals, lengths +-20%, --phase-s each:
+  chat          ~300-token prompts,  64 output tokens, at 80% of what the budget serves
+  long prompts  ~900-token prompts,  16 output tokens, 80%
+  long outputs  ~200-token prompts, 256 output tokens, 80%
+  quiet         chat at 20%
+  burst         chat at 100%
+"What the budget serves" is bench/autoscale.py's phase_rates on the engine's
+own one-thread profile of this machine (`pdserve profile`'s code, in
+process: ~10 s; --profile keeps it for the next run, so runs share rates),
+times the machine's cores over the budget's ranks (the ranks share the
+cores), over --served-factor (served engine steps run 1.1-1.4x their
+profiled time under load, bench/simulator_accuracy.py), so the rates follow
+the machine's speed. Greedy, ignore_eos, streamed
+(bench/loadtest). Systems, one at a time, each a fresh `pdserve serve` on a
+local cluster (disaggregation policy "always", so a prompt runs on a prefill
+worker and the roles stay apart):
   static kP+(budget-k)D for every k, and
   autoscaled: starting at the split that suits the first phase, budget
   --budget ranks, interval 5 s, start-up horizon 15 s, scale-down cool-down 15 s,
@@ -31,6 +43,7 @@ import argparse
 import asyncio
 import bisect
 import json
+import math
 import random
 import re
 import sys
@@ -53,22 +66,44 @@ from cluster.cli.plan_goodput import parse_slo  # noqa: E402
 from engine.tp_group import free_port  # noqa: E402
 
 
-def workload(tokenizer, args):
-    """(requests, send offsets, phases)."""
+# (name, prompt tokens, output tokens, share of what the budget serves): bench/autoscale.py's
+# phases at lengths a CPU engine prefills well within a 1 s TTFT
+LIVE_PHASES = (("chat", 300, 64, 0.8), ("long prompts", 900, 16, 0.8), ("long outputs", 200, 256, 0.8),
+               ("quiet", 300, 64, 0.2), ("burst", 300, 64, 1.0))
+
+
+def live_phases(model_dir: str, args) -> list[dict]:
+    """LIVE_PHASES with their rates (module doc) on this machine's one-thread profile."""
+    import os
+
+    from bench.autoscale import phase_rates
+    from bench.simulator_accuracy import profile_for
+    from cluster.autoscaler.capacity import ReplicaLimits
+    from cluster.perf_model.step_shape import load_step_model
+    saved = Path(args.profile) if args.profile else None
+    profiles: dict = {"1": json.loads(saved.read_text())} if saved is not None and saved.exists() else {}
+    profile_for(model_dir, 1, profiles)
+    if saved is not None and not saved.exists():
+        saved.write_text(json.dumps(profiles["1"]))
+    model = load_step_model(profiles["1"])
+    slo = dict(args.slo)
+    scale = min(1.0, (os.cpu_count() or 1) / args.budget) / args.served_factor
+    return phase_rates(model, model, ReplicaLimits(), LIVE_PHASES, slo["ttft"] / 1000, slo["tpot"] / 1000,
+                       args.budget, scale=scale, phase_s=args.phase_s)
+
+
+def workload(tokenizer, phases: list[dict], args):
+    """(requests, send offsets): each phase's Poisson arrivals at its rate."""
     rng = random.Random(args.seed)
-    phases = [("prompt-heavy", 900, 16, args.prompt_heavy_rate), ("output-heavy", 200, 256, args.output_heavy_rate)]
-    requests, offsets, t, described = [], [], 0.0, []
-    for i, (name, prompt, output, rate) in enumerate(phases):
-        described.append({"name": name, "start_s": t, "rate": rate, "prompt": prompt, "output": output})
-        times = []
-        end = t + args.phase_s
-        while (t := t + rng.expovariate(rate)) < end:
+    requests, offsets = [], []
+    for i, phase in enumerate(phases):
+        times, t, end = [], phase["start_s"], phase["start_s"] + args.phase_s
+        while (t := t + rng.expovariate(phase["rate"])) < end:
             times.append(t)
-        t = end
-        requests += random_dataset(tokenizer, num_prompts=len(times), input_len=prompt, output_len=output,
-                                   range_ratio=0.2, seed=args.seed + i)
+        requests += random_dataset(tokenizer, num_prompts=len(times), input_len=phase["prompt"],
+                                   output_len=phase["output"], range_ratio=0.2, seed=args.seed + i)
         offsets += times
-    return requests, offsets, described
+    return requests, offsets
 
 
 def deployment(args, model_dir: str, prefill: int, decode: int, autoscale: bool) -> dict:
@@ -121,6 +156,19 @@ def phase_figures(records, phases: list[dict], slos_ms: dict) -> dict:
     return out
 
 
+BIN_S = 10.0
+
+
+def attainment_bins(records, slos_ms: dict, duration_s: float) -> list[dict]:
+    """Per BIN_S of scheduled send time: requests sent and those meeting both SLOs."""
+    bins = [{"start_s": i * BIN_S, "sent": 0, "met": 0} for i in range(math.ceil(duration_s / BIN_S))]
+    for r in records:
+        b = bins[min(len(bins) - 1, int(r.scheduled_offset // BIN_S))]
+        b["sent"] += 1
+        b["met"] += bool(r.succeeded and meets_slos(r, slos_ms))
+    return bins
+
+
 def autoscaled_replica_seconds(samples: list[dict], deployed: int, duration_s: float) -> float:
     """The mean replicas serving over the samples (about one a second) times the
     run's duration; a sample from before the autoscaler's first decision (no
@@ -140,8 +188,8 @@ def run_system(name: str, config: dict, requests, offsets, phases, args, tokeniz
         with served(path, free_port(), log, 300) as base_url:
             time.sleep(5)
             threading.Thread(target=replicas_watcher, args=(base_url, stop, samples), daemon=True).start()
-            cfg = RunConfig(base_url=base_url, model="bench", ignore_eos=True, max_duration=args.phase_s * 4,
-                            disable_tqdm=True)
+            cfg = RunConfig(base_url=base_url, model="bench", ignore_eos=True,
+                            max_duration=args.phase_s * (len(phases) + 1), disable_tqdm=True)
             result = asyncio.run(run_benchmark(requests, cfg, tokenizer=tokenizer, offsets=offsets))
             stop.set()
     except ServerFailed as exc:
@@ -165,6 +213,7 @@ def run_system(name: str, config: dict, requests, offsets, phases, args, tokeniz
     failures = {error: n for error, n in summary.error_counts.items() if not error.startswith("HTTP 429")}
     refused = summary.failed - sum(failures.values())
     row = {"phases": phase_figures(result.records, phases, slos_ms),
+           "bins": attainment_bins(result.records, slos_ms, args.phase_s * len(phases)),
            "goodput": good / result.duration, "attainment": good / max(1, len(requests)),
            "failed": summary.failed, "refused": refused, "errors": summary.error_counts,
            "duration_s": result.duration, "replica_seconds": replica_s,
@@ -184,15 +233,18 @@ def run_system(name: str, config: dict, requests, offsets, phases, args, tokeniz
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budget", type=int, default=3)
-    ap.add_argument("--phase-s", type=float, default=90.0)
+    ap.add_argument("--phase-s", type=float, default=60.0)
     ap.add_argument("--slo", nargs=2, type=parse_slo, default=[("ttft", 1000.0), ("tpot", 100.0)])
-    ap.add_argument("--prompt-heavy-rate", type=float, default=1.2)
-    ap.add_argument("--output-heavy-rate", type=float, default=1.2)
+    ap.add_argument("--served-factor", type=float, default=1.25,
+                    help="served over profiled engine step time the phases' rates allow for")
     ap.add_argument("--model", default=None)
+    ap.add_argument("--profile", default=None,
+                    help="the one-thread profile the rates come from: read if the file exists, else written")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--downscale-window-s", type=float, default=None,
                     help="autoscaling.downscale_window_s (default: the server's)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None, help="a PNG timeline: rate, the autoscaler's replicas, SLO attainment")
     ap.add_argument("--static", action=argparse.BooleanOptionalAction, default=True,
                     help="also serve every static split (--no-static: the autoscaled system alone)")
     args = ap.parse_args()
@@ -201,9 +253,13 @@ def main() -> int:
     from engine.tiny_model import ensure_preset_model
     model_dir = args.model or str(ensure_preset_model("bench"))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    requests, offsets, phases = workload(tokenizer, args)
-    print(f"{len(requests)} requests over {args.phase_s * 2:.0f} s; budget {args.budget} ranks; SLOs "
+    phases = live_phases(model_dir, args)
+    requests, offsets = workload(tokenizer, phases, args)
+    print(f"{len(requests)} requests over {args.phase_s * len(phases):.0f} s; budget {args.budget} ranks; SLOs "
           f"{dict(args.slo)} ms", flush=True)
+    for p in phases:
+        print(f"  {p['name']:<13} from {p['start_s']:4.0f} s: {p['rate']:.2f} req/s, ~{p['prompt']} -> "
+              f"~{p['output']} tokens (best split by the profile: {p['best_split']})", flush=True)
     rows = {}
     log_dir = Path(tempfile.mkdtemp(prefix="autoscale-live-"))
     for k in range(1, args.budget if args.static else 1):
@@ -222,7 +278,41 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()}, "phases": phases,
                                                "systems": rows}, indent=2, default=str))
+    if args.plot and "autoscaled" in ok:
+        plot(ok, phases, args.plot)
     return 0
+
+
+def plot(rows: dict, phases: list[dict], path: str) -> None:
+    """Sent rate and each phase's, the autoscaler's replicas serving per role,
+    and every system's SLO attainment per BIN_S of send time."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(3, 1, figsize=(8, 7), sharex=True)
+    bins = rows["autoscaled"]["bins"]
+    mids = [b["start_s"] + BIN_S / 2 for b in bins]
+    axes[0].plot(mids, [b["sent"] / BIN_S for b in bins], label="sent")
+    axes[0].step([p["start_s"] for p in phases], [p["rate"] for p in phases], ":", where="post", label="phase rate")
+    axes[0].set_ylabel("req/s")
+    axes[0].legend(fontsize=7)
+    timeline = rows["autoscaled"]["timeline"]
+    for role in ("prefill", "decode"):
+        axes[1].step([e["time_s"] for e in timeline], [e["running"].get(role, float("nan")) for e in timeline],
+                     where="post", label=f"autoscaled: {role} serving")
+    axes[1].set_ylabel("replicas")
+    axes[1].legend(fontsize=7)
+    for name, row in rows.items():
+        axes[2].plot(mids, [b["met"] / b["sent"] if b["sent"] else float("nan") for b in row["bins"]], label=name)
+    axes[2].set_ylabel("SLO met")
+    axes[2].set_xlabel("s")
+    axes[2].legend(fontsize=7)
+    for ax in axes:
+        for p in phases:
+            ax.axvline(p["start_s"], color="grey", lw=0.5)
+    axes[0].set_title("bench preset served live on this machine: " + ", ".join(p["name"] for p in phases))
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,9 @@ On a CPU machine whose one-rank replicas lend idle cores to each other
 pool's capacity counts the prefill replicas' idle cores it borrows, at the
 speed-up its own borrowed steps showed (cluster/autoscaler/lending.py): a
 split whose one decode replica runs on the cores of idle prefill replicas is
-not re-split for a second decode replica that would add no compute.
+not re-split for a second decode replica that would add no compute. There a
+rank moves between roles only when the role's observed latency is past
+`slo_headroom` of its SLO, not on the model's figures alone.
 """
 
 from __future__ import annotations
@@ -228,7 +230,7 @@ class GoodputPolicy:
         if budget_bound:
             needed = self._split_within_budget(current, capacity, demand, reasons)
         else:
-            self._hold_near_split(current, capacity, demand, needed, reasons)
+            self._hold_near_split(obs, current, capacity, demand, needed, reasons)
         self._latency_feedback(obs, current, needed, reasons)
         # what holds this interval's load: the model's count with headroom, or more where observed
         # latency asked for more (a replica added for a missed SLO is not given back next interval)
@@ -368,16 +370,21 @@ class GoodputPolicy:
                           f"{s.split_margin:.0%} more than this one")
         return dict(current)
 
-    def _hold_near_split(self, current: dict[str, int], capacity: dict[str, float], demand: dict[str, float],
-                         needed: dict[str, int], reasons: dict[str, str]) -> None:
+    def _hold_near_split(self, obs: Observation, current: dict[str, int], capacity: dict[str, float],
+                         demand: dict[str, float], needed: dict[str, int], reasons: dict[str, str]) -> None:
         """On a machine whose replicas lend cores: at the budget a role gets a replica
         more only by another role giving up a rank (a re-split, and a start-up
         without either replica), which adds little compute where the cores are
         shared anyway; not for a predicted demand within `split_margin` of what
-        the role's pool serves now (the observed-latency rule still adds one where
-        the SLO is missed). With a device per rank the move is taken at once
-        (applied there, the hold cost the simulated 70B runs 1% of goodput on two
-        of five seeds)."""
+        the role's pool serves now, nor while the role's observed latency (p90)
+        is within `slo_headroom` of its SLO: the model's rating of a replica on
+        shared, lent cores is the least certain of its figures (live, it rated
+        one lent decode replica at ~2.2-2.6 req/s of 256-token outputs that
+        served 2.9 within the SLOs), so only the role's latency moves a rank
+        there (the observed-latency rule still adds one where the SLO is
+        missed). With a device per rank the move is taken at once (applied
+        there, the hold cost the simulated 70B runs 1% of goodput on two of five
+        seeds)."""
         s = self.settings
         if self.shared_cores is None:
             return
@@ -385,10 +392,17 @@ class GoodputPolicy:
             if needed[r] <= current[r] or self._ranks(current) + s.tp(r) <= s.budget:
                 continue
             served = self._pool_capacity(r, current, capacity, demand)
+            observed = self._observed_for(obs, r)
             if demand[r] <= served * (1 + s.split_margin):
                 needed[r] = current[r]
                 reasons[r] = (f"holds {current[r]}: {demand[r]:.2f} req/s is within {s.split_margin:.0%} of the "
                               f"{served:.2f} req/s they serve, not worth a re-split")
+            elif observed is None or observed[0] <= s.slo_headroom * observed[1]:
+                needed[r] = current[r]
+                seen = "no latency observed yet" if observed is None else \
+                    f"observed p90 {observed[0] * 1000:.0f} ms is within {s.slo_headroom:.0%} of the SLO"
+                reasons[r] = (f"holds {current[r]}: {seen}; on shared cores a re-split for the model's "
+                              f"{demand[r]:.2f} > {served:.2f} req/s moves no compute")
 
     def _served(self, replicas: dict[str, int], capacity: dict[str, float], demand: dict[str, float]) -> float:
         """Requests/s a split serves: its narrower pool's capacity."""
