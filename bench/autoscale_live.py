@@ -44,6 +44,7 @@ import asyncio
 import bisect
 import json
 import math
+import os
 import random
 import re
 import sys
@@ -74,8 +75,6 @@ LIVE_PHASES = (("chat", 300, 64, 0.8), ("long prompts", 900, 16, 0.8), ("long ou
 
 def live_phases(model_dir: str, args) -> list[dict]:
     """LIVE_PHASES with their rates (module doc) on this machine's one-thread profile."""
-    import os
-
     from bench.autoscale import phase_rates
     from bench.simulator_accuracy import profile_for
     from cluster.autoscaler.capacity import ReplicaLimits

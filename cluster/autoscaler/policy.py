@@ -43,9 +43,10 @@ On a CPU machine whose one-rank replicas lend idle cores to each other
 pool's capacity counts the prefill replicas' idle cores it borrows, at the
 speed-up its own borrowed steps showed (cluster/autoscaler/lending.py): a
 split whose one decode replica runs on the cores of idle prefill replicas is
-not re-split for a second decode replica that would add no compute. There a
-rank moves between roles only when the role's observed latency is past
-`slo_headroom` of its SLO, not on the model's figures alone.
+not re-split for a second decode replica that would add no compute. There,
+while the load fits the budget, one role takes a rank from another only when
+its observed latency is past `slo_headroom` of its SLO, not on the model's
+figures alone (a load past the budget still takes the best split, step 3).
 """
 
 from __future__ import annotations
