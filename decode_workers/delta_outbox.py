@@ -10,8 +10,10 @@ process boundary: new token ids, new text, new logprobs.
 
 Stream batching (`min_interval_s`, Ray Serve LLM's and vLLM's stream interval):
 a batch of mid-stream tokens waits until `min_interval_s` after the previous
-one, gathering the steps in between. A first token or a finished request goes
-at once, so time to first token and end-to-end latency do not change; what it
+one, gathering the steps in between. A request's first delta from this worker
+(its first token, or on a decode replica the first after the prefilled one) and
+a finished request go at once, so time to first token, the gap after it and
+end-to-end latency do not change; what it
 saves is a message per engine step when steps are short (each costs the
 router and this replica CPU that a small machine's engine would otherwise use).
 """
@@ -35,24 +37,31 @@ class DeltaOutbox:
         self._loop = asyncio.get_running_loop()
         self._lock = threading.Lock()
         self._pending: dict[str, TokenDelta] = {}   # request id -> its delta since the last take
+        self._urgent = False                        # a pending delta must not wait for the interval
         self._failure: BaseException | None = None
         self._ready = asyncio.Event()
         self._sent_logprobs: dict[str, int] = {}   # engine thread only
+        self._streaming: set[str] = set()           # engine thread only: requests with a delta put
 
     # ---- engine thread (OutputSink) ----------------------------------------------------------
     def put(self, outputs: list[RequestOutput]) -> None:
-        deltas = []
+        deltas, urgent = [], False
         for out in outputs:
             sent = self._sent_logprobs.get(out.request_id, 0)
             delta = TokenDelta.from_output(out, sent)
+            urgent = urgent or is_urgent(delta) or out.request_id not in self._streaming
             if out.finished:
                 self._sent_logprobs.pop(out.request_id, None)
-            elif delta.logprobs:
-                self._sent_logprobs[out.request_id] = sent + len(delta.logprobs)
+                self._streaming.discard(out.request_id)
+            else:
+                self._streaming.add(out.request_id)
+                if delta.logprobs:
+                    self._sent_logprobs[out.request_id] = sent + len(delta.logprobs)
             deltas.append(delta)
         with self._lock:
             # a reader holding tokens back for the interval wakes for an urgent one
-            wake = not self._pending or any(is_urgent(d) for d in deltas)
+            wake = not self._pending or urgent
+            self._urgent = self._urgent or urgent
             for delta in deltas:   # one entry per request: a request that produced again is merged
                 earlier = self._pending.get(delta.request_id)
                 self._pending[delta.request_id] = delta if earlier is None else merge(earlier, delta)
@@ -67,7 +76,7 @@ class DeltaOutbox:
     async def take(self) -> list[TokenDelta]:
         """Waits for at least one delta and returns all pending ones, one per
         request, no sooner than `min_interval_s` after the previous batch unless
-        one of them is urgent (a first token, a finish); raises what the engine
+        one of them is urgent (a request's first delta here, a finish); raises what the engine
         failed with once nothing is left."""
         while True:
             if self._batching_wait_s() > 0:
@@ -80,7 +89,7 @@ class DeltaOutbox:
                         pass
                     continue
             with self._lock:
-                batch, self._pending = list(self._pending.values()), {}
+                batch, self._pending, self._urgent = list(self._pending.values()), {}, False
             if batch:
                 self._last_take = time.monotonic()
                 return batch
@@ -97,7 +106,7 @@ class DeltaOutbox:
         if self.min_interval_s <= 0 or self._failure is not None:
             return 0.0
         with self._lock:
-            if not self._pending or any(is_urgent(d) for d in self._pending.values()):
+            if not self._pending or self._urgent:
                 return 0.0
         return self._last_take + self.min_interval_s - time.monotonic()
 

@@ -1,6 +1,6 @@
 """The decode worker's per-subscriber outbox: one delta per request per batch,
 and stream batching that holds mid-stream tokens back for the interval but
-never a first token or a finish. The interval here is 60 s, so "held back"
+never a request's first delta or a finish. The interval here is 60 s, so "held back"
 and "taken at once" are told apart without timing anything closely."""
 
 from __future__ import annotations
@@ -66,6 +66,27 @@ def test_stream_batching_holds_mid_stream_tokens_until_an_urgent_delta_arrives()
     assert held is None
     assert sorted((d.request_id, d.token_ids) for d in released) == [("a", [6, 7]), ("b", [9])]
     assert [(d.request_id, d.token_ids, d.finished) for d in last] == [("a", [8, 4], True)]
+
+
+def test_a_handed_off_requests_first_delta_is_not_held_though_it_carries_no_first_token():
+    """On a decode replica the first token came from the prefill replica; the
+    first tokens decoded here follow it at once, not after the interval."""
+    async def main():
+        outbox = DeltaOutbox(min_interval_s=LONG_INTERVAL_S)
+        outbox.put([_output("a", [5], 1)])
+        await _taken_within(outbox, 5)
+        outbox.put([_output("a", [5, 6], 1)])                   # a mid-stream: held
+        held = await _taken_within(outbox, 0.3)
+        outbox.put([_output("h", [3, 8], 1)])                   # h was prefilled elsewhere: token 3 came from there
+        released = await _taken_within(outbox, 5)
+        outbox.put([_output("h", [3, 8, 2], 1)])                # h's later tokens wait like any others
+        later = await _taken_within(outbox, 0.3)
+        return held, released, later
+    held, released, later = asyncio.run(main())
+    assert held is None
+    assert sorted((d.request_id, d.token_ids, d.first_token_times is None) for d in released) == [
+        ("a", [6], True), ("h", [8], True)]
+    assert later is None
 
 
 def test_stream_batching_releases_held_tokens_once_the_interval_has_passed():
