@@ -54,6 +54,7 @@ class AutoscaleLoop:
         self._arrivals = 0                      # offered this interval: served or refused
         self._sized_arrivals = 0                # of which with a known prompt length
         self._prompt_tokens = 0
+        self._refused: dict[str, int] = {}      # this interval's refusals, by the role they were refused for
         self._ended: list[RequestTimings] = []
         self._fit_steps: dict[str, deque] = {r: deque(maxlen=FIT_WINDOW) for r in settings.roles}
         self._last_tick = time.monotonic()
@@ -72,6 +73,18 @@ class AutoscaleLoop:
         if prompt_tokens is not None:
             self._sized_arrivals += 1
             self._prompt_tokens += prompt_tokens
+
+    def on_refusal(self, reason: str) -> None:
+        """A request admission control refused (router/admission.py's reasons): on the
+        decode pool's account for the TPOT bound, else on the prefill pool's (a
+        colocated pool's, either way)."""
+        role = self._refusal_role(reason)
+        self._refused[role] = self._refused.get(role, 0) + 1
+
+    def _refusal_role(self, reason: str) -> str:
+        if self.settings.mode == "colocated":
+            return "colocated"
+        return "decode" if reason == "tpot_slo" else "prefill"
 
     def on_request(self, timings: RequestTimings) -> None:
         if timings.finish_reason in ("stop", "length"):
@@ -139,13 +152,14 @@ class AutoscaleLoop:
         ended, self._ended = self._ended, []
         arrivals, sized, prompt = self._arrivals, self._sized_arrivals, self._prompt_tokens
         self._arrivals = self._sized_arrivals = self._prompt_tokens = 0
+        refused, self._refused = self._refused, {}
         ttfts = [t.time_to_first_token for t in ended if t.time_to_first_token is not None]
         tpots = [t.time_per_output_token for t in ended if t.time_per_output_token is not None]
         return Observation(
             now=now, window_s=window, arrivals=arrivals,
             mean_prompt_tokens=prompt / sized if sized else None,
             mean_output_tokens=sum(t.generation_tokens for t in ended) / len(ended) if ended else None,
-            ttft_p90_s=p90(ttfts), tpot_p90_s=p90(tpots), roles=roles)
+            ttft_p90_s=p90(ttfts), tpot_p90_s=p90(tpots), roles=roles, refused=refused)
 
     # ---- the step-time model ------------------------------------------------------------
     def _make_policy(self) -> GoodputPolicy | None:

@@ -115,7 +115,8 @@ class ServingMetrics:
     def add_listener(self, listener) -> None:
         """`listener.on_arrival(prompt_tokens)` for every request offered (taken by
         the backend, or refused by admission control: then prompt_tokens may be
-        None), `listener.on_request(timings)` for every one that ends."""
+        None), `listener.on_refusal(reason)` for every one admission control refuses,
+        `listener.on_request(timings)` for every one that ends."""
         self._listeners.append(listener)
 
     def observe_arrival(self, prompt_tokens: int | None) -> None:
@@ -160,6 +161,8 @@ class ServingMetrics:
 
     def observe_rejection(self, reason: str) -> None:
         self._rejected.labels(reason=reason).inc()
+        for listener in self._listeners:
+            listener.on_refusal(reason)
 
     def observe_error(self, status: int) -> None:
         self._errors.labels(status=str(status)).inc()

@@ -327,11 +327,14 @@ def test_a_busy_server_answers_429_at_once_and_serves_what_it_admitted():
     tokenizer = load_tokenizer(ensure_default_model())
     backend = SlowBackend(tokenizer, len(tokenizer))
     metrics = ServingMetrics()
-    offered = []                                      # what an autoscaler listening to the metrics sees
+    offered, refused = [], []                         # what an autoscaler listening to the metrics sees
 
     class Listener:
         def on_arrival(self, prompt_tokens):
             offered.append(prompt_tokens)
+
+        def on_refusal(self, reason):
+            refused.append(reason)
 
         def on_request(self, timings):
             pass
@@ -369,6 +372,7 @@ def test_a_busy_server_answers_429_at_once_and_serves_what_it_admitted():
     # the refused request is demand too (refused before tokenizing: no prompt length)
     prompt_len = len(tokenizer("Hi")["input_ids"])
     assert sorted(offered, key=lambda n: n is None) == [prompt_len] * 3 + [None]
+    assert refused == ["queue_requests"]
 
 
 def test_the_deployment_file_sets_the_overload_wait_bound():

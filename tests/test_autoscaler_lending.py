@@ -45,11 +45,13 @@ def test_speedup_is_learned_from_borrowed_steps_and_interpolated_in_inverse_thre
 
 
 def _observation(now: float, rate: float, current: dict[str, int], decode_steps: list[StepSample],
-                 tpot_p90_s: float = 0.02) -> Observation:
+                 tpot_p90_s: float = 0.02, refused: dict[str, int] | None = None,
+                 mean_prompt_tokens: float = 200) -> Observation:
     roles = {"prefill": RoleObservation(running=current["prefill"]),
              "decode": RoleObservation(running=current["decode"], steps=decode_steps)}
-    return Observation(now=now, window_s=10.0, arrivals=round(rate * 10), mean_prompt_tokens=200,
-                       mean_output_tokens=256, ttft_p90_s=0.1, tpot_p90_s=tpot_p90_s, roles=roles)
+    return Observation(now=now, window_s=10.0, arrivals=round(rate * 10), mean_prompt_tokens=mean_prompt_tokens,
+                       mean_output_tokens=256, ttft_p90_s=0.1, tpot_p90_s=tpot_p90_s, roles=roles,
+                       refused=refused or {})
 
 
 PAST_HEADROOM_TPOT_S = 0.045   # p90 within the 50 ms SLO but past 80% of it
@@ -141,3 +143,52 @@ def test_on_a_lending_machine_a_shortfall_within_the_split_margin_is_not_worth_a
     assert decision.targets == targets
     if split_margin:
         assert "not worth a re-split" in decision.reasons["decode"]
+
+
+def _past_budget_targets(shared_cores: int | None, tpot_p90_s: float,
+                         decode_refused_per_interval: int = 0) -> tuple[dict[str, int], str]:
+    """2 prefill + 1 decode at a budget of 3 ranks, 6 req/s of 800-token prompts
+    and 256-token outputs: both roles' demand is past the budget, and the
+    model's best split is 1 prefill + 2 decode. (targets after three
+    intervals, the decode role's last reason)"""
+    settings = AutoscaleSettings(ttft_slo_s=1.0, tpot_slo_s=0.05, budget=3, interval_s=10.0, startup_s=10.0,
+                                 downscale_cooldown_s=0.0, lend_idle_cores=True)
+    policy = GoodputPolicy(settings, {"prefill": MODEL, "decode": MODEL}, shared_cores=shared_cores)
+    current, reason = {"prefill": 2, "decode": 1}, ""
+    for i in range(3):
+        decision = policy.decide(_observation(10.0 * (i + 1), 6.0, current, [], tpot_p90_s,
+                                              {"decode": decode_refused_per_interval}, mean_prompt_tokens=800))
+        current, reason = dict(decision.targets), decision.reasons["decode"]
+    return current, reason
+
+
+def test_past_the_budget_on_shared_cores_the_best_split_waits_for_the_role_to_be_seen_short():
+    # with a device per rank the model's best split is taken at once
+    assert _past_budget_targets(shared_cores=None, tpot_p90_s=0.02)[0] == {"prefill": 1, "decode": 2}
+    # on shared cores, while the decode role meets its latency and is refused nothing, the split holds
+    targets, reason = _past_budget_targets(shared_cores=2, tpot_p90_s=0.02)
+    assert targets == {"prefill": 2, "decode": 1}
+    assert "taken only for a role seen short" in reason and "0% refused" in reason
+    # seen short: its TPOT p90 past 80% of the SLO ...
+    assert _past_budget_targets(shared_cores=2, tpot_p90_s=0.045)[0] == {"prefill": 1, "decode": 2}
+    # ... or admission control refusing more than 10% of the arrivals on its account (10 of 60)
+    assert _past_budget_targets(shared_cores=2, tpot_p90_s=0.02, decode_refused_per_interval=10)[0] == \
+        {"prefill": 1, "decode": 2}
+    assert _past_budget_targets(shared_cores=2, tpot_p90_s=0.02, decode_refused_per_interval=3)[0] == \
+        {"prefill": 2, "decode": 1}
+
+
+def test_refusals_count_as_pressure_within_the_budget_too():
+    # the within-budget hold (latency well within the SLO) gives way to refusals on the role's account
+    settings = AutoscaleSettings(ttft_slo_s=1.0, tpot_slo_s=0.05, budget=3, interval_s=10.0, startup_s=10.0,
+                                 downscale_cooldown_s=0.0, lend_idle_cores=True)
+    policy = GoodputPolicy(settings, {"prefill": MODEL, "decode": MODEL}, shared_cores=2)
+    current = {"prefill": 2, "decode": 1}
+    for i in range(3):
+        current = dict(policy.decide(_observation(10.0 * (i + 1), 4.0, current, [], 0.02, {"decode": 8})).targets)
+    assert current == {"prefill": 1, "decode": 2}
+    # refusals age out of the pressure window: 30 s later only calm intervals count
+    assert policy._refused_share("decode") > 0.1
+    for i in range(3, 7):
+        policy.decide(_observation(10.0 * (i + 1), 4.0, current, [], 0.02))
+    assert policy._refused_share("decode") == 0.0

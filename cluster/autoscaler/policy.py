@@ -43,10 +43,13 @@ On a CPU machine whose one-rank replicas lend idle cores to each other
 pool's capacity counts the prefill replicas' idle cores it borrows, at the
 speed-up its own borrowed steps showed (cluster/autoscaler/lending.py): a
 split whose one decode replica runs on the cores of idle prefill replicas is
-not re-split for a second decode replica that would add no compute. There,
-while the load fits the budget, one role takes a rank from another only when
-its observed latency is past `slo_headroom` of its SLO, not on the model's
-figures alone (a load past the budget still takes the best split, step 3).
+not re-split for a second decode replica that would add no compute. There one
+role takes a rank from another only when it is seen short, not on the model's
+figures alone: its observed latency past `slo_headroom` of its SLO, or
+admission control refusing more than `refusal_pressure` of what arrives on its
+account over the last `pressure_window_s` (refused requests never show in the
+latency, so under overload the refusals are the pressure). That holds for a
+load past the budget too (step 3's best split).
 """
 
 from __future__ import annotations
@@ -94,6 +97,8 @@ class AutoscaleSettings:
     warmup_steps: int = 20                    # a replica's first steps are left out of the correction
     correct_models: bool = True               # scale the step models by the steps replicas measure
     lend_idle_cores: bool = False             # CPU: one-rank replicas lend idle cores to each other
+    refusal_pressure: float = 0.1             # on shared cores: refusals (share of arrivals) that show a role short
+    pressure_window_s: float = 30.0           # ... over this window
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
@@ -106,6 +111,8 @@ class AutoscaleSettings:
             raise ValueError("slo_headroom and downscale_headroom must be in (0, 1]")
         if not 0 < self.ttft_percentile < 1:
             raise ValueError("ttft_percentile must be in (0, 1)")
+        if not 0 <= self.refusal_pressure <= 1 or self.pressure_window_s <= 0:
+            raise ValueError("refusal_pressure must be in [0, 1] and pressure_window_s > 0")
         floor = sum(self.min_for(r) * self.tp(r) for r in self.roles)
         if floor > self.budget:
             raise ValueError(f"the minimum replicas need {floor} ranks, more than the budget of {self.budget}")
@@ -161,6 +168,7 @@ class Observation:
     ttft_p90_s: float | None = None
     tpot_p90_s: float | None = None
     roles: dict[str, RoleObservation] = field(default_factory=dict)
+    refused: dict[str, int] = field(default_factory=dict)   # of the arrivals, refused on each role's account
 
 
 @dataclass(frozen=True)
@@ -200,6 +208,7 @@ class GoodputPolicy:
         lends = settings.lend_idle_cores and settings.mode == "disaggregated" and settings.tp("decode") == 1
         self.shared_cores = shared_cores if lends and shared_cores else None
         self.lent_speedup = LentCoreSpeedup()
+        self.recent_refusals: deque[tuple[float, int, dict[str, int]]] = deque()   # (time, arrivals, refused)
         self.own_threads = {r: 1 for r in settings.roles}     # per rank, as the replicas' steps report
 
     # ---- one interval ---------------------------------------------------------------------
@@ -230,6 +239,7 @@ class GoodputPolicy:
         budget_bound = self._ranks(needed) > s.budget
         if budget_bound:
             needed = self._split_within_budget(current, capacity, demand, reasons)
+            self._hold_budget_split(obs, current, needed, reasons)
         else:
             self._hold_near_split(obs, current, capacity, demand, needed, reasons)
         self._latency_feedback(obs, current, needed, reasons)
@@ -250,6 +260,9 @@ class GoodputPolicy:
     # ---- inputs -----------------------------------------------------------------------
     def _learn(self, obs: Observation) -> None:
         self.predictor.observe(obs.arrivals / obs.window_s if obs.window_s > 0 else 0.0)
+        self.recent_refusals.append((obs.now, obs.arrivals, dict(obs.refused)))
+        while self.recent_refusals[0][0] <= obs.now - self.settings.pressure_window_s:
+            self.recent_refusals.popleft()
         if obs.mean_prompt_tokens is not None:
             self.prompt_tokens = _smooth(self.prompt_tokens, obs.mean_prompt_tokens)
         if obs.mean_output_tokens is not None:
@@ -398,12 +411,50 @@ class GoodputPolicy:
                 needed[r] = current[r]
                 reasons[r] = (f"holds {current[r]}: {demand[r]:.2f} req/s is within {s.split_margin:.0%} of the "
                               f"{served:.2f} req/s they serve, not worth a re-split")
-            elif observed is None or observed[0] <= s.slo_headroom * observed[1]:
+            elif not self._seen_short(obs, r):
                 needed[r] = current[r]
-                seen = "no latency observed yet" if observed is None else \
-                    f"observed p90 {observed[0] * 1000:.0f} ms is within {s.slo_headroom:.0%} of the SLO"
-                reasons[r] = (f"holds {current[r]}: {seen}; on shared cores a re-split for the model's "
-                              f"{demand[r]:.2f} > {served:.2f} req/s moves no compute")
+                reasons[r] = (f"holds {current[r]}: {self._seen(obs, r)}; on shared cores a re-split for the "
+                              f"model's {demand[r]:.2f} > {served:.2f} req/s moves no compute")
+
+    def _hold_budget_split(self, obs: Observation, current: dict[str, int], needed: dict[str, int],
+                           reasons: dict[str, str]) -> None:
+        """On a machine whose replicas lend cores, past the budget: the best split
+        by the model is taken only when a role it gives a rank more is seen short
+        (_seen_short), as within the budget (_hold_near_split). Measured live on
+        2 shared cores: a budget-bound re-split to 1 prefill + 2 decode at the
+        end of a long-output phase that one decode replica served within its
+        SLOs cost the next phases a quarter of a burst (x0.91 of static 2P+1D)."""
+        s = self.settings
+        if self.shared_cores is None:
+            return
+        gaining = [r for r in s.roles if needed[r] > current[r]]
+        if not gaining or any(self._seen_short(obs, r) for r in gaining):
+            return
+        for r in s.roles:
+            needed[r] = current[r]
+        for r in gaining:
+            reasons[r] = (f"holds {current[r]}: {self._seen(obs, r)}; on shared cores the model's best split "
+                          f"past the budget is taken only for a role seen short")
+
+    def _seen_short(self, obs: Observation, role: str) -> bool:
+        """Whether `role`'s observed latency p90 is past `slo_headroom` of its SLO, or
+        admission control refused more than `refusal_pressure` of the arrivals of
+        the last `pressure_window_s` on its account."""
+        observed = self._observed_for(obs, role)
+        if observed is not None and observed[0] > self.settings.slo_headroom * observed[1]:
+            return True
+        return self._refused_share(role) > self.settings.refusal_pressure
+
+    def _seen(self, obs: Observation, role: str) -> str:
+        observed = self._observed_for(obs, role)
+        latency = "no latency observed yet" if observed is None else \
+            f"observed p90 {observed[0] * 1000:.0f} ms is within {self.settings.slo_headroom:.0%} of the SLO"
+        return f"{latency}, {self._refused_share(role):.0%} refused on its account"
+
+    def _refused_share(self, role: str) -> float:
+        arrivals = sum(a for _, a, _ in self.recent_refusals)
+        refused = sum(r.get(role, 0) for _, _, r in self.recent_refusals)
+        return refused / arrivals if arrivals else 0.0
 
     def _served(self, replicas: dict[str, int], capacity: dict[str, float], demand: dict[str, float]) -> float:
         """Requests/s a split serves: its narrower pool's capacity."""
