@@ -369,3 +369,16 @@ def test_the_live_loop_counts_refused_requests_as_arrivals():
     assert obs.arrivals == 3
     assert obs.mean_prompt_tokens == 200  # of the two whose length is known
     assert loop._observation(now=10.0, window=5.0, roles={}).arrivals == 0
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_the_live_loop_counts_refusals_on_the_account_of_the_pool_they_speak_for(mode):
+    from router.autoscale_loop import AutoscaleLoop
+    from router.metrics import ServingMetrics
+    metrics = ServingMetrics()
+    loop = AutoscaleLoop(AutoscaleSettings(ttft_slo_s=1.0, tpot_slo_s=0.1, interval_s=5.0, mode=mode), {}, metrics)
+    for reason in ("tpot_slo", "tpot_slo", "ttft_slo", "overload", "queue_requests", "queue_tokens"):
+        metrics.observe_rejection(reason)
+    obs = loop._observation(now=5.0, window=5.0, roles={})
+    assert obs.refused == ({"decode": 2, "prefill": 4} if mode == "disaggregated" else {"colocated": 6})
+    assert loop._observation(now=10.0, window=5.0, roles={}).refused == {}

@@ -431,10 +431,13 @@ class GoodputPolicy:
         if not gaining or any(self._seen_short(obs, r) for r in gaining):
             return
         for r in s.roles:
+            if r in gaining:
+                reasons[r] = (f"holds {current[r]}: {self._seen(obs, r)}; on shared cores the model's best "
+                              f"split past the budget is taken only for a role seen short")
+            elif needed[r] != current[r]:
+                reasons[r] = (f"holds {current[r]}: the best split past the budget gives {', '.join(gaining)} "
+                              f"a rank, not seen short")
             needed[r] = current[r]
-        for r in gaining:
-            reasons[r] = (f"holds {current[r]}: {self._seen(obs, r)}; on shared cores the model's best split "
-                          f"past the budget is taken only for a role seen short")
 
     def _seen_short(self, obs: Observation, role: str) -> bool:
         """Whether `role`'s observed latency p90 is past `slo_headroom` of its SLO, or
