@@ -390,12 +390,12 @@ class GoodputPolicy:
         more only by another role giving up a rank (a re-split, and a start-up
         without either replica), which adds little compute where the cores are
         shared anyway; not for a predicted demand within `split_margin` of what
-        the role's pool serves now, nor while the role's observed latency (p90)
-        is within `slo_headroom` of its SLO: the model's rating of a replica on
+        the role's pool serves now, nor while the role is not seen short
+        (_seen_short: latency or refusals): the model's rating of a replica on
         shared, lent cores is the least certain of its figures (live, it rated
         one lent decode replica at ~2.2-2.6 req/s of 256-token outputs that
-        served 2.9 within the SLOs), so only the role's latency moves a rank
-        there (the observed-latency rule still adds one where the SLO is
+        served 2.9 within the SLOs), so only what the role is seen to lack moves
+        a rank there (the observed-latency rule still adds one where the SLO is
         missed). With a device per rank the move is taken at once (applied
         there, the hold cost the simulated 70B runs 1% of goodput on two of five
         seeds)."""
@@ -406,7 +406,6 @@ class GoodputPolicy:
             if needed[r] <= current[r] or self._ranks(current) + s.tp(r) <= s.budget:
                 continue
             served = self._pool_capacity(r, current, capacity, demand)
-            observed = self._observed_for(obs, r)
             if demand[r] <= served * (1 + s.split_margin):
                 needed[r] = current[r]
                 reasons[r] = (f"holds {current[r]}: {demand[r]:.2f} req/s is within {s.split_margin:.0%} of the "
