@@ -34,7 +34,7 @@ from typing import Any, Protocol
 from engine.core_lending import NoLending, join_ledger
 from engine.llm_engine import LLMEngine, StepStats
 from engine.outputs import RequestOutput
-from engine.step_cost import PrefillTokenCost, StepCostFit
+from engine.step_cost import PrefillTokenCost, StepCostFit, calibrate_prefill_cost
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,8 @@ class AsyncEngine:
         self._sinks: dict[str, OutputSink] = {}
         self._sinks_lock = threading.Lock()
         self._prefill_cost = PrefillTokenCost()
-        # _prefill_cost's figure after each step, for readers on other threads (load_stats)
+        # _prefill_cost's figure after each step, for readers on other threads (load_stats);
+        # until the engine has measured a step, the one calibrated at start-up
         self.prefill_s_per_token: float | None = None
         self.decode_s_per_seq: float | None = None      # decode-only steps' time per sequence (EWMA)
         self.step_cost = StepCostFit()                   # decode and prefill shares of mixed steps too
@@ -186,6 +187,10 @@ class AsyncEngine:
             self._failure = exc
             settle_from_thread(self._ready, exc=exc)
             return
+        try:
+            self.prefill_s_per_token = calibrate_prefill_cost(self.engine)
+        except Exception:  # noqa: BLE001 - a figure for estimates: the engine serves without it
+            log.exception("calibrating the prefill cost failed; estimates wait for measured steps")
         self._cores = _join_core_ledger(self.engine, borrows=self._step_kwargs["decode"])
         settle_from_thread(self._ready, self.engine)
         try:

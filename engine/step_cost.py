@@ -11,15 +11,22 @@ steps with different batch sizes; until it has them every figure is None.
 
 PrefillTokenCost is the simpler figure admission control and conditional
 disaggregation price a prompt with: the recent prefill steps' seconds per
-prompt token, whatever rode along.
+prompt token, whatever rode along. Until an engine has measured any, the
+figure is `calibrate_prefill_cost`'s: throwaway prompts timed at start-up.
 """
 
 from __future__ import annotations
 
+import random
+import time
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
 
 WINDOW = 256
 REFIT_EVERY = 32
@@ -97,3 +104,41 @@ class PrefillTokenCost:
         if not self._steps:
             return None
         return sum(s for _, s in self._steps) / sum(n for n, _ in self._steps)
+
+
+# the start-up prompt: long enough that a step's fixed cost does not dominate its time
+CALIBRATION_TOKENS = 256
+# the first pass warms caches, allocator and kernels; the figure is the fastest of the rest
+CALIBRATION_PASSES = 3
+
+
+def calibrate_prefill_cost(engine: "LLMEngine", *, tokens: int = CALIBRATION_TOKENS,
+                           passes: int = CALIBRATION_PASSES) -> float | None:
+    """Seconds per prompt token of one prompt prefilled alone, timed on
+    throwaway prompts (random token ids, a new one each pass, so none hits the
+    prefix cache) on an idle engine; None where the engine is not idle or the
+    context is too short to tell. The engine is idle again afterwards.
+
+    A new server needs this figure before it has served anything: without it
+    the router sees no backlog in a burst of prompts (conditional
+    disaggregation sends them all to the prefill pool, admission control
+    admits them all). Measured steps replace it once the engine has run them."""
+    from engine.sampling_params import SamplingParams
+
+    length = min(tokens, engine.scheduler.max_num_batched_tokens, engine.max_model_len - 1)
+    if engine.has_unfinished_requests() or length < 16 or passes < 2:
+        return None
+    rng = random.Random(0)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    best = float("inf")
+    for index in range(passes):
+        prompt = [rng.randrange(vocab) for _ in range(length)]
+        engine.add_request(f"prefill-cost-calibration-{index}", prompt, params)
+        started = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        if index > 0:
+            best = min(best, time.perf_counter() - started)
+    engine.last_step = None   # not a step anyone asked for
+    return best / length

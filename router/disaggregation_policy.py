@@ -12,11 +12,14 @@ P/D do).
 A prompt prefilled on a decode replica stalls every request decoding there for
 its prefill time, so longer prompts go local only as an overflow valve: when
 the prefill pool has fallen behind by more than `max_remote_wait_s`.
-Per-token costs are what the running workers measure on their own steps (EWMA,
-reported with their stats); the hand-off time is the router's own average of
-measured transfers. Until a side has measured anything, the other side's
-figure stands in (the same model runs on both); before anything is measured
-there is no evidence of a backlog and longer prompts go remote. Tokens in
+Per-token costs are what the running workers measure on their own steps
+(reported with their stats); until a worker has measured its own, the figure
+it timed on throwaway prompts when it started (engine/step_cost.py,
+calibrate_prefill_cost), so a burst on a new deployment is priced from its
+first prompt. The hand-off time is the router's own average of measured
+transfers. Where one side has no figure, the other side's stands in (the same
+model runs on both); with none at all there is no evidence of a backlog and
+longer prompts go remote. Tokens in
 flight are this router's: sent to a pool and not yet answered with a first
 token.
 """

@@ -1,7 +1,8 @@
 """A new engine's first steps stay out of the cost estimates it reports (the
 per-token prefill cost and the decode step fit admission control prices
 requests with): they are slow, and a replica joining a pool would otherwise
-make the router refuse requests until its estimates settled."""
+make the router refuse requests until its estimates settled. Until then it
+reports the prefill cost it calibrated at start-up."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def test_the_first_steps_stay_out_of_the_cost_estimates(model_dirs):
     async def run() -> list:
         engine = AsyncEngine(lambda: LLMEngine(config), decode=False, name="warmup-test", cost_warmup_steps=3)
         await engine.ready()
-        costs = []
+        costs = [engine.load_stats().get("prefill_s_per_token")]     # before any request
         for i in range(5):                 # one prompt, one step each
             sink = _Finished(asyncio.get_running_loop())
             engine.attach(f"r{i}", sink)
@@ -46,5 +47,9 @@ def test_the_first_steps_stay_out_of_the_cost_estimates(model_dirs):
 
     costs, steps = asyncio.run(run())
     assert steps == [1, 2, 3, 4, 5]        # every step is still sampled (the autoscaler skips its own warm-up)
-    assert costs[:3] == [None, None, None]
-    assert costs[3] is not None and costs[3] > 0 and costs[4] is not None
+    calibrated = costs[0]
+    assert calibrated is not None and calibrated > 0
+    assert costs[1:4] == [calibrated] * 3  # the warm-up steps change nothing
+    # measured from the fourth step on: a 5-token prompt's step costs far more per token than
+    # the 127-token calibration prompt's
+    assert costs[4] > calibrated and costs[5] > calibrated
