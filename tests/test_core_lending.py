@@ -127,9 +127,10 @@ def test_an_engine_borrows_an_idle_engines_core_while_it_steps(model_dirs, ledge
     config = EngineConfig(model=str(model_dirs["tiny"]), dtype="float32", device="cpu", max_model_len=128,
                           cpu_threads=1, cpu_core_ledger=ledger_path)
 
-    async def run() -> tuple[list[int], float, list, float | None]:
+    async def run() -> tuple[list[int], float, list, float | None, float | None]:
         engine = AsyncEngine(lambda: LLMEngine(config), decode=decode, name="lending-test", cost_warmup_steps=0)
         await engine.ready()
+        calibrated = engine.prefill_s_per_token      # timed at start-up, on the engine's own core
         sink = _ThreadsAtEachStep()
         engine.attach("r", sink)
         params = SamplingParams(max_tokens=1 if not decode else 6, temperature=0.0, ignore_eos=True)
@@ -139,14 +140,16 @@ def test_an_engine_borrows_an_idle_engines_core_while_it_steps(model_dirs, ledge
         borrowed_after = engine.load_stats()["cpu_cores_borrowed"]
         samples, prefill_cost = engine.take_step_samples(), engine.prefill_s_per_token
         engine.shutdown()
-        return sink.threads, borrowed_after, samples, prefill_cost
+        return sink.threads, borrowed_after, samples, prefill_cost, calibrated
 
-    threads, borrowed_after, samples, prefill_cost = asyncio.run(run())
+    threads, borrowed_after, samples, prefill_cost, calibrated = asyncio.run(run())
     assert threads and set(threads) == ({2} if decode else {1}), threads
     assert borrowed_after == 0.0
     # each step says what it ran with; steps on borrowed cores stay out of the cost estimates
     assert [(s.threads, s.borrowed_threads) for _, s in samples] == [(2, 1) if decode else (1, 0)] * len(threads)
-    assert (prefill_cost is None) == decode
+    assert calibrated is not None and prefill_cost is not None
+    # a 4-token prompt's step costs far more per token than the calibration's 127-token one
+    assert (prefill_cost == calibrated) if decode else (prefill_cost > calibrated)
     assert idle_lender.at_work() == 1
     idle_lender.close()
     assert not os.path.exists(ledger_path)   # the engine left the ledger when it stopped
