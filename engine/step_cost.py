@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from engine.sampling_params import SamplingParams
+
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
 
@@ -123,8 +125,6 @@ def calibrate_prefill_cost(engine: "LLMEngine", *, tokens: int = CALIBRATION_TOK
     the router sees no backlog in a burst of prompts (conditional
     disaggregation sends them all to the prefill pool, admission control
     admits them all). Measured steps replace it once the engine has run them."""
-    from engine.sampling_params import SamplingParams
-
     length = min(tokens, engine.scheduler.max_num_batched_tokens, engine.max_model_len - 1)
     if engine.has_unfinished_requests() or length < 16 or passes < 2:
         return None
