@@ -188,6 +188,20 @@ class AutoscalingSection(_Strict):
                                 "steps the workers measure while serving")
     correct_profile: bool = Field(True, description="scale the profile by the steps the workers measure "
                                   "(false: trust it as it is)")
+    ttft_percentile: float = Field(0.9, gt=0, lt=1, description="the share of TTFTs a prefill replica's "
+                                   "rated capacity keeps within the TTFT SLO")
+    slo_headroom: float = Field(0.8, gt=0, le=1, description="the modelled decode step is held to this share "
+                                "of the TPOT SLO; on shared cores, a role whose observed p90 is within this share "
+                                "of its SLO is not seen short")
+    downscale_headroom: float = Field(0.8, gt=0, le=1, description="a scale-down needs the remaining replicas "
+                                      "to hold the load at this share of their capacity")
+    split_margin: float = Field(0.2, ge=0, description="a re-split must serve this share more than the "
+                                "current split (no see-saw between near-equal splits)")
+    warmup_steps: int = Field(20, ge=0, description="a replica's first steps, left out of the profile's "
+                              "correction")
+    refusal_pressure: float = Field(0.1, ge=0, le=1, description="on shared cores: the share of arrivals "
+                                    "admission control refuses on a role's account that shows the role short")
+    pressure_window_s: float = Field(30.0, gt=0, description="the window refusal_pressure is taken over")
 
     def settings(self, mode: str, initial: dict[str, WorkerPool], slo: "SloSection", *, lend_idle_cores: bool = False):
         """The policy's AutoscaleSettings for `mode`, whose pools start as `initial`;
@@ -201,7 +215,10 @@ class AutoscalingSection(_Strict):
             budget=budget, interval_s=self.interval_s, startup_s=self.startup_s,
             upscale_cooldown_s=self.upscale_cooldown_s, downscale_cooldown_s=self.downscale_cooldown_s,
             downscale_window_s=self.downscale_window_s, predictor=self.predictor, correct_models=self.correct_profile,
-            lend_idle_cores=lend_idle_cores)
+            lend_idle_cores=lend_idle_cores, ttft_percentile=self.ttft_percentile, slo_headroom=self.slo_headroom,
+            downscale_headroom=self.downscale_headroom, split_margin=self.split_margin,
+            warmup_steps=self.warmup_steps, refusal_pressure=self.refusal_pressure,
+            pressure_window_s=self.pressure_window_s)
 
 
 class DeploymentConfig(_Strict):

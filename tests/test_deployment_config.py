@@ -110,3 +110,20 @@ def test_autoscaling_section_is_checked_where_it_is_wrong():
     c = DeploymentConfig.model_validate({"decode": {"replicas": 2, "tensor_parallel_size": 2},
                                          "slo": {"ttft_ms": 1000, "tpot_ms": 50}, "autoscaling": {"enabled": True}})
     assert c.autoscaling_settings().budget == 5
+
+
+def test_autoscaling_thresholds_in_the_file_reach_the_policy():
+    thresholds = {"ttft_percentile": 0.95, "slo_headroom": 0.7, "downscale_headroom": 0.6, "split_margin": 0.35,
+                  "warmup_steps": 7, "refusal_pressure": 0.25, "pressure_window_s": 45.0}
+    c = DeploymentConfig.model_validate({"slo": {"ttft_ms": 1000, "tpot_ms": 50},
+                                         "autoscaling": {"enabled": True, **thresholds}})
+    s = c.autoscaling_settings()
+    assert {name: getattr(s, name) for name in thresholds} == thresholds
+    defaults = DeploymentConfig.model_validate({"slo": {"ttft_ms": 1000, "tpot_ms": 50},
+                                                "autoscaling": {"enabled": True}}).autoscaling_settings()
+    policy_defaults = type(s)(ttft_slo_s=1.0, tpot_slo_s=0.05)
+    assert {n: getattr(defaults, n) for n in thresholds} == {n: getattr(policy_defaults, n) for n in thresholds}
+    with pytest.raises(ValidationError, match="autoscaling.refusal_pressure"):
+        DeploymentConfig.model_validate({"autoscaling": {"refusal_pressure": 1.5}})
+    with pytest.raises(ValidationError, match="autoscaling.ttft_percentile"):
+        DeploymentConfig.model_validate({"autoscaling": {"ttft_percentile": 1.0}})
