@@ -34,18 +34,13 @@ from typing import Any, Protocol
 from engine.core_lending import NoLending, join_ledger
 from engine.llm_engine import LLMEngine, StepStats
 from engine.outputs import RequestOutput
-from engine.step_cost import PrefillTokenCost, StepCostFit, calibrate_prefill_cost
+from engine.step_cost import COST_WARMUP_STEPS, EngineCosts, calibrate_prefill_cost
 
 log = logging.getLogger(__name__)
 
 Ticker = Callable[[LLMEngine], bool]
 _BUSY_POLL_S = 0.002
 _IDLE_WAIT_S = 0.5
-_COST_EWMA = 0.2      # weight of the newest decode-only step in the per-sequence decode cost
-# a new engine's first steps are slow (cold caches and allocator, first kernels, a replica
-# that starts beside busy ones): they stay out of its cost estimates, as out of the
-# autoscaler's fit, so a replica joining a pool does not make admission control refuse
-COST_WARMUP_STEPS = 20
 
 
 class OutputSink(Protocol):
@@ -76,14 +71,9 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._sinks: dict[str, OutputSink] = {}
         self._sinks_lock = threading.Lock()
-        self._prefill_cost = PrefillTokenCost()
-        # _prefill_cost's figure after each step, for readers on other threads (load_stats);
-        # until the engine has measured a step, the one calibrated at start-up
-        self.prefill_s_per_token: float | None = None
-        self.decode_s_per_seq: float | None = None      # decode-only steps' time per sequence (EWMA)
-        self.step_cost = StepCostFit()                   # decode and prefill shares of mixed steps too
+        # fed on the engine thread, read by load_stats on others (each figure one attribute)
+        self.costs = EngineCosts(warmup_steps=cost_warmup_steps)
         self._num_steps = 0
-        self._cost_warmup_steps = cost_warmup_steps
         self._recent_steps: deque[tuple[int, StepStats]] = deque(maxlen=512)
         self._tickers: list[Ticker] = []
         self._failure: BaseException | None = None
@@ -153,15 +143,7 @@ class AsyncEngine:
             "cpu_cores_borrowed": float(self._cores.borrowed),
             "cpu_borrowed_steps": float(self._cores.steps_with_borrowed),
         }
-        if self.prefill_s_per_token is not None:
-            stats["prefill_s_per_token"] = self.prefill_s_per_token
-        cost = self.step_cost.cost
-        if cost is not None:
-            stats.update(decode_s_per_seq=cost.per_seq_s, decode_step_fixed_s=cost.fixed_s,
-                         decode_s_per_prefill_token=cost.per_prefill_token_s,
-                         prefill_s_per_step=cost.prefill_s_per_step)
-        elif self.decode_s_per_seq is not None:
-            stats["decode_s_per_seq"] = self.decode_s_per_seq
+        stats.update(self.costs.stats())
         return stats
 
     def add_ticker(self, ticker: Ticker) -> None:
@@ -188,7 +170,7 @@ class AsyncEngine:
             settle_from_thread(self._ready, exc=exc)
             return
         try:
-            self.prefill_s_per_token = calibrate_prefill_cost(self.engine)
+            self.costs.prefill_s_per_token = calibrate_prefill_cost(self.engine)
         except Exception:  # noqa: BLE001 - a figure for estimates: the engine serves without it
             log.exception("calibrating the prefill cost failed; estimates wait for measured steps")
         self._cores = _join_core_ledger(self.engine, borrows=self._step_kwargs["decode"])
@@ -263,29 +245,15 @@ class AsyncEngine:
                 return samples
 
     def _measure(self, engine: LLMEngine) -> None:
-        """Keeps the last step for take_step_samples, and folds it into the
-        cost estimates when it ran on the engine's own cores only and is past
-        the engine's first `cost_warmup_steps`."""
+        """Keeps the last step for take_step_samples and folds it into the cost
+        estimates (EngineCosts: past the warm-up, on the engine's own cores)."""
         step, engine.last_step = engine.last_step, None
         if step is None:
             return
         self._num_steps += 1
         self._recent_steps.append((self._num_steps, step))
-        if self._num_steps <= self._cost_warmup_steps:
-            return
-        if step.borrowed_threads:
-            # the cost estimates are of this engine on its own cores: what it can count on
-            # when its neighbours are busy (engine/core_lending.py)
-            return
-        self.step_cost.add(step.num_decode_seqs, step.num_prefill_tokens, step.duration_s)
-        if step.num_prefill_tokens == 0:
-            if step.num_decode_seqs:
-                cost = step.duration_s / step.num_decode_seqs
-                old = self.decode_s_per_seq
-                self.decode_s_per_seq = cost if old is None else (1 - _COST_EWMA) * old + _COST_EWMA * cost
-            return
-        self._prefill_cost.add(step.num_prefill_tokens, step.duration_s)
-        self.prefill_s_per_token = self._prefill_cost.s_per_token
+        self.costs.observe(step.num_decode_seqs, step.num_prefill_tokens, step.duration_s,
+                           borrowed_cores=bool(step.borrowed_threads))
 
     def _fail_everything(self, exc: BaseException) -> None:
         while True:

@@ -108,6 +108,65 @@ class PrefillTokenCost:
         return sum(s for _, s in self._steps) / sum(n for n, _ in self._steps)
 
 
+# a new engine's first steps are slow (cold caches and allocator, first kernels, a replica
+# that starts beside busy ones): they stay out of its cost estimates, as out of the
+# autoscaler's fit, so a replica joining a pool does not make admission control refuse
+COST_WARMUP_STEPS = 20
+DECODE_COST_EWMA = 0.2    # weight of the newest decode-only step in the per-sequence decode cost
+
+
+class EngineCosts:
+    """Every cost figure one engine reports to the router (admission control,
+    conditional disaggregation), from the steps it runs: the live engine's
+    thread feeds it (engine/async_engine.py) and so does each simulated
+    replica (cluster/simulator/), so both price requests the same way.
+
+    A step counts once the engine is past its first `warmup_steps`, and only
+    when it ran on the engine's own cores (a step on borrowed idle cores is
+    faster than what the engine can count on while its neighbours are busy,
+    engine/core_lending.py). Until a prefill step is measured, the prefill
+    cost is `start_prefill_s_per_token` (calibrate_prefill_cost's)."""
+
+    def __init__(self, *, warmup_steps: int = COST_WARMUP_STEPS, start_prefill_s_per_token: float | None = None):
+        self.warmup_steps = warmup_steps
+        self.num_steps = 0
+        self.prefill_s_per_token = start_prefill_s_per_token
+        self.decode_s_per_seq: float | None = None      # decode-only steps' time per sequence (EWMA)
+        self.step_cost = StepCostFit()                   # decode and prefill shares of mixed steps too
+        self._prefill = PrefillTokenCost()
+
+    def observe(self, num_decode_seqs: int, num_prefill_tokens: int, duration_s: float, *,
+                borrowed_cores: bool = False) -> None:
+        """One step the engine ran."""
+        self.num_steps += 1
+        if self.num_steps <= self.warmup_steps or borrowed_cores:
+            return
+        self.step_cost.add(num_decode_seqs, num_prefill_tokens, duration_s)
+        if num_prefill_tokens == 0:
+            if num_decode_seqs:
+                cost = duration_s / num_decode_seqs
+                old = self.decode_s_per_seq
+                self.decode_s_per_seq = cost if old is None else \
+                    (1 - DECODE_COST_EWMA) * old + DECODE_COST_EWMA * cost
+            return
+        self._prefill.add(num_prefill_tokens, duration_s)
+        self.prefill_s_per_token = self._prefill.s_per_token
+
+    def stats(self) -> dict[str, float]:
+        """The figures measured so far, by the names the router reads."""
+        stats = {}
+        if self.prefill_s_per_token is not None:
+            stats["prefill_s_per_token"] = self.prefill_s_per_token
+        cost = self.step_cost.cost
+        if cost is not None:
+            stats.update(decode_s_per_seq=cost.per_seq_s, decode_step_fixed_s=cost.fixed_s,
+                         decode_s_per_prefill_token=cost.per_prefill_token_s,
+                         prefill_s_per_step=cost.prefill_s_per_step)
+        elif self.decode_s_per_seq is not None:
+            stats["decode_s_per_seq"] = self.decode_s_per_seq
+        return stats
+
+
 # the start-up prompt: long enough that a step's fixed cost does not dominate its time
 CALIBRATION_TOKENS = 256
 # the first pass warms caches, allocator and kernels; the figure is the fastest of the rest

@@ -130,7 +130,7 @@ def test_an_engine_borrows_an_idle_engines_core_while_it_steps(model_dirs, ledge
     async def run() -> tuple[list[int], float, list, float | None, float | None]:
         engine = AsyncEngine(lambda: LLMEngine(config), decode=decode, name="lending-test", cost_warmup_steps=0)
         await engine.ready()
-        calibrated = engine.prefill_s_per_token      # timed at start-up, on the engine's own core
+        calibrated = engine.costs.prefill_s_per_token      # timed at start-up, on the engine's own core
         sink = _ThreadsAtEachStep()
         engine.attach("r", sink)
         params = SamplingParams(max_tokens=1 if not decode else 6, temperature=0.0, ignore_eos=True)
@@ -138,7 +138,7 @@ def test_an_engine_borrows_an_idle_engines_core_while_it_steps(model_dirs, ledge
         await asyncio.wait_for(sink.finished, 60)
         await asyncio.sleep(0.05)         # the loop goes idle
         borrowed_after = engine.load_stats()["cpu_cores_borrowed"]
-        samples, prefill_cost = engine.take_step_samples(), engine.prefill_s_per_token
+        samples, prefill_cost = engine.take_step_samples(), engine.costs.prefill_s_per_token
         engine.shutdown()
         return sink.threads, borrowed_after, samples, prefill_cost, calibrated
 
