@@ -28,6 +28,7 @@ from cluster.autoscaler.policy import (
     RoleObservation,
     StepSample,
     p90,
+    refusal_role,
 )
 from cluster.perf_model.linear_model import LinearStepModel
 from cluster.perf_model.online import OnlineCorrection
@@ -78,13 +79,8 @@ class AutoscaleLoop:
         """A request admission control refused (router/admission.py's reasons): on the
         decode pool's account for the TPOT bound, else on the prefill pool's (a
         colocated pool's, either way)."""
-        role = self._refusal_role(reason)
+        role = refusal_role(self.settings.mode, reason)
         self._refused[role] = self._refused.get(role, 0) + 1
-
-    def _refusal_role(self, reason: str) -> str:
-        if self.settings.mode == "colocated":
-            return "colocated"
-        return "decode" if reason == "tpot_slo" else "prefill"
 
     def on_request(self, timings: RequestTimings) -> None:
         if timings.finish_reason in ("stop", "length"):

@@ -80,7 +80,14 @@ def test_pdserve_simulate_autoscale(tmp_path, capsys):
     # 1.5k-token prompts at 5 req/s: one prefill replica holds ~4.4 req/s within 80% of a 400 ms TTFT,
     # so the first decision (at 10 s) asks for a second one; outputs of 8 tokens need one decode replica
     assert timeline[0]["time_s"] == 10.0 and timeline[0]["targets"] == {"prefill": 2, "decode": 1}
-    assert result["completed"] == 300 and result["replica_seconds"]["prefill"] > result["replica_seconds"]["decode"]
+    assert result["replica_seconds"]["prefill"] > result["replica_seconds"]["decode"]
+    # admission control (the TTFT SLO) refuses what one prefill replica cannot serve in time,
+    # mostly until the second one serves; every other request completes
+    refused = sorted(r["send_offset_s"] for r in result["requests"] if r["status"] == 429)
+    assert result["completed"] + len(refused) == 300 and sum(result["refusals"].values()) == len(refused)
+    two = next(e["time_s"] for e in timeline if e["running"]["prefill"] == 2)
+    before, after = sum(t < two for t in refused) / two, sum(t >= two for t in refused) / (result["duration"] - two)
+    assert before > 5 * after
 
 
 def test_on_a_lending_machine_the_policy_counts_the_cores_a_decode_replica_borrows():

@@ -171,6 +171,15 @@ class Observation:
     refused: dict[str, int] = field(default_factory=dict)   # of the arrivals, refused on each role's account
 
 
+def refusal_role(mode: str, reason: str) -> str:
+    """The role a refusal of admission control (router/admission.py's reasons)
+    counts against: the decode pool for the TPOT bound, the prefill pool for
+    the others; a colocated pool for all."""
+    if mode == "colocated":
+        return "colocated"
+    return "decode" if reason == "tpot_slo" else "prefill"
+
+
 @dataclass(frozen=True)
 class Decision:
     targets: dict[str, int]

@@ -2,11 +2,14 @@
 serve --config DEPLOY.yaml`, computed by the discrete-event simulator from a
 performance profile (`pdserve profile`) in seconds instead of run.
 
-    pdserve simulate --config DEPLOY.yaml --profile PROFILE.json [--autoscale [--slo ttft:MS tpot:MS]]
+    pdserve simulate --config DEPLOY.yaml --profile PROFILE.json [--slo ttft:MS tpot:MS] [--autoscale]
                      [the dataset, load and results flags of pdserve loadtest]
 
-The result JSON has `pdserve loadtest`'s keys (plus "simulated": true and the
-simulator's counters), so the two compare line by line.
+The router's admission control runs as the deployment file sets it (admission:
+and slo: sections, --slo overriding the SLOs): a refused request is a 429 in
+the results, as `pdserve loadtest` records one. The result JSON has `pdserve
+loadtest`'s keys (plus "simulated": true and the simulator's counters), so the
+two compare line by line.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     try:
         config = load_config(args.config)
+        if args.slo:
+            config = config.model_copy(update={"slo": config.slo.model_copy(
+                update={f"{k}_ms": v for k, v in args.slo})})
         step_model = load_step_model(args.profile)
         wide_model = load_step_model(args.lend_profile) if args.lend_profile else None
     except (ConfigFileError, ValueError, OSError, KeyError) as exc:
@@ -79,7 +85,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
                        title="Simulated Serving Benchmark Result", interrupted=None), flush=True)
     print(f"simulated {len(requests)} requests in {wall:.2f} s: {result.num_steps} replica steps, "
           f"{result.num_preemptions} preemptions, {result.num_local_prefills} prompts prefilled on a decode worker, "
-          f"{result.cached_prompt_tokens} prompt tokens from prefix caches")
+          f"{result.cached_prompt_tokens} prompt tokens from prefix caches, "
+          f"{sum(result.refusals.values())} refused by admission control"
+          + (f" ({', '.join(f'{reason} {n}' for reason, n in sorted(result.refusals.items()))})"
+             if result.refusals else ""))
     if autoscaler is not None:
         for entry in result.timeline:
             print(f"  {entry['time_s']:7.1f} s  {entry['rate']:6.2f} req/s  serving {entry['running']}  "
@@ -90,7 +99,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             "simulated": True, "profile": str(args.profile), "config": str(args.config),
             "dataset_name": args.dataset_name, "num_steps": result.num_steps,
             "num_preemptions": result.num_preemptions, "num_local_prefills": result.num_local_prefills,
-            "cached_prompt_tokens": result.cached_prompt_tokens,
+            "cached_prompt_tokens": result.cached_prompt_tokens, "refusals": result.refusals,
             "replica_seconds": result.replica_seconds, "autoscaler_timeline": result.timeline})
         name = args.result_file or f"simulate-{time.strftime('%Y%m%d-%H%M%S')}.json"
         path = Path(args.result_dir or ".") / name
@@ -101,12 +110,13 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _autoscaler(config, args, spec):
-    """The deployment's autoscaling policy over the simulated pools (--slo overrides its SLOs)."""
+    """The deployment's autoscaling policy over the simulated pools (its SLOs: the
+    config's, --slo applied)."""
     from cluster.autoscaler.capacity import ReplicaLimits
     from cluster.autoscaler.policy import GoodputPolicy
     from cluster.simulator.autoscaling import SimAutoscaler
 
-    slo = config.slo.model_copy(update={f"{k}_ms": v for k, v in args.slo or []})
+    slo = config.slo
     if slo.ttft_ms is None or slo.tpot_ms is None:
         raise ValueError("--autoscale needs the SLOs: --slo ttft:MS tpot:MS, or slo.ttft_ms and slo.tpot_ms in "
                          "the deployment file")
@@ -150,7 +160,8 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
                    help="let the deployment's autoscaling policy (its autoscaling: section) set the pools; "
                         "a replica asked for serves after autoscaling.startup_s")
     p.add_argument("--slo", nargs="+", type=parse_slo, metavar="ttft:MS|tpot:MS",
-                   help="with --autoscale: the SLOs it scales for (default: the deployment file's)")
+                   help="the SLOs admission control refuses for and the autoscaler scales for (default: the "
+                        "deployment file's slo: section)")
     add_workload_arguments(p)
     p.set_defaults(func=_cmd_simulate)
     return p

@@ -7,12 +7,15 @@ devices from the asking), a replica scaled down drains (cluster_sim.py).
 
 from __future__ import annotations
 
+from collections import Counter
+
 from cluster.autoscaler.policy import (
     GoodputPolicy,
     Observation,
     RoleObservation,
     StepSample,
     p90,
+    refusal_role,
 )
 
 
@@ -24,6 +27,7 @@ class SimAutoscaler:
         self._sim = None
         self._arrived = 0                      # cursors into the simulation's logs
         self._finished = 0
+        self._refused = 0
         self._last_latencies: list = []        # (TTFT, TPOT) of the requests that finished in the last window
         self._starting: dict[str, int] = {r: 0 for r in self.settings.roles}
         self._steps: dict[str, list[StepSample]] = {r: [] for r in self.settings.roles}
@@ -71,7 +75,8 @@ class SimAutoscaler:
         sim, s = self._sim, self.settings
         arrived = sim.arrived[self._arrived:]
         finished = sim.finished[self._finished:]
-        self._arrived, self._finished = len(sim.arrived), len(sim.finished)
+        refused = Counter(refusal_role(s.mode, log.refused.reason) for log in sim.refused[self._refused:])
+        self._arrived, self._finished, self._refused = len(sim.arrived), len(sim.finished), len(sim.refused)
         # (TTFT, TPOT or None below two tokens) of each request that finished in the window
         self._last_latencies = [(r.token_times[0] - r.send_time,
                                  (r.end_time - r.token_times[0]) / (len(r.token_times) - 1)
@@ -93,7 +98,7 @@ class SimAutoscaler:
             mean_output_tokens=sum(len(r.token_times) for r in finished) / len(finished) if finished else None,
             mean_inflight_output_tokens=_mean([len(r.token_times) for r in sim.logs
                                                if r.send_time is not None and r.end_time is None]),
-            ttft_p90_s=p90(ttfts), tpot_p90_s=p90(tpots), roles=roles)
+            ttft_p90_s=p90(ttfts), tpot_p90_s=p90(tpots), roles=roles, refused=dict(refused))
 
 
 def _mean(values: list[float]) -> float | None:

@@ -15,6 +15,14 @@ router/disaggregation_policy.py, cluster/serving/replica_routing.py):
 A request's time on the router and the HTTP path (`request_overhead_s`) is
 added to all its token times.
 
+Admission control (`ClusterSpec.admission`): the router's own class
+(router/admission.py) decides each arrival, on the simulated clock, from the
+cost figures each replica measures on its simulated steps (engine/step_cost.py
+EngineCosts, as the engines do; the start-up figure is the model's time for
+the engine's calibration prompt), read every `stats_period_s` as the router
+refreshes them. A refused request ends at once with a 429, as a load-test
+client records it.
+
 Replicas sharing one machine's CPU cores (`shared_cores`, CPU deployments):
 the steps running at any moment share them (processor sharing): each runs at
 min(1, cores / demand) of its own speed, where the demand is the threads of
@@ -43,6 +51,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -50,6 +59,8 @@ from cluster.perf_model.step_shape import StepShape, StepTimeModel
 from cluster.simulator.prefix_cache import PrefixCache, prompt_block_hashes
 from cluster.simulator.replica import SimReplica, SimSequence
 from engine.core_lending import lendable_cores
+from engine.step_cost import CALIBRATION_TOKENS, EngineCosts
+from router.admission import AdmissionControl, AdmissionSettings, Admitted, Overloaded
 
 
 @dataclass(frozen=True)
@@ -82,6 +93,8 @@ class ClusterSpec:
     shared_cores: float | None = None          # CPU cores all replicas share; None: a device each
     serving_cores_per_stream: float = 0.0      # cores the serving path keeps busy per request streaming
     lend_idle_cores: bool = False              # with shared_cores: idle replicas' cores are lent (module doc)
+    admission: AdmissionSettings | None = None # the router's admission control; None: every request admitted
+    stats_period_s: float = 1.0                # how often the router reads the replicas' cost figures
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
@@ -99,6 +112,8 @@ class ClusterSpec:
         if self.lend_idle_cores and self.shared_cores is None:
             raise ValueError("lend_idle_cores needs shared_cores: cores are lent only between replicas "
                              "sharing one machine's")
+        if self.stats_period_s <= 0:
+            raise ValueError(f"stats_period_s must be > 0, got {self.stats_period_s}")
 
 
 @dataclass
@@ -111,6 +126,7 @@ class SimRequestLog:
     token_times: list[float] = field(default_factory=list)
     end_time: float | None = None
     prefilled_locally: bool = False
+    refused: Overloaded | None = None  # admission control's 429 (end_time: when it was answered)
 
 
 @dataclass
@@ -124,6 +140,7 @@ class SimulationResult:
     timeline: list[dict] = field(default_factory=list)                # the autoscaler's intervals
     mean_stretch: dict[str, float] = field(default_factory=dict)      # per role: step time / model's time
     cached_prompt_tokens: int = 0                                     # prompt tokens served by prefix caches
+    refusals: dict[str, int] = field(default_factory=dict)            # admission control's, per reason
 
     def records(self):
         """The requests as `pdserve loadtest` RequestRecords (times in seconds from 0)."""
@@ -131,6 +148,12 @@ class SimulationResult:
         records = []
         for r in self.requests:
             if r.send_time is None:
+                continue
+            if r.refused is not None:
+                records.append(RequestRecord(
+                    index=r.index, prompt_len=r.prompt_len, expected_output_len=r.output_len,
+                    scheduled_offset=r.scheduled, send_time=r.send_time, end_time=r.end_time, status=429,
+                    error=f"HTTP 429: {r.refused.message}"))
                 continue
             done = r.end_time is not None
             records.append(RequestRecord(
@@ -188,6 +211,10 @@ class _Simulation:
         self.num_local_prefills = 0
         self.names = itertools.count(max(spec.prefill_replicas, spec.decode_replicas))
         self.block_hashes: list[tuple[int, ...]] | None = None   # per request (simulate's prompt_token_ids)
+        self.admission = AdmissionControl(spec.admission, prefill_on_decode_steps=spec.mode == "colocated",
+                                          clock=lambda: self.now) if spec.admission is not None else None
+        self.tickets: dict[int, Admitted] = {}           # admitted requests' admission tickets, by index
+        self.refused: list[SimRequestLog] = []           # in refusal order (the autoscaler reads them)
 
     def _replica(self, name: str, rs: ReplicaSpec, *, borrows: bool) -> SimReplica:
         """`borrows`: a decode (colocated) replica, which may borrow idle cores."""
@@ -198,6 +225,8 @@ class _Simulation:
             replica.wide_model = rs.wide_model if borrows else None
         if rs.enable_prefix_caching:
             replica.prefix_cache = PrefixCache(rs.num_kv_blocks)
+        calibration = min(CALIBRATION_TOKENS, rs.max_num_batched_tokens)    # engine/step_cost.py's prompt
+        replica.costs = EngineCosts(start_prefill_s_per_token=_prefill_time(rs.model, calibration) / calibration)
         replica.on_token = self._on_token
         replica.on_prefilled = lambda seq, t, r=replica: self._on_prefilled(seq, r)
         return replica
@@ -215,6 +244,8 @@ class _Simulation:
             self.at(offset, lambda log=log: self._arrive(log))
         if self.autoscaler is not None:
             self.autoscaler.attach(self)
+        if self.admission is not None:
+            self._refresh_worker_stats()
         while self.events:
             time, _, action = heapq.heappop(self.events)
             if time > self.max_duration:
@@ -237,12 +268,13 @@ class _Simulation:
         return SimulationResult(self.logs, duration, sum(r.num_steps for r in pools),
                                 sum(r.num_preemptions for r in pools), self.num_local_prefills, seconds, timeline,
                                 {role: total / n for role, (total, n) in stretch.items() if n},
-                                sum(r.cached_prompt_tokens for r in pools))
+                                sum(r.cached_prompt_tokens for r in pools),
+                                dict(Counter(log.refused.reason for log in self.refused)))
 
     # ---- pools ------------------------------------------------------------------------------
     @property
     def unfinished(self) -> bool:
-        return len(self.finished) < len(self.logs)
+        return len(self.finished) + len(self.refused) < len(self.logs)
 
     def role_of(self, replica: SimReplica) -> str:
         return replica.name.rsplit("-", 1)[0]
@@ -278,9 +310,16 @@ class _Simulation:
         if self.max_concurrency is not None and self.in_flight >= self.max_concurrency:
             self.pending.append(log)
             return
-        self.in_flight += 1
         log.send_time = self.now
         self.arrived.append(log)
+        if self.admission is not None:
+            try:
+                self.admission.check_before_tokenizing()
+                self.tickets[log.index] = self.admission.admit(log.prompt_len, log.output_len)
+            except Overloaded as exc:
+                self._refuse(log, exc)
+                return
+        self.in_flight += 1
         seq = SimSequence(log.index, log.prompt_len, log.output_len)
         if self.block_hashes is not None:
             seq.block_hashes = self.block_hashes[log.index]
@@ -308,21 +347,46 @@ class _Simulation:
         remote_ttft = remote_wait + _prefill_time(self.prefill_pool[0].model, seq.prompt_len)
         return local_ttft < remote_ttft
 
+    def _refuse(self, log: SimRequestLog, refusal: Overloaded) -> None:
+        log.refused = refusal
+        log.end_time = self.now + self.spec.request_overhead_s
+        self.refused.append(log)
+        self._send_pending()
+
+    def _send_pending(self) -> None:
+        """A request ended: the next one held back by max_concurrency is sent, once
+        everything else at this instant has happened."""
+        if self.pending:
+            log = self.pending.pop(0)
+            self.at(self.now, lambda: self._arrive(log))
+
     def _on_token(self, seq: SimSequence, time: float) -> None:
         log = self.logs[seq.index]
         log.token_times.append(time + self.spec.request_overhead_s)
         streaming = self.streaming
         self.streaming += len(log.token_times) == 1
+        ticket = self.tickets.get(seq.index)
+        if ticket is not None and len(log.token_times) == 1:
+            self.admission.first_token(ticket)
         if seq.finished:
             log.end_time = time + self.spec.request_overhead_s
             self.finished.append(log)
             self.in_flight -= 1
             self.streaming -= 1
-            if self.pending:            # sent once this step's results are all applied
-                log = self.pending.pop(0)
-                self.at(self.now, lambda: self._arrive(log))
+            if ticket is not None:
+                self.admission.finished(self.tickets.pop(seq.index), len(log.token_times))
+            self._send_pending()
         if self.streaming != streaming:
             self._share_cores()
+
+    def _refresh_worker_stats(self) -> None:
+        """The router's periodic read of every replica's cost figures (router/ingress.py)."""
+        roles = [("colocated", self.decode_pool)] if self.spec.mode == "colocated" else \
+            [("prefill", self.prefill_pool), ("decode", self.decode_pool)]
+        for role, pool in roles:
+            self.admission.observe_workers(role, [r.costs.stats() for r in pool if not r.draining])
+        if self.unfinished:
+            self.at(self.now + self.spec.stats_period_s, self._refresh_worker_stats)
 
     # ---- the hand-off ---------------------------------------------------------------------
     def _on_prefilled(self, seq: SimSequence, source: SimReplica) -> None:
@@ -423,6 +487,7 @@ class _Simulation:
     def _step_done(self, replica: SimReplica, work, shape: StepShape, seconds: float) -> None:
         replica.busy = False
         replica.finish_step(work, self.now)
+        replica.costs.observe(shape.decode_seqs, shape.prefill_tokens, seconds, borrowed_cores=replica.borrowed > 0)
         if self.autoscaler is not None:
             self.autoscaler.on_step(replica, shape, seconds)
         if not replica.has_work:

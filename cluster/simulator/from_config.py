@@ -33,7 +33,8 @@ def cluster_spec(config, model: StepTimeModel, *, model_config, link: KVLink = K
     `threads_per_rank` torch threads per rank; None: a device per rank.
     `wide_model`: the step model at `shared_cores` threads; with it, and the
     config's resources.lend_idle_cores, one-rank decode (colocated) replicas
-    borrow idle replicas' cores as the engines do."""
+    borrow idle replicas' cores as the engines do. The router's admission
+    control is the config's (its admission: and slo: sections)."""
     from engine.memory_planner import kv_bytes_per_token
     e = config.engine
     max_len = config.model.max_model_len or model_config.max_position_embeddings
@@ -42,6 +43,7 @@ def cluster_spec(config, model: StepTimeModel, *, model_config, link: KVLink = K
     kv_per_token = kv_bytes_per_token(model_config, 1, dtype)      # the whole model's: what a hand-off moves
 
     lending = shared_cores is not None and config.resources.lend_idle_cores
+    admission = config.admission.settings(config.slo)
 
     def replica(pool, step_model: StepTimeModel) -> ReplicaSpec:
         one_rank = pool.tensor_parallel_size == 1       # TP gangs keep their threads (engine/core_lending.py)
@@ -55,14 +57,14 @@ def cluster_spec(config, model: StepTimeModel, *, model_config, link: KVLink = K
         return ClusterSpec("colocated", decode=replica(config.colocated, model),
                            decode_replicas=config.colocated.replicas, request_overhead_s=request_overhead_s,
                            shared_cores=shared_cores, serving_cores_per_stream=serving_cores_per_stream,
-                           lend_idle_cores=lending)
+                           lend_idle_cores=lending, admission=admission)
     return ClusterSpec(
         "disaggregated", prefill=replica(config.prefill, prefill_model or model), decode=replica(config.decode, model),
         prefill_replicas=config.prefill.replicas, decode_replicas=config.decode.replicas, policy=d.policy,
         local_prefill_max_tokens=d.local_prefill_max_tokens, max_remote_wait_s=d.max_remote_wait_ms / 1000,
         kv_bytes_per_token=kv_per_token, kv_bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
         kv_latency_s=link.latency_s, request_overhead_s=request_overhead_s, shared_cores=shared_cores,
-        serving_cores_per_stream=serving_cores_per_stream, lend_idle_cores=lending)
+        serving_cores_per_stream=serving_cores_per_stream, lend_idle_cores=lending, admission=admission)
 
 
 def kv_blocks(config, pool, model_config, dtype: str, max_len: int) -> int:

@@ -19,6 +19,7 @@ from typing import Callable
 
 from cluster.perf_model.step_shape import StepShape, StepTimeModel
 from cluster.simulator.prefix_cache import PrefixCache
+from engine.step_cost import EngineCosts
 
 
 @dataclass(eq=False)
@@ -74,6 +75,7 @@ class SimReplica:
     step: object = None              # the step it runs on shared cores (cluster_sim._SharedStep)
     prefix_cache: PrefixCache | None = None   # None: prefix caching off
     cached_prompt_tokens: int = 0    # prompt tokens its prefix cache spared it, in all
+    costs: EngineCosts = field(default_factory=EngineCosts)   # what it reports to the router, from its steps
 
     # ---- load figures the router reads --------------------------------------------
     @property
