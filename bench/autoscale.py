@@ -3,7 +3,7 @@ budget, on one phased workload, in the simulator.
 
     python bench/autoscale.py [--model llama-3-70b] [--gpu H100-SXM] [--gpus 8] [--tp 2]
                               [--slo ttft:1000 tpot:50] [--predictors ewma,constant,trend]
-                              [--seed 0]
+                              [--seed 0] [--admission]
                               [--json bench/results/autoscale.json] [--plot bench/results/autoscale.png]
 
 Workload (Poisson arrivals, lengths +-25%), five phases of 60 s:
@@ -24,12 +24,17 @@ each: goodput (requests meeting both SLOs per second of the run), SLO
 attainment, and GPU-seconds (replica-seconds times TP, a starting replica
 included). Prints a table and the ratio of the autoscaler to the best static
 split; writes JSON and a PNG timeline (rate, replicas per role, attainment).
+With `--admission` every system runs behind the router's admission control
+at the SLOs (as `pdserve serve --slo` does): a request predicted to miss is
+refused (a 429, counted against the system's attainment) instead of queued,
+and the autoscaler sees the refusals.
 Step times: the roofline of --model on --gpu (cluster/perf_model/roofline.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -47,6 +52,7 @@ from cluster.planner.search import Candidate, roofline_spec_builder  # noqa: E40
 from cluster.simulator.autoscaling import SimAutoscaler  # noqa: E402
 from cluster.simulator.cluster_sim import simulate  # noqa: E402
 from engine.model import ModelConfig  # noqa: E402
+from router.admission import AdmissionSettings  # noqa: E402
 
 PHASE_S = 60.0
 # (name, prompt tokens, output tokens, share of what the best split of the budget serves at these lengths)
@@ -109,7 +115,8 @@ def score(result, slos_ms: dict, duration: float, tp: int) -> dict:
     return {"goodput": good / duration, "attainment": good / max(1, len(records)),
             "gpu_seconds": sum(result.replica_seconds.values()) * tp,
             "ttft_p90_ms": summary.latency["ttft"].percentiles.get(90),
-            "tpot_p90_ms": summary.latency["tpot"].percentiles.get(90)}
+            "tpot_p90_ms": summary.latency["tpot"].percentiles.get(90),
+            "refused": sum(result.refusals.values())}
 
 
 def main() -> int:
@@ -128,6 +135,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--admission", action="store_true",
+                    help="run every system behind the router's admission control at the SLOs")
     args = ap.parse_args()
     slos_ms = dict(args.slo)
     mc = ModelConfig.from_pretrained(resolve_model_dir(args.model))
@@ -140,6 +149,8 @@ def main() -> int:
         return 2
     ttft_s, tpot_s = slos_ms["ttft"] / 1000, slos_ms["tpot"] / 1000
     lengths, arrivals, phases = workload(base, ttft_s, tpot_s, slots, args.seed)
+    admission = AdmissionSettings(ttft_slo_s=ttft_s, tpot_slo_s=tpot_s) if args.admission else None
+    base = dataclasses.replace(base, admission=admission)
     duration = PHASE_S * len(PHASES)
     print(f"{args.model} on {args.gpus} x {args.gpu}, TP{args.tp} replicas, SLOs TTFT <= {slos_ms['ttft']:.0f} ms, "
           f"TPOT <= {slos_ms['tpot']:.0f} ms; {len(lengths)} requests over {duration:.0f} s")
@@ -149,6 +160,7 @@ def main() -> int:
     rows = {}
     for p_count in range(1, slots):
         spec, _ = build(Candidate("disaggregated", p_count, args.tp, slots - p_count, args.tp))
+        spec = dataclasses.replace(spec, admission=admission)
         rows[f"static {p_count}P+{slots - p_count}D"] = score(simulate(spec, lengths, arrivals), slos_ms, duration,
                                                               args.tp)
     limits = {r: ReplicaLimits(base.decode.max_num_seqs, base.decode.num_kv_blocks, base.decode.block_size)
@@ -167,10 +179,11 @@ def main() -> int:
     best_name = max((n for n in rows if n.startswith("static")), key=lambda n: rows[n]["goodput"])
     best = rows[best_name]
     chosen = f"autoscaled ({args.predictors.split(',')[0]})"
-    print(f"\n{'system':<16} {'goodput req/s':>13} {'SLO met':>8} {'GPU-s':>8} {'TTFT p90':>9} {'TPOT p90':>9}")
+    print(f"\n{'system':<16} {'goodput req/s':>13} {'SLO met':>8} {'GPU-s':>8} {'TTFT p90':>9} {'TPOT p90':>9} "
+          f"{'refused':>8}")
     for name, r in rows.items():
         print(f"{name:<16} {r['goodput']:13.2f} {r['attainment']:8.0%} {r['gpu_seconds']:8.0f} "
-              f"{r['ttft_p90_ms'] or 0:9.0f} {r['tpot_p90_ms'] or 0:9.1f}")
+              f"{r['ttft_p90_ms'] or 0:9.0f} {r['tpot_p90_ms'] or 0:9.1f} {r['refused']:8d}")
     print()
     for name, a in rows.items():
         if name.startswith("autoscaled"):

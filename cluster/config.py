@@ -155,6 +155,9 @@ class AdmissionSection(_Strict):
                                                "while what still waits ahead of it takes at most this many times its "
                                                "own prefill (keeps admitted TTFT near its unloaded value); null: "
                                                "admit up to the SLO")
+    tpot_headroom: float = Field(0.8, gt=0, le=1, description="with slo.tpot_ms: admit a request only while "
+                                 "the decode replicas' predicted step time, with it, stays within this share of "
+                                 "the SLO")
 
     def settings(self, slo: "SloSection"):
         """The router's AdmissionSettings, or None when admission control is off."""
@@ -163,7 +166,7 @@ class AdmissionSection(_Strict):
             return None
         return AdmissionSettings(self.max_waiting_requests, self.max_waiting_prompt_tokens,
                                  slo.ttft_ms / 1000 if slo.ttft_ms else None, self.slo_factor,
-                                 slo.tpot_ms / 1000 if slo.tpot_ms else None,
+                                 slo.tpot_ms / 1000 if slo.tpot_ms else None, tpot_headroom=self.tpot_headroom,
                                  overload_wait_factor=self.overload_wait_factor)
 
 

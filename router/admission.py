@@ -24,7 +24,13 @@ predicted step time, with it, stays within `tpot_headroom` of the SLO:
 
     step = fixed + (running x s/sequence + prefill tokens per step x s/token) / decode replicas
 
-with the costs the decode replicas fit on their own steps (engine/step_cost.py).
+with the costs each decode replica fits on its own steps (engine/step_cost.py),
+the slowest replica's step: a replica's figures are kept together, never one
+replica's fixed cost beside another's per-sequence cost. A replica that has
+only run one batch size has no fit, only its time per sequence (which holds
+its whole step: 34 ms a sequence for a lone 70B decode whose fixed cost is
+34 ms); it is priced so only while no replica of the pool has a fit, or it
+would price a pool of fitted replicas as if every sequence cost a whole step.
 Where the decode replicas prefill too (colocated), every running request
 brings its prompt onto their steps once over the steps it decodes: it counts
 prompt / expected output tokens per step, so that a request is priced with
@@ -64,6 +70,22 @@ class AdmissionSettings:
 # capacity passes them less often still (at 0.75x, 0.4-3% of arrivals each), and a request
 # is refused then only if a prompt it would wait behind is far from done.
 BURST_RULES = ((3, 5.6), (4, 3.7), (8, 2.1), (16, 1.6))
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeStepCost:
+    """One decode replica's step-cost figures (engine/step_cost.py), kept together."""
+
+    fixed_s: float                 # what a step costs whatever its batch
+    per_seq_s: float
+    per_prefill_token_s: float     # what a prompt token adds to the step
+    prefill_s_per_step: float      # prefill work its steps carried lately
+
+    def step_s(self, seqs: float, prefill_tokens: float, *, carried: bool) -> float:
+        """Its step with `seqs` sequences and `prefill_tokens` prompt tokens a step
+        (`carried`: plus the prefill its steps carried lately)."""
+        return self.fixed_s + (self.prefill_s_per_step if carried else 0.0) + \
+            seqs * self.per_seq_s + prefill_tokens * self.per_prefill_token_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,10 +129,7 @@ class AdmissionControl:
         self.prefill_tokens_per_step = 0.0         # the running requests' Admitted.prefill_tokens_per_step, sum
         self.mean_output_tokens: float | None = None   # of the requests that ended, running mean
         self.decode_replicas = 1
-        self.decode_s_per_seq: float | None = None # the decode replicas' measured step time per sequence
-        self.decode_step_fixed_s = 0.0             # what a decode step costs whatever its batch
-        self.decode_s_per_prefill_token = 0.0      # what a prompt token adds to a decode replica's step
-        self.prefill_s_per_step = 0.0              # prefill work the decode replicas' steps carried lately
+        self.decode_costs: list[DecodeStepCost] = []   # the decode replicas' that priced steps (module doc)
 
     # ---- the checks ---------------------------------------------------------------------------
     def check_before_tokenizing(self) -> None:
@@ -135,13 +154,11 @@ class AdmissionControl:
     def predicted_step_s(self, extra_prefill_tokens_per_step: float = 0.0, extra_seqs: int = 0) -> float | None:
         """A decode replica's step time with what runs now and `extra_seqs` more
         requests bringing `extra_prefill_tokens_per_step` (None: no cost measured yet)."""
-        if not self.decode_s_per_seq:
+        if not self.decode_costs:
             return None
-        seqs = self.running + extra_seqs
-        tokens = self.prefill_tokens_per_step + extra_prefill_tokens_per_step
-        carried = 0.0 if self.prefill_on_decode_steps else self.prefill_s_per_step
-        return self.decode_step_fixed_s + carried + \
-            (seqs * self.decode_s_per_seq + tokens * self.decode_s_per_prefill_token) / self.decode_replicas
+        seqs = (self.running + extra_seqs) / self.decode_replicas
+        tokens = (self.prefill_tokens_per_step + extra_prefill_tokens_per_step) / self.decode_replicas
+        return max(c.step_s(seqs, tokens, carried=not self.prefill_on_decode_steps) for c in self.decode_costs)
 
     def admit(self, num_prompt_tokens: int, max_tokens: int | None = None) -> Admitted:
         """Checks the request with its prompt length and output bound, then counts it
@@ -231,12 +248,12 @@ class AdmissionControl:
         stats = list(stats)
         if role in ("decode", "colocated"):
             self.decode_replicas = max(1, len(stats))
-            costs = [s for s in stats if "decode_s_per_seq" in s]
-            if costs:   # the slowest replica's
-                self.decode_s_per_seq = max(s["decode_s_per_seq"] for s in costs)
-                self.decode_step_fixed_s = max(s.get("decode_step_fixed_s", 0.0) for s in costs)
-                self.decode_s_per_prefill_token = max(s.get("decode_s_per_prefill_token", 0.0) for s in costs)
-                self.prefill_s_per_step = max(s.get("prefill_s_per_step", 0.0) for s in costs)
+            fitted = [s for s in stats if "decode_s_per_seq" in s and "decode_step_fixed_s" in s]
+            costs = fitted or [s for s in stats if "decode_s_per_seq" in s]
+            if costs:
+                self.decode_costs = [DecodeStepCost(s.get("decode_step_fixed_s", 0.0), s["decode_s_per_seq"],
+                                                    s.get("decode_s_per_prefill_token", 0.0),
+                                                    s.get("prefill_s_per_step", 0.0)) for s in costs]
         if role not in self.prefill_roles:
             return
         self.replicas = max(1, len(stats))

@@ -255,6 +255,28 @@ def test_the_tpot_slo_bounds_the_requests_running_at_once():
     drained.admit(10, max_tokens=100)                  # none running: one at a time still drains
 
 
+def test_each_decode_replica_is_priced_with_its_own_figures_and_fitted_ones_first():
+    a = AdmissionControl(AdmissionSettings(max_waiting_requests=None, max_waiting_prompt_tokens=None,
+                                           tpot_slo_s=0.05))
+    tickets = [a.admit(10, max_tokens=100) for _ in range(30)]
+    # a 70B decode pool: steps of 34 ms whatever the batch (one replica's fit), and a replica
+    # that joined and has only run single sequences (no fit: 34 ms a sequence)
+    fitted = {"decode_s_per_seq": 1e-4, "decode_step_fixed_s": 0.034}
+    a.observe_workers("decode", [fitted, fitted, {"decode_s_per_seq": 0.034}])
+    assert a.predicted_step_s() == pytest.approx(0.034 + 10 * 1e-4)      # 30 sequences over 3 replicas
+    a.check_before_tokenizing()
+    # two fits: the slower replica's whole step, not one's fixed cost beside the other's slope
+    a.observe_workers("decode", [{"decode_s_per_seq": 1e-4, "decode_step_fixed_s": 0.034},
+                                 {"decode_s_per_seq": 0.003, "decode_step_fixed_s": 0.0}])
+    assert a.predicted_step_s() == pytest.approx(max(0.034 + 15 * 1e-4, 15 * 0.003))
+    # with no fit anywhere, the per-sequence figures are all there is
+    a.observe_workers("decode", [{"decode_s_per_seq": 0.034}])
+    assert a.predicted_step_s() == pytest.approx(30 * 0.034)
+    with pytest.raises(Overloaded):
+        a.check_before_tokenizing()
+    assert len(tickets) == 30
+
+
 def test_colocated_requests_are_priced_with_the_prefill_they_bring_to_the_decode_steps():
     a = AdmissionControl(AdmissionSettings(max_waiting_requests=None, max_waiting_prompt_tokens=None,
                                            tpot_slo_s=0.1), prefill_on_decode_steps=True)

@@ -355,6 +355,33 @@ def test_at_the_budget_a_near_equal_split_is_not_worth_a_move():
     assert d.targets == {"prefill": 2, "decode": 6} and "no split serves 20% more" in d.reasons["prefill"]
 
 
+def test_refusals_on_a_roles_account_add_a_replica_as_a_missed_slo_does():
+    """Admission control keeps the admitted requests' latency within the SLO by
+    refusing the rest: the refusals are the misses the latency does not show."""
+    def decide(refused):
+        p = policy()
+        return p.decide(observe(10.0, 0.5, 200, 50, {"prefill": 1, "decode": 1}, refused=refused))
+    assert decide({}).targets == {"prefill": 1, "decode": 1}
+    assert decide({"prefill": 0}).targets == {"prefill": 1, "decode": 1}
+    d = decide({"prefill": 2})                 # 2 of the interval's 5 arrivals: 40% > 10%
+    assert d.targets == {"prefill": 2, "decode": 1} and "refused 40%" in d.reasons["prefill"]
+    d = decide({"decode": 2})
+    assert d.targets == {"prefill": 1, "decode": 2} and "refused 40%" in d.reasons["decode"]
+    assert decide({"decode": 0.5}).targets == {"prefill": 1, "decode": 1}    # 10%: within refusal_pressure
+
+
+def test_at_the_budget_a_near_equal_split_is_taken_for_a_role_seen_short():
+    # as above, 2P+6D against the best split 1P+7D (7/6 as much, under the 20% margin): the
+    # decode pool refusing a fifth of the arrivals on the TPOT bound tips it
+    p = policy(budget=8, downscale_cooldown_s=0.0)
+    d = p.decide(observe(10.0, 40.0, 1200, 400, {"prefill": 2, "decode": 6}, refused={"decode": 80}))
+    assert d.targets == {"prefill": 1, "decode": 7} and "refused on its account" in d.reasons["decode"]
+    # refusals on the prefill pool's account do not move a rank to decode
+    p = policy(budget=8, downscale_cooldown_s=0.0)
+    d = p.decide(observe(10.0, 40.0, 1200, 400, {"prefill": 2, "decode": 6}, refused={"prefill": 80}))
+    assert d.targets == {"prefill": 2, "decode": 6}
+
+
 def test_the_live_loop_counts_refused_requests_as_arrivals():
     """Admission control's refusals are demand the autoscaler must see: a pool
     that refuses a quarter of its requests would otherwise look big enough."""

@@ -17,10 +17,13 @@ Per interval:
    the budget (in ranks: replicas times TP), the split that maximises the
    smaller of the two pools' capacities is taken instead (the goodput of a
    disaggregated pipeline is its narrower stage), if it serves `split_margin`
-   more than the current split (no see-saw between two near-equal splits).
-4. Observed latency outranks the model: a TTFT p90 over the SLO adds a
+   more than the current split (no see-saw between two near-equal splits),
+   or serves more at all and gives a replica to a role seen short (4).
+4. What is observed outranks the model: a TTFT p90 over the SLO adds a
    prefill (or colocated) replica, a TPOT p90 over it a decode replica, when
-   the model alone would not.
+   the model alone would not; so do admission control's refusals on a role's
+   account past `refusal_pressure` of the last `pressure_window_s`'s
+   arrivals (a refused request misses its SLO and never shows in the latency).
 5. Guards, per role: min/max and the budget; replicas still starting count as
    capacity already coming; scaling up waits `upscale_cooldown_s` after the
    last scale-up, scaling down `downscale_cooldown_s` after any change, goes
@@ -247,7 +250,7 @@ class GoodputPolicy:
                    for r in s.roles}
         budget_bound = self._ranks(needed) > s.budget
         if budget_bound:
-            needed = self._split_within_budget(current, capacity, demand, reasons)
+            needed = self._split_within_budget(obs, current, capacity, demand, reasons)
             self._hold_budget_split(obs, current, needed, reasons)
         else:
             self._hold_near_split(obs, current, capacity, demand, needed, reasons)
@@ -377,16 +380,22 @@ class GoodputPolicy:
                 best, best_key = split, key
         return best
 
-    def _split_within_budget(self, current: dict[str, int], capacity: dict[str, float], demand: dict[str, float],
-                             reasons: dict[str, str]) -> dict[str, int]:
+    def _split_within_budget(self, obs: Observation, current: dict[str, int], capacity: dict[str, float],
+                             demand: dict[str, float], reasons: dict[str, str]) -> dict[str, int]:
         """Past the budget: the best split, if it serves `split_margin` more than
-        the current one (or the current one is over the budget); else the current."""
+        the current one (or the current one is over the budget), or serves more at
+        all and gives a replica more to a role seen short (_seen_short: what the
+        model rates as a near tie is not one where that role misses its SLO or
+        has its requests refused); else the current."""
         s = self.settings
         best = self._best_split(capacity, demand)
-        if self._served(best, capacity, demand) > self._served(current, capacity, demand) * (1 + s.split_margin) \
-                or self._ranks(current) > s.budget:
+        served, now_served = self._served(best, capacity, demand), self._served(current, capacity, demand)
+        short = [r for r in s.roles if best[r] > current[r] and self._seen_short(obs, r)]
+        if served > now_served * (1 + s.split_margin) or self._ranks(current) > s.budget or \
+                (short and served > now_served):
             for r in s.roles:
-                reasons[r] = f"budget of {s.budget} ranks: best split gives {best[r]}"
+                reasons[r] = f"budget of {s.budget} ranks: best split gives {best[r]}" + \
+                    (f" ({self._seen(obs, r)})" if r in short else "")
             return best
         for r in s.roles:
             reasons[r] = (f"holds {current[r]}: within the budget of {s.budget} ranks no split serves "
@@ -481,6 +490,14 @@ class GoodputPolicy:
                 continue
             needed[role] = current[role] + 1
             reasons[role] = f"observed {name.upper()} p90 {observed * 1000:.0f} ms > SLO {slo * 1000:.0f} ms"
+        # a refused request missed its SLO as surely as a late one, and never shows in the latency
+        for role in s.roles:
+            refused = self._refused_share(role)
+            if refused <= s.refusal_pressure or needed[role] > current[role]:
+                continue
+            needed[role] = current[role] + 1
+            reasons[role] = (f"admission control refused {refused:.0%} of the last {s.pressure_window_s:.0f} s's "
+                             f"arrivals on its account")
 
     def _guarded(self, obs: Observation, current: dict[str, int], needed: dict[str, int],
                  holding: dict[str, int], window_holding: dict[str, int], reasons: dict[str, str],

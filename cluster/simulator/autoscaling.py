@@ -62,6 +62,7 @@ class SimAutoscaler:
             "time_s": sim.now, "rate": obs.arrivals / obs.window_s, "predicted_rate": decision.predicted_rate,
             "targets": dict(decision.targets),
             "running": running,
+            "refused": dict(obs.refused),
             "attainment": _attainment(self._last_latencies, s.ttft_slo_s, s.tpot_slo_s),
             "reason": decision.describe()})
         if sim.unfinished:
