@@ -73,7 +73,6 @@ class AsyncEngine:
         self._sinks_lock = threading.Lock()
         # fed on the engine thread, read by load_stats on others (each figure one attribute)
         self.costs = EngineCosts(warmup_steps=cost_warmup_steps)
-        self._num_steps = 0
         self._recent_steps: deque[tuple[int, StepStats]] = deque(maxlen=512)
         self._tickers: list[Ticker] = []
         self._failure: BaseException | None = None
@@ -250,10 +249,9 @@ class AsyncEngine:
         step, engine.last_step = engine.last_step, None
         if step is None:
             return
-        self._num_steps += 1
-        self._recent_steps.append((self._num_steps, step))
         self.costs.observe(step.num_decode_seqs, step.num_prefill_tokens, step.duration_s,
                            borrowed_cores=bool(step.borrowed_threads))
+        self._recent_steps.append((self.costs.num_steps, step))
 
     def _fail_everything(self, exc: BaseException) -> None:
         while True:

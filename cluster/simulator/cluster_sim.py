@@ -385,7 +385,7 @@ class _Simulation:
             [("prefill", self.prefill_pool), ("decode", self.decode_pool)]
         for role, pool in roles:
             self.admission.observe_workers(role, [r.costs.stats() for r in pool if not r.draining])
-        if self.unfinished:
+        if self.unfinished and self.events:    # (nothing else to come: the run is over, or stuck for good)
             self.at(self.now + self.spec.stats_period_s, self._refresh_worker_stats)
 
     # ---- the hand-off ---------------------------------------------------------------------
