@@ -116,11 +116,10 @@ def _autoscaler(config, args, spec):
     from cluster.autoscaler.policy import GoodputPolicy
     from cluster.simulator.autoscaling import SimAutoscaler
 
-    slo = config.slo
-    if slo.ttft_ms is None or slo.tpot_ms is None:
+    if config.slo.ttft_ms is None or config.slo.tpot_ms is None:
         raise ValueError("--autoscale needs the SLOs: --slo ttft:MS tpot:MS, or slo.ttft_ms and slo.tpot_ms in "
                          "the deployment file")
-    settings = config.autoscaling.settings(config.mode.value, config.pools(), slo,
+    settings = config.autoscaling.settings(config.mode.value, config.pools(), config.slo,
                                            lend_idle_cores=config.lends_idle_cores())
     replicas = {"prefill": spec.prefill, "decode": spec.decode, "colocated": spec.decode}
     models = {r: replicas[r].model for r in settings.roles}
