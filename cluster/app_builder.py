@@ -93,14 +93,12 @@ def resolve_model(config: DeploymentConfig) -> tuple[str, ModelInfo]:
     from engine.engine_config import EngineConfig
     from engine.model import ModelConfig
     from engine.model_worker import resolve_max_model_len
-    from engine.tiny_model import ensure_default_model
+    from engine.tiny_model import checkpoint_dir
 
-    path = config.model.path or str(ensure_default_model())
-    if not (Path(path) / "config.json").is_file():
-        raise FileNotFoundError(f"model.path {path} is not a HuggingFace checkpoint directory (no config.json)")
+    path = checkpoint_dir(config.model.path)
     mc = ModelConfig.from_pretrained(path)
     max_len = resolve_max_model_len(EngineConfig(model=path, max_model_len=config.model.max_model_len), mc)
-    name = config.model.served_model_name or ("tiny" if config.model.path is None else Path(path).name)
+    name = config.model.served_model_name or Path(path).name
     return path, ModelInfo(served_model_name=name, max_model_len=max_len, vocab_size=mc.vocab_size)
 
 

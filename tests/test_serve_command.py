@@ -50,6 +50,28 @@ def test_bad_overrides_are_refused_with_the_field_named():
         with_overrides(DeploymentConfig(), {"decode.replicas": 0})
 
 
+def test_model_names_a_checkpoint_directory_or_a_built_in_model(model_dirs, tmp_path, monkeypatch):
+    from engine.tiny_model import checkpoint_dir, preset_model_dir
+
+    assert checkpoint_dir(None) == checkpoint_dir("tiny") == str(preset_model_dir("tiny"))
+    assert checkpoint_dir(str(model_dirs["tiny-mqa"])) == str(model_dirs["tiny-mqa"])
+    with pytest.raises(FileNotFoundError, match=r"/nowhere is not a HuggingFace checkpoint .*bench, tiny"):
+        checkpoint_dir("/nowhere")
+    # a directory of the preset's name here is what the user meant, checkpoint or not
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bench").mkdir()
+    with pytest.raises(FileNotFoundError, match="model bench is not a HuggingFace checkpoint"):
+        checkpoint_dir("bench")
+
+
+def test_serve_refuses_a_wrong_model_before_starting_a_cluster(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "cluster.cli.main", "serve", "--model", str(tmp_path / "nowhere")],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 2, done.stderr
+    assert f"error: model {tmp_path / 'nowhere'} is not a HuggingFace checkpoint directory" in done.stderr
+    assert "Ray" not in done.stderr + done.stdout      # no cluster was started
+
+
 def test_serve_config_files_name_the_app_builder():
     for path in sorted((REPO / "configs").glob("serve/*.yaml")):
         spec = yaml.safe_load(path.read_text())

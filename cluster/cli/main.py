@@ -37,18 +37,20 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
     from engine.sampling_params import SamplingParamsError
+    from engine.tiny_model import checkpoint_dir
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop or None,
                                 ignore_eos=args.ignore_eos)
-    except SamplingParamsError as exc:
+        model = checkpoint_dir(args.model)
+    except (SamplingParamsError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     options = dict(dtype=args.dtype, device=args.device, tensor_parallel_size=args.tp)
     if args.max_model_len:
         options["max_model_len"] = args.max_model_len
-    with LLM(args.model, **options) as llm:
+    with LLM(model, **options) as llm:
         return _generate(llm, args, params)
 
 
@@ -92,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_make_tiny_model)
 
     p = sub.add_parser("generate", help="offline generation with the engine")
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny model)")
+    p.add_argument("--model", default=None,
+                   help="HuggingFace checkpoint directory, or a built-in model: tiny (the default), bench, ...")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)

@@ -51,7 +51,7 @@ API_KEY_ENV = "PDSERVE_API_KEY"
 def add_serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI API from a Ray cluster (Ctrl-C stops it)")
     p.add_argument("--config", help="deployment YAML file (see configs/)")
-    p.add_argument("--model", help="HuggingFace checkpoint directory (default: the built-in tiny model)")
+    p.add_argument("--model", help="HuggingFace checkpoint directory, or a built-in model: tiny (the default), bench, ...")
     p.add_argument("--served-model-name")
     p.add_argument("--host")
     p.add_argument("--port", type=int)
@@ -100,10 +100,16 @@ def config_from_args(args: argparse.Namespace):
 def _cmd_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
+    from engine.tiny_model import checkpoint_dir
+
     try:
         config = config_from_args(args)
+        checkpoint_dir(config.model.path)   # a wrong path fails here, before a cluster starts
     except ValidationError as exc:
         print(f"error: invalid settings:\n{exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
 
     import ray

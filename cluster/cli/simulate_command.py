@@ -35,7 +35,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from cluster.simulator import simulate
     from cluster.simulator.from_config import KVLink, cluster_spec
     from engine.model.model_config import ModelConfig
-    from engine.tiny_model import ensure_default_model
+    from engine.tiny_model import checkpoint_dir
 
     try:
         config = load_config(args.config)
@@ -44,10 +44,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
                 update={f"{k}_ms": v for k, v in args.slo})})
         step_model = load_step_model(args.profile)
         wide_model = load_step_model(args.lend_profile) if args.lend_profile else None
+        model_dir = checkpoint_dir(config.model.path)
     except (ConfigFileError, ValueError, OSError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    model_dir = config.model.path or str(ensure_default_model())
     model_config = ModelConfig.from_pretrained(model_dir)
     link = KVLink(args.kv_bandwidth_gibps * (1 << 30), args.kv_latency_ms / 1000)
     spec = cluster_spec(config, step_model, model_config=model_config, link=link,
