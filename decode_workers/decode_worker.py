@@ -81,7 +81,7 @@ class _HandOff:
     deadline: float
     block_ids: list[int] | None = None
     failed: bool = False                   # the transfer failed; waiting for the request's abort
-    free_blocks_seen: int = -1             # free blocks at the last reserve that did not fit
+    room_seen: tuple[int, int] = (-1, -1)  # (free blocks, sequences in the batch) at the last reserve that did not fit
 
 
 @dataclass(slots=True)
@@ -215,7 +215,7 @@ class DecodeWorker:
                 yield batch
         finally:
             del self._subscribers[subscriber_id]
-            for rid in subscriber.request_ids:
+            for rid in list(subscriber.request_ids):   # an abort below wakes generate(), which discards its id
                 self._engine.detach(rid)
                 self._queued_prompt_tokens.pop(rid, None)
                 await self._engine.call_for_cleanup(self._abort, rid)
@@ -276,12 +276,12 @@ class DecodeWorker:
             settle_from_thread(handoff.future, exc=exc)
             return
         if blocks is None:
-            handoff.free_blocks_seen = engine.block_manager.num_free_blocks
+            handoff.room_seen = _room(engine)
             if time.monotonic() > handoff.deadline:
                 del self._handoffs[r.request_id]
                 settle_from_thread(handoff.future, exc=TimeoutError(
-                    f"{self.name} had no free KV blocks for request {r.request_id} for "
-                    f"{self.reserve_timeout_s:.0f} s"))
+                    f"{self.name} had no room for request {r.request_id} (free KV blocks, and a place among "
+                    f"its max_num_seqs {engine.scheduler.max_num_seqs}) for {self.reserve_timeout_s:.0f} s"))
             return
         reserved = handoff.future
         handoff.phase, handoff.block_ids = Phase.RECEIVING, blocks
@@ -306,11 +306,12 @@ class DecodeWorker:
             self._engine.deliver([_aborted(rid)])
 
     def _tick(self, engine: LLMEngine) -> bool:
-        free = engine.block_manager.num_free_blocks
+        room = _room(engine)
         now = time.monotonic()
         for handoff in [h for h in self._handoffs.values() if h.phase is Phase.RESERVING]:
-            # blocks free up only as requests finish: retry when that happened (or to time out)
-            if free != handoff.free_blocks_seen or now > handoff.deadline:
+            # blocks and places in the batch free up only as requests finish: retry when
+            # that happened (or to time out)
+            if room != handoff.room_seen or now > handoff.deadline:
                 self._try_reserve(engine, handoff)
         waiting = {h.request.transfer_id: rid for rid, h in self._handoffs.items()
                    if h.phase is Phase.RECEIVING and not h.failed}
@@ -334,6 +335,11 @@ class DecodeWorker:
 
 def _add_request(engine: LLMEngine, request_id: str, prompt_token_ids: list[int], params) -> None:
     engine.add_request(request_id, prompt_token_ids, params)
+
+
+def _room(engine: LLMEngine) -> tuple[int, int]:
+    """What a hand-off waits for: free KV blocks, and sequences holding a place in the batch."""
+    return engine.block_manager.num_free_blocks, engine.scheduler.num_seqs_in_batch
 
 
 def _aborted(request_id: str) -> RequestOutput:

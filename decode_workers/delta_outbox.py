@@ -40,23 +40,18 @@ class DeltaOutbox:
         self._urgent = False                        # a pending delta must not wait for the interval
         self._failure: BaseException | None = None
         self._ready = asyncio.Event()
-        self._sent_logprobs: dict[str, int] = {}   # engine thread only
         self._streaming: set[str] = set()           # engine thread only: requests with a delta put
 
     # ---- engine thread (OutputSink) ----------------------------------------------------------
     def put(self, outputs: list[RequestOutput]) -> None:
         deltas, urgent = [], False
         for out in outputs:
-            sent = self._sent_logprobs.get(out.request_id, 0)
-            delta = TokenDelta.from_output(out, sent)
+            delta = TokenDelta.from_output(out)
             urgent = urgent or is_urgent(delta) or out.request_id not in self._streaming
             if out.finished:
-                self._sent_logprobs.pop(out.request_id, None)
                 self._streaming.discard(out.request_id)
             else:
                 self._streaming.add(out.request_id)
-                if delta.logprobs:
-                    self._sent_logprobs[out.request_id] = sent + len(delta.logprobs)
             deltas.append(delta)
         with self._lock:
             # a reader holding tokens back for the interval wakes for an urgent one

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from engine.core_lending import NoLending, join_ledger
+from engine.errors import EngineStoppedError
 from engine.llm_engine import LLMEngine, StepStats
 from engine.outputs import RequestOutput
 from engine.step_cost import COST_WARMUP_STEPS, EngineCosts, calibrate_prefill_cost
@@ -51,10 +52,6 @@ class OutputSink(Protocol):
 
     def fail(self, exc: BaseException) -> None:
         """The engine stopped: every request of this sink has ended with `exc`."""
-
-
-class EngineStoppedError(RuntimeError):
-    """The engine thread is gone (shut down, or a step failed)."""
 
 
 class AsyncEngine:

@@ -1,4 +1,4 @@
-"""Errors a caller can cause, each naming what to change."""
+"""Errors a caller can cause, each naming what to change, and the engine's own stop."""
 
 
 class InvalidRequestError(ValueError):
@@ -8,3 +8,8 @@ class InvalidRequestError(ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine thread is gone (shut down, or a step failed): the worker cannot
+    serve, and the router treats it as unavailable."""

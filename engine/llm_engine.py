@@ -322,7 +322,8 @@ class LLMEngine:
                           first_token_emitted: bool = False) -> list[int] | None:
         """Decode role: allocates blocks for the prompt's K/V, which the caller
         writes into `kv_cache` (block i of the returned table holds prompt tokens
-        [i*block_size, (i+1)*block_size)). None when the blocks do not fit now.
+        [i*block_size, (i+1)*block_size)). None when the blocks do not fit now,
+        or the batch already holds `max_num_seqs` sequences (reserved included).
         `first_logprobs` is the first token's logprobs when the request asks for
         them; `generator_state` is the prefill side's seeded generator after the
         first token (`held_sequence(id).generator.get_state()`), so seeded sampling

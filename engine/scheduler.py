@@ -73,7 +73,10 @@ class Scheduler:
     def reserve(self, seq: Sequence, num_filled_tokens: int) -> bool:
         """Decode role: allocates blocks for `num_filled_tokens` tokens whose K/V will
         be written from outside (a prefill worker). The sequence is not scheduled
-        until `mark_filled`. Returns False when the blocks do not fit now."""
+        until `mark_filled`. Returns False when the blocks do not fit now, or
+        when running and reserved sequences already number `max_num_seqs`."""
+        if self.num_seqs_in_batch >= self.max_num_seqs:
+            return False
         if not self.block_manager.allocate(seq.block_table, num_filled_tokens):
             return False
         seq.status = SequenceStatus.RESERVED
@@ -99,6 +102,11 @@ class Scheduler:
             self.waiting.remove(seq)
         if not keep_blocks:
             self.block_manager.free(seq.block_table)
+
+    @property
+    def num_seqs_in_batch(self) -> int:
+        """Sequences that hold a place in the batch: running, and reserved for a hand-off."""
+        return len(self.running) + len(self.reserved)
 
     @property
     def num_unfinished(self) -> int:
@@ -128,7 +136,7 @@ class Scheduler:
                 i += 1
                 continue
             while not self.block_manager.allocate(seq.block_table, seq.num_computed_tokens + n):
-                victim = self.running[-1]
+                victim = self._preemption_victim()
                 self._preempt(victim)
                 step.preempted.append(victim)
                 if victim is seq:
@@ -143,7 +151,7 @@ class Scheduler:
         #    decode-only step still readmits preempted sequences (they have output
         #    tokens): recomputing their KV is the only way they can go on.
         while (not step.preempted and self.waiting and budget > 0
-               and len(self.running) < self.max_num_seqs):
+               and self.num_seqs_in_batch < self.max_num_seqs):
             seq = self.waiting[0]
             if not prefill and seq.num_output_tokens == 0:
                 break
@@ -168,6 +176,14 @@ class Scheduler:
             step.seqs.append(seq)
             step.num_new_tokens.append(n)
         return step
+
+    def _preemption_victim(self) -> Sequence:
+        """The newest running sequence that goes on after its pending token. One
+        whose pending token is its last is about to give its blocks back, or (a
+        prefill worker's) to hold them for a hand-off, and is never preempted.
+        The sequence being scheduled qualifies, so there always is one."""
+        return next(s for s in reversed(self.running)
+                    if not (s.num_pending_tokens and not self._continues_after_pending(s)))
 
     def _continues_after_pending(self, seq: Sequence) -> bool:
         """False when the sequence's pending token is sure to be its last."""

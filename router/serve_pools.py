@@ -3,8 +3,8 @@ side of router/serving_backend.py's interfaces).
 
 Errors raised inside a replica come back as Ray's wrapper; they are unwrapped
 to the original exception (InvalidRequestError stays a 400, KVTransferFailed a
-503) so the HTTP layer sees what the worker raised. A replica that died turns
-into BackendUnavailableError. A call whose caller is cancelled (the client
+503) so the HTTP layer sees what the worker raised. A replica that died, or
+whose engine stopped, turns into BackendUnavailableError (its requests move on). A call whose caller is cancelled (the client
 left) is cancelled on the replica too (a cancelled prefill is also aborted on
 every prefill replica: the one that ran it may have finished first).
 """
@@ -25,6 +25,7 @@ from cluster.serving.replica_routing import (
     TARGET_REPLICA,
     ReplicaGoneError,
 )
+from engine.errors import EngineStoppedError
 from engine.sampling_params import SamplingParams
 from router.backend import BackendUnavailableError
 
@@ -49,6 +50,8 @@ def unwrapped_errors(what: str):
         yield
     except ray_exceptions.RayTaskError as exc:
         cause = exc.cause if exc.cause is not None else exc
+        if isinstance(cause, EngineStoppedError):   # alive, but it cannot serve: as if it had died
+            raise BackendUnavailableError(f"the {what} worker is unavailable: {cause}") from None
         raise cause from None
     except (ray_exceptions.ActorDiedError, ray_exceptions.ActorUnavailableError, ReplicaGoneError) as exc:
         raise BackendUnavailableError(f"the {what} worker is unavailable: {exc}") from None
@@ -76,25 +79,35 @@ def _forget_cleanup(tasks: set[asyncio.Task]) -> Callable[[asyncio.Task], None]:
     return done
 
 
-class ServePrefillPool:
+class _AbortEverywhere:
+    """For a call cut off while a replica may already have taken the request (the
+    client left): the reply naming the replica is lost, so every replica drops the
+    request id (unknown ids are a no-op). Only cut-off calls pay for the broadcast."""
+
     def __init__(self, handle):
         self._handle = handle
         self._cleanups: set[asyncio.Task] = set()   # background aborts, kept alive until done
+
+    def __call__(self, request_id: str) -> Callable[[], None]:
+        def abort() -> None:
+            broadcast = detached(lambda: self._handle.broadcast("abort", request_id, **{TARGET_REPLICA: ""}))
+            task = asyncio.ensure_future(broadcast.results_async())   # a broadcast is sent once awaited
+            self._cleanups.add(task)
+            task.add_done_callback(_forget_cleanup(self._cleanups))
+        return abort
+
+
+class ServePrefillPool:
+    def __init__(self, handle):
+        self._handle = handle
+        self._abort_everywhere = _AbortEverywhere(handle)   # a finished prefill holds the KV
 
     async def check_health(self) -> None:
         await check_replicas(self._handle, "prefill")
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> PrefillResult:
-        def abort_everywhere() -> None:
-            # A replica that finished before the cancel reached it holds the KV, and its result
-            # (which names it) is lost: every replica drops the id; unknown ids are a no-op.
-            # Only calls cut off mid-prefill (the client left) pay for the broadcast.
-            broadcast = detached(lambda: self._handle.broadcast("abort", request_id, **{TARGET_REPLICA: ""}))
-            task = asyncio.ensure_future(broadcast.results_async())   # a broadcast is sent once awaited
-            self._cleanups.add(task)
-            task.add_done_callback(_forget_cleanup(self._cleanups))
         return await _call(self._handle.prefill.remote(request_id, prompt_token_ids, params), "prefill",
-                           on_cancel=abort_everywhere)
+                           on_cancel=self._abort_everywhere(request_id))
 
     def release(self, result: PrefillResult) -> None:
         # fire and forget: the lease frees the KV if this never lands
@@ -111,12 +124,14 @@ class ServeDecodePool:
         self._streams = handle.options(stream=True)
         self._what = what
         self._stream_interval_s = stream_interval_s
+        self._abort_everywhere = _AbortEverywhere(handle)   # an admitted request would decode unheard
 
     async def check_health(self) -> None:
         await check_replicas(self._handle, self._what)
 
     async def generate(self, request: DecodeRequest, avoid_replica: str | None = None) -> Admitted:
-        return await _call(self._handle.generate.remote(request, **{AVOID_REPLICA: avoid_replica}), self._what)
+        return await _call(self._handle.generate.remote(request, **{AVOID_REPLICA: avoid_replica}), self._what,
+                           on_cancel=self._abort_everywhere(request.request_id))
 
     async def abort(self, replica_id: str, request_id: str) -> None:
         await _call(detached(lambda: self._handle.abort.remote(request_id, **{TARGET_REPLICA: replica_id})),

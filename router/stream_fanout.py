@@ -10,7 +10,10 @@ several steps', when the router reads slower than the replica steps) for all
 of this router's requests there. The replica ends a stream that stays idle
 (so a replica being scaled down can stop); requests bound to it meanwhile get
 a new one. A stream that fails ends every request bound to its replica with
-BackendUnavailableError. A delta of a request nobody waits for any
+BackendUnavailableError, and every request bound to it later that was
+expected before the failure: the replica aborts a failed stream's requests,
+and one it had admitted while the router did not know yet would otherwise
+wait for ever on a stream that never carries it. A delta of a request nobody waits for any
 more (its client left before the router learnt its replica) is answered with
 an abort.
 """
@@ -38,23 +41,33 @@ class StreamFanout:
         self._replica_of: dict[str, str] = {}
         self._readers: dict[str, asyncio.Task] = {}
         self._aborting: set[str] = set()
+        self._num_failures = 0                      # stream failures so far, of any replica
+        self._failure_of: dict[str, int] = {}       # replica id -> the count at its latest failure
+        self._expected_at: dict[str, int] = {}      # request id -> the count when it was expected
 
     def expect(self, request_id: str) -> asyncio.Queue:
         """The queue that will receive the request's deltas (or an exception).
         Call before the request is submitted."""
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
+        self._expected_at[request_id] = self._num_failures
         return queue
 
     def bind(self, request_id: str, replica_id: str) -> None:
-        """The request runs on `replica_id`: read that replica's stream."""
+        """The request runs on `replica_id`: read that replica's stream (or, when
+        that stream failed since the request was expected, hear the failure)."""
         self._replica_of[request_id] = replica_id
+        if self._failure_of.get(replica_id, 0) > self._expected_at.get(request_id, self._num_failures):
+            self._queues[request_id].put_nowait(BackendUnavailableError(
+                f"the decode worker {replica_id}'s output stream failed while the request was submitted there"))
+            return
         if replica_id not in self._readers:
             self._readers[replica_id] = asyncio.get_running_loop().create_task(self._read(replica_id))
 
     def forget(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
         self._replica_of.pop(request_id, None)
+        self._expected_at.pop(request_id, None)
 
     async def close(self) -> None:
         for task in list(self._readers.values()):
@@ -85,6 +98,8 @@ class StreamFanout:
             if bound:
                 self._readers[replica_id] = asyncio.get_running_loop().create_task(self._read(replica_id))
             return
+        self._num_failures += 1
+        self._failure_of[replica_id] = self._num_failures
         error = BackendUnavailableError(f"the decode worker {replica_id} stopped streaming ({reason})")
         for rid in bound:
             self._queues[rid].put_nowait(error)

@@ -179,3 +179,25 @@ def test_a_prefill_role_request_holds_only_its_prompt_blocks(model_dirs):
 def test_async_scheduling_with_tensor_parallelism_is_refused():
     with pytest.raises(ValueError, match="async_scheduling needs tensor_parallel_size 1"):
         EngineConfig(model="unused", tensor_parallel_size=2, async_scheduling=True)
+
+
+def test_a_sequence_whose_pending_token_is_its_last_is_never_preempted():
+    """A prefill worker's prompt whose first token is still pending is about to be
+    held for its hand-off: preempting it would hold no blocks. The block-hungry
+    sequence preempts itself instead, the only one that goes on."""
+    from engine.block_manager import BlockManager
+    from engine.scheduler import Scheduler
+    from engine.sequence import Sequence, SequenceStatus
+
+    blocks = BlockManager(num_blocks=4, block_size=4)
+    scheduler = Scheduler(blocks, max_num_seqs=8, max_num_batched_tokens=64)
+    decoding = Sequence("decoding", list(range(3, 12)), 8, SamplingParams(max_tokens=8))   # 8 prompt + 1 output
+    held = Sequence("held", list(range(20, 28)) + [PENDING_TOKEN], 8, SamplingParams(max_tokens=8), hold_kv=True,
+                    num_pending_tokens=1)
+    for seq in (decoding, held):   # 8 tokens computed each: 2 blocks each, none left
+        assert blocks.allocate(seq.block_table, 8)
+        seq.num_computed_tokens, seq.status = 8, SequenceStatus.RUNNING
+        scheduler.running.append(seq)
+    step = scheduler.schedule()
+    assert step.preempted == [decoding] and step.seqs == []
+    assert held.status is SequenceStatus.RUNNING and len(held.block_table) == 2

@@ -126,3 +126,50 @@ def test_no_chunking_needs_a_budget_for_the_longest_prompt(model_dirs):
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(16\) must be >= max_model_len \(64\)"):
         LLMEngine(EngineConfig(model=str(model_dirs["tiny"]), max_model_len=64, max_num_batched_tokens=16,
                                enable_chunked_prefill=False))
+
+
+def test_a_decode_engine_runs_at_most_max_num_seqs_reserved_ones_included(model_dirs):
+    _, decode = _engines(model_dirs, max_num_seqs=2)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    assert decode.reserve_prefilled("a", [5, 6, 7], 8, params) is not None
+    assert decode.reserve_prefilled("b", [5, 6, 9], 8, params) is not None
+    assert decode.reserve_prefilled("c", [5, 6, 10], 8, params) is None     # the batch is full
+    decode.add_request("local", [7, 7, 7], params)                         # a prompt it prefills itself waits too
+    decode.commit_prefilled("a")
+    assert decode.reserve_prefilled("c", [5, 6, 10], 8, params) is None
+    step = decode.scheduler.schedule()
+    assert [s.request_id for s in step.seqs] == ["a"]
+    decode.scheduler.after_step(step)
+    decode.abort_request("a")
+    assert decode.reserve_prefilled("c", [5, 6, 10], 8, params) is not None
+
+
+def test_a_handed_off_requests_deltas_carry_one_logprob_per_new_token(model_dirs):
+    """The prefill side sends the first token with its logprobs; the decode
+    engine's outputs count that token too, and the deltas the decode worker
+    streams (through its outbox) must not send its logprobs again."""
+    import asyncio
+
+    from cluster.serving.messages import TokenDelta
+    from decode_workers.delta_outbox import DeltaOutbox
+
+    prefill, decode = _engines(model_dirs)
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1, ignore_eos=True)
+    prompt = [5, 6, 7, 8, 9]
+    prefill.add_request("r", prompt, params, hold_kv=True)
+    (first,) = prefill.run_to_completion()
+    decode.reserve_prefilled("r", prompt, first.token_ids[0], params, first_logprobs=first.logprobs[0],
+                             first_token_emitted=True)
+
+    async def decode_deltas() -> list[TokenDelta]:
+        outbox, deltas = DeltaOutbox(), []
+        outbox.put([decode.commit_prefilled("r")])
+        while decode.has_unfinished_requests():
+            outbox.put(decode.step())
+            deltas += await outbox.take()
+        return deltas
+
+    deltas = [TokenDelta.from_output(first)] + asyncio.run(decode_deltas())
+    tokens = [t for d in deltas for t in d.token_ids]
+    assert len(tokens) == 6
+    assert [lp.token_id for d in deltas for lp in d.logprobs] == tokens

@@ -44,15 +44,17 @@ class TokenDelta:
     first_token_times: FirstTokenTimes | None = None   # on the delta that carries the first token
 
     @classmethod
-    def from_output(cls, out: RequestOutput, num_sent_logprobs: int = 0) -> "TokenDelta":
-        """The new part of a cumulative engine output; `num_sent_logprobs` is how
-        many of its logprobs earlier deltas carried."""
+    def from_output(cls, out: RequestOutput) -> "TokenDelta":
+        """The new part of a cumulative engine output: its new tokens, with their
+        logprobs (the output's logprobs are one per token, so the new tokens'
+        are the last ones; a decode engine's output after a hand-off counts the
+        first token, which the prefill side already sent, in both)."""
         times = None
         if out.first_token_time is not None and out.token_ids and len(out.token_ids) == len(out.delta_token_ids):
             scheduled = out.first_scheduled_time if out.first_scheduled_time is not None else out.arrival_time
             times = FirstTokenTimes(queue_s=scheduled - out.arrival_time, prefill_s=out.first_token_time - scheduled)
         return cls(request_id=out.request_id, token_ids=list(out.delta_token_ids), text=out.delta_text,
-                   logprobs=None if out.logprobs is None else out.logprobs[num_sent_logprobs:],
+                   logprobs=None if out.logprobs is None else out.logprobs[len(out.logprobs) - len(out.delta_token_ids):],
                    finished=out.finished, finish_reason=out.finish_reason, stop_reason=out.stop_reason,
                    num_cached_tokens=out.num_cached_tokens, first_token_times=times)
 

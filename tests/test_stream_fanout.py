@@ -1,0 +1,88 @@
+"""The router's end of the decode replicas' output streams (router/stream_fanout.py),
+over fake streams: deltas reach their request, a failed stream fails its
+requests, including one bound to the replica after the failure."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cluster.serving.messages import TokenDelta
+from router.backend import BackendUnavailableError
+from router.stream_fanout import StreamFanout
+
+
+class FakeReplicas:
+    """Each opened stream yields what `send` puts for its replica, and raises what `fail` puts."""
+
+    def __init__(self):
+        self.feeds: dict[str, asyncio.Queue] = {}
+        self.opened: list[str] = []
+        self.aborted: list[tuple[str, str]] = []
+
+    async def open_stream(self, replica_id: str):
+        self.opened.append(replica_id)
+        feed = self.feeds.setdefault(replica_id, asyncio.Queue())
+        while True:
+            item = await feed.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def send(self, replica_id: str, *deltas: TokenDelta) -> None:
+        self.feeds.setdefault(replica_id, asyncio.Queue()).put_nowait(list(deltas))
+
+    def fail(self, replica_id: str) -> None:
+        self.feeds.setdefault(replica_id, asyncio.Queue()).put_nowait(ConnectionError("stream broke"))
+
+    async def abort(self, replica_id: str, request_id: str) -> None:
+        self.aborted.append((replica_id, request_id))
+
+
+def _delta(request_id: str, token: int, finished: bool = False) -> TokenDelta:
+    return TokenDelta(request_id, [token], "", None, finished=finished)
+
+
+async def _next(queue: asyncio.Queue):
+    return await asyncio.wait_for(queue.get(), 5)
+
+
+def test_deltas_reach_their_request_and_an_orphan_is_aborted():
+    async def run():
+        replicas = FakeReplicas()
+        fanout = StreamFanout(replicas.open_stream, replicas.abort)
+        a, b = fanout.expect("a"), fanout.expect("b")
+        fanout.bind("a", "R")
+        fanout.bind("b", "R")
+        replicas.send("R", _delta("a", 1), _delta("b", 2), _delta("gone", 3))
+        assert (await _next(a)).token_ids == [1] and (await _next(b)).token_ids == [2]
+        await asyncio.sleep(0.05)
+        assert replicas.aborted == [("R", "gone")] and replicas.opened == ["R"]
+        await fanout.close()
+
+    asyncio.run(run())
+
+
+def test_a_failed_stream_fails_its_requests_and_those_admitted_there_before_the_router_knew():
+    async def run():
+        replicas = FakeReplicas()
+        fanout = StreamFanout(replicas.open_stream, replicas.abort)
+        bound, in_flight = fanout.expect("bound"), fanout.expect("in-flight")
+        fanout.bind("bound", "R")
+        replicas.fail("R")
+        with pytest.raises(BackendUnavailableError, match="stopped streaming"):
+            raise await _next(bound)
+        # R had admitted "in-flight" (and aborted it with its failed stream) before its reply came back
+        fanout.bind("in-flight", "R")
+        with pytest.raises(BackendUnavailableError, match="failed while the request was submitted there"):
+            raise await _next(in_flight)
+        # a request submitted after the failure reads a new stream
+        later = fanout.expect("later")
+        fanout.bind("later", "R")
+        replicas.send("R", _delta("later", 7, finished=True))
+        assert (await _next(later)).token_ids == [7]
+        assert replicas.opened == ["R", "R"]
+        await fanout.close()
+
+    asyncio.run(run())
