@@ -62,6 +62,15 @@ def check_completions(base_url: str, reference, tokenizer) -> None:
         assert r.choices[0].text == text
         assert r.usage.completion_tokens == n
         assert r.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    # one logprob per token, the first one included once, whichever worker sampled it
+    r = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, logprobs=1)
+    assert len(r.choices[0].logprobs.tokens) == len(r.choices[0].logprobs.token_logprobs) == r.usage.completion_tokens
+    stream = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPTS[1]}],
+                                       max_tokens=MAX_TOKENS, temperature=0, logprobs=True, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    entries = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert len(entries) == chunks[-1].usage.completion_tokens
 
 
 def check_streaming_chat(base_url: str, reference, tokenizer) -> None:
