@@ -13,7 +13,8 @@ to a decode worker (plain class; prefill_server.py wraps it for Ray Serve).
 
 A request that ended on its first token (EOS, a stop, max_tokens 1) holds
 nothing. A hold that nobody releases (the router or decode worker died) is
-freed when its lease runs out; a release that arrives while the send is still
+freed when its lease runs out (a send starts it again: the transfer has the
+lease to finish in, set longer than a transfer's timeout); a release that arrives while the send is still
 in flight is carried out when the transfer ends. With one rank the KV is packed
 and queued on the caller's thread, without waiting for the engine's current
 step to end (held blocks are never written by a step).
@@ -161,6 +162,7 @@ class PrefillWorker:
             engine.collective_rpc(kv_handoff.forget_transfer, transfer_id)
             return
         hold.transfer_id, hold.transfer_state = transfer_id, TransferState.PENDING
+        self._renew(engine, request_id)
 
     def _start_send(self, engine: LLMEngine, request_id: str, transfer_id: str,
                     receivers: list[PeerAddress]) -> int:
@@ -174,6 +176,7 @@ class PrefillWorker:
         nbytes = sum(engine.collective_rpc(kv_handoff.start_send, transfer_id, block_ids, receivers,
                                            self.num_kv_heads))
         hold.transfer_id, hold.transfer_state = transfer_id, TransferState.PENDING
+        self._renew(engine, request_id)
         return nbytes
 
     def _renew(self, engine: LLMEngine, request_id: str) -> bool:

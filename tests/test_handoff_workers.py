@@ -245,6 +245,26 @@ def test_a_renewed_hold_outlives_its_lease_and_then_expires(model_dirs):
     run(main())
 
 
+def test_a_send_starts_the_lease_again(model_dirs):
+    """A decode worker that asks for the KV late in the lease gets the whole
+    lease for the transfer: the hold is not freed under a send."""
+    from cluster.transport.kv_transport import PeerAddress
+
+    async def main():
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub(), lease_s=2.0).start()
+        try:
+            await pair.prefill.prefill("late", PROMPTS[1], GREEDY)
+            await asyncio.sleep(1.5)
+            # nobody posted the receive: the fake transfer fails, and the hold stays for a retry
+            await pair.prefill.send_kv("late", "t-late", [PeerAddress("d0", "127.0.0.1", 1)])
+            await asyncio.sleep(1.2)     # 2.7 s: past the first lease (leases are checked every 0.5 s or sooner)
+            assert pair.prefill.stats()["num_held"] == 1
+            await pair.wait_idle(timeout_s=5)               # then it expires
+        finally:
+            await pair.shutdown()
+    run(main())
+
+
 def test_a_decode_worker_waiting_for_blocks_renews_the_hold_until_they_free_up():
     """Blocks can take longer to free up than the hold's lease (reserve_timeout_s
     is the longer): the waiting decode worker renews the hold every third of it."""
