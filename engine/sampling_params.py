@@ -107,10 +107,10 @@ class SamplingParams:
                 raise _out_of_range(name, value, "in [-2, 2]")
             setattr(self, name, value)
 
-        if self.seed is not None:
-            self.seed = _check_int("seed", self.seed, "in [0, 2**63)")
-            if not 0 <= self.seed < _SEED_LIMIT:
-                raise _out_of_range("seed", self.seed, "in [0, 2**63)")
+        if self.seed is not None:   # any 64-bit signed integer, as vLLM takes (torch maps negatives)
+            self.seed = _check_int("seed", self.seed, "in [-2**63, 2**63)")
+            if not -_SEED_LIMIT <= self.seed < _SEED_LIMIT:
+                raise _out_of_range("seed", self.seed, "in [-2**63, 2**63)")
 
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)

@@ -51,6 +51,11 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+_UNSUPPORTED_EXTENSIONS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                           "include_stop_str_in_output", "allowed_token_ids", "bad_words", "logits_processors",
+                           "prompt_logprobs", "use_beam_search", "truncate_prompt_tokens")
+
+
 class _GenerationRequest(BaseModel):
     """Fields both endpoints share."""
 
@@ -81,6 +86,19 @@ class _GenerationRequest(BaseModel):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
+    # vLLM's extensions that would change the output: refused (check_supported), not ignored
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    include_stop_str_in_output: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    prompt_logprobs: Any = None
+    use_beam_search: Any = None
+    truncate_prompt_tokens: Any = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -140,6 +158,9 @@ class _GenerationRequest(BaseModel):
             if getattr(self, name) not in (None, "none"):
                 raise InvalidRequestError(f"{name} is not supported (no tool calling); remove it.",
                                           param=name)
+        for name in _UNSUPPORTED_EXTENSIONS:
+            if getattr(self, name) not in (None, False):
+                raise InvalidRequestError(f"{name} is not supported by this server; remove it.", param=name)
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true.",
                                       param="stream_options")
@@ -223,9 +244,11 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant"]   # developer: OpenAI's newer name for system
     content: str | None = None
     name: StrictStr | None = None            # accepted and ignored
+    tool_calls: Any = None                   # refused when set (no tool calling)
+    function_call: Any = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -282,6 +305,12 @@ class ChatCompletionRequest(_GenerationRequest):
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs=true.", param="top_logprobs")
+        for i, message in enumerate(self.messages):
+            for name in ("tool_calls", "function_call"):
+                if getattr(message, name):
+                    raise InvalidRequestError(f"messages[{i}] carries {name}; tool calling is not supported, so "
+                                              "a conversation with tool calls cannot be continued. Remove them.",
+                                              param=f"messages[{i}].{name}")
 
     def _logprobs(self) -> int | None:
         if not self.logprobs:
@@ -293,4 +322,5 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def chat_messages(self) -> list[dict[str, str]]:
         """Messages as chat templates take them."""
-        return [{"role": m.role, "content": m.content or ""} for m in self.messages]
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
+                for m in self.messages]

@@ -250,6 +250,16 @@ def test_chat_applies_the_template_and_returns_a_message(client, backend, tokeni
     assert body["usage"]["prompt_tokens"] == len(seen_ids)
 
 
+def test_a_developer_message_is_a_system_message(client, backend, tokenizer):
+    for role in ("developer", "system"):
+        response = client.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": role, "content": "Be brief."}] + USER, "max_tokens": 2})
+        assert response.status_code == 200, response.text
+    (_, developer_ids, _), (_, system_ids, _) = backend.calls
+    assert developer_ids == system_ids
+    assert "<|system|>\nBe brief." in tokenizer.decode(developer_ids)
+
+
 def test_chat_stream_opens_with_the_role_and_carries_logprobs(client, tokenizer, backend):
     response = client.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True,
@@ -386,7 +396,13 @@ LONG = list(range(3, 3 + MAX_MODEL_LEN))
     (COMPLETIONS, {}, 400, "prompt", "prompt is required"),
     (COMPLETIONS, {"prompt": "Hi", "model": "gpt-4"}, 404, "model", f"serves `{MODEL}`"),
     (CHAT, {"messages": [{"role": "wizard", "content": "Hi"}]}, 400, "messages[0].role",
-     "'system', 'user' or 'assistant'"),
+     "'system', 'developer', 'user' or 'assistant'"),
+    (CHAT, {"messages": USER + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get", "arguments": "{}"}}]}] + USER}, 400,
+     "messages[1].tool_calls", "tool calling is not supported"),
+    (CHAT, {"messages": USER, "guided_choice": ["yes", "no"]}, 400, "guided_choice", "not supported"),
+    (COMPLETIONS, {"prompt": "Hi", "include_stop_str_in_output": True}, 400, "include_stop_str_in_output",
+     "not supported"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "messages[0].content", "only text content parts"),
     (CHAT, {"messages": []}, 400, "messages", "messages: no messages"),

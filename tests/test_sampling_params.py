@@ -45,8 +45,8 @@ def test_error_is_a_value_error_with_field_value_and_range():
     ("presence_penalty", -2.01, r"in \[-2, 2\]"),
     ("frequency_penalty", 2.5, r"in \[-2, 2\]"),
     ("frequency_penalty", -3.0, r"in \[-2, 2\]"),
-    ("seed", -1, r"in \[0, 2\*\*63\)"),
-    ("seed", 2**63, r"in \[0, 2\*\*63\)"),
+    ("seed", -2**63 - 1, r"in \[-2\*\*63, 2\*\*63\)"),
+    ("seed", 2**63, r"in \[-2\*\*63, 2\*\*63\)"),
     ("logprobs", -1, r"in \[0, 20\]"),
     ("logprobs", 21, r"in \[0, 20\]"),
 ])
@@ -106,7 +106,7 @@ def test_boundaries_accepted():
                        presence_penalty=2.0, frequency_penalty=-2.0, seed=2**63 - 1,
                        min_tokens=1, logprobs=20)
     assert (p.top_k, p.seed, p.logprobs, p.min_tokens) == (1, 2**63 - 1, 20, 1)
-    assert SamplingParams(seed=0).seed == 0
+    assert SamplingParams(seed=0).seed == 0 and SamplingParams(seed=-2**63).seed == -2**63
     assert SamplingParams(logprobs=0).logprobs == 0
 
 
