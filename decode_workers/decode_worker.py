@@ -289,13 +289,22 @@ class DecodeWorker:
         handoff.deadline = time.monotonic() + self.transfer_timeout_s
         settle_from_thread(reserved, (nbytes, handoff.future))
 
-    def _admit(self, engine: LLMEngine, rid: str) -> None:
-        """The KV is in: scatter it into the blocks and join the running batch."""
+    def _admit(self, engine: LLMEngine, rid: str) -> str | None:
+        """The KV is in: scatter it into the blocks and join the running batch.
+        Returns None, or why that failed (the request is then aborted here, and
+        its waiter retries it elsewhere)."""
         handoff = self._handoffs.pop(rid)
-        engine.collective_rpc(kv_handoff.finish_receive, handoff.request.transfer_id, handoff.block_ids)
-        out = engine.commit_prefilled(rid)
+        try:
+            engine.collective_rpc(kv_handoff.finish_receive, handoff.request.transfer_id, handoff.block_ids)
+            out = engine.commit_prefilled(rid)
+        except Exception as exc:  # noqa: BLE001 - handed to the waiting request
+            log.exception("admitting request %s after its KV arrived failed", rid)
+            engine.collective_rpc(kv_handoff.forget_transfer, handoff.request.transfer_id)
+            engine.abort_request(rid)
+            return f"admitting it after its KV arrived failed: {exc}"
         if out.finished:   # ended on its first token after all: its subscriber still hears so
             self._engine.deliver([out])
+        return None
 
     def _abort(self, engine: LLMEngine, rid: str) -> None:
         handoff = self._handoffs.pop(rid, None)
@@ -324,8 +333,7 @@ class DecodeWorker:
                 if not state.is_final and now > handoff.deadline:
                     state, error = TransferState.FAILED, f"timed out after {self.transfer_timeout_s:.0f} s"
                 if state is TransferState.DONE:
-                    self._admit(engine, rid)
-                    settle_from_thread(handoff.future, None)
+                    settle_from_thread(handoff.future, self._admit(engine, rid))
                 elif state is TransferState.FAILED:
                     # stays here: the request's abort forgets the transfer and frees the blocks
                     handoff.failed = True

@@ -182,6 +182,29 @@ def test_a_failed_transfer_is_retried_once_then_fails_cleanly(model_dirs, refere
     assert good.token_ids == reference("tiny").greedy(tuple(PROMPTS[1]), 10)
 
 
+def test_a_request_that_cannot_join_the_batch_after_its_kv_arrived_is_retried(model_dirs, reference):
+    async def main():
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub()).start()
+        engine = pair.decode._engine.engine
+        commit, failures = engine.commit_prefilled, []
+
+        def commit_once_failing(request_id):
+            if not failures:
+                failures.append(request_id)
+                raise RuntimeError("injected commit failure")
+            return commit(request_id)
+
+        engine.commit_prefilled = commit_once_failing
+        try:
+            out = await asyncio.wait_for(pair.run("r", PROMPTS[0]), 30)   # not a hang
+            assert failures == ["r"] and pair.decode_pool.attempts == 2
+            await pair.wait_idle()                                           # nothing leaked
+            return out
+        finally:
+            await pair.shutdown()
+    assert run(main()).token_ids == reference("tiny").greedy(tuple(PROMPTS[0]), 10)
+
+
 def test_a_dead_sender_fails_the_transfer_instead_of_hanging(model_dirs):
     async def main():
         pair = await Pair(model_dirs["tiny"], FakeTransportHub(delay_s=5.0)).start()

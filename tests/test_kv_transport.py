@@ -470,3 +470,33 @@ def test_fake_unexpected_data_fails():
     assert rx.poll("x", "p") is TransferState.FAILED and rx.error("x", "p") == tx.error("x")
     rx.expect("x", "p", torch.zeros(2))
     assert rx.poll("x", "p") is TransferState.FAILED
+
+
+def test_a_receive_that_fails_to_post_a_piece_forgets_the_pieces_posted_before():
+    """Two prefill ranks each hold a KV head for a one-rank decode gang: two
+    pieces. The second fails to post; the first is forgotten, not left behind."""
+    from types import SimpleNamespace
+
+    from cluster.transport import kv_handoff
+
+    class Receiver:
+        def __init__(self):
+            self.expected, self.forgotten = [], []
+
+        def expect(self, transfer_id, sender_name, buffer):
+            if self.expected:
+                raise KVTransportError("out of staging memory")
+            self.expected.append(transfer_id)
+
+        def forget(self, transfer_id, sender_name):
+            self.forgotten.append(transfer_id)
+
+    receiver = Receiver()
+    spec = SimpleNamespace(num_layers=1, block_size=4, head_dim=8, dtype=torch.float32)
+    worker = SimpleNamespace(attachments={kv_handoff.RECEIVER: receiver, kv_handoff.RECEIVES: {}},
+                             kv_cache=SimpleNamespace(spec=spec, tensor=torch.empty(0)),
+                             tp=SimpleNamespace(rank=0, size=1))
+    with pytest.raises(KVTransportError, match="out of staging memory"):
+        kv_handoff.start_receive(worker, "t1", num_blocks=2, sender_names=["p0", "p1"], num_kv_heads=2)
+    assert receiver.expected == receiver.forgotten == ["t1/0"]
+    assert worker.attachments[kv_handoff.RECEIVES] == {}

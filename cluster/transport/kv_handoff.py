@@ -70,16 +70,20 @@ def start_send(worker, transfer_id: str, block_ids: list[int], receivers: list[P
     them and queues the sends; returns the bytes queued."""
     sender: KVSender = worker.attachments[SENDER]
     rank, sub_ids, nbytes = worker.tp.rank, [], 0
-    for k, t in enumerate(kv_transfer_plan(num_kv_heads, worker.tp.size, len(receivers))):
-        if t.src_rank != rank:
-            continue
-        heads = range(t.src_local_start, t.src_local_start + t.num_heads)
-        packed = worker.kv_cache.read_blocks(block_ids, heads=heads)  # [L, 2, n, bs, heads, D]
-        sub_id = f"{transfer_id}/{k}"
-        sender.send(sub_id, receivers[t.dst_rank], packed)
-        sub_ids.append(sub_id)
-        nbytes += packed.numel() * packed.element_size()
-    worker.attachments[SENDS][transfer_id] = sub_ids
+    worker.attachments[SENDS][transfer_id] = sub_ids   # before the first send: a failure below forgets them
+    try:
+        for k, t in enumerate(kv_transfer_plan(num_kv_heads, worker.tp.size, len(receivers))):
+            if t.src_rank != rank:
+                continue
+            heads = range(t.src_local_start, t.src_local_start + t.num_heads)
+            packed = worker.kv_cache.read_blocks(block_ids, heads=heads)  # [L, 2, n, bs, heads, D]
+            sub_id = f"{transfer_id}/{k}"
+            sender.send(sub_id, receivers[t.dst_rank], packed)
+            sub_ids.append(sub_id)
+            nbytes += packed.numel() * packed.element_size()
+    except BaseException:
+        forget_transfer(worker, transfer_id)
+        raise
     return nbytes
 
 
@@ -91,17 +95,21 @@ def start_receive(worker, transfer_id: str, num_blocks: int, sender_names: list[
     cache = worker.kv_cache
     spec = cache.spec
     rank, pieces, nbytes = worker.tp.rank, [], 0
-    for k, t in enumerate(kv_transfer_plan(num_kv_heads, len(sender_names), worker.tp.size)):
-        if t.dst_rank != rank:
-            continue
-        buffer = torch.empty(spec.num_layers, 2, num_blocks, spec.block_size, t.num_heads, spec.head_dim,
-                             dtype=spec.dtype, device=cache.tensor.device)
-        piece = _Receive(f"{transfer_id}/{k}", sender_names[t.src_rank], buffer,
-                         range(t.dst_local_start, t.dst_local_start + t.num_heads))
-        receiver.expect(piece.sub_id, piece.sender_name, buffer)
-        pieces.append(piece)
-        nbytes += buffer.numel() * buffer.element_size()
-    worker.attachments[RECEIVES][transfer_id] = pieces
+    worker.attachments[RECEIVES][transfer_id] = pieces   # before the first expect: a failure below forgets them
+    try:
+        for k, t in enumerate(kv_transfer_plan(num_kv_heads, len(sender_names), worker.tp.size)):
+            if t.dst_rank != rank:
+                continue
+            buffer = torch.empty(spec.num_layers, 2, num_blocks, spec.block_size, t.num_heads, spec.head_dim,
+                                 dtype=spec.dtype, device=cache.tensor.device)
+            piece = _Receive(f"{transfer_id}/{k}", sender_names[t.src_rank], buffer,
+                             range(t.dst_local_start, t.dst_local_start + t.num_heads))
+            receiver.expect(piece.sub_id, piece.sender_name, buffer)
+            pieces.append(piece)
+            nbytes += buffer.numel() * buffer.element_size()
+    except BaseException:
+        forget_transfer(worker, transfer_id)
+        raise
     return nbytes
 
 
