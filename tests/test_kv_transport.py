@@ -279,6 +279,35 @@ def test_pair_is_rebuilt_after_a_timeout_or_a_forget_on_the_wire(spawn_agent):
         sender.close()
 
 
+def test_a_receive_forgotten_on_the_wire_leaves_the_pair_up(spawn_agent):
+    """The decode side gives up on a transfer whose bytes are flowing (its client
+    left): the bytes still arrive, unread, the sender hears it was forgotten,
+    and the next transfer goes over the same pair."""
+    receiver = PairGroupReceiver(timeout_s=20.0)
+    try:
+        agent = spawn_agent("sender")
+        name = agent.identity()
+        receiver.expect("f/warm", name, torch.empty(1024))
+        agent.call("send", "f/warm", receiver.address, 4096, torch.float32, 1)
+        assert wait_final(receiver.poll, "f/warm", name) is TransferState.DONE, receiver.error("f/warm", name)
+        pair = receiver._pairs[name]
+        receiver.expect("f/big", name, torch.empty(32 * MiB))            # 128 MiB: ~0.1 s on the wire
+        agent.call("send", "f/big", receiver.address, 128 * MiB, torch.float32, 2)
+        assert wait_final(receiver.poll, "f/big", name, waiting=(TransferState.PENDING,)) \
+            is TransferState.TRANSFERRING
+        receiver.forget("f/big", name)
+        state, error, _ = agent.result("f/big")
+        assert state is TransferState.FAILED and "was forgotten" in error
+        after = torch.empty(1024)
+        receiver.expect("f/after", name, after)
+        agent.call("send", "f/after", receiver.address, 4096, torch.float32, 3)
+        assert wait_final(receiver.poll, "f/after", name) is TransferState.DONE, receiver.error("f/after", name)
+        assert receiver._pairs[name] is pair and pair.broken is None
+        assert digest(after) == digest(payload(4096, torch.float32, 3))
+    finally:
+        receiver.close()
+
+
 def test_unknown_id_or_wrong_size_fails_on_both_sides(sender, remote_receiver):
     sender.send("e/nobody", remote_receiver.identity(), torch.ones(10))
     assert wait_final(sender.poll, "e/nobody") is TransferState.FAILED

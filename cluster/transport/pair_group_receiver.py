@@ -247,16 +247,18 @@ class PairGroupReceiver(KVReceiver):
             return self._orphans[key] if key in self._orphans else self._expected[key].error
 
     def forget(self, transfer_id: str, sender_name: str) -> None:
+        """A transfer on the wire is left to finish into its buffer (which the
+        pair thread keeps until then: the caller may drop it), its bytes unread,
+        and the sender hears that it was forgotten: the pair, and the transfers
+        queued behind it, go on. (Breaking the pair instead would fail every
+        transfer queued on it: a client that leaves during its hand-off would
+        cost other requests theirs.)"""
         key = (sender_name, transfer_id)
         with self._lock:
             if self._orphans.pop(key, None) is not None:
                 return
             t = self._expected.pop(key)
-            pair = self._pairs.get(sender_name)
-            on_wire = pair is not None and pair.current is t and not t.state.is_final
             t.finish(TransferState.FAILED, f"{t.label} was forgotten")
-        if on_wire:   # the group may still write into the buffer: stop it
-            pair.drop("was forgotten while on the wire")
 
     def close(self) -> None:
         with self._lock:
