@@ -41,6 +41,10 @@ from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
+# send_kv packs on the caller's thread only while the hold's lease has this long left:
+# the engine thread frees an expired hold's blocks, and a step may then write them
+_LEASE_MARGIN_S = 1.0
+
 
 @dataclass(slots=True)
 class _Hold:
@@ -97,7 +101,8 @@ class PrefillWorker:
             return await self._engine.call(self._start_send, request_id, transfer_id, receivers)
         engine = self._engine.engine
         hold = self._holds.get(request_id)
-        if hold is None or hold.transfer_id is not None:   # unknown, or a retry: the engine thread decides
+        if hold is None or hold.transfer_id is not None or hold.deadline - time.monotonic() < _LEASE_MARGIN_S:
+            # unknown, a retry, or a lease that could run out while packing here: the engine thread decides
             return await self._engine.call(self._start_send, request_id, transfer_id, receivers)
         block_ids = list(engine.held_sequence(request_id).block_table)
         (nbytes,) = engine.collective_rpc(kv_handoff.start_send, transfer_id, block_ids, receivers,
