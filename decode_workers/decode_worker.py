@@ -81,7 +81,7 @@ class _HandOff:
     deadline: float
     block_ids: list[int] | None = None
     failed: bool = False                   # the transfer failed; waiting for the request's abort
-    room_seen: tuple[int, int] = (-1, -1)  # (free blocks, sequences in the batch) at the last reserve that did not fit
+    room_seen: tuple[int, int] = (-1, -1)  # (free blocks, sequences in the batch) when a reserve last did not fit
 
 
 @dataclass(slots=True)

@@ -14,8 +14,9 @@ to a decode worker (plain class; prefill_server.py wraps it for Ray Serve).
 A request that ended on its first token (EOS, a stop, max_tokens 1) holds
 nothing. A hold that nobody releases (the router or decode worker died) is
 freed when its lease runs out (a send starts it again: the transfer has the
-lease to finish in, set longer than a transfer's timeout); a release that arrives while the send is still
-in flight is carried out when the transfer ends. With one rank the KV is packed
+lease to finish in, set longer than a transfer's timeout); a release that
+arrives while the send is still in flight is carried out when the transfer
+ends. With one rank the KV is packed
 and queued on the caller's thread, without waiting for the engine's current
 step to end (held blocks are never written by a step).
 """

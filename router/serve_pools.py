@@ -4,9 +4,10 @@ side of router/serving_backend.py's interfaces).
 Errors raised inside a replica come back as Ray's wrapper; they are unwrapped
 to the original exception (InvalidRequestError stays a 400, KVTransferFailed a
 503) so the HTTP layer sees what the worker raised. A replica that died, or
-whose engine stopped, turns into BackendUnavailableError (its requests move on). A call whose caller is cancelled (the client
-left) is cancelled on the replica too (a cancelled prefill is also aborted on
-every prefill replica: the one that ran it may have finished first).
+whose engine stopped, turns into BackendUnavailableError (its requests move
+on). A call whose caller is cancelled (the client left) is cancelled on the
+replica too, and a cancelled prefill or decode admission is also aborted on
+every replica of the pool: the one that took it may have answered first.
 """
 
 from __future__ import annotations

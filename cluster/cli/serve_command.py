@@ -51,7 +51,8 @@ API_KEY_ENV = "PDSERVE_API_KEY"
 def add_serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI API from a Ray cluster (Ctrl-C stops it)")
     p.add_argument("--config", help="deployment YAML file (see configs/)")
-    p.add_argument("--model", help="HuggingFace checkpoint directory, or a built-in model: tiny (the default), bench, ...")
+    p.add_argument("--model",
+                   help="HuggingFace checkpoint directory, or a built-in model: tiny (the default), bench, ...")
     p.add_argument("--served-model-name")
     p.add_argument("--host")
     p.add_argument("--port", type=int)

@@ -53,8 +53,9 @@ class TokenDelta:
         if out.first_token_time is not None and out.token_ids and len(out.token_ids) == len(out.delta_token_ids):
             scheduled = out.first_scheduled_time if out.first_scheduled_time is not None else out.arrival_time
             times = FirstTokenTimes(queue_s=scheduled - out.arrival_time, prefill_s=out.first_token_time - scheduled)
+        logprobs = None if out.logprobs is None else out.logprobs[len(out.logprobs) - len(out.delta_token_ids):]
         return cls(request_id=out.request_id, token_ids=list(out.delta_token_ids), text=out.delta_text,
-                   logprobs=None if out.logprobs is None else out.logprobs[len(out.logprobs) - len(out.delta_token_ids):],
+                   logprobs=logprobs,
                    finished=out.finished, finish_reason=out.finish_reason, stop_reason=out.stop_reason,
                    num_cached_tokens=out.num_cached_tokens, first_token_times=times)
 
