@@ -14,8 +14,8 @@ BackendUnavailableError, and every request bound to it later that was
 expected before the failure: the replica aborts a failed stream's requests,
 and one it had admitted while the router did not know yet would otherwise
 wait for ever on a stream that never carries it. A delta of a request nobody
-waits for any more (its client left before the router learnt its replica) is answered with
-an abort.
+waits for any more (its client left before the router learnt its replica) is
+answered with an abort.
 """
 
 from __future__ import annotations
