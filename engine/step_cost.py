@@ -20,6 +20,7 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,11 +41,24 @@ class StepCost:
     fixed_s: float
     per_seq_s: float
     per_prefill_token_s: float
-    mean_prefill_tokens: float      # per step, over the window: the prefill work steps carry now
+    prefill_s_per_step: float       # per_prefill_token_s x the window's mean prompt tokens a step: what steps carry now
 
-    @property
-    def prefill_s_per_step(self) -> float:
-        return self.per_prefill_token_s * self.mean_prefill_tokens
+    def step_s(self, seqs: float, prefill_tokens: float, *, carried: bool = False) -> float:
+        """A step with `seqs` sequences and `prefill_tokens` prompt tokens (`carried`:
+        plus the prefill work the steps carried lately)."""
+        return self.fixed_s + (self.prefill_s_per_step if carried else 0.0) + \
+            seqs * self.per_seq_s + prefill_tokens * self.per_prefill_token_s
+
+    @classmethod
+    def from_stats(cls, stats: Mapping[str, float]) -> "StepCost | None":
+        """The figures EngineCosts.stats reported (None without a time per sequence).
+        An engine with no fit yet reports only its time per sequence, which then
+        holds its whole step."""
+        if "decode_s_per_seq" not in stats:
+            return None
+        return cls(fixed_s=stats.get("decode_step_fixed_s", 0.0), per_seq_s=stats["decode_s_per_seq"],
+                   per_prefill_token_s=stats.get("decode_s_per_prefill_token", 0.0),
+                   prefill_s_per_step=stats.get("prefill_s_per_step", 0.0))
 
 
 class StepCostFit:
@@ -78,8 +92,9 @@ class StepCostFit:
             del columns[negative[0]]
         if fitted.get("seq", 0.0) <= 0:
             return None
+        per_token = float(fitted.get("token", 0.0))
         return StepCost(fixed_s=float(fitted.get("fixed", 0.0)), per_seq_s=float(fitted["seq"]),
-                        per_prefill_token_s=float(fitted.get("token", 0.0)), mean_prefill_tokens=float(tokens.mean()))
+                        per_prefill_token_s=per_token, prefill_s_per_step=per_token * float(tokens.mean()))
 
 
 PREFILL_WINDOW = 16

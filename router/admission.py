@@ -48,6 +48,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from engine.step_cost import StepCost
 from router.errors import OpenAIError
 
 
@@ -70,22 +71,6 @@ class AdmissionSettings:
 # capacity passes them less often still (at 0.75x, 0.4-3% of arrivals each), and a request
 # is refused then only if a prompt it would wait behind is far from done.
 BURST_RULES = ((3, 5.6), (4, 3.7), (8, 2.1), (16, 1.6))
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeStepCost:
-    """One decode replica's step-cost figures (engine/step_cost.py), kept together."""
-
-    fixed_s: float                 # what a step costs whatever its batch
-    per_seq_s: float
-    per_prefill_token_s: float     # what a prompt token adds to the step
-    prefill_s_per_step: float      # prefill work its steps carried lately
-
-    def step_s(self, seqs: float, prefill_tokens: float, *, carried: bool) -> float:
-        """Its step with `seqs` sequences and `prefill_tokens` prompt tokens a step
-        (`carried`: plus the prefill its steps carried lately)."""
-        return self.fixed_s + (self.prefill_s_per_step if carried else 0.0) + \
-            seqs * self.per_seq_s + prefill_tokens * self.per_prefill_token_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +114,7 @@ class AdmissionControl:
         self.prefill_tokens_per_step = 0.0         # the running requests' Admitted.prefill_tokens_per_step, sum
         self.mean_output_tokens: float | None = None   # of the requests that ended, running mean
         self.decode_replicas = 1
-        self.decode_costs: list[DecodeStepCost] = []   # the decode replicas' that priced steps (module doc)
+        self.decode_costs: list[StepCost] = []   # the decode replicas' that priced steps (module doc)
 
     # ---- the checks ---------------------------------------------------------------------------
     def check_before_tokenizing(self) -> None:
@@ -251,9 +236,7 @@ class AdmissionControl:
             fitted = [s for s in stats if "decode_s_per_seq" in s and "decode_step_fixed_s" in s]
             costs = fitted or [s for s in stats if "decode_s_per_seq" in s]
             if costs:
-                self.decode_costs = [DecodeStepCost(s.get("decode_step_fixed_s", 0.0), s["decode_s_per_seq"],
-                                                    s.get("decode_s_per_prefill_token", 0.0),
-                                                    s.get("prefill_s_per_step", 0.0)) for s in costs]
+                self.decode_costs = [StepCost.from_stats(s) for s in costs]
         if role not in self.prefill_roles:
             return
         self.replicas = max(1, len(stats))
