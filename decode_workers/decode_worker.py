@@ -44,7 +44,7 @@ from engine.async_engine import AsyncEngine, settle_from_thread
 from engine.engine_config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine, StepStats
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, ResumedOutput
 
 log = logging.getLogger(__name__)
 
@@ -124,14 +124,18 @@ class DecodeWorker:
         TimeoutError when no blocks free up in time; nothing is left behind then."""
         rid = request.request_id
         subscriber = self._subscriber(request.subscriber)
+        if request.prefill is not None and request.resume is not None:
+            raise InvalidRequestError("a resumed request is prefilled here, not handed off", "resume")
         if rid in subscriber.request_ids:
             raise InvalidRequestError(f"request id {rid!r} is already in use on {self.name}", "request_id")
         self._engine.attach(rid, subscriber.outbox)
         subscriber.request_ids.add(rid)
         try:
             if request.prefill is None:
-                self._queued_prompt_tokens[rid] = len(request.prompt_token_ids)
-                await self._engine.call(_add_request, rid, request.prompt_token_ids, request.params)
+                resumed = request.resume.token_ids if request.resume is not None else []
+                self._queued_prompt_tokens[rid] = len(request.prompt_token_ids) + len(resumed)
+                await self._engine.call(_add_request, rid, request.prompt_token_ids, request.params,
+                                        request.resume)
                 return Admitted(self.replica_id)
             return await self._receive(request)
         except BaseException:
@@ -341,8 +345,9 @@ class DecodeWorker:
         return bool(waiting)
 
 
-def _add_request(engine: LLMEngine, request_id: str, prompt_token_ids: list[int], params) -> None:
-    engine.add_request(request_id, prompt_token_ids, params)
+def _add_request(engine: LLMEngine, request_id: str, prompt_token_ids: list[int], params,
+                 resume: ResumedOutput | None) -> None:
+    engine.add_request(request_id, prompt_token_ids, params, resume=resume)
 
 
 def _room(engine: LLMEngine) -> tuple[int, int]:

@@ -38,9 +38,9 @@ from engine.errors import InvalidRequestError
 from engine.model.parallel import SINGLE_PROCESS, TensorParallel
 from engine.model_worker import KV_READ, KV_WRITE, RPC, ModelWorker, RankCallError, run_rank_call
 from engine.output_processor import RequestTextState
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, ResumedOutput
 from engine.runner import LaunchedStep, ModelRunner
-from engine.sampler import Sampler, TokenLogprobs
+from engine.sampler import Sampler, TokenLogprobs, skip_draws
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
@@ -194,17 +194,37 @@ class LLMEngine:
                         params=params, eos_token_ids=self.eos_token_ids, generator=generator)
 
     def add_request(self, request_id: str | None, prompt: str | list[int],
-                    params: SamplingParams | None = None, *, hold_kv: bool = False) -> str:
+                    params: SamplingParams | None = None, *, hold_kv: bool = False,
+                    resume: ResumedOutput | None = None) -> str:
         """Queues a request; returns its id. Raises InvalidRequestError (nothing
         queued, nothing else affected) for a bad prompt or parameters.
         With `hold_kv` the request stops after its first token and keeps its
         blocks (prefill role); that token's output is `finished` only when the
-        request really ended there (EOS, a stop, max_tokens=1)."""
+        request really ended there (EOS, a stop, max_tokens=1). With `resume`
+        it continues after output it already produced on another worker (the
+        prompt and that output are prefilled together, as after a preemption)."""
         seq = self._new_sequence(request_id, prompt, params)
         seq.hold_kv = hold_kv
-        self._states[seq.request_id] = RequestTextState(seq, self.tokenizer, self.max_model_len)
+        state = RequestTextState(seq, self.tokenizer, self.max_model_len)
+        if resume is not None:
+            self._resume(seq, state, resume)
+        self._states[seq.request_id] = state
         self.scheduler.add(seq)
         return seq.request_id
+
+    def _resume(self, seq: Sequence, state: RequestTextState, resume: ResumedOutput) -> None:
+        """Puts `resume`'s tokens after the prompt as the request's own output."""
+        if seq.hold_kv:
+            raise InvalidRequestError("a resumed request cannot hold its KV for a hand-off", "resume")
+        if len(resume.token_ids) >= seq.params.max_tokens:
+            raise InvalidRequestError(f"the request already has {len(resume.token_ids)} output tokens, its "
+                                      f"max_tokens ({seq.params.max_tokens}): nothing is left to generate",
+                                      "resume")
+        self.validate_prompt(seq.token_ids + list(resume.token_ids))
+        seq.token_ids.extend(resume.token_ids)
+        if seq.generator is not None and not seq.params.is_greedy:
+            skip_draws(seq.generator, len(resume.token_ids), self.model_config.vocab_size)
+        state.resume(resume)
 
     def abort_request(self, request_id: str) -> bool:
         """Stops a request wherever it is and frees its blocks. False if unknown.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, ResumedOutput
 from engine.sampler import TokenLogprobs
 from engine.sequence import Sequence
 
@@ -31,6 +31,16 @@ class RequestTextState:
         self.num_emitted_chars = 0
         self.num_emitted_tokens = 0
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+
+    def resume(self, resumed: ResumedOutput) -> None:
+        """Takes in the output a request already produced elsewhere (its tokens
+        are in seq.token_ids): its text is rebuilt, so that a stop string may
+        span it, and outputs carry only what follows it (text the failed worker
+        held back included)."""
+        for token_id in resumed.token_ids:
+            self.text += self.detokenizer.add_token(token_id)
+        self.num_emitted_tokens = len(resumed.token_ids)
+        self.num_emitted_chars = min(resumed.num_sent_chars, len(self.text))
 
     def append(self, token_id: int, logprobs: TokenLogprobs | None) -> None:
         """Adds a sampled token to the sequence (in place of its oldest pending

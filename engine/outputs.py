@@ -24,3 +24,14 @@ class RequestOutput:
     first_scheduled_time: float | None = None  # monotonic times, this process's clock
     first_token_time: float | None = None
     finished_time: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ResumedOutput:
+    """What a request already generated, and streamed, on a worker that then
+    failed. An engine given it continues the request right after it, as if it
+    had generated those tokens itself: stop strings may span it, penalties,
+    max_tokens and min_tokens count it, and a seeded generator is advanced
+    past it. The request's outputs carry only what follows."""
+    token_ids: list[int]
+    num_sent_chars: int        # characters of its text the client already has

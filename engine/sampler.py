@@ -235,6 +235,20 @@ def apply_min_p(logits: torch.Tensor, min_p: float | Sequence[float]) -> torch.T
     return logits.masked_fill(logits < cutoff, float("-inf"))
 
 
+def _own_noise(generator: torch.Generator, vocab_size: int, dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
+    """One seeded row's draw for one token: [vocab_size] Exp(1) noise."""
+    return torch.empty(vocab_size, dtype=dtype, device=device).exponential_(generator=generator)
+
+
+def skip_draws(generator: torch.Generator, num_tokens: int, vocab_size: int) -> None:
+    """Advances a request's own generator past `num_tokens` sampled tokens,
+    exactly as sampling them would (one draw each, of the sampler's float32
+    probabilities' width): a request continued elsewhere keeps its stream."""
+    for _ in range(num_tokens):
+        _own_noise(generator, vocab_size, torch.float32, generator.device)
+
+
 def sample_from_probs(probs: torch.Tensor, generators: Sequence[torch.Generator | None],
                       batch_generator: torch.Generator | None = None) -> torch.Tensor:
     """Draw one token per row via the exponential race: argmax(probs / Exp(1) noise).
@@ -251,9 +265,7 @@ def sample_from_probs(probs: torch.Tensor, generators: Sequence[torch.Generator 
     else:
         # Each seeded row draws into its own fresh tensor, so its stream cannot depend
         # on where the row sits in the batch.
-        own = torch.stack([
-            torch.empty(vocab_size, dtype=probs.dtype, device=probs.device)
-            .exponential_(generator=generators[i]) for i in seeded])
+        own = torch.stack([_own_noise(generators[i], vocab_size, probs.dtype, probs.device) for i in seeded])
         if len(seeded) == n:
             noise = own
         else:

@@ -52,15 +52,13 @@ class Router:
         self.policy = None
         if mode == "colocated":
             self.backend = ServingBackend(info, ServeDecodePool(colocated, "colocated", stream_interval_s),
-                                          subscriber=subscriber, max_migrations=max_migrations,
-                                          detokenize=self._detokenize)
+                                          subscriber=subscriber, max_migrations=max_migrations)
             self._workers = {"colocated": colocated}
         else:
             self.policy = DisaggregationPolicy(disaggregation or DisaggregationSettings())
             self.backend = ServingBackend(info, ServeDecodePool(decode, "decode", stream_interval_s),
                                           ServePrefillPool(prefill), self.policy,
-                                          subscriber=subscriber, max_migrations=max_migrations,
-                                          detokenize=self._detokenize)
+                                          subscriber=subscriber, max_migrations=max_migrations)
             self._workers = {"prefill": prefill, "decode": decode}
         self.autoscaler = None
         if autoscaling is not None:
@@ -68,9 +66,6 @@ class Router:
             self.autoscaler = AutoscaleLoop(autoscaling, self._workers, self.metrics, profile=profile)
             self._autoscale_task = asyncio.get_event_loop().create_task(self.autoscaler.run())
         self._stats_task = asyncio.get_event_loop().create_task(self._refresh_worker_stats())
-
-    def _detokenize(self, ids: list[int], skip_special_tokens: bool) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """For Serve's application autoscaling policy (cluster/autoscaler/serve_policy.py)."""

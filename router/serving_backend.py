@@ -23,12 +23,12 @@ after the hand-off), the request continues on another decode replica: the
 prompt plus every token already streamed is prefilled there (under a new
 internal id, so a late delta of the failed attempt is not taken for the new
 one) and the stream resumes with the next token; the client sees one stream.
-Greedy output is the same as without the failure. Seeded sampling continues
-from a generator seeded afresh (not the state it had), and presence/frequency
-penalties no longer count the earlier output (it is prompt now). With
-`detokenize`, a migrated request's text is rebuilt from all its output tokens,
-so bytes of a character the failed worker held back are not lost. At most `max_migrations`
-per request; past it the error says so.
+The new replica takes the streamed tokens as the request's own output
+(engine.outputs.ResumedOutput): a stop string may span the failure point,
+penalties and max_tokens count them, a seeded generator continues where it
+was, and text the failed worker held back (a partial stop string, bytes of a
+character) is sent. Output is the same as without the failure. At most
+`max_migrations` per request; past it the error says so.
 
 The pools are small interfaces: in a cluster they wrap Serve deployment
 handles (router/serve_pools.py); in tests, plain worker objects.
@@ -37,9 +37,8 @@ handles (router/serve_pools.py); in tests, plain worker objects.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Protocol
@@ -51,7 +50,7 @@ from cluster.serving.messages import (
     PrefillResult,
     TokenDelta,
 )
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, ResumedOutput
 from engine.sampling_params import SamplingParams
 from router.backend import BackendUnavailableError, GenerationBackend, ModelInfo
 from router.disaggregation_policy import DisaggregationPolicy
@@ -103,22 +102,14 @@ class _Accumulator:
         self.text = ""
         self.logprobs: list | None = None
         self.num_cached_tokens = 0
-        # after a migration: the output's text from all its tokens (ids -> text), since the new
-        # worker's detokenizer never saw the bytes the failed one held back mid-character
-        self.retext: Callable[[list[int]], str] | None = None
+
+    def resumed(self) -> ResumedOutput:
+        """What a worker that continues this request must know of its output so far."""
+        return ResumedOutput(list(self.token_ids), len(self.text))
 
     def add(self, delta: TokenDelta) -> RequestOutput:
         self.token_ids += delta.token_ids
         text = delta.text
-        if self.retext is not None:
-            full = self.retext(self.token_ids)
-            if not delta.finished:
-                full = full.rstrip("\ufffd")         # an incomplete character: wait for its next bytes
-            elif isinstance(delta.stop_reason, str):  # the stop string is not part of the output
-                cut = full.find(delta.stop_reason, max(0, len(self.text) - len(delta.stop_reason)))
-                full = full[:cut] if cut >= 0 else full
-            if full.startswith(self.text):
-                text = full[len(self.text):]
         self.text += text
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs
@@ -134,8 +125,7 @@ class _Accumulator:
 class ServingBackend(GenerationBackend):
     def __init__(self, info: ModelInfo, decode: DecodePool, prefill: PrefillPool | None = None,
                  policy: DisaggregationPolicy | None = None, *, subscriber: str,
-                 max_transfer_attempts: int = 2, max_migrations: int = 3,
-                 detokenize: Callable[[list[int], bool], str] | None = None):
+                 max_transfer_attempts: int = 2, max_migrations: int = 3):
         """Without `prefill` (colocated mode) every request is prefilled on its
         decode replica; with it, `policy` decides per request (default: always
         remote). `subscriber` names this router's output streams."""
@@ -144,7 +134,6 @@ class ServingBackend(GenerationBackend):
         self.subscriber = subscriber
         self.max_transfer_attempts = max_transfer_attempts
         self.max_migrations = max_migrations
-        self.detokenize = detokenize          # (ids, skip_special_tokens) -> text, for migrated requests
         self._fanout = StreamFanout(lambda replica: decode.stream(replica, subscriber), decode.abort)
         self._phases: dict[str, _Phases] = {}
 
@@ -188,9 +177,6 @@ class ServingBackend(GenerationBackend):
                 log.warning("request %s: its worker failed after %d output tokens (%s); continuing it on "
                             "another decode worker", request_id, len(acc.token_ids), exc)
                 phases.migrations += 1
-                if self.detokenize is not None:
-                    detokenize, skip = self.detokenize, params.skip_special_tokens
-                    acc.retext = lambda ids: detokenize(ids, skip)
 
     async def _attempt(self, request_id: str, migration: int, acc: _Accumulator, params: SamplingParams,
                        phases: _Phases, failed_on: list[str | None]) -> AsyncIterator[RequestOutput]:
@@ -199,21 +185,21 @@ class ServingBackend(GenerationBackend):
         every token already sent on a decode replica other than the one that
         failed, under a new internal id, and continues the stream from there."""
         attempt_id = request_id if migration == 0 else f"{request_id}~{migration}"
-        prompt = acc.prompt_token_ids + acc.token_ids
-        params = _remaining(params, len(acc.token_ids))
+        prompt = acc.prompt_token_ids
+        resume = acc.resumed() if acc.token_ids else None
         queue = self._fanout.expect(attempt_id)
         replica, finished = None, False
         held: PrefillResult | None = None   # KV a prefill replica holds for this attempt, not yet handed off
         try:
             result = None
-            if not (migration > 0 or self._local(len(prompt))):
+            if migration == 0 and not self._local(len(prompt)):
                 phases.prefilled_on = "prefill"
                 result = await self._prefill_remotely(attempt_id, prompt, params)
                 if result is None:   # the prefill pool has no replica running
                     phases.prefilled_on = "decode"
             if result is None:
                 phases.prefilled_on = phases.prefilled_on or "decode"
-                admitted = await self._prefill_locally(attempt_id, prompt, params, avoid=failed_on[0])
+                admitted = await self._prefill_locally(attempt_id, prompt, params, resume, avoid=failed_on[0])
             else:
                 phases.first_token(result.first)
                 finished = result.first.finished
@@ -242,12 +228,14 @@ class ServingBackend(GenerationBackend):
             if replica is not None and not finished and failed_on[0] != replica:
                 await _shielded(self._decode.abort(replica, attempt_id), f"abort of {attempt_id}")
 
-    async def _prefill_locally(self, request_id: str, prompt_token_ids: list[int],
-                               params: SamplingParams, avoid: str | None = None) -> Admitted:
+    async def _prefill_locally(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                               resume: ResumedOutput | None, avoid: str | None = None) -> Admitted:
+        num_tokens = len(prompt_token_ids) + (len(resume.token_ids) if resume is not None else 0)
         # in flight until admitted: close enough, the prompt is queued on the replica by then
-        with self._in_flight(True, len(prompt_token_ids)):
-            return await self._decode.generate(DecodeRequest(request_id, prompt_token_ids, params, self.subscriber),
-                                               avoid_replica=avoid)
+        with self._in_flight(True, num_tokens):
+            return await self._decode.generate(
+                DecodeRequest(request_id, prompt_token_ids, params, self.subscriber, resume=resume),
+                avoid_replica=avoid)
 
     async def _prefill_remotely(self, request_id: str, prompt_token_ids: list[int],
                                 params: SamplingParams) -> PrefillResult | None:
@@ -304,14 +292,6 @@ class ServingBackend(GenerationBackend):
         finally:
             if not admitted:
                 self._prefill.release(result)
-
-
-def _remaining(params: SamplingParams, num_sent: int) -> SamplingParams:
-    """`params` for the rest of a request that already produced `num_sent` tokens."""
-    if num_sent == 0:
-        return params
-    return dataclasses.replace(params, max_tokens=params.max_tokens - num_sent,
-                               min_tokens=max(0, params.min_tokens - num_sent))
 
 
 async def _shielded(work, what: str) -> None:

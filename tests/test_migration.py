@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from decode_workers.decode_worker import DecodeWorker
-from engine import EngineConfig, SamplingParams
+from engine import EngineConfig, LLMEngine, SamplingParams
 from router.backend import BackendUnavailableError, ModelInfo
 from router.serving_backend import ServingBackend
 from tests.test_handoff_workers import PROMPTS, run
@@ -53,7 +53,9 @@ def _workers(model_dirs) -> dict[str, DecodeWorker]:
     return {name: DecodeWorker(config, replica_id=name) for name in ("A", "B")}
 
 
-def test_requests_on_a_dying_worker_continue_on_the_other(model_dirs, reference):
+def _kill_a_worker_midstream(model_dirs, params: SamplingParams):
+    """Every prompt starts on A; A dies once the first request streamed 6 tokens.
+    Returns each request's outputs and where its attempts were placed."""
     async def main():
         workers = _workers(model_dirs)
         for w in workers.values():
@@ -64,7 +66,7 @@ def test_requests_on_a_dying_worker_continue_on_the_other(model_dirs, reference)
 
         async def one(i, prompt):
             outs = []
-            async for out in backend.generate(f"r{i}", prompt, GREEDY):
+            async for out in backend.generate(f"r{i}", prompt, params):
                 outs.append(out)
                 # at least: a busy reader gets several steps' tokens in one output
                 if i == 0 and len(out.token_ids) >= 6 and not killed.is_set():
@@ -84,14 +86,34 @@ def test_requests_on_a_dying_worker_continue_on_the_other(model_dirs, reference)
     assert {r for r, replica in placed if replica == "A"} == {f"r{i}" for i in range(len(PROMPTS))}
     moved = {r.split("~")[0] for r, replica in placed if replica == "B"}
     assert moved == {f"r{i}" for i in range(len(PROMPTS))}     # every request was on A, and moved
+    for outs in results:
+        # one stream: every output extends the previous one, no token repeated or missing
+        assert [t for out in outs for t in out.delta_token_ids] == outs[-1].token_ids
+        assert "".join(out.delta_text for out in outs) == outs[-1].text
+    return results
+
+
+def test_requests_on_a_dying_worker_continue_on_the_other(model_dirs, reference):
+    results = _kill_a_worker_midstream(model_dirs, GREEDY)
     for prompt, outs in zip(PROMPTS, results):
         final = outs[-1]
         assert final.finished and final.finish_reason == "length"
         assert final.token_ids == reference("tiny").greedy(tuple(prompt), TOKENS)
-        # one stream: every output extends the previous one, no token repeated or missing
-        streamed = [t for out in outs for t in out.delta_token_ids]
-        assert streamed == final.token_ids
-        assert "".join(out.delta_text for out in outs) == final.text
+
+
+def test_seeded_sampling_with_penalties_continues_as_if_nothing_failed(model_dirs):
+    """The new worker advances the seeded generator past the streamed tokens and
+    counts them in the penalties: the output is the undisturbed run's."""
+    params = SamplingParams(max_tokens=TOKENS, temperature=0.9, top_k=40, seed=5, presence_penalty=0.6,
+                            frequency_penalty=0.3, ignore_eos=True)
+    results = _kill_a_worker_midstream(model_dirs, params)
+    undisturbed = LLMEngine(EngineConfig(model=str(model_dirs["tiny"]), max_model_len=128, block_size=8,
+                                         dtype="float32"))
+    for i, prompt in enumerate(PROMPTS):
+        undisturbed.add_request(str(i), prompt, params)
+    expected = {int(o.request_id): o for o in undisturbed.run_to_completion()}
+    for i, outs in enumerate(results):
+        assert (outs[-1].token_ids, outs[-1].text) == (expected[i].token_ids, expected[i].text)
 
 
 def test_with_migration_off_the_error_says_so(model_dirs):

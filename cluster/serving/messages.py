@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, ResumedOutput
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
@@ -80,6 +80,7 @@ class DecodeRequest:
     subscriber: str                        # the router stream that receives this request's deltas
     prefill: PrefillResult | None = None   # None: the decode replica prefills the prompt itself
     transfer_id: str = ""                  # new for every attempt: a retry never meets a stale piece
+    resume: ResumedOutput | None = None    # a migrated request: the output it already streamed
 
 
 @dataclass(frozen=True, slots=True)
