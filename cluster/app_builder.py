@@ -25,7 +25,7 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from cluster.config import DeploymentConfig, Mode, load_config
+from cluster.config import DeploymentConfig, Mode, load_config, with_overrides
 from cluster.serving.replica_routing import LoadAwareRouter
 from cluster.transport.transport_factory import TransportSettings
 from router.backend import ModelInfo
@@ -62,42 +62,33 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     args = dict(args or {})
     path = args.pop("config", None)
     whole = args.pop("config_json", None)      # a whole deployment, as `pdserve serve --autoscale` sends it
-    base = DeploymentConfig.model_validate(whole) if whole else load_config(path) if path else DeploymentConfig()
-    config = with_overrides(base, args)
+    config = with_overrides(DeploymentConfig.model_validate(whole), args) if whole else load_config(path, args)
     if ray.is_initialized():   # `serve run` connects before it builds: check against the real cluster
         return build_application(placed_config(config))
     return build_application(resolve_cpus_per_rank(config, os.cpu_count() or 1))
 
 
-def with_overrides(config: DeploymentConfig, overrides: dict[str, Any]) -> DeploymentConfig:
-    """A copy of `config` with dotted keys replaced, validated again."""
-    data = config.model_dump(mode="json")
-    for key, value in overrides.items():
-        if value is None:
-            continue
-        *parents, leaf = key.split(".")
-        node = data
-        for part in parents:
-            if not isinstance(node.get(part), dict):
-                raise ValueError(f"unknown setting {key!r}")
-            node = node[part]
-        if leaf not in node:
-            raise ValueError(f"unknown setting {key!r}")
-        node[leaf] = value
-    return DeploymentConfig.model_validate(data)
-
-
 def resolve_model(config: DeploymentConfig) -> tuple[str, ModelInfo]:
     """The checkpoint directory (building the tiny model when none is set) and
-    what the router tells clients about it."""
-    from engine.engine_config import EngineConfig
+    what the router tells clients about it. Raises ValueError (CheckpointError,
+    or the list of problems) for a directory without weights, or for settings
+    the workers' engines would refuse for this model, before anything deploys."""
     from engine.model import ModelConfig
+    from engine.model.loader import checkpoint_files
     from engine.model_worker import resolve_max_model_len
+    from engine.preflight import preflight
     from engine.tiny_model import checkpoint_dir
 
     path = checkpoint_dir(config.model.path)
+    checkpoint_files(Path(path))
     mc = ModelConfig.from_pretrained(path)
-    max_len = resolve_max_model_len(EngineConfig(model=path, max_model_len=config.model.max_model_len), mc)
+    problems = []
+    for role in config.pools():
+        engine = config.engine_config(role, path)
+        max_len = resolve_max_model_len(engine, mc)
+        problems += [f"{role}: {problem}" for problem in preflight(engine, mc, max_len)]
+    if problems:
+        raise ValueError("the workers' engines would refuse this deployment:\n  " + "\n  ".join(problems))
     name = config.model.served_model_name or Path(path).name
     return path, ModelInfo(served_model_name=name, max_model_len=max_len, vocab_size=mc.vocab_size)
 
@@ -167,7 +158,7 @@ def _replica_count(config: DeploymentConfig, role: str | None) -> dict[str, Any]
         return {"autoscaling_config": {**bounds, **_SERVE_AUTOSCALING}}
     s = config.autoscaling_settings()
     initial = config.pools()[role].replicas
-    bounds = {"min_replicas": s.min_for(role), "max_replicas": max(s.max_for(role), initial),
+    bounds = {"min_replicas": s.min_for(role), "max_replicas": s.max_for(role),
               "initial_replicas": initial}
     return {"autoscaling_config": {**bounds, **_SERVE_AUTOSCALING},
             "graceful_shutdown_timeout_s": AUTOSCALED_GRACEFUL_SHUTDOWN_S}

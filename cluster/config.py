@@ -9,11 +9,13 @@ worker of that role runs.
 
 from __future__ import annotations
 
+import copy
+import re
 from enum import Enum
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine.core_lending import default_ledger_path
 from engine.engine_config import EngineConfig
@@ -25,7 +27,19 @@ class Mode(str, Enum):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # errors name the setting and what is wrong with it, without repeating the value given (a
+    # secret pasted where its variable's name belongs stays out of logs)
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
+
+
+def _env_name(value: str | None) -> str | None:
+    if value is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
+        raise ValueError("must name an environment variable (letters, digits and _), not hold the secret itself")
+    return value
+
+
+# the name of the environment variable that holds a secret (errors never repeat the value: see _Strict)
+EnvName = Annotated[str | None, AfterValidator(_env_name)]
 
 
 class ModelSection(_Strict):
@@ -81,7 +95,7 @@ class KVTransferSection(_Strict):
                            "(counted again from the start of a send: keep it longer than timeout_s)")
     reserve_timeout_s: float = Field(120.0, gt=0, description="a decode worker refuses a request it found no "
                                      "free KV blocks for in this long")
-    secret_env: str | None = Field(None, description="name of the environment variable that holds the secret "
+    secret_env: EnvName = Field(None, description="name of the environment variable that holds the secret "
                                    "a prefill worker proves to a decode worker before any KV moves (read where "
                                    "the application is built); default: a random secret made at build time")
 
@@ -99,7 +113,7 @@ class DisaggregationSection(_Strict):
 class HttpSection(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
-    api_key_env: str | None = Field(None, description="name of the environment variable that holds the API "
+    api_key_env: EnvName = Field(None, description="name of the environment variable that holds the API "
                                     "key (read where the application is built); never the key itself")
     api_key_sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$", description="or the key's SHA-256 "
                                        "(hex); `pdserve serve --api-key` / PDSERVE_API_KEY set this")
@@ -176,9 +190,11 @@ class AutoscalingSection(_Strict):
                           "(slo: section)")
     budget: int | None = Field(None, ge=1, description="ranks (GPUs; CPU ranks on CPU) all roles may use "
                                "together; null: the ranks the pools start with (the split moves, the total stays)")
-    min_replicas: dict[str, int] = Field(default_factory=dict, description="per role (prefill, decode or "
-                                         "colocated); default 1")
-    max_replicas: dict[str, int] = Field(default_factory=dict, description="per role; default: the budget")
+    min_replicas: dict[str, Annotated[int, Field(ge=0)]] = Field(
+        default_factory=dict, description="per role (prefill, decode or colocated); default 1 (decode and "
+        "colocated need at least 1)")
+    max_replicas: dict[str, Annotated[int, Field(ge=0)]] = Field(
+        default_factory=dict, description="per role; default: as many as the budget holds")
     interval_s: float = Field(10.0, gt=0, description="how often the policy decides")
     startup_s: float = Field(30.0, ge=0, description="from asking for a replica to its first request: the "
                              "load is predicted this far ahead")
@@ -257,10 +273,27 @@ class DeploymentConfig(_Strict):
             if unknown:
                 raise ValueError(f"autoscaling.{name} names {', '.join(sorted(unknown))}; in {self.mode.value} "
                                  f"mode the roles are {', '.join(sorted(roles))}")
+        for role in roles - {"prefill"}:
+            if a.min_replicas.get(role, 1) < 1:
+                raise ValueError(f"autoscaling.min_replicas.{role} must be at least 1: every request "
+                                 f"{'decodes' if role == 'decode' else 'runs'} on a {role} replica")
         try:
-            self.autoscaling_settings()
+            settings = self.autoscaling_settings()
         except ValueError as exc:
             raise ValueError(f"autoscaling: {exc}") from None
+        pools = self.pools()
+        starting = sum(p.replicas * p.tensor_parallel_size for p in pools.values())
+        if starting > settings.budget:
+            layout = " + ".join(f"{role} {p.replicas} x TP {p.tensor_parallel_size}" for role, p in pools.items())
+            raise ValueError(f"the pools start with {starting} ranks ({layout}), more than autoscaling.budget "
+                             f"({settings.budget}) allows: raise the budget (--max-replicas) or start with fewer "
+                             f"replicas ({', '.join(f'{role}.replicas' for role in pools)})")
+        for role, pool in pools.items():
+            low, high = settings.min_for(role), settings.max_for(role)
+            if not low <= pool.replicas <= high:
+                raise ValueError(f"{role}.replicas ({pool.replicas}) is outside the autoscaler's bounds for "
+                                 f"{role}, {low} to {high} (autoscaling.min_replicas / max_replicas): start "
+                                 "within them")
         return self
 
     def api_key_sha256(self) -> str | None:
@@ -339,17 +372,57 @@ class ConfigFileError(ValueError):
     """A deployment file that cannot be read or does not validate."""
 
 
-def load_config(path: str | Path) -> DeploymentConfig:
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> DeploymentConfig:
+    """The deployment in the YAML file at `path` (None: the defaults) with the
+    dotted `overrides` (e.g. {"prefill.replicas": 2}; None values skipped) put
+    in before it is validated, so a command-line flag can supply what the file
+    lacks. Raises ConfigFileError."""
     import yaml
-    path = Path(path)
+    data: Any = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigFileError(f"cannot read deployment file {path}: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigFileError(f"{path} is not a valid pdserve deployment file: it holds a "
+                                  f"{type(data).__name__}, not a mapping of sections")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigFileError(f"cannot read deployment file {path}: {exc}") from None
-    try:
-        return DeploymentConfig.model_validate(data)
+        return DeploymentConfig.model_validate(_with_dotted(data, overrides or {}))
     except ValidationError as exc:
-        raise ConfigFileError(f"{path} is not a valid pdserve deployment file:\n{exc}") from None
+        what = f"{path}" if path is not None else "the defaults"
+        flags = " with the command-line settings" if any(v is not None for v in (overrides or {}).values()) else ""
+        raise ConfigFileError(f"{what}{flags} is not a valid pdserve deployment:\n{exc}") from None
+
+
+def with_overrides(config: DeploymentConfig, overrides: dict[str, Any]) -> DeploymentConfig:
+    """A copy of `config` with dotted keys replaced (None values skipped), validated again."""
+    return DeploymentConfig.model_validate(_with_dotted(config.model_dump(mode="json"), overrides))
+
+
+def _with_dotted(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`data` (a deployment as plain dicts) with dotted keys set; ValueError for a
+    key that names no setting."""
+    data = copy.deepcopy(data)
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        *sections, leaf = key.split(".")
+        model: type[BaseModel] = DeploymentConfig
+        node = data
+        for part in sections:
+            field = model.model_fields.get(part)
+            if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+                raise ValueError(f"unknown setting {key!r}")
+            model = field.annotation
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        if leaf not in model.model_fields:
+            raise ValueError(f"unknown setting {key!r}")
+        node[leaf] = value
+    return data
 
 
 def _named_variable(setting: str, name: str, instead: str) -> str:

@@ -60,15 +60,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError("device is cuda but no CUDA device is visible; use device='cpu'")
         if self.device.startswith("cuda:") and self.tensor_parallel_size > 1:
             raise ValueError(f"device {self.device!r} would put every rank on one GPU; use device='cuda' with "
                              "tensor_parallel_size > 1 (rank r uses cuda:r)")
-        if self.tensor_parallel_size > 1 and self.device.startswith("cuda") and \
-                self.tensor_parallel_size > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) is more than the "
-                             f"{torch.cuda.device_count()} visible CUDA device(s)")
         if self.attention_backend not in ("auto", "torch", "triton", "cpp"):
             raise ValueError(f"attention_backend must be auto, torch, triton or cpp, got {self.attention_backend!r}")
         if self.async_scheduling not in ("auto", True, False):
@@ -78,6 +72,17 @@ class EngineConfig:
                              "step's sampled tokens); set async_scheduling to auto or false")
         if self.tp_backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"tp_backend must be auto, gloo or nccl, got {self.tp_backend!r}")
+
+    def check_devices(self) -> None:
+        """Raises ValueError unless this process sees the devices the engine needs
+        (checked where the engine starts, not where the config is written: a
+        deployment is often built on a machine without the workers' GPUs)."""
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device is cuda but no CUDA device is visible; use device='cpu'")
+        if self.tensor_parallel_size > 1 and self.device.startswith("cuda") and \
+                self.tensor_parallel_size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) is more than the "
+                             f"{torch.cuda.device_count()} visible CUDA device(s)")
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

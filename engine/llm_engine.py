@@ -38,6 +38,7 @@ from engine.errors import InvalidRequestError
 from engine.model.parallel import SINGLE_PROCESS, TensorParallel
 from engine.model_worker import KV_READ, KV_WRITE, RPC, ModelWorker, RankCallError, run_rank_call
 from engine.output_processor import RequestTextState
+from engine.preflight import step_budget_problem
 from engine.outputs import RequestOutput, ResumedOutput
 from engine.runner import LaunchedStep, ModelRunner
 from engine.sampler import Sampler, TokenLogprobs, skip_draws
@@ -71,6 +72,7 @@ class LLMEngine:
         self._ranks: RankProcesses | None = None
         self._broken: str | None = None
         try:
+            config.check_devices()
             if tp is None:
                 tp = self._start_ranks(config) if config.tensor_parallel_size > 1 else SINGLE_PROCESS
             self.tp = tp
@@ -86,11 +88,8 @@ class LLMEngine:
         self.max_model_len = self.worker.max_model_len
         self.model = self.worker.model
         self.kv_cache = self.worker.kv_cache
-        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"with chunked prefill off, max_num_batched_tokens ({config.max_num_batched_tokens}) must be "
-                f">= max_model_len ({self.max_model_len}), or a long prompt could never be scheduled; "
-                "raise max_num_batched_tokens, lower max_model_len, or enable chunked prefill")
+        if problem := step_budget_problem(config, self.max_model_len):
+            raise ValueError(problem)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,

@@ -21,7 +21,7 @@ import torch
 from engine.cpu_allocator import keep_freed_memory_in_heap
 from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from engine.engine_config import EngineConfig
-from engine.kv_cache import GIB, KVCache, KVCacheSpec, gpu_kv_budget_bytes
+from engine.kv_cache import KVCache, KVCacheSpec, gpu_kv_budget_bytes
 from engine.model import ModelConfig, load_model
 from engine.model.attention_metadata import (
     AttentionMetadata,
@@ -32,6 +32,12 @@ from engine.model.attention_metadata import (
 from engine.model.cpu_gemm import pack_linear_weights, packing_supported, use_skinny_gemm
 from engine.model.llama import use_fused_ops
 from engine.model.parallel import SINGLE_PROCESS, TensorParallel
+from engine.preflight import (
+    attention_backend_problem,
+    cpu_kv_blocks,
+    kv_capacity_problem,
+    tensor_parallel_problem,
+)
 
 log = logging.getLogger(__name__)
 
@@ -83,13 +89,16 @@ class ModelWorker:
         mc = self.model_config
         self.max_model_len = resolve_max_model_len(config, mc)
         self.dtype = config.resolved_dtype(mc.torch_dtype)
+        if problem := (attention_backend_problem(config, self.device.type, self.dtype)
+                       or tensor_parallel_problem(mc, tp.size)):
+            raise ValueError(problem)
         self.attention_backend = config.resolved_attention_backend()
         if self.attention_backend == "triton":
-            _require_triton(self.device)
+            _require_triton()
         if self.attention_backend == "cpp" and not _cpp_kernels_run(self.device, self.dtype):
             if config.attention_backend == "cpp":
-                raise ValueError("attention_backend 'cpp' needs float32 on CPU and a C++ compiler for its "
-                                 "extension (see the log); use attention_backend 'torch'")
+                raise ValueError("attention_backend 'cpp' needs a C++ compiler for its extension (see the "
+                                 "log); use attention_backend 'torch'")
             self.attention_backend = "torch"
         self.model = load_model(config.model, mc, max_positions=self.max_model_len, dtype=self.dtype,
                                 device=self.device, tp=tp)
@@ -126,21 +135,13 @@ class ModelWorker:
 
     def _num_kv_blocks(self, spec: KVCacheSpec) -> int:
         config = self.config
-        min_blocks = -(-self.max_model_len // spec.block_size)
-        if config.num_kv_blocks is not None:
-            num = config.num_kv_blocks
-        elif self.device.type == "cuda":
+        if self.device.type == "cuda" and config.num_kv_blocks is None:
             budget = gpu_kv_budget_bytes(self.device, config.gpu_memory_utilization)
             num = spec.num_blocks_for(max(0, budget - self._activation_reserve(spec)))
         else:
-            # no point reserving more than every sequence at full length could use
-            num = min(spec.num_blocks_for(int(config.kv_cache_memory_gib * GIB)),
-                      config.max_num_seqs * min_blocks)
-        if num < min_blocks:
-            raise ValueError(
-                f"the KV cache holds {num} blocks of {spec.block_size} tokens, fewer than one sequence of "
-                f"max_model_len={self.max_model_len} tokens needs ({min_blocks}); lower max_model_len or "
-                "give the KV cache more memory (kv_cache_memory_gib / gpu_memory_utilization / num_kv_blocks)")
+            num = cpu_kv_blocks(config, spec, self.max_model_len)
+        if problem := kv_capacity_problem(num, spec.block_size, self.max_model_len):
+            raise ValueError(problem)
         return num
 
     @torch.inference_mode()
@@ -225,15 +226,12 @@ class ModelWorker:
         return self.model.compute_logits(hidden[inputs.sample_indices])
 
 
-def _require_triton(device: torch.device) -> None:
+def _require_triton() -> None:
     try:
         import triton  # noqa: F401
     except ImportError:
         raise ValueError("attention_backend 'triton' needs the triton package (pip install triton), "
                          "or set attention_backend: torch") from None
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        raise ValueError("attention_backend 'triton' on CPU runs only under Triton's interpreter "
-                         "(TRITON_INTERPRET=1, slow: for tests); use attention_backend 'torch' on CPU")
 
 
 def _cpp_kernels_run(device: torch.device, dtype: torch.dtype) -> bool:

@@ -112,6 +112,42 @@ def test_autoscaling_section_is_checked_where_it_is_wrong():
     assert c.autoscaling_settings().budget == 5
 
 
+@pytest.mark.parametrize("autoscaling, pools, match", [
+    ({"budget": 3}, {"prefill": {"replicas": 3}}, r"the pools start with 4 ranks \(prefill 3 x TP 1 \+ decode 1 x "
+     r"TP 1\), more than autoscaling.budget \(3\) allows: raise the budget \(--max-replicas\)"),
+    ({"min_replicas": {"prefill": -1}}, {}, r"autoscaling.min_replicas.prefill\n.*greater than or equal to 0"),
+    ({"budget": 4, "min_replicas": {"prefill": 2}}, {}, r"prefill.replicas \(1\) is outside the autoscaler's bounds "
+     r"for prefill, 2 to 4"),
+    ({"budget": 4, "max_replicas": {"decode": 2}}, {"decode": {"replicas": 3}}, r"decode.replicas \(3\) is outside"),
+    ({"budget": 4, "min_replicas": {"decode": 0}}, {}, r"autoscaling.min_replicas.decode must be at least 1"),
+])
+def test_autoscaled_pools_start_within_the_budget_and_bounds(autoscaling, pools, match):
+    data = {"slo": {"ttft_ms": 1000, "tpot_ms": 100}, "autoscaling": {"enabled": True, **autoscaling}, **pools}
+    with pytest.raises(ValidationError, match=match):
+        DeploymentConfig.model_validate(data)
+    assert DeploymentConfig.model_validate({**data, "autoscaling": {"enabled": True, "budget": 4,
+                                                                    "min_replicas": {"prefill": 0}}})
+
+
+def test_a_secret_pasted_for_a_variables_name_is_refused_and_not_repeated():
+    for section, field in (("http", "api_key_env"), ("kv_transfer", "secret_env")):
+        with pytest.raises(ValidationError) as info:
+            DeploymentConfig.model_validate({section: {field: "sk-live-4f9a1c2b7e"}})
+        assert f"{section}.{field}" in str(info.value) and "not hold the secret itself" in str(info.value)
+        assert "4f9a1c2b7e" not in str(info.value)
+
+
+def test_a_gpu_deployment_is_built_where_no_gpu_is_visible():
+    import torch
+
+    from engine import EngineConfig, LLMEngine
+    config = load_config(CONFIGS / "llama-3-8b-1xh100.yaml")
+    assert config.engine_config("colocated", "/models/llama").device == "cuda"   # the builder needs no GPU
+    if not torch.cuda.is_available():   # the engine itself does
+        with pytest.raises(ValueError, match="device is cuda but no CUDA device is visible"):
+            LLMEngine(EngineConfig(model="/models/llama", device="cuda"))
+
+
 def test_autoscaling_thresholds_in_the_file_reach_the_policy():
     thresholds = {"ttft_percentile": 0.95, "slo_headroom": 0.7, "downscale_headroom": 0.6, "split_margin": 0.35,
                   "warmup_steps": 7, "refusal_pressure": 0.25, "pressure_window_s": 45.0}

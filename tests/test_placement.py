@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.app_builder import with_overrides
-from cluster.config import DeploymentConfig
+from cluster.config import DeploymentConfig, with_overrides
 from cluster.serving.placement import (
     ClusterResources,
     PlacementError,
@@ -70,6 +69,9 @@ CASES = [
       "--device cpu", "add GPUs"]),
     ("8-GPU node: a tp 16 gang", config(device="cuda", **{"decode.tensor_parallel_size": 16}), GPU_8,
      ["a decode gang needs 16 CPUs, 16 GPUs on one node", "8 GPUs", "--device cpu"]),
+    ("autoscaled: a budget of 3 ranks on 2 cores", config(**{
+        "autoscaling.enabled": True, "autoscaling.budget": 3, "slo.ttft_ms": 1000, "slo.tpot_ms": 100}), ONE_2CPU,
+     ["needs 3 CPUs in all", "prefill: 2 replicas", "lower autoscaling.budget (--max-replicas, now 3)"]),
     ("GPU deployment on a CPU-only cluster", config(device="cuda"), CPU_ONLY_BIG,
      ["device is cuda but the cluster has no GPUs", "prefill: 1 replica × 1 TP rank × {CPU: 1, GPU: 1}",
       "in all 128 CPUs, 0 GPUs", "--device cpu", "ray start --num-gpus"]),

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.app_builder import build_app, with_overrides
+from cluster.app_builder import build_app
 from cluster.cli.main import build_parser
-from cluster.cli.serve_command import config_from_args
-from cluster.config import DeploymentConfig
+from cluster.cli.serve_command import autoscaled_application, config_from_args
+from cluster.config import ConfigFileError, DeploymentConfig, with_overrides
 from engine.tp_group import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,6 +50,69 @@ def test_bad_overrides_are_refused_with_the_field_named():
         with_overrides(DeploymentConfig(), {"decode.replicas": 0})
 
 
+def test_flags_supply_what_the_file_lacks_and_ignored_flags_are_refused(tmp_path):
+    f = tmp_path / "autoscaled.yaml"
+    f.write_text(yaml.safe_dump({"autoscaling": {"enabled": True, "budget": 3}}))
+
+    def serve(*flags):
+        return config_from_args(build_parser().parse_args(["serve", *flags]))
+
+    config = serve("--config", str(f), "--slo", "ttft:1000", "tpot:100")     # the file alone is not valid
+    assert config.autoscaling.enabled and (config.slo.ttft_ms, config.slo.tpot_ms) == (1000, 100)
+    assert not serve("--config", str(f), "--no-autoscale").autoscaling.enabled
+    with pytest.raises(ConfigFileError, match="with the command-line settings is not a valid pdserve deployment(.|\n)*needs the SLOs"):
+        serve("--config", str(f), "--max-replicas", "4")
+    with pytest.raises(ConfigFileError, match="--prefill-replicas, --decode-tp set a pool that colocated mode "
+                                              "does not run"):
+        serve("--mode", "colocated", "--prefill-replicas", "3", "--decode-tp", "2")
+    with pytest.raises(ConfigFileError, match="--max-replicas is the autoscaler's budget: add --autoscale"):
+        serve("--max-replicas", "4")
+
+
+def test_an_autoscaled_deployment_ships_the_api_keys_digest_not_its_variable(monkeypatch):
+    from router.http_guard import api_key_digest
+
+    monkeypatch.setenv("MY_PDSERVE_KEY", "s3cret")
+    config = DeploymentConfig.model_validate({"http": {"api_key_env": "MY_PDSERVE_KEY"},
+                                              "slo": {"ttft_ms": 1000, "tpot_ms": 100},
+                                              "autoscaling": {"enabled": True}})
+    shipped = autoscaled_application(config)["args"]["config_json"]
+    monkeypatch.delenv("MY_PDSERVE_KEY")   # the cluster's processes need not have it
+    assert shipped["http"]["api_key_env"] is None
+    assert DeploymentConfig.model_validate(shipped).api_key_sha256() == api_key_digest("s3cret")
+
+
+def test_settings_the_engines_would_refuse_are_found_before_deploying(tmp_path, monkeypatch):
+    from cluster.app_builder import resolve_model
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+    def problems(**overrides):
+        with pytest.raises(ValueError) as info:
+            resolve_model(with_overrides(DeploymentConfig(), overrides))
+        return str(info.value)
+
+    # the tiny model: 4 attention heads, 2 KV heads, context 1024
+    assert "decode: num_attention_heads (4) is not divisible by tensor_parallel_size (3)" in \
+        problems(**{"decode.tensor_parallel_size": 3})
+    message = problems(**{"engine.enable_chunked_prefill": False, "engine.max_num_batched_tokens": 256,
+                          "engine.attention_backend": "triton"})
+    for role in ("prefill", "decode"):
+        assert f"{role}: with chunked prefill off, max_num_batched_tokens (256) must be >= max_model_len (1024)" \
+            in message
+        assert f"{role}: attention_backend 'triton' on CPU runs only under Triton's interpreter" in message
+    assert "decode: the KV cache holds 0 blocks of 16 tokens, fewer than one sequence of max_model_len=1024 " \
+        "tokens needs (64)" in problems(**{"engine.kv_cache_memory_gib": 2e-6})
+    (tmp_path / "config.json").write_text((Path(checkpoint_dir_of("tiny")) / "config.json").read_text())
+    assert f"no *.safetensors files in {tmp_path}" in problems(**{"model.path": str(tmp_path)})
+    resolve_model(with_overrides(DeploymentConfig(), {"decode.tensor_parallel_size": 2}))   # fine
+
+
+def checkpoint_dir_of(name: str) -> str:
+    from engine.tiny_model import checkpoint_dir
+    return checkpoint_dir(name)
+
+
 def test_model_names_a_checkpoint_directory_or_a_built_in_model(model_dirs, tmp_path, monkeypatch):
     from engine.tiny_model import checkpoint_dir, preset_model_dir
 
@@ -70,6 +133,11 @@ def test_serve_refuses_a_wrong_model_before_starting_a_cluster(tmp_path):
     assert done.returncode == 2, done.stderr
     assert f"error: model {tmp_path / 'nowhere'} is not a HuggingFace checkpoint directory" in done.stderr
     assert "Ray" not in done.stderr + done.stdout      # no cluster was started
+    done = subprocess.run([sys.executable, "-m", "cluster.cli.main", "serve", "--decode-tp", "3"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 2, done.stderr
+    assert "error: the workers' engines would refuse this deployment:\n  decode: num_attention_heads" in done.stderr
+    assert "Ray" not in done.stderr + done.stdout
 
 
 def test_serve_config_files_name_the_app_builder():

@@ -18,6 +18,7 @@ candidates at once (default: every core).
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 import json
 import os
 import sys
@@ -152,6 +153,9 @@ def deployment_yaml(cand, model_dir, dtype: str, max_len: int, gpu: str, args: a
         data["disaggregation"] = {"policy": args.policy}
     header = (f"# {cand.describe()}: chosen by `pdserve plan --slo "
               f"{' '.join(f'{k}:{v:g}' for k, v in dict(args.slo).items())} --gpus {args.gpus}`\n")
+    if not any(Path(model_dir).glob("*.safetensors")):
+        header += ("# model.path holds the model's config.json but no weights (a model for planning): set it to "
+                   "the checkpoint directory before deploying\n")
     return header + yaml.safe_dump(data, sort_keys=False)
 
 

@@ -44,6 +44,7 @@ FLAG_SETTINGS = {
     "colocated_replicas": "colocated.replicas", "colocated_tp": "colocated.tensor_parallel_size",
     "autoscale": "autoscaling.enabled", "max_replicas": "autoscaling.budget",
 }
+_POOLS = ("prefill", "decode", "colocated")
 SERVE_POLICY = "cluster.autoscaler.serve_policy:router_targets"
 API_KEY_ENV = "PDSERVE_API_KEY"
 
@@ -69,8 +70,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: the "
                         "PDSERVE_API_KEY environment variable, if set); only the key's SHA-256 is deployed")
-    p.add_argument("--autoscale", action="store_true", default=None,
-                   help="let the goodput autoscaler set the replicas per role (needs --slo)")
+    p.add_argument("--autoscale", action=argparse.BooleanOptionalAction, default=None,
+                   help="let the goodput autoscaler set the replicas per role (needs --slo); --no-autoscale "
+                        "turns off a file's autoscaling")
     p.add_argument("--slo", nargs="+", type=parse_slo, metavar="ttft:MS|tpot:MS",
                    help="the SLOs: admission control refuses what would miss the TTFT one, the autoscaler "
                         "scales for both, e.g. --slo ttft:1000 tpot:100")
@@ -85,31 +87,39 @@ def add_serve_parser(sub) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
-    from cluster.app_builder import with_overrides
-    from cluster.config import DeploymentConfig, load_config
+    """The deployment the flags and the file describe. Raises ConfigFileError
+    (a ValueError) for a file or flags that do not make a valid deployment, or
+    a flag that would be ignored."""
+    from cluster.config import ConfigFileError, load_config
 
-    base = load_config(args.config) if args.config else DeploymentConfig()
     overrides = {key: getattr(args, dest, None) for dest, key in FLAG_SETTINGS.items()}
     for name, ms in getattr(args, "slo", None) or []:
         overrides[f"slo.{name}_ms"] = ms
-    key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV)
+    key = getattr(args, "api_key", None)
+    if not key and os.environ.get(API_KEY_ENV):
+        key = os.environ[API_KEY_ENV]
+        print(f"pdserve: requiring the API key in {API_KEY_ENV}", file=sys.stderr)
     if key:
-        overrides["http.api_key_sha256"] = api_key_digest(key)
-    return with_overrides(base, overrides)
+        overrides["http.api_key_sha256"] = api_key_digest(key)   # wins over a file's api_key_env
+    config = load_config(args.config, overrides)
+    unused = [f"--{dest.replace('_', '-')}" for dest, setting in FLAG_SETTINGS.items()
+              if getattr(args, dest, None) is not None and setting.split(".")[0] in _POOLS
+              and setting.split(".")[0] not in config.pools()]
+    if unused:
+        raise ConfigFileError(f"{', '.join(unused)} set a pool that {config.mode.value} mode does not run "
+                              f"(its pools: {', '.join(config.pools())}); drop them or change --mode")
+    if getattr(args, "max_replicas", None) is not None and not config.autoscaling.enabled:
+        raise ConfigFileError("--max-replicas is the autoscaler's budget: add --autoscale (and --slo), or drop it")
+    return config
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError
-
-    from engine.tiny_model import checkpoint_dir
+    from cluster.app_builder import resolve_model
 
     try:
         config = config_from_args(args)
-        checkpoint_dir(config.model.path)   # a wrong path fails here, before a cluster starts
-    except ValidationError as exc:
-        print(f"error: invalid settings:\n{exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
+        resolve_model(config)   # a wrong path, or settings the engines would refuse: here, before a cluster starts
+    except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
@@ -172,17 +182,24 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _deploy_autoscaled(config) -> None:
-    """Deploys through Serve's declarative API (what `serve deploy` sends): the
-    application is built in the cluster from the whole config, with the
-    application-level policy that applies the router's targets."""
+    """Deploys through Serve's declarative API (what `serve deploy` sends), with
+    the application-level policy that applies the router's targets."""
     from ray.serve._private.api import serve_start
     from ray.serve.schema import ServeDeploySchema
 
-    application = {"name": APP_NAME, "route_prefix": "/", "import_path": "cluster.app_builder:build_app",
-                   "args": {"config_json": config.model_dump(mode="json")},
-                   "autoscaling_policy": {"policy_function": SERVE_POLICY}}
-    serve_start().deploy_apps(ServeDeploySchema(applications=[application]), _blocking=True)
+    serve_start().deploy_apps(ServeDeploySchema(applications=[autoscaled_application(config)]), _blocking=True)
     _wait_running(APP_NAME)
+
+
+def autoscaled_application(config) -> dict:
+    """The Serve application spec of an autoscaled deployment: the app is built
+    in the cluster from the whole config. The API key travels as its digest, not
+    as the name of a variable the cluster's processes need not have."""
+    http = config.http.model_copy(update={"api_key_sha256": config.api_key_sha256(), "api_key_env": None})
+    shipped = config.model_copy(update={"http": http})
+    return {"name": APP_NAME, "route_prefix": "/", "import_path": "cluster.app_builder:build_app",
+            "args": {"config_json": shipped.model_dump(mode="json")},
+            "autoscaling_policy": {"policy_function": SERVE_POLICY}}
 
 
 def _wait_running(name: str, timeout_s: float = 600.0) -> None:

@@ -38,10 +38,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from engine.tiny_model import checkpoint_dir
 
     try:
-        config = load_config(args.config)
-        if args.slo:
-            config = config.model_copy(update={"slo": config.slo.model_copy(
-                update={f"{k}_ms": v for k, v in args.slo})})
+        config = load_config(args.config, {f"slo.{name}_ms": ms for name, ms in args.slo or []})
         step_model = load_step_model(args.profile)
         wide_model = load_step_model(args.lend_profile) if args.lend_profile else None
         model_dir = checkpoint_dir(config.model.path)

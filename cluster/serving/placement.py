@@ -140,8 +140,15 @@ def check_placement(config: DeploymentConfig, cluster: ClusterResources) -> None
     together by first-fit-decreasing over the nodes. Raises PlacementError
     otherwise. An autoscaled deployment must fit at every size it can reach."""
     if config.autoscaling.enabled:
+        budget = config.autoscaling_settings().budget
         for sized in reachable_sizes(config):
-            check_placement(sized, cluster)
+            try:
+                check_placement(sized, cluster)
+            except PlacementError as exc:
+                raise PlacementError(
+                    f"{exc}\n  (autoscaled: the sizes above are the most of one role the autoscaler may reach; "
+                    f"to keep every size within the cluster, lower autoscaling.budget (--max-replicas, now "
+                    f"{budget}) or autoscaling.max_replicas)") from None
         return
     needs = gang_needs(config)
     if config.device == "cuda" and cluster.total_gpus < 1 - _EPS:
