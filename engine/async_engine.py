@@ -64,6 +64,8 @@ class AsyncEngine:
         self._make_engine = make_engine
         self._step_kwargs = {"prefill": prefill, "decode": decode}
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._calls_lock = threading.Lock()   # a call is queued before the thread stops taking calls, or refused
+        self._calls_closed = False
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._sinks: dict[str, OutputSink] = {}
@@ -92,17 +94,22 @@ class AsyncEngine:
     # ---- asyncio side -------------------------------------------------------------------------
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Runs fn(engine, *args) on the engine thread between steps; returns its result."""
-        self.check_alive()
         future = asyncio.get_running_loop().create_future()
-        self._calls.put((fn, args, future))
-        self._wake.set()
+        self._enqueue(fn, args, future)
         return await future
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Runs fn(engine, *args) on the engine thread between steps, without
         waiting for it; a failure is logged."""
-        self.check_alive()
-        self._calls.put((fn, args, None))
+        self._enqueue(fn, args, None)
+
+    def _enqueue(self, fn: Callable[..., Any], args: tuple, future: asyncio.Future | None) -> None:
+        """Queues a call, or raises EngineStoppedError: never a call the stopping thread leaves unanswered."""
+        with self._calls_lock:
+            if self._calls_closed:
+                raise EngineStoppedError(f"the engine is not running: {self._failure or 'shut down'}")
+            self.check_alive()
+            self._calls.put((fn, args, future))
         self._wake.set()
 
     def attach(self, request_id: str, sink: OutputSink) -> None:
@@ -164,6 +171,7 @@ class AsyncEngine:
         except BaseException as exc:  # noqa: BLE001 - handed to ready()
             self._failure = exc
             settle_from_thread(self._ready, exc=exc)
+            self._fail_everything(exc)
             return
         try:
             self.costs.prefill_s_per_token = calibrate_prefill_cost(self.engine)
@@ -251,6 +259,8 @@ class AsyncEngine:
         self._recent_steps.append((self.costs.num_steps, step))
 
     def _fail_everything(self, exc: BaseException) -> None:
+        with self._calls_lock:
+            self._calls_closed = True
         while True:
             try:
                 _, _, future = self._calls.get_nowait()

@@ -41,6 +41,8 @@ class RequestTextState:
             self.text += self.detokenizer.add_token(token_id)
         self.num_emitted_tokens = len(resumed.token_ids)
         self.num_emitted_chars = min(resumed.num_sent_chars, len(self.text))
+        if self.logprobs is not None and resumed.logprobs is not None:
+            self.logprobs = list(resumed.logprobs)   # outputs' logprobs stay one per token
 
     def append(self, token_id: int, logprobs: TokenLogprobs | None) -> None:
         """Adds a sampled token to the sequence (in place of its oldest pending

@@ -35,3 +35,4 @@ class ResumedOutput:
     past it. The request's outputs carry only what follows."""
     token_ids: list[int]
     num_sent_chars: int        # characters of its text the client already has
+    logprobs: list[TokenLogprobs] | None = None   # one per token, when the request asks for them

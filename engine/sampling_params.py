@@ -97,9 +97,11 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             raise _out_of_range("min_p", self.min_p, "in [0, 1]")
 
-        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty, "> 0")
-        if not self.repetition_penalty > 0.0:
-            raise _out_of_range("repetition_penalty", self.repetition_penalty, "> 0")
+        # bounded so that logits scaled by it stay finite and non-zero in float32
+        rep_allowed = "in [0.0001, 10000]"
+        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty, rep_allowed)
+        if not 1e-4 <= self.repetition_penalty <= 1e4:
+            raise _out_of_range("repetition_penalty", self.repetition_penalty, rep_allowed)
 
         for name in ("presence_penalty", "frequency_penalty"):
             value = _check_float(name, getattr(self, name), "in [-2, 2]")

@@ -128,7 +128,9 @@ class Scheduler:
                 continue
             remaining = seq.num_uncomputed_tokens
             is_decode = remaining == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
-            if (is_decode and not decode) or (not is_decode and not prefill):
+            # a decode-only step still runs the recompute of a preempted sequence (it has output
+            # tokens: see 2.), whose later chunks come here as a running prefill
+            if (is_decode and not decode) or (not is_decode and not prefill and seq.num_output_tokens == 0):
                 i += 1
                 continue
             n = min(remaining, budget)

@@ -105,7 +105,8 @@ class _Accumulator:
 
     def resumed(self) -> ResumedOutput:
         """What a worker that continues this request must know of its output so far."""
-        return ResumedOutput(list(self.token_ids), len(self.text))
+        return ResumedOutput(list(self.token_ids), len(self.text),
+                             None if self.logprobs is None else list(self.logprobs))
 
     def add(self, delta: TokenDelta) -> RequestOutput:
         self.token_ids += delta.token_ids

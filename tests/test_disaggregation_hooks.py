@@ -66,12 +66,16 @@ def test_min_tokens_holds_on_the_prefill_side(model_dirs):
     assert out.token_ids[0] != first
 
 
-def test_decode_only_engine_readmits_what_it_preempts(model_dirs, reference):
+@pytest.mark.parametrize("tokens_per_step", [2048, 16])
+def test_decode_only_engine_readmits_what_it_preempts(model_dirs, reference, tokens_per_step):
     """Three received sequences that outgrow a 16-block pool: the decode-only
-    engine preempts, recomputes, and still finishes all of them correctly."""
+    engine preempts, recomputes, and still finishes all of them correctly, also
+    when a recompute takes several steps' budgets (its later chunks run in
+    decode-only steps too)."""
     prefill = LLMEngine(EngineConfig(model=str(model_dirs["tiny"]), max_model_len=64, block_size=4))
     decode = LLMEngine(EngineConfig(model=str(model_dirs["tiny"]), max_model_len=64, block_size=4,
-                                    num_kv_blocks=16, enable_prefix_caching=False))
+                                    num_kv_blocks=16, enable_prefix_caching=False,
+                                    max_num_batched_tokens=tokens_per_step))
     prompts = _prompts(3, seed=2)
     prompts = [(p * 4)[:12] for p in prompts]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -91,6 +95,7 @@ def test_decode_only_engine_readmits_what_it_preempts(model_dirs, reference):
             break
     assert decode.scheduler.num_preemptions > 0
     assert sorted(done) == [0, 1, 2]
+    assert decode.block_manager.num_free_blocks == 16
     full = reference("tiny").model
     import torch
     for i, p in enumerate(prompts):

@@ -34,15 +34,19 @@ def _sent_after(outs, num_tokens: int) -> int:
 @pytest.mark.parametrize("resume_at", [1, 6, 13])
 def test_seeded_sampling_with_penalties_resumes_as_the_undisturbed_run(engine, resume_at):
     params = SamplingParams(temperature=0.9, top_k=40, seed=11, presence_penalty=0.7, frequency_penalty=0.4,
-                            max_tokens=20, ignore_eos=True)
+                            max_tokens=20, ignore_eos=True, logprobs=1)
     whole = _stream(engine, "whole", params)
     tokens, text = whole[-1].token_ids, whole[-1].text
     assert len(tokens) == 20
     sent = _sent_after(whole, resume_at)
-    rest = _stream(engine, f"rest{resume_at}", params, ResumedOutput(tokens[:resume_at], sent))
+    earlier = whole[-1].logprobs[:resume_at]
+    rest = _stream(engine, f"rest{resume_at}", params, ResumedOutput(tokens[:resume_at], sent, earlier))
     assert [t for o in rest for t in o.delta_token_ids] == tokens[resume_at:]
     assert text[:sent] + "".join(o.delta_text for o in rest) == text
     assert (rest[-1].finished, rest[-1].finish_reason) == (True, "length")
+    # the output's logprobs are one per token, the earlier ones included
+    assert [lp.token_id for lp in rest[-1].logprobs] == rest[-1].token_ids == tokens
+    assert [round(lp.logprob, 4) for lp in rest[-1].logprobs] == [round(lp.logprob, 4) for lp in whole[-1].logprobs]
 
 
 def test_a_stop_string_across_the_resume_point_is_found(engine):

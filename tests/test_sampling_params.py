@@ -39,8 +39,10 @@ def test_error_is_a_value_error_with_field_value_and_range():
     ("top_k", -2, ">= 1"),
     ("min_p", -0.01, r"in \[0, 1\]"),
     ("min_p", 1.01, r"in \[0, 1\]"),
-    ("repetition_penalty", 0.0, "> 0"),
-    ("repetition_penalty", -1.0, "> 0"),
+    ("repetition_penalty", 0.0, r"in \[0.0001, 10000\]"),
+    ("repetition_penalty", -1.0, r"in \[0.0001, 10000\]"),
+    ("repetition_penalty", 1e-46, r"in \[0.0001, 10000\]"),   # 0 in float32: NaN logits
+    ("repetition_penalty", 20000.0, r"in \[0.0001, 10000\]"),   # 1e39 would be inf in float32
     ("presence_penalty", 2.01, r"in \[-2, 2\]"),
     ("presence_penalty", -2.01, r"in \[-2, 2\]"),
     ("frequency_penalty", 2.5, r"in \[-2, 2\]"),

@@ -27,3 +27,33 @@ def test_a_worker_whose_engine_stopped_is_unavailable():
     with pytest.raises(BackendUnavailableError, match="the decode worker is unavailable: the engine is not running"):
         with unwrapped_errors("decode"):
             raise _raised_in_replica(EngineStoppedError("the engine is not running: a step failed"))
+
+
+def test_a_call_queued_as_the_engine_stops_is_answered(model_dirs):
+    """The engine thread stops (here: shut down from another thread) between a
+    call's liveness check and its queueing: the call is still answered, with
+    EngineStoppedError, instead of waiting for ever."""
+    import asyncio
+    import queue
+    import threading
+    import time
+
+    from engine import EngineConfig, LLMEngine
+    from engine.async_engine import AsyncEngine
+
+    config = EngineConfig(model=str(model_dirs["tiny"]), max_model_len=64, cpu_threads=1)
+
+    class SlowQueue(queue.SimpleQueue):
+        def put(self, item, *args):
+            time.sleep(0.5)          # the engine thread stops meanwhile
+            super().put(item, *args)
+
+    async def main():
+        engine = AsyncEngine(lambda: LLMEngine(config), name="stopping-test")
+        await engine.ready()
+        engine._calls = SlowQueue()
+        threading.Timer(0.1, engine.shutdown).start()
+        await asyncio.wait_for(engine.call(lambda e: "ran"), 10)
+
+    with pytest.raises(EngineStoppedError):
+        asyncio.run(main())
