@@ -134,6 +134,7 @@ class LimitsSection(_Strict):
     max_tokens: int | None = Field(None, ge=1, description="null: what the context leaves")
     max_logprobs: int = Field(20, ge=0)
     max_stop_sequences: int = Field(16, ge=0)
+    max_stop_token_ids: int = Field(256, ge=0)
 
 
 class Resources(_Strict):

@@ -9,12 +9,16 @@ the body size. An ASGI middleware, so a refused request costs no parsing.
 - Body limit: a request whose body is larger than `max_body_bytes` gets 413,
   from its Content-Length before anything is read, or once the bytes read pass
   the limit (chunked uploads: the body is read here and replayed to the app).
+- Request id: a client's `X-Request-Id` (printable ASCII, at most 128
+  characters) comes back on every response to it, errors included, unless
+  the route set one itself.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -30,19 +34,22 @@ def api_key_digest(key: str) -> str:
 
 class HttpGuard:
     def __init__(self, app: ASGIApp, *, api_key_sha256: str | None = None, protect_metrics: bool = True,
-                 max_body_bytes: int | None = None):
+                 max_body_bytes: int | None = None, on_error: Callable[[int], None] | None = None):
+        """`on_error(status)`: called for each request refused here (401, 413)."""
         self.app = app
         self.digest = api_key_sha256.lower() if api_key_sha256 else None
         self.protect_metrics = protect_metrics
         self.max_body_bytes = max_body_bytes
+        self.on_error = on_error
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        send = _with_request_id(scope, send)
         if self.digest is not None and self._needs_key(scope["path"]) and not self._authorized(scope):
-            await _reply(scope, receive, send, 401, "Incorrect API key provided: send it as 'Authorization: "
-                         "Bearer KEY'.", "invalid_api_key", {"www-authenticate": "Bearer"})
+            await self._refuse(scope, receive, send, 401, "Incorrect API key provided: send it as 'Authorization: "
+                               "Bearer KEY'.", "invalid_api_key", {"www-authenticate": "Bearer"})
             return
         limit = self.max_body_bytes
         if limit is None:
@@ -50,20 +57,22 @@ class HttpGuard:
             return
         length = _header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            await _reply(scope, receive, send, 413, _too_large(limit), "request_too_large")
+            await self._refuse(scope, receive, send, 413, _too_large(limit), "request_too_large")
             return
         # Read the body here (the routes read all of it anyway), so that one sent without a
         # Content-Length is refused as soon as it passes the limit; the app gets it replayed.
-        body, more = b"", True
+        chunks, size, more = [], 0, True
         while more:
             message = await receive()
             if message["type"] != "http.request":
                 return                                   # the client left
-            body += message.get("body", b"")
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
             more = message.get("more_body", False)
-            if len(body) > limit:
-                await _reply(scope, receive, send, 413, _too_large(limit), "request_too_large")
+            if size > limit:
+                await self._refuse(scope, receive, send, 413, _too_large(limit), "request_too_large")
                 return
+        body = b"".join(chunks)
         replayed = False
 
         async def replay() -> Message:
@@ -74,6 +83,14 @@ class HttpGuard:
             return await receive()                       # later reads wait for a disconnect
 
         await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, status: int, message: str, code: str,
+                      headers: dict[str, str] | None = None) -> None:
+        if self.on_error is not None:
+            self.on_error(status)
+        response = to_response(OpenAIError(status, message, type="invalid_request_error", code=code))
+        response.headers.update(headers or {})
+        await response(scope, receive, send)
 
     def _needs_key(self, path: str) -> bool:
         if path in OPEN_PATHS:
@@ -99,8 +116,26 @@ def _too_large(limit: int) -> str:
     return f"The request body is larger than this server accepts ({limit} bytes)."
 
 
-async def _reply(scope: Scope, receive: Receive, send: Send, status: int, message: str, code: str,
-                 headers: dict[str, str] | None = None) -> None:
-    response = to_response(OpenAIError(status, message, type="invalid_request_error", code=code))
-    response.headers.update(headers or {})
-    await response(scope, receive, send)
+def client_request_id(scope: Scope) -> str | None:
+    """The client's X-Request-Id when it is printable ASCII of at most 128 characters."""
+    value = _header(scope, b"x-request-id")
+    if value and len(value) <= 128 and all(" " < c <= "~" for c in value):
+        return value
+    return None
+
+
+def _with_request_id(scope: Scope, send: Send) -> Send:
+    """`send` that puts the client's X-Request-Id on the response, unless the route set one."""
+    request_id = client_request_id(scope)
+    if request_id is None:
+        return send
+
+    async def send_with_id(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = list(message.get("headers", []))
+            if not any(key.lower() == b"x-request-id" for key, _ in headers):
+                headers.append((b"x-request-id", request_id.encode()))
+                message = {**message, "headers": headers}
+        await send(message)
+
+    return send_with_id

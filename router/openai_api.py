@@ -45,7 +45,7 @@ from router.errors import (
     from_exception,
     install_error_handlers,
 )
-from router.http_guard import HttpGuard
+from router.http_guard import HttpGuard, client_request_id
 from router.metrics import ServingMetrics
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.responses import (
@@ -64,6 +64,10 @@ T = TypeVar("T")
 
 # nginx's "client closed request"; nobody reads it, but logs show what happened.
 _CLIENT_CLOSED = 499
+# /v1/completions without max_tokens generates this many, as OpenAI's and vLLM's do
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+# longer text is tokenized on a worker thread (~1 ms of tokenizing on the event loop at most)
+_INLINE_TOKENIZE_CHARS = 16_384
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,7 @@ class RequestLimits:
     max_logprobs: int = 20
     max_stop_sequences: int = 16
     max_body_bytes: int | None = 16 << 20
+    max_stop_token_ids: int = 256
 
 
 def build_openai_app(backend: GenerationBackend, tokenizer: Any, metrics: ServingMetrics, *,
@@ -88,7 +93,7 @@ def build_openai_app(backend: GenerationBackend, tokenizer: Any, metrics: Servin
     app = FastAPI(title="pdserve", summary="OpenAI-compatible API")
     install_error_handlers(app, on_error=metrics.observe_error)
     app.add_middleware(HttpGuard, api_key_sha256=api_key_sha256, protect_metrics=protect_metrics,
-                       max_body_bytes=limits.max_body_bytes)
+                       max_body_bytes=limits.max_body_bytes, on_error=metrics.observe_error)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -119,6 +124,13 @@ def build_openai_app(backend: GenerationBackend, tokenizer: Any, metrics: Servin
     return app
 
 
+def _longest_token_chars(tokenizer: Any) -> int:
+    """The most characters one token's text can have (a token's string form, bytes
+    spelled one character each, is never shorter than its text), at least 1."""
+    vocab = tokenizer.get_vocab()
+    return max(1, max((len(token) for token in vocab), default=1))
+
+
 class _ClientDisconnected(Exception):
     """The client went away before the response started."""
 
@@ -136,6 +148,7 @@ class _Server:
         self.info = backend.model_info()
         self.prefix = request_id_prefix
         self.created = int(time.time())
+        self.max_token_chars = _longest_token_chars(tokenizer)
 
     def models(self) -> dict[str, Any]:
         card = {"id": self.info.served_model_name, "object": "model", "created": self.created,
@@ -153,10 +166,14 @@ class _Server:
         body.check_supported()
         self._check_request_limits(body)
         self._admit(None, None)
-        prompt_ids = self._tokenize(body)
         prompt_param = "messages" if chat else "prompt"
+        self._check_text_length(body, prompt_param)
+        prompt_ids = await self._tokenize(body)
         self._check_prompt(prompt_ids, prompt_param)
+        # chat: the rest of the context; completions: 16, as OpenAI's and vLLM's
         default_max = self.info.max_model_len - len(prompt_ids)
+        if not chat:
+            default_max = min(default_max, COMPLETION_DEFAULT_MAX_TOKENS)
         if self.limits.max_tokens is not None:
             default_max = min(default_max, self.limits.max_tokens)
         params = body.to_sampling_params(default_max)
@@ -164,6 +181,8 @@ class _Server:
 
         fmt = ChatResponses(self.tokenizer) if chat else CompletionResponses(self.tokenizer)
         request_id = f"{'chat' if chat else ''}{self.prefix}-{uuid.uuid4().hex}"
+        # the response names the request by the client's X-Request-Id when it sent one
+        id_header = {"x-request-id": client_request_id(request.scope) or request_id}
         admitted = self._admit(len(prompt_ids), params.max_tokens)
         gen = _Generation(self, request_id, prompt_ids, params, arrival, admitted)
         header = {"id": request_id, "object": fmt.chunk_object if body.stream else fmt.object,
@@ -172,7 +191,7 @@ class _Server:
             if body.stream:
                 first = await _unless_disconnected(request, gen.next())
                 return _EventStream(self._events(gen, first, fmt, header, body.include_usage),
-                                    media_type="text/event-stream")
+                                    media_type="text/event-stream", headers=id_header)
             final = await _unless_disconnected(request, gen.run_to_end())
         except _ClientDisconnected:
             await gen.close("abort")
@@ -183,18 +202,39 @@ class _Server:
         await gen.close(final.finish_reason)
         logprobs = fmt.logprobs(final.logprobs, 0)[0] if final.logprobs is not None else None
         return JSONResponse({**header, "choices": [fmt.choice(final.text, logprobs, final)],
-                             "usage": usage(len(prompt_ids), final)})
+                             "usage": usage(len(prompt_ids), final)}, headers=id_header)
 
-    def _tokenize(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
-        if isinstance(body, CompletionRequest):
-            if isinstance(body.prompt, str):
-                return list(self.tokenizer.encode(body.prompt,
-                                                  add_special_tokens=body.add_special_tokens))
+    def _check_text_length(self, body: CompletionRequest | ChatCompletionRequest, param: str) -> None:
+        """Refuses, before tokenizing, text that cannot fit the context whatever its
+        tokens: more characters than the context's tokens could spell."""
+        chars = body.text_length()
+        limit = self.info.max_model_len
+        if chars > limit * self.max_token_chars:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens. However, your {param} has "
+                f"{chars} characters, more than {limit} tokens can hold. Please reduce the length of "
+                f"the {param}.", param=param)
+
+    async def _tokenize(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        """The prompt's token ids; a long text is tokenized off the event loop, which
+        every stream of this router shares."""
+        if isinstance(body, CompletionRequest) and not isinstance(body.prompt, str):
             return list(body.prompt)
+        if body.text_length() <= _INLINE_TOKENIZE_CHARS:
+            return self._tokenize_text(body)
+        return await anyio.to_thread.run_sync(self._tokenize_text, body)
+
+    def _tokenize_text(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        try:
+            if isinstance(body, CompletionRequest):
+                return list(self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+        except (TypeError, ValueError) as exc:   # e.g. text the tokenizer cannot take
+            raise InvalidRequestError(f"The prompt cannot be tokenized: {exc}", param="prompt") from None
         try:
             ids = self.tokenizer.apply_chat_template(
                 body.chat_messages(), add_generation_prompt=body.add_generation_prompt,
-                tokenize=True)
+                continue_final_message=body.continue_final_message, tokenize=True,
+                **(body.chat_template_kwargs or {}))
         except Exception as exc:  # noqa: BLE001 - templates refuse messages by raising anything
             raise InvalidRequestError(f"The chat template cannot render these messages: {exc}",
                                       param="messages") from None
@@ -234,6 +274,10 @@ class _Server:
         if len(stops) > lim.max_stop_sequences:
             raise InvalidRequestError(f"stop has {len(stops)} sequences; this server allows at most "
                                       f"{lim.max_stop_sequences}.", param="stop")
+        stop_ids = body.stop_token_ids or []
+        if len(stop_ids) > lim.max_stop_token_ids:
+            raise InvalidRequestError(f"stop_token_ids has {len(stop_ids)} ids; this server allows at most "
+                                      f"{lim.max_stop_token_ids}.", param="stop_token_ids")
 
     def _check_prompt(self, ids: list[int], param: str) -> None:
         if self.limits.max_prompt_tokens is not None and len(ids) > self.limits.max_prompt_tokens:

@@ -53,7 +53,25 @@ class StreamOptions(BaseModel):
 
 _UNSUPPORTED_EXTENSIONS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
                            "include_stop_str_in_output", "allowed_token_ids", "bad_words", "logits_processors",
-                           "prompt_logprobs", "use_beam_search", "truncate_prompt_tokens")
+                           "prompt_logprobs", "use_beam_search", "truncate_prompt_tokens",
+                           "return_tokens_as_token_ids", "cache_salt")
+# apply_chat_template's own arguments: not for a request's chat_template_kwargs to set
+_TEMPLATE_ARGUMENTS = frozenset({"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                                 "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                                 "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                                 "tokenizer_kwargs"})
+
+
+def _valid_text(value: object) -> object:
+    """A string (or each string of a list) without lone UTF-16 surrogates, which
+    JSON can carry but no UTF-8 tokenizer or response can."""
+    for text in value if isinstance(value, list) else [value]:
+        if isinstance(text, str):
+            for i, char in enumerate(text):
+                if "\ud800" <= char <= "\udfff":
+                    raise _shape_error(f"has a lone UTF-16 surrogate (U+{ord(char):04X}) at character {i}, which "
+                                       "is not text; send the character it belongs to")
+    return value
 
 
 class _GenerationRequest(BaseModel):
@@ -99,6 +117,13 @@ class _GenerationRequest(BaseModel):
     prompt_logprobs: Any = None
     use_beam_search: Any = None
     truncate_prompt_tokens: Any = None
+    return_tokens_as_token_ids: Any = None
+    cache_salt: Any = None
+
+    @field_validator("model", "user", "stop")
+    @classmethod
+    def _shared_text(cls, value: object) -> object:
+        return _valid_text(value)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -108,6 +133,10 @@ class _GenerationRequest(BaseModel):
         if isinstance(value, list) and all(isinstance(s, str) for s in value):
             return value
         raise _shape_error("must be a string or a list of strings")
+
+    def text_length(self) -> int:
+        """Characters of prompt text the request carries (0 for token ids)."""
+        raise NotImplementedError
 
     @property
     def include_usage(self) -> bool:
@@ -223,6 +252,14 @@ class CompletionRequest(_GenerationRequest):
             return value
         raise _shape_error("must be a string, a list of token ids, or a list holding one of those")
 
+    @field_validator("prompt", "suffix")
+    @classmethod
+    def _prompt_text(cls, value: object) -> object:
+        return _valid_text(value)
+
+    def text_length(self) -> int:
+        return len(self.prompt) if isinstance(self.prompt, str) else 0
+
     def check_supported(self) -> None:
         super().check_supported()
         if self.best_of is not None and self.best_of != 1:
@@ -269,6 +306,11 @@ class ChatMessage(BaseModel):
         # Templates written for plain-string content get the parts joined, as vLLM does.
         return "\n".join(texts)
 
+    @field_validator("content", "name")
+    @classmethod
+    def _message_text(cls, value: object) -> object:
+        return _valid_text(value)
+
     @model_validator(mode="after")
     def _content_required(self) -> ChatMessage:
         # Only an assistant turn may omit content (OpenAI allows it next to tool calls).
@@ -285,6 +327,11 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None  # OpenAI's newer name; wins over max_tokens
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False   # vLLM: the reply continues the last (assistant) message
+    chat_template_kwargs: dict[str, Any] | None = None   # vLLM: extra variables for the template
+    echo: Any = None                         # vLLM's chat echo, a custom template, best_of: refused
+    chat_template: Any = None
+    best_of: Any = None
 
     @field_validator("messages")
     @classmethod
@@ -301,10 +348,34 @@ class ChatCompletionRequest(_GenerationRequest):
     def max_tokens_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
+    def text_length(self) -> int:
+        return sum(len(m.content or "") + len(m.name or "") for m in self.messages)
+
     def check_supported(self) -> None:
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs=true.", param="top_logprobs")
+        if self.echo:
+            raise InvalidRequestError("echo is not supported; the last message is not returned with the reply. "
+                                      "Remove echo.", param="echo")
+        if self.chat_template is not None:
+            raise InvalidRequestError("chat_template is not supported: this server renders every conversation "
+                                      "with the model's own template. Remove it.", param="chat_template")
+        if self.best_of not in (None, 1):
+            raise InvalidRequestError("best_of > 1 is not supported; send one request per candidate.",
+                                      param="best_of")
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true: "
+                                          "set add_generation_prompt to false.", param="continue_final_message")
+            if self.messages[-1].role != "assistant":
+                raise InvalidRequestError("continue_final_message continues the last message, which must be the "
+                                          f"assistant's (it is the {self.messages[-1].role}'s).",
+                                          param="continue_final_message")
+        clashes = sorted(set(self.chat_template_kwargs or {}) & _TEMPLATE_ARGUMENTS)
+        if clashes:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(clashes)}: use the request "
+                                      "fields for these.", param="chat_template_kwargs")
         for i, message in enumerate(self.messages):
             for name in ("tool_calls", "function_call"):
                 if getattr(message, name):

@@ -64,6 +64,20 @@ def test_metrics_can_stay_open_and_no_key_means_no_check(tokenizer):
     assert completion(client).status_code == 200
 
 
+def test_refusals_here_are_counted_by_status(tokenizer):
+    metrics = ServingMetrics()
+    backend = FakeBackend(tokenizer, len(tokenizer))
+    client = TestClient(build_openai_app(backend, tokenizer, metrics, api_key_sha256=api_key_digest(KEY),
+                                         limits=RequestLimits(max_body_bytes=2048)), raise_server_exceptions=False)
+    good = {"Authorization": f"Bearer {KEY}"}
+    assert completion(client).status_code == 401
+    assert completion(client, good, prompt="x " * 2000).status_code == 413
+    assert completion(client, good, n=2).status_code == 400
+    text = metrics.render()[0].decode()
+    for status in (400, 401, 413):
+        assert f'pdserve_request_errors_total{{status="{status}"}} 1.0' in text, text
+
+
 def test_a_body_past_the_limit_gets_413(tokenizer):
     client, backend = client_for(tokenizer, limits=RequestLimits(max_body_bytes=2048))
     r = completion(client, prompt="x " * 2000)

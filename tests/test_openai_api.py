@@ -178,13 +178,18 @@ def test_completion_maps_the_request_and_returns_the_full_text(client, backend, 
     assert backend.closed_early == []
 
 
-def test_completion_defaults_max_tokens_to_the_rest_of_the_context(client, backend):
+def test_max_tokens_defaults_to_16_for_completions_and_the_rest_of_the_context_for_chat(client, backend):
     response = client.post("/v1/completions", json={"prompt": [[5, 6, 7]]})  # model optional
     assert response.status_code == 200, response.text
     _, seen_ids, params = backend.calls[0]
     assert seen_ids == [5, 6, 7]
-    assert params.max_tokens == MAX_MODEL_LEN - 3
+    assert params.max_tokens == 16                              # as OpenAI's and vLLM's
     assert params.temperature == SamplingParams().temperature  # unset: the engine's default
+    assert client.post("/v1/completions", json={"prompt": [5] * (MAX_MODEL_LEN - 4)}).status_code == 200
+    assert backend.calls[1][2].max_tokens == 4                  # less than 16 left: what is left
+    assert client.post("/v1/chat/completions", json={"messages": USER}).status_code == 200
+    _, chat_ids, params = backend.calls[2]
+    assert params.max_tokens == MAX_MODEL_LEN - len(chat_ids)
 
 
 def test_completion_logprobs_in_openai_format(client, backend, tokenizer):
@@ -410,10 +415,32 @@ LONG = list(range(3, 3 + MAX_MODEL_LEN))
      "maximum context length"),
     (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "21"),
     (CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs", "requires logprobs=true"),
+    (COMPLETIONS, {"prompt": "Hi \ud800"}, 400, "prompt", "lone UTF-16 surrogate (U+D800) at character 3"),
+    (COMPLETIONS, {"prompt": "Hi", "model": "\udc00"}, 400, "model", "lone UTF-16 surrogate"),
+    (COMPLETIONS, {"prompt": "Hi", "stop": ["a", "\ud83d"]}, 400, "stop", "lone UTF-16 surrogate"),
+    (CHAT, {"messages": [{"role": "user", "content": "\ud83d"}]}, 400, "messages[0].content", "surrogate"),
+    (COMPLETIONS, {"prompt": "x" * 100_000}, 400, "prompt", "your prompt has 100000 characters, more than 64 "
+     "tokens can hold"),
+    (COMPLETIONS, {"prompt": "Hi", "stop_token_ids": list(range(300))}, 400, "stop_token_ids",
+     "has 300 ids; this server allows at most 256"),
+    (CHAT, {"messages": USER, "echo": True}, 400, "echo", "echo is not supported"),
+    (CHAT, {"messages": USER, "chat_template": "{{ messages }}"}, 400, "chat_template", "model's own template"),
+    (CHAT, {"messages": USER, "best_of": 2}, 400, "best_of", "not supported"),
+    (CHAT, {"messages": USER, "cache_salt": "tenant-a"}, 400, "cache_salt", "not supported"),
+    (COMPLETIONS, {"prompt": "Hi", "return_tokens_as_token_ids": True}, 400, "return_tokens_as_token_ids",
+     "not supported"),
+    (CHAT, {"messages": USER, "chat_template_kwargs": {"tokenize": False}}, 400, "chat_template_kwargs",
+     "may not set tokenize"),
+    (CHAT, {"messages": USER + [{"role": "assistant", "content": "The"}], "continue_final_message": True}, 400,
+     "continue_final_message", "set add_generation_prompt to false"),
+    (CHAT, {"messages": USER, "continue_final_message": True, "add_generation_prompt": False}, 400,
+     "continue_final_message", "must be the assistant's (it is the user's)"),
 ])
 def test_bad_requests_get_openai_errors_and_the_app_keeps_serving(
         client, backend, path, body, status, param, fragment):
-    error = assert_openai_error(client.post(path, json=body), status, param, fragment)
+    # JSON as clients send it: ASCII, so a lone surrogate travels as its \uXXXX escape
+    sent = client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+    error = assert_openai_error(sent, status, param, fragment)
     assert error["code"] == ("model_not_found" if status == 404 else None)
     assert backend.calls == []  # refused before reaching the backend
     assert client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 1}).status_code == 200
@@ -502,3 +529,55 @@ def test_client_disconnect_closes_the_backend_stream(app, backend, metrics, stre
     exposition = metrics.render()[0]
     assert b'pdserve_requests_total{finish_reason="abort"} 1.0' in exposition
     assert b"pdserve_e2e_request_latency_seconds_count 0.0" in exposition  # cut off: no latency
+
+
+def test_continue_final_message_renders_the_assistants_turn_open(client, backend, tokenizer):
+    messages = USER + [{"role": "assistant", "content": "The answer is"}]
+    r = client.post(CHAT, json={"messages": messages, "continue_final_message": True,
+                                "add_generation_prompt": False, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    prompt = tokenizer.decode(backend.calls[0][1])
+    assert prompt.endswith("The answer is"), prompt          # no end-of-turn after it: the reply continues it
+    closed = client.post(CHAT, json={"messages": messages, "add_generation_prompt": False, "max_tokens": 2})
+    assert closed.status_code == 200 and not tokenizer.decode(backend.calls[1][1]).endswith("The answer is")
+
+
+def test_long_text_is_tokenized_off_the_event_loop(client, backend, monkeypatch):
+    import asyncio
+
+    import router.openai_api as api
+
+    on_loop = []
+    server_tokenizer = backend.tokenizer
+    encode = server_tokenizer.encode
+
+    def recording_encode(*args, **kwargs):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            on_loop.append(False)
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(server_tokenizer, "encode", recording_encode)
+    monkeypatch.setattr(api, "_INLINE_TOKENIZE_CHARS", 10)
+    assert client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 1}).status_code == 200
+    assert client.post(COMPLETIONS, json={"prompt": "Hi there, a longer one", "max_tokens": 1}).status_code == 200
+    assert on_loop == [True, False]
+    assert backend.calls[1][1] == encode("Hi there, a longer one")
+
+
+def test_the_response_carries_the_request_id(client):
+    r = client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 1})
+    assert r.headers["x-request-id"] == r.json()["id"]
+    mine = {"X-Request-Id": "trace-42"}
+    assert client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 1}, headers=mine).headers[
+        "x-request-id"] == "trace-42"
+    with client.stream("POST", COMPLETIONS, json={"prompt": "Hi", "max_tokens": 2, "stream": True},
+                       headers=mine) as stream:
+        assert stream.headers["x-request-id"] == "trace-42"
+    refused = client.post(COMPLETIONS, json={"prompt": "Hi", "n": 3}, headers=mine)
+    assert refused.status_code == 400 and refused.headers["x-request-id"] == "trace-42"
+    assert "x-request-id" not in client.post(COMPLETIONS, json={"prompt": "Hi", "n": 3},
+                                             headers={"X-Request-Id": "bad id\t"}).headers
+
