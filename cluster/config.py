@@ -412,13 +412,16 @@ def _with_dotted(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, A
         *sections, leaf = key.split(".")
         model: type[BaseModel] = DeploymentConfig
         node = data
-        for part in sections:
+        for depth, part in enumerate(sections, 1):
             field = model.model_fields.get(part)
             if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
                 raise ValueError(f"unknown setting {key!r}")
             model = field.annotation
-            if not isinstance(node.get(part), dict):
+            if node.get(part) is None:             # missing, or an empty section in the file
                 node[part] = {}
+            elif not isinstance(node[part], dict):
+                raise ConfigFileError(f"{'.'.join(sections[:depth])} must be a section of "
+                                      f"settings (a mapping), not {type(node[part]).__name__}; {key} cannot be set")
             node = node[part]
         if leaf not in model.model_fields:
             raise ValueError(f"unknown setting {key!r}")
@@ -432,5 +435,8 @@ def _named_variable(setting: str, name: str, instead: str) -> str:
     import os
     value = os.environ.get(name)
     if not value:
-        raise ValueError(f"{setting} names {name}, which is not set here; {instead}")
+        # named only when it looks like a variable's name: a secret pasted in its place stays unprinted
+        shown = name if re.fullmatch(r"[A-Z][A-Z0-9_]{0,63}", name) else "a variable"
+        raise ValueError(f"{setting} names {shown}, which is not set here (it must hold the name of an "
+                         f"environment variable, not the secret itself); {instead}")
     return value

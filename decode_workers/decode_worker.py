@@ -25,6 +25,7 @@ import enum
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -45,6 +46,8 @@ from engine.engine_config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine, StepStats
 from engine.outputs import RequestOutput, ResumedOutput
+from engine.sampler import advanced_generator_state
+from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -132,10 +135,10 @@ class DecodeWorker:
         subscriber.request_ids.add(rid)
         try:
             if request.prefill is None:
-                resumed = request.resume.token_ids if request.resume is not None else []
+                resume = await self._advanced(request.resume, request.params)
+                resumed = resume.token_ids if resume is not None else []
                 self._queued_prompt_tokens[rid] = len(request.prompt_token_ids) + len(resumed)
-                await self._engine.call(_add_request, rid, request.prompt_token_ids, request.params,
-                                        request.resume)
+                await self._engine.call(_add_request, rid, request.prompt_token_ids, request.params, resume)
                 return Admitted(self.replica_id)
             return await self._receive(request)
         except BaseException:
@@ -144,6 +147,17 @@ class DecodeWorker:
             self._queued_prompt_tokens.pop(rid, None)
             await self._engine.call_for_cleanup(self._abort, rid)
             raise
+
+    async def _advanced(self, resume: ResumedOutput | None, params: SamplingParams) -> ResumedOutput | None:
+        """`resume` with a seeded request's generator advanced past its tokens, on a
+        thread of its own: one vocabulary-sized draw per token, which on the engine
+        thread would hold up every request's next step."""
+        if resume is None or params.seed is None or params.is_greedy or resume.generator_state is not None:
+            return resume
+        engine = self._engine.engine
+        state = await asyncio.to_thread(advanced_generator_state, params.seed, len(resume.token_ids),
+                                        engine.model_config.vocab_size, engine.device)
+        return dataclasses.replace(resume, generator_state=state)
 
     async def _receive(self, request: DecodeRequest) -> Admitted:
         if self._peer is None or not self.receivers:

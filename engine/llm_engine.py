@@ -222,7 +222,10 @@ class LLMEngine:
         self.validate_prompt(seq.token_ids + list(resume.token_ids))
         seq.token_ids.extend(resume.token_ids)
         if seq.generator is not None and not seq.params.is_greedy:
-            skip_draws(seq.generator, len(resume.token_ids), self.model_config.vocab_size)
+            if resume.generator_state is not None:
+                seq.generator.set_state(resume.generator_state)
+            else:
+                skip_draws(seq.generator, len(resume.token_ids), self.model_config.vocab_size)
         state.resume(resume)
 
     def abort_request(self, request_id: str) -> bool:

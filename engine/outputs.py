@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.sampler import TokenLogprobs
 
 
@@ -36,3 +38,6 @@ class ResumedOutput:
     token_ids: list[int]
     num_sent_chars: int        # characters of its text the client already has
     logprobs: list[TokenLogprobs] | None = None   # one per token, when the request asks for them
+    # a seeded request's generator already advanced past the tokens (None: the engine advances it,
+    # one vocabulary-sized draw per token on its own thread)
+    generator_state: torch.Tensor | None = None

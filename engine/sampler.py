@@ -249,6 +249,14 @@ def skip_draws(generator: torch.Generator, num_tokens: int, vocab_size: int) -> 
         _own_noise(generator, vocab_size, torch.float32, generator.device)
 
 
+def advanced_generator_state(seed: int, num_tokens: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """The state of a request's generator (seeded with `seed`, on `device`) after
+    `num_tokens` sampled tokens; for any thread (the draws release the GIL)."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    skip_draws(generator, num_tokens, vocab_size)
+    return generator.get_state()
+
+
 def sample_from_probs(probs: torch.Tensor, generators: Sequence[torch.Generator | None],
                       batch_generator: torch.Generator | None = None) -> torch.Tensor:
     """Draw one token per row via the exponential race: argmax(probs / Exp(1) noise).

@@ -9,9 +9,6 @@ the body size. An ASGI middleware, so a refused request costs no parsing.
 - Body limit: a request whose body is larger than `max_body_bytes` gets 413,
   from its Content-Length before anything is read, or once the bytes read pass
   the limit (chunked uploads: the body is read here and replayed to the app).
-- Request id: a client's `X-Request-Id` (printable ASCII, at most 128
-  characters) comes back on every response to it, errors included, unless
-  the route set one itself.
 """
 
 from __future__ import annotations
@@ -46,7 +43,6 @@ class HttpGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        send = _with_request_id(scope, send)
         if self.digest is not None and self._needs_key(scope["path"]) and not self._authorized(scope):
             await self._refuse(scope, receive, send, 401, "Incorrect API key provided: send it as 'Authorization: "
                                "Bearer KEY'.", "invalid_api_key", {"www-authenticate": "Bearer"})
@@ -114,28 +110,3 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 def _too_large(limit: int) -> str:
     return f"The request body is larger than this server accepts ({limit} bytes)."
-
-
-def client_request_id(scope: Scope) -> str | None:
-    """The client's X-Request-Id when it is printable ASCII of at most 128 characters."""
-    value = _header(scope, b"x-request-id")
-    if value and len(value) <= 128 and all(" " < c <= "~" for c in value):
-        return value
-    return None
-
-
-def _with_request_id(scope: Scope, send: Send) -> Send:
-    """`send` that puts the client's X-Request-Id on the response, unless the route set one."""
-    request_id = client_request_id(scope)
-    if request_id is None:
-        return send
-
-    async def send_with_id(message: Message) -> None:
-        if message["type"] == "http.response.start":
-            headers = list(message.get("headers", []))
-            if not any(key.lower() == b"x-request-id" for key, _ in headers):
-                headers.append((b"x-request-id", request_id.encode()))
-                message = {**message, "headers": headers}
-        await send(message)
-
-    return send_with_id

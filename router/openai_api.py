@@ -45,7 +45,7 @@ from router.errors import (
     from_exception,
     install_error_handlers,
 )
-from router.http_guard import HttpGuard, client_request_id
+from router.http_guard import HttpGuard
 from router.metrics import ServingMetrics
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.responses import (
@@ -68,6 +68,8 @@ _CLIENT_CLOSED = 499
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 # longer text is tokenized on a worker thread (~1 ms of tokenizing on the event loop at most)
 _INLINE_TOKENIZE_CHARS = 16_384
+# text is refused untokenized past this many times the characters the context's tokens could spell
+_TEXT_MARGIN = 4
 
 
 @dataclass(frozen=True)
@@ -170,10 +172,10 @@ class _Server:
         self._check_text_length(body, prompt_param)
         prompt_ids = await self._tokenize(body)
         self._check_prompt(prompt_ids, prompt_param)
-        # chat: the rest of the context; completions: 16, as OpenAI's and vLLM's
+        # chat: the rest of the context; completions: 16 as OpenAI's and vLLM's (or min_tokens, if more)
         default_max = self.info.max_model_len - len(prompt_ids)
         if not chat:
-            default_max = min(default_max, COMPLETION_DEFAULT_MAX_TOKENS)
+            default_max = min(default_max, max(COMPLETION_DEFAULT_MAX_TOKENS, body.min_tokens or 0))
         if self.limits.max_tokens is not None:
             default_max = min(default_max, self.limits.max_tokens)
         params = body.to_sampling_params(default_max)
@@ -181,8 +183,6 @@ class _Server:
 
         fmt = ChatResponses(self.tokenizer) if chat else CompletionResponses(self.tokenizer)
         request_id = f"{'chat' if chat else ''}{self.prefix}-{uuid.uuid4().hex}"
-        # the response names the request by the client's X-Request-Id when it sent one
-        id_header = {"x-request-id": client_request_id(request.scope) or request_id}
         admitted = self._admit(len(prompt_ids), params.max_tokens)
         gen = _Generation(self, request_id, prompt_ids, params, arrival, admitted)
         header = {"id": request_id, "object": fmt.chunk_object if body.stream else fmt.object,
@@ -191,7 +191,7 @@ class _Server:
             if body.stream:
                 first = await _unless_disconnected(request, gen.next())
                 return _EventStream(self._events(gen, first, fmt, header, body.include_usage),
-                                    media_type="text/event-stream", headers=id_header)
+                                    media_type="text/event-stream")
             final = await _unless_disconnected(request, gen.run_to_end())
         except _ClientDisconnected:
             await gen.close("abort")
@@ -202,17 +202,18 @@ class _Server:
         await gen.close(final.finish_reason)
         logprobs = fmt.logprobs(final.logprobs, 0)[0] if final.logprobs is not None else None
         return JSONResponse({**header, "choices": [fmt.choice(final.text, logprobs, final)],
-                             "usage": usage(len(prompt_ids), final)}, headers=id_header)
+                             "usage": usage(len(prompt_ids), final)})
 
     def _check_text_length(self, body: CompletionRequest | ChatCompletionRequest, param: str) -> None:
         """Refuses, before tokenizing, text that cannot fit the context whatever its
         tokens: more characters than the context's tokens could spell."""
         chars = body.text_length()
         limit = self.info.max_model_len
-        if chars > limit * self.max_token_chars:
+        # a margin for normalizers and templates that drop characters before tokens are counted
+        if chars > _TEXT_MARGIN * limit * self.max_token_chars:
             raise InvalidRequestError(
                 f"This model's maximum context length is {limit} tokens. However, your {param} has "
-                f"{chars} characters, more than {limit} tokens can hold. Please reduce the length of "
+                f"{chars} characters, far more than {limit} tokens can hold. Please reduce the length of "
                 f"the {param}.", param=param)
 
     async def _tokenize(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:

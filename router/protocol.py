@@ -80,7 +80,7 @@ class _GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr | None = None           # None = the served model
-    max_tokens: StrictInt | None = None      # None = the rest of the context window
+    max_tokens: StrictInt | None = None      # None: completions 16, chat the rest of the context window
     temperature: Temperature | None = None
     top_p: StrictNumber | None = None
     top_k: StrictInt | None = None
@@ -349,7 +349,7 @@ class ChatCompletionRequest(_GenerationRequest):
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def text_length(self) -> int:
-        return sum(len(m.content or "") + len(m.name or "") for m in self.messages)
+        return sum(len(m.content or "") for m in self.messages)
 
     def check_supported(self) -> None:
         super().check_supported()

@@ -129,12 +129,34 @@ def test_autoscaled_pools_start_within_the_budget_and_bounds(autoscaling, pools,
                                                                     "min_replicas": {"prefill": 0}}})
 
 
-def test_a_secret_pasted_for_a_variables_name_is_refused_and_not_repeated():
+def test_a_secret_pasted_for_a_variables_name_is_refused_and_not_repeated(monkeypatch):
     for section, field in (("http", "api_key_env"), ("kv_transfer", "secret_env")):
         with pytest.raises(ValidationError) as info:
             DeploymentConfig.model_validate({section: {field: "sk-live-4f9a1c2b7e"}})
         assert f"{section}.{field}" in str(info.value) and "not hold the secret itself" in str(info.value)
         assert "4f9a1c2b7e" not in str(info.value)
+    # a secret that happens to look like a name is not printed either; a variable's usual name is
+    monkeypatch.delenv("MY_API_KEY", raising=False)
+    pasted = DeploymentConfig.model_validate({"http": {"api_key_env": "Zq8xK2mW9"},
+                                              "kv_transfer": {"secret_env": "a3f9c2e1"}})
+    with pytest.raises(ValueError, match="http.api_key_env names a variable, which is not set here") as info:
+        pasted.api_key_sha256()
+    assert "Zq8xK2mW9" not in str(info.value)
+    with pytest.raises(ValueError, match="kv_transfer.secret_env names a variable") as info:
+        pasted.kv_transfer_secret()
+    assert "a3f9c2e1" not in str(info.value)
+    with pytest.raises(ValueError, match="http.api_key_env names MY_API_KEY, which is not set here"):
+        DeploymentConfig.model_validate({"http": {"api_key_env": "MY_API_KEY"}}).api_key_sha256()
+
+
+def test_a_flag_does_not_hide_a_malformed_section_of_the_file(tmp_path):
+    import yaml
+    f = tmp_path / "bad.yaml"
+    f.write_text(yaml.safe_dump({"slo": 5}))
+    with pytest.raises(ConfigFileError, match="slo must be a section of settings"):
+        load_config(f, {"slo.ttft_ms": 100})
+    f.write_text("slo:\n")                    # an empty section takes the flag
+    assert load_config(f, {"slo.ttft_ms": 100}).slo.ttft_ms == 100
 
 
 def test_a_gpu_deployment_is_built_where_no_gpu_is_visible():
