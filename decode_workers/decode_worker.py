@@ -21,11 +21,11 @@ The prompt is never recomputed here after a successful transfer.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Protocol
 

@@ -38,8 +38,8 @@ from engine.errors import InvalidRequestError
 from engine.model.parallel import SINGLE_PROCESS, TensorParallel
 from engine.model_worker import KV_READ, KV_WRITE, RPC, ModelWorker, RankCallError, run_rank_call
 from engine.output_processor import RequestTextState
-from engine.preflight import step_budget_problem
 from engine.outputs import RequestOutput, ResumedOutput
+from engine.preflight import step_budget_problem
 from engine.runner import LaunchedStep, ModelRunner
 from engine.sampler import Sampler, TokenLogprobs, skip_draws
 from engine.sampling_params import SamplingParams
