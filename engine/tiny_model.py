@@ -572,12 +572,13 @@ def ensure_preset_model(preset: str) -> Path:
 def checkpoint_dir(model: str | None) -> str:
     """The checkpoint directory a `--model` / `model.path` names: a HuggingFace
     checkpoint directory as given; unset, the built-in "tiny" model; the name
-    of a preset ("bench", "tiny-mqa", ...) that is not a directory here, that
-    preset, built in pdserve's model cache on first use. Raises
-    FileNotFoundError, saying what to give, for anything else."""
+    of a preset ("bench", "tiny-mqa", ...) that is not a checkpoint directory
+    here (the repository's own bench/ folder is not one), that preset, built in
+    pdserve's model cache on first use. Raises FileNotFoundError, saying what
+    to give, for anything else."""
     if model is None:
         return str(ensure_default_model())
-    if model in PRESETS and not Path(model).exists():
+    if model in PRESETS and not (Path(model) / "config.json").is_file():
         return str(ensure_preset_model(model))
     if not (Path(model) / "config.json").is_file():
         raise FileNotFoundError(f"model {model} is not a HuggingFace checkpoint directory (no config.json); give "

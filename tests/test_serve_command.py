@@ -120,11 +120,13 @@ def test_model_names_a_checkpoint_directory_or_a_built_in_model(model_dirs, tmp_
     assert checkpoint_dir(str(model_dirs["tiny-mqa"])) == str(model_dirs["tiny-mqa"])
     with pytest.raises(FileNotFoundError, match=r"/nowhere is not a HuggingFace checkpoint .*bench, tiny"):
         checkpoint_dir("/nowhere")
-    # a directory of the preset's name here is what the user meant, checkpoint or not
+    # a checkpoint directory of the preset's name here is what the user meant; a folder that is
+    # no checkpoint (the repository's bench/) is not
     monkeypatch.chdir(tmp_path)
     (tmp_path / "bench").mkdir()
-    with pytest.raises(FileNotFoundError, match="model bench is not a HuggingFace checkpoint"):
-        checkpoint_dir("bench")
+    assert checkpoint_dir("bench") == str(preset_model_dir("bench"))
+    (tmp_path / "bench" / "config.json").write_text((Path(checkpoint_dir("tiny")) / "config.json").read_text())
+    assert checkpoint_dir("bench") == "bench"
 
 
 def test_serve_refuses_a_wrong_model_before_starting_a_cluster(tmp_path):
