@@ -73,6 +73,7 @@ def resolve_model(config: DeploymentConfig) -> tuple[str, ModelInfo]:
     what the router tells clients about it. Raises ValueError (CheckpointError,
     or the list of problems) for a directory without weights, or for settings
     the workers' engines would refuse for this model, before anything deploys."""
+    from engine.engine_config import EngineConfig
     from engine.model import ModelConfig
     from engine.model.loader import checkpoint_files
     from engine.model_worker import resolve_max_model_len
@@ -82,11 +83,9 @@ def resolve_model(config: DeploymentConfig) -> tuple[str, ModelInfo]:
     path = checkpoint_dir(config.model.path)
     checkpoint_files(Path(path))
     mc = ModelConfig.from_pretrained(path)
-    problems = []
-    for role in config.pools():
-        engine = config.engine_config(role, path)
-        max_len = resolve_max_model_len(engine, mc)
-        problems += [f"{role}: {problem}" for problem in preflight(engine, mc, max_len)]
+    max_len = resolve_max_model_len(EngineConfig(model=path, max_model_len=config.model.max_model_len), mc)
+    problems = [f"{role}: {problem}" for role in config.pools()
+                for problem in preflight(config.engine_config(role, path), mc, max_len)]
     if problems:
         raise ValueError("the workers' engines would refuse this deployment:\n  " + "\n  ".join(problems))
     name = config.model.served_model_name or Path(path).name

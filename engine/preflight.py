@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from engine.engine_config import EngineConfig
 from engine.kv_cache import GIB, KVCacheSpec
 from engine.kv_head_map import check_tp_for_heads, kv_heads_of_rank
@@ -65,7 +67,7 @@ def attention_backend_problem(config: EngineConfig, device_type: str, dtype) -> 
     if backend == "triton" and device_type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         return ("attention_backend 'triton' on CPU runs only under Triton's interpreter (TRITON_INTERPRET=1, "
                 "slow: for tests); use attention_backend 'torch' on CPU")
-    if backend == "cpp" and (device_type != "cpu" or str(dtype) != "torch.float32"):
+    if backend == "cpp" and (device_type != "cpu" or dtype != torch.float32):
         return "attention_backend 'cpp' needs float32 on CPU; use attention_backend 'torch' (or auto)"
     return None
 
@@ -73,7 +75,7 @@ def attention_backend_problem(config: EngineConfig, device_type: str, dtype) -> 
 def preflight(config: EngineConfig, mc: ModelConfig, max_model_len: int) -> list[str]:
     """Everything `config` asks that the engine would refuse for this model (empty: none found)."""
     tp = config.tensor_parallel_size
-    device_type = config.device.split(":")[0] if config.device != "auto" else config.resolved_device().type
+    device_type = config.resolved_device().type
     dtype = config.resolved_dtype(mc.torch_dtype)
     problems = [tensor_parallel_problem(mc, tp), step_budget_problem(config, max_model_len),
                 attention_backend_problem(config, device_type, dtype)]

@@ -169,8 +169,9 @@ class _Server:
         self._check_request_limits(body)
         self._admit(None, None)
         prompt_param = "messages" if chat else "prompt"
-        self._check_text_length(body, prompt_param)
-        prompt_ids = await self._tokenize(body)
+        text_chars = body.text_length()
+        self._check_text_length(text_chars, prompt_param)
+        prompt_ids = await self._tokenize(body, text_chars)
         self._check_prompt(prompt_ids, prompt_param)
         # chat: the rest of the context; completions: 16 as OpenAI's and vLLM's (or min_tokens, if more)
         default_max = self.info.max_model_len - len(prompt_ids)
@@ -204,10 +205,9 @@ class _Server:
         return JSONResponse({**header, "choices": [fmt.choice(final.text, logprobs, final)],
                              "usage": usage(len(prompt_ids), final)})
 
-    def _check_text_length(self, body: CompletionRequest | ChatCompletionRequest, param: str) -> None:
-        """Refuses, before tokenizing, text that cannot fit the context whatever its
-        tokens: more characters than the context's tokens could spell."""
-        chars = body.text_length()
+    def _check_text_length(self, chars: int, param: str) -> None:
+        """Refuses, before tokenizing, text of `chars` characters that cannot fit the
+        context whatever its tokens: far more than the context's tokens could spell."""
         limit = self.info.max_model_len
         # a margin for normalizers and templates that drop characters before tokens are counted
         if chars > _TEXT_MARGIN * limit * self.max_token_chars:
@@ -216,21 +216,21 @@ class _Server:
                 f"{chars} characters, far more than {limit} tokens can hold. Please reduce the length of "
                 f"the {param}.", param=param)
 
-    async def _tokenize(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
-        """The prompt's token ids; a long text is tokenized off the event loop, which
-        every stream of this router shares."""
+    async def _tokenize(self, body: CompletionRequest | ChatCompletionRequest, text_chars: int) -> list[int]:
+        """The prompt's token ids; a long text (`text_chars` characters) is tokenized
+        off the event loop, which every stream of this router shares."""
         if isinstance(body, CompletionRequest) and not isinstance(body.prompt, str):
             return list(body.prompt)
-        if body.text_length() <= _INLINE_TOKENIZE_CHARS:
+        if text_chars <= _INLINE_TOKENIZE_CHARS:
             return self._tokenize_text(body)
         return await anyio.to_thread.run_sync(self._tokenize_text, body)
 
     def _tokenize_text(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
-        try:
-            if isinstance(body, CompletionRequest):
+        if isinstance(body, CompletionRequest):
+            try:
                 return list(self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
-        except (TypeError, ValueError) as exc:   # e.g. text the tokenizer cannot take
-            raise InvalidRequestError(f"The prompt cannot be tokenized: {exc}", param="prompt") from None
+            except (TypeError, ValueError) as exc:   # e.g. text the tokenizer cannot take
+                raise InvalidRequestError(f"The prompt cannot be tokenized: {exc}", param="prompt") from None
         try:
             ids = self.tokenizer.apply_chat_template(
                 body.chat_messages(), add_generation_prompt=body.add_generation_prompt,

@@ -13,6 +13,7 @@ Contracts:
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -62,15 +63,17 @@ _TEMPLATE_ARGUMENTS = frozenset({"conversation", "tools", "documents", "chat_tem
                                  "tokenizer_kwargs"})
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _valid_text(value: object) -> object:
     """A string (or each string of a list) without lone UTF-16 surrogates, which
     JSON can carry but no UTF-8 tokenizer or response can."""
     for text in value if isinstance(value, list) else [value]:
-        if isinstance(text, str):
-            for i, char in enumerate(text):
-                if "\ud800" <= char <= "\udfff":
-                    raise _shape_error(f"has a lone UTF-16 surrogate (U+{ord(char):04X}) at character {i}, which "
-                                       "is not text; send the character it belongs to")
+        found = _SURROGATE.search(text) if isinstance(text, str) else None
+        if found:
+            raise _shape_error(f"has a lone UTF-16 surrogate (U+{ord(found.group()):04X}) at character "
+                               f"{found.start()}, which is not text; send the character it belongs to")
     return value
 
 

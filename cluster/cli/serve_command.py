@@ -102,9 +102,9 @@ def config_from_args(args: argparse.Namespace):
     if key:
         overrides["http.api_key_sha256"] = api_key_digest(key)   # wins over a file's api_key_env
     config = load_config(args.config, overrides)
+    not_run = set(_POOLS) - set(config.pools())
     unused = [f"--{dest.replace('_', '-')}" for dest, setting in FLAG_SETTINGS.items()
-              if getattr(args, dest, None) is not None and setting.split(".")[0] in _POOLS
-              and setting.split(".")[0] not in config.pools()]
+              if getattr(args, dest, None) is not None and setting.split(".")[0] in not_run]
     if unused:
         raise ConfigFileError(f"{', '.join(unused)} set a pool that {config.mode.value} mode does not run "
                               f"(its pools: {', '.join(config.pools())}); drop them or change --mode")
