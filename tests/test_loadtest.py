@@ -6,7 +6,10 @@ first chunk 50 ms after the request arrived and one more every 10 ms, each
 chunk one token, scheduled against the arrival time so delays do not pile up.
 `fail=500|400` answers with that HTTP error, `fail=stream_error` sends an
 error event mid-stream, `fail=abort` drops the connection mid-stream, `usage=0`
-leaves out the usage chunk. Other prompts (the CLI's datasets) get the defaults.
+leaves out the usage chunk, `eos=1` ends the output with EOS (one more step:
+a chunk with no text and finish_reason "stop", counted in the usage),
+`done=0` leaves out `data: [DONE]`. Other prompts (the CLI's datasets) get the
+defaults. With `api_key` the server answers 401 to requests without that key.
 Timing assertions leave 15 ms for a loaded two-core machine; the metric
 arithmetic itself is checked exactly on synthetic records.
 """
@@ -40,7 +43,7 @@ from bench.loadtest.datasets import (
 )
 from bench.loadtest.metrics import meets_slos, percentile, summarize, tpot, ttft
 from bench.loadtest.report import build_result, format_table
-from bench.loadtest.runner import RunConfig, run_benchmark
+from bench.loadtest.runner import RunConfig, run_benchmark, run_cancellable
 from bench.loadtest.sweep import format_sweep_table, write_plots
 from cluster.cli.main import main
 
@@ -56,8 +59,9 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 class FakeOpenAIServer:
     """A scripted OpenAI-compatible streaming server on its own thread and event loop."""
 
-    def __init__(self, default_ttft_ms: float = 20, default_itl_ms: float = 5):
+    def __init__(self, default_ttft_ms: float = 20, default_itl_ms: float = 5, api_key: str | None = None):
         self.defaults = {"ttft": default_ttft_ms, "itl": default_itl_ms}
+        self.api_key = api_key
         self.in_flight = 0
         self.max_in_flight = 0
         self.received = 0
@@ -93,12 +97,21 @@ class FakeOpenAIServer:
         loop.run_until_complete(runner.cleanup())
         loop.close()
 
+    def _unauthorized(self, request: web.Request) -> web.Response | None:
+        if self.api_key is None or request.headers.get("Authorization") == f"Bearer {self.api_key}":
+            return None
+        return web.json_response({"error": {"message": "Missing or invalid API key", "code": 401}}, status=401)
+
     async def _models(self, request: web.Request) -> web.Response:
+        if refused := self._unauthorized(request):
+            return refused
         return web.json_response({"object": "list", "data": [
             {"id": MODEL, "object": "model", "owned_by": "test", "max_model_len": 1024}]})
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         arrival = asyncio.get_running_loop().time()
+        if refused := self._unauthorized(request):
+            return refused
         with self._lock:
             self.received += 1
             self.in_flight += 1
@@ -145,10 +158,16 @@ class FakeOpenAIServer:
                 request.transport.close()
                 return resp
             await send({**header, "choices": [choice(f" t{i}")]})
+        steps = n
+        if script.get("eos") == "1":   # EOS has no text: a last chunk with only the finish reason
+            await asyncio.sleep(max(0.0, arrival + ttft_s + n * itl_s - loop.time()))
+            await send({**header, "choices": [{**choice(""), "finish_reason": "stop"}]})
+            steps += 1
         if body.get("stream_options", {}).get("include_usage") and script.get("usage") != "0":
             await send({**header, "choices": [],
-                        "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3}})
-        await resp.write(b"data: [DONE]\n\n")
+                        "usage": {"prompt_tokens": 3, "completion_tokens": steps, "total_tokens": steps + 3}})
+        if script.get("done") != "0":
+            await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
 
@@ -334,13 +353,33 @@ def test_failed_requests_are_counted_with_their_errors(server):
     assert by_index[1].error == "HTTP 500: injected 500" and by_index[1].status == 500
     assert by_index[2].error == "HTTP 400: injected 400"
     assert by_index[3].error == "stream error: injected stream error"
-    assert "ClientPayloadError" in by_index[4].error or "without data: [DONE]" in by_index[4].error
-    assert "no output text" in by_index[5].error
+    assert "ClientPayloadError" in by_index[4].error or "no data: [DONE]" in by_index[4].error
+    assert "no output chunk" in by_index[5].error
     assert "timed out after 0.5 s" in by_index[6].error
     s = summarize(result.records, num_requests=8, duration=result.duration)
     assert (s.completed, s.failed) == (2, 6) and sum(s.error_counts.values()) == 6
     table = format_table(s)
     assert "Failed requests:" in table and "HTTP 500: injected 500" in table
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_an_output_ending_with_eos_is_timed_to_its_last_step(server, endpoint):
+    # EOS is a step with no text (its chunk carries only the finish reason) and the usage counts it
+    result = run([fake(ttft=40, itl=30, n=3, eos=1), fake(ttft=40, n=0, eos=1)], server.base_url,
+                 endpoint=endpoint)
+    ended, eos_first = sorted(result.records, key=lambda r: r.index)
+    assert ended.succeeded and (ended.output_tokens, len(ended.chunk_times)) == (4, 4)
+    assert ended.finish_reason == "stop" and ended.text == " t0 t1 t2"
+    assert tpot(ended) == pytest.approx(0.030, abs=0.006)    # the text chunks alone: 60 ms / 3 = 20 ms
+    assert eos_first.succeeded and eos_first.output_tokens == 1 and eos_first.text == ""
+    assert ttft(eos_first) == pytest.approx(0.040, abs=TOL_S)
+
+
+def test_a_finished_stream_without_done_succeeds_and_a_cut_one_fails(server):
+    result = run([fake(n=3, eos=1, done=0), fake(n=3, done=0)], server.base_url)
+    finished, cut = sorted(result.records, key=lambda r: r.index)
+    assert finished.succeeded and finished.output_tokens == 4
+    assert not cut.succeeded and "before the output finished" in cut.error
 
 
 def test_an_unreachable_server_fails_every_request_without_crashing():
@@ -418,6 +457,33 @@ def test_ctrl_c_under_asyncio_run_returns_partial_results(server):
     assert (s.completed, s.unfinished) == (1, 2)
 
 
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
+                    reason="signal handlers are set in the main thread only")
+def test_ctrl_c_under_run_cancellable_returns_partial_results_on_every_python(server):
+    # asyncio.run turns SIGINT into a cancellation only from Python 3.11; run_cancellable always does
+    requests = [fake(ttft=10, n=2)] + [fake(ttft=10, itl=100, n=50)] * 2
+    config = RunConfig(base_url=server.base_url, model=MODEL, disable_tqdm=True)
+
+    async def go():
+        asyncio.get_running_loop().call_later(0.3, signal.raise_signal, signal.SIGINT)
+        return await run_benchmark(requests, config)
+
+    result = run_cancellable(go())
+    assert result.cancelled
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    s = summarize(result.records, num_requests=3, duration=result.duration)
+    assert (s.completed, s.unfinished) == (1, 2)
+
+
+def test_a_model_list_that_is_not_a_list_is_a_clear_error(server, capsys, monkeypatch):
+    async def no_list(self, request):
+        return web.json_response({"data": None})
+    monkeypatch.setattr(FakeOpenAIServer, "_models", no_list)
+    with FakeOpenAIServer() as odd:
+        assert main(["loadtest", "--base-url", odd.base_url, "--num-prompts", "1"]) == 2
+    assert "did not return an OpenAI model list" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------- report, plots
 
 
@@ -433,6 +499,7 @@ def test_json_result_has_vllm_keys_and_per_request_records(server):
                 "itls", "generated_texts", "errors", "requests"):
         assert key in out, key
     assert out["request_rate"] == "inf" and out["dataset_name"] == "test"
+    assert (out["backend"], out["model_id"], out["model"]) == ("openai", MODEL, MODEL)
     assert (out["completed"], out["failed"], out["request_goodput"]) == (1, 1, pytest.approx(1 / out["duration"]))
     assert out["error_counts"] == {"HTTP 500: injected 500": 1}
     assert len(out["requests"]) == 2 and {"ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"} <= set(out["requests"][0])
@@ -533,7 +600,8 @@ def test_cli_without_a_model_tokenizer_counts_by_usage_and_says_so(server, tmp_p
     assert "none found locally" in out.err and "approximate" in out.err
     assert "Output tokens counted by:                server usage (3)" in out.out
     saved = json.loads((tmp_path / "out.json").read_text())
-    assert saved["tokenizer"] is None and saved["prompt_lengths"].startswith("approximate")
+    assert saved["tokenizer"] is None and saved["tokenizer_id"] is None
+    assert saved["prompt_lengths"].startswith("approximate")
     assert [r["usage_prompt_tokens"] for r in saved["requests"]] == [3, 3, 3]
 
 
@@ -549,3 +617,34 @@ def test_cli_unreachable_server_and_bad_arguments_exit_2(server, capsys):
             main(["loadtest", *bad])
         assert exc.value.code == 2
     assert "expected KEY:MS" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["loadtest", "--request-timeout", "inf"])
+    assert "finite" in capsys.readouterr().err
+
+
+def test_cli_refuses_before_the_run_what_it_would_ignore_or_fail_on(server, tmp_path, capsys):
+    assert main(["loadtest", "--base-url", server.base_url, "--dataset-path", str(SHAREGPT)]) == 2
+    assert "--dataset-path apply to --dataset-name sharegpt" in capsys.readouterr().err
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    assert main(["loadtest", "--base-url", server.base_url, "--num-prompts", "2", "--save-result",
+                 "--result-dir", str(a_file)]) == 2
+    assert f"--result-dir {a_file}: cannot make the directory" in capsys.readouterr().err
+    assert server.received == 0
+
+
+def test_cli_sends_the_api_key_and_says_when_one_is_needed(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
+    with FakeOpenAIServer(api_key="sk-test") as keyed:
+        assert main(["loadtest", "--base-url", keyed.base_url, "--num-prompts", "2"]) == 2
+        assert "it wants an API key; pass --api-key KEY" in capsys.readouterr().err
+        assert main(["loadtest", "--base-url", keyed.base_url, "--num-prompts", "2", "--api-key", "wrong"]) == 2
+        assert "the API key given was refused" in capsys.readouterr().err
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+        rc = main(["loadtest", "--base-url", keyed.base_url, "--num-prompts", "2", "--random-input-len", "8",
+                   "--random-output-len", "3", "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path),
+                   "--result-filename", "keyed.json"])
+        assert rc == 0, capsys.readouterr().err
+    saved = json.loads((tmp_path / "keyed.json").read_text())
+    assert (saved["completed"], saved["failed"]) == (2, 0)

@@ -1,7 +1,7 @@
 """`pdserve loadtest`: load-test an OpenAI-compatible server, `vllm bench serve` style.
 
     pdserve loadtest [--base-url URL] [--endpoint /v1/completions|/v1/chat/completions]
-                     [--model NAME|DIR] [--tokenizer DIR] [--num-prompts N]
+                     [--model NAME|DIR] [--tokenizer DIR] [--api-key KEY] [--num-prompts N]
                      [--dataset-name random|sharegpt|prefix] [--dataset-path FILE]
                      [--request-rate R | --sweep-rates R1,R2,...] [--burstiness B]
                      [--max-concurrency C] [--goodput ttft:MS tpot:MS e2el:MS]
@@ -99,6 +99,18 @@ def _positive(kind: type) -> Any:
     return parse
 
 
+def _positive_finite(kind: type) -> Any:
+    positive = _positive(kind)
+
+    def parse(text: str) -> Any:
+        value = positive(text)
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a finite positive {kind.__name__}")
+        return value
+    parse.__name__ = f"finite positive {kind.__name__}"
+    return parse
+
+
 def add_loadtest_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Registers `loadtest` on a `pdserve` subparsers object; returns its parser."""
     p = subparsers.add_parser(
@@ -114,6 +126,8 @@ def add_loadtest_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
                              "model GET /v1/models lists)")
     server.add_argument("--served-model-name", default=None,
                         help="the name sent in requests when it differs from --model")
+    server.add_argument("--api-key", default=None,
+                        help="sent as Authorization: Bearer KEY (default: $OPENAI_API_KEY, else $PDSERVE_API_KEY)")
     server.add_argument("--tokenizer", default=None,
                         help="local tokenizer directory (default: --model if it is a directory, else the "
                              "built-in checkpoint of a pdserve preset name such as 'tiny')")
@@ -121,7 +135,7 @@ def add_loadtest_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     _, load, out = add_workload_arguments(p)
     load.add_argument("--sweep-rates", type=_rate_list, default=None,
                       help="run once per rate, e.g. 0.5,1,2,4 (instead of --request-rate)")
-    load.add_argument("--request-timeout", type=_positive(float), default=300.0,
+    load.add_argument("--request-timeout", type=_positive_finite(float), default=300.0,
                       help="seconds one request may take (default 300)")
     load.add_argument("--ignore-eos", action="store_true", help="ask the server to ignore EOS (vLLM extension)")
     load.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0)")
@@ -176,11 +190,14 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> tuple[Any, Any, Any]:
                      help="percentiles to print (default 90,99; the JSON always has 90 and 99)")
     out.add_argument("--save-result", action="store_true", help="write the result JSON")
     out.add_argument("--result-dir", default=None, help="directory for the result JSON (default: .)")
-    out.add_argument("--result-file", default=None,
+    out.add_argument("--result-file", "--result-filename", dest="result_file", default=None,
                      help="file name of the result JSON (default: loadtest-<rate>qps-<model>-<date>.json)")
     return data, load, out
 
 
 def _cmd_loadtest(args: argparse.Namespace) -> int:
+    import os
+    if args.api_key is None:
+        args.api_key = os.environ.get("OPENAI_API_KEY") or os.environ.get("PDSERVE_API_KEY") or None
     from bench.loadtest.command import run_loadtest
     return run_loadtest(args)

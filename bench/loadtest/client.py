@@ -8,13 +8,16 @@ measured up to then.
 
 Contracts:
 - It never raises for anything the server or the network does: an HTTP error,
-  an `{"error": ...}` event, a stream that ends without `[DONE]`, a response
-  with no output text, a timeout or a refused connection each end the request
-  with `record.error` set. Only cancellation propagates.
-- A chunk counts as output only when it carries non-empty text (`choices[0].text`,
-  or `choices[0].delta.content` for chat), so a chat stream's opening role
-  chunk and a final empty chunk are not tokens. Its arrival time is when the
-  bytes holding it were read.
+  an `{"error": ...}` event, a stream cut off before it finished (no `[DONE]`
+  and no `finish_reason`), a response with no output chunk, a timeout or a
+  refused connection each end the request with `record.error` set. Only
+  cancellation propagates.
+- Every chunk with a choice is output, as in vLLM's client, its text empty or
+  not: the last one of an output that ends with EOS carries no text but is
+  that token's step. The exception is a chat stream's opening chunk, which
+  carries only the assistant role. A chunk's arrival time is when the bytes
+  holding it were read.
+- With `api_key`, requests carry `Authorization: Bearer KEY`.
 - Output tokens are counted, in order of preference, from the server's usage
   (`completion_tokens` of the include_usage chunk), by the given tokenizer on
   the output text, or as the number of output chunks; `token_count_method`
@@ -42,9 +45,9 @@ _MAX_ERROR_CHARS = 300
 class RequestRecord:
     """What happened to one request. Times are `time.perf_counter()` seconds.
 
-    `chunk_times[i]` is when the i-th chunk carrying output text arrived; the
-    first is the first token. `succeeded` holds only for a request that got
-    output text and a complete stream.
+    `chunk_times[i]` is when the i-th output chunk arrived; the first is the
+    first token. `succeeded` holds only for a request that got an output chunk
+    and a complete stream.
     """
 
     index: int
@@ -59,6 +62,7 @@ class RequestRecord:
     token_count_method: str | None = None  # "usage" | "tokenizer" | "chunks"
     usage_prompt_tokens: int | None = None
     status: int | None = None
+    finish_reason: str | None = None
     error: str | None = None
     succeeded: bool = False
     unfinished: bool = False               # still running when the run stopped (time limit, Ctrl-C)
@@ -84,13 +88,17 @@ def build_payload(request: SampleRequest, *, model: str, chat: bool, temperature
     return payload
 
 
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 async def send_request(session: aiohttp.ClientSession, url: str, payload: dict[str, Any],
                        record: RequestRecord, *, chat: bool, timeout_s: float,
-                       tokenizer: Any = None) -> None:
+                       tokenizer: Any = None, api_key: str | None = None) -> None:
     """Send one streaming request and record its timings in `record` (see the module contract)."""
     record.send_time = time.perf_counter()
     try:
-        done = await _stream(session, url, payload, record, chat, timeout_s)
+        done = await _stream(session, url, payload, record, chat, timeout_s, auth_headers(api_key))
     except (asyncio.TimeoutError, TimeoutError):
         record.error = f"timed out after {timeout_s:g} s (--request-timeout)"
     except aiohttp.ClientError as exc:
@@ -101,10 +109,10 @@ async def send_request(session: aiohttp.ClientSession, url: str, payload: dict[s
         record.error = f"{type(exc).__name__}: {exc}"
     else:
         if record.error is None:
-            if not done:
-                record.error = "the stream ended without data: [DONE]"
+            if not done and record.finish_reason is None:
+                record.error = "the stream ended before the output finished (no finish_reason, no data: [DONE])"
             elif not record.chunk_times:
-                record.error = "the response carried no output text (no first token to time)"
+                record.error = "the response carried no output chunk (no first token to time)"
     record.end_time = time.perf_counter()
     if record.error is None:
         record.succeeded = True
@@ -112,9 +120,10 @@ async def send_request(session: aiohttp.ClientSession, url: str, payload: dict[s
 
 
 async def _stream(session: aiohttp.ClientSession, url: str, payload: dict[str, Any],
-                  record: RequestRecord, chat: bool, timeout_s: float) -> bool:
+                  record: RequestRecord, chat: bool, timeout_s: float, headers: dict[str, str]) -> bool:
     """Read the response into `record`; True when it ended with [DONE]."""
-    async with session.post(url, json=payload, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+    async with session.post(url, json=payload, headers=headers,
+                            timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
         record.status = resp.status
         if resp.status != 200:
             record.error = f"HTTP {resp.status}: {_error_message(await resp.text())}"
@@ -132,10 +141,12 @@ async def _stream(session: aiohttp.ClientSession, url: str, payload: dict[str, A
             if isinstance(usage, dict):
                 record.output_tokens = usage.get("completion_tokens")
                 record.usage_prompt_tokens = usage.get("prompt_tokens")
-            text = _chunk_text(event, chat)
-            if text:
+            choice = _output_choice(event, chat)
+            if choice is not None:
                 record.chunk_times.append(arrival)
-                record.pieces.append(text)
+                record.pieces.append(_choice_text(choice, chat))
+                if isinstance(choice.get("finish_reason"), str):
+                    record.finish_reason = choice["finish_reason"]
     return False
 
 
@@ -155,15 +166,25 @@ async def _sse_data(resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[float, 
         yield time.perf_counter(), buffer.strip()[5:].strip().decode("utf-8", errors="replace")
 
 
-def _chunk_text(event: dict[str, Any], chat: bool) -> str:
-    choices = event.get("choices") or []
-    if not choices or not isinstance(choices[0], dict):
-        return ""
+def _output_choice(event: dict[str, Any], chat: bool) -> dict[str, Any] | None:
+    """The chunk's first choice when it is output (module contract), else None."""
+    choices = event.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return None
+    choice = choices[0]
+    if chat and choice.get("finish_reason") is None:
+        delta = choice.get("delta")
+        if isinstance(delta, dict) and "role" in delta and not delta.get("content") and len(delta) <= 2:
+            return None   # the opening chunk: {"role": "assistant", "content": ""}
+    return choice
+
+
+def _choice_text(choice: dict[str, Any], chat: bool) -> str:
     if chat:
-        delta = choices[0].get("delta") or {}
+        delta = choice.get("delta")
         text = delta.get("content") if isinstance(delta, dict) else None
     else:
-        text = choices[0].get("text")
+        text = choice.get("text")
     return text if isinstance(text, str) else ""
 
 
@@ -198,29 +219,41 @@ def _error_message(body: str) -> str:
     return text if len(text) <= _MAX_ERROR_CHARS else text[:_MAX_ERROR_CHARS] + "..."
 
 
-async def fetch_models(session: aiohttp.ClientSession, base_url: str, timeout_s: float = 10.0) -> list[dict]:
+class Unauthorized(ValueError):
+    """The server asks for an API key (HTTP 401)."""
+
+
+async def fetch_models(session: aiohttp.ClientSession, base_url: str, timeout_s: float = 10.0,
+                       api_key: str | None = None) -> list[dict]:
     """The model cards of GET {base_url}/v1/models.
 
     Raises aiohttp.ClientError or TimeoutError when the server cannot be
-    reached, ValueError when it answers with something that is not a model list.
+    reached, Unauthorized when it wants a (different) API key, ValueError when
+    it answers with something that is not a model list.
     """
     url = base_url.rstrip("/") + "/v1/models"
-    async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with session.get(url, headers=auth_headers(api_key), timeout=timeout) as resp:
         body = await resp.text()
+        if resp.status == 401:
+            raise Unauthorized(f"GET {url} answered HTTP 401: {_error_message(body)}")
         if resp.status != 200:
             raise ValueError(f"GET {url} answered HTTP {resp.status}: {_error_message(body)}")
     try:
         cards = json.loads(body)["data"]
     except (ValueError, KeyError, TypeError):
-        raise ValueError(f"GET {url} did not return an OpenAI model list: {body[:200]!r}") from None
+        cards = None
+    if not isinstance(cards, list):
+        raise ValueError(f"GET {url} did not return an OpenAI model list: {body[:200]!r}")
     return [c for c in cards if isinstance(c, dict) and isinstance(c.get("id"), str)]
 
 
-def scrape_metrics(base_url: str, timeout_s: float = 10.0) -> dict[str, float]:
+def scrape_metrics(base_url: str, timeout_s: float = 10.0, api_key: str | None = None) -> dict[str, float]:
     """The unlabelled samples of GET {base_url}/metrics (Prometheus text), by name:
     counters, and histograms' `_sum` and `_count`."""
     import urllib.request
-    with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=timeout_s) as reply:
+    request = urllib.request.Request(base_url.rstrip("/") + "/metrics", headers=auth_headers(api_key))
+    with urllib.request.urlopen(request, timeout=timeout_s) as reply:
         text = reply.read().decode()
     samples = {}
     for line in text.splitlines():

@@ -20,15 +20,17 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from bench.loadtest.client import fetch_models
+from bench.loadtest.client import Unauthorized, fetch_models
 from bench.loadtest.datasets import (
     DatasetError,
     SampleRequest,
@@ -38,7 +40,7 @@ from bench.loadtest.datasets import (
 )
 from bench.loadtest.metrics import summarize
 from bench.loadtest.report import JSON_PERCENTILES, build_result, format_table
-from bench.loadtest.runner import RunConfig, RunResult, run_benchmark
+from bench.loadtest.runner import RunConfig, RunResult, run_benchmark, run_cancellable
 from bench.loadtest.sweep import format_sweep_table, run_sweep, write_plots
 from engine.tiny_model import PRESETS, ensure_default_model, ensure_preset_model
 from engine.tokenizer import load_tokenizer
@@ -59,7 +61,8 @@ def run_loadtest(args: argparse.Namespace) -> int:
 
 def _loadtest(args: argparse.Namespace) -> int:
     _check_combinations(args)
-    cards = _probe_server(args.base_url, model_given=bool(args.model or args.served_model_name))
+    cards = _probe_server(args.base_url, model_given=bool(args.model or args.served_model_name),
+                          api_key=args.api_key)
     model = _request_model_name(args, cards)
     card = next((c for c in cards if c.get("id") == model), {})
     max_model_len = card.get("max_model_len") if isinstance(card.get("max_model_len"), int) else None
@@ -87,7 +90,7 @@ def _loadtest(args: argparse.Namespace) -> int:
                            burstiness=args.burstiness, max_concurrency=args.max_concurrency,
                            max_duration=args.max_duration, request_timeout=args.request_timeout,
                            temperature=args.temperature, ignore_eos=args.ignore_eos, seed=args.seed,
-                           disable_tqdm=args.disable_tqdm)
+                           disable_tqdm=args.disable_tqdm, api_key=args.api_key)
     except ValueError as exc:
         raise LoadtestError(str(exc)) from None
     meta = {"tokenizer": tokenizer_source, "prompt_lengths": prompt_lengths, "dataset_name": args.dataset_name,
@@ -104,6 +107,12 @@ def _check_combinations(args: argparse.Namespace) -> None:
         raise LoadtestError("--plot draws a rate sweep; add --sweep-rates R1,R2,...")
     if args.dataset_name == "sharegpt" and not args.dataset_path:
         raise LoadtestError("--dataset-name sharegpt needs --dataset-path FILE (a ShareGPT-format JSON file)")
+    if args.dataset_name != "sharegpt":
+        given = [flag for flag, value in (("--dataset-path", args.dataset_path),
+                                          ("--sharegpt-output-len", args.sharegpt_output_len)) if value is not None]
+        if given:
+            raise LoadtestError(f"{' and '.join(given)} apply to --dataset-name sharegpt, and the dataset is "
+                                f"{args.dataset_name}; add --dataset-name sharegpt or drop them")
     if args.base_url.rstrip("/").endswith("/v1"):
         raise LoadtestError("--base-url is the server root (e.g. http://127.0.0.1:8000), without /v1; --endpoint "
                             "adds the path")
@@ -111,19 +120,35 @@ def _check_combinations(args: argparse.Namespace) -> None:
         raise LoadtestError(f"--temperature must be >= 0, got {args.temperature}")
     if not args.endpoint.rstrip("/").endswith("completions"):
         raise LoadtestError(f"--endpoint must be /v1/completions or /v1/chat/completions, got {args.endpoint}")
+    if args.save_result:
+        _check_result_dir(Path(args.result_dir or "."))
 
 
-def _probe_server(base_url: str, *, model_given: bool) -> list[dict]:
-    """The server's model cards; raises LoadtestError when it cannot be reached."""
+def _check_result_dir(directory: Path) -> None:
+    """Before the run: the result JSON can be written into `directory` (made if missing)."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise LoadtestError(f"--result-dir {directory}: cannot make the directory ({exc.strerror or exc})") from None
+    if not os.access(directory, os.W_OK):
+        raise LoadtestError(f"--result-dir {directory}: the directory is not writable")
+
+
+def _probe_server(base_url: str, *, model_given: bool, api_key: str | None = None) -> list[dict]:
+    """The server's model cards; raises LoadtestError when it cannot be reached or
+    refuses the API key."""
     async def probe() -> list[dict]:
         async with aiohttp.ClientSession() as session:
-            return await fetch_models(session, base_url)
+            return await fetch_models(session, base_url, api_key=api_key)
 
     try:
         return asyncio.run(probe())
     except (aiohttp.ClientError, asyncio.TimeoutError, TimeoutError, OSError) as exc:
         raise LoadtestError(f"cannot reach the server at {base_url} ({type(exc).__name__}: {exc}); start it "
                             "(pdserve serve) or point --base-url at it") from None
+    except Unauthorized as exc:
+        given = "the API key given was refused" if api_key else "it wants an API key"
+        raise LoadtestError(f"{exc}: {given}; pass --api-key KEY (or set OPENAI_API_KEY)") from None
     except ValueError as exc:
         if not model_given:
             raise LoadtestError(f"{exc}; pass --model NAME") from None
@@ -209,7 +234,7 @@ def _summarize(args: argparse.Namespace, run: RunResult, meta: dict, title: str)
 
 def _single(args: argparse.Namespace, requests: list[SampleRequest], config: RunConfig, tokenizer: Any,
             meta: dict) -> int:
-    run = asyncio.run(run_benchmark(requests, config, tokenizer=tokenizer))
+    run = run_cancellable(run_benchmark(requests, config, tokenizer=tokenizer))
     result = _summarize(args, run, meta, "Serving Benchmark Result")
     if args.save_result:
         rate = "inf" if math.isinf(config.request_rate) else f"{config.request_rate:g}"
@@ -227,7 +252,7 @@ def _sweep(args: argparse.Namespace, datasets: list[list[SampleRequest]], config
         runs.append(run)
         results.append(_summarize(args, run, meta, f"Rate {run.config.request_rate:g} req/s"))
 
-    asyncio.run(run_sweep(datasets, config, args.sweep_rates, tokenizer=tokenizer, on_run=on_run))
+    run_cancellable(run_sweep(datasets, config, args.sweep_rates, tokenizer=tokenizer, on_run=on_run))
     print(format_sweep_table(results))
     if args.plot and results:
         for path in write_plots(results, args.plot):
@@ -245,6 +270,14 @@ def _safe(name: str) -> str:
 def _save(args: argparse.Namespace, result: dict, stem: str) -> None:
     name = args.result_file or f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path = Path(args.result_dir or ".") / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    text = json.dumps(result, indent=2) + "\n"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as exc:
+        fallback = Path(tempfile.gettempdir()) / Path(name).name
+        fallback.write_text(text)
+        print(f"error: cannot write {path} ({exc.strerror or exc}); saved the result to {fallback} instead",
+              file=sys.stderr)
+        return
     print(f"saved the result to {path}")

@@ -161,7 +161,7 @@ def sharegpt_dataset(tokenizer: Any, path: str | Path, *, num_prompts: int, outp
         out_len = output_len if output_len is not None else len(_encode(tokenizer, answer))
         if prompt_len < _MIN_SHAREGPT_TOKENS or (output_len is None and out_len < _MIN_SHAREGPT_TOKENS):
             continue
-        if max_model_len is not None and prompt_len + out_len > max_model_len:
+        if max_model_len is not None and prompt_len + out_len + 1 > max_model_len:   # +1: a BOS the server adds
             continue
         usable.append(SampleRequest(prompt, prompt_len, out_len))
         if len(usable) == num_prompts:

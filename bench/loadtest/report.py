@@ -3,10 +3,12 @@
 The JSON uses `vllm bench serve`'s key names where the concept is the same, so
 scripts written for vLLM's result files read these too:
 
-- run: date, base_url, endpoint, model, num_prompts, request_rate ("inf" when
-  unpaced; JSON has no infinity), burstiness, max_concurrency, seed, whatever
-  the caller adds as `meta` (the CLI: tokenizer, dataset_name, dataset_path,
-  max_duration), interrupted (why it stopped early, or null);
+- run: date, backend ("openai" or "openai-chat", as vLLM names the two
+  endpoints), base_url, endpoint, model_id (also as model), num_prompts,
+  request_rate ("inf" when unpaced; JSON has no infinity), burstiness,
+  max_concurrency, seed, whatever the caller adds as `meta` (the CLI:
+  tokenizer, dataset_name, dataset_path, max_duration), tokenizer_id (meta's
+  tokenizer), interrupted (why it stopped early, or null);
 - totals: duration (s), completed, failed, unfinished (of the failed, those cut
   off in flight), not_sent, total_input_tokens, total_output_tokens,
   request_throughput, output_throughput, total_token_throughput (per second),
@@ -85,6 +87,8 @@ def build_result(run: RunResult, summary: Summary, *, meta: Mapping[str, Any] | 
         "date": time.strftime("%Y%m%d-%H%M%S"),
         "base_url": config.base_url,
         "endpoint": config.endpoint,
+        "backend": "openai-chat" if config.chat else "openai",
+        "model_id": config.model,
         "model": config.model,
         "num_prompts": run.num_requests,
         "request_rate": _rate(config.request_rate),
@@ -92,6 +96,7 @@ def build_result(run: RunResult, summary: Summary, *, meta: Mapping[str, Any] | 
         "max_concurrency": config.max_concurrency,
         "seed": config.seed,
         **dict(meta or {}),
+        "tokenizer_id": (meta or {}).get("tokenizer"),
         "interrupted": run.interrupted,
         "duration": summary.duration,
         "completed": summary.completed,

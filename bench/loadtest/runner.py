@@ -6,7 +6,7 @@ Life cycle of a run (`run_benchmark`):
    it first waits for one of that many slots, and is sent (and timed) only once
    it has one.
 3. The run ends when every request has finished, or early: at --max-duration,
-   or when the run is cancelled (Ctrl-C under asyncio.run cancels the main task).
+   or when the run is cancelled (Ctrl-C cancels the main task: `run_cancellable`).
    Stopping early cancels the requests in flight; they are recorded as failed
    and `unfinished`, requests not yet sent are left out, and the result says
    why it stopped (`interrupted`). A cancelled run returns its partial result
@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import math
+import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 from tqdm import tqdm
@@ -31,6 +32,8 @@ from tqdm import tqdm
 from bench.loadtest.arrivals import arrival_offsets, paced
 from bench.loadtest.client import RequestRecord, build_payload, send_request
 from bench.loadtest.datasets import SampleRequest
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class RunConfig:
     ignore_eos: bool = False
     seed: int = 0
     disable_tqdm: bool = False
+    api_key: str | None = None
 
     def __post_init__(self) -> None:
         if not self.endpoint.rstrip("/").endswith("completions"):
@@ -61,8 +65,8 @@ class RunConfig:
             raise ValueError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
         if not self.max_duration > 0:
             raise ValueError(f"--max-duration must be > 0 seconds, got {self.max_duration}")
-        if not self.request_timeout > 0:
-            raise ValueError(f"--request-timeout must be > 0 seconds, got {self.request_timeout}")
+        if not (self.request_timeout > 0 and math.isfinite(self.request_timeout)):
+            raise ValueError(f"--request-timeout must be a finite number of seconds > 0, got {self.request_timeout}")
 
     @property
     def chat(self) -> bool:
@@ -112,11 +116,11 @@ async def run_benchmark(requests: Sequence[SampleRequest], config: RunConfig, *,
                                 temperature=config.temperature, ignore_eos=config.ignore_eos)
         if slots is None:
             await send_request(session, config.url, payload, record, chat=config.chat,
-                               timeout_s=config.request_timeout, tokenizer=tokenizer)
+                               timeout_s=config.request_timeout, tokenizer=tokenizer, api_key=config.api_key)
         else:
             async with slots:
                 await send_request(session, config.url, payload, record, chat=config.chat,
-                                   timeout_s=config.request_timeout, tokenizer=tokenizer)
+                                   timeout_s=config.request_timeout, tokenizer=tokenizer, api_key=config.api_key)
         progress.update(1)
         if not record.succeeded:
             failures += 1
@@ -159,6 +163,30 @@ async def run_benchmark(requests: Sequence[SampleRequest], config: RunConfig, *,
             record.unfinished = True
             record.error = f"unfinished when the run stopped ({interrupted})"
     return RunResult(config, sent, len(requests), start, stop - start, interrupted, cancelled)
+
+
+def run_cancellable(coro: Coroutine[Any, Any, T]) -> T:
+    """asyncio.run(coro) where the first Ctrl-C (SIGINT) cancels the coroutine's
+    task, so a run returns what it measured, on every Python version (asyncio.run
+    does so itself only from 3.11); a second one raises KeyboardInterrupt. Off the
+    main thread it is plain asyncio.run."""
+    async def main() -> T:
+        task = asyncio.ensure_future(coro)
+        loop = asyncio.get_running_loop()
+
+        def on_sigint() -> None:
+            task.cancel()
+            loop.remove_signal_handler(signal.SIGINT)   # the next Ctrl-C is Python's KeyboardInterrupt
+
+        try:
+            loop.add_signal_handler(signal.SIGINT, on_sigint)
+        except (RuntimeError, ValueError, NotImplementedError):   # not the main thread, or no signals here
+            return await task
+        try:
+            return await task
+        finally:
+            loop.remove_signal_handler(signal.SIGINT)
+    return asyncio.run(main())
 
 
 def _uncancel_current_task() -> None:
