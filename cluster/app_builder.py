@@ -95,6 +95,7 @@ def resolve_model(config: DeploymentConfig) -> tuple[str, ModelInfo]:
 def build_application(config: DeploymentConfig) -> serve.Application:
     """The Serve application; `config.resources.cpus_per_rank` must be resolved
     (cluster/serving/placement.py: resolve_cpus_per_rank)."""
+    from cluster.autoscaler.capacity import ReplicaLimits
     from decode_workers.decode_server import DecodeServer
     from prefill_workers.prefill_server import PrefillServer
     from router.disaggregation_policy import DisaggregationSettings
@@ -136,6 +137,9 @@ def build_application(config: DeploymentConfig) -> serve.Application:
     if config.autoscaling.enabled:
         router_args["autoscaling"] = config.autoscaling_settings()
         router_args["autoscaling_profile"] = config.autoscaling.profile
+        router_args["autoscaling_deployed"] = {role: pool.replicas for role, pool in config.pools().items()}
+        router_args["autoscaling_limits"] = ReplicaLimits(config.engine.max_num_seqs,
+                                                          block_size=config.engine.block_size)
     return router.bind(info, model_path, config.mode.value, **workers, **router_args)
 
 

@@ -278,11 +278,20 @@ class AdmissionControl:
         if step is not None and step > budget:
             raise self._refuse("tpot_slo", f"{self.running} requests are running and with this one a decode step "
                                f"is predicted to take {step * 1000:.0f} ms, past {s.tpot_headroom:.0%} of the "
-                               f"{s.tpot_slo_s * 1000:.0f} ms TPOT SLO")
+                               f"{s.tpot_slo_s * 1000:.0f} ms TPOT SLO", self._decode_slot_s(step))
 
-    def _refuse(self, reason: str, why: str) -> Overloaded:
+    def _decode_slot_s(self, step_s: float) -> float:
+        """About when a running request ends on every decode replica (a slot for one
+        more each): a request runs the mean output's steps, and the running ones end
+        spread over that time. The prefill queue's wait where no output was seen."""
+        if not self.mean_output_tokens or not self.running:
+            return self.predicted_wait_s()
+        per_replica = self.running / self.decode_replicas
+        return self.mean_output_tokens * step_s / per_replica
+
+    def _refuse(self, reason: str, why: str, retry_after_s: float | None = None) -> Overloaded:
         return Overloaded(f"The server is overloaded: {why}. Retry after the Retry-After header's seconds.",
-                          reason, self.predicted_wait_s())
+                          reason, self.predicted_wait_s() if retry_after_s is None else retry_after_s)
 
 
 def _running_mean(old: float | None, new: float, weight: float = 0.05) -> float:

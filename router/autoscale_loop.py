@@ -10,7 +10,15 @@ The heavy work stays here, out of Serve's 0.1 s control loop.
 
 Step-time model per role: the profile given (`autoscaling.profile`),
 corrected online by the measured steps; without one, a linear model fitted to
-the workers' own recent steps (the policy holds until one is fitted).
+the workers' own recent steps (the policy holds until one is fitted). Engine
+limits per role: the deployment's max_num_seqs and block size, and the KV
+blocks of the role's smallest replica, as its workers report them.
+
+Replicas starting: what Serve was asked for (the pools as deployed, then each
+decision) less those answering. An interval's counts (arrivals, refusals,
+ended requests) are taken at its start, before the workers are asked for
+their steps, so a slow answer does not stretch one interval's rate into the
+next one's.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import os
 import time
 from collections import deque
 
+from cluster.autoscaler.capacity import ReplicaLimits
 from cluster.autoscaler.policy import (
     AutoscaleSettings,
     GoodputPolicy,
@@ -43,14 +52,20 @@ MIN_FIT_STEPS = 12
 
 class AutoscaleLoop:
     def __init__(self, settings: AutoscaleSettings, workers: dict, metrics, *,
-                 profile: StepTimeModel | None = None):
-        """`workers`: role -> Serve handle of that role's deployment."""
+                 profile: StepTimeModel | None = None, deployed: dict[str, int] | None = None,
+                 limits: ReplicaLimits = ReplicaLimits()):
+        """`workers`: role -> Serve handle of that role's deployment; `deployed`: role ->
+        replicas the deployment started with; `limits`: the engines' max_num_seqs and
+        block size (the KV blocks come from the workers' stats)."""
         self.settings = settings
         self.workers = workers
         self.metrics = metrics
         self.profile = profile
+        self.limits = limits
         self.policy: GoodputPolicy | None = None
         self.targets: dict[str, int] = {}
+        self._asked: dict[str, int] = dict(deployed or {})   # role -> replicas Serve was last asked for
+        self._kv_blocks: dict[str, float] = {}  # role -> KV blocks of its smallest replica (latest stats)
         self._waiting: dict[str, float] = {}    # role -> requests queued on its replicas (latest stats)
         self._arrivals = 0                      # offered this interval: served or refused
         self._sized_arrivals = 0                # of which with a known prompt length
@@ -65,6 +80,9 @@ class AutoscaleLoop:
     def observe_workers(self, role: str, stats) -> None:
         """The latest stats of every replica of `role` (the router's periodic refresh)."""
         self._waiting[role] = sum(s.get("num_waiting", 0.0) for s in stats)
+        blocks = [s["num_kv_blocks"] for s in stats if "num_kv_blocks" in s]
+        if blocks:
+            self._kv_blocks[role] = min(blocks)
 
     def on_arrival(self, prompt_tokens: int | None) -> None:
         """Every request offered, the ones admission control refuses included (their
@@ -102,8 +120,10 @@ class AutoscaleLoop:
     async def tick(self) -> None:
         now = time.monotonic()
         window, self._last_tick = now - self._last_tick, now
-        roles = {role: await self._observe_role(role) for role in self.settings.roles}
-        obs = self._observation(now, window, roles)
+        counts = self._take_counts()
+        observed = await asyncio.gather(*(self._observe_role(role) for role in self.settings.roles))
+        roles = dict(zip(self.settings.roles, observed))
+        obs = self._observation(now, window, roles, counts)
         if self.policy is None:
             self.policy = self._make_policy()
             if self.policy is None:
@@ -112,11 +132,13 @@ class AutoscaleLoop:
                 return
         elif self.profile is None:
             self._refit()
+        self.policy.limits.update(self._role_limits())
         current = {r: ro.running + ro.starting for r, ro in roles.items()}
         decision = self.policy.decide(obs)
         if decision.changed(current) or not self.targets:
             log.info("autoscaler: %s (predicted %.2f req/s)", decision.describe(), decision.predicted_rate)
         self.targets = dict(decision.targets)
+        self._asked = dict(decision.targets)
         self.metrics.set_autoscaler(self.targets, {r: ro.running for r, ro in roles.items()}, {
             ("ttft", "predicted"): decision.predicted_ttft_s, ("tpot", "predicted"): decision.predicted_tpot_s,
             ("ttft", "observed"): obs.ttft_p90_s, ("tpot", "observed"): obs.tpot_p90_s})
@@ -129,7 +151,7 @@ class AutoscaleLoop:
             log.debug("autoscaler: no %s replies: %s", role, exc)
             replies = []
         running = len(replies)
-        asked = self.targets.get(role, running)
+        asked = self._asked.get(role, running)
         steps = []
         for reply in replies:
             for index, step in reply["steps"]:
@@ -144,11 +166,20 @@ class AutoscaleLoop:
         return RoleObservation(running=running, starting=max(0, asked - running),
                                waiting_requests=self._waiting.get(role, 0.0), steps=steps)
 
-    def _observation(self, now: float, window: float, roles: dict[str, RoleObservation]) -> Observation:
-        ended, self._ended = self._ended, []
-        arrivals, sized, prompt = self._arrivals, self._sized_arrivals, self._prompt_tokens
+    def _take_counts(self) -> tuple:
+        """This interval's counts (arrivals, sized ones, their prompt tokens, refusals,
+        ended requests), the counters reset for the next one."""
+        counts = (self._arrivals, self._sized_arrivals, self._prompt_tokens, self._refused, self._ended)
         self._arrivals = self._sized_arrivals = self._prompt_tokens = 0
-        refused, self._refused = self._refused, {}
+        self._refused, self._ended = {}, []
+        return counts
+
+    def _role_limits(self) -> dict[str, ReplicaLimits]:
+        return {r: ReplicaLimits(self.limits.max_num_seqs, int(self._kv_blocks[r]), self.limits.block_size)
+                for r in self.settings.roles if r in self._kv_blocks}
+
+    def _observation(self, now: float, window: float, roles: dict[str, RoleObservation], counts: tuple) -> Observation:
+        arrivals, sized, prompt, refused, ended = counts
         ttfts = [t.time_to_first_token for t in ended if t.time_to_first_token is not None]
         tpots = [t.time_per_output_token for t in ended if t.time_per_output_token is not None]
         return Observation(
@@ -165,7 +196,7 @@ class AutoscaleLoop:
             models = {r: self._fit(r) for r in self.settings.roles}
             if any(m is None for m in models.values()):
                 return None
-        return GoodputPolicy(self.settings, models, shared_cores=self._shared_cores())
+        return GoodputPolicy(self.settings, models, self._role_limits(), shared_cores=self._shared_cores())
 
     def _shared_cores(self) -> int | None:
         """This machine's cores where the replicas lend idle cores to each other and

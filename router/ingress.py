@@ -13,6 +13,7 @@ import uuid
 from ray import serve
 from ray.serve.exceptions import DeploymentUnavailableError
 
+from cluster.autoscaler.capacity import ReplicaLimits
 from cluster.autoscaler.policy import AutoscaleSettings
 from cluster.perf_model.step_shape import load_step_model
 from cluster.serving.process_priority import normal_priority
@@ -37,6 +38,8 @@ class Router:
     def __init__(self, info: ModelInfo, tokenizer_path: str, mode: str, *, prefill=None, decode=None,
                  colocated=None, disaggregation: DisaggregationSettings | None = None,
                  autoscaling: AutoscaleSettings | None = None, autoscaling_profile: str | None = None,
+                 autoscaling_deployed: dict[str, int] | None = None,
+                 autoscaling_limits: ReplicaLimits = ReplicaLimits(),
                  limits: RequestLimits = RequestLimits(), api_key_sha256: str | None = None,
                  protect_metrics: bool = True, admission: AdmissionSettings | None = None,
                  max_migrations: int = 3, stream_interval_s: float = 0.0):
@@ -63,7 +66,8 @@ class Router:
         self.autoscaler = None
         if autoscaling is not None:
             profile = load_step_model(autoscaling_profile) if autoscaling_profile else None
-            self.autoscaler = AutoscaleLoop(autoscaling, self._workers, self.metrics, profile=profile)
+            self.autoscaler = AutoscaleLoop(autoscaling, self._workers, self.metrics, profile=profile,
+                                            deployed=autoscaling_deployed, limits=autoscaling_limits)
             self._autoscale_task = asyncio.get_event_loop().create_task(self.autoscaler.run())
         self._stats_task = asyncio.get_event_loop().create_task(self._refresh_worker_stats())
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import threading
 import time
@@ -253,6 +254,22 @@ def test_the_tpot_slo_bounds_the_requests_running_at_once():
     drained.observe_workers("decode", [{"decode_s_per_seq": 0.004, "decode_step_fixed_s": 0.01,
                                         "prefill_s_per_step": 0.2}])
     drained.admit(10, max_tokens=100)                  # none running: one at a time still drains
+
+
+def test_a_tpot_refusal_retries_after_a_decode_slot_frees_not_the_prefill_queue():
+    a = AdmissionControl(AdmissionSettings(max_waiting_requests=None, max_waiting_prompt_tokens=None,
+                                           tpot_slo_s=0.1))
+    ended = a.admit(10, max_tokens=4000)
+    a.first_token(ended)
+    a.finished(ended, output_tokens=4000)              # outputs of 4,000 tokens
+    a.observe_workers("decode", [{"decode_s_per_seq": 0.002}, {"decode_s_per_seq": 0.002}])
+    for _ in range(80):                                # 80 running, 40 a replica: an 80 ms step
+        a.first_token(a.admit(10, max_tokens=4000))
+    with pytest.raises(Overloaded) as exc:
+        a.admit(10, max_tokens=4000)
+    assert exc.value.reason == "tpot_slo" and a.predicted_wait_s() == 0.0   # no prompt waits
+    # each of a replica's 40 requests runs 4,000 steps of 82 ms: one ends every 8.2 s
+    assert exc.value.retry_after_s == math.ceil(4000 * 0.082 / 40) == 9
 
 
 def test_each_decode_replica_is_priced_with_its_own_figures_and_fitted_ones_first():

@@ -392,10 +392,10 @@ def test_the_live_loop_counts_refused_requests_as_arrivals():
     metrics.observe_arrival(100)
     metrics.observe_arrival(None)         # refused before its prompt was tokenized
     metrics.observe_arrival(300)
-    obs = loop._observation(now=5.0, window=5.0, roles={})
+    obs = loop._observation(now=5.0, window=5.0, roles={}, counts=loop._take_counts())
     assert obs.arrivals == 3
     assert obs.mean_prompt_tokens == 200  # of the two whose length is known
-    assert loop._observation(now=10.0, window=5.0, roles={}).arrivals == 0
+    assert loop._observation(now=10.0, window=5.0, roles={}, counts=loop._take_counts()).arrivals == 0
 
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
@@ -406,6 +406,115 @@ def test_the_live_loop_counts_refusals_on_the_account_of_the_pool_they_speak_for
     loop = AutoscaleLoop(AutoscaleSettings(ttft_slo_s=1.0, tpot_slo_s=0.1, interval_s=5.0, mode=mode), {}, metrics)
     for reason in ("tpot_slo", "tpot_slo", "ttft_slo", "overload", "queue_requests", "queue_tokens"):
         metrics.observe_rejection(reason)
-    obs = loop._observation(now=5.0, window=5.0, roles={})
+    obs = loop._observation(now=5.0, window=5.0, roles={}, counts=loop._take_counts())
     assert obs.refused == ({"decode": 2, "prefill": 4} if mode == "disaggregated" else {"colocated": 6})
-    assert loop._observation(now=10.0, window=5.0, roles={}).refused == {}
+    assert loop._observation(now=10.0, window=5.0, roles={}, counts=loop._take_counts()).refused == {}
+
+
+class _FakeRole:
+    """A Serve handle whose broadcast reaches `answering` replicas, each with no steps."""
+
+    def __init__(self, answering: int):
+        self.answering = answering
+
+    def broadcast(self, method: str):
+        replies = [{"steps": []} for _ in range(self.answering)]
+
+        class _Result:
+            async def results_async(self):
+                return replies
+        return _Result()
+
+
+def _live_loop(answering: dict[str, int], deployed: dict[str, int] | None, **kw):
+    from router.autoscale_loop import AutoscaleLoop
+    from router.metrics import ServingMetrics
+    s = settings(min_replicas={"prefill": 1, "decode": 1}, **kw)
+    workers = {role: _FakeRole(n) for role, n in answering.items()}
+    return AutoscaleLoop(s, workers, ServingMetrics(), profile=MODEL, deployed=deployed)
+
+
+def test_the_live_loop_counts_the_deployed_replicas_still_loading_as_starting():
+    # deployed 2 + 2, one of each answering at the first interval (the other still loading its
+    # model): they are starting, not gone, and nothing is published below the deployment
+    import asyncio
+    loop = _live_loop({"prefill": 1, "decode": 1}, {"prefill": 2, "decode": 2})
+    asyncio.run(loop.tick())
+    assert loop.targets == {"prefill": 2, "decode": 2}
+    # none answering yet: the targets stay the deployed pools, never under min_replicas
+    loop = _live_loop({"prefill": 0, "decode": 0}, {"prefill": 2, "decode": 2})
+    asyncio.run(loop.tick())
+    assert loop.targets == {"prefill": 2, "decode": 2}
+
+
+def test_the_live_loop_prices_decode_with_the_workers_kv_blocks_and_max_num_seqs():
+    from cluster.autoscaler.capacity import ReplicaLimits
+    from router.autoscale_loop import AutoscaleLoop
+    from router.metrics import ServingMetrics
+    loop = AutoscaleLoop(settings(), {}, ServingMetrics(), profile=MODEL, limits=ReplicaLimits(64, block_size=16))
+    loop.observe_workers("decode", [{"num_kv_blocks": 900.0}, {"num_kv_blocks": 700.0}])
+    assert loop._role_limits() == {"decode": ReplicaLimits(64, 700, 16)}   # the smallest replica's
+    policy = loop._make_policy()
+    assert policy.limits["decode"] == ReplicaLimits(64, 700, 16)
+    assert policy.limits["prefill"] == ReplicaLimits()     # no stats from prefill yet: unbounded
+
+
+def test_the_live_loop_takes_an_intervals_counts_before_asking_the_workers():
+    # a worker that answers late must not move arrivals from the next interval into this one
+    import asyncio
+    from router.autoscale_loop import AutoscaleLoop
+    from router.metrics import ServingMetrics
+    metrics = ServingMetrics()
+
+    class _Slow(_FakeRole):
+        def broadcast(self, method):
+            inner = super().broadcast(method)
+
+            class _Result:
+                async def results_async(self):
+                    for _ in range(3):
+                        metrics.observe_arrival(100)     # arrivals while the broadcast is out
+                    return await inner.results_async()
+            return _Result()
+
+    loop = AutoscaleLoop(settings(), {"prefill": _Slow(1), "decode": _FakeRole(1)}, metrics, profile=MODEL,
+                         deployed={"prefill": 1, "decode": 1})
+    seen = []
+    original = loop._observation
+    loop._observation = lambda *a: seen.append(original(*a)) or seen[-1]
+    metrics.observe_arrival(100)
+    asyncio.run(loop.tick())
+    asyncio.run(loop.tick())
+    assert [o.arrivals for o in seen] == [1, 3]
+
+
+def test_observed_latency_adds_one_replica_not_one_per_interval_while_it_starts():
+    # TTFT p90 past the SLO until the replica asked for serves (startup 30 s, interval 10 s):
+    # one replica, not one every interval
+    p = policy(startup_s=30.0)
+    current, starting = {"prefill": 1, "decode": 1}, {}
+    for i in range(5):
+        now = 10.0 * (i + 1)
+        d = p.decide(observe(now, 0.5, 200, 50, current, starting=starting, ttft_p90_s=2.5))
+        added = {r: d.targets[r] - current[r] - starting.get(r, 0) for r in current}
+        starting = {r: starting.get(r, 0) + max(0, added[r]) for r in current}
+    assert d.targets["prefill"] == 2
+
+
+def test_refusals_before_the_replica_they_asked_for_served_do_not_ask_again():
+    p = policy(startup_s=10.0, pressure_window_s=30.0)
+    current = {"prefill": 1, "decode": 1}
+    d = p.decide(observe(10.0, 4.0, 200, 50, current, refused={"decode": 10}))
+    assert d.targets["decode"] == 2                          # a quarter refused on decode's account
+    current = dict(d.targets)
+    for now in (20.0, 30.0, 40.0):                           # served from 20 s; the old refusals still
+        d = p.decide(observe(now, 4.0, 200, 50, current))    # in the 30 s window count no more
+        assert d.targets["decode"] == 2, now
+
+
+def test_p90_is_the_nearest_rank():
+    from cluster.autoscaler.policy import p90
+    assert p90(list(range(1, 11))) == 9
+    assert p90(list(range(1, 21))) == 18
+    assert p90(list(range(1, 101))) == 90
+    assert (p90([5.0]), p90([])) == (5.0, None)

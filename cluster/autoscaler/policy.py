@@ -23,7 +23,9 @@ Per interval:
    prefill (or colocated) replica, a TPOT p90 over it a decode replica, when
    the model alone would not; so do admission control's refusals on a role's
    account past `refusal_pressure` of the last `pressure_window_s`'s
-   arrivals (a refused request misses its SLO and never shows in the latency).
+   arrivals (a refused request misses its SLO and never shows in the latency);
+   not while the replica last asked for the role is starting or in its first
+   interval serving, and refusals from before it served count no more.
 5. Guards, per role: min/max and the budget; replicas still starting count as
    capacity already coming; scaling up waits `upscale_cooldown_s` after the
    last scale-up, scaling down `downscale_cooldown_s` after any change, goes
@@ -238,8 +240,9 @@ class GoodputPolicy:
         horizon = s.startup_s / s.interval_s
         rate = self.predictor.predict(horizon)
         capacity = self._capacities()
-        if self.prompt_tokens is None:        # nothing has arrived yet: hold
-            return Decision(dict(current), {r: "no traffic seen yet" for r in s.roles}, rate, capacity)
+        if self.prompt_tokens is None:        # nothing has arrived yet: hold (within the bounds)
+            held = {r: max(s.min_for(r), min(s.max_for(r), current[r])) for r in s.roles}
+            return Decision(held, {r: "no traffic seen yet" for r in s.roles}, rate, capacity)
         drain_s = max(s.startup_s, s.interval_s)
         demand = {r: rate + (obs.roles[r].waiting_requests / drain_s if r in obs.roles else 0.0) for r in s.roles}
         # one replica's capacity in the pools as they are (a decode replica's with the cores lent it)
@@ -471,9 +474,22 @@ class GoodputPolicy:
             f"observed p90 {observed[0] * 1000:.0f} ms is within {self.settings.slo_headroom:.0%} of the SLO"
         return f"{latency}, {self._refused_share(role):.0%} refused on its account"
 
+    def _coming(self, obs: Observation, role: str) -> bool:
+        """Whether a replica asked for `role` is starting, or has served less than an
+        interval (so no finished request shows it yet)."""
+        ro = obs.roles.get(role)
+        if ro is not None and ro.starting:
+            return True
+        return obs.now < self.last_up.get(role, -math.inf) + self.settings.startup_s + self.settings.interval_s
+
     def _refused_share(self, role: str) -> float:
-        arrivals = sum(a for _, a, _ in self.recent_refusals)
-        refused = sum(r.get(role, 0) for _, _, r in self.recent_refusals)
+        """Of the last `pressure_window_s`'s arrivals, the share refused on `role`'s
+        account, counted from when the replica it last asked for served (refusals
+        before that are what it was asked for)."""
+        since = self.last_up.get(role, -math.inf) + self.settings.startup_s
+        recent = [(a, r) for t, a, r in self.recent_refusals if t > since]
+        arrivals = sum(a for a, _ in recent)
+        refused = sum(r.get(role, 0) for _, r in recent)
         return refused / arrivals if arrivals else 0.0
 
     def _served(self, replicas: dict[str, int], capacity: dict[str, float], demand: dict[str, float]) -> float:
@@ -482,18 +498,22 @@ class GoodputPolicy:
 
     def _latency_feedback(self, obs: Observation, current: dict[str, int], needed: dict[str, int],
                           reasons: dict[str, str]) -> None:
+        """A replica more for a role whose observed latency misses its SLO or whose
+        requests admission control refuses, unless the replica it last asked for
+        has not served an interval yet: the evidence predates it (and adding one
+        per interval meanwhile would overshoot)."""
         s = self.settings
         checks = (("ttft", obs.ttft_p90_s, s.ttft_slo_s, "prefill" if s.mode == "disaggregated" else "colocated"),
                   ("tpot", obs.tpot_p90_s, s.tpot_slo_s, "decode" if s.mode == "disaggregated" else "colocated"))
         for name, observed, slo, role in checks:
-            if observed is None or observed <= slo or needed[role] > current[role]:
+            if observed is None or observed <= slo or needed[role] > current[role] or self._coming(obs, role):
                 continue
             needed[role] = current[role] + 1
             reasons[role] = f"observed {name.upper()} p90 {observed * 1000:.0f} ms > SLO {slo * 1000:.0f} ms"
         # a refused request missed its SLO as surely as a late one, and never shows in the latency
         for role in s.roles:
             refused = self._refused_share(role)
-            if refused <= s.refusal_pressure or needed[role] > current[role]:
+            if refused <= s.refusal_pressure or needed[role] > current[role] or self._coming(obs, role):
                 continue
             needed[role] = current[role] + 1
             reasons[role] = (f"admission control refused {refused:.0%} of the last {s.pressure_window_s:.0f} s's "
@@ -588,11 +608,12 @@ class GoodputPolicy:
 
 
 def p90(values: list[float]) -> float | None:
-    """The 90th percentile (nearest rank) of `values`, None for none."""
+    """The 90th percentile (nearest rank: the smallest value at least 90% of them are
+    at or under) of `values`, None for none."""
     if not values:
         return None
     values = sorted(values)
-    return values[min(len(values) - 1, int(0.9 * len(values)))]
+    return values[max(0, math.ceil(0.9 * len(values) - 1e-9) - 1)]
 
 
 def _replicas_for(demand: float, capacity: float) -> int:
