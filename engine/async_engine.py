@@ -204,7 +204,10 @@ class AsyncEngine:
                 self._cores.at_work()
                 self.deliver(engine.step(**self._step_kwargs))
                 self._measure(engine)
-                continue
+                if not engine.last_step_empty:
+                    continue
+                # requests wait for blocks held or reserved (KV to send, KV arriving): poll, not spin
+                busy = True
             self._cores.idle()
             self._wake.wait(_BUSY_POLL_S if busy else _IDLE_WAIT_S)
             self._wake.clear()

@@ -106,6 +106,7 @@ class LLMEngine:
         self.last_step: StepStats | None = None   # the latest non-empty step
         self.async_scheduling = config.uses_async_scheduling()
         self._in_flight: _InFlight | None = None    # launched by the previous step() call, not read back
+        self.last_step_empty = False                 # the latest step() had nothing to run or read back
         self._last_resolved = time.monotonic()
 
     # ---- tensor-parallel ranks ----------------------------------------------------------
@@ -248,11 +249,19 @@ class LLMEngine:
     def step(self, *, prefill: bool = True, decode: bool = True) -> list[RequestOutput]:
         """Runs one batch. Returns an output for every request that produced a
         token (or finished) in a step whose samples were read back in this call:
-        this call's step, or with async scheduling the previous call's."""
+        this call's step, or with async scheduling the previous call's. Sets
+        `last_step_empty` when there was nothing to run or read back: the
+        requests waiting cannot start until blocks or sequence slots that held
+        or reserved requests keep are freed."""
         self._check_ranks()
         previous, self._in_flight = self._in_flight, None
         step = self.scheduler.schedule(prefill=prefill, decode=decode)
-        launched = self._launch(step, previous) if not step.is_empty else None
+        self.last_step_empty = step.is_empty and previous is None
+        try:
+            launched = self._launch(step, previous) if not step.is_empty else None
+        except BaseException:
+            self._in_flight = previous   # its samples are still to be read back by the next step
+            raise
         outputs = self._resolve(previous) if previous is not None else []
         if launched is not None:
             if launched.run.overlapped:
@@ -445,10 +454,16 @@ class LLMEngine:
     # ---- offline helpers ------------------------------------------------------------------
     def run_to_completion(self) -> list[RequestOutput]:
         """Steps until every request finished (or, with hold_kv, holds its KV);
-        returns the final outputs in finish order."""
+        returns the final outputs in finish order. Raises RuntimeError when the
+        requests left wait for blocks that held or reserved ones keep."""
         done = []
         while self.has_unfinished_requests():
             done.extend(o for o in self.step() if o.finished or o.request_id in self._held)
+            if self.last_step_empty:   # nothing in this loop can free what the waiting requests need
+                raise RuntimeError(
+                    f"{len(self.scheduler.waiting)} requests wait for KV blocks or sequence slots that "
+                    f"{len(self._held)} held and {len(self.scheduler.reserved)} reserved requests keep; "
+                    "release them (release_kv) or give the engine more KV cache")
         return done
 
 

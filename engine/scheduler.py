@@ -73,11 +73,20 @@ class Scheduler:
     def reserve(self, seq: Sequence, num_filled_tokens: int) -> bool:
         """Decode role: allocates blocks for `num_filled_tokens` tokens whose K/V will
         be written from outside (a prefill worker). The sequence is not scheduled
-        until `mark_filled`. Returns False when the blocks do not fit now, or
-        when running and reserved sequences already number `max_num_seqs`."""
+        until `mark_filled`. Returns False when the blocks do not fit now, when
+        running and reserved sequences already number `max_num_seqs`, or when
+        they would leave too few for the sequence at the head of the waiting
+        queue (one preempted, say): it came first, and a stream of hand-offs
+        taking every block that frees would keep it waiting for ever."""
         if self.num_seqs_in_batch >= self.max_num_seqs:
             return False
-        if not self.block_manager.allocate(seq.block_table, num_filled_tokens):
+        bm = self.block_manager
+        if self.waiting:
+            head = self.waiting[0]
+            if bm.blocks_needed(seq.block_table, num_filled_tokens) + \
+                    bm.blocks_needed(head.block_table, head.num_tokens) > bm.num_free_blocks:
+                return False
+        if not bm.allocate(seq.block_table, num_filled_tokens):
             return False
         seq.status = SequenceStatus.RESERVED
         self.reserved[seq.request_id] = seq

@@ -1,0 +1,121 @@
+"""Requests that cannot start (their KV blocks held or reserved by hand-offs), and
+a step that fails to launch: the engine waits instead of spinning, says so
+offline instead of looping, keeps a preempted sequence's turn, and goes on."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.async_engine import AsyncEngine
+from engine.tiny_model import ensure_preset_model
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return str(ensure_preset_model("tiny"))
+
+
+def _small_pool(model: str, **kw) -> LLMEngine:
+    # 8 blocks of 8 tokens: two 30-token prompts held fill it
+    return LLMEngine(EngineConfig(model=model, device="cpu", max_model_len=64, block_size=8, num_kv_blocks=8, **kw))
+
+
+def test_offline_run_to_completion_says_what_blocks_the_waiting_requests(model):
+    engine = _small_pool(model)
+    for i in range(3):
+        engine.add_request(str(i), list(range(3 + i, 33 + i)), GREEDY, hold_kv=True)   # 4 blocks each
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="1 requests wait for KV blocks or sequence slots that 2 held"):
+        engine.run_to_completion()
+    assert time.monotonic() - start < 30
+    engine.release_kv("0")
+    assert [o.request_id for o in engine.run_to_completion()] == ["2"]      # now it fits
+
+
+def test_the_engine_thread_polls_while_requests_wait_for_held_blocks(model):
+    def fill(engine: LLMEngine) -> None:
+        for i in range(2):
+            engine.add_request(f"held{i}", list(range(3, 33)), GREEDY, hold_kv=True)
+        while engine.has_unfinished_requests():
+            engine.step(decode=False)
+        engine.add_request("waiting", list(range(40, 60)), GREEDY, hold_kv=True)
+
+    async def count_steps_in_a_second() -> int:
+        ae = AsyncEngine(lambda: _small_pool(model), decode=False, cost_warmup_steps=0, name="blocked-test")
+        try:
+            engine = await ae.ready()
+            await ae.call(fill)
+            calls = 0
+            real_step = engine.step
+
+            def counting(**kw):
+                nonlocal calls
+                calls += 1
+                return real_step(**kw)
+            await ae.call(lambda e: setattr(e, "step", counting))
+            await asyncio.sleep(1.0)
+            assert engine.scheduler.waiting and engine.block_manager.num_free_blocks == 0
+            return calls
+        finally:
+            ae.shutdown()
+
+    # a 2 ms poll: a few hundred steps a second at most, where a spinning loop makes 100,000s
+    assert asyncio.run(count_steps_in_a_second()) < 2000
+
+
+def test_hand_offs_leave_room_for_a_preempted_sequence(model):
+    engine = LLMEngine(EngineConfig(model=model, device="cpu", max_model_len=64, block_size=4, num_kv_blocks=16,
+                                    enable_prefix_caching=False, async_scheduling=False))
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    engine.add_request("old", list(range(3, 27)), long)        # 6 blocks each, growing to 16 together
+    engine.add_request("young", list(range(30, 54)), long)
+    while not engine.scheduler.num_preemptions:
+        engine.step()
+    victim = engine.scheduler.waiting[0]
+    admitted = 0
+    short = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for k in range(200):        # a hand-off arrives before every step, as the decode worker's ticker does
+        if engine.reserve_prefilled(f"h{k}", list(range(60, 68)), 5, short) is not None:
+            engine.commit_prefilled(f"h{k}")
+            admitted += 1
+        engine.step()
+        if victim.status.value != "waiting":
+            break
+    assert victim.status.value != "waiting", f"still waiting after {admitted} hand-offs went ahead of it"
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert len(outputs[victim.request_id].token_ids) == 40
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_step_that_fails_to_launch_leaves_the_engine_able_to_go_on(model, async_scheduling):
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    reference = LLMEngine(EngineConfig(model=model, device="cpu", max_model_len=64))
+    reference.add_request("a", list(range(3, 13)), params)
+    expected = reference.run_to_completion()[0].token_ids
+
+    engine = LLMEngine(EngineConfig(model=model, device="cpu", max_model_len=64, async_scheduling=async_scheduling))
+    engine.add_request("a", list(range(3, 13)), params)
+    engine.step()
+    engine.step()
+    real_launch, failures = engine.runner.launch, []
+
+    def fails_once(*args, **kwargs):
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("a transient failure (out of memory, say)")
+        return real_launch(*args, **kwargs)
+    engine.runner.launch = fails_once
+    with pytest.raises(RuntimeError, match="transient"):
+        engine.step()
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    assert done[0].token_ids == expected
