@@ -416,6 +416,37 @@ def test_only_a_sender_holding_the_secret_gets_a_pair(spawn_agent):
             s.close()
 
 
+def test_malformed_joins_and_a_flood_of_unproven_ones_leave_the_receiver_accepting(spawn_agent):
+    """Anyone who reaches the store can write a join: garbage, or many joins that
+    never prove the secret. Each is refused or times out; honest senders still pair."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from cluster.transport.pair_group_common import JOIN_HINT, join_key, verdict_key
+    from cluster.transport.pair_group_receiver import _MAX_VERIFYING
+    agent = spawn_agent("receiver", timeout_s=SHORT_S, secret="deployment-secret")
+    address = agent.identity()
+    stranger = dist.TCPStore(address.host, address.port, None, False, timeout=datetime.timedelta(seconds=10),
+                             wait_for_workers=False)
+    bad = [b"\xff\xfe", "\u00b2 someone".encode(), b"no-epoch", b"12"]
+    slots = range(len(bad) + _MAX_VERIFYING + 4)
+    for slot in slots:     # the malformed ones, then more unproven joins than are verified at once
+        text = bad[slot] if slot < len(bad) else f"1 stranger-{slot}".encode()
+        assert stranger.compare_set(join_key(slot), "", text) == text
+        stranger.add(JOIN_HINT, 1)
+    for slot in range(len(bad)):
+        assert stranger.get(verdict_key(slot)).decode() == "refused: a malformed join"
+    busy = [stranger.get(verdict_key(slot)).decode() for slot in slots[-4:]]
+    assert busy == ["refused: too many joins being verified; try again"] * 4
+    time.sleep(SHORT_S + SLACK_S)      # the unproven joins time out and free their places
+    honest = PairGroupSender(timeout_s=SHORT_S, secret="deployment-secret")
+    try:
+        roundtrip(honest, agent, address, "m/after", 4096)
+    finally:
+        honest.close()
+
+
 def test_the_receiver_listens_on_its_own_address_only():
     receiver = PairGroupReceiver(host="127.0.0.1")
     try:

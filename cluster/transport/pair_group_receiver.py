@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import re
 import secrets
 import threading
 import time
@@ -62,6 +63,10 @@ log = logging.getLogger(__name__)
 
 FOREVER = datetime.timedelta(days=3650)
 MAX_ORPHANS = 256              # failures kept for transfers that arrived without an expect()
+_MAX_VERIFYING = 32            # joins whose proof of the secret is awaited at once (a thread each)
+_MAX_STORE_FAILURES = 50       # the acceptor gives up after this many store errors in a row (not closed)
+# a join: "<epoch> <sender name>", the epoch in ASCII digits
+_JOIN = re.compile(r"([0-9]{1,18}) (\S{1,256})")
 
 
 class _RecvPair:
@@ -102,11 +107,14 @@ class _RecvPair:
         """Checks the sender's proof of the secret and answers the verdict; an
         admitted pair replaces the sender's previous one."""
         owner = self.owner
-        proof = store.get(proof_key(self.slot)).decode()   # waits up to timeout_s
+        try:
+            proof = store.get(proof_key(self.slot)).decode("utf-8", errors="replace")   # waits up to timeout_s
+        finally:
+            owner._verifying.release()
         if not proof_holds(proof, owner._cfg.secret, self.challenge, self.epoch, self.sender, owner.address.name):
             log.warning("KV receiver %s refused a pair from %r: wrong secret", owner.address.name, self.sender)
-            store.set(verdict_key(self.slot), "refused: the secret does not match (is the sender from this "
-                                              "deployment?)")
+            owner._refuse(store, self.slot, "refused: the secret does not match (is the sender from this "
+                                            "deployment?)", proof_read=True)
             return False
         with owner._lock:
             if owner._closed:
@@ -123,7 +131,12 @@ class _RecvPair:
     def _run(self) -> None:
         cfg, lock = self.owner._cfg, self.owner._lock
         try:
-            store = connect_store(self.owner.address, time.monotonic() + cfg.timeout_s, lambda: self.broken is not None)
+            try:
+                store = connect_store(self.owner.address, time.monotonic() + cfg.timeout_s,
+                                      lambda: self.broken is not None)
+            except BaseException:
+                self.owner._verifying.release()   # _admit releases it once the proof is in (or not)
+                raise
             if not self._admit(store):
                 return
             msgs = dist.PrefixStore(pair_prefix(self.sender, self.epoch), store)
@@ -206,6 +219,7 @@ class PairGroupReceiver(KVReceiver):
         self._pairs: dict[str, _RecvPair] = {}
         self._closed = False
         self._slot = 0
+        self._verifying = threading.BoundedSemaphore(_MAX_VERIFYING)
         self._acceptor = threading.Thread(target=self._accept, name=f"kv-accept-{name}", daemon=True)
         self._acceptor.start()
 
@@ -285,24 +299,55 @@ class PairGroupReceiver(KVReceiver):
             store = connect_store(self.address, time.monotonic() + self._cfg.timeout_s, lambda: self._closed)
         except Exception:  # noqa: BLE001 - closed before the thread ran
             return
+        failures = 0
         while True:
             slot, challenge = self._slot, secrets.token_hex(16)
             key = join_key(slot)
             try:
                 store.set(challenge_key(slot), challenge)
                 store.wait([key], FOREVER)
-                text = store.get(key).decode()
-            except Exception:  # noqa: BLE001 - the store shut down: the receiver is closed
-                return
-            epoch, sender = text.split(" ", 1) if " " in text else ("", text)
+                text = store.get(key).decode("utf-8", errors="replace")
+            except Exception as exc:  # noqa: BLE001 - the store shut down (closed), or a hiccup
+                failures += 1
+                if self._closed or failures >= _MAX_STORE_FAILURES:
+                    if not self._closed:
+                        log.error("KV receiver %s stops accepting pairs: its store failed %d times in a row (%s)",
+                                  self.address.name, failures, describe(exc))
+                    return
+                time.sleep(0.1)
+                continue
+            failures = 0
             with self._lock:
                 if self._closed:
                     return
                 self._slot += 1
-            if not epoch.isdigit():
+            join = _JOIN.fullmatch(text)
+            if join is None:
                 log.warning("KV receiver %s ignored a malformed join %r", self.address.name, text[:100])
+                self._refuse(store, slot, "refused: a malformed join")
                 continue
-            _RecvPair(self, sender, int(epoch), slot, challenge).thread.start()
+            if not self._verifying.acquire(blocking=False):
+                log.warning("KV receiver %s refused a join from %r: %d joins are being verified already",
+                            self.address.name, join[2][:100], _MAX_VERIFYING)
+                self._refuse(store, slot, "refused: too many joins being verified; try again")
+                continue
+            try:
+                _RecvPair(self, join[2], int(join[1]), slot, challenge).thread.start()
+            except RuntimeError as exc:   # no thread to be had
+                self._verifying.release()
+                log.warning("KV receiver %s could not take a pair from %r: %s", self.address.name, join[2], exc)
+                self._refuse(store, slot, "refused: the receiver could not start a thread")
+
+    @staticmethod
+    def _refuse(store: dist.TCPStore, slot: int, verdict: str, *, proof_read: bool = False) -> None:
+        """Answers a join that is refused; once its proof was read (the sender has
+        read the challenge), drops the slot's keys too."""
+        try:
+            store.set(verdict_key(slot), verdict)
+            for key in (challenge_key(slot), proof_key(slot)) if proof_read else ():
+                store.delete_key(key)
+        except Exception:  # noqa: BLE001 - best effort: the sender times out by itself
+            log.debug("could not answer join slot %d", slot, exc_info=True)
 
     def _claim(self, pair: _RecvPair, tid: str, nbytes: int) -> tuple[Transfer | None, torch.Tensor | None, str]:
         """Matches a header to an expect(): (record, buffer to receive into, verdict)."""
