@@ -43,7 +43,7 @@ from cluster.transport.kv_transport import KVReceiver, PeerAddress, TransferStat
 from decode_workers.delta_outbox import DeltaOutbox
 from engine.async_engine import AsyncEngine, settle_from_thread
 from engine.engine_config import EngineConfig
-from engine.errors import InvalidRequestError
+from engine.errors import EngineStoppedError, InvalidRequestError
 from engine.llm_engine import LLMEngine, StepStats
 from engine.outputs import RequestOutput, ResumedOutput
 from engine.sampler import advanced_generator_state
@@ -108,6 +108,7 @@ class DecodeWorker:
         self._make_receiver = make_receiver
         self._peer = prefill_peer
         self._engine = AsyncEngine(lambda: LLMEngine(config), name=f"{name}-engine")
+        self._engine.add_stop_hook(self._fail_handoffs)
         self._handoffs: dict[str, _HandOff] = {}        # engine thread only
         self._subscribers: dict[str, _Subscriber] = {}  # event loop only
         self._queued_prompt_tokens: dict[str, int] = {}  # prefilled here, first token not yet out
@@ -190,6 +191,7 @@ class DecodeWorker:
             while not reserved.done():
                 await asyncio.wait({reserved}, timeout=prefill.lease_s / 3)
                 if not reserved.done():
+                    self._engine.check_alive()   # (its stop hook settles the future; this is the backstop)
                     self._peer.renew(prefill.replica_id, prefill.request_id)
             return reserved.result()
         except BaseException:
@@ -331,6 +333,14 @@ class DecodeWorker:
             settle_from_thread(handoff.future, exc=asyncio.CancelledError())
         if engine.abort_request(rid):
             self._engine.deliver([_aborted(rid)])
+
+    def _fail_handoffs(self, reason: BaseException) -> None:
+        """The engine loop ended (engine thread): the requests waiting for blocks or
+        for their KV fail now, as nothing else would ever settle their waits."""
+        handoffs, self._handoffs = self._handoffs, {}
+        for rid, handoff in handoffs.items():
+            settle_from_thread(handoff.future, exc=EngineStoppedError(
+                f"{self.name}'s engine stopped while request {rid} waited for its KV ({reason})"))
 
     def _tick(self, engine: LLMEngine) -> bool:
         room = _room(engine)

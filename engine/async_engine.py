@@ -74,6 +74,7 @@ class AsyncEngine:
         self.costs = EngineCosts(warmup_steps=cost_warmup_steps)
         self._recent_steps: deque[tuple[int, StepStats]] = deque(maxlen=512)
         self._tickers: list[Ticker] = []
+        self._stop_hooks: list[Callable[[BaseException], None]] = []
         self._failure: BaseException | None = None
         self._cores = NoLending()
         self._loop = asyncio.get_running_loop()
@@ -154,6 +155,12 @@ class AsyncEngine:
         """Registers a function the engine thread calls every iteration."""
         self._tickers.append(ticker)
         self._wake.set()
+
+    def add_stop_hook(self, hook: Callable[[BaseException], None]) -> None:
+        """Registers a function the engine thread calls once, with the reason, when
+        its loop ends: to fail the waits that only the loop would have settled.
+        Register it before the loop can end (with the tickers)."""
+        self._stop_hooks.append(hook)
 
     def wake(self) -> None:
         self._wake.set()
@@ -276,6 +283,11 @@ class AsyncEngine:
             sinks = {id(sink): sink for sink in self._sinks.values()}
         for sink in sinks.values():
             sink.fail(exc)
+        for hook in self._stop_hooks:
+            try:
+                hook(exc)
+            except Exception:  # noqa: BLE001 - the other hooks still run
+                log.exception("stop hook %s failed", getattr(hook, "__qualname__", hook))
 
 
 def _join_core_ledger(engine: LLMEngine, *, borrows: bool):

@@ -26,8 +26,10 @@ from cluster.transport.transport_factory import (
     receiver_factory,
     sender_factory,
 )
+from cluster.serving.messages import DecodeRequest
 from decode_workers.decode_worker import DecodeWorker
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.errors import EngineStoppedError
 from engine.kv_head_map import remap_kv_shards
 from prefill_workers.prefill_worker import PrefillWorker
 from router.backend import BackendUnavailableError, ModelInfo
@@ -298,8 +300,9 @@ def test_a_decode_worker_waiting_for_blocks_renews_the_hold_until_they_free_up()
             renewed.append((replica_id, request_id, time.monotonic()))
 
     async def main():
-        worker = DecodeWorker.__new__(DecodeWorker)     # the wait needs no engine
+        worker = DecodeWorker.__new__(DecodeWorker)     # the wait needs no engine, only that it runs
         worker._peer = Peer()
+        worker._engine = SimpleNamespace(check_alive=lambda: None)
         prefill = SimpleNamespace(replica_id="P", request_id="r1", lease_s=0.15)
         reserved = asyncio.get_running_loop().create_future()
         asyncio.get_running_loop().call_later(0.4, reserved.set_result, (1024, "arrival"))
@@ -317,6 +320,41 @@ def test_a_decode_worker_waiting_for_blocks_renews_the_hold_until_they_free_up()
         with pytest.raises(asyncio.CancelledError):
             await task
         assert waiting.cancelled()
+    run(main())
+
+
+@pytest.mark.parametrize("phase", ["waiting for blocks", "receiving"])
+def test_a_hand_off_fails_at_once_when_the_decode_engine_stops(model_dirs, phase):
+    """A hand-off waits on what only the engine loop settles (free blocks, the KV
+    arriving): when the loop stops, the request fails with EngineStoppedError
+    (which the router retries elsewhere), and the prefill hold is no longer
+    renewed, so it ends with its lease."""
+    async def main():
+        hub = FakeTransportHub()
+        pair = await Pair(model_dirs["tiny"], hub, lease_s=1.0).start()
+        engine = pair.decode._engine.engine
+        if phase == "waiting for blocks":
+            engine.reserve_prefilled = lambda *a, **kw: None      # no room: it waits for blocks
+        else:
+            hub.delay_s = 60.0                                     # the KV takes a minute to arrive
+        first = await pair.prefill.prefill("h", PROMPTS[0], GREEDY)
+        waiting = asyncio.ensure_future(pair.decode.generate(DecodeRequest("h", PROMPTS[0], GREEDY, "sub", first,
+                                                                           "h#1")))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+
+        def fails(**kwargs):
+            raise RuntimeError("a step failed")
+        engine.step = fails
+        await pair.decode.generate(DecodeRequest("other", [1, 2, 3], GREEDY, "sub2"))   # makes the loop step
+        start = time.monotonic()
+        with pytest.raises(EngineStoppedError, match="engine stopped while request h waited for its KV"):
+            await asyncio.wait_for(waiting, 5.0)
+        assert time.monotonic() - start < 2.0
+        await asyncio.sleep(1.5)                                   # the lease, unrenewed, runs out
+        assert pair.prefill.stats()["num_held"] == 0
+        pair.prefill.shutdown()
+        pair.decode.shutdown()
     run(main())
 
 
