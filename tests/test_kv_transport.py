@@ -242,7 +242,7 @@ def test_receivers_come_and_go_while_transfers_to_a_third_continue(remote_receiv
         sender.close()
 
 
-def test_pair_is_rebuilt_after_a_timeout_or_a_forget_on_the_wire(spawn_agent):
+def test_pair_is_rebuilt_after_a_timeout_and_kept_after_a_forget_on_the_wire(spawn_agent):
     sender = PairGroupSender(timeout_s=SHORT_S)
     try:
         sleepy = spawn_agent("receiver")
@@ -263,17 +263,26 @@ def test_pair_is_rebuilt_after_a_timeout_or_a_forget_on_the_wire(spawn_agent):
         assert state is TransferState.FAILED, error
         roundtrip(sender, sleepy, address, "d/after-timeout", 1 * MiB)   # a new pair (next epoch)
 
+        # forgotten on the wire (the decode side moved on): its send finishes, the one queued behind
+        # it on the same pair is not failed with it
         sleepy.call("expect", "d/forgotten", sender.name, 4 * MiB, torch.float32)
+        sleepy.call("expect", "d/behind", sender.name, 1 * MiB, torch.float32)
         os.kill(sleepy.proc.pid, signal.SIGSTOP)
         sender.send("d/forgotten", address, payload(4 * MiB, torch.float32, seed=3))
+        behind = payload(1 * MiB, torch.float32, seed=4)
+        sender.send("d/behind", address, behind)
         assert wait_final(sender.poll, "d/forgotten", waiting=(TransferState.PENDING,)) \
             is TransferState.TRANSFERRING
+        pair = sender._pairs[address]
         start = time.monotonic()
-        sender.forget("d/forgotten")               # aborts the pair: the buffer is ours again at once
+        sender.forget("d/forgotten")
         assert time.monotonic() - start < 1.0
         with pytest.raises(KeyError):
             sender.poll("d/forgotten")
         os.kill(sleepy.proc.pid, signal.SIGCONT)
+        assert wait_final(sender.poll, "d/behind") is TransferState.DONE, sender.error("d/behind")
+        assert sleepy.result("d/behind", sender.name) == (TransferState.DONE, None, digest(behind))
+        assert sender._pairs[address] is pair
         roundtrip(sender, sleepy, address, "d/after-forget", 1 * MiB)
     finally:
         sender.close()

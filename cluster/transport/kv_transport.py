@@ -59,7 +59,9 @@ class KVSender(ABC):
 
     @abstractmethod
     def send(self, transfer_id: str, peer: PeerAddress, buffer: torch.Tensor) -> None:
-        """Queues `buffer` (contiguous) for `peer`'s matching `expect`; returns at once."""
+        """Queues `buffer` (contiguous) for `peer`'s matching `expect`; returns at once.
+        The transport may read `buffer` until the send is over, after forget() too:
+        hand it a copy nothing writes (the prefill side packs one per send)."""
 
     @abstractmethod
     def poll(self, transfer_id: str) -> TransferState:

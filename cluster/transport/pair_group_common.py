@@ -35,8 +35,8 @@ posted in the same order on both sides, which is what NCCL needs (it ignores tag
 The receiver's verdict is authoritative and reaches the sender through the ack:
 data nobody expects fails the transfer on both sides.
 
-Epochs: a pair that breaks (timeout, peer gone, forget or close while on the
-wire) is dropped for good; the sender's next send to that peer builds a new pair
+Epochs: a pair that breaks (timeout, peer gone, close, a receiver's forget while
+on the wire) is dropped for good; the sender's next send to that peer builds a new pair
 with the next epoch, so nothing of a broken pair is ever reused. A receiver drops
 its side when the same sender joins again, when the sender says stop, or when it
 hears nothing (not even the idle heartbeat, "B", every timeout_s / 4) for timeout_s.
@@ -46,7 +46,9 @@ is posted to its ack; on the receiver, an expected transfer that sees no activit
 from its sender. Deadlines are also checked in `poll`, so a FAILED arrives on time
 even when a thread is stuck in a call that cannot be interrupted (it then exits
 when that call returns). Every path that fails a transfer on the wire first aborts
-its group, so the caller's buffer is never touched again.
+its group, so the caller's buffer is never touched again; the one exception is a
+sender's forget, whose send finishes reading the buffer the sender was given
+(KVSender.send: the transport owns it).
 
 Security: R's store listens on R's own address only (not on every interface),
 and only a sender that holds the deployment's secret gets a pair: it proves it

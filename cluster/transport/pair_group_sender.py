@@ -7,10 +7,11 @@ Contract: send() never blocks on the network (a pair connects in its own thread,
 on the first send to its receiver); a transfer is DONE only once the receiver has
 acknowledged its bytes, and FAILED with the receiver's verdict if it refused them;
 poll() fails a transfer on time even when its pair thread is stuck in a call that
-cannot be interrupted; a transfer that fails or is forgotten while on the wire
-aborts its pair's group, so its buffer is not read again, and the next send to
-that receiver makes a new pair. All state is guarded by the sender's one lock,
-which its pair threads share.
+cannot be interrupted; a transfer that fails while on the wire aborts its pair's
+group, and the next send to that receiver makes a new pair; one that is
+forgotten while on the wire finishes its send (the sender owns its buffer, a
+private packed copy), so the transfers queued behind it are not failed with it.
+All state is guarded by the sender's one lock, which its pair threads share.
 """
 
 from __future__ import annotations
@@ -242,12 +243,12 @@ class PairGroupSender(KVSender):
             return self._transfers[transfer_id][0].error
 
     def forget(self, transfer_id: str) -> None:
+        """Drops the record. A transfer on the wire still finishes its send (it owns
+        its buffer), so that the transfers queued behind it on the pair go on:
+        aborting the group would fail every one of them."""
         with self._lock:
-            t, pair = self._transfers.pop(transfer_id)
-            on_wire = pair.current is t and not t.state.is_final
+            t, _ = self._transfers.pop(transfer_id)
             t.finish(TransferState.FAILED, f"{t.label} was forgotten")
-        if on_wire:   # the group may still read the buffer: stop it
-            pair.drop("was forgotten while on the wire", pair.queued_reason())
 
     def close(self) -> None:
         with self._lock:
