@@ -14,8 +14,10 @@ BackendUnavailableError, and every request bound to it later that was
 expected before the failure: the replica aborts a failed stream's requests,
 and one it had admitted while the router did not know yet would otherwise
 wait for ever on a stream that never carries it. A delta of a request nobody
-waits for any more (its client left before the router learnt its replica) is
-answered with an abort.
+waits for any more (its client left before the router learnt its replica), or
+one from a replica other than the one the request is bound to (a hand-off the
+router retried elsewhere that the first replica admitted after all), is
+answered with an abort there.
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ class StreamFanout:
             async for batch in self._open_stream(replica_id):
                 for delta in batch:
                     queue = self._queues.get(delta.request_id)
+                    if queue is not None and self._replica_of.get(delta.request_id, replica_id) != replica_id:
+                        queue = None    # a copy left on a replica the request moved away from
                     if queue is not None:
                         queue.put_nowait(delta)
                     elif not delta.finished and delta.request_id not in self._aborting:

@@ -64,6 +64,25 @@ def test_deltas_reach_their_request_and_an_orphan_is_aborted():
     asyncio.run(run())
 
 
+def test_a_copy_left_on_a_replica_the_request_moved_from_is_aborted_not_interleaved():
+    # a hand-off retried on S after the router saw R's call fail, though R admitted it after all:
+    # R's tokens for the request must not reach its client beside S's
+    async def run():
+        replicas = FakeReplicas()
+        fanout = StreamFanout(replicas.open_stream, replicas.abort)
+        other, moved = fanout.expect("other"), fanout.expect("h")
+        fanout.bind("other", "R")
+        fanout.bind("h", "S")
+        replicas.send("R", _delta("h", 99), _delta("other", 1))
+        replicas.send("S", _delta("h", 7))
+        assert (await _next(other)).token_ids == [1]
+        assert (await _next(moved)).token_ids == [7]
+        await asyncio.sleep(0.05)
+        assert moved.empty() and replicas.aborted == [("R", "h")]
+        await fanout.close()
+    asyncio.run(run())
+
+
 def test_a_failed_stream_fails_its_requests_and_those_admitted_there_before_the_router_knew():
     async def run():
         replicas = FakeReplicas()
