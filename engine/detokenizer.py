@@ -105,10 +105,16 @@ class IncrementalDetokenizer:
             return self._emit(delta)
 
         delta = self._slice(window, emitted_end, len(window))
-        if len(window) > prefix_len or len(self._ids) - self._read_offset > _MAX_UNDECIDED_TOKENS:
+        if len(window) > prefix_len:
             # The window ends between characters: everything is emitted, and the
             # tokens just read become the context for the next window.
             self._advance(len(self._ids))
+        elif len(self._ids) - self._read_offset > _MAX_UNDECIDED_TOKENS:
+            # Many tokens that add no text (skipped special tokens, say): drop them from
+            # the window, keeping the context. Made the context themselves, they would
+            # hide the text before them from the next token (SentencePiece would then
+            # drop its leading space, as at the start of a text).
+            del self._ids[self._read_offset:]
         else:
             # Nothing new yet (e.g. a skipped special token): keep the context.
             self._emitted_past_read += len(delta)

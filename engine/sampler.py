@@ -99,7 +99,8 @@ def _row_col_index(token_ids: Sequence[Sequence[int]], vocab_size: int,
     if lo < 0 or hi >= vocab_size:
         raise ValueError(f"token ids must be in [0, {vocab_size}), got min {lo}, max {hi}")
     rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    return rows.to(device), cols.to(device)
+    # through pinned memory: a plain copy to a GPU would wait for the work queued there
+    return to_device(rows, torch.device(device)), to_device(cols, torch.device(device))
 
 
 def token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int,
@@ -120,7 +121,7 @@ def apply_banned_tokens(logits: torch.Tensor, banned_token_ids: Sequence[Sequenc
     index = _row_col_index(banned_token_ids, logits.shape[-1], logits.device)
     if index is None:
         return logits.clone()
-    return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
+    return logits.index_put(index, logits.new_full((), float("-inf")))   # made on the device, no copy
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor,

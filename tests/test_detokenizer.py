@@ -197,3 +197,31 @@ def test_work_per_token_is_bounded(tokenizer, byte_ids, kind):
     assert len(output) > 300
     assert recorder.longest <= 24
     assert recorder.calls <= 3 * len(output) + 4
+
+
+def _sentencepiece_style_tokenizer():
+    """A Llama-2 / Mistral style tokenizer, trained here: "▁" for spaces, byte
+    fallback, and a decoder that strips the first token's leading space."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    backend = Tokenizer(models.BPE(byte_fallback=True, unk_token=None))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    corpus = ["the quick brown fox jumps over the lazy dog, embers and bread"] * 20
+    backend.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=120, special_tokens=["<s>", "</s>"]))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                   clean_up_tokenization_spaces=False)
+
+
+@pytest.mark.parametrize("num_skipped", [1, 8, 9, 30])
+def test_a_run_of_skipped_special_tokens_keeps_the_next_words_space(num_skipped):
+    # with EOS ignored, a model may emit many EOS in a row: they add no text, and the word after
+    # them keeps its leading space, whatever their number (SentencePiece drops it only at the start)
+    tok = _sentencepiece_style_tokenizer()
+    ids = tok.encode("quick", add_special_tokens=False) + [tok.eos_token_id] * num_skipped + \
+        tok.encode("brown", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, tok.encode("the", add_special_tokens=False), skip_special_tokens=True)
+    text = "".join(detok.add_token(t) for t in ids) + detok.flush()
+    assert text == " quick brown"
+    assert tok.decode(ids, skip_special_tokens=True) == "quick brown"
