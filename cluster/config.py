@@ -97,7 +97,7 @@ class KVTransferSection(_Strict):
                                      "free KV blocks for in this long")
     secret_env: EnvName = Field(None, description="name of the environment variable that holds the secret "
                                    "a prefill worker proves to a decode worker before any KV moves (read where "
-                                   "the application is built); default: a random secret made at build time")
+                                   "the application is built); default: a random secret made once per Ray cluster")
 
 
 class DisaggregationSection(_Strict):
@@ -310,13 +310,14 @@ class DeploymentConfig(_Strict):
         return None
 
     def kv_transfer_secret(self) -> str:
-        """The secret every KV-transfer pair of this deployment proves. Raises
-        ValueError when kv_transfer.secret_env names a variable that is not set."""
-        import secrets
+        """The secret every KV-transfer pair of this deployment proves: the named
+        variable's, else the Ray cluster's own (cluster/serving/cluster_secret.py).
+        Raises ValueError when kv_transfer.secret_env names a variable that is not set."""
         if not self.kv_transfer.secret_env:
-            return secrets.token_hex(32)
+            from cluster.serving.cluster_secret import cluster_secret
+            return cluster_secret()
         return _named_variable("kv_transfer.secret_env", self.kv_transfer.secret_env,
-                               "set it, or leave secret_env out for a random secret per deployment")
+                               "set it, or leave secret_env out for a random secret per Ray cluster")
 
     def autoscaling_settings(self):
         """The autoscaling policy's settings (autoscaling.enabled must be true)."""

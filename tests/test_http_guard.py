@@ -130,7 +130,7 @@ def test_the_key_reaches_the_deployment_only_as_its_digest(monkeypatch):
 
 def test_the_kv_transfer_secret_comes_from_the_named_variable_or_is_random(monkeypatch):
     made = {DeploymentConfig().kv_transfer_secret() for _ in range(2)}
-    assert len(made) == 2 and all(len(s) == 64 for s in made)   # 32 random bytes, new per deployment
+    assert len(made) == 2 and all(len(s) == 64 for s in made)   # 32 random bytes; no Ray cluster to keep them
     config = DeploymentConfig.model_validate({"kv_transfer": {"secret_env": "KV_SECRET"}})
     monkeypatch.delenv("KV_SECRET", raising=False)
     with pytest.raises(ValueError, match="KV_SECRET, which is not set"):

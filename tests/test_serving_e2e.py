@@ -146,6 +146,14 @@ def worker_gauge(base_url: str, name: str, timeout_s: float = 15) -> dict[str, f
         time.sleep(0.5)
 
 
+def test_the_kv_transfer_secret_is_made_once_per_ray_cluster(ray_cluster):
+    # building the same application again gives the workers the same arguments (Serve updates
+    # them in place) and old and new workers the same secret
+    from cluster.config import DeploymentConfig
+    first, again = DeploymentConfig().kv_transfer_secret(), DeploymentConfig().kv_transfer_secret()
+    assert first == again and len(first) == 64
+
+
 def test_disaggregated_one_prefill_one_decode(ray_cluster, model_dirs, reference, tokenizer):
     base = deploy(ray_cluster, model_dirs["tiny"], "pd11")
     try:
