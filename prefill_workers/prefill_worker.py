@@ -66,6 +66,7 @@ class PrefillWorker:
         self._make_sender = make_sender
         self._engine = AsyncEngine(lambda: LLMEngine(config), decode=False, name=f"{name}-engine")
         self._holds: dict[str, _Hold] = {}     # touched only on the engine thread
+        self._sends_to_note: set[str] = set()  # sent off the engine thread, _note_send not run yet
         self._queued_prompt_tokens: dict[str, int] = {}
         self.sender_names: list[str] = []
         self.num_kv_heads = 0
@@ -102,12 +103,15 @@ class PrefillWorker:
             return await self._engine.call(self._start_send, request_id, transfer_id, receivers)
         engine = self._engine.engine
         hold = self._holds.get(request_id)
-        if hold is None or hold.transfer_id is not None or hold.deadline - time.monotonic() < _LEASE_MARGIN_S:
-            # unknown, a retry, or a lease that could run out while packing here: the engine thread decides
+        if hold is None or hold.transfer_id is not None or request_id in self._sends_to_note or \
+                hold.deadline - time.monotonic() < _LEASE_MARGIN_S:
+            # unknown, a retry (its first send maybe not yet noted: the call queues behind the note), or a
+            # lease that could run out while packing here: the engine thread decides
             return await self._engine.call(self._start_send, request_id, transfer_id, receivers)
         block_ids = list(engine.held_sequence(request_id).block_table)
         (nbytes,) = engine.collective_rpc(kv_handoff.start_send, transfer_id, block_ids, receivers,
                                           self.num_kv_heads)
+        self._sends_to_note.add(request_id)
         self._engine.submit(self._note_send, request_id, transfer_id)
         return nbytes
 
@@ -163,6 +167,7 @@ class PrefillWorker:
 
     def _note_send(self, engine: LLMEngine, request_id: str, transfer_id: str) -> None:
         """Records a send started off the engine thread (one rank)."""
+        self._sends_to_note.discard(request_id)
         hold = self._holds.get(request_id)
         if hold is None:   # dropped meanwhile (abort, lease): stop the send
             engine.collective_rpc(kv_handoff.forget_transfer, transfer_id)

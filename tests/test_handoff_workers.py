@@ -358,6 +358,30 @@ def test_a_hand_off_fails_at_once_when_the_decode_engine_stops(model_dirs, phase
     run(main())
 
 
+def test_a_send_retried_before_the_first_was_noted_forgets_the_first(model_dirs):
+    """One rank packs and queues a send off the engine thread and notes it there
+    later; a retry (towards another decode worker) that comes while the engine is
+    busy must still forget the first send, not leave it queued beside the second."""
+    async def main():
+        hub = FakeTransportHub()
+        pair = await Pair(model_dirs["tiny"], hub).start()
+        prefill = pair.prefill
+        await prefill.prefill("r", PROMPTS[1], GREEDY)
+        receivers = list(pair.decode.receivers)
+        prefill._engine.submit(lambda engine: time.sleep(0.5))     # a long step: no note for now
+        await prefill.send_kv("r", "r#1", receivers)
+        await prefill.send_kv("r", "r#2", receivers)
+
+        def sends(engine):
+            return engine.collective_rpc(lambda worker: sorted(worker.attachments[kv_handoff.SENDS]))
+        assert await prefill._engine.call(sends) == [["r#2"]]
+        assert await prefill.release("r")
+        await pair.wait_idle()
+        prefill.shutdown()
+        pair.decode.shutdown()
+    run(main())
+
+
 # ---- real pair groups between TP gangs -------------------------------------------------------
 def _wait(engine: LLMEngine, tid: str, deadline: float) -> TransferState:
     while True:
