@@ -194,6 +194,21 @@ def test_pdserve_plan_slo_writes_a_valid_deployment(tmp_path, capsys):
     assert "best colocated" in out_text and "| 60: " in out_text and " -> 120: " in out_text
 
 
+def test_the_goodput_search_sizes_gpus_as_the_flags_say():
+    # --gpu-memory-gib 16: Llama-3-8B's 15 GiB of bf16 weights do not fit one such GPU at TP 1 when the
+    # flag is honoured, where 80 GiB (the H100 default) leaves room
+    from cluster.planner.search import Candidate, roofline_spec_builder
+    from engine.model.model_config import ModelConfig
+    model = ModelConfig.from_pretrained("configs/models/llama-3-8b")
+    tp1 = Candidate("colocated", 0, 0, 1, 1)
+    default = roofline_spec_builder(model, gpu="H100-SXM", dtype="bfloat16", max_model_len=8192)
+    small = roofline_spec_builder(model, gpu="H100-SXM", dtype="bfloat16", max_model_len=8192, gpu_memory_gib=16)
+    spec, _ = default(tp1)
+    assert spec is not None and spec.max_model_len == 8192
+    spec, why = small(tp1)
+    assert spec is None and "TP 1" in why
+
+
 def test_pdserve_plan_slo_rejects_bad_input(capsys):
     from cluster.cli.main import main
     assert main(["plan", "--model", "llama-3-8b", "--slo", "ttft:1000"]) == 2
@@ -202,3 +217,8 @@ def test_pdserve_plan_slo_rejects_bad_input(capsys):
     assert "--rate-tolerance" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["plan", "--model", "llama-3-8b", "--slo", "latency:5", "--gpus", "2"])
+    for bad, says in ((["--random-range-ratio", "-1"], "--random-range-ratio must be in [0, 1)"),
+                      (["--random-input-len", "-5"], "must be >= 1"), (["--attainment", "0"], "--attainment"),
+                      (["--random-input-len", "7000", "--random-output-len", "1000"], "exceed the 8192-token")):
+        assert main(["plan", "--model", "llama-3-8b", "--slo", "ttft:1000", "--gpus", "2", *bad]) == 2
+        assert says in capsys.readouterr().err, bad

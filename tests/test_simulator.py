@@ -169,6 +169,75 @@ def test_bad_specs_are_refused():
         simulate(_colocated(), [(0, 3)], [0.0])
 
 
+def test_past_max_model_len_the_router_answers_400_and_the_rest_is_served():
+    # the live router refuses prompt + max_tokens past max_model_len (400): a request that cannot
+    # fit must not sit in a replica for ever, nor hold up the requests behind it
+    spec = dataclasses.replace(_colocated(num_blocks=4, block_size=16), max_model_len=64)
+    result = simulate(spec, [(100, 3), (8, 2)], [0.0, 0.0])
+    records = sorted(result.records(), key=lambda r: r.index)
+    assert (records[0].status, records[0].succeeded) == (400, False)
+    assert "maximum context length is 64 tokens" in records[0].error and "103 tokens" in records[0].error
+    assert records[1].succeeded and len(_times(result, 1)) == 2
+
+
+def test_a_hand_off_leaves_room_for_the_head_of_the_waiting_queue():
+    # as the engine's Scheduler.reserve: 6 blocks free, a waiting sequence needs 5, a hand-off 2
+    from cluster.simulator.replica import SimReplica, SimSequence
+    replica = SimReplica("decode-0", FIXED, num_blocks=6, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    replica.add(SimSequence(0, prompt_len=20, output_len=4))
+    assert not replica.try_admit_prefilled(SimSequence(1, prompt_len=8, output_len=4))
+    replica.waiting.clear()
+    assert replica.try_admit_prefilled(SimSequence(1, prompt_len=8, output_len=4))
+
+
+def test_a_run_cut_at_max_duration_reads_as_loadtest_reports_one():
+    result = simulate(_colocated(max_num_seqs=1), [(10, 50)] * 3, [0.0] * 3, max_duration=0.6)
+    assert result.interrupted == "--max-duration 0.6 s reached" and result.duration == 0.6
+    cut = [r for r in result.records() if not r.succeeded]
+    assert len(cut) == 2 and all(r.unfinished and r.end_time == 0.6 for r in cut)
+    assert all(r.error == "unfinished when the run stopped (--max-duration 0.6 s reached)" for r in cut)
+
+
+def test_profiles_that_would_run_the_clock_backwards_or_are_malformed_are_refused(tmp_path):
+    from cluster.perf_model import load_step_model
+    negative = LinearStepModel((1e-3, -1e-5, 0.0, 0.0, 0.0)).to_json()
+    with pytest.raises(ValueError, match="must be finite and >= 0"):
+        load_step_model(negative)
+    with pytest.raises(ValueError, match="not a JSON object"):
+        load_step_model(tmp_path.joinpath("p.json").write_text("[1, 2]") and tmp_path / "p.json")
+    with pytest.raises(ValueError, match="malformed for a linear model"):
+        load_step_model({**LinearStepModel((1e-3, 0, 0, 0, 0)).to_json(), "fit_error": {"worst": 1}})
+    from cluster.perf_model.roofline import RooflineStepModel
+    from engine.model.model_config import ModelConfig
+    from engine.tiny_model import ensure_preset_model
+    roofline = RooflineStepModel.for_model(ModelConfig.from_pretrained(ensure_preset_model("tiny")),
+                                           gpu="H100-SXM", tp=1, dtype="bfloat16").to_json()
+    with pytest.raises(ValueError, match="efficiencies.mfu"):
+        load_step_model({**roofline, "efficiencies": {**roofline["efficiencies"], "mfu": -0.5}})
+    with pytest.raises(ValueError, match="malformed for a roofline model"):
+        load_step_model({**roofline, "cost": {"tp": 1}})
+    with pytest.raises(ValueError, match="KV latency and the request overhead >= 0"):
+        dataclasses.replace(_colocated(), kv_latency_s=-0.001)
+
+
+def test_pdserve_simulate_refuses_what_it_would_ignore_or_could_not_start(tmp_path, capsys):
+    from cluster.cli.main import main
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(LinearStepModel((1e-3, 1e-5, 0.0, 5e-5, 0.0)).to_json()))
+    base = ["simulate", "--config", "configs/tiny-cpu.yaml", "--profile", str(profile), "--num-prompts", "5"]
+    assert main([*base, "--threads-per-rank", "2"]) == 2
+    assert "--threads-per-rank apply to replicas sharing one machine's cores" in capsys.readouterr().err
+    assert main([*base, "--dataset-path", "x.json"]) == 2
+    assert "--dataset-path apply to --dataset-name sharegpt" in capsys.readouterr().err
+    assert main([*base, "--kv-latency-ms", "-5"]) == 2
+    assert "--kv-latency-ms and --request-overhead-ms >= 0" in capsys.readouterr().err
+    small = tmp_path / "small.yaml"      # a KV cache of a few blocks: the engine would refuse to start
+    small.write_text(open("configs/tiny-cpu.yaml").read().replace("kv_cache_memory_gib: 0.25",
+                                                                  "kv_cache_memory_gib: 0.0001"))
+    assert main([*base[:2], str(small), *base[3:]]) == 2
+    assert "would not start: the KV cache holds" in capsys.readouterr().err
+
+
 def test_pdserve_simulate_writes_loadtest_keys(tmp_path):
     from cluster.cli.main import main
     profile = tmp_path / "profile.json"

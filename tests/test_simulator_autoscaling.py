@@ -67,7 +67,7 @@ def test_pdserve_simulate_autoscale(tmp_path, capsys):
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps(MODEL.to_json()))
     args = ["simulate", "--config", "configs/tiny-cpu.yaml", "--profile", str(profile), "--num-prompts", "300",
-            "--request-rate", "5", "--random-input-len", "1500", "--random-output-len", "8", "--seed", "1",
+            "--request-rate", "7.4", "--random-input-len", "1000", "--random-output-len", "8", "--seed", "1",
             "--save-result", "--result-dir", str(tmp_path), "--result-file", "r.json"]
     assert main(args + ["--autoscale"]) == 2                      # the file has no SLOs
     assert "--autoscale needs the SLOs" in capsys.readouterr().err
@@ -77,7 +77,8 @@ def test_pdserve_simulate_autoscale(tmp_path, capsys):
     assert main(args + ["--autoscale", "--slo", "ttft:400", "tpot:50"]) == 0
     result = json.loads((tmp_path / "r.json").read_text())
     timeline = result["autoscaler_timeline"]
-    # 1.5k-token prompts at 5 req/s: one prefill replica holds ~4.4 req/s within 80% of a 400 ms TTFT,
+    # 1k-token prompts (the context is 1,024) at 7.4 req/s: one prefill replica holds ~6.5 req/s
+    # within 80% of a 400 ms TTFT,
     # so the first decision (at 10 s) asks for a second one; outputs of 8 tokens need one decode replica
     assert timeline[0]["time_s"] == 10.0 and timeline[0]["targets"] == {"prefill": 2, "decode": 1}
     assert result["replica_seconds"]["prefill"] > result["replica_seconds"]["decode"]

@@ -105,14 +105,7 @@ def _check_combinations(args: argparse.Namespace) -> None:
         raise LoadtestError("give either --request-rate or --sweep-rates, not both")
     if args.plot and not args.sweep_rates:
         raise LoadtestError("--plot draws a rate sweep; add --sweep-rates R1,R2,...")
-    if args.dataset_name == "sharegpt" and not args.dataset_path:
-        raise LoadtestError("--dataset-name sharegpt needs --dataset-path FILE (a ShareGPT-format JSON file)")
-    if args.dataset_name != "sharegpt":
-        given = [flag for flag, value in (("--dataset-path", args.dataset_path),
-                                          ("--sharegpt-output-len", args.sharegpt_output_len)) if value is not None]
-        if given:
-            raise LoadtestError(f"{' and '.join(given)} apply to --dataset-name sharegpt, and the dataset is "
-                                f"{args.dataset_name}; add --dataset-name sharegpt or drop them")
+    check_dataset_flags(args)
     if args.base_url.rstrip("/").endswith("/v1"):
         raise LoadtestError("--base-url is the server root (e.g. http://127.0.0.1:8000), without /v1; --endpoint "
                             "adds the path")
@@ -122,6 +115,18 @@ def _check_combinations(args: argparse.Namespace) -> None:
         raise LoadtestError(f"--endpoint must be /v1/completions or /v1/chat/completions, got {args.endpoint}")
     if args.save_result:
         _check_result_dir(Path(args.result_dir or "."))
+
+
+def check_dataset_flags(args: argparse.Namespace) -> None:
+    """The dataset flags (shared with `pdserve simulate`) make sense together."""
+    if args.dataset_name == "sharegpt" and not args.dataset_path:
+        raise LoadtestError("--dataset-name sharegpt needs --dataset-path FILE (a ShareGPT-format JSON file)")
+    if args.dataset_name != "sharegpt":
+        given = [flag for flag, value in (("--dataset-path", args.dataset_path),
+                                          ("--sharegpt-output-len", args.sharegpt_output_len)) if value is not None]
+        if given:
+            raise LoadtestError(f"{' and '.join(given)} apply to --dataset-name sharegpt, and the dataset is "
+                                f"{args.dataset_name}; add --dataset-name sharegpt or drop them")
 
 
 def _check_result_dir(directory: Path) -> None:

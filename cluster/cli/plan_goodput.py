@@ -69,20 +69,31 @@ def run_goodput_plan(args: argparse.Namespace, model_dir, model) -> int:
     models = None
     if args.profile:
         profile = load_step_model(args.profile)
-        tp = int(getattr(profile, "meta", {}).get("tp", 1))
+        cost = getattr(profile, "cost", None)      # a roofline profile carries its TP in its cost
+        tp = int(cost.tp if cost is not None else getattr(profile, "meta", {}).get("tp", 1))
         models, tps = {tp: profile}, [t for t in tps if t == tp]
     max_len = args.max_model_len or model_len_limit(model)
-    workload = Workload(args.random_input_len, args.random_output_len, args.random_range_ratio, args.num_prompts,
-                        args.seed)
-    if workload.input_len + workload.output_len > max_len:
-        print(f"error: prompts of {workload.input_len} + outputs of {workload.output_len} tokens exceed the "
-              f"{max_len}-token context; lower the lengths or raise --max-model-len", file=sys.stderr)
+    if not 0 < args.attainment <= 1 or args.max_num_batched_tokens < 1:
+        print("error: --attainment must be in (0, 1] and --max-num-batched-tokens >= 1", file=sys.stderr)
+        return 2
+    try:
+        workload = Workload(args.random_input_len, args.random_output_len, args.random_range_ratio,
+                            args.num_prompts, args.seed)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if workload.longest > max_len:
+        print(f"error: prompts of up to {workload.bounds(workload.input_len)[1]} + outputs of up to "
+              f"{workload.bounds(workload.output_len)[1]} tokens (--random-range-ratio {workload.range_ratio:g}) "
+              f"exceed the {max_len}-token context; lower the lengths or the range ratio, or raise "
+              "--max-model-len", file=sys.stderr)
         return 2
     slos = dict(args.slo)
     build = roofline_spec_builder(model, gpu=gpu, dtype=dtype, max_model_len=max_len,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   gpu_memory_utilization=args.gpu_memory_utilization, policy=args.policy,
-                                  models=models)
+                                  models=models, gpu_memory_gib=args.gpu_memory_gib,
+                                  overhead_gib=args.overhead_gib)
     result = search(num_gpus=args.gpus, tps=tps, workload=workload, slos_s={k: v / 1000 for k, v in slos.items()},
                     build_spec=build, target=args.attainment, refine_top=args.refine_top,
                     tolerance=args.rate_tolerance, max_requests=args.max_prompts, jobs=args.jobs,
@@ -149,6 +160,8 @@ def deployment_yaml(cand, model_dir, dtype: str, max_len: int, gpu: str, args: a
             "engine": {"max_num_batched_tokens": args.max_num_batched_tokens,
                        "gpu_memory_utilization": args.gpu_memory_utilization},
             "resources": {"gpu_type": gpu}}
+    if args.gpu_memory_gib is not None:
+        data["resources"]["gpu_memory_gib"] = args.gpu_memory_gib
     if cand.mode == "disaggregated":
         data["disaggregation"] = {"policy": args.policy}
     header = (f"# {cand.describe()}: chosen by `pdserve plan --slo "

@@ -26,7 +26,7 @@ from cluster.cli.plan_goodput import parse_slo
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from bench.loadtest.arrivals import arrival_offsets
-    from bench.loadtest.command import _build_dataset
+    from bench.loadtest.command import LoadtestError, _build_dataset, check_dataset_flags
     from bench.loadtest.metrics import summarize
     from bench.loadtest.report import JSON_PERCENTILES, build_result, format_table
     from bench.loadtest.runner import RunConfig, RunResult
@@ -38,19 +38,24 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from engine.tiny_model import checkpoint_dir
 
     try:
+        check_dataset_flags(args)
+        _check_flags(args)
         config = load_config(args.config, {f"slo.{name}_ms": ms for name, ms in args.slo or []})
+        if args.lend_profile and not config.lends_idle_cores():
+            raise ValueError("--lend-profile applies to a CPU deployment whose resources.lend_idle_cores is true; "
+                             f"{args.config}'s engines do not lend cores")
         step_model = load_step_model(args.profile)
         wide_model = load_step_model(args.lend_profile) if args.lend_profile else None
         model_dir = checkpoint_dir(config.model.path)
-    except (ConfigFileError, ValueError, OSError, KeyError) as exc:
+        model_config = ModelConfig.from_pretrained(model_dir)
+        link = KVLink(args.kv_bandwidth_gibps * (1 << 30), args.kv_latency_ms / 1000)
+        spec = cluster_spec(config, step_model, model_config=model_config, link=link,
+                            request_overhead_s=args.request_overhead_ms / 1000, shared_cores=args.shared_cores,
+                            threads_per_rank=max(1, int(args.threads_per_rank or config.resources.cpus_per_rank or 1)),
+                            serving_cores_per_stream=args.serving_cores_per_stream, wide_model=wide_model)
+    except (ConfigFileError, LoadtestError, ValueError, OSError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    model_config = ModelConfig.from_pretrained(model_dir)
-    link = KVLink(args.kv_bandwidth_gibps * (1 << 30), args.kv_latency_ms / 1000)
-    spec = cluster_spec(config, step_model, model_config=model_config, link=link,
-                        request_overhead_s=args.request_overhead_ms / 1000, shared_cores=args.shared_cores,
-                        threads_per_rank=max(1, int(args.threads_per_rank or config.resources.cpus_per_rank or 1)),
-                        serving_cores_per_stream=args.serving_cores_per_stream, wide_model=wide_model)
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir)
     requests = _build_dataset(args, tokenizer, config.model.max_model_len, args.seed)
@@ -75,11 +80,11 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
                            max_duration=args.max_duration, seed=args.seed)
     records = result.records()
     duration = result.duration if records else 0.0
-    run = RunResult(run_config, records, len(requests), 0.0, duration, None)
+    run = RunResult(run_config, records, len(requests), 0.0, duration, result.interrupted)
     summary = summarize(records, num_requests=len(requests), duration=duration, slos_ms=dict(args.goodput or []),
                         percentiles=sorted(set(JSON_PERCENTILES) | set(args.metric_percentiles)))
     print(format_table(summary, metrics=args.percentile_metrics, percentiles=args.metric_percentiles,
-                       title="Simulated Serving Benchmark Result", interrupted=None), flush=True)
+                       title="Simulated Serving Benchmark Result", interrupted=result.interrupted), flush=True)
     print(f"simulated {len(requests)} requests in {wall:.2f} s: {result.num_steps} replica steps, "
           f"{result.num_preemptions} preemptions, {result.num_local_prefills} prompts prefilled on a decode worker, "
           f"{result.cached_prompt_tokens} prompt tokens from prefix caches, "
@@ -93,8 +98,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         print("replica-seconds: " + ", ".join(f"{r} {s:.0f}" for r, s in result.replica_seconds.items()))
     if args.save_result:
         payload = build_result(run, summary, meta={
-            "simulated": True, "profile": str(args.profile), "config": str(args.config),
-            "dataset_name": args.dataset_name, "num_steps": result.num_steps,
+            "tokenizer": str(args.tokenizer or model_dir), "prompt_lengths": "the model's tokenizer",
+            "dataset_name": args.dataset_name, "dataset_path": args.dataset_path, "max_duration": args.max_duration,
+            "simulated": True, "profile": str(args.profile), "config": str(args.config), "num_steps": result.num_steps,
             "num_preemptions": result.num_preemptions, "num_local_prefills": result.num_local_prefills,
             "cached_prompt_tokens": result.cached_prompt_tokens, "refusals": result.refusals,
             "replica_seconds": result.replica_seconds, "autoscaler_timeline": result.timeline})
@@ -104,6 +110,19 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         path.write_text(json.dumps(payload, indent=2) + "\n")
         print(f"saved the result to {path}")
     return 0
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Flags that would be ignored, or that would make time run backwards, are refused."""
+    if args.kv_bandwidth_gibps <= 0 or args.kv_latency_ms < 0 or args.request_overhead_ms < 0:
+        raise ValueError("--kv-bandwidth-gibps must be > 0, --kv-latency-ms and --request-overhead-ms >= 0")
+    if args.shared_cores is None:
+        given = [flag for flag, value in (("--threads-per-rank", args.threads_per_rank),
+                                          ("--serving-cores-per-stream", args.serving_cores_per_stream or None),
+                                          ("--lend-profile", args.lend_profile)) if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} apply to replicas sharing one machine's cores; add "
+                             "--shared-cores N or drop them")
 
 
 def _autoscaler(config, args, spec):

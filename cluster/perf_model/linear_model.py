@@ -15,6 +15,8 @@ step as much as a 2 s prefill) with non-negative coefficients.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,9 +73,13 @@ class LinearStepModel:
         missing = [c for c in COEFFICIENTS if c not in coefficients]
         if missing:
             raise ValueError(f"profile is missing coefficients {missing}")
+        values = tuple(float(coefficients[c]) for c in COEFFICIENTS)
+        bad = [c for c, v in zip(COEFFICIENTS, values) if not (math.isfinite(v) and v >= 0)]
+        if bad:
+            raise ValueError(f"profile coefficients {bad} must be finite and >= 0 (a step never takes "
+                             "negative time)")
         error = data.get("fit_error")
-        return cls(tuple(float(coefficients[c]) for c in COEFFICIENTS),
-                   None if error is None else FitError(**error), dict(data.get("meta") or {}))
+        return cls(values, None if error is None else FitError(**error), dict(data.get("meta") or {}))
 
 
 def _nnls_relative(x: np.ndarray, y: np.ndarray) -> np.ndarray:

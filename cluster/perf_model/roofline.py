@@ -26,6 +26,7 @@ per-direction NVLink rate) is an assumption.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 from types import MappingProxyType
 from typing import Any, Mapping
@@ -129,8 +130,19 @@ class RooflineStepModel:
         return replace(self, eff=replace(self.eff, **changes))
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": "roofline", "cost": asdict(self.cost), "gpu": asdict(self.gpu), "efficiencies": asdict(self.eff)}
+        return {"kind": "roofline", "cost": asdict(self.cost), "gpu": asdict(self.gpu),
+                "efficiencies": asdict(self.eff)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "RooflineStepModel":
-        return cls(ModelCost(**data["cost"]), GpuSpec(**data["gpu"]), Efficiencies(**data["efficiencies"]))
+        gpu, eff = GpuSpec(**data["gpu"]), Efficiencies(**data["efficiencies"])
+        rates = {"gpu.bf16_flops": gpu.bf16_flops, "gpu.hbm_bytes_per_s": gpu.hbm_bytes_per_s,
+                 "gpu.link_bytes_per_s": gpu.link_bytes_per_s, "efficiencies.mfu": eff.mfu,
+                 "efficiencies.mbu": eff.mbu, "efficiencies.link": eff.link}
+        costs = {"efficiencies.host_fixed_s": eff.host_fixed_s, "efficiencies.host_per_seq_s": eff.host_per_seq_s,
+                 "efficiencies.allreduce_latency_s": eff.allreduce_latency_s}
+        bad = [k for k, v in rates.items() if not (math.isfinite(v) and v > 0)] + \
+            [k for k, v in costs.items() if not (math.isfinite(v) and v >= 0)]
+        if bad:
+            raise ValueError(f"profile fields {bad} must be finite and positive (rates) or >= 0 (times)")
+        return cls(ModelCost(**data["cost"]), gpu, eff)

@@ -59,10 +59,18 @@ def load_step_model(source: str | Path | dict) -> StepTimeModel:
     """A model from a profile file written by `pdserve profile` (or its dict)."""
     from cluster.perf_model.linear_model import LinearStepModel
     from cluster.perf_model.roofline import RooflineStepModel
-    data = source if isinstance(source, dict) else json.loads(Path(source).read_text())
+    where = "the profile" if isinstance(source, dict) else f"profile {source}"
+    try:
+        data = source if isinstance(source, dict) else json.loads(Path(source).read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where} is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} is not a JSON object (`pdserve profile` writes one)")
     kind = data.get("kind")
-    if kind == "linear":
-        return LinearStepModel.from_json(data)
-    if kind == "roofline":
-        return RooflineStepModel.from_json(data)
-    raise ValueError(f"unknown step model kind {kind!r} in the profile; expected 'linear' or 'roofline'")
+    if kind not in ("linear", "roofline"):
+        raise ValueError(f"unknown step model kind {kind!r} in {where}; expected 'linear' or 'roofline'")
+    try:
+        return (LinearStepModel if kind == "linear" else RooflineStepModel).from_json(data)
+    except (KeyError, TypeError, AttributeError) as exc:   # a field missing or of the wrong shape
+        raise ValueError(f"{where} is malformed for a {kind} model ({type(exc).__name__}: {exc}); "
+                         "write it again with `pdserve profile`") from None

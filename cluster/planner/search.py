@@ -42,13 +42,25 @@ class Workload:
     num_requests: int = 500
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if self.input_len < 1 or self.output_len < 1 or self.num_requests < 1:
+            raise ValueError("the input and output lengths and the number of requests must be >= 1")
+        if not 0.0 <= self.range_ratio < 1.0:
+            raise ValueError(f"--random-range-ratio must be in [0, 1), got {self.range_ratio}")
+
+    def bounds(self, n: int) -> tuple[int, int]:
+        """The lengths drawn around `n` (inclusive)."""
+        return max(1, int(n * (1 - self.range_ratio))), max(1, int(n * (1 + self.range_ratio)))
+
+    @property
+    def longest(self) -> int:
+        """The most tokens (prompt + output) one request may have."""
+        return self.bounds(self.input_len)[1] + self.bounds(self.output_len)[1]
+
     def lengths(self) -> list[tuple[int, int]]:
         rng = random.Random(self.seed)
-
-        def draw(n: int) -> int:
-            lo, hi = max(1, int(n * (1 - self.range_ratio))), max(1, int(n * (1 + self.range_ratio)))
-            return rng.randint(lo, hi)
-        return [(draw(self.input_len), draw(self.output_len)) for _ in range(self.num_requests)]
+        return [(rng.randint(*self.bounds(self.input_len)), rng.randint(*self.bounds(self.output_len)))
+                for _ in range(self.num_requests)]
 
 
 @dataclass(frozen=True)
@@ -297,11 +309,13 @@ def roofline_spec_builder(model_config, *, gpu: str, dtype: str, max_model_len: 
                           max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                           gpu_memory_utilization: float = 0.9, policy: str = "always",
                           link_efficiency: float = 0.7, kv_latency_s: float = 1e-3,
-                          models: dict[int, StepTimeModel] | None = None
-                          ) -> Callable[[Candidate], tuple[ClusterSpec | None, str]]:
-    """Builds ClusterSpecs for candidates: KV capacity from the memory planner,
-    step times from `models[tp]` when given (a profile), else the roofline;
-    hand-offs over NVLink at `link_efficiency` of its per-direction rate."""
+                          models: dict[int, StepTimeModel] | None = None, gpu_memory_gib: float | None = None,
+                          overhead_gib: float = 1.0) -> Callable[[Candidate], tuple[ClusterSpec | None, str]]:
+    """Builds ClusterSpecs for candidates: KV capacity from the memory planner
+    (GPUs of `gpu_memory_gib`, default the GPU type's), step times from
+    `models[tp]` when given (a profile), else the roofline; hand-offs over
+    NVLink at `link_efficiency` of its per-direction rate; the router's 400
+    past `max_model_len`."""
     from cluster.perf_model.roofline import GPU_SPECS, RooflineStepModel
     from engine.memory_planner import kv_bytes_per_token, plan
 
@@ -310,9 +324,9 @@ def roofline_spec_builder(model_config, *, gpu: str, dtype: str, max_model_len: 
 
     def replica(tp: int) -> tuple[ReplicaSpec | None, str]:
         if tp not in cache:
-            p = plan(model_config, tp=tp, gpu_memory_gib=gpu_spec.memory_gib,
+            p = plan(model_config, tp=tp, gpu_memory_gib=gpu_memory_gib or gpu_spec.memory_gib,
                      gpu_memory_utilization=gpu_memory_utilization, dtype=dtype, max_model_len=max_model_len,
-                     gpu_type=gpu, block_size=block_size)
+                     gpu_type=gpu, block_size=block_size, overhead_gib=overhead_gib)
             if not p.fits:
                 cache[tp] = (None, "; ".join(p.problems) or "does not fit")
             elif models is not None and tp not in models:
@@ -331,12 +345,13 @@ def roofline_spec_builder(model_config, *, gpu: str, dtype: str, max_model_len: 
         if decode is None:
             return None, f"TP {cand.decode_tp}: {why}"
         if cand.mode == "colocated":
-            return ClusterSpec("colocated", decode=decode, decode_replicas=cand.decode_replicas), ""
+            return ClusterSpec("colocated", decode=decode, decode_replicas=cand.decode_replicas,
+                               max_model_len=max_model_len), ""
         prefill, why = replica(cand.prefill_tp)
         if prefill is None:
             return None, f"TP {cand.prefill_tp}: {why}"
         return ClusterSpec("disaggregated", prefill=prefill, decode=decode, prefill_replicas=cand.prefill_replicas,
                            decode_replicas=cand.decode_replicas, policy=policy, kv_bytes_per_token=kv_per_token,
                            kv_bandwidth_bytes_per_s=gpu_spec.link_bytes_per_s * link_efficiency,
-                           kv_latency_s=kv_latency_s), ""
+                           kv_latency_s=kv_latency_s, max_model_len=max_model_len), ""
     return build

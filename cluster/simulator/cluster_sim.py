@@ -95,6 +95,7 @@ class ClusterSpec:
     lend_idle_cores: bool = False              # with shared_cores: idle replicas' cores are lent (module doc)
     admission: AdmissionSettings | None = None # the router's admission control; None: every request admitted
     stats_period_s: float = 1.0                # how often the router reads the replicas' cost figures
+    max_model_len: int | None = None           # the router answers 400 past it (prompt + max_tokens); None: no limit
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
@@ -114,6 +115,10 @@ class ClusterSpec:
                              "sharing one machine's")
         if self.stats_period_s <= 0:
             raise ValueError(f"stats_period_s must be > 0, got {self.stats_period_s}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1 (or None), got {self.max_model_len}")
+        if self.kv_bandwidth_bytes_per_s <= 0 or self.kv_latency_s < 0 or self.request_overhead_s < 0:
+            raise ValueError("the KV bandwidth must be > 0, the KV latency and the request overhead >= 0")
 
 
 @dataclass
@@ -127,6 +132,7 @@ class SimRequestLog:
     end_time: float | None = None
     prefilled_locally: bool = False
     refused: Overloaded | None = None  # admission control's 429 (end_time: when it was answered)
+    invalid: str | None = None         # the router's 400 (past max_model_len; end_time: when it was answered)
 
 
 @dataclass
@@ -141,6 +147,7 @@ class SimulationResult:
     mean_stretch: dict[str, float] = field(default_factory=dict)      # per role: step time / model's time
     cached_prompt_tokens: int = 0                                     # prompt tokens served by prefix caches
     refusals: dict[str, int] = field(default_factory=dict)            # admission control's, per reason
+    interrupted: str | None = None                                    # why it stopped before every request ended
 
     def records(self):
         """The requests as `pdserve loadtest` RequestRecords (times in seconds from 0)."""
@@ -149,19 +156,21 @@ class SimulationResult:
         for r in self.requests:
             if r.send_time is None:
                 continue
-            if r.refused is not None:
+            if r.refused is not None or r.invalid is not None:
+                status, message = (429, r.refused.message) if r.refused is not None else (400, r.invalid)
                 records.append(RequestRecord(
                     index=r.index, prompt_len=r.prompt_len, expected_output_len=r.output_len,
-                    scheduled_offset=r.scheduled, send_time=r.send_time, end_time=r.end_time, status=429,
-                    error=f"HTTP 429: {r.refused.message}"))
+                    scheduled_offset=r.scheduled, send_time=r.send_time, end_time=r.end_time, status=status,
+                    error=f"HTTP {status}: {message}"))
                 continue
             done = r.end_time is not None
-            records.append(RequestRecord(
+            records.append(RequestRecord(      # one cut off in flight as pdserve loadtest records it
                 index=r.index, prompt_len=r.prompt_len, expected_output_len=r.output_len,
                 scheduled_offset=r.scheduled, send_time=r.send_time, chunk_times=list(r.token_times),
-                end_time=r.end_time, output_tokens=len(r.token_times), token_count_method="usage",
-                usage_prompt_tokens=r.prompt_len, status=200 if done else None, succeeded=done,
-                unfinished=not done))
+                end_time=r.end_time if done else self.duration, output_tokens=len(r.token_times),
+                token_count_method="usage", usage_prompt_tokens=r.prompt_len, status=200 if done else None,
+                succeeded=done, unfinished=not done,
+                error=None if done else f"unfinished when the run stopped ({self.interrupted})"))
         return records
 
 
@@ -233,6 +242,8 @@ class _Simulation:
 
     # ---- the loop -------------------------------------------------------------------------
     def at(self, time: float, action: Callable[[], None]) -> None:
+        if time < self.now:
+            raise RuntimeError(f"an event at {time} s scheduled at {self.now} s: the clock would run backwards")
         heapq.heappush(self.events, (time, next(self.counter), action))
 
     def run(self, lengths, arrivals) -> SimulationResult:
@@ -246,14 +257,16 @@ class _Simulation:
             self.autoscaler.attach(self)
         if self.admission is not None:
             self._refresh_worker_stats()
+        cut = False
         while self.events:
             time, _, action = heapq.heappop(self.events)
             if time > self.max_duration:
+                cut = True
                 break
             self.now = time
             action()
         ends = [r.end_time for r in self.logs if r.end_time is not None]
-        duration = max(ends, default=0.0)
+        duration = self.max_duration if cut else max(ends, default=0.0)
         pools = self.prefill_pool + self.decode_pool + self.retired
         seconds: dict[str, float] = {}
         for r in pools:
@@ -269,7 +282,8 @@ class _Simulation:
                                 sum(r.num_preemptions for r in pools), self.num_local_prefills, seconds, timeline,
                                 {role: total / n for role, (total, n) in stretch.items() if n},
                                 sum(r.cached_prompt_tokens for r in pools),
-                                dict(Counter(log.refused.reason for log in self.refused)))
+                                dict(Counter(log.refused.reason for log in self.refused)),
+                                f"--max-duration {self.max_duration:g} s reached" if cut else None)
 
     # ---- pools ------------------------------------------------------------------------------
     @property
@@ -312,6 +326,14 @@ class _Simulation:
             return
         log.send_time = self.now
         self.arrived.append(log)
+        limit = self.spec.max_model_len
+        if limit is not None and log.prompt_len + log.output_len > limit:
+            log.invalid = (f"This model's maximum context length is {limit} tokens. However, you requested "
+                           f"{log.prompt_len + log.output_len} tokens ({log.prompt_len} in the prompt, "
+                           f"{log.output_len} in the completion).")
+            log.end_time = self.now
+            self._send_pending()
+            return
         if self.admission is not None:
             try:
                 self.admission.check_before_tokenizing()

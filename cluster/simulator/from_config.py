@@ -57,31 +57,38 @@ def cluster_spec(config, model: StepTimeModel, *, model_config, link: KVLink = K
         return ClusterSpec("colocated", decode=replica(config.colocated, model),
                            decode_replicas=config.colocated.replicas, request_overhead_s=request_overhead_s,
                            shared_cores=shared_cores, serving_cores_per_stream=serving_cores_per_stream,
-                           lend_idle_cores=lending, admission=admission)
+                           lend_idle_cores=lending, admission=admission, max_model_len=max_len)
     return ClusterSpec(
         "disaggregated", prefill=replica(config.prefill, prefill_model or model), decode=replica(config.decode, model),
         prefill_replicas=config.prefill.replicas, decode_replicas=config.decode.replicas, policy=d.policy,
         local_prefill_max_tokens=d.local_prefill_max_tokens, max_remote_wait_s=d.max_remote_wait_ms / 1000,
         kv_bytes_per_token=kv_per_token, kv_bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
         kv_latency_s=link.latency_s, request_overhead_s=request_overhead_s, shared_cores=shared_cores,
-        serving_cores_per_stream=serving_cores_per_stream, lend_idle_cores=lending, admission=admission)
+        serving_cores_per_stream=serving_cores_per_stream, lend_idle_cores=lending, admission=admission,
+        max_model_len=max_len)
 
 
 def kv_blocks(config, pool, model_config, dtype: str, max_len: int) -> int:
     """KV blocks of one replica of `pool`, sized as the engine sizes them: on CPU
     the kv_cache_memory_gib budget, capped at max_num_seqs full-length
-    sequences; on CUDA what the memory planner leaves after the weights."""
-    from engine.memory_planner import kv_bytes_per_token, plan
+    sequences; on CUDA what the memory planner leaves after the weights.
+    Raises ValueError where the engine would refuse to start: the weights do
+    not fit, or the KV cache holds less than one max_model_len sequence."""
+    from engine.memory_planner import kv_bytes_per_token, plan, resolve_gpu_type
+    from engine.preflight import kv_capacity_problem
     e = config.engine
     tp = pool.tensor_parallel_size
     per_block = kv_bytes_per_token(model_config, tp, dtype) * e.block_size
     if config.device == "cpu":
-        blocks = int(e.kv_cache_memory_gib * GIB // per_block)
-        return min(blocks, e.max_num_seqs * math.ceil(max_len / e.block_size))
-    gpu = config.resources.gpu_type or "H100-SXM"
-    from engine.memory_planner import resolve_gpu_type
-    spec = resolve_gpu_type(gpu)
-    p = plan(model_config, tp=tp, gpu_memory_gib=config.resources.gpu_memory_gib or spec.memory_gib,
-             gpu_memory_utilization=e.gpu_memory_utilization, dtype=dtype, max_model_len=max_len,
-             gpu_type=spec.name, block_size=e.block_size)
-    return max(1, p.kv_tokens_capacity // e.block_size)
+        blocks = min(int(e.kv_cache_memory_gib * GIB // per_block), e.max_num_seqs * math.ceil(max_len / e.block_size))
+    else:
+        spec = resolve_gpu_type(config.resources.gpu_type or "H100-SXM")
+        p = plan(model_config, tp=tp, gpu_memory_gib=config.resources.gpu_memory_gib or spec.memory_gib,
+                 gpu_memory_utilization=e.gpu_memory_utilization, dtype=dtype, max_model_len=max_len,
+                 gpu_type=spec.name, block_size=e.block_size)
+        if not p.fits:
+            raise ValueError(f"a TP-{tp} replica does not fit on {spec.name}: {'; '.join(p.problems)}")
+        blocks = p.kv_tokens_capacity // e.block_size
+    if problem := kv_capacity_problem(blocks, e.block_size, max_len):
+        raise ValueError(f"a TP-{tp} replica would not start: {problem}")
+    return blocks

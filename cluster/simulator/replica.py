@@ -97,9 +97,12 @@ class SimReplica:
 
     def try_admit_prefilled(self, seq: SimSequence) -> bool:
         """A decode replica takes a sequence whose prompt KV arrives from elsewhere:
-        reserves its blocks now (False if they are not free)."""
+        reserves its blocks now (False if they are not free, or if they would leave
+        too few for the sequence at the head of the waiting queue, as the engine's
+        Scheduler.reserve decides)."""
         need = self.blocks_for(seq.num_tokens)
-        if need > self.free_blocks or len(self.running) + len(self.reserved) >= self.max_num_seqs:
+        head = self.blocks_for(self.waiting[0].num_tokens) if self.waiting else 0
+        if need + head > self.free_blocks or len(self.running) + len(self.reserved) >= self.max_num_seqs:
             return False
         self.used_blocks += need
         self.reserved[seq.index] = need
