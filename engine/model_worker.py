@@ -136,6 +136,7 @@ class ModelWorker:
     def _num_kv_blocks(self, spec: KVCacheSpec) -> int:
         config = self.config
         if self.device.type == "cuda" and config.num_kv_blocks is None:
+            torch.cuda.empty_cache()   # what loading freed is free for the KV cache, not held by the allocator
             budget = gpu_kv_budget_bytes(self.device, config.gpu_memory_utilization)
             num = spec.num_blocks_for(max(0, budget - self._activation_reserve(spec)))
         else:

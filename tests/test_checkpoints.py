@@ -115,3 +115,61 @@ def test_default_model_is_built_once(tmp_path, monkeypatch):
     assert ensure_default_model() == path and (path / "config.json").stat().st_mtime_ns == stamp
     out = LLM(None, max_model_len=128).generate("Hi", SamplingParams(max_tokens=3, ignore_eos=True))[0]
     assert len(out.token_ids) == 3
+
+
+def _with_config(src, dst, **changes):
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    cfg = {k: v for k, v in cfg.items() if v is not None}    # None: the key left out
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("changes, says", [
+    ({"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}},
+     r"quantized checkpoints \(quant_method=fp8\) are not supported"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+])
+def test_checkpoints_the_model_would_compute_wrongly_are_refused(model_dirs, tmp_path, changes, says):
+    # each of these loaded and gave wrong logits (an fp8 weight cast without its scale, a GELU MLP run as SiLU)
+    from engine.model import ModelConfig, ModelConfigError
+    d = _with_config(model_dirs["tiny"], tmp_path / "variant", **changes)
+    with pytest.raises(ModelConfigError, match=says):
+        ModelConfig.from_pretrained(d)
+
+
+def test_a_qwen2_config_whose_layers_slide_caps_the_context_at_its_window(model_dirs, tmp_path):
+    # Qwen2 slides only with use_sliding_window, from layer max_window_layers on; sliding-window
+    # attention is not implemented, so the context is capped at the window (as for Mistral)
+    from engine.model import ModelConfig
+    # (no layer_types: transformers derives them from use_sliding_window and max_window_layers)
+    sliding = _with_config(model_dirs["tiny-qwen2"], tmp_path / "sliding", use_sliding_window=True,
+                           sliding_window=32, max_window_layers=0, layer_types=None)
+    off = _with_config(model_dirs["tiny-qwen2"], tmp_path / "off", use_sliding_window=False, sliding_window=32,
+                       layer_types=None)
+    assert ModelConfig.from_pretrained(sliding).sliding_window == 32
+    assert ModelConfig.from_pretrained(off).sliding_window is None
+    llm = LLM(str(sliding))
+    assert llm.engine.max_model_len == 32
+
+
+def test_weights_are_made_in_the_serving_dtype():
+    # made in float32 and cast after, a model would need twice its memory while it is built
+    from engine.model import ModelConfig, build_model
+    from engine.tiny_model import ensure_preset_model
+    config = ModelConfig.from_pretrained(ensure_preset_model("tiny"))
+    made = []
+    real = torch.nn.Parameter.__new__
+
+    def record(cls, data=None, requires_grad=True):
+        made.append(data.dtype)
+        return real(cls, data, requires_grad)
+    torch.nn.Parameter.__new__ = record
+    try:
+        model = build_model(config, max_positions=64, dtype=torch.bfloat16, device="meta")
+    finally:
+        torch.nn.Parameter.__new__ = real
+    assert made and set(made) == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert torch.get_default_dtype() == torch.float32

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from types import MappingProxyType
 
@@ -14,6 +15,8 @@ from engine.model.parallel import SINGLE_PROCESS, TensorParallel
 
 __all__ = ["build_model", "load_model", "ModelConfig", "ModelConfigError", "CheckpointError", "TensorParallel"]
 
+_BUILD_LOCK = threading.Lock()
+
 # Every supported architecture is a Llama variant distinguished by ModelConfig flags.
 _MODEL_CLASSES = MappingProxyType({
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -24,13 +27,23 @@ _MODEL_CLASSES = MappingProxyType({
 
 def build_model(config: ModelConfig, *, max_positions: int, dtype: torch.dtype,
                 device: torch.device | str = "cpu", tp: TensorParallel = SINGLE_PROCESS) -> LlamaForCausalLM:
-    """The model with uninitialised weights, on `device` in `dtype` ("meta" builds shapes only)."""
+    """The model with uninitialised weights, on `device` in `dtype` ("meta" builds shapes only).
+    The weights are made in `dtype` (under torch's default dtype for the build):
+    made in float32 and cast after, a model would need twice its memory while
+    it is built, and a GPU's caching allocator would keep the freed half."""
     cls = _MODEL_CLASSES[config.architecture]
-    with torch.device(device):
-        model = cls(config, tp, max_positions)
-    # rotary tables stay float32; weights take the serving dtype
+    with _BUILD_LOCK:   # the default dtype is the process's: one build at a time
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                model = cls(config, tp, max_positions)
+        finally:
+            torch.set_default_dtype(previous)
+    # rotary tables are float32 by construction; any weight left in another dtype takes the serving one
     for p in model.parameters():
-        p.data = p.data.to(dtype)
+        if p.dtype != dtype:
+            p.data = p.data.to(dtype)
     return model.eval()
 
 

@@ -86,6 +86,16 @@ class ModelConfig:
             raise ModelConfigError(
                 f"unsupported architecture {architectures or getattr(hf, 'model_type', '?')}; "
                 f"pdserve runs: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        quantization = getattr(hf, "quantization_config", None)
+        if quantization:
+            method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else \
+                getattr(quantization, "quant_method", "?")
+            raise ModelConfigError(f"quantized checkpoints (quant_method={method}) are not supported: pdserve "
+                                   "loads float16, bfloat16 or float32 weights; use the unquantized checkpoint")
+        activation = getattr(hf, "hidden_act", "silu")
+        if activation not in ("silu", "swish"):
+            raise ModelConfigError(f"hidden_act {activation!r} is not supported: the MLP is SiLU-gated "
+                                   "(hidden_act 'silu'), as Llama, Mistral and Qwen2 checkpoints have it")
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         rope = _rope_parameters(hf)
@@ -115,8 +125,28 @@ class ModelConfig:
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=eos_ids,
             torch_dtype=str(dtype).removeprefix("torch."),
-            sliding_window=getattr(hf, "sliding_window", None) if arch == "MistralForCausalLM" else None,
+            sliding_window=_sliding_window(hf, arch),
         )
+
+
+def _sliding_window(hf: Any, arch: str) -> int | None:
+    """The attention window of any layer that slides (None: full attention
+    everywhere). Mistral's layers all slide when it is set; Qwen2's only with
+    use_sliding_window, from layer max_window_layers on (`layer_types` in
+    newer configs), as transformers reads them."""
+    window = getattr(hf, "sliding_window", None)
+    if not window:
+        return None
+    if arch == "MistralForCausalLM":
+        return window
+    if arch != "Qwen2ForCausalLM":
+        return None
+    layer_types = getattr(hf, "layer_types", None)
+    if layer_types:
+        return window if "sliding_attention" in layer_types else None
+    if not getattr(hf, "use_sliding_window", False):
+        return None
+    return window if getattr(hf, "max_window_layers", 0) < hf.num_hidden_layers else None
 
 
 def _rope_parameters(hf: Any) -> dict[str, Any]:
