@@ -124,8 +124,15 @@ class DecodeWorker:
     # ---- requests ------------------------------------------------------------------------------
     async def generate(self, request: DecodeRequest) -> Admitted:
         """Takes the request into the batch; its outputs then stream to
-        `request.subscriber`. Raises KVTransferFailed, InvalidRequestError, or
-        TimeoutError when no blocks free up in time; nothing is left behind then."""
+        `request.subscriber`. Raises KVTransferFailed, InvalidRequestError,
+        TimeoutError when no blocks free up in time, or EngineStoppedError naming
+        this replica; nothing is left behind then."""
+        try:
+            return await self._generate(request)
+        except EngineStoppedError as exc:
+            raise EngineStoppedError(f"{self.name}: {exc}", self.replica_id) from None
+
+    async def _generate(self, request: DecodeRequest) -> Admitted:
         rid = request.request_id
         subscriber = self._subscriber(request.subscriber)
         if request.prefill is not None and request.resume is not None:
@@ -330,7 +337,9 @@ class DecodeWorker:
         handoff = self._handoffs.pop(rid, None)
         if handoff is not None:
             engine.collective_rpc(kv_handoff.forget_transfer, handoff.request.transfer_id)
-            settle_from_thread(handoff.future, exc=asyncio.CancelledError())
+            # (not a CancelledError: the router must not take it for its own client leaving)
+            settle_from_thread(handoff.future, exc=KVTransferFailed(
+                f"request {rid} was aborted on {self.name} while it waited for its KV", self.replica_id))
         if engine.abort_request(rid):
             self._engine.deliver([_aborted(rid)])
 

@@ -12,4 +12,12 @@ class InvalidRequestError(ValueError):
 
 class EngineStoppedError(RuntimeError):
     """The engine thread is gone (shut down, or a step failed): the worker cannot
-    serve, and the router treats it as unavailable."""
+    serve, and the router treats it as unavailable. `replica_id`: the serving
+    replica it happened on, where a worker knows it (a retry avoids it)."""
+
+    def __init__(self, message: str, replica_id: str = ""):
+        super().__init__(message)
+        self.replica_id = replica_id
+
+    def __reduce__(self):   # keeps replica_id across Ray's pickling
+        return EngineStoppedError, (str(self), self.replica_id)

@@ -88,8 +88,10 @@ class PrefillWorker:
         try:
             await self._engine.call(_add_held_request, request_id, prompt_token_ids, params)
             return await held
-        except BaseException:
+        except BaseException as exc:
             await self._engine.call_for_cleanup(self._drop, request_id)
+            if isinstance(exc, EngineStoppedError):
+                raise EngineStoppedError(f"{self.name}: {exc}", self.replica_id) from None
             raise
         finally:
             self._engine.detach(request_id)

@@ -25,7 +25,15 @@ class ModelInfo:
 
 class BackendUnavailableError(RuntimeError):
     """The request could not be served for a reason that is not the caller's
-    fault (a worker died, a KV transfer failed): HTTP 503."""
+    fault (a worker died, a KV transfer failed): HTTP 503. `replica_id`: the
+    replica that failed, where known (a retry or migration avoids it)."""
+
+    def __init__(self, message: str = "", replica_id: str = ""):
+        super().__init__(message)
+        self.replica_id = replica_id
+
+    def __reduce__(self):
+        return BackendUnavailableError, (str(self), self.replica_id)
 
 
 class GenerationBackend(ABC):

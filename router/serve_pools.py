@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import contextmanager
 
 from ray import exceptions as ray_exceptions
+from ray.serve.exceptions import RayServeException, RequestCancelledError
 
 from cluster.serving.detached import detached
 from cluster.serving.messages import Admitted, DecodeRequest, PrefillResult, TokenDelta
@@ -52,10 +53,15 @@ def unwrapped_errors(what: str):
     except ray_exceptions.RayTaskError as exc:
         cause = exc.cause if exc.cause is not None else exc
         if isinstance(cause, EngineStoppedError):   # alive, but it cannot serve: as if it had died
-            raise BackendUnavailableError(f"the {what} worker is unavailable: {cause}") from None
+            raise BackendUnavailableError(f"the {what} worker is unavailable: {cause}", cause.replica_id) from None
         raise cause from None
     except (ray_exceptions.ActorDiedError, ray_exceptions.ActorUnavailableError, ReplicaGoneError) as exc:
         raise BackendUnavailableError(f"the {what} worker is unavailable: {exc}") from None
+    except RayServeException as exc:
+        if isinstance(exc, RequestCancelledError):
+            raise
+        # the deployment is being deleted, or a rolling update failed: not the request's fault
+        raise BackendUnavailableError(f"the {what} deployment is unavailable: {exc}") from None
 
 
 async def _call(response, what: str, on_cancel: Callable[[], None] | None = None):
@@ -139,8 +145,10 @@ class ServeDecodePool:
                     self._what)
 
     async def stream(self, replica_id: str, subscriber: str) -> AsyncIterator[list[TokenDelta]]:
-        stream = self._streams.stream_outputs.remote(subscriber, self._stream_interval_s,
-                                                      **{TARGET_REPLICA: replica_id})
+        # detached: the stream carries every request of this router on the replica, so it must not be
+        # a child of the one request whose client happened to open it (Serve cancels those with it)
+        stream = detached(lambda: self._streams.stream_outputs.remote(subscriber, self._stream_interval_s,
+                                                                       **{TARGET_REPLICA: replica_id}))
         try:
             with unwrapped_errors(self._what):
                 async for batch in stream:

@@ -37,6 +37,7 @@ handles (router/serve_pools.py); in tests, plain worker objects.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import nullcontext
@@ -147,8 +148,8 @@ class ServingBackend(GenerationBackend):
         return None if phases is None else phases.freeze()
 
     async def check_health(self) -> None:
-        if self._prefill is not None:
-            await self._prefill.check_health()
+        """Raises unless a decode (or colocated) replica answers: with no prefill
+        replica running, prompts are prefilled on the decode replicas."""
         await self._decode.check_health()
 
     async def close(self) -> None:
@@ -166,10 +167,14 @@ class ServingBackend(GenerationBackend):
         failed_on: list[str | None] = [None]        # the replica the last attempt failed on
         for migration in range(self.max_migrations + 1):
             try:
-                async for out in self._attempt(request_id, migration, acc, params, phases, failed_on):
-                    yield out
+                # aclosing: a client that leaves runs the attempt's clean-up now, not when it is collected
+                async with contextlib.aclosing(self._attempt(request_id, migration, acc, params, phases,
+                                                             failed_on)) as attempt:
+                    async for out in attempt:
+                        yield out
                 return
             except BackendUnavailableError as exc:
+                failed_on[0] = exc.replica_id or failed_on[0]   # the next attempt avoids it
                 if migration == self.max_migrations:
                     why = ("migration is off (max_migrations: 0)" if migration == 0 else
                            f"the request was already moved to another worker {migration} time(s), the limit "
@@ -286,7 +291,7 @@ class ServingBackend(GenerationBackend):
                     return done
                 except (KVTransferFailed, BackendUnavailableError, TimeoutError) as exc:
                     if attempt == self.max_transfer_attempts:
-                        raise BackendUnavailableError(str(exc)) from None
+                        raise BackendUnavailableError(str(exc), getattr(exc, "replica_id", "")) from None
                     avoid = getattr(exc, "replica_id", None) or None
                     log.warning("KV hand-off of %s failed (%s); retrying on another decode worker", request_id, exc)
             raise AssertionError("unreachable")

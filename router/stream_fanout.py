@@ -23,6 +23,7 @@ answered with an abort there.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -64,7 +65,7 @@ class StreamFanout:
                 f"the decode worker {replica_id}'s output stream failed while the request was submitted there"))
             return
         if replica_id not in self._readers:
-            self._readers[replica_id] = asyncio.get_running_loop().create_task(self._read(replica_id))
+            self._readers[replica_id] = _own_task(self._read(replica_id))
 
     def forget(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
@@ -89,8 +90,12 @@ class StreamFanout:
                     elif not delta.finished and delta.request_id not in self._aborting:
                         self._aborting.add(delta.request_id)
                         asyncio.get_running_loop().create_task(self._abort_orphan(replica_id, delta.request_id))
-        except asyncio.CancelledError:
-            raise
+        except asyncio.CancelledError as exc:
+            task = asyncio.current_task()
+            if task is None or getattr(task, "cancelling", lambda: 1)():
+                raise                 # close(): this reader itself is being cancelled
+            reason = f"the stream was cancelled ({exc or 'by the replica or Serve'})"
+            log.warning("the output stream of decode replica %s was cancelled", replica_id)
         except Exception as exc:  # noqa: BLE001 - every request on the replica hears it
             reason = f"{type(exc).__name__}: {exc}"
             log.warning("the output stream of decode replica %s failed: %s", replica_id, reason)
@@ -100,7 +105,7 @@ class StreamFanout:
         if reason is None:
             # the replica ended an idle stream: whatever was bound since belongs to its next stream
             if bound:
-                self._readers[replica_id] = asyncio.get_running_loop().create_task(self._read(replica_id))
+                self._readers[replica_id] = _own_task(self._read(replica_id))
             return
         self._num_failures += 1
         self._failure_of[replica_id] = self._num_failures
@@ -115,3 +120,10 @@ class StreamFanout:
             log.debug("abort of orphaned request %s failed: %s", request_id, exc)
         finally:
             self._aborting.discard(request_id)
+
+
+def _own_task(coro) -> asyncio.Task:
+    """A task in a context of its own: a reader serves every request bound to its
+    replica, not the request whose call happened to start it (whose context, and
+    Serve's cancellation with it, a task would otherwise inherit)."""
+    return contextvars.Context().run(asyncio.get_running_loop().create_task, coro)

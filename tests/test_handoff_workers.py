@@ -26,7 +26,7 @@ from cluster.transport.transport_factory import (
     receiver_factory,
     sender_factory,
 )
-from cluster.serving.messages import DecodeRequest
+from cluster.serving.messages import DecodeRequest, KVTransferFailed
 from decode_workers.decode_worker import DecodeWorker
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import EngineStoppedError
@@ -356,6 +356,41 @@ def test_a_hand_off_fails_at_once_when_the_decode_engine_stops(model_dirs, phase
         pair.prefill.shutdown()
         pair.decode.shutdown()
     run(main())
+
+
+def test_a_hand_off_aborted_on_the_decode_side_fails_as_a_transfer_not_as_a_cancel(model_dirs):
+    """A decode replica that aborts a waiting hand-off (its router's stream closed)
+    answers it with KVTransferFailed naming itself, which the router retries
+    elsewhere; a CancelledError would read as the client having left."""
+    async def main():
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub()).start()
+        pair.decode._engine.engine.reserve_prefilled = lambda *a, **kw: None     # it waits for blocks
+        first = await pair.prefill.prefill("h", PROMPTS[0], GREEDY)
+        waiting = asyncio.ensure_future(pair.decode.generate(DecodeRequest("h", PROMPTS[0], GREEDY, "sub", first,
+                                                                           "h#1")))
+        await asyncio.sleep(0.2)
+        await pair.decode.abort("h")
+        with pytest.raises(KVTransferFailed, match="aborted on") as exc:
+            await asyncio.wait_for(waiting, 5.0)
+        assert exc.value.replica_id == "D"
+        pair.prefill.shutdown()
+        pair.decode.shutdown()
+    run(main())
+
+
+def test_a_worker_whose_engine_stopped_reports_no_room_to_the_router():
+    from cluster.serving.worker_deployment import WorkerDeployment
+
+    class Stopped:
+        def check_health(self):
+            raise EngineStoppedError("the engine is not running")
+
+        def stats(self):
+            return {"free_kv_blocks": 900.0}            # its last figures: stale
+    replica = WorkerDeployment.__new__(WorkerDeployment)
+    replica.worker = Stopped()
+    stats = replica.record_routing_stats()
+    assert stats["free_kv_blocks"] == 0.0 and stats["queued_prefill_tokens"] >= 1e18
 
 
 def test_a_send_retried_before_the_first_was_noted_forgets_the_first(model_dirs):

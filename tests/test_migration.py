@@ -10,6 +10,7 @@ import pytest
 
 from decode_workers.decode_worker import DecodeWorker
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.errors import EngineStoppedError
 from router.backend import BackendUnavailableError, ModelInfo
 from router.serving_backend import ServingBackend
 from tests.test_handoff_workers import PROMPTS, run
@@ -30,7 +31,11 @@ class TwoWorkerPool:
         for name, worker in self.workers.items():
             if name != avoid_replica and name not in self.dead:
                 self.placed.append((request.request_id, name))
-                return await worker.generate(request)
+                try:
+                    return await worker.generate(request)
+                except EngineStoppedError as exc:    # as router/serve_pools.py maps it
+                    raise BackendUnavailableError(f"the decode worker is unavailable: {exc}",
+                                                  exc.replica_id) from None
         raise BackendUnavailableError("no decode worker left")
 
     async def abort(self, replica_id, request_id):
@@ -273,3 +278,28 @@ def test_a_prefill_result_that_arrives_as_the_request_is_cancelled_is_released(m
             await pair.shutdown()
 
     assert run(main()) == ["the hold"]
+
+
+def test_a_worker_whose_engine_stopped_is_avoided_by_the_next_attempt(model_dirs, reference):
+    """A's engine stopped but its process lives (Serve keeps routing to it until its
+    health checks fail): its EngineStoppedError names it, and the request moves to B
+    instead of going back to A on every attempt."""
+    async def main():
+        workers = _workers(model_dirs)
+        for w in workers.values():
+            await w.start()
+        workers["A"].shutdown()                       # the engine stops; the "replica" still takes calls
+        pool = TwoWorkerPool(workers)
+        backend = ServingBackend(ModelInfo("tiny", 128, 512), pool, subscriber="router-0", max_migrations=1)
+        try:
+            last = None
+            async for out in backend.generate("r", PROMPTS[0], GREEDY):
+                last = out
+            return last, pool.placed
+        finally:
+            await backend.close()
+            workers["B"].shutdown()
+
+    last, placed = run(main())
+    assert placed == [("r", "A"), ("r~1", "B")]
+    assert last.token_ids == reference("tiny").greedy(tuple(PROMPTS[0]), TOKENS)

@@ -105,3 +105,31 @@ def test_a_failed_stream_fails_its_requests_and_those_admitted_there_before_the_
         await fanout.close()
 
     asyncio.run(run())
+
+
+def test_a_stream_cancelled_from_outside_fails_its_requests_and_readers_have_a_context_of_their_own():
+    # Serve cancels the calls a request made when its client leaves: the shared stream must not be one
+    # of them, and if a stream is cancelled anyway its requests hear it instead of waiting for ever
+    import contextvars
+    request_context = contextvars.ContextVar("request_context", default=None)
+    seen = []
+
+    async def run():
+        replicas = FakeReplicas()
+        opened = replicas.open_stream
+
+        async def recording(replica_id):
+            seen.append(request_context.get())
+            async for batch in opened(replica_id):
+                yield batch
+        fanout = StreamFanout(recording, replicas.abort)
+        a, b = fanout.expect("a"), fanout.expect("b")
+        request_context.set("request a")           # the call that binds a carries its request's context
+        fanout.bind("a", "R")
+        fanout.bind("b", "R")
+        replicas.feeds.setdefault("R", asyncio.Queue()).put_nowait(asyncio.CancelledError())
+        for queue in (a, b):
+            assert isinstance(await _next(queue), BackendUnavailableError)
+        await fanout.close()
+    asyncio.run(run())
+    assert seen == [None]

@@ -43,6 +43,13 @@ class WorkerDeployment:
         return {"replica": self.replica_id, "steps": self.worker.step_samples()}
 
     def record_routing_stats(self) -> dict[str, float]:
+        """The worker's load; a worker whose engine stopped reports none to give (no
+        free block, an endless prompt queue), so that no request is routed to it
+        while Serve's health checks take their time to replace it."""
+        try:
+            self.worker.check_health()
+        except Exception:  # noqa: BLE001 - stopped, for whatever reason
+            return {"free_kv_blocks": 0.0, "queued_prefill_tokens": 1e18, "engine_stopped": 1.0}
         return self.worker.stats()
 
     def check_health(self) -> None:
