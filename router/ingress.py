@@ -30,6 +30,7 @@ from router.serving_backend import ServingBackend
 log = logging.getLogger(__name__)
 
 STATS_PERIOD_S = 1.0
+STATS_TIMEOUT_S = 5.0
 
 
 @serve.deployment(name="Router")
@@ -94,7 +95,8 @@ class Router:
             current: set[str] = set()
             for role, handle in self._workers.items():
                 try:
-                    replies = await handle.broadcast("stats").results_async()
+                    # bounded: one replica that does not answer must not stop every figure the router keeps
+                    replies = await asyncio.wait_for(handle.broadcast("stats").results_async(), STATS_TIMEOUT_S)
                 except DeploymentUnavailableError:   # not one replica runs (they died; none replaced yet)
                     replies = []
                 except Exception as exc:  # noqa: BLE001 - metrics must never take the router down

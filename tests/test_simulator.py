@@ -190,6 +190,18 @@ def test_a_hand_off_leaves_room_for_the_head_of_the_waiting_queue():
     assert replica.try_admit_prefilled(SimSequence(1, prompt_len=8, output_len=4))
 
 
+def test_with_chunked_prefill_off_a_prompt_runs_whole_as_the_engine_runs_it():
+    # two 600-token prompts, a budget of 1,024, a step costing T + 10 us a token: the engine runs the
+    # first alone (600 tokens), then the second; chunked, the first step also takes 424 of the second's
+    per_token = LinearStepModel((T, 1e-5, 0.0, 0.0, 0.0))
+    whole = ReplicaSpec(per_token, 1000, 16, 256, 1024, enable_chunked_prefill=False)
+    result = simulate(ClusterSpec("colocated", decode=whole), [(600, 1), (600, 1)], [0.0, 0.0])
+    assert [_times(result, i) for i in range(2)] == [pytest.approx([T + 0.006]), pytest.approx([2 * T + 0.012])]
+    chunked = simulate(ClusterSpec("colocated", decode=dataclasses.replace(whole, enable_chunked_prefill=True)),
+                       [(600, 1), (600, 1)], [0.0, 0.0])
+    assert _times(chunked, 0) == pytest.approx([T + 0.01024])
+
+
 def test_a_run_cut_at_max_duration_reads_as_loadtest_reports_one():
     result = simulate(_colocated(max_num_seqs=1), [(10, 50)] * 3, [0.0] * 3, max_duration=0.6)
     assert result.interrupted == "--max-duration 0.6 s reached" and result.duration == 0.6

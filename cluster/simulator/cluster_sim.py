@@ -74,6 +74,7 @@ class ReplicaSpec:
     in_core_ledger: bool = False     # lends its cores while idle (ClusterSpec.lend_idle_cores)
     wide_model: StepTimeModel | None = None   # its step time at shared_cores threads: it borrows idle cores
     enable_prefix_caching: bool = True  # reuses cached prompt blocks (when simulate() gets the prompts' tokens)
+    enable_chunked_prefill: bool = True  # False: a prompt runs whole in one step (engine.enable_chunked_prefill)
 
 
 @dataclass(frozen=True)
@@ -228,7 +229,8 @@ class _Simulation:
     def _replica(self, name: str, rs: ReplicaSpec, *, borrows: bool) -> SimReplica:
         """`borrows`: a decode (colocated) replica, which may borrow idle cores."""
         replica = SimReplica(name, rs.model, rs.num_kv_blocks, rs.block_size, rs.max_num_seqs,
-                             rs.max_num_batched_tokens, started_at=self.now, threads=rs.threads)
+                             rs.max_num_batched_tokens, started_at=self.now, threads=rs.threads,
+                             enable_chunked_prefill=rs.enable_chunked_prefill)
         if self.spec.lend_idle_cores and rs.in_core_ledger:
             replica.in_core_ledger = True
             replica.wide_model = rs.wide_model if borrows else None

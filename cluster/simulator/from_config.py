@@ -50,7 +50,8 @@ def cluster_spec(config, model: StepTimeModel, *, model_config, link: KVLink = K
         return ReplicaSpec(step_model, kv_blocks(config, pool, model_config, dtype, max_len), e.block_size,
                            e.max_num_seqs, config.tokens_per_step(), threads_per_rank * pool.tensor_parallel_size,
                            in_core_ledger=lending and one_rank, wide_model=wide_model if lending else None,
-                           enable_prefix_caching=e.enable_prefix_caching)
+                           enable_prefix_caching=e.enable_prefix_caching,
+                           enable_chunked_prefill=e.enable_chunked_prefill)
 
     d = config.disaggregation
     if config.mode.value == "colocated":

@@ -74,6 +74,7 @@ class SimReplica:
     stretch_sum: float = 0.0         # sum over its steps of step time / the model's time
     step: object = None              # the step it runs on shared cores (cluster_sim._SharedStep)
     prefix_cache: PrefixCache | None = None   # None: prefix caching off
+    enable_chunked_prefill: bool = True       # False: a prompt runs whole in one step, or waits
     cached_prompt_tokens: int = 0    # prompt tokens its prefix cache spared it, in all
     costs: EngineCosts = field(default_factory=EngineCosts)   # what it reports to the router, from its steps
 
@@ -140,6 +141,9 @@ class SimReplica:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.computed, budget)
+            if n < seq.num_tokens - seq.computed and not self.enable_chunked_prefill:
+                i += 1
+                continue
             while not self._allocate(seq, seq.computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -155,8 +159,10 @@ class SimReplica:
                and len(self.running) + len(self.reserved) < self.max_num_seqs):
             seq = self.waiting[0]
             cached = self._cached_tokens(seq)
-            n = min(seq.num_tokens - seq.computed - cached, budget)
-            if not self._allocate(seq, seq.computed + cached + n):
+            remaining = seq.num_tokens - seq.computed - cached
+            n = min(remaining, budget)
+            if (n < remaining and not self.enable_chunked_prefill) or \
+                    not self._allocate(seq, seq.computed + cached + n):
                 break
             seq.computed += cached
             self.cached_prompt_tokens += cached
