@@ -173,3 +173,15 @@ def test_weights_are_made_in_the_serving_dtype():
     assert made and set(made) == {torch.bfloat16}
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_a_checkpoint_larger_than_its_config_says_is_refused(model_dirs, tmp_path):
+    # each rank narrows the checkpoint to its slice: a tensor larger than config.json implies used to
+    # load without complaint (the slice fits), computing with part of the weights
+    from engine.model import CheckpointError
+    src = model_dirs["tiny"]
+    cfg = json.loads((src / "config.json").read_text())
+    d = _with_config(src, tmp_path / "half", intermediate_size=cfg["intermediate_size"] // 2)
+    with pytest.raises(CheckpointError, match=r"mlp\..*expected \(%d, %d\)" % (cfg["intermediate_size"] // 2,
+                                                                              cfg["hidden_size"])):
+        LLM(str(d))

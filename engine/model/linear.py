@@ -43,8 +43,10 @@ class ColumnParallelLinear(_ParallelLinear):
         start, length = tp.shard(out_features, "output features")
         super().__init__(in_features, length, bias, tp)
         self.shard_start = start
+        self.full_shape = (out_features, in_features)    # the checkpoint's weight, all ranks' rows
 
     def weight_loader(self, param, loaded, shard_id=None):
+        _check_full(loaded, self.full_shape[:param.dim()])
         _copy_checked(param.data, loaded.narrow(0, self.shard_start, param.shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -60,8 +62,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, in_features: int, out_features: list[int], bias: bool, tp: TensorParallel):
         self.part_sizes = [tp.shard(n, "output features")[1] for n in out_features]
         _ParallelLinear.__init__(self, in_features, sum(self.part_sizes), bias, tp)
+        self.full_parts = [(n, in_features) for n in out_features]
 
     def weight_loader(self, param, loaded, shard_id=None):
+        _check_full(loaded, self.full_parts[shard_id][:param.dim()])
         size = self.part_sizes[shard_id]
         offset = sum(self.part_sizes[:shard_id])
         src = loaded.narrow(0, self.tp.rank * size, size)
@@ -90,8 +94,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         kv_size = self.num_local_kv_heads * head_dim
         self.split_sizes = (q_size, kv_size, kv_size)
         _ParallelLinear.__init__(self, hidden_size, q_size + 2 * kv_size, bias, tp)
+        kv_full = (num_kv_heads * head_dim, hidden_size)
+        self.full_parts = {"q": (num_heads * head_dim, hidden_size), "k": kv_full, "v": kv_full}
 
     def weight_loader(self, param, loaded, shard_id=None):
+        _check_full(loaded, self.full_parts[shard_id][:param.dim()])
         q_size, kv_size, _ = self.split_sizes
         if shard_id == "q":
             dst, src_start = param.data.narrow(0, 0, q_size), self.tp.rank * q_size
@@ -114,8 +121,10 @@ class RowParallelLinear(_ParallelLinear):
         start, length = tp.shard(in_features, "input features")
         super().__init__(length, out_features, bias, tp)
         self.shard_start = start
+        self.full_shape = (out_features, in_features)
 
     def weight_loader(self, param, loaded, shard_id=None):
+        _check_full(loaded, self.full_shape[:param.dim()])
         if param.dim() == 2:
             _copy_checked(param.data, loaded.narrow(1, self.shard_start, param.shape[1]))
         else:  # the bias is added once, after the reduction: every rank keeps all of it
@@ -128,6 +137,15 @@ class RowParallelLinear(_ParallelLinear):
         if self.bias is not None:
             out = out + self.bias
         return out
+
+
+def _check_full(loaded, expected: tuple[int, ...]) -> None:
+    """The checkpoint's whole tensor (before any rank takes its slice) has the
+    shape config.json implies: a slice of a larger or smaller tensor would load
+    without complaint, or fail on one rank only, naming the slice."""
+    if tuple(loaded.shape) != tuple(expected):
+        raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(expected)} "
+                         "(does config.json describe this checkpoint?)")
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
