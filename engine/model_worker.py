@@ -249,8 +249,11 @@ def resolve_max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
     if config.max_model_len is None:
         return limit
     if config.max_model_len > limit:
+        why = (f"its attention slides over a window of {mc.sliding_window} tokens, which pdserve does not "
+               f"implement (its max_position_embeddings is {mc.max_position_embeddings})"
+               if limit < mc.max_position_embeddings else f"its max_position_embeddings is {limit}")
         raise ValueError(f"max_model_len ({config.max_model_len}) is larger than the model supports "
-                         f"({limit}); set max_model_len <= {limit}")
+                         f"({limit}: {why}); set max_model_len <= {limit}")
     return config.max_model_len
 
 

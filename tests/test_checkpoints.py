@@ -154,6 +154,13 @@ def test_a_qwen2_config_whose_layers_slide_caps_the_context_at_its_window(model_
     assert llm.engine.max_model_len == 32
 
 
+def test_a_context_past_the_sliding_window_is_refused_naming_the_window(model_dirs, tmp_path):
+    d = _with_config(model_dirs["tiny-mistral"], tmp_path / "window", sliding_window=32)
+    with pytest.raises(ValueError, match=r"supports \(32: its attention slides over a window of 32 tokens, which "
+                                         r"pdserve does not implement \(its max_position_embeddings is 1024\)\)"):
+        LLM(str(d), max_model_len=512)
+
+
 def test_weights_are_made_in_the_serving_dtype():
     # made in float32 and cast after, a model would need twice its memory while it is built
     from engine.model import ModelConfig, build_model

@@ -205,7 +205,8 @@ def test_missing_tensor_is_named(model_dirs, tmp_path):
 def test_missing_config_and_bad_options(tmp_path, model_dirs):
     with pytest.raises(ModelConfigError, match="no config.json"):
         LLM(str(tmp_path))
-    with pytest.raises(ValueError, match=r"max_model_len \(5000\) is larger than the model supports \(1024\)"):
+    with pytest.raises(ValueError, match=r"max_model_len \(5000\) is larger than the model supports \(1024: its "
+                                         r"max_position_embeddings is 1024\)"):
         LLM(str(model_dirs["tiny"]), max_model_len=5000)
     with pytest.raises(ValueError, match="fewer than one sequence"):
         LLM(str(model_dirs["tiny"]), max_model_len=256, num_kv_blocks=3)

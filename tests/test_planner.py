@@ -209,6 +209,26 @@ def test_the_goodput_search_sizes_gpus_as_the_flags_say():
     assert spec is None and "TP 1" in why
 
 
+def test_a_workload_that_never_misses_the_slos_is_reported_as_a_lower_bound():
+    # a step of 1 us and SLOs of a minute: no rate breaks them, and the search's last doubling is
+    # no measured limit
+    from cluster.cli.plan_goodput import format_report
+    from cluster.perf_model import LinearStepModel
+    from cluster.planner.search import Workload, max_rate, unbounded
+    from cluster.simulator import ClusterSpec
+    from cluster.simulator.cluster_sim import ReplicaSpec
+    spec = ClusterSpec("colocated", decode=ReplicaSpec(LinearStepModel((1e-6, 0, 0, 0, 0)), 100_000))
+    rate, attained = max_rate(spec, Workload(8, 2, num_requests=20), {"ttft": 60.0, "tpot": 60.0})
+    assert unbounded(rate) and rate == pytest.approx(0.05 * 2 ** 20) and attained == 1.0
+    assert not unbounded(9.83)
+    candidate = {"config": "colocated 1 x TP1", "gpus_used": 1, "max_rate": rate, "unbounded": True,
+                 "goodput_per_gpu": rate, "estimates": [], "num_requests": 20, "settled": True}
+    text = format_report({"attainment_target": 0.9, "slos_ms": {"ttft": 60000.0}, "gpus": 1, "gpu_type": "H100-SXM",
+                          "step_model": "roofline", "candidates": [candidate], "skipped": [],
+                          "best": {"colocated": candidate["config"], "disaggregated": None}})
+    assert "| >= 52429 |" in text and "too light to rate" in text
+
+
 def test_pdserve_plan_slo_rejects_bad_input(capsys):
     from cluster.cli.main import main
     assert main(["plan", "--model", "llama-3-8b", "--slo", "ttft:1000"]) == 2

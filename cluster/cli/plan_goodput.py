@@ -41,7 +41,7 @@ def parse_slo(text: str) -> tuple[str, float]:
 def run_goodput_plan(args: argparse.Namespace, model_dir, model) -> int:
     from cluster.perf_model import load_step_model
     from cluster.perf_model.roofline import GPU_SPECS
-    from cluster.planner.search import Workload, roofline_spec_builder, search
+    from cluster.planner.search import Workload, roofline_spec_builder, search, unbounded
     from engine.memory_planner import (
         model_len_limit,
         resolve_dtype,
@@ -106,7 +106,8 @@ def run_goodput_plan(args: argparse.Namespace, model_dir, model) -> int:
                        "max_requests": args.max_prompts},
         "workload": vars(workload),
         "candidates": [{"config": e.candidate.describe(), **vars(e.candidate), "gpus_used": e.candidate.gpus,
-                        "max_rate": e.max_rate, "goodput_per_gpu": e.goodput_per_gpu,
+                        "max_rate": e.max_rate, "unbounded": unbounded(e.max_rate),
+                        "goodput_per_gpu": e.goodput_per_gpu,
                         "attainment_at_max": e.attainment_at_max, "kv_blocks": e.kv_blocks,
                         "num_requests": e.num_requests or workload.num_requests,
                         "estimates": [vars(r) for r in e.refined], "settled": e.settled}
@@ -131,6 +132,7 @@ def run_goodput_plan(args: argparse.Namespace, model_dir, model) -> int:
 
 
 def format_report(report: dict) -> str:
+    from cluster.planner.search import RATE_CAP
     lines = [f"goodput per GPU at >= {report['attainment_target']:.0%} SLO attainment "
              f"({', '.join(f'{k} <= {v:g} ms' for k, v in report['slos_ms'].items())}), "
              f"{report['gpus']} x {report['gpu_type']}, {report['step_model']} step times:", "",
@@ -141,8 +143,11 @@ def format_report(report: dict) -> str:
                 else f"{c['num_requests']} (screened)")
         if c["estimates"] and not c["settled"]:
             runs += " (not settled: raise --max-prompts)"
-        lines.append(f"| {c['config']} | {c['gpus_used']} | {c['max_rate']:.2f} | {c['goodput_per_gpu']:.3f} "
-                     f"| {runs} |")
+        rate = f">= {c['max_rate']:.0f}" if c["unbounded"] else f"{c['max_rate']:.2f}"
+        lines.append(f"| {c['config']} | {c['gpus_used']} | {rate} | {c['goodput_per_gpu']:.3f} | {runs} |")
+    if any(c["unbounded"] for c in report["candidates"]):
+        lines += ["", ">= : the SLOs held at every rate the search tried (it stops doubling at "
+                      f"{RATE_CAP:g} req/s): the workload is too light to rate these configurations"]
     lines += ["", f"best colocated:     {report['best']['colocated']}",
               f"best disaggregated: {report['best']['disaggregated']}"]
     if report["skipped"]:

@@ -138,6 +138,9 @@ def attainment(spec: ClusterSpec, workload: Workload, lengths, rate: float, slos
     return sum(meets_slos(record, slos_ms) for record in result.records()) / len(lengths)
 
 
+RATE_CAP = 1e5   # requests/s past which the search stops doubling
+
+
 def max_rate(spec: ClusterSpec, workload: Workload, slos_s: dict[str, float], target: float = 0.9,
              iterations: int = 7, near: float | None = None) -> tuple[float, float]:
     """(highest rate found with attainment >= target, its attainment); 0 when even a
@@ -152,20 +155,27 @@ def max_rate(spec: ClusterSpec, workload: Workload, slos_s: dict[str, float], ta
 
     if near is not None and near > 0:
         return _bisect_near(holds, near, iterations)
-    low, low_att = 0.0, 0.0
     probe = 0.05
-    if not holds(probe)[0]:
+    ok, low_att = holds(probe)
+    if not ok:
         return 0.0, 0.0
-    high = probe
+    low, high = probe, 2 * probe
     while True:                                  # double until the SLOs break
         ok, att = holds(high)
         if not ok:
             break
         low, low_att = high, att
         high *= 2
-        if high > 1e5:
-            return low, low_att
+        if high > RATE_CAP:
+            return low, low_att                  # a lower bound: see unbounded()
     return _bisect(holds, low, low_att, high, iterations)
+
+
+def unbounded(rate: float) -> bool:
+    """Whether `rate` is where the search stopped doubling, not a rate the SLOs broke
+    above: the workload never missed them (e.g. outputs of one token against a
+    TPOT SLO), so the configuration sustains at least that much."""
+    return rate > RATE_CAP / 2
 
 
 def _bisect_near(holds, near: float, iterations: int) -> tuple[float, float]:
@@ -177,7 +187,7 @@ def _bisect_near(holds, near: float, iterations: int) -> tuple[float, float]:
         if low < 0.01:
             return 0.0, 0.0
         ok, low_att = holds(low)
-    while high < 1e5:                            # the answer may be higher still
+    while high < RATE_CAP:                       # the answer may be higher still
         ok, att = holds(high)
         if not ok:
             break
