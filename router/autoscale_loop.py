@@ -28,6 +28,7 @@ import logging
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 
 from cluster.autoscaler.capacity import ReplicaLimits
 from cluster.autoscaler.policy import (
@@ -53,11 +54,14 @@ MIN_FIT_STEPS = 12
 class AutoscaleLoop:
     def __init__(self, settings: AutoscaleSettings, workers: dict, metrics, *,
                  profile: StepTimeModel | None = None, deployed: dict[str, int] | None = None,
-                 limits: ReplicaLimits = ReplicaLimits()):
+                 limits: ReplicaLimits = ReplicaLimits(),
+                 running_output_tokens: Callable[[], float | None] = lambda: None):
         """`workers`: role -> Serve handle of that role's deployment; `deployed`: role ->
         replicas the deployment started with; `limits`: the engines' max_num_seqs and
-        block size (the KV blocks come from the workers' stats)."""
+        block size (the KV blocks come from the workers' stats); `running_output_tokens`:
+        the mean output so far of the requests under way (ServingBackend's)."""
         self.settings = settings
+        self.running_output_tokens = running_output_tokens
         self.workers = workers
         self.metrics = metrics
         self.profile = profile
@@ -186,6 +190,7 @@ class AutoscaleLoop:
             now=now, window_s=window, arrivals=arrivals,
             mean_prompt_tokens=prompt / sized if sized else None,
             mean_output_tokens=sum(t.generation_tokens for t in ended) / len(ended) if ended else None,
+            mean_inflight_output_tokens=self.running_output_tokens(),
             ttft_p90_s=p90(ttfts), tpot_p90_s=p90(tpots), roles=roles, refused=refused)
 
     # ---- the step-time model ------------------------------------------------------------

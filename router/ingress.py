@@ -68,7 +68,8 @@ class Router:
         if autoscaling is not None:
             profile = load_step_model(autoscaling_profile) if autoscaling_profile else None
             self.autoscaler = AutoscaleLoop(autoscaling, self._workers, self.metrics, profile=profile,
-                                            deployed=autoscaling_deployed, limits=autoscaling_limits)
+                                            deployed=autoscaling_deployed, limits=autoscaling_limits,
+                                            running_output_tokens=self.backend.mean_running_output_tokens)
             self._autoscale_task = asyncio.get_event_loop().create_task(self.autoscaler.run())
         self._stats_task = asyncio.get_event_loop().create_task(self._refresh_worker_stats())
 

@@ -138,6 +138,14 @@ class ServingBackend(GenerationBackend):
         self.max_migrations = max_migrations
         self._fanout = StreamFanout(lambda replica: decode.stream(replica, subscriber), decode.abort)
         self._phases: dict[str, _Phases] = {}
+        self._running: dict[str, _Accumulator] = {}   # requests under way, by id
+
+    def mean_running_output_tokens(self) -> float | None:
+        """The mean output tokens so far of the requests under way (None: none): a
+        lower bound of their output lengths, which shows outputs getting longer
+        before any of them ends (the autoscaler reads it)."""
+        running = list(self._running.values())
+        return sum(len(acc.token_ids) for acc in running) / len(running) if running else None
 
     def model_info(self) -> ModelInfo:
         return self._info
@@ -163,7 +171,17 @@ class ServingBackend(GenerationBackend):
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         phases = self._phases[request_id] = _Phases()
-        acc = _Accumulator(request_id, prompt_token_ids)
+        acc = self._running[request_id] = _Accumulator(request_id, prompt_token_ids)
+        try:
+            async with contextlib.aclosing(self._migrating(request_id, acc, params, phases)) as outputs:
+                async for out in outputs:
+                    yield out
+        finally:
+            self._running.pop(request_id, None)
+
+    async def _migrating(self, request_id: str, acc: _Accumulator, params: SamplingParams,
+                         phases: _Phases) -> AsyncIterator[RequestOutput]:
+        """The request's attempts: the first, then a migration each time a worker fails."""
         failed_on: list[str | None] = [None]        # the replica the last attempt failed on
         for migration in range(self.max_migrations + 1):
             try:

@@ -459,6 +459,13 @@ def test_the_live_loop_prices_decode_with_the_workers_kv_blocks_and_max_num_seqs
     assert policy.limits["prefill"] == ReplicaLimits()     # no stats from prefill yet: unbounded
 
 
+def test_the_live_loop_reports_the_running_requests_output_so_far():
+    from router.autoscale_loop import AutoscaleLoop
+    from router.metrics import ServingMetrics
+    loop = AutoscaleLoop(settings(), {}, ServingMetrics(), running_output_tokens=lambda: 180.0)
+    assert loop._observation(10.0, 10.0, {}, loop._take_counts()).mean_inflight_output_tokens == 180.0
+
+
 def test_the_live_loop_takes_an_intervals_counts_before_asking_the_workers():
     # a worker that answers late must not move arrivals from the next interval into this one
     import asyncio

@@ -303,3 +303,27 @@ def test_a_worker_whose_engine_stopped_is_avoided_by_the_next_attempt(model_dirs
     last, placed = run(main())
     assert placed == [("r", "A"), ("r~1", "B")]
     assert last.token_ids == reference("tiny").greedy(tuple(PROMPTS[0]), TOKENS)
+
+
+def test_the_backend_reports_the_running_requests_output_so_far(model_dirs):
+    # what the autoscaler reads to see outputs getting longer before any request ends
+    async def main():
+        workers = _workers(model_dirs)
+        for w in workers.values():
+            await w.start()
+        backend = ServingBackend(ModelInfo("tiny", 128, 512), TwoWorkerPool(workers), subscriber="router-0")
+        seen = []
+        try:
+            assert backend.mean_running_output_tokens() is None
+            async for out in backend.generate("r", PROMPTS[0], GREEDY):
+                if not out.finished:
+                    seen.append((len(out.token_ids), backend.mean_running_output_tokens()))
+            return seen, backend.mean_running_output_tokens()
+        finally:
+            await backend.close()
+            for w in workers.values():
+                w.shutdown()
+
+    seen, after = run(main())
+    assert seen and all(mean == float(n) for n, mean in seen)
+    assert after is None
