@@ -239,6 +239,6 @@ def test_pdserve_plan_slo_rejects_bad_input(capsys):
         main(["plan", "--model", "llama-3-8b", "--slo", "latency:5", "--gpus", "2"])
     for bad, says in ((["--random-range-ratio", "-1"], "--random-range-ratio must be in [0, 1)"),
                       (["--random-input-len", "-5"], "must be >= 1"), (["--attainment", "0"], "--attainment"),
-                      (["--random-input-len", "7000", "--random-output-len", "1000"], "exceed the 8192-token")):
+                      (["--random-input-len", "7200", "--random-output-len", "1000"], "exceed the 8192-token")):
         assert main(["plan", "--model", "llama-3-8b", "--slo", "ttft:1000", "--gpus", "2", *bad]) == 2
         assert says in capsys.readouterr().err, bad

@@ -82,12 +82,15 @@ def run_goodput_plan(args: argparse.Namespace, model_dir, model) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if workload.longest > max_len:
-        print(f"error: prompts of up to {workload.bounds(workload.input_len)[1]} + outputs of up to "
-              f"{workload.bounds(workload.output_len)[1]} tokens (--random-range-ratio {workload.range_ratio:g}) "
-              f"exceed the {max_len}-token context; lower the lengths or the range ratio, or raise "
-              "--max-model-len", file=sys.stderr)
+    if workload.input_len + workload.output_len > max_len:
+        print(f"error: prompts of {workload.input_len} + outputs of {workload.output_len} tokens exceed the "
+              f"{max_len}-token context; lower the lengths or raise --max-model-len", file=sys.stderr)
         return 2
+    if workload.longest > max_len:   # the simulated router answers those 400, as the live one would
+        print(f"warning: prompts of up to {workload.bounds(workload.input_len)[1]} + outputs of up to "
+              f"{workload.bounds(workload.output_len)[1]} tokens (--random-range-ratio {workload.range_ratio:g}) "
+              f"can exceed the {max_len}-token context: such requests are refused (400) and count as missing "
+              "the SLOs", file=sys.stderr)
     slos = dict(args.slo)
     build = roofline_spec_builder(model, gpu=gpu, dtype=dtype, max_model_len=max_len,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
