@@ -172,35 +172,28 @@ class ServingBackend(GenerationBackend):
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         phases = self._phases[request_id] = _Phases()
         acc = self._running[request_id] = _Accumulator(request_id, prompt_token_ids)
+        failed_on: list[str | None] = [None]        # the replica the last attempt failed on
         try:
-            async with contextlib.aclosing(self._migrating(request_id, acc, params, phases)) as outputs:
-                async for out in outputs:
-                    yield out
+            for migration in range(self.max_migrations + 1):
+                try:
+                    # aclosing: a client that leaves runs the attempt's clean-up now, not when it is collected
+                    async with contextlib.aclosing(self._attempt(request_id, migration, acc, params, phases,
+                                                                 failed_on)) as attempt:
+                        async for out in attempt:
+                            yield out
+                    return
+                except BackendUnavailableError as exc:
+                    failed_on[0] = exc.replica_id or failed_on[0]   # the next attempt avoids it
+                    if migration == self.max_migrations:
+                        why = ("migration is off (max_migrations: 0)" if migration == 0 else
+                               f"the request was already moved to another worker {migration} time(s), the "
+                               "limit (max_migrations)")
+                        raise BackendUnavailableError(f"{exc}; {why}") from None
+                    log.warning("request %s: its worker failed after %d output tokens (%s); continuing it on "
+                                "another decode worker", request_id, len(acc.token_ids), exc)
+                    phases.migrations += 1
         finally:
             self._running.pop(request_id, None)
-
-    async def _migrating(self, request_id: str, acc: _Accumulator, params: SamplingParams,
-                         phases: _Phases) -> AsyncIterator[RequestOutput]:
-        """The request's attempts: the first, then a migration each time a worker fails."""
-        failed_on: list[str | None] = [None]        # the replica the last attempt failed on
-        for migration in range(self.max_migrations + 1):
-            try:
-                # aclosing: a client that leaves runs the attempt's clean-up now, not when it is collected
-                async with contextlib.aclosing(self._attempt(request_id, migration, acc, params, phases,
-                                                             failed_on)) as attempt:
-                    async for out in attempt:
-                        yield out
-                return
-            except BackendUnavailableError as exc:
-                failed_on[0] = exc.replica_id or failed_on[0]   # the next attempt avoids it
-                if migration == self.max_migrations:
-                    why = ("migration is off (max_migrations: 0)" if migration == 0 else
-                           f"the request was already moved to another worker {migration} time(s), the limit "
-                           "(max_migrations)")
-                    raise BackendUnavailableError(f"{exc}; {why}") from None
-                log.warning("request %s: its worker failed after %d output tokens (%s); continuing it on "
-                            "another decode worker", request_id, len(acc.token_ids), exc)
-                phases.migrations += 1
 
     async def _attempt(self, request_id: str, migration: int, acc: _Accumulator, params: SamplingParams,
                        phases: _Phases, failed_on: list[str | None]) -> AsyncIterator[RequestOutput]:

@@ -40,11 +40,7 @@ def build_model(config: ModelConfig, *, max_positions: int, dtype: torch.dtype,
                 model = cls(config, tp, max_positions)
         finally:
             torch.set_default_dtype(previous)
-    # rotary tables are float32 by construction; any weight left in another dtype takes the serving one
-    for p in model.parameters():
-        if p.dtype != dtype:
-            p.data = p.data.to(dtype)
-    return model.eval()
+    return model.eval()   # (the rotary tables are float32 by construction, whatever the default)
 
 
 def load_model(model_dir: str | Path, config: ModelConfig, *, max_positions: int, dtype: torch.dtype,
