@@ -18,7 +18,6 @@ GPUs). On CPU each rank runs torch with as many threads as its bundle has CPUs.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from ray.serve.config import RequestRouterConfig
 from cluster.config import DeploymentConfig, Mode, load_config, with_overrides
 from cluster.serving.replica_routing import LoadAwareRouter
 from cluster.transport.transport_factory import TransportSettings
+from engine.cpu_count import usable_cpus
 from router.backend import ModelInfo
 
 ROUTING_STATS_PERIOD_S = 0.5
@@ -65,7 +65,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     config = with_overrides(DeploymentConfig.model_validate(whole), args) if whole else load_config(path, args)
     if ray.is_initialized():   # `serve run` connects before it builds: check against the real cluster
         return build_application(placed_config(config))
-    return build_application(resolve_cpus_per_rank(config, os.cpu_count() or 1))
+    return build_application(resolve_cpus_per_rank(config, usable_cpus()))
 
 
 def resolve_model(config: DeploymentConfig) -> tuple[str, ModelInfo]:

@@ -36,6 +36,8 @@ import struct
 import tempfile
 from collections.abc import Iterable
 
+from engine.cpu_count import usable_cpus
+
 log = logging.getLogger(__name__)
 
 _MAGIC = b"pdserve-cores-v1"                  # 16-byte header
@@ -64,7 +66,7 @@ class CoreLedger:
         self.borrowed = 0
         self.steps_with_borrowed = 0     # steps this engine ran with borrowed cores
         self._busy = False
-        cores = machine_cores if machine_cores is not None else len(os.sched_getaffinity(0))
+        cores = machine_cores if machine_cores is not None else usable_cpus()
         self._max_extra = max(0, cores - own)
         self._map, self._slot = _join(path, own, borrows)
 

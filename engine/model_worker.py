@@ -12,13 +12,13 @@ the layers (all-reduce, logits gather) keep the ranks in lockstep.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from dataclasses import dataclass
 
 import torch
 
 from engine.cpu_allocator import keep_freed_memory_in_heap
+from engine.cpu_count import usable_cpus
 from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCache, KVCacheSpec, gpu_kv_budget_bytes
@@ -268,10 +268,10 @@ def _rank_device(config: EngineConfig, tp: TensorParallel) -> torch.device:
 
 def cpu_threads_per_rank(config: EngineConfig) -> int:
     """Torch threads one CPU rank runs with: `config.cpu_threads` (at most the
-    machine's cores), else the machine's cores shared among the ranks."""
+    cores this process may run on), else those cores shared among the ranks."""
     if config.cpu_threads is not None:
-        return min(config.cpu_threads, os.cpu_count() or 1)
-    return max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+        return min(config.cpu_threads, usable_cpus())
+    return max(1, usable_cpus() // config.tensor_parallel_size)
 
 
 # ---- ranks other than 0 ---------------------------------------------------------------

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -43,6 +42,7 @@ from cluster.autoscaler.policy import (
 from cluster.perf_model.linear_model import LinearStepModel
 from cluster.perf_model.online import OnlineCorrection
 from cluster.perf_model.step_shape import StepShape, StepTimeModel
+from engine.cpu_count import usable_cpus
 from router.timings import RequestTimings
 
 log = logging.getLogger("ray.serve")   # shown in the replica log and the driver
@@ -213,7 +213,7 @@ class AutoscaleLoop:
             nodes = [n for n in ray.nodes() if n.get("Alive")]
         except Exception:  # noqa: BLE001 - not connected (tests): count this machine alone
             nodes = [None]
-        return len(os.sched_getaffinity(0)) if len(nodes) == 1 else None
+        return usable_cpus() if len(nodes) == 1 else None
 
     def _refit(self) -> None:
         for role in self.settings.roles:

@@ -290,6 +290,35 @@ def test_a_send_starts_the_lease_again(model_dirs):
     run(main())
 
 
+def test_a_hold_is_not_freed_while_its_send_is_on_the_wire(model_dirs):
+    """A transfer that outlasts the lease keeps its blocks until it ends (a step
+    must never write blocks a send still reads); then the lease applies again."""
+    from cluster.transport.kv_transport import PeerAddress
+
+    async def main():
+        hub = FakeTransportHub(delay_s=1.5)
+        pair = await Pair(model_dirs["tiny"], hub, lease_s=0.5).start()
+        try:
+            await pair.prefill.prefill("probe", PROMPTS[1], GREEDY)     # learns the packed size
+            nbytes = await pair.prefill.send_kv("probe", "t-probe", [PeerAddress("nobody", "fake", 0)])
+            await pair.prefill.abort("probe")
+            receiver, received = hub.receiver("slow-decode"), torch.zeros(nbytes, dtype=torch.uint8)
+            await pair.prefill.prefill("slow", PROMPTS[1], GREEDY)
+            receiver.expect("t-slow/0", "p0", received)       # rank 0's part
+            await pair.prefill.send_kv("slow", "t-slow", [receiver.address])
+            await asyncio.sleep(1.0)                         # twice the lease; the transfer takes 1.5 s
+            assert pair.prefill.stats()["num_held"] == 1
+            deadline = time.monotonic() + 5
+            while receiver.poll("t-slow/0", "p0") is not TransferState.DONE:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            assert received.any()
+            await pair.wait_idle(timeout_s=5)                # never released: the lease frees it now
+        finally:
+            await pair.shutdown()
+    run(main())
+
+
 def test_a_decode_worker_waiting_for_blocks_renews_the_hold_until_they_free_up():
     """Blocks can take longer to free up than the hold's lease (reserve_timeout_s
     is the longer): the waiting decode worker renews the hold every third of it."""

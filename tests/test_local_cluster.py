@@ -24,3 +24,23 @@ def test_an_interval_the_user_set_wins(monkeypatch):
 def test_extra_variables_are_added_and_override():
     env = local_cluster_env({"RAY_worker_niceness": "5", "X_EXTRA": "1"})
     assert env["RAY_worker_niceness"] == "5" and env["X_EXTRA"] == "1"
+
+
+def test_normal_priority_goes_on_past_a_thread_that_ended(monkeypatch):
+    """A thread that ends between listing and its priority call is skipped, and
+    every other thread is still set back to niceness 0."""
+    import os
+
+    from cluster.serving import process_priority
+    niceness = {101: 15, 102: 15, 103: 15}       # 102 ends before it is looked at
+    monkeypatch.setattr(os, "listdir", lambda path: ["101", "102", "103"])
+
+    def getpriority(which, tid):
+        if tid == 102:
+            raise ProcessLookupError(tid)
+        return niceness[tid]
+
+    monkeypatch.setattr(os, "getpriority", getpriority)
+    monkeypatch.setattr(os, "setpriority", lambda which, tid, value: niceness.__setitem__(tid, value))
+    assert process_priority.normal_priority() is True
+    assert niceness == {101: 0, 102: 15, 103: 0}

@@ -102,3 +102,16 @@ def test_serve_on_a_held_port_exits_with_the_port_in_the_message(listener, monke
     assert serve_command._cmd_serve(args) == 2
     assert f"127.0.0.1:{port} is in use" in capsys.readouterr().err
     assert shutdowns == [True]          # the cluster it started is stopped
+
+
+@pytest.mark.parametrize(("host", "expected"), [
+    ("no-such-host.invalid", "does not resolve"),
+    ("192.0.2.1", "is not an address of this machine"),     # TEST-NET-1: never a local address
+])
+def test_a_host_that_can_never_be_bound_is_reported_at_once(host, expected):
+    """Only an address in use is waited for: a host that does not resolve or is
+    not this machine's is an error before any wait (here the waits would be 30 s)."""
+    started = time.monotonic()
+    problem = wait_for_port(host, 8000, listener_grace_s=30, time_wait_s=30, notify=lambda m: None)
+    assert problem is not None and expected in problem
+    assert time.monotonic() - started < 5

@@ -82,6 +82,37 @@ def test_an_autoscaled_deployment_ships_the_api_keys_digest_not_its_variable(mon
     assert DeploymentConfig.model_validate(shipped).api_key_sha256() == api_key_digest("s3cret")
 
 
+def test_an_autoscaled_deployment_ships_the_kv_secret_in_its_runtime_environment(monkeypatch):
+    """The app is built in the cluster, whose processes need not have the file's
+    variables: the one the KV secret is read from goes with the application."""
+    monkeypatch.setenv("MY_KV_SECRET", "kv-s3cret")
+    config = DeploymentConfig.model_validate({"kv_transfer": {"secret_env": "MY_KV_SECRET"},
+                                              "slo": {"ttft_ms": 1000, "tpot_ms": 100},
+                                              "autoscaling": {"enabled": True}})
+    application = autoscaled_application(config)
+    assert application["runtime_env"] == {"env_vars": {"MY_KV_SECRET": "kv-s3cret"}}
+    assert application["args"]["config_json"]["kv_transfer"]["secret_env"] == "MY_KV_SECRET"
+    monkeypatch.delenv("MY_KV_SECRET")      # not set where the command runs: refused there
+    with pytest.raises(ValueError, match="kv_transfer.secret_env"):
+        autoscaled_application(config)
+
+
+def test_the_api_key_variable_is_a_default_a_file_that_names_a_key_keeps_its_own(tmp_path, monkeypatch):
+    from router.http_guard import api_key_digest
+
+    monkeypatch.setenv("PDSERVE_API_KEY", "from-the-shell")
+    monkeypatch.setenv("PROD_KEY", "from-the-file")
+    named = tmp_path / "named.yaml"
+    named.write_text(yaml.safe_dump({"http": {"api_key_env": "PROD_KEY"}}))
+
+    def key_digest(*flags):
+        return config_from_args(build_parser().parse_args(["serve", *flags])).api_key_sha256()
+
+    assert key_digest("--config", str(named)) == api_key_digest("from-the-file")
+    assert key_digest() == api_key_digest("from-the-shell")                    # no key in the file
+    assert key_digest("--config", str(named), "--api-key", "flag") == api_key_digest("flag")   # a flag wins
+
+
 def test_settings_the_engines_would_refuse_are_found_before_deploying(tmp_path, monkeypatch):
     from cluster.app_builder import resolve_model
 
@@ -261,3 +292,84 @@ def _listener_of(port: int) -> str:
         except OSError:
             continue   # gone, or not ours to read
     return ""
+
+
+class _Status:
+    """What serve.status() returns, as far as _wait_running reads it."""
+
+    def __init__(self, status, message="", deployments=None):
+        from types import SimpleNamespace
+        app = SimpleNamespace(status=status, message=message, deployments=deployments or {})
+        self.applications = {"pdserve": app}
+
+
+def test_waiting_for_the_deployment_stops_on_ctrl_c_and_says_what_it_waits_for(monkeypatch):
+    """A deploy that never finishes (GPUs held by another job, a huge checkpoint)
+    is told about every interval and ends when the user stops it."""
+    from types import SimpleNamespace
+
+    from ray import serve
+
+    from cluster.cli import serve_command
+    from cluster.cli.stop_signal import StopSignal
+    stop, told, polls = StopSignal(), [], []
+    pending = {"DecodeWorker": SimpleNamespace(status="UPDATING", message="waiting for resources")}
+
+    def status():
+        polls.append(True)
+        if len(polls) == 4:
+            stop.requested = True      # Ctrl-C while deploying
+        return _Status("DEPLOYING", deployments=pending)
+
+    monkeypatch.setattr(serve, "status", status)
+    monkeypatch.setattr(serve_command.time, "sleep", lambda s: None)
+    assert serve_command._wait_running("pdserve", stop, told.append, every_s=0) is False
+    assert len(polls) == 4 and told and "DecodeWorker: UPDATING (waiting for resources)" in told[0]
+
+    monkeypatch.setattr(serve, "status", lambda: _Status("DEPLOY_FAILED", "KV cache too small"))
+    with pytest.raises(RuntimeError, match="did not deploy: KV cache too small"):
+        serve_command._wait_running("pdserve", StopSignal(), told.append)
+    monkeypatch.setattr(serve, "status", lambda: _Status("RUNNING"))
+    assert serve_command._wait_running("pdserve", StopSignal(), told.append) is True
+
+
+def test_serve_running_elsewhere_on_a_joined_cluster_is_refused_not_misreported(monkeypatch):
+    """Serve keeps the HTTP address it was started with: pdserve must not say it
+    serves on another one."""
+    from types import SimpleNamespace
+
+    import ray.serve._private.api as serve_api
+
+    from cluster.cli import serve_command
+    running = SimpleNamespace(http_config=SimpleNamespace(host="0.0.0.0", port=8000))
+    monkeypatch.setattr(serve_api, "serve_start", lambda **kw: running)
+    serve_command._start_serve("0.0.0.0", 8000, direct_ingress=False)        # the same address: fine
+    with pytest.raises(RuntimeError, match="HTTP proxy on 0.0.0.0:8000.*--host 0.0.0.0 --port 8000"):
+        serve_command._start_serve("127.0.0.1", 9000, direct_ingress=False)
+
+
+def test_an_autoscaled_deploy_keeps_the_clusters_other_declarative_applications(monkeypatch):
+    """Serve's declarative API deletes every application a config leaves out."""
+    import ray.serve._private.api as serve_api
+
+    from cluster.cli import serve_command
+    other = {"name": "other", "route_prefix": "/other", "import_path": "other_app:app"}
+
+    class Client:
+        sent = None
+
+        def get_serve_details(self):
+            return {"applications": {
+                "other": {"source": "declarative", "deployed_app_config": other},
+                "scripted": {"source": "imperative", "deployed_app_config": None},
+                "pdserve": {"source": "declarative", "deployed_app_config": {"name": "pdserve"}}}}
+
+        def deploy_apps(self, schema, _blocking):
+            Client.sent = (schema, _blocking)
+
+    monkeypatch.setattr(serve_api, "serve_start", lambda **kw: Client())
+    ours = {"name": "pdserve", "route_prefix": "/", "import_path": "cluster.app_builder:build_app"}
+    serve_command._deploy_autoscaled(ours)
+    schema, blocking = Client.sent
+    assert [app.name for app in schema.applications] == ["other", "pdserve"]
+    assert schema.applications[0].import_path == "other_app:app" and blocking is False

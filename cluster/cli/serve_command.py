@@ -28,6 +28,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 
 from cluster.cli.plan_goodput import parse_slo
 from cluster.cli.stop_signal import StopSignal
@@ -95,13 +96,14 @@ def config_from_args(args: argparse.Namespace):
     overrides = {key: getattr(args, dest, None) for dest, key in FLAG_SETTINGS.items()}
     for name, ms in getattr(args, "slo", None) or []:
         overrides[f"slo.{name}_ms"] = ms
-    key = getattr(args, "api_key", None)
-    if not key and os.environ.get(API_KEY_ENV):
-        key = os.environ[API_KEY_ENV]
-        print(f"pdserve: requiring the API key in {API_KEY_ENV}", file=sys.stderr)
-    if key:
-        overrides["http.api_key_sha256"] = api_key_digest(key)   # wins over a file's api_key_env
+    if key := getattr(args, "api_key", None):
+        overrides["http.api_key_sha256"] = api_key_digest(key)   # wins over the file's key settings
     config = load_config(args.config, overrides)
+    if not key and os.environ.get(API_KEY_ENV) and not (config.http.api_key_env or config.http.api_key_sha256):
+        # the variable is the default key: a file that names its own key keeps it
+        overrides["http.api_key_sha256"] = api_key_digest(os.environ[API_KEY_ENV])
+        config = load_config(args.config, overrides)
+        print(f"pdserve: requiring the API key in {API_KEY_ENV}", file=sys.stderr)
     not_run = set(_POOLS) - set(config.pools())
     unused = [f"--{dest.replace('_', '-')}" for dest, setting in FLAG_SETTINGS.items()
               if getattr(args, dest, None) is not None and setting.split(".")[0] in not_run]
@@ -124,7 +126,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 2
 
     import ray
-    from ray import serve
 
     from cluster.app_builder import build_application
     from cluster.serving.direct_ingress import direct_ingress_env
@@ -134,11 +135,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         placed_config,
     )
     from cluster.serving.port_check import wait_for_port
-    from engine.tp_group import free_port
+    from engine.cpu_count import usable_cpus
 
-    machine_cpus = os.cpu_count() or 1
+    machine_cpus = usable_cpus()
     local_env = direct_ingress_env(config.http.port) if config.http.direct_ingress else {}
-    started_ray = _connect(args.address, local_cluster_cpus(config, machine_cpus), local_env, args.ray_dashboard)
+    try:
+        started_ray = _connect(args.address, local_cluster_cpus(config, machine_cpus), local_env, args.ray_dashboard)
+    except ConnectionError as exc:
+        print(f"error: cannot join the Ray cluster ({exc}): check --address, or leave it out to start a local "
+              "cluster", file=sys.stderr)
+        return 2
     direct_ingress = started_ray and config.http.direct_ingress
     host, port = config.http.host, config.http.port
     # on a cluster of its own nothing of this server listens yet: the port must be free to bind
@@ -150,6 +156,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 2
     try:
         config = placed_config(config, machine_cpus if started_ray else None)
+        if config.autoscaling.enabled:
+            shipped = autoscaled_application(config)   # resolves the file's variables here, as below
         app = build_application(config)
     except (PlacementError, ValueError) as exc:   # ValueError: e.g. http.api_key_env not set
         print(f"error: {exc}", file=sys.stderr)
@@ -158,64 +166,115 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except BaseException:
         ray.shutdown()
         raise
-    stop = StopSignal().install()
+    stop = StopSignal().install()    # from here on Ctrl-C / SIGTERM stop the deploy too, and clean up
+    deployed = False
     try:
-        # with direct ingress the router listens on the port; Serve's proxy gets another
-        proxy_port = free_port(host) if direct_ingress else port
-        serve.start(http_options={"host": host, "port": proxy_port})
+        _start_serve(host, port, direct_ingress)
+        deployed = True
         if config.autoscaling.enabled:
-            _deploy_autoscaled(config)
+            _deploy_autoscaled(shipped)
         else:
-            serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
-        url = f"http://{host}:{port}"
-        print(f"pdserve is serving {config.mode.value} at {url}/v1 (Ctrl-C stops it)", flush=True)
+            from ray.serve.api import _run
+            _run(app, _blocking=False, name=APP_NAME, route_prefix="/")
+        if not _wait_running(APP_NAME, stop, notify=lambda m: print(m, flush=True)):
+            print("stopped before the deployment was running; cleaning up ...", flush=True)
+            return 128 + (stop.signum or 2)
+        print(f"pdserve is serving {config.mode.value} at http://{host}:{port}/v1 (Ctrl-C stops it)", flush=True)
         while not stop.requested:
             time.sleep(0.2)
         print("stopping pdserve ...", flush=True)
+    except (RuntimeError, TimeoutError, ConnectionError) as exc:   # Serve's: a failed deploy, a lost cluster
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     finally:
-        if started_ray:
-            serve.shutdown()
-            ray.shutdown()
-        else:
-            serve.delete(APP_NAME)
+        _clean_up(started_ray, deployed)
     return 0
 
 
-def _deploy_autoscaled(config) -> None:
+def _start_serve(host: str, port: int, direct_ingress: bool) -> None:
+    """Starts Serve (a no-op where it runs) with its HTTP proxy on host:port, or on
+    a free port where the router answers on host:port itself. Raises RuntimeError
+    when Serve already runs on this cluster with another address: it keeps its
+    own, and pdserve would not answer where it says."""
+    from ray.serve._private.api import serve_start
+
+    from engine.tp_group import free_port
+    proxy_port = free_port(host) if direct_ingress else port
+    http = serve_start(http_options={"host": host, "port": proxy_port}).http_config
+    if not direct_ingress and (http.host, http.port) != (host, port):
+        raise RuntimeError(f"Serve already runs on this Ray cluster with its HTTP proxy on {http.host}:{http.port}, "
+                           f"and it keeps that address: serve on it (--host {http.host} --port {http.port}, or "
+                           f"http.host / http.port in the deployment file), or stop Serve first (`serve shutdown`)")
+
+
+def _clean_up(started_ray: bool, deployed: bool) -> None:
+    """Stops what this command started: the whole local cluster, or on a joined
+    cluster only its application."""
+    import ray
+    from ray import serve
+
+    try:
+        if started_ray:
+            serve.shutdown()
+        elif deployed:
+            serve.delete(APP_NAME)
+    finally:
+        ray.shutdown()
+
+
+def _deploy_autoscaled(application: dict) -> None:
     """Deploys through Serve's declarative API (what `serve deploy` sends), with
-    the application-level policy that applies the router's targets."""
+    the application-level policy that applies the router's targets. Serve deletes
+    every declaratively deployed application a config leaves out, so the ones
+    this cluster runs besides pdserve are sent again as they are."""
     from ray.serve._private.api import serve_start
     from ray.serve.schema import ServeDeploySchema
 
-    serve_start().deploy_apps(ServeDeploySchema(applications=[autoscaled_application(config)]), _blocking=True)
-    _wait_running(APP_NAME)
+    client = serve_start()
+    others = [details["deployed_app_config"]
+              for name, details in client.get_serve_details().get("applications", {}).items()
+              if name != APP_NAME and details.get("source") == "declarative" and details.get("deployed_app_config")]
+    client.deploy_apps(ServeDeploySchema(applications=[*others, application]), _blocking=False)
 
 
 def autoscaled_application(config) -> dict:
     """The Serve application spec of an autoscaled deployment: the app is built
-    in the cluster from the whole config. The API key travels as its digest, not
-    as the name of a variable the cluster's processes need not have."""
+    in the cluster from the whole config, where the variables the file names may
+    not be set. So they are read here (ValueError when one is not set): the API
+    key travels as its digest, the KV secret's variable in the application's
+    runtime environment (as it does to the workers without autoscaling, in their
+    arguments)."""
     http = config.http.model_copy(update={"api_key_sha256": config.api_key_sha256(), "api_key_env": None})
     shipped = config.model_copy(update={"http": http})
-    return {"name": APP_NAME, "route_prefix": "/", "import_path": "cluster.app_builder:build_app",
-            "args": {"config_json": shipped.model_dump(mode="json")},
-            "autoscaling_policy": {"policy_function": SERVE_POLICY}}
+    application = {"name": APP_NAME, "route_prefix": "/", "import_path": "cluster.app_builder:build_app",
+                   "args": {"config_json": shipped.model_dump(mode="json")},
+                   "autoscaling_policy": {"policy_function": SERVE_POLICY}}
+    if config.kv_transfer.secret_env:
+        application["runtime_env"] = {"env_vars": {config.kv_transfer.secret_env: config.kv_transfer_secret()}}
+    return application
 
 
-def _wait_running(name: str, timeout_s: float = 600.0) -> None:
-    """Returns once the application is RUNNING; raises when it fails to deploy."""
+def _wait_running(name: str, stop: StopSignal, notify: Callable[[str], None], every_s: float = 30.0) -> bool:
+    """True once the application is RUNNING, False when a stop was asked for first;
+    raises RuntimeError when it fails to deploy. Says every `every_s` what it waits for."""
     from ray import serve
 
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    started = last_told = time.monotonic()
+    while not stop.requested:
         app = serve.status().applications.get(name)
         status = getattr(app, "status", None)
         if status == "RUNNING":
-            return
+            return True
         if status in ("DEPLOY_FAILED", "UNHEALTHY"):
             raise RuntimeError(f"the application did not deploy: {app.message}")
+        if time.monotonic() - last_told >= every_s:
+            last_told = time.monotonic()
+            waiting = [f"{d}: {ds.status}{f' ({ds.message})' if ds.message else ''}"
+                       for d, ds in (app.deployments.items() if app else []) if ds.status != "HEALTHY"]
+            notify(f"still deploying after {last_told - started:.0f} s (Ctrl-C stops): "
+                   f"{'; '.join(waiting) or (app.message if app else 'waiting for Serve')}")
         time.sleep(0.5)
-    raise TimeoutError(f"the application was not running after {timeout_s:.0f} s")
+    return False
 
 
 def _connect(address: str | None, local_cpus: int, local_env: dict[str, str], dashboard: bool) -> bool:

@@ -15,6 +15,7 @@ is checked first:
 
 from __future__ import annotations
 
+import errno
 import socket
 import time
 from collections.abc import Callable
@@ -23,18 +24,22 @@ LISTENER_GRACE_S = 10.0      # a stopped server's processes are gone within a fe
 TIME_WAIT_S = 65.0           # Linux holds a closed TCP connection in TIME_WAIT for 60 s
 
 
-def can_bind(host: str, port: int, *, reuse_address: bool = False) -> bool:
-    """True when a listening socket could bind `host`:`port` now, set up as the
+def bind_error(host: str, port: int, *, reuse_address: bool = False) -> OSError | None:
+    """None when a listening socket could bind `host`:`port` now, set up as the
     server will set it up (`reuse_address`: SO_REUSEADDR, which connections in
-    TIME_WAIT do not block)."""
-    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
-        if reuse_address:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
+    TIME_WAIT do not block); else why not."""
+    try:
+        with socket.socket(_family(host), socket.SOCK_STREAM) as s:
+            if reuse_address:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind((host, port))
-        except OSError:
-            return False
-    return True
+    except OSError as exc:      # socket.gaierror too: a host name that does not resolve
+        return exc
+    return None
+
+
+def can_bind(host: str, port: int, *, reuse_address: bool = False) -> bool:
+    return bind_error(host, port, reuse_address=reuse_address) is None
 
 
 def has_listener(host: str, port: int) -> bool:
@@ -58,7 +63,9 @@ def wait_for_port(host: str, port: int, *, reuse_address: bool = False, listener
     time_wait_s = TIME_WAIT_S if time_wait_s is None else time_wait_s
     started = time.monotonic()
     told = False
-    while not can_bind(host, port, reuse_address=reuse_address):
+    while (error := bind_error(host, port, reuse_address=reuse_address)) is not None:
+        if (problem := _lasting_problem(host, port, error)) is not None:
+            return problem
         waited = time.monotonic() - started
         if has_listener(host, port):
             if waited >= listener_grace_s:
@@ -74,6 +81,24 @@ def wait_for_port(host: str, port: int, *, reuse_address: bool = False, listener
             told = True
         time.sleep(poll_s)
     return None
+
+
+def _lasting_problem(host: str, port: int, error: OSError) -> str | None:
+    """What to change when the bind failed for a reason that waiting does not
+    clear (anything but the address being in use)."""
+    if isinstance(error, socket.gaierror):
+        return (f"the HTTP host {host!r} does not resolve ({error.strerror}): give an address of this "
+                f"machine (--host, or http.host in the deployment file; 127.0.0.1 or 0.0.0.0)")
+    if error.errno == errno.EADDRINUSE:
+        return None
+    if error.errno == errno.EADDRNOTAVAIL:
+        return (f"{host} is not an address of this machine: give one of its addresses (--host, or http.host "
+                f"in the deployment file; 127.0.0.1 or 0.0.0.0)")
+    if error.errno == errno.EACCES:
+        return (f"{host}:{port} may not be bound by this user (ports below 1024 need privileges): serve on "
+                f"another port (--port, or http.port in the deployment file)")
+    return (f"{host}:{port} cannot be bound ({error.strerror or error}): change --host / --port (http.host / "
+            f"http.port in the deployment file)")
 
 
 def _family(host: str) -> int:

@@ -28,13 +28,13 @@ def normal_priority() -> bool:
         tids = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:
         tids = [0]
-    try:
-        for tid in tids:
+    for tid in tids:
+        try:
             if os.getpriority(os.PRIO_PROCESS, tid) > 0:
                 os.setpriority(os.PRIO_PROCESS, tid, 0)
-    except ProcessLookupError:
-        pass   # a thread that ended meanwhile
-    except PermissionError:
-        log.info("running at niceness %d: this process may not lower it", os.getpriority(os.PRIO_PROCESS, 0))
-        return False
+        except ProcessLookupError:
+            continue   # a thread that ended meanwhile; the others still need it
+        except PermissionError:
+            log.info("running at niceness %d: this process may not lower it", os.getpriority(os.PRIO_PROCESS, 0))
+            return False
     return True
