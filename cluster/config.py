@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from engine.core_lending import default_ledger_path
+from engine.core_lending import AUTO as LEDGER_AUTO
 from engine.engine_config import EngineConfig
 
 
@@ -367,7 +367,7 @@ class DeploymentConfig(_Strict):
             cpu_weight_prepack=e.cpu_weight_prepack, skinny_gemm=e.skinny_gemm,
             async_scheduling=e.async_scheduling if pool.tensor_parallel_size == 1 else False,
             cpu_threads=max(1, int(cpus)) if self.device == "cpu" and cpus is not None else None,
-            cpu_core_ledger=default_ledger_path() if self.lends_idle_cores() else None)
+            cpu_core_ledger=LEDGER_AUTO if self.lends_idle_cores() else None)
 
 
 class ConfigFileError(ValueError):

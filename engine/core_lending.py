@@ -20,8 +20,16 @@ cores of engines that are idle:
   engine lends but does not borrow).
 
 Only cores that an engine in the ledger owns are ever lent: other processes'
-cores, and TP gangs (which do not join), are never touched. A slot whose
-process died is reclaimed by the next engine that joins.
+cores, and TP gangs (which do not join), are never touched. Each member holds
+an open-file-description lock on its slot's bytes, which the kernel drops when
+the process dies however it dies: a slot whose lock nobody holds is dead, is
+left out of what is lent and taken (checked every LIVENESS_CHECK_S), and is
+reclaimed by the next engine that joins. A pid reused by another process
+changes nothing. Joins, leaves and every change of what an engine takes happen
+under the file's lock, so two borrowers never take the same idle cores.
+
+One ledger per user and set of usable cores (`auto`): deployments confined to
+different cpusets do not lend each other cores they cannot run on.
 
     slot layout (12 bytes, little-endian): pid i32 | own u16 | borrowed u16 | busy u8 | borrows u8 | pad
 """
@@ -34,22 +42,32 @@ import mmap
 import os
 import struct
 import tempfile
+import time
+import zlib
 from collections.abc import Iterable
 
 from engine.cpu_count import usable_cpus
 
 log = logging.getLogger(__name__)
 
-_MAGIC = b"pdserve-cores-v1"                  # 16-byte header
+_MAGIC = b"pdserve-cores-v2"                  # 16-byte header
 _SLOT = struct.Struct("<iHHBBxx")
 _NUM_SLOTS = 64
 _SIZE = len(_MAGIC) + _NUM_SLOTS * _SLOT.size
+_FLOCK = struct.Struct("hhqqi4x")               # struct flock (Linux): type, whence, start, len, pid
+LIVENESS_CHECK_S = 1.0
+AUTO = "auto"
 
 
 def default_ledger_path() -> str:
-    """One ledger per machine and user: in shared memory where there is one."""
+    """This user's ledger for the cores this process may run on, in shared memory
+    where there is one (computed where the engine runs)."""
     root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    return os.path.join(root, f"pdserve-cpu-cores-{os.getuid()}")
+    try:
+        cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    except (AttributeError, OSError):
+        cpus = str(os.cpu_count())
+    return os.path.join(root, f"pdserve-cpu-cores-{os.getuid()}-{zlib.crc32(cpus.encode()):08x}")
 
 
 class CoreLedger:
@@ -68,23 +86,30 @@ class CoreLedger:
         self._busy = False
         cores = machine_cores if machine_cores is not None else usable_cpus()
         self._max_extra = max(0, cores - own)
-        self._map, self._slot = _join(path, own, borrows)
+        self._fd, self._map, self._slot = _join(path, own, borrows)
+        self._dead: set[int] = set()     # slots whose process died (as of the last check)
+        self._checked_at = time.monotonic()
 
     def at_work(self) -> int:
         """Marks this engine at work; sets and returns the torch threads its next
         step runs with: its own cores plus those it may borrow now."""
         extra = self._lendable() if self.borrows else 0
         if extra != self.borrowed or not self._busy:
-            self.borrowed, self._busy = extra, True
-            self._write()
+            with _flocked(self._fd):       # read again and write as one: no other borrower in between
+                extra = self._lendable() if self.borrows else 0
+                self.borrowed, self._busy = extra, True
+                self._write()
         self.steps_with_borrowed += extra > 0
         return _run_with_threads(self.own + extra)
 
     def idle(self) -> None:
-        """Marks this engine idle: its cores may be lent, it borrows none."""
+        """Marks this engine idle: its cores may be lent, it borrows none, and
+        whatever it runs meanwhile runs on its own cores."""
         if self._busy or self.borrowed:
-            self.borrowed, self._busy = 0, False
-            self._write()
+            with _flocked(self._fd):
+                self.borrowed, self._busy = 0, False
+                self._write()
+        _run_with_threads(self.own)
 
     def close(self) -> None:
         """Leaves the ledger (the slot is freed) and goes back to its own threads."""
@@ -94,15 +119,24 @@ class CoreLedger:
             _SLOT.pack_into(self._map, self._offset, 0, 0, 0, 0, 0)
             self._map.close()
             self._map = None
+            os.close(self._fd)          # drops the slot's lock
             if not _any_member(fd):
                 os.unlink(self.path)
         _run_with_threads(self.own)
 
     def _lendable(self) -> int:
+        now = time.monotonic()
+        if now - self._checked_at >= LIVENESS_CHECK_S:
+            self._checked_at = now
+            self._dead = {index for index, (pid, *_rest) in enumerate(self._slots())
+                          if pid and index != self._slot and not _slot_held(self._fd, index)}
         others = [(own, borrowed, bool(busy))
-                  for index, (pid, own, borrowed, busy, _) in enumerate(_SLOT.iter_unpack(self._map[len(_MAGIC):]))
-                  if pid != 0 and index != self._slot]
+                  for index, (pid, own, borrowed, busy, _) in enumerate(self._slots())
+                  if pid != 0 and index != self._slot and index not in self._dead]
         return lendable_cores(self.own + self._max_extra, self.own, others)
+
+    def _slots(self):
+        return _SLOT.iter_unpack(self._map[len(_MAGIC):])
 
     @property
     def _offset(self) -> int:
@@ -147,12 +181,13 @@ class NoLending:
 
 
 def join_ledger(path: str | None, own: int, *, borrows: bool) -> CoreLedger | NoLending:
-    """This engine's slot in the ledger at `path`; NoLending where there is no
-    path, or the ledger cannot be used (logged: the engine runs as before)."""
+    """This engine's slot in the ledger at `path` (AUTO: default_ledger_path());
+    NoLending where there is no path, or the ledger cannot be used (logged: the
+    engine runs as before)."""
     if path is None:
         return NoLending()
     try:
-        return CoreLedger(path, own, borrows=borrows)
+        return CoreLedger(default_ledger_path() if path == AUTO else path, own, borrows=borrows)
     except (OSError, ValueError, RuntimeError) as exc:
         log.warning("idle cores are not lent to or from this engine: %s", exc)
         return NoLending()
@@ -166,14 +201,15 @@ class _locked:
 
     def __enter__(self) -> int:
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = _open(self.path, os.O_CREAT)
             fcntl.flock(fd, fcntl.LOCK_EX)
             if os.fstat(fd).st_nlink > 0:       # not unlinked by the last member meanwhile
                 break
             os.close(fd)
         self.fd = fd
         size = os.fstat(fd).st_size
-        if size == 0:                           # new: this engine is the first
+        if size == 0 or (size == _SIZE and os.pread(fd, len(_MAGIC), 0) == bytes(len(_MAGIC))):
+            # new, or its creator died before writing the header (it is written under this lock)
             os.ftruncate(fd, _SIZE)
             os.pwrite(fd, _MAGIC, 0)
         elif size != _SIZE or os.pread(fd, len(_MAGIC), 0) != _MAGIC:
@@ -186,21 +222,67 @@ class _locked:
         os.close(self.fd)
 
 
-def _join(path: str, own: int, borrows: bool) -> tuple[mmap.mmap, int]:
-    with _locked(path) as fd:
-        ledger = mmap.mmap(fd, _SIZE)
-        free = None
-        for index, (pid, *_rest) in enumerate(_SLOT.iter_unpack(ledger[len(_MAGIC):])):
-            if pid and not _alive(pid):
-                _SLOT.pack_into(ledger, len(_MAGIC) + index * _SLOT.size, 0, 0, 0, 0, 0)
-                pid = 0
-            if pid == 0 and free is None:
-                free = index
-        if free is None:
-            ledger.close()
-            raise RuntimeError(f"{path} has no free slot ({_NUM_SLOTS} engines)")
-        _SLOT.pack_into(ledger, len(_MAGIC) + free * _SLOT.size, os.getpid(), own, 0, 0, int(borrows))
-        return ledger, free
+class _flocked:
+    """The ledger's file lock, on an open descriptor, for a `with` block."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __enter__(self) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+
+def _open(path: str, flags: int = 0) -> int:
+    """The ledger file, opened read-write: never through a symlink, and only this user's."""
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | flags, 0o600)
+    if os.fstat(fd).st_uid != os.getuid():
+        os.close(fd)
+        raise ValueError(f"{path} belongs to another user")
+    return fd
+
+
+def _join(path: str, own: int, borrows: bool) -> tuple[int, mmap.mmap, int]:
+    """(this member's descriptor, holding its slot's lock; the mapped ledger; the slot)."""
+    with _locked(path) as locked_fd:
+        member_fd = _open(path)
+        try:
+            ledger = mmap.mmap(locked_fd, _SIZE)
+            free = None
+            for index, (pid, *_rest) in enumerate(_SLOT.iter_unpack(ledger[len(_MAGIC):])):
+                if pid and not _slot_held(member_fd, index):      # its process died
+                    _SLOT.pack_into(ledger, len(_MAGIC) + index * _SLOT.size, 0, 0, 0, 0, 0)
+                    pid = 0
+                if pid == 0 and free is None:
+                    free = index
+            if free is None:
+                ledger.close()
+                raise RuntimeError(f"{path} has no free slot ({_NUM_SLOTS} engines)")
+            _lock_slot(member_fd, free)
+            _SLOT.pack_into(ledger, len(_MAGIC) + free * _SLOT.size, os.getpid(), own, 0, 0, int(borrows))
+            return member_fd, ledger, free
+        except BaseException:
+            os.close(member_fd)
+            raise
+
+
+def _slot_range(index: int) -> tuple[int, int]:
+    return len(_MAGIC) + index * _SLOT.size, _SLOT.size
+
+
+def _lock_slot(fd: int, index: int) -> None:
+    """Takes the slot's open-file-description lock (dropped when `fd` closes, or the process dies)."""
+    start, length = _slot_range(index)
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, start, length, 0))
+
+
+def _slot_held(fd: int, index: int) -> bool:
+    """Whether a live member (another open file description than `fd`'s) holds the slot."""
+    start, length = _slot_range(index)
+    answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, start, length, 0))
+    return _FLOCK.unpack(answer)[0] != fcntl.F_UNLCK
 
 
 def _run_with_threads(threads: int) -> int:
@@ -211,15 +293,7 @@ def _run_with_threads(threads: int) -> int:
 
 
 def _any_member(fd: int) -> bool:
+    """Whether any slot is held by a live member (`fd` holds none)."""
     data = os.pread(fd, _SIZE, 0)
-    return any(pid and _alive(pid) for pid, *_rest in _SLOT.iter_unpack(data[len(_MAGIC):]))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return any(pid and _slot_held(fd, index)
+               for index, (pid, *_rest) in enumerate(_SLOT.iter_unpack(data[len(_MAGIC):])))

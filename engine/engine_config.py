@@ -27,7 +27,8 @@ class EngineConfig:
     tp_backend: str = "auto"                    # auto: nccl for CUDA tensors, gloo for CPU tensors
     cpu_threads: int | None = None              # CPU: torch threads per rank; default: cores // TP
     # CPU, TP 1: a file through which engines on one machine lend idle cores to busy ones
-    # (engine/core_lending.py); None: the engine keeps its cpu_threads
+    # (engine/core_lending.py; "auto": this user's for the cores the process may run on);
+    # None: the engine keeps its cpu_threads
     cpu_core_ledger: str | None = None
     # CPU: linear weights also kept packed for oneDNN and, float32, in panels for the few-row kernel
     # (engine/model/cpu_gemm.py); the path per batch size is measured at load

@@ -153,3 +153,77 @@ def test_an_engine_borrows_an_idle_engines_core_while_it_steps(model_dirs, ledge
     assert idle_lender.at_work() == 1
     idle_lender.close()
     assert not os.path.exists(ledger_path)   # the engine left the ledger when it stopped
+
+
+def _join_in_a_process_that_dies(ledger_path: str, own: int, borrows: bool, at_work: bool) -> None:
+    """A member that joins (and maybe starts a step) and is killed without leaving."""
+    code = ("import os, sys; sys.path.insert(0, %r); from engine.core_lending import CoreLedger; "
+            "c = CoreLedger(%r, %d, borrows=%r, machine_cores=8); %s os._exit(0)"
+            % (os.getcwd(), ledger_path, own, borrows, "c.at_work();" if at_work else ""))
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_an_engine_killed_mid_step_stops_taking_cores_without_anyone_joining(ledger_path, monkeypatch):
+    """A borrower that died at work (its slot says busy, with borrowed cores) is
+    left out once its death is seen, not only when the next engine joins."""
+    import engine.core_lending as core_lending
+    lender = CoreLedger(ledger_path, 2, borrows=False, machine_cores=8)
+    borrower = CoreLedger(ledger_path, 1, borrows=True, machine_cores=8)
+    _join_in_a_process_that_dies(ledger_path, 1, borrows=True, at_work=True)   # took the lender's 2 and ours
+    monkeypatch.setattr(core_lending, "LIVENESS_CHECK_S", 3600.0)
+    borrower._checked_at = float("-inf")       # the next step checks who is alive
+    assert borrower.at_work() == 3             # its own and the lender's 2 (the dead member had taken all 3)
+    lender.close()
+    borrower.close()
+
+
+def test_a_slot_whose_pid_lives_on_in_another_process_is_still_dead(ledger_path):
+    """Liveness is the slot's lock, which the kernel drops with its process, not
+    the pid (reused by any process)."""
+    import mmap
+    import struct
+    borrower = CoreLedger(ledger_path, 1, borrows=True, machine_cores=8)
+    with open(ledger_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as ledger:
+        # slot 1: a live pid (not a member: it holds no lock), at work with 3 borrowed cores
+        struct.pack_into("<iHHBBxx", ledger, 16 + 12, os.getppid(), 1, 3, 1, 1)
+    lender = CoreLedger(ledger_path, 2, borrows=False, machine_cores=8)
+    assert lender._slot == 1                   # the joiner reclaimed it
+    borrower._checked_at = float("-inf")
+    assert borrower.at_work() == 3             # its own 1 and the lender's 2
+    lender.close()
+    borrower.close()
+    assert not os.path.exists(ledger_path)
+
+
+def test_an_idle_engine_runs_on_its_own_cores(ledger_path):
+    """Work an idle engine does between steps (KV written into its cache) must not
+    use cores it has lent out meanwhile."""
+    CoreLedger(ledger_path, 1, borrows=False, machine_cores=4)
+    decode = CoreLedger(ledger_path, 1, borrows=True, machine_cores=4)
+    assert decode.at_work() == 2
+    decode.idle()
+    assert torch.get_num_threads() == 1
+
+
+def test_a_ledger_whose_creator_died_before_its_header_is_set_up_again(ledger_path):
+    with open(ledger_path, "wb") as f:
+        f.write(bytes(16 + 64 * 12))           # sized, header never written
+    decode = CoreLedger(ledger_path, 1, borrows=True, machine_cores=4)
+    assert decode.at_work() == 1
+    decode.close()
+
+
+def test_a_ledger_path_that_is_a_symlink_is_not_followed(ledger_path, tmp_path, caplog):
+    target = tmp_path / "elsewhere"
+    os.symlink(target, ledger_path)
+    with caplog.at_level(logging.WARNING):
+        assert isinstance(join_ledger(ledger_path, 1, borrows=True), NoLending)
+    assert not target.exists()
+
+
+def test_the_automatic_ledger_is_per_user_and_set_of_usable_cores(monkeypatch):
+    from engine.core_lending import default_ledger_path
+    here = default_ledger_path()
+    assert f"pdserve-cpu-cores-{os.getuid()}-" in here
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5, 6})
+    assert default_ledger_path() != here

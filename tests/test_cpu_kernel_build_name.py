@@ -29,3 +29,31 @@ def test_this_machine_gets_a_stable_valid_module_name():
     name = extension_name()
     assert name == extension_name()
     assert name.startswith("pdserve_cpu_kernels_") and name.isidentifier()
+
+
+def test_the_name_changes_with_the_source_so_versions_never_share_a_build(monkeypatch):
+    from engine.kernels import cpu_kernels
+    before = extension_name()
+    monkeypatch.setattr(cpu_kernels, "_SOURCE", cpu_kernels._SOURCE + "\n// another version\n")
+    assert extension_name() != before
+
+
+def test_a_lock_left_by_a_build_that_was_killed_does_not_hang_the_next_engine(tmp_path, monkeypatch):
+    """torch's build lock file outlives a process killed mid-build, and torch
+    waits for it for ever: it is removed under pdserve's own build lock first."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    from engine.kernels import cpu_kernels
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    stale = tmp_path / extension_name() / "lock"
+    stale.parent.mkdir()
+    stale.write_text("")                       # torch's lock file of a build that was killed
+    seen = []
+
+    def load_inline(**kwargs):
+        seen.append((kwargs["build_directory"], stale.exists()))
+        return "the module"
+
+    monkeypatch.setattr(cpp_extension, "load_inline", load_inline)
+    assert cpu_kernels._build() == "the module"
+    assert seen == [(str(stale.parent), False)]

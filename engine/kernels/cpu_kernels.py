@@ -36,15 +36,21 @@ The extension is compiled on first use with the C++ compiler torch's
 the machine's own CPU (`-march=native`), so its name carries a digest of the
 CPU's instruction-set flags: nodes of different CPUs that share one cache (a
 home directory on NFS) each build their own, where one name would hand a node
-another CPU's build and kill the process on its first unknown instruction.
-Where it cannot be built, `available()` is False and the engine keeps the torch
-backend.
+another CPU's build and kill the process on its first unknown instruction. The
+name also carries a digest of the source, the flags and torch's version, so two
+versions of pdserve on one machine never load each other's build. A build is
+serialised by a lock the kernel drops when its holder dies (torch's own lock
+file, left behind by a process killed mid-build, made every later engine wait
+for ever). Where it cannot be built, `available()` is False and the engine keeps
+the torch backend.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
+import os
 import platform
 import threading
 from pathlib import Path
@@ -373,7 +379,23 @@ def extension_name(cpuinfo: str | None = None) -> str:
     if isa is None:
         isa = f"{platform.machine()} {platform.processor()}"
     digest = hashlib.sha256(" ".join(sorted(isa.split())).encode()).hexdigest()[:12]
-    return f"pdserve_cpu_kernels_{digest}"
+    build = hashlib.sha256("\0".join([_SOURCE, *CFLAGS, torch.__version__]).encode()).hexdigest()[:8]
+    return f"pdserve_cpu_kernels_{digest}_{build}"
+
+
+def _build():
+    """Compiles (or loads the cached build of) the extension, one process at a time."""
+    from torch.utils.cpp_extension import _get_build_directory, load_inline
+    name = extension_name()
+    directory = _get_build_directory(name, verbose=False)
+    with open(os.path.join(directory, "pdserve-build.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)           # released by the kernel if this process dies
+        stale = os.path.join(directory, "lock")    # torch's, which no live builder holds now
+        if os.path.exists(stale):
+            log.warning("removing %s, left by a build that was killed", stale)
+            os.remove(stale)
+        return load_inline(name=name, cpp_sources=_SOURCE, functions=FUNCTIONS, extra_cflags=CFLAGS,
+                           extra_ldflags=["-fopenmp"], build_directory=directory, verbose=False)
 
 
 def _load():
@@ -383,9 +405,7 @@ def _load():
     with _lock:
         if _module is None and not _failed:
             try:
-                from torch.utils.cpp_extension import load_inline
-                _module = load_inline(name=extension_name(), cpp_sources=_SOURCE, functions=FUNCTIONS,
-                                      extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+                _module = _build()
             except Exception as exc:  # noqa: BLE001 - no compiler, no headers: the torch backend serves
                 _failed = True
                 log.warning("the C++ CPU kernels could not be built (%s); using the torch backend and "
