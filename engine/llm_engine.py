@@ -221,6 +221,10 @@ class LLMEngine:
                                       f"max_tokens ({seq.params.max_tokens}): nothing is left to generate",
                                       "resume")
         self.validate_prompt(seq.token_ids + list(resume.token_ids))
+        if seq.params.logprobs is not None and \
+                (resume.logprobs is None or len(resume.logprobs) != len(resume.token_ids)):
+            raise InvalidRequestError("the request asks for logprobs: resume.logprobs must hold one entry per "
+                                      f"resumed token ({len(resume.token_ids)})", "resume")
         seq.token_ids.extend(resume.token_ids)
         if seq.generator is not None and not seq.params.is_greedy:
             if resume.generator_state is not None:
@@ -368,8 +372,11 @@ class LLMEngine:
         if params.logprobs is not None and first_logprobs is None:
             raise InvalidRequestError("the request asks for logprobs: pass the first token's first_logprobs",
                                       "logprobs")
-        if seq.generator is not None and generator_state is not None:
-            seq.generator.set_state(generator_state)
+        if seq.generator is not None and not params.is_greedy:
+            if generator_state is not None:
+                seq.generator.set_state(generator_state)
+            else:     # past the draw the first token took, as a resumed request skips its tokens' draws
+                skip_draws(seq.generator, 1, self.model_config.vocab_size)
         if not self.scheduler.reserve(seq, seq.num_prompt_tokens):
             return None
         state = RequestTextState(seq, self.tokenizer, self.max_model_len)

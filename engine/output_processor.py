@@ -73,11 +73,11 @@ class RequestTextState:
             self._finish("length", None)
 
     def _check_stop_strings(self, prev_len: int) -> bool:
-        # a new match must end in the text this token added
-        window_start = max(0, prev_len - self.hold_back)
+        # a new match must end in the text this token added: an older one (completed before
+        # min_tokens) never ends the request later
         best = None
         for stop in self.stop_strings:
-            i = self.text.find(stop, window_start)
+            i = self.text.find(stop, max(0, prev_len - len(stop) + 1))
             if i != -1 and (best is None or i < best[0]):
                 best = (i, stop)
         if best is None:

@@ -35,14 +35,10 @@ _MAX_ECHO_CHARS = 80
 
 
 def error_type(status: int) -> str:
-    """OpenAI-style error type for an HTTP status."""
-    if status == 404:
-        return "not_found_error"
-    if status == 503:
-        return "service_unavailable"
-    if status >= 500:
-        return "internal_error"
-    return "invalid_request_error"
+    """OpenAI's error type for an HTTP status: `server_error` for the server's
+    failures, `invalid_request_error` for the client's (an unknown model's 404
+    included; a 401 and a 429 set their own)."""
+    return "server_error" if status >= 500 else "invalid_request_error"
 
 
 class OpenAIError(Exception):

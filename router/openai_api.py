@@ -25,7 +25,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -53,6 +53,7 @@ from router.responses import (
     ChatResponses,
     CompletionResponses,
     ResponseBuilder,
+    TokenTexts,
     sse_event,
     usage,
 )
@@ -151,6 +152,7 @@ class _Server:
         self.prefix = request_id_prefix
         self.created = int(time.time())
         self.max_token_chars = _longest_token_chars(tokenizer)
+        self.token_texts = TokenTexts(tokenizer)
 
     def models(self) -> dict[str, Any]:
         card = {"id": self.info.served_model_name, "object": "model", "created": self.created,
@@ -169,9 +171,10 @@ class _Server:
         self._check_request_limits(body)
         self._admit(None, None)
         prompt_param = "messages" if chat else "prompt"
-        text_chars = body.text_length()
-        self._check_text_length(text_chars, prompt_param)
-        prompt_ids = await self._tokenize(body, text_chars)
+        self._check_text_length(body.text_length(), prompt_param)
+        # many short messages cost a template little text each but still its rendering: counted as
+        # a long token's text apiece towards rendering them off the loop
+        prompt_ids = await self._tokenize(body, body.text_length(per_message_chars=self.max_token_chars))
         self._check_prompt(prompt_ids, prompt_param)
         # chat: the rest of the context; completions: 16 as OpenAI's and vLLM's (or min_tokens, if more)
         default_max = self.info.max_model_len - len(prompt_ids)
@@ -182,7 +185,7 @@ class _Server:
         params = body.to_sampling_params(default_max)
         self._check_context(len(prompt_ids), params, body.max_tokens_param, prompt_param)
 
-        fmt = ChatResponses(self.tokenizer) if chat else CompletionResponses(self.tokenizer)
+        fmt = ChatResponses(self.token_texts) if chat else CompletionResponses(self.token_texts)
         request_id = f"{'chat' if chat else ''}{self.prefix}-{uuid.uuid4().hex}"
         admitted = self._admit(len(prompt_ids), params.max_tokens)
         gen = _Generation(self, request_id, prompt_ids, params, arrival, admitted)
@@ -191,8 +194,10 @@ class _Server:
         try:
             if body.stream:
                 first = await _unless_disconnected(request, gen.next())
+                if first is None:    # before any header: an HTTP error like a non-streamed request's
+                    raise BackendUnavailableError("the generation stream ended before its first output")
                 return _EventStream(self._events(gen, first, fmt, header, body.include_usage),
-                                    media_type="text/event-stream")
+                                    on_close=lambda: gen.close("abort"), media_type="text/event-stream")
             final = await _unless_disconnected(request, gen.run_to_end())
         except _ClientDisconnected:
             await gen.close("abort")
@@ -444,7 +449,12 @@ async def _wait_for_disconnect(request: Request) -> None:
 class _EventStream(StreamingResponse):
     """A streaming response that always watches for a client disconnect and always
     closes its body iterator (Starlette only watches below ASGI spec 2.4 and leaves
-    the iterator to the garbage collector)."""
+    the iterator to the garbage collector), then awaits `on_close`: an iterator that
+    never started (the response's first send failed) does not run its own clean-up."""
+
+    def __init__(self, content: AsyncIterator[str], *, on_close: Callable[[], Awaitable[None]], **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -462,3 +472,4 @@ class _EventStream(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
+                await self._on_close()

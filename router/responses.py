@@ -5,9 +5,11 @@ One `ResponseBuilder` per endpoint: `CompletionResponses` (/v1/completions,
 and "chat.completion.chunk"). They build the `choices` entries and the logprobs
 objects; the envelope (id, created, model, usage) is the caller's.
 
-Token strings in logprobs are each token decoded alone; `bytes` is that string's
-UTF-8 (a token that ends mid-character shows U+FFFD, as in vLLM). Logprobs are
-floored at -9999 because JSON has no -inf.
+Token strings in logprobs are each token's text after a fixed one-token context
+(decoded alone, a SentencePiece tokenizer drops a word's leading space, and the
+strings would not spell the completion nor `text_offset` point into it);
+`bytes` is that string's UTF-8 (a token that ends mid-character shows U+FFFD,
+as in vLLM). Logprobs are floored at -9999 because JSON has no -inf.
 """
 
 from __future__ import annotations
@@ -42,17 +44,35 @@ def _finite(logprob: float) -> float:
     return logprob
 
 
+class TokenTexts:
+    """Each token's text after other text, decoded once per token (shared by a
+    server's requests)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+        anchor = tokenizer.encode("a", add_special_tokens=False)
+        self._anchor = anchor[-1:]                     # a context token, [] where "a" has none
+        self._anchor_text = tokenizer.decode(self._anchor)
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            after = self.tokenizer.decode(self._anchor + [token_id])
+            text = after[len(self._anchor_text):] if after.startswith(self._anchor_text) else \
+                self.tokenizer.decode([token_id])
+            self._texts[token_id] = text
+        return text
+
+
 class ResponseBuilder(ABC):
     """What the two endpoints' bodies differ in."""
 
     object: str              # of a whole response
     chunk_object: str        # of a stream chunk
 
-    def __init__(self, tokenizer: Any):
-        self.tokenizer = tokenizer
-
-    def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+    def __init__(self, token_text: TokenTexts):
+        self.token_text = token_text
 
     def opening_choices(self) -> list[dict[str, Any]]:
         """Chunks sent before any text."""

@@ -178,3 +178,25 @@ def test_a_handed_off_requests_deltas_carry_one_logprob_per_new_token(model_dirs
     tokens = [t for d in deltas for t in d.token_ids]
     assert len(tokens) == 6
     assert [lp.token_id for d in deltas for lp in d.logprobs] == tokens
+
+
+@pytest.mark.parametrize("pass_state", [True, False])
+def test_seeded_sampling_continues_on_the_decode_engine_with_or_without_the_generator_state(model_dirs,
+                                                                                             pass_state):
+    """Without the prefill side's generator state the decode engine advances its own
+    past the first token's draw: the output is the one engine's either way."""
+    config = EngineConfig(model=str(model_dirs["tiny"]), max_model_len=64, block_size=4)
+    prefill, decode, whole = LLMEngine(config), LLMEngine(config), LLMEngine(config)
+    prompt = _prompts(1, seed=5)[0]
+    params = SamplingParams(temperature=1.0, seed=123, max_tokens=12, ignore_eos=True)
+    whole.add_request("w", prompt, params)
+    (expected,) = whole.run_to_completion()
+    prefill.add_request("x", prompt, params, hold_kv=True)
+    (first,) = prefill.run_to_completion()
+    held = prefill.held_sequence("x")
+    state = held.generator.get_state() if pass_state else None
+    dst = decode.reserve_prefilled("x", prompt, first.token_ids[0], params, generator_state=state)
+    decode.kv_cache.write_blocks(dst, prefill.kv_cache.read_blocks(held.block_table))
+    decode.commit_prefilled("x")
+    (out,) = [o for o in decode.run_to_completion() if o.finished]
+    assert out.token_ids == expected.token_ids

@@ -44,3 +44,14 @@ def test_normal_priority_goes_on_past_a_thread_that_ended(monkeypatch):
     monkeypatch.setattr(os, "setpriority", lambda which, tid, value: niceness.__setitem__(tid, value))
     assert process_priority.normal_priority() is True
     assert niceness == {101: 0, 102: 15, 103: 0}
+
+
+def test_direct_ingress_gets_its_port_back_soon_after_the_router_is_replaced():
+    """The router's one port is held out of use after its replica dies: past TCP
+    TIME_WAIT (a bind before that fails and Serve blocks the port for good), and
+    well short of Serve's 150 s default, during which nothing answers HTTP."""
+    from cluster.serving.direct_ingress import direct_ingress_env
+    env = direct_ingress_env(8000)
+    assert (env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"], env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]) == \
+        ("8000", "8001")
+    assert 60 < float(env["RAY_SERVE_PORT_QUARANTINE_S"]) < 150

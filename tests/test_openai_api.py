@@ -140,8 +140,7 @@ def assert_openai_error(response, status: int, param: str | None, fragment: str)
     error = body["error"]
     assert error["param"] == param, error
     assert fragment in error["message"], error
-    expected_type = {404: "not_found_error", 503: "service_unavailable", 500: "internal_error"}
-    assert error["type"] == expected_type.get(status, "invalid_request_error")
+    assert error["type"] == ("server_error" if status >= 500 else "invalid_request_error")   # OpenAI's
     return error
 
 
@@ -410,6 +409,7 @@ LONG = list(range(3, 3 + MAX_MODEL_LEN))
     (CHAT, {"messages": USER, "guided_choice": ["yes", "no"]}, 400, "guided_choice", "not supported"),
     (COMPLETIONS, {"prompt": "Hi", "include_stop_str_in_output": True}, 400, "include_stop_str_in_output",
      "not supported"),
+    (COMPLETIONS, {"prompt": "Hi", "prompt_logprobs": 0}, 400, "prompt_logprobs", "not supported"),   # 0 asks
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "messages[0].content", "only text content parts"),
     (CHAT, {"messages": []}, 400, "messages", "messages: no messages"),
@@ -567,3 +567,68 @@ def test_long_text_is_tokenized_off_the_event_loop(client, backend, monkeypatch)
     assert client.post(COMPLETIONS, json={"prompt": "Hi there, a longer one", "max_tokens": 1}).status_code == 200
     assert on_loop == [True, False]
     assert backend.calls[1][1] == encode("Hi there, a longer one")
+
+
+def test_many_short_chat_messages_are_rendered_off_the_event_loop(client, backend, monkeypatch):
+    """Empty messages carry no text but each costs its template's rendering: they
+    count towards the rule that keeps long work off the loop every stream shares."""
+    import router.openai_api as api
+
+    rendered = []
+    template = backend.tokenizer.apply_chat_template
+
+    def recording_template(*args, **kwargs):
+        try:
+            asyncio.get_running_loop()
+            rendered.append("on the loop")
+        except RuntimeError:
+            rendered.append("off the loop")
+        return template(*args, **kwargs)
+
+    monkeypatch.setattr(backend.tokenizer, "apply_chat_template", recording_template)
+    longest = max(len(token) for token in backend.tokenizer.get_vocab())
+    monkeypatch.setattr(api, "_INLINE_TOKENIZE_CHARS", 4 * longest)
+    for count in (2, 6):
+        r = client.post(CHAT, json={"messages": [{"role": "user", "content": ""}] * count, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+    assert rendered == ["on the loop", "off the loop"]
+
+
+def test_a_stream_whose_first_send_fails_is_still_cleaned_up(app, backend, metrics):
+    """The server may report a vanished client by raising from the response's
+    first send, before the event generator ever ran: the request must still be
+    closed (its backend stream, admission's counts, its metrics)."""
+    async def run() -> None:
+        requests = [{"type": "http.request", "body": json.dumps({"messages": USER, "stream": True}).encode(),
+                     "more_body": False}]
+
+        async def receive() -> dict:
+            if requests:
+                return requests.pop()
+            await asyncio.Event().wait()
+
+        async def send(message: dict) -> None:
+            raise OSError("the client is gone")
+
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": CHAT, "raw_path": CHAT.encode(), "query_string": b"",
+                 "root_path": "", "headers": [(b"content-type", b"application/json"), (b"host", b"testserver")],
+                 "client": ("127.0.0.1", 1234), "server": ("testserver", 80)}
+        await asyncio.wait_for(app(scope, receive, send), timeout=10)
+
+    asyncio.run(run())
+    [(request_id, _, _)] = backend.calls
+    assert backend.closed_early == [request_id]
+    assert b'pdserve_requests_total{finish_reason="abort"} 1.0' in metrics.render()[0]
+
+
+def test_a_stream_that_ends_before_any_output_is_an_http_error_not_a_200(client, backend):
+    async def no_outputs(request_id, prompt_token_ids, params):
+        backend.calls.append((request_id, list(prompt_token_ids), params))
+        return
+        yield
+
+    backend.generate = no_outputs
+    response = client.post(CHAT, json={"messages": USER, "stream": True})
+    assert response.status_code == 503
+    assert "ended before its first output" in response.json()["error"]["message"]

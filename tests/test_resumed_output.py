@@ -83,3 +83,17 @@ def test_max_tokens_counts_the_resumed_output(engine):
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
         engine.add_request("bad", PROMPT, params, resume=ResumedOutput([10**9], 0))
     assert not engine.has_unfinished_requests()
+
+
+def test_a_resume_without_one_logprob_per_token_is_refused(engine):
+    """Outputs' logprobs stay one per token: a resume that cannot keep that is refused."""
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1)
+    whole = _stream(engine, "with-logprobs", params)
+    tokens, logprobs = whole[-1].token_ids[:4], whole[-1].logprobs[:4]
+    for wrong in (None, logprobs[:3]):
+        with pytest.raises(InvalidRequestError, match="one entry per resumed token"):
+            engine.add_request("short", PROMPT, params, resume=ResumedOutput(tokens, 0, wrong))
+    rest = _stream(engine, "right", params, ResumedOutput(tokens, 0, logprobs))
+    assert rest[-1].token_ids == whole[-1].token_ids
+    assert len(rest[-1].logprobs) == 10 and rest[-1].logprobs[:4] == logprobs
+    assert not engine.has_unfinished_requests()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -25,10 +26,34 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
+def _positive(text: str) -> int:
+    (value,) = _ints(text)
+    return value
+
+
+def _grid_problem(args: argparse.Namespace) -> str | None:
+    """What makes the flags unusable, before the engine is built and measured."""
+    if args.max_num_batched_tokens <= max(args.batch_sizes):
+        return (f"--max-num-batched-tokens ({args.max_num_batched_tokens}) must exceed the largest of "
+                f"--batch-sizes ({max(args.batch_sizes)}): a mixed step holds the batch's decodes and a "
+                "prompt chunk")
+    output = Path(args.output)
+    if output.is_dir():
+        return f"--output {output} is a directory: give a file name"
+    folder = next((p for p in (output.parent, *output.parent.parents) if p.exists()), Path("."))
+    if not os.access(folder, os.W_OK):
+        return f"--output {output} cannot be written ({folder} is not writable)"
+    return None
+
+
 def _cmd_profile(args: argparse.Namespace) -> int:
     from cluster.cli.plan_command import resolve_model_dir
     from cluster.perf_model.profiler import ProfileGrid, run_profile
     from engine.tiny_model import ensure_default_model
+
+    if problem := _grid_problem(args):
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
 
     model = str(ensure_default_model()) if args.model is None else str(resolve_model_dir(args.model))
     grid = ProfileGrid(prompt_lens=args.prompt_lens, batch_sizes=args.batch_sizes, contexts=args.contexts,
@@ -61,12 +86,13 @@ def add_profile_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget (default 2048)")
+    p.add_argument("--max-num-batched-tokens", type=_positive, default=2048,
+                   help="per-step token budget (default 2048)")
     p.add_argument("--prompt-lens", type=_ints, default=(16, 64, 256, 512),
                    help="prefill-only prompt lengths (default 16,64,256,512)")
     p.add_argument("--batch-sizes", type=_ints, default=(1, 4, 16), help="decode batch sizes (default 1,4,16)")
     p.add_argument("--contexts", type=_ints, default=(32, 256), help="decode contexts (default 32,256)")
-    p.add_argument("--chunk-len", type=int, default=64, help="prompt chunk of mixed steps (default 64)")
-    p.add_argument("--decode-steps", type=int, default=4, help="decode steps per batch/context (default 4)")
+    p.add_argument("--chunk-len", type=_positive, default=64, help="prompt chunk of mixed steps (default 64)")
+    p.add_argument("--decode-steps", type=_positive, default=4, help="decode steps per batch/context (default 4)")
     p.set_defaults(func=_cmd_profile)
     return p

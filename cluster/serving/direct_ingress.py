@@ -19,6 +19,11 @@ from __future__ import annotations
 # Serve keeps a draining direct-ingress replica open this long so that an
 # external load balancer can deregister it; a local cluster has none.
 _DRAINING_PERIOD_S = "1"
+# Serve holds a released replica port out of use this long (default 150 s, for its
+# HAProxy mode). With one port that is how long HTTP stays down after the router
+# replica is replaced. It must outlast TCP TIME_WAIT (60 s on Linux): the new
+# router binds without SO_REUSEADDR, and a failed bind blocks the port for good.
+PORT_QUARANTINE_S = "65"
 
 
 def direct_ingress_env(port: int) -> dict[str, str]:
@@ -29,4 +34,5 @@ def direct_ingress_env(port: int) -> dict[str, str]:
         "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
         "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),   # [min, max): exactly `port`
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": _DRAINING_PERIOD_S,
+        "RAY_SERVE_PORT_QUARANTINE_S": PORT_QUARANTINE_S,
     }

@@ -1,0 +1,46 @@
+"""Token strings in logprobs spell the completion: each token's text after other
+text, also with tokenizers that drop a lone word's leading space (SentencePiece's
+Metaspace), so `text_offset` points into the returned text."""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from engine.sampler import TokenLogprobs
+from engine.tiny_model import ensure_default_model
+from engine.tokenizer import load_tokenizer
+from router.responses import ChatResponses, CompletionResponses, TokenTexts
+
+
+def metaspace_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {"<unk>": 0, "▁hello": 1, "▁world": 2, "▁foo": 3, "▁a": 4}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+def entries(ids: list[int]) -> list[TokenLogprobs]:
+    return [TokenLogprobs(t, -1.0, 1, [(t, -1.0)]) for t in ids]
+
+
+def test_metaspace_tokens_keep_their_leading_space_and_offsets_point_into_the_text():
+    tokenizer = metaspace_tokenizer()
+    ids = [1, 2, 3]
+    completion = " " + tokenizer.decode(ids)      # after a prompt: "hello" starts a new word
+    logprobs, end = CompletionResponses(TokenTexts(tokenizer)).logprobs(entries(ids), 0)
+    assert logprobs["tokens"] == [" hello", " world", " foo"]
+    assert [completion[o:o + len(t)] for o, t in zip(logprobs["text_offset"], logprobs["tokens"])] == \
+        logprobs["tokens"]
+    assert end == len(completion)
+    chat, _ = ChatResponses(TokenTexts(tokenizer)).logprobs(entries(ids), 0)
+    assert bytes(b for entry in chat["content"] for b in entry["bytes"]).decode() == completion
+
+
+def test_byte_level_tokens_are_their_own_text():
+    tokenizer = load_tokenizer(ensure_default_model())
+    ids = tokenizer.encode("hello world foo", add_special_tokens=False)
+    logprobs, _ = CompletionResponses(TokenTexts(tokenizer)).logprobs(entries(ids), 0)
+    assert logprobs["tokens"] == [tokenizer.decode([i]) for i in ids]
+    assert "".join(logprobs["tokens"]) == "hello world foo"

@@ -1,0 +1,26 @@
+"""`pdserve profile` refuses flags it cannot measure with before building an engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.cli.main import build_parser, main
+
+
+@pytest.mark.parametrize("flag", ["--chunk-len", "--decode-steps", "--max-num-batched-tokens"])
+def test_a_count_below_one_is_refused_by_the_parser(flag, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["profile", "--output", str(tmp_path / "p.json"), flag, "0"])
+    assert exit_info.value.code == 2 and "expected positive integers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    (["--max-num-batched-tokens", "16", "--batch-sizes", "1,16"], "must exceed the largest of --batch-sizes (16)"),
+    (["--output", "{tmp}"], "is a directory"),
+])
+def test_flags_that_cannot_be_measured_with_are_refused_before_the_engine_starts(flags, expected, tmp_path,
+                                                                                 capsys):
+    flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]
+    output = [] if "--output" in flags else ["--output", str(tmp_path / "p.json")]
+    assert main(["profile", *output, *flags]) == 2
+    assert expected in capsys.readouterr().err
