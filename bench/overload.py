@@ -179,6 +179,8 @@ def main() -> int:
                     help="one colocated replica, or the default 1 prefill + 1 decode deployment")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if (args.capacity is None) != (args.unloaded_ttft_ms is None):
+        ap.error("--capacity and --unloaded-ttft-ms go together (both skip the measurement that gives both)")
     from transformers import AutoTokenizer
 
     from engine.tiny_model import ensure_preset_model
@@ -214,18 +216,22 @@ def main() -> int:
             results["systems"][name] = rows
     results["capacity_rps"], results["unloaded_ttft_ms"] = capacity, unloaded_ttft_ms    # its p99
     results["unloaded_ttft_p50_ms"] = unloaded_median_ms
-    if "admission on" not in results["systems"]:
-        return 0
-    on = results["systems"]["admission on"]
-    peak = max(r["goodput"] for r in on)
-    last = on[-1]
-    print(f"\nadmission on: goodput at {last['step']:g}x is {last['goodput'] / peak:.0%} of its peak "
-          f"(target >= 80%); admitted p99 TTFT at {last['step']:g}x is "
-          f"{(last['ttft_p99_ms'] or 0) / unloaded_ttft_ms:.1f}x the unloaded TTFT p99 (target <= 2x)"
-          + (f", {(last['ttft_p99_ms'] or 0) / unloaded_median_ms:.1f}x its median" if unloaded_median_ms else ""))
-    if args.json:
+    if args.json:      # first: nothing below may lose a run's results
         Path(args.json).write_text(json.dumps(results, indent=2))
+    if "admission on" in results["systems"]:
+        print(summary(results["systems"]["admission on"], unloaded_ttft_ms, unloaded_median_ms))
     return 0
+
+
+def summary(on: list[dict], unloaded_p99_ms: float, unloaded_median_ms: float | None) -> str:
+    """The targets' figures for the admission-on ramp (its last step against its peak)."""
+    peak, last = max(r["goodput"] for r in on), on[-1]
+    share = f"{last['goodput'] / peak:.0%}" if peak > 0 else "n/a (no goodput at any step)"
+    line = (f"\nadmission on: goodput at {last['step']:g}x is {share} of its peak (target >= 80%); admitted p99 "
+            f"TTFT at {last['step']:g}x ({last.get('admitted', '?')} admitted) is "
+            f"{(last['ttft_p99_ms'] or 0) / unloaded_p99_ms:.1f}x the unloaded TTFT p99 (target <= 2x)")
+    return line + (f", {(last['ttft_p99_ms'] or 0) / unloaded_median_ms:.1f}x its median"
+                   if unloaded_median_ms else "")
 
 
 if __name__ == "__main__":

@@ -7,9 +7,16 @@ by hash) until it is handed out again, least recently freed first.
 
 Prefix caching: each full block gets a chained hash,
 h_i = hash((h_{i-1}, tokens of block i)). A lookup by hash is only a hint: a hit
-is verified against the block's tokens and the identity of the block before it
-(`content_id` is unique per filling of a block), so a hash collision can never
-splice another sequence's K/V into this one.
+is verified against the block's tokens and the identity of the block before it,
+so a hash collision can never splice another sequence's K/V into this one. A
+block's identity is its `content_id` (unique per filling, never reused), or,
+for a block computed again with the same tokens after the same prefix (two
+requests sharing a prompt in one step, a whole-prompt hit's last block), the
+identity of the registered block it duplicates: its descendants then stay
+findable through the registered one.
+
+Free blocks that no lookup can find (no hash, or a private duplicate) are
+handed out before cached ones.
 
 Contract: the caller (the scheduler) owns each sequence's `block_table` list and
 passes it in; this class never holds a reference to a sequence.
@@ -31,7 +38,8 @@ class Block:
     hash: int | None = NO_HASH
     token_ids: tuple[int, ...] = ()
     content_id: int = 0          # changes every time the block is handed out fresh
-    parent_content_id: int = 0   # content_id of the previous block of the prefix (0 for the first)
+    identity: int = 0            # content_id, or that of the registered block it duplicates
+    parent_content_id: int = 0   # identity of the previous block of the prefix (0 for the first)
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -84,6 +92,8 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None
+                if block.hash is NO_HASH or self._by_hash.get(block.hash) != block_id:
+                    self._free.move_to_end(block_id, last=False)    # nothing to keep: handed out first
         block_table.clear()
 
     def _take_fresh(self) -> int:
@@ -92,7 +102,7 @@ class BlockManager:
         if block.hash is not NO_HASH and self._by_hash.get(block.hash) == block_id:
             del self._by_hash[block.hash]
         block.hash, block.token_ids, block.parent_content_id = NO_HASH, (), 0
-        block.content_id = next(self._content_ids)
+        block.content_id = block.identity = next(self._content_ids)
         block.ref_count = 1
         return block_id
 
@@ -121,7 +131,7 @@ class BlockManager:
                 del self._free[block_id]
             block.ref_count += 1
             block_table.append(block_id)
-            prev_hash, prev_content = h, block.content_id
+            prev_hash, prev_content = h, block.identity
         return len(block_table) * bs
 
     def cache_full_blocks(self, token_ids: list[int], block_table: list[int], num_computed: int,
@@ -141,7 +151,11 @@ class BlockManager:
                 chunk = tuple(token_ids[i * bs:(i + 1) * bs])
                 block.hash = hash((parent.hash if parent else None, chunk))
                 block.token_ids = chunk
-                block.parent_content_id = parent.content_id if parent else 0
-                # first writer wins: an identical block computed concurrently stays private
-                self._by_hash.setdefault(block.hash, block.block_id)
+                block.parent_content_id = parent.identity if parent else 0
+                # first writer wins: an identical block computed again stays private, with the
+                # registered block's identity (its children then match through the registered one)
+                registered = self.blocks[self._by_hash.setdefault(block.hash, block.block_id)]
+                if registered is not block and registered.token_ids == chunk and \
+                        registered.parent_content_id == block.parent_content_id:
+                    block.identity = registered.identity
         return max(num_full, num_already_cached)

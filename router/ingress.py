@@ -102,6 +102,7 @@ class Router:
                     replies = []
                 except Exception as exc:  # noqa: BLE001 - metrics must never take the router down
                     log.debug("no %s stats: %s", role, exc)
+                    current |= {label for label in seen if label.startswith(f"{role}-")}   # kept as they were
                     continue
                 replies = sorted(replies, key=lambda s: s.get("replica", ""))
                 if self.policy is not None:
@@ -111,7 +112,7 @@ class Router:
                 if self.autoscaler is not None:
                     self.autoscaler.observe_workers(role, replies)
                 for i, stats in enumerate(replies):
-                    label = f"{role}-{i}"
+                    label = f"{role}-{stats.get('replica') or i}"     # the replica's own series, not a position
                     current.add(label)
                     self.metrics.set_worker_stats(label, {k: v for k, v in stats.items() if k != "replica"})
             for gone in seen - current:

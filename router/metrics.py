@@ -13,6 +13,8 @@ Contracts:
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Mapping
 
 from prometheus_client import (
@@ -27,11 +29,12 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from router.timings import RequestTimings
 
 # Buckets span what LLM serving sees: tens of ms for a short prefill on a GPU up
-# to tens of seconds under overload (TTFT); 5 ms to seconds per decode step (TPOT).
+# to tens of seconds under overload (TTFT); 1 ms (a small model on a GPU) to seconds per
+# decode step (TPOT).
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
-                0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+TPOT_BUCKETS = (0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
+                0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0,
                90.0, 120.0, 180.0, 300.0, 600.0)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -125,14 +128,15 @@ class ServingMetrics:
 
     def set_autoscaler(self, targets: Mapping[str, int], current: Mapping[str, int],
                        latency: Mapping[tuple[str, str], float | None]) -> None:
-        """The autoscaler's last decision; latency: (metric, source) -> seconds."""
+        """The autoscaler's last decision; latency: (metric, source) -> seconds (None,
+        NaN or inf: not known this interval, exported as NaN rather than an old value)."""
         for role, n in targets.items():
             self._autoscaler_target.labels(role=role).set(n)
         for role, n in current.items():
             self._autoscaler_current.labels(role=role).set(n)
         for (metric, source), value in latency.items():
-            if value is not None and value == value and value != float("inf"):
-                self._autoscaler_latency.labels(metric=metric, source=source).set(value)
+            known = value is not None and math.isfinite(value)
+            self._autoscaler_latency.labels(metric=metric, source=source).set(value if known else math.nan)
 
     def observe_request(self, timings: RequestTimings) -> None:
         """Record one ended request; phases it never reached are skipped, and

@@ -210,14 +210,13 @@ class ServingBackend(GenerationBackend):
         try:
             result = None
             if migration == 0 and not self._local(len(prompt)):
-                phases.prefilled_on = "prefill"
+                # None: the prefill pool has no replica running
                 result = await self._prefill_remotely(attempt_id, prompt, params)
-                if result is None:   # the prefill pool has no replica running
-                    phases.prefilled_on = "decode"
             if result is None:
-                phases.prefilled_on = phases.prefilled_on or "decode"
                 admitted = await self._prefill_locally(attempt_id, prompt, params, resume, avoid=failed_on[0])
+                phases.prefilled_on = phases.prefilled_on or "decode"   # where the request's first prefill ran
             else:
+                phases.prefilled_on = "prefill"
                 phases.first_token(result.first)
                 finished = result.first.finished
                 held = None if finished else result

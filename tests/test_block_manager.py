@@ -133,6 +133,40 @@ def test_freed_cached_blocks_are_reused_until_evicted():
     assert bm.match_prefix(tokens, d) == 0
 
 
+def test_a_prefix_computed_twice_keeps_the_later_blocks_findable():
+    """Two requests that share a prompt in one step both compute its blocks; the
+    second's copies stay private, and the blocks after them (its own continuation)
+    must still be found through the registered copies."""
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    shared = [1, 2, 3, 4, 5, 6, 7, 8]
+    a_tokens, b_tokens = shared + [20, 21, 22, 23, 99], shared + [30, 31, 32, 33, 98]
+    a: list[int] = []
+    b: list[int] = []
+    assert bm.match_prefix(a_tokens, a) == 0 and bm.match_prefix(b_tokens, b) == 0   # the same step
+    bm.allocate(a, 13)
+    bm.allocate(b, 13)
+    bm.cache_full_blocks(a_tokens, a, 13, 0)
+    bm.cache_full_blocks(b_tokens, b, 13, 0)       # its first two blocks duplicate a's
+    follow_up: list[int] = []
+    assert bm.match_prefix(shared + [30, 31, 32, 33, 5, 6], follow_up) == 12
+    assert follow_up == a[:2] + [b[2]]
+
+
+def test_free_blocks_nobody_can_find_are_handed_out_before_cached_ones():
+    bm = BlockManager(num_blocks=3, block_size=BS)
+    prompt = [1, 2, 3, 4, 5]
+    a: list[int] = []
+    bm.allocate(a, 5)
+    bm.cache_full_blocks(prompt, a, 5, 0)          # block a[0] is cached; a[1] holds one token, no hash
+    bm.free(a)
+    for _ in range(3):                             # short requests, one block each
+        short: list[int] = []
+        assert bm.allocate(short, 2)
+        bm.free(short)
+    again: list[int] = []
+    assert bm.match_prefix(prompt, again) == 4     # the cached block was never handed out
+
+
 def test_hash_collision_is_rejected_by_token_check(monkeypatch):
     bm = BlockManager(num_blocks=6, block_size=BS)
     a: list[int] = []

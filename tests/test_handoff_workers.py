@@ -357,7 +357,7 @@ def test_a_hand_off_fails_at_once_when_the_decode_engine_stops(model_dirs, phase
     """A hand-off waits on what only the engine loop settles (free blocks, the KV
     arriving): when the loop stops, the request fails with EngineStoppedError
     (which the router retries elsewhere), and the prefill hold is no longer
-    renewed, so it ends with its lease."""
+    renewed, so it ends with its lease (once no send reads it)."""
     async def main():
         hub = FakeTransportHub()
         pair = await Pair(model_dirs["tiny"], hub, lease_s=1.0).start()
@@ -380,6 +380,7 @@ def test_a_hand_off_fails_at_once_when_the_decode_engine_stops(model_dirs, phase
         with pytest.raises(EngineStoppedError, match="engine stopped while request h waited for its KV"):
             await asyncio.wait_for(waiting, 5.0)
         assert time.monotonic() - start < 2.0
+        hub.delay_s = 0.0             # a send still on the wire keeps its blocks until it ends: now
         await asyncio.sleep(1.5)                                   # the lease, unrenewed, runs out
         assert pair.prefill.stats()["num_held"] == 0
         pair.prefill.shutdown()

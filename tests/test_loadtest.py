@@ -8,7 +8,7 @@ chunk one token, scheduled against the arrival time so delays do not pile up.
 error event mid-stream, `fail=abort` drops the connection mid-stream, `usage=0`
 leaves out the usage chunk, `eos=1` ends the output with EOS (one more step:
 a chunk with no text and finish_reason "stop", counted in the usage),
-`done=0` leaves out `data: [DONE]`. Other prompts (the CLI's datasets) get the
+`finish=REASON` ends it with that finish_reason, `done=0` leaves out `data: [DONE]`. Other prompts (the CLI's datasets) get the
 defaults. With `api_key` the server answers 401 to requests without that key.
 Timing assertions leave 15 ms for a loaded two-core machine; the metric
 arithmetic itself is checked exactly on synthetic records.
@@ -163,6 +163,8 @@ class FakeOpenAIServer:
             await asyncio.sleep(max(0.0, arrival + ttft_s + n * itl_s - loop.time()))
             await send({**header, "choices": [{**choice(""), "finish_reason": "stop"}]})
             steps += 1
+        elif "finish" in script:       # the last chunk's finish_reason, e.g. a server-side "abort"
+            await send({**header, "choices": [{**choice(""), "finish_reason": script["finish"]}]})
         if body.get("stream_options", {}).get("include_usage") and script.get("usage") != "0":
             await send({**header, "choices": [],
                         "usage": {"prompt_tokens": 3, "completion_tokens": steps, "total_tokens": steps + 3}})
@@ -358,6 +360,7 @@ def test_failed_requests_are_counted_with_their_errors(server):
     assert "timed out after 0.5 s" in by_index[6].error
     s = summarize(result.records, num_requests=8, duration=result.duration)
     assert (s.completed, s.failed) == (2, 6) and sum(s.error_counts.values()) == 6
+
     table = format_table(s)
     assert "Failed requests:" in table and "HTTP 500: injected 500" in table
 
@@ -373,6 +376,12 @@ def test_an_output_ending_with_eos_is_timed_to_its_last_step(server, endpoint):
     assert tpot(ended) == pytest.approx(0.030, abs=0.006)    # the text chunks alone: 60 ms / 3 = 20 ms
     assert eos_first.succeeded and eos_first.output_tokens == 1 and eos_first.text == ""
     assert ttft(eos_first) == pytest.approx(0.040, abs=TOL_S)
+
+def test_a_request_the_server_aborted_is_a_failure_not_a_short_output(server):
+    result = run([fake(n=4, finish="abort"), fake(n=4, finish="length")], server.base_url)
+    by_index = {r.index: r for r in result.records}
+    assert not by_index[0].succeeded and "aborted the request" in by_index[0].error
+    assert by_index[1].succeeded and by_index[1].finish_reason == "length"
 
 
 def test_a_finished_stream_without_done_succeeds_and_a_cut_one_fails(server):
@@ -511,6 +520,17 @@ def test_sweep_plots_are_written_as_png(tmp_path):
 
 
 # ----------------------------------------------------------------------- datasets
+
+
+def test_the_rates_of_a_sweep_see_one_mix_of_lengths_with_other_prompts(tokenizer):
+    def dataset(seed):
+        return random_dataset(tokenizer, num_prompts=30, input_len=40, output_len=10, range_ratio=0.5, seed=seed,
+                              lengths_seed=7)
+    first, second = dataset(7), dataset(8)
+    assert [(r.prompt_len, r.expected_output_len) for r in first] == \
+        [(r.prompt_len, r.expected_output_len) for r in second]
+    assert len({r.prompt_len for r in first}) > 5
+    assert not {r.prompt for r in first} & {r.prompt for r in second}
 
 
 def test_random_dataset_lengths(tokenizer):

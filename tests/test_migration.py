@@ -192,7 +192,8 @@ def test_a_prefill_worker_that_dies_before_the_first_token(model_dirs, reference
 
     out, prefill_calls, local, phases = run(main())
     assert out.token_ids == reference("tiny").greedy(tuple(PROMPTS[2]), 10)     # Pair.run: 10 tokens
-    assert (prefill_calls, local, phases.migrations, phases.prefilled_on) == (1, 1, 1, "prefill")
+    # the prompt was prefilled on the decode worker: the failed prefill call counts for nothing
+    assert (prefill_calls, local, phases.migrations, phases.prefilled_on) == (1, 1, 1, "decode")
 
 
 def test_a_prompt_waiting_on_a_prefill_pool_that_lost_every_replica_is_prefilled_locally(model_dirs, reference):

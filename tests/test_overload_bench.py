@@ -28,3 +28,11 @@ def test_the_same_step_gives_every_system_the_same_load_and_steps_differ(tokeniz
 def test_a_light_step_still_sends_one_request(tokenizer):
     requests, arrivals = step_load(tokenizer, 0, rate=0.01, step_s=10.0)
     assert len(requests) == len(arrivals) == 1
+
+
+def test_the_summary_survives_a_ramp_without_goodput():
+    from bench.overload import summary
+    ramp = [{"step": 1.0, "goodput": 0.0, "ttft_p99_ms": None, "admitted": 0},
+            {"step": 10.0, "goodput": 0.0, "ttft_p99_ms": 800.0, "admitted": 3}]
+    line = summary(ramp, 100.0, None)
+    assert "n/a (no goodput at any step)" in line and "(3 admitted) is 8.0x the unloaded TTFT p99" in line

@@ -41,7 +41,7 @@ def deploy(ray_cluster, model_dir, name: str, **shape) -> str:
     if settings.get("mode", "disaggregated") == "disaggregated" and settings.get("prefill", {}).get("replicas", 1):
         # until the router's stats refresh has seen a prefill replica running, it treats the pool
         # as empty and prefills every prompt on a decode replica: tests expect hand-offs
-        assert _gauge_names_worker(base, "pdserve_worker_torch_threads", "prefill-0"), name
+        assert _gauge_names_role(base, "pdserve_worker_torch_threads", "prefill"), name
     return base
 
 
@@ -125,10 +125,10 @@ def _counter_reaches(base_url: str, sample: str, minimum: float, timeout_s: floa
     return True
 
 
-def _gauge_names_worker(base_url: str, name: str, worker: str, timeout_s: float = 15) -> bool:
-    """Whether the per-worker gauge has a value for `worker` within `timeout_s`."""
+def _gauge_names_role(base_url: str, name: str, role: str, timeout_s: float = 15) -> bool:
+    """Whether the per-worker gauge has a value for a replica of `role` within `timeout_s`."""
     deadline = time.monotonic() + timeout_s
-    while worker not in worker_gauge(base_url, name, timeout_s=0):
+    while role not in role_gauge(base_url, name, timeout_s=0):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.5)
@@ -144,6 +144,14 @@ def worker_gauge(base_url: str, name: str, timeout_s: float = 15) -> dict[str, f
         if values or time.monotonic() > deadline:
             return values
         time.sleep(0.5)
+
+
+def role_gauge(base_url: str, name: str, timeout_s: float = 15) -> dict[str, list[float]]:
+    """role -> the per-worker gauge's values of that role's replicas (labelled `role-REPLICA_ID`)."""
+    by_role: dict[str, list[float]] = {}
+    for worker, value in sorted(worker_gauge(base_url, name, timeout_s).items()):
+        by_role.setdefault(worker.split("-", 1)[0], []).append(value)
+    return by_role
 
 
 def test_the_kv_transfer_secret_is_made_once_per_ray_cluster(ray_cluster):
@@ -162,10 +170,12 @@ def test_disaggregated_one_prefill_one_decode(ray_cluster, model_dirs, reference
         check_concurrent(base, reference, tokenizer)
         assert [m.id for m in client(base).models.list().data] == ["tiny"]
         # 2 CPUs, 2 TP-1 ranks: one CPU, so one torch thread, each (whatever Ray set OMP_NUM_THREADS to)
-        assert worker_gauge(base, "pdserve_worker_torch_threads") == {"prefill-0": 1.0, "decode-0": 1.0}
+        threads = worker_gauge(base, "pdserve_worker_torch_threads")
+        assert role_gauge(base, "pdserve_worker_torch_threads") == {"prefill": [1.0], "decode": [1.0]}
+        assert all(len(worker.split("-", 1)[1]) > 1 for worker in threads), threads   # replica ids, not positions
         # ... and the decode worker steps on both cores while the prefill worker is idle; prefill never borrows
-        borrowed = worker_gauge(base, "pdserve_worker_cpu_borrowed_steps")
-        assert borrowed["decode-0"] > 0 and borrowed["prefill-0"] == 0, borrowed
+        borrowed = role_gauge(base, "pdserve_worker_cpu_borrowed_steps")
+        assert borrowed["decode"][0] > 0 and borrowed["prefill"] == [0.0], borrowed
         text = metrics_text(base)
         for name in ("pdserve_time_to_first_token_seconds_count", "pdserve_kv_transfer_time_seconds_count",
                      "pdserve_request_prefill_time_seconds_count", "pdserve_e2e_request_latency_seconds_count"):
@@ -235,7 +245,7 @@ def test_colocated(ray_cluster, model_dirs, reference, tokenizer):
     base = deploy(ray_cluster, model_dirs["tiny"], "colo", mode="colocated")
     try:
         # the one replica gets both CPUs of the cluster, and runs torch on both
-        assert worker_gauge(base, "pdserve_worker_torch_threads") == {"colocated-0": 2.0}
+        assert role_gauge(base, "pdserve_worker_torch_threads") == {"colocated": [2.0]}
         check_completions(base, reference, tokenizer)
         check_streaming_chat(base, reference, tokenizer)
         check_concurrent(base, reference, tokenizer)

@@ -111,6 +111,8 @@ async def send_request(session: aiohttp.ClientSession, url: str, payload: dict[s
         if record.error is None:
             if not done and record.finish_reason is None:
                 record.error = "the stream ended before the output finished (no finish_reason, no data: [DONE])"
+            elif record.finish_reason == "abort":    # vLLM's (and pdserve's) for a request cut off server-side
+                record.error = "the server aborted the request (finish_reason 'abort')"
             elif not record.chunk_times:
                 record.error = "the response carried no output chunk (no first token to time)"
     record.end_time = time.perf_counter()

@@ -80,7 +80,8 @@ def _loadtest(args: argparse.Namespace) -> int:
     # A sweep gets a dataset per rate (seed, seed + 1, ...); see sweep.py for why.
     seeds = [args.seed + i for i in range(len(args.sweep_rates or [None]))]
     try:
-        datasets = [_build_dataset(args, prompt_tokenizer, max_model_len, seed) for seed in seeds]
+        datasets = [_build_dataset(args, prompt_tokenizer, max_model_len, seed, lengths_seed=args.seed)
+                    for seed in seeds]
     except DatasetError as exc:
         raise LoadtestError(str(exc)) from None
     _warn_context(datasets[0], max_model_len)
@@ -196,11 +197,15 @@ def _resolve_tokenizer(args: argparse.Namespace, model: str) -> tuple[Any, str |
 
 
 def _build_dataset(args: argparse.Namespace, tokenizer: Any, max_model_len: int | None,
-                   seed: int) -> list[SampleRequest]:
+                   seed: int, lengths_seed: int) -> list[SampleRequest]:
+    """The dataset of one run. Random prompts take their lengths from `lengths_seed`
+    (a sweep's rates then see one mix of lengths); the other datasets' lengths are
+    their prompts', chosen by `seed`."""
     if args.dataset_name == "random":
         return random_dataset(tokenizer, num_prompts=args.num_prompts, input_len=args.random_input_len,
                               output_len=args.random_output_len, range_ratio=args.random_range_ratio,
-                              prefix_len=args.random_prefix_len, seed=seed)
+                              prefix_len=args.random_prefix_len, seed=seed,
+                              lengths_seed=None if seed == lengths_seed else lengths_seed)
     if args.dataset_name == "sharegpt":
         return sharegpt_dataset(tokenizer, args.dataset_path, num_prompts=args.num_prompts,
                                 output_len=args.sharegpt_output_len, max_model_len=max_model_len, seed=seed)

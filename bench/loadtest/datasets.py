@@ -110,8 +110,11 @@ def random_text(tokenizer: Any, rng: random.Random, allowed: list[int], length: 
 
 
 def random_dataset(tokenizer: Any, *, num_prompts: int, input_len: int, output_len: int,
-                   range_ratio: float = 0.0, prefix_len: int = 0, seed: int = 0) -> list[SampleRequest]:
-    """`num_prompts` random prompts; a `prefix_len`-token random prefix is shared by all of them."""
+                   range_ratio: float = 0.0, prefix_len: int = 0, seed: int = 0,
+                   lengths_seed: int | None = None) -> list[SampleRequest]:
+    """`num_prompts` random prompts; a `prefix_len`-token random prefix is shared by all of them.
+    With `lengths_seed` the lengths are drawn from it and only the text from `seed`: datasets
+    of one `lengths_seed` have the same lengths, in the same order, and different prompts."""
     _check_positive({"--num-prompts": num_prompts, "--random-input-len": input_len,
                      "--random-output-len": output_len})
     if prefix_len < 0:
@@ -119,13 +122,14 @@ def random_dataset(tokenizer: Any, *, num_prompts: int, input_len: int, output_l
     in_low, in_high = length_range(input_len, range_ratio)
     out_low, out_high = length_range(output_len, range_ratio)
     rng = random.Random(seed)
+    lengths = rng if lengths_seed is None else random.Random(lengths_seed)
     allowed = _allowed_ids(tokenizer)
     prefix = random_text(tokenizer, rng, allowed, prefix_len)[0] if prefix_len else ""
     requests = []
     for _ in range(num_prompts):
-        body, _ = random_text(tokenizer, rng, allowed, rng.randint(in_low, in_high))
+        body, _ = random_text(tokenizer, rng, allowed, lengths.randint(in_low, in_high))
         prompt = prefix + body
-        requests.append(SampleRequest(prompt, len(_encode(tokenizer, prompt)), rng.randint(out_low, out_high)))
+        requests.append(SampleRequest(prompt, len(_encode(tokenizer, prompt)), lengths.randint(out_low, out_high)))
     return requests
 
 

@@ -2,7 +2,9 @@
 
 Each rate gets its own prompts (the caller builds one dataset per rate, the
 CLI with seeds seed, seed + 1, ...), so a server's prefix cache does not carry
-one rate's prompts into the next and flatter its TTFT. Each rate is one full
+one rate's prompts into the next and flatter its TTFT. Random prompts keep one
+mix of lengths across the rates (drawn from the first seed); ShareGPT prompts
+are other conversations per rate, so their lengths differ from rate to rate. Each rate is one full
 run (runner.run_benchmark) with its own --max-duration, so a sweep takes at
 most len(rates) times that. A run stopped by its time limit still counts and
 the sweep goes on; a cancelled one (Ctrl-C) ends the sweep, keeping the rates

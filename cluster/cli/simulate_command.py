@@ -58,7 +58,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         return 2
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir)
-    requests = _build_dataset(args, tokenizer, config.model.max_model_len, args.seed)
+    requests = _build_dataset(args, tokenizer, config.model.max_model_len, args.seed, lengths_seed=args.seed)
     rate = math.inf if args.request_rate is None else args.request_rate
     arrivals = arrival_offsets(len(requests), rate, args.burstiness, args.seed)
     autoscaler = None
