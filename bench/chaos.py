@@ -11,10 +11,13 @@ Poisson arrivals at --rate (default: half of the capacity measured first at 8
 concurrent). First a baseline of --baseline-s without failures, then
 --duration-s of the same load while a worker replica's process is SIGKILLed
 every --kill-every-s seconds (decode, decode, prefill, in turn). Serve
-replaces each killed replica.
+replaces each killed replica; a kill waits until the last one's replacement
+serves (the router hears from every replica), so every kill hits a replica
+that carries traffic.
 
 Figures: requests sent, completed, lost (any that did not complete with
-status 200; target 0); migrations (the router's counter); replica processes
+status 200; target 0); migrations (the router's counter, in all and from each
+kill to the next: a run whose decode kills moved nothing says so); replica processes
 that ended without being killed (a replacement must not restart the others); for requests in
 flight at a kill ("affected") against the others and the baseline: end-to-end
 latency p50/p99 and the longest pause between two chunks (the stall a
@@ -63,14 +66,33 @@ def counter(base_url: str, sample: str) -> float:
     return scrape_metrics(base_url).get(sample, 0.0)
 
 
+# deployment -> (the router's worker label prefix, the replicas the deployment runs)
+FULL_STRENGTH = {"DecodeServer": ("decode-", 2), "PrefillServer": ("prefill-", 1)}
+
+
+def serving_replicas(base_url: str) -> dict[str, int]:
+    """Replicas per deployment that the router hears from (its per-worker gauges):
+    a replacement counts once it is up and reporting."""
+    import urllib.request
+    with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=10) as reply:
+        lines = reply.read().decode().splitlines()
+    return {deployment: sum(line.startswith(f'pdserve_num_requests_running{{worker="{prefix}') for line in lines)
+            for deployment, (prefix, _) in FULL_STRENGTH.items()}
+
+
 class Killer(threading.Thread):
     """SIGKILLs one replica process every `every_s` seconds, in KILL_ORDER, until stopped;
-    records (perf_counter time, deployment) of each kill."""
+    records (perf_counter time, deployment) of each kill. A kill waits until every
+    replica is up and serving again (the last kill's replacement included), so
+    each one hits a replica that carries traffic; `migrations_per_kill` holds the
+    router's migration counter's increase from each kill to the next (or the end)."""
 
-    def __init__(self, every_s: float, seed: int):
+    def __init__(self, every_s: float, seed: int, base_url: str):
         super().__init__(daemon=True)
-        self.every_s, self.rng = every_s, random.Random(seed)
+        self.every_s, self.rng, self.base_url = every_s, random.Random(seed), base_url
         self.kills: list[tuple[float, str]] = []
+        self.migrations_per_kill: list[float] = []
+        self.waited_s = 0.0   # time spent waiting for replacements before kills
         self.skipped = 0   # no live replica of the deployment (its replacement still starting)
         self.killed_pids: set[int] = set()
         self.seen_pids: set[int] = set()   # every replica process seen: one that vanished unkilled was restarted
@@ -81,9 +103,29 @@ class Killer(threading.Thread):
         live = {pid for d in set(KILL_ORDER) for pid in replica_pids(d)}
         return len(self.seen_pids - live - self.killed_pids)
 
+    def _full_strength(self) -> bool:
+        """Waits (while not stopped) until every deployment serves with all its replicas."""
+        started = time.perf_counter()
+        while not self.stop.is_set():
+            try:
+                serving = serving_replicas(self.base_url)
+            except Exception:  # noqa: BLE001 - the router itself may be restarting
+                serving = {}
+            if all(serving.get(d) == n for d, (_, n) in FULL_STRENGTH.items()):
+                self.waited_s += time.perf_counter() - started
+                return True
+            self.stop.wait(0.5)
+        return False
+
+    def _migrations(self) -> float:
+        try:
+            return counter(self.base_url, "pdserve_request_migrations_total")
+        except Exception:  # noqa: BLE001
+            return float("nan")
+
     def run(self) -> None:
-        turn = 0
-        while not self.stop.wait(self.every_s):
+        turn, before = 0, None
+        while not self.stop.wait(self.every_s) and self._full_strength():
             deployment = KILL_ORDER[turn % len(KILL_ORDER)]
             turn += 1
             for d in set(KILL_ORDER):
@@ -92,11 +134,17 @@ class Killer(threading.Thread):
             if not pids:
                 self.skipped += 1
                 continue
+            now = self._migrations()
+            if before is not None:
+                self.migrations_per_kill.append(now - before)
+            before = now
             victim = self.rng.choice(pids)
             self.killed_pids.add(victim)
             subprocess.run(["kill", "-9", str(victim)], check=False)
             self.kills.append((time.perf_counter(), deployment))
             print(f"  killed a {deployment} replica at {time.strftime('%X')}", flush=True)
+        if before is not None:
+            self.migrations_per_kill.append(self._migrations() - before)
 
 
 def run(base_url: str, requests, rate: float, *, concurrency: int | None = None, duration_s: float = 900):
@@ -175,7 +223,7 @@ def main() -> int:
         migrations_before = counter(url, "pdserve_request_migrations_total")
         print(f"== chaos: {n} requests at {rate:.2f} req/s, a replica killed every {args.kill_every_s:g} s",
               flush=True)
-        killer = Killer(args.kill_every_s, args.seed)
+        killer = Killer(args.kill_every_s, args.seed, url)
         killer.start()
         try:
             chaos = run(url, requests, rate)
@@ -195,6 +243,7 @@ def main() -> int:
         "kills": [{"t_s": t - chaos.records[0].send_time if chaos.records else 0.0, "deployment": d}
                   for t, d in killer.kills],
         "kills_skipped": killer.skipped, "bystanders_restarted": bystanders_restarted,
+        "migrations_per_kill": killer.migrations_per_kill, "waited_for_replacements_s": killer.waited_s,
         "sent": len(chaos.records), "completed": len(done), "lost": len(lost),
         "lost_errors": sorted({(r.status, (r.error or "")[:200]) for r in lost}), "migrations": migrations,
         "lost_requests": [{**_describe_sent(r, chaos.records[0].send_time, killer.kills),
@@ -207,7 +256,11 @@ def main() -> int:
     print(f"\nkills: {len(killer.kills)} ({', '.join(d for _, d in killer.kills)}); skipped {killer.skipped}; "
           f"replicas that ended without being killed: {bystanders_restarted}")
     print(f"requests: sent {len(chaos.records)}, completed {len(done)}, lost {len(lost)} (target 0); "
-          f"migrations {migrations:.0f}")
+          f"migrations {migrations:.0f} (per kill, in order: {', '.join(f'{m:.0f}' for m in killer.migrations_per_kill)})")
+    decode_kills = sum(d == "DecodeServer" for _, d in killer.kills)
+    if decode_kills and not migrations:
+        print(f"warning: {decode_kills} decode replicas were killed and no request moved: the kills hit no "
+              "request mid-stream, so this run does not test migration")
     for name in ("baseline", "unaffected", "affected"):
         f = results[name]
         if f["count"]:

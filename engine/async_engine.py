@@ -88,9 +88,13 @@ class AsyncEngine:
         return await asyncio.shield(self._ready)
 
     def check_alive(self) -> None:
-        """Raises EngineStoppedError when the engine thread is gone."""
+        """Raises EngineStoppedError when the engine thread is gone, or a
+        tensor-parallel rank process of its engine died (the engine thread may
+        then wait in a collective for good)."""
         if self._failure is not None or self._stop.is_set() or not self._thread.is_alive():
             raise EngineStoppedError(f"the engine is not running: {self._failure or 'shut down'}")
+        if self.engine is not None and (problem := self.engine.rank_problem()):
+            raise EngineStoppedError(f"the engine is not running: {problem}")
 
     # ---- asyncio side -------------------------------------------------------------------------
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:

@@ -80,8 +80,8 @@ class EngineConfig:
         deployment is often built on a machine without the workers' GPUs)."""
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("device is cuda but no CUDA device is visible; use device='cpu'")
-        if self.tensor_parallel_size > 1 and self.device.startswith("cuda") and \
-                self.tensor_parallel_size > torch.cuda.device_count():
+        if self.tensor_parallel_size > 1 and self.resolved_device().type == "cuda" and \
+                self.tensor_parallel_size > torch.cuda.device_count():   # device auto too
             raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) is more than the "
                              f"{torch.cuda.device_count()} visible CUDA device(s)")
 

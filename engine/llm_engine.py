@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import pickle
 import time
 from dataclasses import dataclass
 
@@ -46,7 +47,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from engine.tokenizer import load_tokenizer
-from engine.tp_group import RankProcesses, create_group, free_port, resolve_backend
+from engine.tp_group import RankProcesses, create_group, host_store, resolve_backend
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +79,13 @@ class LLMEngine:
             self.tp = tp
             self.worker = ModelWorker(config, tp)
             self._set_up(config)
-        except BaseException:
+        except BaseException as exc:
+            dead_rank = self._dead_rank()
+            if self._ranks is not None:
+                self._ranks.mark_broken()     # the others may wait in a collective: STOP could hang
             self.shutdown()
+            if dead_rank is not None:         # a rank's own failure, not the broken group rank 0 saw
+                raise RuntimeError(f"{dead_rank} while the engine started") from exc
             raise
 
     def _set_up(self, config: EngineConfig) -> None:
@@ -114,9 +120,10 @@ class LLMEngine:
         size = config.tensor_parallel_size
         device = config.resolved_device()
         backend = resolve_backend(config.tp_backend, device)
-        port = free_port()
-        self._ranks = RankProcesses(size, port, (config, backend))
-        tp = self._ranks.join_group(lambda: create_group(0, size, "127.0.0.1", port, backend, device))
+        store = host_store(size)
+        self._ranks = RankProcesses(size, store.port, (config, backend))
+        tp = self._ranks.join_group(lambda: create_group(0, size, "127.0.0.1", store.port, backend, device,
+                                                         store=store))
         self._ranks.attach(tp)
         return tp
 
@@ -131,15 +138,42 @@ class LLMEngine:
         if self._ranks is not None:
             self._ranks.stop()
             self._ranks = None
+            self._broken = self._broken or "the engine was shut down"
+
+    def _dead_rank(self, wait_s: float = 1.0) -> str | None:
+        """Why a rank process ended, if one did (within `wait_s`: its peers see its
+        sockets close a moment before it exits)."""
+        deadline = time.monotonic() + wait_s
+        while self._ranks is not None:
+            try:
+                self._ranks.check_alive()
+            except RuntimeError as exc:
+                return str(exc)
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+        return None
 
     def _on_rank_error(self, exc: BaseException) -> None:
-        """After a failure mid-step with several ranks, the ranks may sit in
-        different collectives: stop them all and refuse further steps."""
+        """After a failure mid-step with several ranks (an interrupt included), the
+        ranks may sit in different collectives: stop them all and refuse further steps."""
         if self.tp.size > 1:
             self._broken = f"the engine stopped after an error on a tensor-parallel rank: {exc}"
             if self._ranks is not None:
                 self._ranks.mark_broken()
             self.shutdown()
+
+    def rank_problem(self) -> str | None:
+        """Why the tensor-parallel ranks cannot step, or None; only reads (any thread)."""
+        if self._broken:
+            return self._broken
+        ranks = self._ranks
+        if ranks is not None:
+            try:
+                ranks.check_alive()
+            except RuntimeError as exc:
+                return str(exc)
+        return None
 
     def _check_ranks(self) -> None:
         if self._broken:
@@ -284,7 +318,7 @@ class LLMEngine:
         shape = _step_shape(step)     # before after_step() counts the step's tokens as computed
         try:
             run = self.runner.launch(step, previous.run if previous else None, overlap=self.async_scheduling)
-        except Exception as exc:
+        except BaseException as exc:
             self._on_rank_error(exc)
             raise
         self.scheduler.after_step(step)
@@ -300,7 +334,7 @@ class LLMEngine:
         sequence that ended (or was aborted) since the launch drops its sample."""
         try:
             result = launched.run.result()
-        except Exception as exc:
+        except BaseException as exc:
             self._on_rank_error(exc)
             raise
         now = time.monotonic()
@@ -411,7 +445,7 @@ class LLMEngine:
             if self.tp.size > 1:
                 self.tp.broadcast_object((KV_READ, block_ids))
             return [t.cpu() for t in self.tp.gather_to_first(self.worker.read_kv(block_ids))]
-        except Exception as exc:
+        except BaseException as exc:
             self._on_rank_error(exc)
             raise
 
@@ -429,7 +463,7 @@ class LLMEngine:
             if self.tp.size > 1:
                 self.tp.broadcast_object((KV_WRITE, (block_ids, shards)))
             self.worker.write_kv(block_ids, shards[0])
-        except Exception as exc:
+        except BaseException as exc:
             self._on_rank_error(exc)
             raise
 
@@ -448,9 +482,14 @@ class LLMEngine:
         if self.tp.size == 1:
             return [fn(self.worker, *args)]
         try:
-            self.tp.broadcast_object((RPC, (fn, args)))
+            call = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:   # before anything is sent: the ranks stay in step
+            raise TypeError(f"collective_rpc needs a picklable module-level function and arguments: {exc}") \
+                from None
+        try:
+            self.tp.broadcast_object((RPC, call))
             results = self.tp.gather_objects_to_first(run_rank_call(self.worker, fn, args))
-        except Exception as exc:
+        except BaseException as exc:
             self._on_rank_error(exc)
             raise
         for r in results:

@@ -12,6 +12,7 @@ the layers (all-reduce, logits gather) keep the ranks in lockstep.
 from __future__ import annotations
 
 import logging
+import pickle
 import sys
 from dataclasses import dataclass
 
@@ -293,15 +294,23 @@ def follow(worker: ModelWorker) -> None:
             block_ids, shards = payload
             worker.write_kv(block_ids, shards[tp.rank])
         elif command == RPC:
-            fn, args = payload
+            try:
+                fn, args = pickle.loads(payload)
+            except Exception as exc:  # noqa: BLE001 - e.g. a function this process cannot import
+                tp.gather_objects_to_first(RankCallError(f"rank {tp.rank} cannot load the call: "
+                                                         f"{type(exc).__name__}: {exc}"))
+                continue
             tp.gather_objects_to_first(run_rank_call(worker, fn, args))
 
 
 def run_rank_call(worker: "ModelWorker", fn, args: tuple):
     """One rank's part of `LLMEngine.collective_rpc`: fn's result, or the
-    exception it raised (returned, so that every rank still joins the gather)."""
+    exception it raised, or why the result cannot be sent (returned, so that
+    every rank still joins the gather)."""
     try:
-        return fn(worker, *args)
+        result = fn(worker, *args)
+        pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+        return result
     except Exception as exc:  # noqa: BLE001 - reported to rank 0, which raises it
         log.exception("collective call %s failed on rank %d", getattr(fn, "__name__", fn), worker.tp.rank)
         return RankCallError(f"rank {worker.tp.rank}: {type(exc).__name__}: {exc}")

@@ -48,10 +48,18 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+def host_store(size: int) -> dist.TCPStore:
+    """Rank 0's store, on a port the kernel picks as it binds (no window for another
+    process to take it between choosing and binding); its `port` goes to the ranks."""
+    return dist.TCPStore("127.0.0.1", 0, size, True, timeout=CONNECT_TIMEOUT, wait_for_workers=False)
+
+
 def create_group(rank: int, size: int, host: str, port: int, backend: str, device: torch.device,
-                 prefix: str = "tp") -> TensorParallel:
-    """Joins (rank 0: hosts) the store at host:port and builds the group."""
-    store = dist.TCPStore(host, port, size, rank == 0, timeout=CONNECT_TIMEOUT)
+                 prefix: str = "tp", store: dist.Store | None = None) -> TensorParallel:
+    """Joins (rank 0: hosts, unless `store` is its hosted store) the store at
+    host:port and builds the group."""
+    if store is None:
+        store = dist.TCPStore(host, port, size, rank == 0, timeout=CONNECT_TIMEOUT)
     store = dist.PrefixStore(f"{prefix}/", store)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
@@ -156,7 +164,8 @@ def _shutdown(procs: list, state: _GroupState) -> None:
             state.tp.broadcast_object((STOP, None))
         except Exception:  # a rank went away meanwhile: terminate the rest below
             log.warning("could not tell the tensor-parallel ranks to stop; terminating them")
-    _stop_processes(procs)
+    # ranks told to stop get a moment to exit; broken ones sit in a collective and never would
+    _stop_processes(procs, grace_s=10.0 if state.healthy else 0.0)
 
 
 def _stop_processes(procs: list, grace_s: float = 10.0) -> None:

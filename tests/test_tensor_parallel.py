@@ -129,3 +129,72 @@ def test_collective_rpc_runs_on_every_rank_and_reports_which_failed(model_dirs):
         # the ranks are still in step: the next call and a generation work
         assert [r for r, _ in engine.collective_rpc(_rank_and_heads, None)] == [0, 1]
         assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids) == 3
+
+
+def _unpicklable_result_on_rank_1(worker):
+    import threading
+    return threading.Lock() if worker.tp.rank == 1 else "fine"
+
+
+def test_collective_rpc_calls_that_cannot_be_sent_or_answered_leave_the_ranks_in_step(model_dirs):
+    from engine.model_worker import RankCallError
+    with LLM(str(model_dirs["tiny"]), tensor_parallel_size=2, max_model_len=128) as llm:
+        engine = llm.engine
+        with pytest.raises(TypeError, match="picklable module-level function"):
+            engine.collective_rpc(lambda worker: 1)
+        with pytest.raises(RankCallError, match="rank 1: TypeError: cannot pickle"):
+            engine.collective_rpc(_unpicklable_result_on_rank_1)
+        assert [r for r, _ in engine.collective_rpc(_rank_and_heads, None)] == [0, 1]
+        assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids) == 3
+
+
+def test_an_interrupt_mid_step_breaks_the_engine_instead_of_hanging_it(model_dirs):
+    """Ctrl-C on rank 0 after the step went to the other ranks leaves them in a
+    collective rank 0 never joins: the engine must refuse to step and stop them
+    at once, not wait in the next broadcast for ever."""
+    llm = LLM(str(model_dirs["tiny"]), max_model_len=128, tensor_parallel_size=2)
+    (pid,) = llm.engine.rank_pids
+    execute = llm.engine.worker.execute
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    llm.engine.worker.execute = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[5, 6, 7]], GREEDY)
+    llm.engine.worker.execute = execute
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="stopped after an error on a tensor-parallel rank"):
+        llm.generate([[5, 6, 7]], GREEDY)
+    llm.shutdown()
+    assert time.monotonic() - start < 15 and not _alive(pid)
+
+
+def test_a_shut_down_engine_says_so(model_dirs):
+    llm = LLM(str(model_dirs["tiny"]), max_model_len=128, tensor_parallel_size=2)
+    llm.shutdown()
+    with pytest.raises(RuntimeError, match="the engine was shut down"):
+        llm.generate([[5, 6, 7]], GREEDY)
+
+
+def test_the_health_check_sees_a_dead_rank(model_dirs):
+    import asyncio
+
+    from engine import EngineConfig, LLMEngine
+    from engine.async_engine import AsyncEngine
+    from engine.errors import EngineStoppedError
+
+    async def main():
+        config = EngineConfig(model=str(model_dirs["tiny"]), max_model_len=128, tensor_parallel_size=2)
+        engine = AsyncEngine(lambda: LLMEngine(config), name="tp-health", cost_warmup_steps=0)
+        await engine.ready()
+        try:
+            engine.check_alive()
+            (pid,) = engine.engine.rank_pids
+            os.kill(pid, signal.SIGKILL)
+            await asyncio.sleep(0.5)
+            with pytest.raises(EngineStoppedError, match="exited"):
+                engine.check_alive()
+        finally:
+            engine.shutdown()
+    asyncio.run(asyncio.wait_for(main(), 120))

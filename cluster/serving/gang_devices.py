@@ -37,6 +37,13 @@ async def claim_gang_gpus(tp_size: int) -> list[str]:
                            f"and one GPU of its own (it has {own or 'none'})")
     probes = [_gpu_of_bundle.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
         pg, placement_group_bundle_index=k)).remote() for k in range(1, tp_size)]
-    gpus = own + list(await asyncio.wait_for(asyncio.gather(*probes), PROBE_TIMEOUT_S))
+    try:
+        gpus = own + list(await asyncio.wait_for(asyncio.gather(*probes), PROBE_TIMEOUT_S))
+    except TimeoutError:
+        for probe in probes:
+            ray.cancel(probe, force=True)
+        raise RuntimeError(f"the GPUs of this TP {tp_size} replica's bundles 1..{tp_size - 1} (placement group "
+                           f"{pg.id.hex()}) were not found within {PROBE_TIMEOUT_S:g} s: the probes there were "
+                           "not scheduled; check that the gang's nodes are alive and not out of CPU") from None
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     return gpus
