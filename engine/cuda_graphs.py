@@ -84,8 +84,12 @@ class DecodeGraphs:
                  self.sizes[0], self.sizes[-1], time.monotonic() - started, self.pool_bytes / 2**20)
 
     def can_run(self, inputs) -> bool:
-        """True for a decode-only step this instance captured a size for."""
-        return inputs.is_decode_only and inputs.input_ids.shape[0] <= self.sizes[-1]
+        """True for a decode-only step this instance captured a size for, every row of
+        which is sampled (a prompt's last-but-one token, chunked alone when the step's
+        budget ran out, looks like a decode but takes no sample: the graph's logits
+        have a row per token)."""
+        batch = inputs.input_ids.shape[0]
+        return inputs.is_decode_only and batch <= self.sizes[-1] and inputs.sample_indices.numel() == batch
 
     def run(self, inputs, fill=None) -> torch.Tensor | None:
         """Logits [B, vocab] for a decode-only step of B sequences (rank 0; None elsewhere).

@@ -161,6 +161,8 @@ def test_noisy_steady_load_does_not_flap():
     settled = history[3:]                                      # after the ramp from 1 + 1
     changes = sum(a != b for a, b in zip(settled, settled[1:]))
     assert changes <= 1, history
+    # and it did scale: 6 req/s of 1,200-token prompts needs more than the 1 + 1 it started with
+    assert settled[-1]["prefill"] > 1 and settled[-1]["decode"] > 1, history
 
 
 def test_scale_down_is_one_at_a_time_after_the_cooldown():

@@ -106,25 +106,43 @@ def test_decode_only_engine_readmits_what_it_preempts(model_dirs, reference, tok
 
 
 def test_bad_handoff_input_is_refused(model_dirs):
-    _, decode = _engines(model_dirs)
-    params = SamplingParams(max_tokens=4)
+    prefill, decode = _engines(model_dirs)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    total = decode.block_manager.num_blocks
+
+    def untouched() -> bool:
+        return decode.block_manager.num_free_blocks == total and not decode.scheduler.reserved \
+            and not decode.has_unfinished_requests()
+
     with pytest.raises(InvalidRequestError, match=r"token id 100000 at position 0 is outside"):
         decode.reserve_prefilled("a", [5, 6, 7], 100000, params)
+    assert untouched()
     with pytest.raises(InvalidRequestError, match="request_id must be a string"):
         decode.reserve_prefilled(None, [5, 6, 7], 8, params)
+    assert untouched()
     with pytest.raises(InvalidRequestError, match="pass the first token's first_logprobs"):
         decode.reserve_prefilled("b", [5, 6, 7], 8, SamplingParams(logprobs=1))
+    assert untouched()
     with pytest.raises(InvalidRequestError, match="has no reserved blocks"):
         decode.commit_prefilled("never")
     with pytest.raises(ValueError, match=r"outside the KV cache's blocks"):
         decode.read_kv_shards([decode.kv_cache.num_blocks])
-    blocks = decode.reserve_prefilled("c", [5, 6, 7], 8, params)
+    assert untouched()
+    # nothing above disturbed the engine: a real hand-off still decodes as one engine would
+    prompt = [5, 6, 7, 9, 11]
+    prefill.add_request("c", prompt, params, hold_kv=True)
+    (first,) = prefill.run_to_completion()
+    blocks = decode.reserve_prefilled("c", prompt, first.token_ids[0], params)
     with pytest.raises(ValueError, match="expected 1 KV shard"):
         decode.write_kv_shards(blocks, [decode.read_kv_shards(blocks)[0][:, :1]])
-    # nothing above disturbed the engine: "c" still decodes
+    decode.write_kv_shards(blocks, prefill.read_kv_shards(prefill.held_sequence("c").block_table))
     decode.commit_prefilled("c")
     (out,) = decode.run_to_completion()
-    assert len(out.token_ids) == 4 or out.finish_reason == "stop"
+    whole, _ = _engines(model_dirs)
+    whole.add_request("w", prompt, params)
+    (expected,) = whole.run_to_completion()
+    assert out.token_ids == expected.token_ids
+    assert decode.block_manager.num_free_blocks == total
 
 
 def test_no_chunking_needs_a_budget_for_the_longest_prompt(model_dirs):

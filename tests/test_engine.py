@@ -54,6 +54,12 @@ def test_min_tokens_bans_stop_tokens_until_reached(llm):
     out = llm.generate(PROMPT, _greedy(stop_token_ids=[stop_id], min_tokens=6))[0]
     assert len(out.token_ids) >= 6
     assert stop_id not in out.token_ids[:6]
+    # ... and no longer: a stop token first sampled past min_tokens ends the request right there
+    late = next(p for p in range(6, len(full.token_ids)) if full.token_ids[p] not in full.token_ids[:p])
+    stop_id = full.token_ids[late]
+    out = llm.generate(PROMPT, _greedy(stop_token_ids=[stop_id], min_tokens=6))[0]
+    assert out.token_ids == full.token_ids[:late + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
 
 
 def test_max_tokens_ends_with_length(llm):

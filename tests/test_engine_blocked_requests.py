@@ -46,27 +46,36 @@ def test_the_engine_thread_polls_while_requests_wait_for_held_blocks(model):
             engine.step(decode=False)
         engine.add_request("waiting", list(range(40, 60)), GREEDY, hold_kv=True)
 
-    async def count_steps_in_a_second() -> int:
+    async def steps_and_waits_in_a_second() -> tuple[int, list]:
         ae = AsyncEngine(lambda: _small_pool(model), decode=False, cost_warmup_steps=0, name="blocked-test")
         try:
             engine = await ae.ready()
             await ae.call(fill)
-            calls = 0
-            real_step = engine.step
+            calls, waits = 0, []
+            real_step, real_wait = engine.step, ae._wake.wait
 
             def counting(**kw):
                 nonlocal calls
                 calls += 1
                 return real_step(**kw)
+
+            def recording_wait(timeout=None):
+                waits.append(timeout)
+                return real_wait(timeout)
+            ae._wake.wait = recording_wait
             await ae.call(lambda e: setattr(e, "step", counting))
             await asyncio.sleep(1.0)
             assert engine.scheduler.waiting and engine.block_manager.num_free_blocks == 0
-            return calls
+            return calls, waits
         finally:
             ae.shutdown()
 
-    # a 2 ms poll: a few hundred steps a second at most, where a spinning loop makes 100,000s
-    assert asyncio.run(count_steps_in_a_second()) < 2000
+    from engine.async_engine import _BUSY_POLL_S
+    calls, waits = asyncio.run(steps_and_waits_in_a_second())
+    # between steps it waits the 2 ms poll, not the idle wait (nor not at all: a spinning loop
+    # makes 100,000s of steps a second); and it does poll, so the request starts once blocks free
+    assert waits and set(waits[1:]) == {_BUSY_POLL_S}
+    assert 10 < calls < 2000
 
 
 def test_hand_offs_leave_room_for_a_preempted_sequence(model):

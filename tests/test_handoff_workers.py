@@ -306,13 +306,15 @@ def test_a_hold_is_not_freed_while_its_send_is_on_the_wire(model_dirs):
             await pair.prefill.prefill("slow", PROMPTS[1], GREEDY)
             receiver.expect("t-slow/0", "p0", received)       # rank 0's part
             await pair.prefill.send_kv("slow", "t-slow", [receiver.address])
+            held = await pair.prefill._engine.call(
+                lambda e: e.read_kv_shards(list(e.held_sequence("slow").block_table))[0])
             await asyncio.sleep(1.0)                         # twice the lease; the transfer takes 1.5 s
             assert pair.prefill.stats()["num_held"] == 1
             deadline = time.monotonic() + 5
             while receiver.poll("t-slow/0", "p0") is not TransferState.DONE:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.05)
-            assert received.any()
+            assert torch.equal(received.view(held.dtype), held.flatten())   # the held blocks, whole
             await pair.wait_idle(timeout_s=5)                # never released: the lease frees it now
         finally:
             await pair.shutdown()

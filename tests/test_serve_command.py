@@ -186,10 +186,19 @@ def test_serve_config_files_name_the_app_builder():
 
 
 def test_app_builder_builds_from_the_tiny_serve_config(monkeypatch):
+    """The Serve file's builder reads the deployment file it names: its pools and
+    its engine settings reach the workers."""
     monkeypatch.chdir(REPO)
     spec = yaml.safe_load((REPO / "configs/serve/tiny-cpu.yaml").read_text())
     app = build_app(spec["applications"][0]["args"])
-    assert type(app).__name__ == "Application"
+    router = app._bound_deployment
+    workers = {name: router.init_kwargs[name]._bound_deployment for name in ("prefill", "decode")}
+    assert (router.name, router.init_args[0].served_model_name) == ("Router", "tiny")
+    assert {w.name: w.num_replicas for w in workers.values()} == {"PrefillServer": 1, "DecodeServer": 1}
+    for worker in workers.values():
+        engine = worker.init_args[0]
+        # tiny-cpu.yaml's engine section, not the defaults (2048 tokens a step, 1 GiB of KV)
+        assert (engine.max_num_batched_tokens, engine.kv_cache_memory_gib, engine.block_size) == (512, 0.25, 16)
 
 
 def check_loadtest_against(base_url: str, out_dir: Path) -> None:

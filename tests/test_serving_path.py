@@ -6,6 +6,7 @@ too, and a worker's output stream carries one delta per request per batch."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -38,7 +39,13 @@ def test_the_first_token_reaches_the_client_before_the_kv_moves(model_dirs, refe
     first, rest, phases = run(main())
     tokens = first + [t for delta in rest for t in delta]
     assert tokens == reference("tiny").greedy(tuple(PROMPTS[0]), 10)   # each token exactly once
-    assert phases.prefill_time > 0 and phases.transfer_time >= 0.5 and phases.transfer_bytes > 0
+    assert phases.prefill_time > 0 and phases.transfer_time >= 0.5
+    # the prompt's blocks of K and V, every layer, float32: what pdserve_kv_transfer_bytes reports
+    config = json.loads((model_dirs["tiny"] / "config.json").read_text())
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    blocks = -(-len(PROMPTS[0]) // 8)                                   # Pair's block_size
+    assert phases.transfer_bytes == \
+        config["num_hidden_layers"] * 2 * blocks * 8 * config["num_key_value_heads"] * head_dim * 4
 
 
 def test_a_client_that_leaves_on_the_first_token_frees_the_prefill_hold(model_dirs):

@@ -4,6 +4,8 @@ between gangs of different TP degrees, and no process left behind."""
 
 from __future__ import annotations
 
+import dataclasses
+import multiprocessing
 import os
 import random
 import signal
@@ -11,7 +13,7 @@ import time
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.kv_head_map import kv_heads_of_rank, remap_kv_shards
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
@@ -91,10 +93,23 @@ def test_kv_handoff_between_tp_degrees(p, q, model_dirs, reference):
         assert got[i] == ref.greedy(tuple(prompt), 12)
 
 
-def test_a_rank_that_fails_to_start_fails_the_engine_fast(tmp_path):
+@dataclasses.dataclass
+class _Rank1RunsOutOfMemory(EngineConfig):
+    """A config whose rank 1 fails while its worker loads, after the group formed."""
+
+    def resolved_dtype(self, checkpoint_dtype):
+        if multiprocessing.current_process().name == "pdserve-tp-rank1":
+            raise MemoryError("rank 1 ran out of memory while loading")
+        return super().resolved_dtype(checkpoint_dtype)
+
+
+def test_a_rank_that_fails_to_start_fails_the_engine_fast(model_dirs):
+    """Rank 1 fails while loading (rank 0 would wait for it in a collective): the
+    start fails at once and names the rank, not the broken group rank 0 sees."""
+    config = _Rank1RunsOutOfMemory(model=str(model_dirs["tiny"]), max_model_len=128, tensor_parallel_size=2)
     start = time.monotonic()
-    with pytest.raises(Exception, match="exited|no config.json"):
-        LLM(str(tmp_path / "missing"), tensor_parallel_size=2)
+    with pytest.raises(RuntimeError, match=r"\['pdserve-tp-rank1'\] exited .*while the engine started"):
+        LLMEngine(config)
     assert time.monotonic() - start < 60
 
 
@@ -104,7 +119,7 @@ def test_a_killed_rank_is_an_error_not_a_hang(model_dirs):
     os.kill(pid, signal.SIGKILL)
     time.sleep(0.5)
     start = time.monotonic()
-    with pytest.raises(Exception):
+    with pytest.raises(RuntimeError, match=r"\['pdserve-tp-rank1'\] exited \(exit codes \[-9\]\)"):
         llm.generate(_prompts(2), GREEDY)
     assert time.monotonic() - start < 60
     llm.shutdown()
