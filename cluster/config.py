@@ -92,7 +92,7 @@ class EngineSection(_Strict):
 class KVTransferSection(_Strict):
     timeout_s: float = Field(30.0, gt=0, description="limit on any one wait: connecting a worker pair, one transfer")
     lease_s: float = Field(60.0, gt=0, description="a prefill worker frees KV nobody picked up after this long "
-                           "(counted again from the start of a send, and never while a send reads it)")
+                           "(counted again from the start of a send; a send on the wire keeps it one more lease at most)")
     reserve_timeout_s: float = Field(120.0, gt=0, description="a decode worker refuses a request it found no "
                                      "free KV blocks for in this long")
     secret_env: EnvName = Field(None, description="name of the environment variable that holds the secret "

@@ -46,7 +46,7 @@ import time
 import zlib
 from collections.abc import Iterable
 
-from engine.cpu_count import usable_cpus
+from engine.cpu_count import usable_cpu_set, usable_cpus
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +63,7 @@ def default_ledger_path() -> str:
     """This user's ledger for the cores this process may run on, in shared memory
     where there is one (computed where the engine runs)."""
     root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    try:
-        cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))))
-    except (AttributeError, OSError):
-        cpus = str(os.cpu_count())
+    cpus = ",".join(map(str, sorted(usable_cpu_set())))
     return os.path.join(root, f"pdserve-cpu-cores-{os.getuid()}-{zlib.crc32(cpus.encode()):08x}")
 
 
@@ -87,52 +84,76 @@ class CoreLedger:
         cores = machine_cores if machine_cores is not None else usable_cpus()
         self._max_extra = max(0, cores - own)
         self._fd, self._map, self._slot = _join(path, own, borrows)
-        self._dead: set[int] = set()     # slots whose process died (as of the last check)
+        self._dead: set[tuple[int, int]] = set()     # (slot, pid) whose process died, as of the last check
         self._checked_at = time.monotonic()
 
     def at_work(self) -> int:
         """Marks this engine at work; sets and returns the torch threads its next
-        step runs with: its own cores plus those it may borrow now."""
-        extra = self._lendable() if self.borrows else 0
-        if extra != self.borrowed or not self._busy:
-            with _flocked(self._fd):       # read again and write as one: no other borrower in between
-                extra = self._lendable() if self.borrows else 0
-                self.borrowed, self._busy = extra, True
-                self._write()
+        step runs with: its own cores plus those it may borrow now. A ledger that
+        fails (the file gone bad) leaves the engine on its own cores for good."""
+        if self._map is None:
+            return _run_with_threads(self.own)
+        try:
+            extra = self._lendable() if self.borrows else 0
+            if extra != self.borrowed or not self._busy:
+                with _flocked(self._fd):       # read again and write as one: no other borrower in between
+                    extra = self._lendable() if self.borrows else 0
+                    self.borrowed, self._busy = extra, True
+                    self._write()
+        except OSError as exc:
+            self._give_up(exc)
+            return _run_with_threads(self.own)
         self.steps_with_borrowed += extra > 0
         return _run_with_threads(self.own + extra)
 
     def idle(self) -> None:
         """Marks this engine idle: its cores may be lent, it borrows none, and
         whatever it runs meanwhile runs on its own cores."""
-        if self._busy or self.borrowed:
-            with _flocked(self._fd):
-                self.borrowed, self._busy = 0, False
-                self._write()
+        if self._map is not None and (self._busy or self.borrowed):
+            try:
+                with _flocked(self._fd):
+                    self.borrowed, self._busy = 0, False
+                    self._write()
+            except OSError as exc:
+                self._give_up(exc)
         _run_with_threads(self.own)
+
+    def _give_up(self, exc: OSError) -> None:
+        log.warning("the core ledger %s failed (%s); this engine runs on its own cores from now on", self.path, exc)
+        self.borrowed, self._busy = 0, False
+        self.close()
 
     def close(self) -> None:
         """Leaves the ledger (the slot is freed) and goes back to its own threads."""
         if self._map is None:
             return
-        with _locked(self.path) as fd:
-            _SLOT.pack_into(self._map, self._offset, 0, 0, 0, 0, 0)
-            self._map.close()
-            self._map = None
-            os.close(self._fd)          # drops the slot's lock
-            if not _any_member(fd):
-                os.unlink(self.path)
+        ledger, self._map = self._map, None
+        try:
+            with _locked(self.path) as fd:
+                _SLOT.pack_into(ledger, self._offset, 0, 0, 0, 0, 0)
+                ledger.close()
+                os.close(self._fd)          # drops the slot's lock
+                if not _any_member(fd):
+                    os.unlink(self.path)
+        except (OSError, ValueError):       # the file went bad: the slot's lock goes with the descriptor
+            if not ledger.closed:
+                ledger.close()
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
         _run_with_threads(self.own)
 
     def _lendable(self) -> int:
         now = time.monotonic()
         if now - self._checked_at >= LIVENESS_CHECK_S:
             self._checked_at = now
-            self._dead = {index for index, (pid, *_rest) in enumerate(self._slots())
+            self._dead = {(index, pid) for index, (pid, *_rest) in enumerate(self._slots())
                           if pid and index != self._slot and not _slot_held(self._fd, index)}
+        # (a slot taken again since the check has another pid: counted)
         others = [(own, borrowed, bool(busy))
                   for index, (pid, own, borrowed, busy, _) in enumerate(self._slots())
-                  if pid != 0 and index != self._slot and index not in self._dead]
+                  if pid != 0 and index != self._slot and (index, pid) not in self._dead]
         return lendable_cores(self.own + self._max_extra, self.own, others)
 
     def _slots(self):
@@ -188,7 +209,7 @@ def join_ledger(path: str | None, own: int, *, borrows: bool) -> CoreLedger | No
         return NoLending()
     try:
         return CoreLedger(default_ledger_path() if path == AUTO else path, own, borrows=borrows)
-    except (OSError, ValueError, RuntimeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - lending is an optimisation: never the engine's end
         log.warning("idle cores are not lent to or from this engine: %s", exc)
         return NoLending()
 
@@ -202,19 +223,26 @@ class _locked:
     def __enter__(self) -> int:
         while True:
             fd = _open(self.path, os.O_CREAT)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            if os.fstat(fd).st_nlink > 0:       # not unlinked by the last member meanwhile
-                break
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                if os.fstat(fd).st_nlink > 0:       # not unlinked by the last member meanwhile
+                    break
+            except BaseException:
+                os.close(fd)
+                raise
             os.close(fd)
         self.fd = fd
-        size = os.fstat(fd).st_size
-        if size == 0 or (size == _SIZE and os.pread(fd, len(_MAGIC), 0) == bytes(len(_MAGIC))):
-            # new, or its creator died before writing the header (it is written under this lock)
-            os.ftruncate(fd, _SIZE)
-            os.pwrite(fd, _MAGIC, 0)
-        elif size != _SIZE or os.pread(fd, len(_MAGIC), 0) != _MAGIC:
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0 or (size == _SIZE and os.pread(fd, len(_MAGIC), 0) == bytes(len(_MAGIC))):
+                # new, or its creator died before writing the header (it is written under this lock)
+                os.ftruncate(fd, _SIZE)
+                os.pwrite(fd, _MAGIC, 0)
+            elif size != _SIZE or os.pread(fd, len(_MAGIC), 0) != _MAGIC:
+                raise ValueError(f"{self.path} is not a pdserve core ledger of this version")
+        except BaseException:        # /dev/shm full, say: never leave the file locked
             self.__exit__()
-            raise ValueError(f"{self.path} is not a pdserve core ledger of this version")
+            raise
         return fd
 
     def __exit__(self, *exc) -> None:
@@ -248,22 +276,25 @@ def _join(path: str, own: int, borrows: bool) -> tuple[int, mmap.mmap, int]:
     """(this member's descriptor, holding its slot's lock; the mapped ledger; the slot)."""
     with _locked(path) as locked_fd:
         member_fd = _open(path)
+        ledger = None
         try:
             ledger = mmap.mmap(locked_fd, _SIZE)
             free = None
             for index, (pid, *_rest) in enumerate(_SLOT.iter_unpack(ledger[len(_MAGIC):])):
-                if pid and not _slot_held(member_fd, index):      # its process died
+                held = _slot_held(member_fd, index)
+                if pid and not held:                  # its process died
                     _SLOT.pack_into(ledger, len(_MAGIC) + index * _SLOT.size, 0, 0, 0, 0, 0)
                     pid = 0
-                if pid == 0 and free is None:
+                if pid == 0 and not held and free is None:   # (held with no pid: a fork still has it)
                     free = index
             if free is None:
-                ledger.close()
                 raise RuntimeError(f"{path} has no free slot ({_NUM_SLOTS} engines)")
             _lock_slot(member_fd, free)
             _SLOT.pack_into(ledger, len(_MAGIC) + free * _SLOT.size, os.getpid(), own, 0, 0, int(borrows))
             return member_fd, ledger, free
         except BaseException:
+            if ledger is not None:
+                ledger.close()
             os.close(member_fd)
             raise
 

@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from engine.block_manager import BlockManager
 from engine.engine_config import EngineConfig
@@ -80,11 +81,12 @@ class LLMEngine:
             self.worker = ModelWorker(config, tp)
             self._set_up(config)
         except BaseException as exc:
-            dead_rank = self._dead_rank()
             if self._ranks is not None:
                 self._ranks.mark_broken()     # the others may wait in a collective: STOP could hang
+            # rank 0 saw the group break (a communication error): say which rank failed, if one exited
+            dead_rank = self._dead_rank() if _is_communication_error(exc) else None
             self.shutdown()
-            if dead_rank is not None:         # a rank's own failure, not the broken group rank 0 saw
+            if dead_rank is not None:
                 raise RuntimeError(f"{dead_rank} while the engine started") from exc
             raise
 
@@ -522,6 +524,12 @@ class _InFlight:
     decode_context: int
     threads: int
     borrowed_threads: int
+
+
+def _is_communication_error(exc: BaseException) -> bool:
+    """A failed collective (a peer went away), as opposed to rank 0's own error, which
+    every rank may have hit alike (a bad setting, a missing checkpoint)."""
+    return type(exc) is RuntimeError or isinstance(exc, dist.DistError)
 
 
 def _step_shape(step) -> tuple[float, int]:

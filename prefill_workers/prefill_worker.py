@@ -13,8 +13,8 @@ to a decode worker (plain class; prefill_server.py wraps it for Ray Serve).
 
 A request that ended on its first token (EOS, a stop, max_tokens 1) holds
 nothing. A hold that nobody releases (the router or decode worker died) is
-freed when its lease runs out (a send starts it again, and a hold is never
-freed while its send is on the wire: the transfer ends first); a release that
+freed when its lease runs out (a send starts it again, and a send still on
+the wire keeps it until the transfer ends, one more lease at most); a release that
 arrives while the send is still in flight is carried out when the transfer
 ends. With one rank the KV is packed
 and queued on the caller's thread, without waiting for the engine's current
@@ -228,10 +228,11 @@ class PrefillWorker:
                 if state.is_final and hold.release_requested:
                     self._drop(engine, rid)
         now = time.monotonic()
-        # a send on the wire still reads the blocks: its hold outlives the lease until the
-        # transfer ends (it fails by itself within the transport's timeout at most)
+        # a send on the wire keeps its hold past the lease until it ends (a transport's sends
+        # end within its timeout), for one more lease at most
         expired = [rid for rid, h in self._holds.items()
-                   if h.deadline < now and (h.transfer_state is None or h.transfer_state.is_final)]
+                   if h.deadline < now and (h.transfer_state is None or h.transfer_state.is_final
+                                            or h.deadline + self.lease_s < now)]
         for rid in expired:
             log.warning("the KV lease of %s expired after %.0f s without a release; freeing it", rid, self.lease_s)
             self._drop(engine, rid)

@@ -227,3 +227,49 @@ def test_the_automatic_ledger_is_per_user_and_set_of_usable_cores(monkeypatch):
     assert f"pdserve-cpu-cores-{os.getuid()}-" in here
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5, 6})
     assert default_ledger_path() != here
+
+
+def test_a_ledger_that_cannot_be_set_up_leaves_it_unlocked(ledger_path, monkeypatch, caplog):
+    """/dev/shm full while the header is written: this engine runs without lending,
+    and the file is not left locked for the next engine (it would wait for ever)."""
+    import engine.core_lending as core_lending
+
+    def full(fd, data, offset):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(core_lending.os, "pwrite", full)
+    with caplog.at_level(logging.WARNING):
+        assert isinstance(join_ledger(ledger_path, 1, borrows=True), NoLending)
+    monkeypatch.undo()
+    code = ("import sys; sys.path.insert(0, %r); from engine.core_lending import CoreLedger; "
+            "CoreLedger(%r, 1, borrows=False).close(); print('joined')" % (os.getcwd(), ledger_path))
+    joined = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert joined.stdout.strip() == "joined", joined.stderr
+
+
+def test_a_ledger_that_fails_mid_run_leaves_the_engine_on_its_own_cores(ledger_path, monkeypatch, caplog):
+    import engine.core_lending as core_lending
+    CoreLedger(ledger_path, 1, borrows=False, machine_cores=4)
+    decode = CoreLedger(ledger_path, 1, borrows=True, machine_cores=4)
+    assert decode.at_work() == 2
+
+    def broken(*args):
+        raise OSError(5, "Input/output error")
+
+    decode.idle()
+    monkeypatch.setattr(core_lending.fcntl, "flock", broken)
+    with caplog.at_level(logging.WARNING):
+        assert decode.at_work() == 1            # no exception into the engine loop
+    monkeypatch.undo()
+    assert decode.at_work() == 1 and "runs on its own cores from now on" in caplog.text
+
+
+def test_usable_cores_ignore_a_mask_openmp_binding_narrowed(monkeypatch):
+    """With OpenMP binding on, the calling thread's mask is one core: not the process's."""
+    from engine import cpu_count
+    monkeypatch.setattr(cpu_count.os, "sched_getaffinity", lambda pid: {0})
+    monkeypatch.setattr(cpu_count, "_cgroup_cpuset", lambda: frozenset({0, 1, 2, 3}))
+    monkeypatch.delenv("OMP_PROC_BIND", raising=False)
+    assert cpu_count.usable_cpus() == 1              # a real mask (taskset) counts
+    monkeypatch.setenv("OMP_PROC_BIND", "true")
+    assert cpu_count.usable_cpus() == 4

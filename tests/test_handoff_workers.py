@@ -291,13 +291,13 @@ def test_a_send_starts_the_lease_again(model_dirs):
 
 
 def test_a_hold_is_not_freed_while_its_send_is_on_the_wire(model_dirs):
-    """A transfer that outlasts the lease keeps its blocks until it ends (a step
-    must never write blocks a send still reads); then the lease applies again."""
+    """A transfer that outlasts the lease keeps its hold until it ends (for one
+    more lease at most); then the lease applies again."""
     from cluster.transport.kv_transport import PeerAddress
 
     async def main():
         hub = FakeTransportHub(delay_s=1.5)
-        pair = await Pair(model_dirs["tiny"], hub, lease_s=0.5).start()
+        pair = await Pair(model_dirs["tiny"], hub, lease_s=1.0).start()
         try:
             await pair.prefill.prefill("probe", PROMPTS[1], GREEDY)     # learns the packed size
             nbytes = await pair.prefill.send_kv("probe", "t-probe", [PeerAddress("nobody", "fake", 0)])
@@ -308,7 +308,7 @@ def test_a_hold_is_not_freed_while_its_send_is_on_the_wire(model_dirs):
             await pair.prefill.send_kv("slow", "t-slow", [receiver.address])
             held = await pair.prefill._engine.call(
                 lambda e: e.read_kv_shards(list(e.held_sequence("slow").block_table))[0])
-            await asyncio.sleep(1.0)                         # twice the lease; the transfer takes 1.5 s
+            await asyncio.sleep(1.25)                        # past the lease; the transfer takes 1.5 s
             assert pair.prefill.stats()["num_held"] == 1
             deadline = time.monotonic() + 5
             while receiver.poll("t-slow/0", "p0") is not TransferState.DONE:
@@ -316,6 +316,28 @@ def test_a_hold_is_not_freed_while_its_send_is_on_the_wire(model_dirs):
                 await asyncio.sleep(0.05)
             assert torch.equal(received.view(held.dtype), held.flatten())   # the held blocks, whole
             await pair.wait_idle(timeout_s=5)                # never released: the lease frees it now
+        finally:
+            await pair.shutdown()
+    run(main())
+
+
+def test_a_send_that_never_ends_keeps_its_hold_one_more_lease_at_most(model_dirs):
+    from cluster.transport.kv_transport import PeerAddress
+
+    async def main():
+        hub = FakeTransportHub(delay_s=600.0)                # a transport that never finishes it
+        pair = await Pair(model_dirs["tiny"], hub, lease_s=0.4).start()
+        try:
+            await pair.prefill.prefill("probe", PROMPTS[1], GREEDY)
+            nbytes = await pair.prefill.send_kv("probe", "t-probe", [PeerAddress("nobody", "fake", 0)])
+            await pair.prefill.abort("probe")
+            receiver = hub.receiver("stuck-decode")
+            await pair.prefill.prefill("stuck", PROMPTS[1], GREEDY)
+            receiver.expect("t-stuck/0", "p0", torch.zeros(nbytes, dtype=torch.uint8))
+            await pair.prefill.send_kv("stuck", "t-stuck", [receiver.address])
+            await asyncio.sleep(0.6)                          # past the lease, within the second
+            assert pair.prefill.stats()["num_held"] == 1
+            await pair.wait_idle(timeout_s=5)                 # then freed all the same
         finally:
             await pair.shutdown()
     run(main())

@@ -523,9 +523,14 @@ def test_sweep_plots_are_written_as_png(tmp_path):
 
 
 def test_the_rates_of_a_sweep_see_one_mix_of_lengths_with_other_prompts(tokenizer):
-    def dataset(seed):
-        return random_dataset(tokenizer, num_prompts=30, input_len=40, output_len=10, range_ratio=0.5, seed=seed,
-                              lengths_seed=7)
+    from types import SimpleNamespace
+
+    from bench.loadtest.command import _build_dataset
+    args = SimpleNamespace(dataset_name="random", num_prompts=30, random_input_len=40, random_output_len=10,
+                           random_range_ratio=0.5, random_prefix_len=0)
+
+    def dataset(seed):      # as the CLI builds a sweep's: seed + i per rate, the lengths from the first seed
+        return _build_dataset(args, tokenizer, None, seed, lengths_seed=7)
     first, second = dataset(7), dataset(8)
     assert [(r.prompt_len, r.expected_output_len) for r in first] == \
         [(r.prompt_len, r.expected_output_len) for r in second]

@@ -213,3 +213,10 @@ def test_the_health_check_sees_a_dead_rank(model_dirs):
         finally:
             engine.shutdown()
     asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def test_an_error_every_rank_hits_at_start_keeps_its_type(model_dirs):
+    """A setting every rank refuses is the user's to fix: it stays a ValueError
+    (the CLI prints it and exits 2), not a report of a rank that exited."""
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLMEngine(EngineConfig(model=str(model_dirs["tiny"]), max_model_len=10**7, tensor_parallel_size=2))

@@ -204,8 +204,7 @@ def _build_dataset(args: argparse.Namespace, tokenizer: Any, max_model_len: int 
     if args.dataset_name == "random":
         return random_dataset(tokenizer, num_prompts=args.num_prompts, input_len=args.random_input_len,
                               output_len=args.random_output_len, range_ratio=args.random_range_ratio,
-                              prefix_len=args.random_prefix_len, seed=seed,
-                              lengths_seed=None if seed == lengths_seed else lengths_seed)
+                              prefix_len=args.random_prefix_len, seed=seed, lengths_seed=lengths_seed)
     if args.dataset_name == "sharegpt":
         return sharegpt_dataset(tokenizer, args.dataset_path, num_prompts=args.num_prompts,
                                 output_len=args.sharegpt_output_len, max_model_len=max_model_len, seed=seed)

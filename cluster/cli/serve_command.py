@@ -126,6 +126,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 2
 
     import ray
+    from ray.exceptions import RayError
+    from ray.serve.exceptions import RayServeException
 
     from cluster.app_builder import build_application
     from cluster.serving.direct_ingress import direct_ingress_env
@@ -183,7 +185,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         while not stop.requested:
             time.sleep(0.2)
         print("stopping pdserve ...", flush=True)
-    except (RuntimeError, TimeoutError, ConnectionError) as exc:   # Serve's: a failed deploy, a lost cluster
+    except (RuntimeError, TimeoutError, ConnectionError, ValueError, RayError, RayServeException) as exc:
+        # a failed deploy, a route another application holds, a controller or cluster lost
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:
@@ -204,7 +207,9 @@ def _start_serve(host: str, port: int, direct_ingress: bool) -> None:
     if not direct_ingress and (http.host, http.port) != (host, port):
         raise RuntimeError(f"Serve already runs on this Ray cluster with its HTTP proxy on {http.host}:{http.port}, "
                            f"and it keeps that address: serve on it (--host {http.host} --port {http.port}, or "
-                           f"http.host / http.port in the deployment file), or stop Serve first (`serve shutdown`)")
+                           f"http.host / http.port in the deployment file), or stop Serve first (`serve shutdown`); "
+                           "to run another pdserve beside one this machine already runs, give it a cluster of its "
+                           "own (--address local)")
 
 
 def _clean_up(started_ray: bool, deployed: bool) -> None:
@@ -218,6 +223,8 @@ def _clean_up(started_ray: bool, deployed: bool) -> None:
             serve.shutdown()
         elif deployed:
             serve.delete(APP_NAME)
+    except Exception as exc:  # noqa: BLE001 - the error that brought us here is the one to report
+        print(f"pdserve: cleaning up failed: {exc}", file=sys.stderr)
     finally:
         ray.shutdown()
 
@@ -231,10 +238,14 @@ def _deploy_autoscaled(application: dict) -> None:
     from ray.serve.schema import ServeDeploySchema
 
     client = serve_start()
-    others = [details["deployed_app_config"]
-              for name, details in client.get_serve_details().get("applications", {}).items()
-              if name != APP_NAME and details.get("source") == "declarative" and details.get("deployed_app_config")]
-    client.deploy_apps(ServeDeploySchema(applications=[*others, application]), _blocking=False)
+    details = client.get_serve_details()
+    others = [app["deployed_app_config"] for name, app in details.get("applications", {}).items()
+              if name != APP_NAME and app.get("source") == "declarative" and app.get("deployed_app_config")
+              and app.get("status") != "DELETING"]
+    schema = {"applications": [*others, application]}
+    if details.get("target_capacity") is not None:      # an operator's setting, kept
+        schema["target_capacity"] = details["target_capacity"]
+    client.deploy_apps(ServeDeploySchema(**schema), _blocking=False)
 
 
 def autoscaled_application(config) -> dict:
@@ -265,11 +276,11 @@ def _wait_running(name: str, stop: StopSignal, notify: Callable[[str], None], ev
         status = getattr(app, "status", None)
         if status == "RUNNING":
             return True
-        if status in ("DEPLOY_FAILED", "UNHEALTHY"):
+        if status == "DEPLOY_FAILED":      # (UNHEALTHY while deploying: Serve replaces the replica)
             raise RuntimeError(f"the application did not deploy: {app.message}")
         if time.monotonic() - last_told >= every_s:
             last_told = time.monotonic()
-            waiting = [f"{d}: {ds.status}{f' ({ds.message})' if ds.message else ''}"
+            waiting = [f"{d}: {getattr(ds.status, 'value', ds.status)}{f' ({ds.message})' if ds.message else ''}"
                        for d, ds in (app.deployments.items() if app else []) if ds.status != "HEALTHY"]
             notify(f"still deploying after {last_told - started:.0f} s (Ctrl-C stops): "
                    f"{'; '.join(waiting) or (app.message if app else 'waiting for Serve')}")

@@ -39,7 +39,7 @@ async def claim_gang_gpus(tp_size: int) -> list[str]:
         pg, placement_group_bundle_index=k)).remote() for k in range(1, tp_size)]
     try:
         gpus = own + list(await asyncio.wait_for(asyncio.gather(*probes), PROBE_TIMEOUT_S))
-    except TimeoutError:
+    except asyncio.TimeoutError:      # (not the builtin TimeoutError before Python 3.11)
         for probe in probes:
             ray.cancel(probe, force=True)
         raise RuntimeError(f"the GPUs of this TP {tp_size} replica's bundles 1..{tp_size - 1} (placement group "
