@@ -276,16 +276,24 @@ def test_a_tp_gang_sees_one_gpu_per_bundle_in_rank_order(ray_cluster):
     class Replica:
         async def claim(self, n):
             import os
+            own = [str(i) for i in ray.get_gpu_ids()]
             gpus = await claim_gang_gpus(n)
-            return gpus, os.environ["CUDA_VISIBLE_DEVICES"]
+            return own, gpus, os.environ["CUDA_VISIBLE_DEVICES"]
+
+    @ray.remote(num_cpus=0, num_gpus=1)
+    def bundle_gpu() -> str:
+        return str(ray.get_gpu_ids()[0])
 
     pg = placement_group([{"GPU": 1}] * 3, strategy="STRICT_PACK")
     ray.get(pg.ready(), timeout=60)
     try:
         actor = Replica.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
             pg, placement_group_bundle_index=0)).remote()
-        gpus, visible = ray.get(actor.claim.remote(3), timeout=60)
-        assert len(set(gpus)) == 3 and set(gpus) <= {"0", "1", "2", "3"}
+        own, gpus, visible = ray.get(actor.claim.remote(3), timeout=60)
+        # rank r's GPU is bundle r's: the replica's own first, then what bundles 1 and 2 hold
+        others = ray.get([bundle_gpu.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=k)).remote() for k in (1, 2)], timeout=60)
+        assert gpus == own + others and len(set(gpus)) == 3
         assert visible == ",".join(gpus)
         ray.kill(actor)
     finally:
