@@ -377,11 +377,15 @@ def test_streams_survive_a_killed_decode_or_prefill_worker(ray_cluster, model_di
         (prefill_pid,) = _replica_pids("mig", "PrefillServer")
         # the first token comes from the prefill worker: killed then, it holds that request's KV for the
         # hand-off and the other prompts still wait for it
+        on_decode = 'pdserve_prefills_total{worker_role="decode"}'
+        before = counter(base, on_decode)
         texts = _texts_with_a_kill(base, long_prompts, 20, lambda: os.kill(prefill_pid, signal.SIGKILL), 1)
         # whether a request was caught mid-prefill or mid-hand-off depends on timing (the continuation
         # itself is tested without Ray in tests/test_migration.py): here, none may be lost or changed
         for prompt, text in zip(long_prompts, texts):
             ids = reference("tiny").greedy(tuple(prompt), 20, ignore_eos=True)
             assert text == tokenizer.decode(ids, skip_special_tokens=True)
+        # and the kill did cut some: the prompts still queued on the prefill worker went to a decode worker
+        assert _counter_reaches(base, on_decode, before + 1)
     finally:
         serve.delete("mig")
