@@ -198,11 +198,13 @@ def test_a_slot_whose_pid_lives_on_in_another_process_is_still_dead(ledger_path)
 def test_an_idle_engine_runs_on_its_own_cores(ledger_path):
     """Work an idle engine does between steps (KV written into its cache) must not
     use cores it has lent out meanwhile."""
-    CoreLedger(ledger_path, 1, borrows=False, machine_cores=4)
+    lender = CoreLedger(ledger_path, 1, borrows=False, machine_cores=4)
     decode = CoreLedger(ledger_path, 1, borrows=True, machine_cores=4)
     assert decode.at_work() == 2
     decode.idle()
     assert torch.get_num_threads() == 1
+    lender.close()
+    decode.close()
 
 
 def test_a_ledger_whose_creator_died_before_its_header_is_set_up_again(ledger_path):

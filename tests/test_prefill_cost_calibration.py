@@ -39,6 +39,16 @@ def test_calibration_times_a_prompt_and_leaves_the_engine_as_it_found_it(model_d
     assert _greedy(engine, "after") == untouched     # nothing it left behind changes what the engine computes
 
 
+def test_the_cost_is_the_fastest_timed_pass_over_its_tokens(model_dirs, monkeypatch):
+    """The first pass warms up and is not timed; of the others the fastest counts,
+    divided by the prompt's tokens (127: max_model_len 128)."""
+    import engine.step_cost as step_cost
+    engine = _engine(model_dirs)
+    clock = iter([0.0,  10.0, 10.254,  20.0, 20.381])   # the warm-up's start; then (start, end): 0.254, 0.381 s
+    monkeypatch.setattr(step_cost.time, "perf_counter", lambda: next(clock))
+    assert calibrate_prefill_cost(engine, passes=3) == pytest.approx(0.254 / 127)
+
+
 def test_the_calibration_prompt_fits_the_step_budget_and_the_context(model_dirs):
     engine = _engine(model_dirs)
     timed: list[int] = []
