@@ -44,7 +44,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.loadtest.client import scrape_metrics  # noqa: E402
+from bench.loadtest.client import metrics_text, scrape_metrics  # noqa: E402
 from bench.loadtest.datasets import random_dataset  # noqa: E402
 from bench.loadtest.metrics import e2el, itls, percentile, ttft  # noqa: E402
 from bench.loadtest.runner import RunConfig, run_benchmark  # noqa: E402
@@ -73,9 +73,7 @@ FULL_STRENGTH = {"DecodeServer": ("decode-", 2), "PrefillServer": ("prefill-", 1
 def serving_replicas(base_url: str) -> dict[str, int]:
     """Replicas per deployment that the router hears from (its per-worker gauges):
     a replacement counts once it is up and reporting."""
-    import urllib.request
-    with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=10) as reply:
-        lines = reply.read().decode().splitlines()
+    lines = metrics_text(base_url).splitlines()
     return {deployment: sum(line.startswith(f'pdserve_num_requests_running{{worker="{prefix}') for line in lines)
             for deployment, (prefix, _) in FULL_STRENGTH.items()}
 

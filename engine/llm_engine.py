@@ -147,12 +147,8 @@ class LLMEngine:
         sockets close a moment before it exits)."""
         deadline = time.monotonic() + wait_s
         while self._ranks is not None:
-            try:
-                self._ranks.check_alive()
-            except RuntimeError as exc:
-                return str(exc)
-            if time.monotonic() > deadline:
-                return None
+            if (problem := self._ranks.dead()) or time.monotonic() > deadline:
+                return problem
             time.sleep(0.05)
         return None
 
@@ -167,25 +163,16 @@ class LLMEngine:
 
     def rank_problem(self) -> str | None:
         """Why the tensor-parallel ranks cannot step, or None; only reads (any thread)."""
-        if self._broken:
-            return self._broken
         ranks = self._ranks
-        if ranks is not None:
-            try:
-                ranks.check_alive()
-            except RuntimeError as exc:
-                return str(exc)
-        return None
+        return self._broken or (ranks.dead() if ranks is not None else None)
 
     def _check_ranks(self) -> None:
         if self._broken:
             raise RuntimeError(self._broken)
-        if self._ranks is not None:
-            try:
-                self._ranks.check_alive()
-            except RuntimeError as exc:
-                self._on_rank_error(exc)
-                raise
+        if self._ranks is not None and (problem := self._ranks.dead()):
+            exc = RuntimeError(problem)
+            self._on_rank_error(exc)
+            raise exc
 
     # ---- requests ---------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:

@@ -124,11 +124,17 @@ class RankProcesses:
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
-    def check_alive(self) -> None:
+    def dead(self) -> str | None:
+        """Which rank processes exited, or None while all live."""
         dead = [p for p in self.procs if not p.is_alive()]
-        if dead:
-            raise RuntimeError(f"tensor-parallel rank process(es) {[p.name for p in dead]} exited "
-                               f"(exit codes {[p.exitcode for p in dead]}); see their log above")
+        if not dead:
+            return None
+        return (f"tensor-parallel rank process(es) {[p.name for p in dead]} exited "
+                f"(exit codes {[p.exitcode for p in dead]}); see their log above")
+
+    def check_alive(self) -> None:
+        if problem := self.dead():
+            raise RuntimeError(problem)
 
     def join_group(self, create: Callable[[], TensorParallel], poll_s: float = 0.1) -> TensorParallel:
         """Runs rank 0's `create` (which blocks until every rank has joined) while

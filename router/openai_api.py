@@ -171,10 +171,12 @@ class _Server:
         self._check_request_limits(body)
         self._admit(None, None)
         prompt_param = "messages" if chat else "prompt"
-        self._check_text_length(body.text_length(), prompt_param)
+        text_chars = body.text_length()
+        self._check_text_length(text_chars, prompt_param)
         # many short messages cost a template little text each but still its rendering: counted as
         # a long token's text apiece towards rendering them off the loop
-        prompt_ids = await self._tokenize(body, body.text_length(per_message_chars=self.max_token_chars))
+        render_chars = text_chars + self.max_token_chars * len(body.messages) if chat else text_chars
+        prompt_ids = await self._tokenize(body, render_chars)
         self._check_prompt(prompt_ids, prompt_param)
         # chat: the rest of the context; completions: 16 as OpenAI's and vLLM's (or min_tokens, if more)
         default_max = self.info.max_model_len - len(prompt_ids)

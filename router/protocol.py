@@ -137,10 +137,8 @@ class _GenerationRequest(BaseModel):
             return value
         raise _shape_error("must be a string or a list of strings")
 
-    def text_length(self, per_message_chars: int = 0) -> int:
-        """Characters of prompt text the request carries (0 for token ids), counting
-        `per_message_chars` for each chat message besides its content (the work of
-        rendering it; a template may also render an empty message as nothing)."""
+    def text_length(self) -> int:
+        """Characters of prompt text the request carries (0 for token ids)."""
         raise NotImplementedError
 
     @property
@@ -263,7 +261,7 @@ class CompletionRequest(_GenerationRequest):
     def _prompt_text(cls, value: object) -> object:
         return _valid_text(value)
 
-    def text_length(self, per_message_chars: int = 0) -> int:
+    def text_length(self) -> int:
         return len(self.prompt) if isinstance(self.prompt, str) else 0
 
     def check_supported(self) -> None:
@@ -354,8 +352,8 @@ class ChatCompletionRequest(_GenerationRequest):
     def max_tokens_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
-    def text_length(self, per_message_chars: int = 0) -> int:
-        return sum(len(m.content or "") + per_message_chars for m in self.messages)
+    def text_length(self) -> int:
+        return sum(len(m.content or "") for m in self.messages)
 
     def check_supported(self) -> None:
         super().check_supported()

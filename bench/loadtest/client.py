@@ -250,15 +250,19 @@ async def fetch_models(session: aiohttp.ClientSession, base_url: str, timeout_s:
     return [c for c in cards if isinstance(c, dict) and isinstance(c.get("id"), str)]
 
 
-def scrape_metrics(base_url: str, timeout_s: float = 10.0, api_key: str | None = None) -> dict[str, float]:
-    """The unlabelled samples of GET {base_url}/metrics (Prometheus text), by name:
-    counters, and histograms' `_sum` and `_count`."""
+def metrics_text(base_url: str, timeout_s: float = 10.0, api_key: str | None = None) -> str:
+    """GET {base_url}/metrics: the Prometheus text."""
     import urllib.request
     request = urllib.request.Request(base_url.rstrip("/") + "/metrics", headers=auth_headers(api_key))
     with urllib.request.urlopen(request, timeout=timeout_s) as reply:
-        text = reply.read().decode()
+        return reply.read().decode()
+
+
+def scrape_metrics(base_url: str, timeout_s: float = 10.0, api_key: str | None = None) -> dict[str, float]:
+    """The unlabelled samples of GET {base_url}/metrics (Prometheus text), by name:
+    counters, and histograms' `_sum` and `_count`."""
     samples = {}
-    for line in text.splitlines():
+    for line in metrics_text(base_url, timeout_s, api_key).splitlines():
         name, _, value = line.partition(" ")
         if name and not name.startswith("#") and "{" not in name:
             samples[name] = float(value.split()[0])
