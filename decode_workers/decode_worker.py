@@ -45,7 +45,7 @@ from engine.async_engine import AsyncEngine, settle_from_thread
 from engine.engine_config import EngineConfig
 from engine.errors import EngineStoppedError, InvalidRequestError
 from engine.llm_engine import LLMEngine, StepStats
-from engine.outputs import RequestOutput, ResumedOutput
+from engine.outputs import OutputKind, RequestOutput, ResumedOutput
 from engine.sampler import advanced_generator_state
 from engine.sampling_params import SamplingParams
 
@@ -291,7 +291,8 @@ class DecodeWorker:
             blocks = engine.reserve_prefilled(
                 r.request_id, r.prompt_token_ids, first.token_ids[0], r.params,
                 first_logprobs=first.logprobs[0] if first.logprobs else None,
-                generator_state=prefill.generator_state, first_token_emitted=True)
+                generator_state=prefill.generator_state, first_token_emitted=True,
+                output_kind=OutputKind.DELTA)
             if blocks is not None:
                 nbytes = sum(engine.collective_rpc(kv_handoff.start_receive, r.transfer_id, len(blocks),
                                                    prefill.sender_names, prefill.num_kv_heads))
@@ -380,7 +381,7 @@ class DecodeWorker:
 
 def _add_request(engine: LLMEngine, request_id: str, prompt_token_ids: list[int], params,
                  resume: ResumedOutput | None) -> None:
-    engine.add_request(request_id, prompt_token_ids, params, resume=resume)
+    engine.add_request(request_id, prompt_token_ids, params, resume=resume, output_kind=OutputKind.DELTA)
 
 
 def _room(engine: LLMEngine) -> tuple[int, int]:

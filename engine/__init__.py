@@ -13,6 +13,7 @@ _EXPORTS = MappingProxyType({
     "EngineConfig": "engine.engine_config",
     "SamplingParams": "engine.sampling_params",
     "RequestOutput": "engine.outputs",
+    "OutputKind": "engine.outputs",
     "InvalidRequestError": "engine.errors",
 })
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import OutputKind, RequestOutput
 from engine.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]
@@ -47,7 +47,9 @@ class LLM:
         ids: list[str] = []
         try:
             for prompt, params in zip(prompt_list, params_list):
-                ids.append(self.engine.add_request(None, _prompt_value(prompt), params))
+                # only the finished outputs are wanted: no output per step
+                ids.append(self.engine.add_request(None, _prompt_value(prompt), params,
+                                                   output_kind=OutputKind.FINAL_ONLY))
         except Exception:
             for request_id in ids:  # all or nothing: none of this call's prompts stays queued
                 self.engine.abort_request(request_id)
@@ -65,10 +67,13 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
+               output_kind: OutputKind = OutputKind.CUMULATIVE) -> Iterator[RequestOutput]:
         """Yields an output per generated chunk of one prompt; the last is finished.
-        Abandoning the iterator aborts the request."""
-        request_id = self.engine.add_request(None, _prompt_value(prompt), sampling_params)
+        `output_kind=OutputKind.DELTA`: each output holds only what is new, at a
+        cost per token that does not grow with the output. Abandoning the
+        iterator aborts the request."""
+        request_id = self.engine.add_request(None, _prompt_value(prompt), sampling_params, output_kind=output_kind)
         finished = False
         try:
             while not finished:

@@ -40,7 +40,7 @@ from engine.errors import InvalidRequestError
 from engine.model.parallel import SINGLE_PROCESS, TensorParallel
 from engine.model_worker import KV_READ, KV_WRITE, RPC, ModelWorker, RankCallError, run_rank_call
 from engine.output_processor import RequestTextState
-from engine.outputs import RequestOutput, ResumedOutput
+from engine.outputs import OutputKind, RequestOutput, ResumedOutput
 from engine.preflight import step_budget_problem
 from engine.runner import LaunchedStep, ModelRunner
 from engine.sampler import Sampler, TokenLogprobs, skip_draws
@@ -218,9 +218,11 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: str | list[int],
                     params: SamplingParams | None = None, *, hold_kv: bool = False,
-                    resume: ResumedOutput | None = None) -> str:
+                    resume: ResumedOutput | None = None,
+                    output_kind: OutputKind = OutputKind.CUMULATIVE) -> str:
         """Queues a request; returns its id. Raises InvalidRequestError (nothing
         queued, nothing else affected) for a bad prompt or parameters.
+        `output_kind`: what its outputs carry (engine/outputs.py).
         With `hold_kv` the request stops after its first token and keeps its
         blocks (prefill role); that token's output is `finished` only when the
         request really ended there (EOS, a stop, max_tokens=1). With `resume`
@@ -228,7 +230,7 @@ class LLMEngine:
         prompt and that output are prefilled together, as after a preemption)."""
         seq = self._new_sequence(request_id, prompt, params)
         seq.hold_kv = hold_kv
-        state = RequestTextState(seq, self.tokenizer, self.max_model_len)
+        state = RequestTextState(seq, self.tokenizer, self.max_model_len, output_kind)
         if resume is not None:
             self._resume(seq, state, resume)
         self._states[seq.request_id] = state
@@ -346,7 +348,9 @@ class LLMEngine:
             finished = seq.finish_reason is not None
             if finished or seq.hold_kv:
                 self._finish(seq)
-            outputs.append(state.make_output(finished))
+            out = state.make_output(finished, final=finished or seq.hold_kv)
+            if out is not None:
+                outputs.append(out)
         return outputs
 
     def _finish(self, seq: Sequence) -> None:
@@ -377,7 +381,8 @@ class LLMEngine:
     def reserve_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
                           params: SamplingParams, *, first_logprobs: TokenLogprobs | None = None,
                           generator_state: torch.Tensor | None = None,
-                          first_token_emitted: bool = False) -> list[int] | None:
+                          first_token_emitted: bool = False,
+                          output_kind: OutputKind = OutputKind.CUMULATIVE) -> list[int] | None:
         """Decode role: allocates blocks for the prompt's K/V, which the caller
         writes into `kv_cache` (block i of the returned table holds prompt tokens
         [i*block_size, (i+1)*block_size)). None when the blocks do not fit now,
@@ -387,7 +392,8 @@ class LLMEngine:
         first token (`held_sequence(id).generator.get_state()`), so seeded sampling
         continues exactly as it would in one engine. With `first_token_emitted`
         the caller already streamed the first token (and its text) from the
-        prefill side: this request's outputs carry only what follows it."""
+        prefill side: this request's outputs carry only what follows it.
+        `output_kind`: what its outputs carry (engine/outputs.py)."""
         if not isinstance(request_id, str):
             raise InvalidRequestError(f"request_id must be a string, got {request_id!r}", "request_id")
         seq = self._new_sequence(request_id, prompt_token_ids, params)
@@ -402,7 +408,7 @@ class LLMEngine:
                 skip_draws(seq.generator, 1, self.model_config.vocab_size)
         if not self.scheduler.reserve(seq, seq.num_prompt_tokens):
             return None
-        state = RequestTextState(seq, self.tokenizer, self.max_model_len)
+        state = RequestTextState(seq, self.tokenizer, self.max_model_len, output_kind)
         self._states[request_id] = state
         seq.first_scheduled_time = seq.first_token_time = seq.arrival_time
         state.append(first_token_id, first_logprobs)
@@ -410,9 +416,10 @@ class LLMEngine:
             state.make_output(False)   # the prefill side streamed it: outputs start after it
         return list(seq.block_table)
 
-    def commit_prefilled(self, request_id: str) -> RequestOutput:
+    def commit_prefilled(self, request_id: str) -> RequestOutput | None:
         """Decode role: the reserved blocks are filled; the request joins the batch.
-        Returns the output carrying the first token (finished if it already ended)."""
+        Returns the output carrying the first token (finished if it already ended;
+        None for a FINAL_ONLY request that goes on)."""
         seq = self.scheduler.reserved.get(request_id)
         if seq is None:
             raise InvalidRequestError(f"request {request_id!r} has no reserved blocks (never reserved, "

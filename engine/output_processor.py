@@ -5,6 +5,10 @@ stop strings, max_tokens, context length), and streaming deltas. A stop string i
 cut from the text; while one could still be forming at the end of the text, those
 last characters are held back from the stream, so a client never sees a stop
 string it has to take back.
+
+What an output carries is the consumer's choice (engine.outputs.OutputKind):
+DELTA outputs cost O(new tokens) whatever the request's length, which is what
+a streaming server asks for; CUMULATIVE copies everything so far every time.
 """
 
 from __future__ import annotations
@@ -12,22 +16,26 @@ from __future__ import annotations
 import time
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import RequestOutput, ResumedOutput
+from engine.outputs import OutputKind, RequestOutput, ResumedOutput
 from engine.sampler import TokenLogprobs
 from engine.sequence import Sequence
+from engine.text_buffer import TextBuffer
 
 
 class RequestTextState:
-    def __init__(self, seq: Sequence, tokenizer, max_model_len: int):
+    def __init__(self, seq: Sequence, tokenizer, max_model_len: int,
+                 output_kind: OutputKind = OutputKind.CUMULATIVE):
         self.seq = seq
         self.max_model_len = max_model_len
+        self.output_kind = output_kind
         params = seq.params
         self.prompt_token_ids = seq.prompt_token_ids      # copied once: every output shares it
         self.detokenizer = IncrementalDetokenizer(tokenizer, self.prompt_token_ids,
                                                   skip_special_tokens=params.skip_special_tokens)
         self.stop_strings = list(params.stop)
-        self.hold_back = max((len(s) for s in self.stop_strings), default=1) - 1
-        self.text = ""
+        self.max_stop_len = max((len(s) for s in self.stop_strings), default=1)
+        self.hold_back = self.max_stop_len - 1
+        self.text = TextBuffer()
         self.num_emitted_chars = 0
         self.num_emitted_tokens = 0
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
@@ -38,7 +46,7 @@ class RequestTextState:
         span it, and outputs carry only what follows it (text the failed worker
         held back included)."""
         for token_id in resumed.token_ids:
-            self.text += self.detokenizer.add_token(token_id)
+            self.text.append(self.detokenizer.add_token(token_id))
         self.num_emitted_tokens = len(resumed.token_ids)
         self.num_emitted_chars = min(resumed.num_sent_chars, len(self.text))
         if self.logprobs is not None and resumed.logprobs is not None:
@@ -66,7 +74,7 @@ class RequestTextState:
             self._finish("stop", token_id)
             return
         prev_len = len(self.text)
-        self.text += self.detokenizer.add_token(token_id)
+        self.text.append(self.detokenizer.add_token(token_id))
         if past_min and self.stop_strings and self._check_stop_strings(prev_len):
             return
         if n_out >= params.max_tokens or index + 1 >= self.max_model_len:
@@ -75,14 +83,16 @@ class RequestTextState:
     def _check_stop_strings(self, prev_len: int) -> bool:
         # a new match must end in the text this token added: an older one (completed before
         # min_tokens) never ends the request later
+        window_start = max(0, prev_len - self.max_stop_len + 1)
+        window = self.text.slice(window_start)
         best = None
         for stop in self.stop_strings:
-            i = self.text.find(stop, max(0, prev_len - len(stop) + 1))
+            i = window.find(stop, max(0, prev_len - len(stop) + 1 - window_start))
             if i != -1 and (best is None or i < best[0]):
                 best = (i, stop)
         if best is None:
             return False
-        self.text = self.text[:best[0]]
+        self.text.truncate(window_start + best[0])
         self._finish("stop", best[1])
         return True
 
@@ -94,24 +104,39 @@ class RequestTextState:
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         if reason != "stop" or isinstance(stop_reason, int) or stop_reason is None:
-            self.text += self.detokenizer.flush()
+            self.text.append(self.detokenizer.flush())
 
-    def make_output(self, finished: bool) -> RequestOutput:
+    def make_output(self, finished: bool, *, final: bool | None = None) -> RequestOutput | None:
+        """The output of what the request produced since the previous one (in
+        the request's output kind). `final`: this is the request's last output
+        from this engine (default: `finished`; also a held prefill); FINAL_ONLY
+        gives None until then."""
+        final = finished if final is None else final
+        if self.output_kind is OutputKind.FINAL_ONLY and not final:
+            return None
         seq = self.seq
-        visible = len(self.text) if finished else max(self.num_emitted_chars, len(self.text) - self.hold_back)
-        delta_text = self.text[self.num_emitted_chars:visible]
-        self.num_emitted_chars = visible
-        out_ids = seq.output_token_ids
-        delta_ids = out_ids[self.num_emitted_tokens:]
-        self.num_emitted_tokens = len(out_ids)
+        num_text = len(self.text)
+        visible = num_text if finished else max(self.num_emitted_chars, num_text - self.hold_back)
+        delta_text = self.text.slice(self.num_emitted_chars, visible)
+        start = seq.num_prompt_tokens + self.num_emitted_tokens
+        delta_ids = seq.token_ids[start:seq.num_known_tokens]
+        num_out = seq.num_known_tokens - seq.num_prompt_tokens
+        self.num_emitted_chars, self.num_emitted_tokens = visible, num_out
+        if self.output_kind is OutputKind.DELTA:
+            text, token_ids = delta_text, delta_ids
+            logprobs = self.logprobs[len(self.logprobs) - len(delta_ids):] if self.logprobs is not None else None
+        else:
+            whole = self.text.value()
+            text, token_ids = whole[:visible], seq.output_token_ids
+            logprobs = list(self.logprobs) if self.logprobs is not None else None
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=self.prompt_token_ids,
-            text=self.text[:visible],
-            token_ids=out_ids,
+            text=text,
+            token_ids=token_ids,
             delta_text=delta_text,
             delta_token_ids=delta_ids,
-            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            logprobs=logprobs,
             finished=finished,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
@@ -120,4 +145,5 @@ class RequestTextState:
             first_scheduled_time=seq.first_scheduled_time,
             first_token_time=seq.first_token_time,
             finished_time=time.monotonic() if finished else None,
+            num_output_tokens=num_out,
         )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 from dataclasses import dataclass, field
 
 import torch
@@ -9,15 +11,24 @@ import torch
 from engine.sampler import TokenLogprobs
 
 
+class OutputKind(enum.Enum):
+    """What a request's outputs carry; the consumer picks it (vLLM's RequestOutputKind).
+    A streaming server wants DELTA: CUMULATIVE copies everything generated so far
+    into every output, O(length) per token."""
+    CUMULATIVE = "cumulative"   # every output: text, token_ids and logprobs so far, and the deltas
+    DELTA = "delta"             # every output: only what is new (text == delta_text, token_ids == delta_token_ids)
+    FINAL_ONLY = "final_only"   # one output, the request's last from this engine, cumulative
+
+
 @dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
-    text: str                         # all generated text so far (a matched stop string excluded)
-    token_ids: list[int]              # all generated token ids so far
+    text: str                         # generated text so far (a matched stop string excluded); DELTA: the new text
+    token_ids: list[int]              # generated token ids so far; DELTA: the new ones
     delta_text: str = ""              # text new since the previous output of this request
     delta_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] | None = None        # one per generated token, when asked for
+    logprobs: list[TokenLogprobs] | None = None        # one per token in token_ids, when asked for
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
@@ -26,6 +37,23 @@ class RequestOutput:
     first_scheduled_time: float | None = None  # monotonic times, this process's clock
     first_token_time: float | None = None
     finished_time: float | None = None
+    # tokens generated so far, whatever the kind (left out: len(token_ids), a cumulative output's count)
+    num_output_tokens: int = None   # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.num_output_tokens is None:
+            self.num_output_tokens = len(self.token_ids)
+
+
+def joined(deltas: list[RequestOutput]) -> RequestOutput:
+    """The cumulative output of a request whose DELTA outputs are `deltas`, in
+    order (the last one's status): what its last CUMULATIVE output would be."""
+    token_ids = [t for out in deltas for t in out.delta_token_ids]
+    logprobs = None
+    if any(out.logprobs is not None for out in deltas):
+        logprobs = [entry for out in deltas for entry in (out.logprobs or [])]
+    return dataclasses.replace(deltas[-1], text="".join(out.delta_text for out in deltas), token_ids=token_ids,
+                               logprobs=logprobs)
 
 
 @dataclass(frozen=True, slots=True)

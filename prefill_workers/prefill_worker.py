@@ -37,7 +37,7 @@ from cluster.transport.kv_transport import KVSender, PeerAddress, TransferState
 from engine.async_engine import AsyncEngine, EngineStoppedError, settle_from_thread
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine, StepStats
-from engine.outputs import RequestOutput
+from engine.outputs import OutputKind, RequestOutput
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -260,5 +260,5 @@ class _HoldOnFirstToken:
 
 def _add_held_request(engine: LLMEngine, request_id: str, prompt_token_ids: list[int],
                       params: SamplingParams) -> None:
-    engine.add_request(request_id, prompt_token_ids, params, hold_kv=True)
+    engine.add_request(request_id, prompt_token_ids, params, hold_kv=True, output_kind=OutputKind.DELTA)
 

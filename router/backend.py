@@ -38,8 +38,10 @@ class BackendUnavailableError(RuntimeError):
 
 class GenerationBackend(ABC):
     """Contract:
-    - `generate` yields cumulative RequestOutputs (text/token_ids so far, plus
-      the delta since the previous one); the last one has `finished=True`.
+    - `generate` yields delta RequestOutputs (engine.outputs.OutputKind.DELTA:
+      text, token_ids and logprobs are what is new since the previous one;
+      num_output_tokens counts every token so far); the last one has
+      `finished=True`. An output may carry no new text (text held back).
     - Closing the iterator early (client went away) aborts the request on
       every worker and frees its KV blocks.
     - Raises engine.InvalidRequestError for a request the model cannot take

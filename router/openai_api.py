@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from engine.errors import InvalidRequestError
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, joined
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from router.admission import AdmissionControl, Admitted, Overloaded
 from router.backend import BackendUnavailableError, GenerationBackend
@@ -325,15 +325,13 @@ class _Server:
         try:
             for choice in fmt.opening_choices():
                 yield sse_event({**header, "choices": [choice], **usage_null})
-            out, sent_logprobs, text_offset = first, 0, 0
+            out, text_offset = first, 0
             while out is not None:
-                entries = out.logprobs[sent_logprobs:] if out.logprobs is not None else []
                 # Skip outputs with nothing to say (text held back mid-character, no logprobs).
-                if out.delta_text or out.finished or entries:
+                if out.delta_text or out.finished or out.logprobs:
                     logprobs = None
                     if out.logprobs is not None:
-                        logprobs, text_offset = fmt.logprobs(entries, text_offset)
-                        sent_logprobs = len(out.logprobs)
+                        logprobs, text_offset = fmt.logprobs(out.logprobs, text_offset)
                     choice = fmt.chunk_choice(out.delta_text, logprobs, out)
                     yield sse_event({**header, "choices": [choice], **usage_null})
                 if out.finished:
@@ -383,7 +381,7 @@ class _Generation:
         except StopAsyncIteration:
             return None
         now = time.monotonic()
-        if self.timings.first_token_time is None and out.token_ids:
+        if self.timings.first_token_time is None and out.num_output_tokens:
             self.timings.first_token_time = now
             self._done_waiting()
         if out.finished:
@@ -392,10 +390,13 @@ class _Generation:
         return out
 
     async def run_to_end(self) -> RequestOutput:
-        """The finished output."""
+        """The finished output, with the whole text, token ids and logprobs (the
+        backend's outputs are deltas)."""
+        deltas = []
         while (out := await self.next()) is not None:
+            deltas.append(out)
             if out.finished:
-                return out
+                return joined(deltas)
         raise BackendUnavailableError("the generation stream ended before the request finished")
 
     async def close(self, finish_reason: str | None) -> None:
@@ -404,7 +405,7 @@ class _Generation:
             return
         self._closed = True
         self._done_waiting()
-        generated = len(self.last.token_ids) if self.last is not None else 0
+        generated = self.last.num_output_tokens if self.last is not None else 0
         if self._admitted is not None:
             ran_to_end = self.last is not None and self.last.finished and finish_reason in ("stop", "length")
             self._server.admission.finished(self._admitted, generated if ran_to_end else None)

@@ -33,7 +33,7 @@ def sse_event(payload: dict[str, Any]) -> str:
 
 
 def usage(prompt: int, out: RequestOutput) -> dict[str, int]:
-    completion = len(out.token_ids)
+    completion = out.num_output_tokens
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
 

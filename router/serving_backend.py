@@ -94,34 +94,36 @@ class _Phases:
 
 
 class _Accumulator:
-    """Cumulative RequestOutputs (what the HTTP layer reads) from deltas; each
-    output is a new object the caller may keep."""
+    """A request's output so far, kept for a migration, and the RequestOutputs
+    the HTTP layer reads: deltas (engine.outputs.OutputKind.DELTA), so that a
+    token costs the router the same however long the output already is."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int]):
         self.request_id, self.prompt_token_ids = request_id, prompt_token_ids
         self.token_ids: list[int] = []
-        self.text = ""
+        self.num_chars = 0                  # characters of text streamed
         self.logprobs: list | None = None
         self.num_cached_tokens = 0
 
     def resumed(self) -> ResumedOutput:
         """What a worker that continues this request must know of its output so far."""
-        return ResumedOutput(list(self.token_ids), len(self.text),
+        return ResumedOutput(list(self.token_ids), self.num_chars,
                              None if self.logprobs is None else list(self.logprobs))
 
     def add(self, delta: TokenDelta) -> RequestOutput:
         self.token_ids += delta.token_ids
-        text = delta.text
-        self.text += text
+        self.num_chars += len(delta.text)
         if delta.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + delta.logprobs
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs += delta.logprobs
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         return RequestOutput(
-            request_id=self.request_id, prompt_token_ids=self.prompt_token_ids, text=self.text,
-            token_ids=list(self.token_ids), delta_text=text, delta_token_ids=list(delta.token_ids),
-            logprobs=None if self.logprobs is None else list(self.logprobs), finished=delta.finished,
-            finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
-            num_cached_tokens=self.num_cached_tokens)
+            request_id=self.request_id, prompt_token_ids=self.prompt_token_ids, text=delta.text,
+            token_ids=delta.token_ids, delta_text=delta.text, delta_token_ids=delta.token_ids,
+            logprobs=delta.logprobs, finished=delta.finished, finish_reason=delta.finish_reason,
+            stop_reason=delta.stop_reason, num_cached_tokens=self.num_cached_tokens,
+            num_output_tokens=len(self.token_ids))
 
 
 class ServingBackend(GenerationBackend):

@@ -30,6 +30,7 @@ from cluster.serving.messages import DecodeRequest, KVTransferFailed
 from decode_workers.decode_worker import DecodeWorker
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import EngineStoppedError
+from engine.outputs import joined
 from engine.kv_head_map import remap_kv_shards
 from prefill_workers.prefill_worker import PrefillWorker
 from router.backend import BackendUnavailableError, ModelInfo
@@ -117,10 +118,8 @@ class Pair:
         return self
 
     async def run(self, request_id: str, prompt: list[int], params=GREEDY):
-        last = None
-        async for out in self.backend.generate(request_id, prompt, params):
-            last = out
-        return last
+        """The request's whole output (the backend streams deltas)."""
+        return joined([out async for out in self.backend.generate(request_id, prompt, params)])
 
     async def wait_idle(self, timeout_s: float = 10.0) -> None:
         """Until neither side holds a block (prefix-cached blocks count as free)."""

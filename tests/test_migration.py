@@ -5,12 +5,14 @@ greedy output equal to transformers'."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 
 from decode_workers.decode_worker import DecodeWorker
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import EngineStoppedError
+from engine.outputs import joined
 from router.backend import BackendUnavailableError, ModelInfo
 from router.serving_backend import ServingBackend
 from tests.test_handoff_workers import PROMPTS, run
@@ -74,7 +76,7 @@ def _kill_a_worker_midstream(model_dirs, params: SamplingParams):
             async for out in backend.generate(f"r{i}", prompt, params):
                 outs.append(out)
                 # at least: a busy reader gets several steps' tokens in one output
-                if i == 0 and len(out.token_ids) >= 6 and not killed.is_set():
+                if i == 0 and out.num_output_tokens >= 6 and not killed.is_set():
                     killed.set()
                     await asyncio.to_thread(pool.kill, "A")
             return outs
@@ -92,16 +94,15 @@ def _kill_a_worker_midstream(model_dirs, params: SamplingParams):
     moved = {r.split("~")[0] for r, replica in placed if replica == "B"}
     assert moved == {f"r{i}" for i in range(len(PROMPTS))}     # every request was on A, and moved
     for outs in results:
-        # one stream: every output extends the previous one, no token repeated or missing
-        assert [t for out in outs for t in out.delta_token_ids] == outs[-1].token_ids
-        assert "".join(out.delta_text for out in outs) == outs[-1].text
-    return results
+        # one stream: every output carries the tokens after the previous one's
+        counts = [out.num_output_tokens for out in outs]
+        assert counts == list(itertools.accumulate(len(out.delta_token_ids) for out in outs))
+    return [joined(outs) for outs in results]
 
 
 def test_requests_on_a_dying_worker_continue_on_the_other(model_dirs, reference):
     results = _kill_a_worker_midstream(model_dirs, GREEDY)
-    for prompt, outs in zip(PROMPTS, results):
-        final = outs[-1]
+    for prompt, final in zip(PROMPTS, results):
         assert final.finished and final.finish_reason == "length"
         assert final.token_ids == reference("tiny").greedy(tuple(prompt), TOKENS)
 
@@ -117,8 +118,8 @@ def test_seeded_sampling_with_penalties_continues_as_if_nothing_failed(model_dir
     for i, prompt in enumerate(PROMPTS):
         undisturbed.add_request(str(i), prompt, params)
     expected = {int(o.request_id): o for o in undisturbed.run_to_completion()}
-    for i, outs in enumerate(results):
-        assert (outs[-1].token_ids, outs[-1].text) == (expected[i].token_ids, expected[i].text)
+    for i, final in enumerate(results):
+        assert (final.token_ids, final.text) == (expected[i].token_ids, expected[i].text)
 
 
 def test_with_migration_off_the_error_says_so(model_dirs):
@@ -131,7 +132,7 @@ def test_with_migration_off_the_error_says_so(model_dirs):
         try:
             async for out in backend.generate("r0", PROMPTS[0], GREEDY):
                 # at least: a busy reader gets several steps' tokens in one output
-                if len(out.token_ids) >= 3 and "A" not in pool.dead:
+                if out.num_output_tokens >= 3 and "A" not in pool.dead:
                     await asyncio.to_thread(pool.kill, "A")
         finally:
             await backend.close()
@@ -159,8 +160,9 @@ def test_a_hand_off_that_keeps_failing_continues_on_the_decode_worker(model_dirs
             await pair.shutdown()
 
     outs, local = run(main())
-    assert outs[-1].token_ids == reference("tiny").greedy(tuple(PROMPTS[1]), TOKENS)
-    assert [t for out in outs for t in out.delta_token_ids] == outs[-1].token_ids
+    assert joined(outs).token_ids == reference("tiny").greedy(tuple(PROMPTS[1]), TOKENS)
+    assert [out.num_output_tokens for out in outs] == \
+        list(itertools.accumulate(len(out.delta_token_ids) for out in outs))
     assert local == 1                                              # the one local prefill: the migration
 
 
@@ -293,10 +295,7 @@ def test_a_worker_whose_engine_stopped_is_avoided_by_the_next_attempt(model_dirs
         pool = TwoWorkerPool(workers)
         backend = ServingBackend(ModelInfo("tiny", 128, 512), pool, subscriber="router-0", max_migrations=1)
         try:
-            last = None
-            async for out in backend.generate("r", PROMPTS[0], GREEDY):
-                last = out
-            return last, pool.placed
+            return joined([out async for out in backend.generate("r", PROMPTS[0], GREEDY)]), pool.placed
         finally:
             await backend.close()
             workers["B"].shutdown()
@@ -318,7 +317,7 @@ def test_the_backend_reports_the_running_requests_output_so_far(model_dirs):
             assert backend.mean_running_output_tokens() is None
             async for out in backend.generate("r", PROMPTS[0], GREEDY):
                 if not out.finished:
-                    seen.append((len(out.token_ids), backend.mean_running_output_tokens()))
+                    seen.append((out.num_output_tokens, backend.mean_running_output_tokens()))
             return seen, backend.mean_running_output_tokens()
         finally:
             await backend.close()

@@ -75,16 +75,16 @@ class FakeBackend(GenerationBackend):
                 previous = self.tokenizer.decode(ids[:i])
                 logprobs = None
                 if params.logprobs is not None:
-                    logprobs = [TokenLogprobs(t, -0.25 * (j + 1), 1,
-                                              [(t, -0.25 * (j + 1)), (7, -3.0)][:params.logprobs])
-                                for j, t in enumerate(ids[:i + 1])]
+                    logprobs = [TokenLogprobs(ids[i], -0.25 * (i + 1), 1,
+                                              [(ids[i], -0.25 * (i + 1)), (7, -3.0)][:params.logprobs])]
                 done = finished
-                yield RequestOutput(
-                    request_id, list(prompt_token_ids), text, ids[:i + 1],
-                    delta_text=text[len(previous):], delta_token_ids=[ids[i]], logprobs=logprobs,
+                delta = text[len(previous):]
+                yield RequestOutput(     # a delta, as the backend contract says
+                    request_id, list(prompt_token_ids), delta, [ids[i]],
+                    delta_text=delta, delta_token_ids=[ids[i]], logprobs=logprobs,
                     finished=finished,
                     finish_reason=("length" if len(ids) < len(self.reply_ids) else "stop")
-                    if finished else None)
+                    if finished else None, num_output_tokens=i + 1)
         finally:
             if not done:
                 self.closed_early.append(request_id)

@@ -46,7 +46,9 @@ def test_seeded_sampling_with_penalties_resumes_as_the_undisturbed_run(engine, r
     assert (rest[-1].finished, rest[-1].finish_reason) == (True, "length")
     # the output's logprobs are one per token, the earlier ones included
     assert [lp.token_id for lp in rest[-1].logprobs] == rest[-1].token_ids == tokens
-    assert [round(lp.logprob, 4) for lp in rest[-1].logprobs] == [round(lp.logprob, 4) for lp in whole[-1].logprobs]
+    # a resumed request prefills its earlier tokens in one pass: the same values up to float rounding
+    assert [lp.logprob for lp in rest[-1].logprobs] == \
+        pytest.approx([lp.logprob for lp in whole[-1].logprobs], abs=1e-3)
 
 
 def test_a_stop_string_across_the_resume_point_is_found(engine):

@@ -15,6 +15,7 @@ from cluster.transport.fake_transport import FakeTransportHub
 from decode_workers.decode_worker import DecodeWorker
 from decode_workers.delta_outbox import is_urgent
 from engine import EngineConfig, SamplingParams
+from engine.outputs import joined
 from router.backend import ModelInfo
 from router.disaggregation_policy import DisaggregationPolicy, DisaggregationSettings
 from router.serving_backend import ServingBackend
@@ -180,7 +181,7 @@ def test_colocated_backend_matches_transformers(model_dirs, reference):
         backend = ServingBackend(ModelInfo("tiny", 128, 512), LocalDecodePool(worker), subscriber="router-0")
         try:
             async def one(i, prompt):
-                return [out async for out in backend.generate(str(i), prompt, GREEDY)][-1]
+                return joined([out async for out in backend.generate(str(i), prompt, GREEDY)])
             outs = await asyncio.gather(*[one(i, p) for i, p in enumerate(PROMPTS)])
             phases = backend.phase_timings("0")
             return outs, phases

@@ -45,12 +45,15 @@ class TokenDelta:
 
     @classmethod
     def from_output(cls, out: RequestOutput) -> "TokenDelta":
-        """The new part of a cumulative engine output: its new tokens, with their
-        logprobs (the output's logprobs are one per token, so the new tokens'
-        are the last ones; a decode engine's output after a hand-off counts the
-        first token, which the prefill side already sent, in both)."""
+        """The new part of an engine output (of any kind): its new tokens, with
+        their logprobs (the output's logprobs are one per token in token_ids, so
+        the new tokens' are the last ones). First-token times go with the delta
+        that carries the request's first token; a decode engine's outputs after
+        a hand-off count the first token, which the prefill side already sent,
+        among the generated ones, so none of them does."""
         times = None
-        if out.first_token_time is not None and out.token_ids and len(out.token_ids) == len(out.delta_token_ids):
+        if out.first_token_time is not None and out.delta_token_ids and \
+                out.num_output_tokens == len(out.delta_token_ids):
             scheduled = out.first_scheduled_time if out.first_scheduled_time is not None else out.arrival_time
             times = FirstTokenTimes(queue_s=scheduled - out.arrival_time, prefill_s=out.first_token_time - scheduled)
         logprobs = None if out.logprobs is None else out.logprobs[len(out.logprobs) - len(out.delta_token_ids):]
