@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from engine.model.parallel import TensorParallel
+from engine.tcp_store import listening_store
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +50,9 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def host_store(size: int) -> dist.TCPStore:
-    """Rank 0's store, on a port the kernel picks as it binds (no window for another
-    process to take it between choosing and binding); its `port` goes to the ranks."""
-    return dist.TCPStore("127.0.0.1", 0, size, True, timeout=CONNECT_TIMEOUT, wait_for_workers=False)
+    """Rank 0's store, on a loopback port the kernel picks as it binds (the ranks
+    are local processes; nothing else can reach it); its `port` goes to the ranks."""
+    return listening_store("127.0.0.1", 0, size, CONNECT_TIMEOUT)
 
 
 def create_group(rank: int, size: int, host: str, port: int, backend: str, device: torch.device,

@@ -82,6 +82,7 @@ import torch
 import torch.distributed as dist
 
 from cluster.transport.kv_transport import KVTransportError, PeerAddress, TransferState
+from engine.tcp_store import listening_store
 
 log = logging.getLogger(__name__)
 
@@ -195,21 +196,11 @@ def connect_store(peer: PeerAddress, deadline: float, stopped: Callable[[], bool
 
 
 def host_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
-    """A store server listening on `host` only (port 0: a free one). TCPStore on
-    its own listens on every interface whatever `host` says, so it gets a socket
-    bound here (it owns, and closes, the socket from then on)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    """A store server listening on `host` only (port 0: a free one)."""
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(1024)
-        port = sock.getsockname()[1]
+        return listening_store(host, port, None, datetime.timedelta(seconds=timeout_s))
     except OSError as exc:
-        sock.close()
         raise KVTransportError(f"KV receiver cannot listen on {host}:{port}: {exc}") from exc
-    return dist.TCPStore(host, port, None, True, timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False, master_listen_fd=sock.detach())
 
 
 def make_group(store: dist.Store, rank: int, backend: str, device: torch.device,
