@@ -17,7 +17,11 @@ wait for ever on a stream that never carries it. A delta of a request nobody
 waits for any more (its client left before the router learnt its replica), or
 one from a replica other than the one the request is bound to (a hand-off the
 router retried elsewhere that the first replica admitted after all), is
-answered with an abort there.
+answered with an abort there. A delta that arrives before the router knows
+which replica took its request (a replica's stream can be faster than its
+reply) is kept, per replica, until `bind` says: the bound replica's are
+delivered in order, and a copy on any other (a hand-off retried elsewhere
+that the first replica admitted after all) is aborted there.
 """
 
 from __future__ import annotations
@@ -43,10 +47,12 @@ class StreamFanout:
         self._queues: dict[str, asyncio.Queue] = {}
         self._replica_of: dict[str, str] = {}
         self._readers: dict[str, asyncio.Task] = {}
-        self._aborting: set[str] = set()
+        self._aborting: set[tuple[str, str]] = set()   # (replica id, request id) aborts under way
         self._num_failures = 0                      # stream failures so far, of any replica
         self._failure_of: dict[str, int] = {}       # replica id -> the count at its latest failure
         self._expected_at: dict[str, int] = {}      # request id -> the count when it was expected
+        # request id -> replica id -> its deltas that came before the request was bound
+        self._early: dict[str, dict[str, list[TokenDelta]]] = {}
 
     def expect(self, request_id: str) -> asyncio.Queue:
         """The queue that will receive the request's deltas (or an exception).
@@ -60,10 +66,16 @@ class StreamFanout:
         """The request runs on `replica_id`: read that replica's stream (or, when
         that stream failed since the request was expected, hear the failure)."""
         self._replica_of[request_id] = replica_id
+        early = self._early.pop(request_id, {})
+        for other, deltas in early.items():
+            if other != replica_id and not deltas[-1].finished:
+                self._abort_soon(other, request_id)
         if self._failure_of.get(replica_id, 0) > self._expected_at.get(request_id, self._num_failures):
             self._queues[request_id].put_nowait(BackendUnavailableError(
                 f"the decode worker {replica_id}'s output stream failed while the request was submitted there"))
             return
+        for delta in early.get(replica_id, []):
+            self._queues[request_id].put_nowait(delta)
         if replica_id not in self._readers:
             self._readers[replica_id] = _own_task(self._read(replica_id))
 
@@ -71,6 +83,7 @@ class StreamFanout:
         self._queues.pop(request_id, None)
         self._replica_of.pop(request_id, None)
         self._expected_at.pop(request_id, None)
+        self._early.pop(request_id, None)
 
     async def close(self) -> None:
         for task in list(self._readers.values()):
@@ -82,14 +95,15 @@ class StreamFanout:
         try:
             async for batch in self._open_stream(replica_id):
                 for delta in batch:
-                    queue = self._queues.get(delta.request_id)
-                    if queue is not None and self._replica_of.get(delta.request_id, replica_id) != replica_id:
-                        queue = None    # a copy left on a replica the request moved away from
-                    if queue is not None:
+                    rid = delta.request_id
+                    queue = self._queues.get(rid)
+                    bound_to = self._replica_of.get(rid)
+                    if queue is not None and bound_to is None:   # which replica took it is not known yet
+                        self._early.setdefault(rid, {}).setdefault(replica_id, []).append(delta)
+                    elif queue is not None and bound_to == replica_id:
                         queue.put_nowait(delta)
-                    elif not delta.finished and delta.request_id not in self._aborting:
-                        self._aborting.add(delta.request_id)
-                        asyncio.get_running_loop().create_task(self._abort_orphan(replica_id, delta.request_id))
+                    elif not delta.finished:    # nobody waits, or a copy on a replica the request is not on
+                        self._abort_soon(replica_id, rid)
         except asyncio.CancelledError as exc:
             task = asyncio.current_task()
             if task is None or getattr(task, "cancelling", lambda: 1)():
@@ -113,13 +127,18 @@ class StreamFanout:
         for rid in bound:
             self._queues[rid].put_nowait(error)
 
+    def _abort_soon(self, replica_id: str, request_id: str) -> None:
+        if (replica_id, request_id) not in self._aborting:
+            self._aborting.add((replica_id, request_id))
+            asyncio.get_running_loop().create_task(self._abort_orphan(replica_id, request_id))
+
     async def _abort_orphan(self, replica_id: str, request_id: str) -> None:
         try:
             await self._abort(replica_id, request_id)
         except Exception as exc:  # noqa: BLE001 - best effort: it finishes on its own otherwise
             log.debug("abort of orphaned request %s failed: %s", request_id, exc)
         finally:
-            self._aborting.discard(request_id)
+            self._aborting.discard((replica_id, request_id))
 
 
 def _own_task(coro) -> asyncio.Task:

@@ -83,6 +83,31 @@ def test_a_copy_left_on_a_replica_the_request_moved_from_is_aborted_not_interlea
     asyncio.run(run())
 
 
+def test_deltas_before_the_bind_go_to_the_request_from_its_replica_only():
+    # R's and S's streams carry the request before either reply came back (a hand-off retried on S
+    # after R's call failed, though R admitted it): S's tokens reach the client, in order; R's copy
+    # is aborted
+    async def run():
+        replicas = FakeReplicas()
+        fanout = StreamFanout(replicas.open_stream, replicas.abort)
+        for replica in ("R", "S"):                 # both streams are open for other requests
+            fanout.expect(f"other-{replica}")
+            fanout.bind(f"other-{replica}", replica)
+        handed = fanout.expect("h")
+        replicas.send("R", _delta("h", 99))
+        replicas.send("S", _delta("h", 7))
+        replicas.send("S", _delta("h", 8))
+        await asyncio.sleep(0.05)
+        assert handed.empty()                      # unbound: which replica took it is not known yet
+        fanout.bind("h", "S")
+        replicas.send("S", _delta("h", 9, finished=True))
+        assert [(await _next(handed)).token_ids[0] for _ in range(3)] == [7, 8, 9]
+        await asyncio.sleep(0.05)
+        assert handed.empty() and replicas.aborted == [("R", "h")]
+        await fanout.close()
+    asyncio.run(run())
+
+
 def test_a_failed_stream_fails_its_requests_and_those_admitted_there_before_the_router_knew():
     async def run():
         replicas = FakeReplicas()
