@@ -108,12 +108,12 @@ def build_application(config: DeploymentConfig) -> serve.Application:
     router_args = {}
     if config.mode is Mode.colocated:
         colocated = _worker_options(DecodeServer.options(name="ColocatedServer"), config, "colocated",
-                                    "free_kv_blocks", "max")
+                                    "free_kv_blocks", "max", "kv_block_size")
         workers = {"colocated": colocated.bind(config.engine_config("colocated", model_path))}
     else:
         transport = TransportSettings(timeout_s=config.kv_transfer.timeout_s, secret=config.kv_transfer_secret())
         prefill = _worker_options(PrefillServer, config, "prefill", "queued_prefill_tokens", "min")
-        decode = _worker_options(DecodeServer, config, "decode", "free_kv_blocks", "max")
+        decode = _worker_options(DecodeServer, config, "decode", "free_kv_blocks", "max", "kv_block_size")
         prefill_app = prefill.bind(config.engine_config("prefill", model_path), transport,
                                    config.kv_transfer.lease_s)
         workers = {
@@ -167,7 +167,8 @@ def _replica_count(config: DeploymentConfig, role: str | None) -> dict[str, Any]
             "graceful_shutdown_timeout_s": AUTOSCALED_GRACEFUL_SHUTDOWN_S}
 
 
-def _worker_options(deployment, config: DeploymentConfig, role: str, stat: str, prefer: str):
+def _worker_options(deployment, config: DeploymentConfig, role: str, stat: str, prefer: str,
+                    per_unit: str | None = None):
     tp = config.pools()[role].tensor_parallel_size
     cpus = config.resources.cpus_per_rank
     gpus = 1 if config.device == "cuda" else 0
@@ -178,6 +179,6 @@ def _worker_options(deployment, config: DeploymentConfig, role: str, stat: str, 
         placement_group_bundles=bundles, placement_group_strategy="STRICT_PACK",
         max_ongoing_requests=WORKER_MAX_ONGOING_REQUESTS,
         request_router_config=RequestRouterConfig(
-            request_router_class=LoadAwareRouter, request_router_kwargs={"stat": stat, "prefer": prefer},
+            request_router_class=LoadAwareRouter, request_router_kwargs={"stat": stat, "prefer": prefer, "per_unit": per_unit},
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S),
         health_check_period_s=5.0, logging_config=WORKER_LOGGING)

@@ -145,6 +145,7 @@ class AsyncEngine:
         stats = {
             "free_kv_blocks": float(blocks.num_free_blocks),
             "num_kv_blocks": float(blocks.num_blocks),
+            "kv_block_size": float(blocks.block_size),
             "num_waiting": float(len(engine.scheduler.waiting)),
             "num_running": float(len(engine.scheduler.running)),
             "kv_cache_usage": 1.0 - blocks.num_free_blocks / blocks.num_blocks,

@@ -11,16 +11,21 @@ router, configured per deployment by the app builder).
   may be addressed to another replica.
 - A call that names `avoid_replica=<id>` (a retry after a failed KV transfer)
   goes elsewhere when another replica is available.
-- Any other call goes to the replica whose last reported load figure
-  (`record_routing_stats`) is best: the fewest queued prefill tokens for
-  prefill, the most free KV blocks for decode. Ties go to the replica with the
-  fewest calls this router has in flight to it, so a burst that arrives between
-  two reports still spreads out.
+- Any other call goes to the replica whose load is best: its last reported
+  figure (`record_routing_stats`: the fewest queued prefill tokens for
+  prefill, the most free KV blocks for decode), less the prompt tokens this
+  router sent it over the last RECENT_S, which no report may show yet (reports
+  come every ~0.5 s, and reach the router later still: without this, every
+  prompt of a burst went to the replica that looked best at its start). A
+  figure in blocks counts a token as 1 / `per_unit` of a block (`per_unit`
+  names the replica's stat holding the block size). Ties go to the replica
+  with the fewest calls this router has in flight to it.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from ray.serve.request_router import (
     PendingRequest,
@@ -31,6 +36,7 @@ from ray.serve.request_router import (
 TARGET_REPLICA = "target_replica"
 AVOID_REPLICA = "avoid_replica"
 TARGET_GRACE_S = 10.0      # a target this router has never seen may still be starting
+RECENT_S = 1.5             # sent prompts count against a replica this long (a report's period and delay)
 
 
 class ReplicaGoneError(RuntimeError):
@@ -38,11 +44,16 @@ class ReplicaGoneError(RuntimeError):
 
 
 class LoadAwareRouter(RequestRouter):
-    def initialize_state(self, stat: str = "num_waiting", prefer: str = "min", **kwargs) -> None:
+    def initialize_state(self, stat: str = "num_waiting", prefer: str = "min", per_unit: str | None = None,
+                         **kwargs) -> None:
+        """Routes by the replicas' `stat`, lowest first (`prefer` "min") or highest
+        ("max"); `per_unit`: the stat holding how many tokens one unit of `stat`
+        is (None: `stat` counts tokens)."""
         if prefer not in ("min", "max"):
             raise ValueError(f"prefer must be 'min' or 'max', got {prefer!r}")
-        self._stat, self._sign = stat, (1.0 if prefer == "min" else -1.0)
+        self._stat, self._sign, self._per_unit = stat, (1.0 if prefer == "min" else -1.0), per_unit
         self._in_flight: dict[str, int] = {}
+        self._recent: dict[str, deque[tuple[float, int]]] = {}   # replica id -> (time sent, prompt tokens)
         self._seen: set[str] = set()                 # replica ids this router has had as candidates
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -66,10 +77,23 @@ class LoadAwareRouter(RequestRouter):
             if avoid and others:
                 candidate_replicas = others
 
+        now = time.monotonic()
+
         def load(replica: RunningReplica) -> tuple[float, int]:
-            value = float((replica.routing_stats or {}).get(self._stat, 0.0))
-            return self._sign * value, self._in_flight.get(replica.replica_id.unique_id, 0)
+            stats = replica.routing_stats or {}
+            tokens = float(stats.get(self._stat, 0.0)) * float(stats.get(self._per_unit, 1.0) if self._per_unit else 1.0)
+            uid = replica.replica_id.unique_id
+            return self._sign * tokens + self._recent_tokens(uid, now), self._in_flight.get(uid, 0)
         return [[r] for r in sorted(candidate_replicas, key=load)]
+
+    def _recent_tokens(self, replica_id: str, now: float) -> int:
+        """Prompt tokens this router sent `replica_id` over the last RECENT_S."""
+        recent = self._recent.get(replica_id)
+        if not recent:
+            return 0
+        while recent and recent[0][0] < now - RECENT_S:
+            recent.popleft()
+        return sum(tokens for _, tokens in recent)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -100,7 +124,21 @@ class LoadAwareRouter(RequestRouter):
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
         self._in_flight[replica_id.unique_id] = self._in_flight.get(replica_id.unique_id, 0) + 1
+        tokens = _prompt_tokens(pending_request)
+        if tokens:
+            self._recent.setdefault(replica_id.unique_id, deque()).append((time.monotonic(), tokens))
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         n = self._in_flight.get(replica_id.unique_id, 0)
         self._in_flight[replica_id.unique_id] = max(0, n - 1)
+
+
+def _prompt_tokens(pending_request) -> int:
+    """The prompt tokens a call brings its replica: prefill(request id, prompt ids, params)
+    or generate(DecodeRequest); 0 for any other call."""
+    for arg in getattr(pending_request, "args", ()):
+        ids = getattr(arg, "prompt_token_ids", arg)
+        if isinstance(ids, list):
+            resume = getattr(arg, "resume", None)
+            return len(ids) + (len(resume.token_ids) if resume is not None else 0)
+    return 0
