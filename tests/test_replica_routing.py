@@ -66,37 +66,40 @@ def test_ties_go_to_the_replica_with_fewer_calls_in_flight():
 
 
 def test_prompts_sent_since_the_last_report_count_against_their_replica(monkeypatch):
-    # a burst between two reports: without counting what was sent, every prompt went to "a"
+    # a burst between two reports: without counting what was chosen, every prompt went to "a"
     from cluster.serving import replica_routing
     from cluster.serving.messages import DecodeRequest
     from engine.sampling_params import SamplingParams
     clock = [1000.0]
     monkeypatch.setattr(replica_routing.time, "monotonic", lambda: clock[0])
+
+    def call(i: int, *args):
+        request = pending()
+        request.args, request.metadata = list(args), SimpleNamespace(internal_request_id=f"call-{i}")
+        return request
+
     prefill = router("queued_prefill_tokens", "min")
     reps = [replica("a", queued_prefill_tokens=0), replica("b", queued_prefill_tokens=200)]
-    sent = []
-    for i in range(4):      # prefill(request id, prompt token ids, params): 150 tokens each
-        first = ranked(prefill, reps, pending())[0]
-        sent.append(first)
-        prefill.on_request_routed(SimpleNamespace(args=(f"r{i}", [7] * 150, None)), ReplicaID(first), None)
+    # prefill(request id, prompt token ids, params): 150 tokens each, charged as they are ranked
+    chosen = [ranked(prefill, reps, call(i, f"r{i}", [7] * 150, None))[0] for i in range(4)]
     # a: 0 -> 150 -> 300 (b at 200 is lower) ...; b: 200 -> 350
-    assert sent == ["a", "a", "b", "a"]
+    assert chosen == ["a", "a", "b", "a"]
+    # a call ranked again (Serve backed off) moves its charge instead of counting twice
+    assert ranked(prefill, reps, call(3, "r3", [7] * 150, None)) == ["a", "b"]
+    assert prefill._recent_tokens("a", clock[0]) == 450 and prefill._recent_tokens("b", clock[0]) == 150
     clock[0] += replica_routing.RECENT_S + 0.1      # by now the reports show them
-    assert ranked(prefill, reps, pending()) == ["a", "b"]
+    assert ranked(prefill, reps, pending()) == ["a", "b"] and not prefill._charged
     # decode: free blocks of 16 tokens; a 320-token prompt takes 20 of "a"'s 30-block lead
     decode = router("free_kv_blocks", "max")
     decode.initialize_state(stat="free_kv_blocks", prefer="max", per_unit="kv_block_size")
     reps = [replica("a", free_kv_blocks=130, kv_block_size=16), replica("b", free_kv_blocks=100, kv_block_size=16)]
-    assert ranked(decode, reps, pending()) == ["a", "b"]
     request = DecodeRequest("r", [7] * 320, SamplingParams(), "router-0")
-    decode.on_request_routed(SimpleNamespace(args=(request,)), ReplicaID("a"), None)
-    assert ranked(decode, reps, pending()) == ["a", "b"]
-    decode.on_request_routed(SimpleNamespace(args=(request,)), ReplicaID("a"), None)
-    assert ranked(decode, reps, pending()) == ["b", "a"]
-    # calls that bring no prompt (stats, release) count nothing
-    decode.on_request_routed(SimpleNamespace(args=("stats",)), ReplicaID("b"), None)
-    decode.on_request_routed(None, ReplicaID("b"), None)
-    assert ranked(decode, reps, pending()) == ["b", "a"]
+    assert ranked(decode, reps, call(10, request)) == ["a", "b"]
+    assert ranked(decode, reps, call(11, request)) == ["a", "b"]
+    assert ranked(decode, reps, call(12, request)) == ["b", "a"]
+    # a: 2080 - 640 = 1440 free tokens, b: 1600 - 320; calls that bring no prompt (stats, release) count nothing
+    assert ranked(decode, reps, call(13, "stats")) == ["a", "b"]
+    assert decode._recent_tokens("a", clock[0]) == 640 and decode._recent_tokens("b", clock[0]) == 320
 
 
 def test_a_targeted_call_goes_only_to_its_replica_and_a_retry_avoids_one():

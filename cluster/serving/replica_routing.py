@@ -13,10 +13,13 @@ router, configured per deployment by the app builder).
   goes elsewhere when another replica is available.
 - Any other call goes to the replica whose load is best: its last reported
   figure (`record_routing_stats`: the fewest queued prefill tokens for
-  prefill, the most free KV blocks for decode), less the prompt tokens this
-  router sent it over the last RECENT_S, which no report may show yet (reports
-  come every ~0.5 s, and reach the router later still: without this, every
-  prompt of a burst went to the replica that looked best at its start). A
+  prefill, the most free KV blocks for decode), less the prompt tokens of the
+  calls this router chose it for over the last RECENT_S, which no report may
+  show yet (reports come every ~0.5 s, and reach the router later still:
+  without this, every prompt of a burst went to the replica that looked best
+  at its start). A call is charged to the replica it is ranked first for, at
+  once (the replica's answer that it took the call comes too late for a burst
+  that arrives in a few milliseconds); chosen again, it moves. A
   figure in blocks counts a token as 1 / `per_unit` of a block (`per_unit`
   names the replica's stat holding the block size). Ties go to the replica
   with the fewest calls this router has in flight to it.
@@ -53,7 +56,8 @@ class LoadAwareRouter(RequestRouter):
             raise ValueError(f"prefer must be 'min' or 'max', got {prefer!r}")
         self._stat, self._sign, self._per_unit = stat, (1.0 if prefer == "min" else -1.0), per_unit
         self._in_flight: dict[str, int] = {}
-        self._recent: dict[str, deque[tuple[float, int]]] = {}   # replica id -> (time sent, prompt tokens)
+        self._recent: dict[str, deque[list]] = {}    # replica id -> [time chosen, prompt tokens, call key]
+        self._charged: dict[object, tuple[str, list]] = {}   # call key -> (replica id, its entry there)
         self._seen: set[str] = set()                 # replica ids this router has had as candidates
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -78,26 +82,53 @@ class LoadAwareRouter(RequestRouter):
                 candidate_replicas = others
 
         now = time.monotonic()
+        if pending_request is not None:
+            self._uncharge(pending_request)     # ranked again: its own prompt is not yet anywhere
 
         def load(replica: RunningReplica) -> tuple[float, int]:
             stats = replica.routing_stats or {}
             tokens = float(stats.get(self._stat, 0.0)) * float(stats.get(self._per_unit, 1.0) if self._per_unit else 1.0)
             uid = replica.replica_id.unique_id
             return self._sign * tokens + self._recent_tokens(uid, now), self._in_flight.get(uid, 0)
-        return [[r] for r in sorted(candidate_replicas, key=load)]
+        ranked = sorted(candidate_replicas, key=load)
+        if pending_request is not None and ranked:
+            self._charge(pending_request, ranked[0].replica_id.unique_id, now)
+        return [[r] for r in ranked]
+
+    def _charge(self, pending_request, replica_id: str, now: float) -> None:
+        """Counts the call's prompt tokens against `replica_id`."""
+        tokens = _prompt_tokens(pending_request)
+        if not tokens:
+            return
+        key = _call_key(pending_request)
+        entry = [now, tokens, key]
+        self._recent.setdefault(replica_id, deque()).append(entry)
+        self._charged[key] = (replica_id, entry)
+
+    def _uncharge(self, pending_request) -> None:
+        previous = self._charged.pop(_call_key(pending_request), None)
+        if previous is not None:
+            try:
+                self._recent[previous[0]].remove(previous[1])
+            except (KeyError, ValueError):
+                pass      # its replica is gone
 
     def _recent_tokens(self, replica_id: str, now: float) -> int:
-        """Prompt tokens this router sent `replica_id` over the last RECENT_S."""
+        """Prompt tokens of the calls this router chose `replica_id` for over the last RECENT_S."""
         recent = self._recent.get(replica_id)
         if not recent:
             return 0
         while recent and recent[0][0] < now - RECENT_S:
-            recent.popleft()
-        return sum(tokens for _, tokens in recent)
+            self._charged.pop(recent.popleft()[2], None)
+        return sum(entry[1] for entry in recent)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         self._seen.update(r.replica_id.unique_id for r in replicas)
+        live = {r.replica_id.unique_id for r in replicas}
+        for gone in [uid for uid in self._recent if uid not in live]:
+            for entry in self._recent.pop(gone):
+                self._charged.pop(entry[2], None)
         self._fail_calls_to_gone_targets()
 
     def on_replica_actor_died(self, replica_id) -> None:
@@ -124,9 +155,6 @@ class LoadAwareRouter(RequestRouter):
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
         self._in_flight[replica_id.unique_id] = self._in_flight.get(replica_id.unique_id, 0) + 1
-        tokens = _prompt_tokens(pending_request)
-        if tokens:
-            self._recent.setdefault(replica_id.unique_id, deque()).append((time.monotonic(), tokens))
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         n = self._in_flight.get(replica_id.unique_id, 0)
@@ -142,3 +170,7 @@ def _prompt_tokens(pending_request) -> int:
             resume = getattr(arg, "resume", None)
             return len(ids) + (len(resume.token_ids) if resume is not None else 0)
     return 0
+
+
+def _call_key(pending_request) -> object:
+    return getattr(getattr(pending_request, "metadata", None), "internal_request_id", None) or id(pending_request)
