@@ -456,6 +456,54 @@ def test_malformed_joins_and_a_flood_of_unproven_ones_leave_the_receiver_accepti
         honest.close()
 
 
+def test_a_seal_holds_only_for_its_pair_kind_and_place():
+    from cluster.transport.pair_group_common import pair_key, seal, unseal
+    key = pair_key("secret", "challenge", 3, "S", "R")
+    sealed = seal(key, "hdr", 7, "T 4096 cmpl-1|x#1")
+    assert unseal(key, "hdr", 7, sealed) == "T 4096 cmpl-1|x#1"
+    assert unseal(key, "hdr", 8, sealed) is None                      # another message's place
+    assert unseal(key, "ack", 7, sealed) is None                      # an ack is not a header
+    assert unseal(pair_key("secret", "challenge", 4, "S", "R"), "hdr", 7, sealed) is None   # another pair
+    assert unseal(pair_key("guess", "challenge", 3, "S", "R"), "hdr", 7, sealed) is None
+    assert unseal(key, "hdr", 7, sealed.replace("4096", "4097")) is None
+    assert unseal(key, "hdr", 7, "T 4096 cmpl-1") is None and unseal(key, "ack", 0, "") is None
+
+
+def test_a_header_written_by_a_stranger_breaks_the_pair_and_moves_no_byte():
+    """Anyone who reaches the receiver's store can write the next header of an
+    admitted pair: obeyed, it would steer the sender's next bytes into whichever
+    transfer it names. It does not carry the pair's seal, so the receiver drops
+    the pair at once instead."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from cluster.transport.pair_group_common import hdr_key, pair_prefix
+    receiver = PairGroupReceiver(host="127.0.0.1", timeout_s=30, secret="deployment-secret")
+    sender = PairGroupSender(timeout_s=30, secret="deployment-secret")
+    address = receiver.address
+    try:
+        victim = torch.full((4096,), 7, dtype=torch.uint8)
+        receiver.expect("x/victim", sender.name, victim)
+        first = torch.zeros(64, dtype=torch.uint8)
+        receiver.expect("x/first", sender.name, first)
+        sender.send("x/first", address, torch.ones(64, dtype=torch.uint8))
+        assert wait_final(sender.poll, "x/first") is TransferState.DONE, sender.error("x/first")
+        pair = receiver._pairs[sender.name]
+        stranger = dist.TCPStore(address.host, address.port, None, False, timeout=datetime.timedelta(seconds=10),
+                                 wait_for_workers=False)
+        stranger.set(f"{pair_prefix(sender.name, pair.epoch)}/{hdr_key(pair.seq)}", "T 4096 x/victim")
+        deadline = time.monotonic() + 5
+        while pair.broken is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pair.broken is not None and "seal" in pair.broken
+        assert receiver.poll("x/victim", sender.name) is TransferState.PENDING
+        assert torch.equal(victim, torch.full((4096,), 7, dtype=torch.uint8))     # untouched
+    finally:
+        sender.close()
+        receiver.close()
+
+
 def test_the_receiver_listens_on_its_own_address_only():
     receiver = PairGroupReceiver(host="127.0.0.1")
     try:

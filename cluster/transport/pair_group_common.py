@@ -19,6 +19,8 @@ Life cycle of a pair (S: a PairGroupSender, R: a PairGroupReceiver):
            a wrong proof ends there (the sender's connect fails with "refused")
     S, R  rank 0 (S) and rank 1 (R) of a group on PrefixStore("kvpair/S/<epoch>/pg")
     S, R  one thread per pair side moves that pair's transfers in `send` order
+    S, R  key = HMAC(secret, challenge | epoch | S | R): every header and ack below
+           is sealed with it (`seal`), and one that is not breaks the pair
 
 One transfer, message seq k of the pair (keys under "kvpair/S/<epoch>/"):
 
@@ -53,8 +55,16 @@ sender's forget, whose send finishes reading the buffer the sender was given
 Security: R's store listens on R's own address only (not on every interface),
 and only a sender that holds the deployment's secret gets a pair: it proves it
 with an HMAC over a challenge R made for that join, so a copied proof is worth
-nothing. The store itself has no authentication; the secret keeps strangers
-from writing into, or reading from, the KV caches through a pair.
+nothing. The store itself has no authentication: anyone who reaches it can
+write keys. Headers and acks carry a MAC under a key only the pair's two sides
+can derive, bound to the message's kind and sequence number, so a header or
+ack written by anyone else (which could steer a sender's bytes into another
+transfer's blocks, or free a sender's KV before it arrived) breaks the pair
+instead of being obeyed; the secret keeps strangers from writing into, or
+reading from, the KV caches through a pair. What stays open to anyone who
+reaches the store: deleting or overwriting keys, which fails transfers (they
+time out and are retried), and the process group's own rendezvous keys under
+"pg", which gloo and NCCL read as they find them.
 
 Caveats: close() does not wait for a thread blocked on a hung peer (it ends within
 timeout_s by itself). CUDA buffers: NCCL orders a send after the work queued on the
@@ -121,6 +131,27 @@ def prove(secret: str, challenge: str, epoch: int, sender: str, receiver: str) -
 
 def proof_holds(proof: str, secret: str, challenge: str, epoch: int, sender: str, receiver: str) -> bool:
     return hmac.compare_digest(proof.encode(), prove(secret, challenge, epoch, sender, receiver).encode())
+
+
+def pair_key(secret: str, challenge: str, epoch: int, sender: str, receiver: str) -> bytes:
+    """The key that seals one pair's headers and acks: only the two sides know it
+    (it needs the secret and the challenge of the pair's join)."""
+    message = f"pair|{challenge}|{epoch}|{sender}|{receiver}".encode()
+    return hmac.new(secret.encode(), message, hashlib.sha256).digest()
+
+
+def seal(key: bytes, kind: str, seq: int, text: str) -> str:
+    """`text` as message `seq` of `kind` ("hdr" or "ack") of the pair keyed `key`,
+    with a MAC that binds it to that place: "<text>|<mac>"."""
+    mac = hmac.new(key, f"{kind}/{seq}/{text}".encode(), hashlib.sha256).hexdigest()[:32]
+    return f"{text}|{mac}"
+
+
+def unseal(key: bytes, kind: str, seq: int, sealed: str) -> str | None:
+    """The text `seal` sealed for this place, or None when the MAC does not hold
+    (written by someone without the pair's key, or moved from another message)."""
+    text, _, _ = sealed.rpartition("|")
+    return text if hmac.compare_digest(seal(key, kind, seq, text), sealed) else None
 
 
 def epoch_key(sender: str) -> str:

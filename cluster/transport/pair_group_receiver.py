@@ -51,10 +51,13 @@ from cluster.transport.pair_group_common import (
     join_key,
     join_threads,
     make_group,
+    pair_key,
     pair_prefix,
     pick_backend,
     proof_holds,
     proof_key,
+    seal,
+    unseal,
     verdict_key,
     wait_work,
 )
@@ -80,6 +83,7 @@ class _RecvPair:
         self.current: Transfer | None = None
         self.broken: str | None = None
         self.group: dist.Backend | None = None
+        self.key = b""          # seals this pair's headers and acks (set once the sender proved the secret)
         self.seq = 0
         self.thread = threading.Thread(target=self._run, name=f"kv-recv-{sender}", daemon=True)
 
@@ -98,7 +102,7 @@ class _RecvPair:
                 del owner._pairs[self.sender]
         abort_group(group, owner._cfg.backend, peer_rank=0)
         if wake and store is not None:
-            try:
+            try:   # the thread sees `broken` once the get returns, whatever the header says
                 store.set(f"{pair_prefix(self.sender, self.epoch)}/{hdr_key(seq)}", "S")
             except Exception:  # the store is shutting down: the wait fails by itself
                 log.debug("could not wake the pair thread for %s", self.sender, exc_info=True)
@@ -116,6 +120,7 @@ class _RecvPair:
             owner._refuse(store, self.slot, "refused: the secret does not match (is the sender from this "
                                             "deployment?)", proof_read=True)
             return False
+        self.key = pair_key(owner._cfg.secret, self.challenge, self.epoch, self.sender, owner.address.name)
         with owner._lock:
             if owner._closed:
                 return False
@@ -153,9 +158,18 @@ class _RecvPair:
         msgs.set_timeout(datetime.timedelta(seconds=cfg.timeout_s))   # idle pairs hear a heartbeat sooner
         while self.broken is None:
             try:
-                text = msgs.get(hdr_key(self.seq)).decode()   # blocks until the sender writes it
+                sealed = msgs.get(hdr_key(self.seq)).decode("utf-8", errors="replace")   # until the sender writes it
             except Exception as exc:  # noqa: BLE001 - silence or a lost store both end the pair
                 self.drop(f"failed: no word from {self.sender} for {cfg.timeout_s} s ({describe(exc)})", wake=False)
+                break
+            if self.broken is not None:
+                break
+            text = unseal(self.key, "hdr", self.seq, sealed)
+            if text is None:
+                log.warning("KV receiver %s: a header for the pair with %s does not carry its seal; dropping the "
+                            "pair", self.owner.address.name, self.sender)
+                self.drop(f"failed: a header without the pair's seal (written into {self.owner.address.name}'s "
+                          f"store by someone other than {self.sender}?)", wake=False)
                 break
             with lock:
                 if self.broken is not None or text == "S":
@@ -163,7 +177,7 @@ class _RecvPair:
                 seq, self.seq = self.seq, self.seq + 1
             try:
                 if text != "B":
-                    msgs.set(ack_key(seq), self._move(seq, text, group))
+                    msgs.set(ack_key(seq), seal(self.key, "ack", seq, self._move(seq, text, group)))
                 # off the critical path: the sender read ack/seq-1 before it wrote hdr/seq
                 msgs.delete_key(hdr_key(seq))
                 msgs.delete_key(ack_key(seq - 1))

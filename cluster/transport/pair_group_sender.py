@@ -49,11 +49,14 @@ from cluster.transport.pair_group_common import (
     join_key,
     join_threads,
     make_group,
+    pair_key,
     pair_prefix,
     pick_backend,
     proof_key,
     prove,
+    seal,
     time_left,
+    unseal,
     verdict_key,
     wait_work,
 )
@@ -76,6 +79,7 @@ class _SendPair:
         self.store: dist.TCPStore | None = None
         self.msgs: dist.PrefixStore | None = None
         self.group: dist.Backend | None = None
+        self.key = b""               # seals this pair's headers and acks (set when the pair is admitted)
         self.seq = 0
         self.thread = threading.Thread(target=self._run, name=f"kv-send-{peer.name}", daemon=True)
 
@@ -144,6 +148,7 @@ class _SendPair:
         store.delete_key(verdict_key(slot))
         if verdict:
             raise KVTransportError(f"{self.peer.name} {verdict}")
+        self.key = pair_key(self.cfg.secret, challenge, epoch, self.cfg.name, self.peer.name)
         msgs = dist.PrefixStore(pair_prefix(self.cfg.name, epoch), store)
         group = make_group(dist.PrefixStore(GROUP_PREFIX, msgs), 0, self.cfg.backend, self.cfg.device,
                            time_left(self.connect_deadline).total_seconds())
@@ -158,7 +163,7 @@ class _SendPair:
 
     def _header(self, text: str) -> int:
         seq, self.seq = self.seq, self.seq + 1
-        self.msgs.set(hdr_key(seq), text)
+        self.msgs.set(hdr_key(seq), seal(self.key, "hdr", seq, text))
         return seq
 
     def _move(self, t: Transfer, data: torch.Tensor) -> None:
@@ -167,8 +172,12 @@ class _SendPair:
         if t.nbytes:
             wait_work(self.group.send([data], 1, seq & TAG_MASK), self.cfg.backend, t.deadline)
         self.msgs.set_timeout(time_left(t.deadline))
-        verdict = self.msgs.get(ack_key(seq)).decode()   # blocks until the receiver answers; it deletes the key
+        sealed = self.msgs.get(ack_key(seq)).decode("utf-8", errors="replace")   # blocks until the receiver answers
         self.msgs.set_timeout(datetime.timedelta(seconds=self.cfg.timeout_s))
+        verdict = unseal(self.key, "ack", seq, sealed)
+        if verdict is None:
+            raise KVTransportError(f"the acknowledgement of {t.label} does not carry the pair's seal "
+                                   f"(written into {self.peer.name}'s store by someone else?)")
         with self.lock:
             self.current = None
             if verdict:
