@@ -179,6 +179,7 @@ def _worker_options(deployment, config: DeploymentConfig, role: str, stat: str, 
         placement_group_bundles=bundles, placement_group_strategy="STRICT_PACK",
         max_ongoing_requests=WORKER_MAX_ONGOING_REQUESTS,
         request_router_config=RequestRouterConfig(
-            request_router_class=LoadAwareRouter, request_router_kwargs={"stat": stat, "prefer": prefer, "per_unit": per_unit},
+            request_router_class=LoadAwareRouter,
+            request_router_kwargs={"stat": stat, "prefer": prefer, "per_unit": per_unit},
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S),
         health_check_period_s=5.0, logging_config=WORKER_LOGGING)

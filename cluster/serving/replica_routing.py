@@ -87,7 +87,8 @@ class LoadAwareRouter(RequestRouter):
 
         def load(replica: RunningReplica) -> tuple[float, int]:
             stats = replica.routing_stats or {}
-            tokens = float(stats.get(self._stat, 0.0)) * float(stats.get(self._per_unit, 1.0) if self._per_unit else 1.0)
+            per_unit = float(stats.get(self._per_unit, 1.0)) if self._per_unit else 1.0
+            tokens = float(stats.get(self._stat, 0.0)) * per_unit
             uid = replica.replica_id.unique_id
             return self._sign * tokens + self._recent_tokens(uid, now), self._in_flight.get(uid, 0)
         ranked = sorted(candidate_replicas, key=load)
