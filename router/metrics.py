@@ -8,7 +8,10 @@ Contracts:
   ends (finished, aborted by a client disconnect, or failed); `observe_error` once
   per error response.
 - `set_worker_stats` overwrites the gauges of one worker (label e.g. "prefill-0",
-  "decode-1"); `remove_worker` drops them when the worker goes away.
+  "decode-1") and the counters of its running counts (exported as counters, so
+  that `rate()` and `increase()` read them right; a replaced worker's count
+  starts again under its own label); `remove_worker` drops them when the worker
+  goes away.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from router.timings import RequestTimings
@@ -51,8 +55,6 @@ WORKER_GAUGES = (
     ("torch_threads", "pdserve_worker_torch_threads", "Torch threads each rank of a worker owns (its bundle's CPUs)."),
     ("cpu_cores_borrowed", "pdserve_worker_cpu_cores_borrowed",
      "CPU cores a worker borrows from idle engines on its machine for its current step."),
-    ("cpu_borrowed_steps", "pdserve_worker_cpu_borrowed_steps",
-     "Engine steps a worker has run with cores borrowed from idle engines, since it started."),
     ("num_held", "pdserve_worker_kv_holds", "Requests whose KV a prefill worker holds for a decode worker."),
     ("prefill_s_per_token", "pdserve_worker_prefill_seconds_per_token",
      "A worker's measured prefill cost per prompt token (its last 16 prefill steps' time over their tokens)."),
@@ -104,6 +106,8 @@ class ServingMetrics:
                                  registry=r)
         self._worker_gauges = {key: Gauge(name, doc, ["worker"], registry=r)
                                for key, name, doc in WORKER_GAUGES}
+        self._worker_counts = _WorkerCounts()
+        r.register(self._worker_counts)
         self._autoscaler_target = Gauge("pdserve_autoscaler_target_replicas",
                                         "Replicas the autoscaler asks for, per role.", ["role"], registry=r)
         self._autoscaler_current = Gauge("pdserve_autoscaler_current_replicas",
@@ -177,15 +181,49 @@ class ServingMetrics:
         for key, gauge in self._worker_gauges.items():
             if key in stats:
                 gauge.labels(worker=worker).set(stats[key])
+        self._worker_counts.set(worker, stats)
 
     def remove_worker(self, worker: str) -> None:
-        """Drop `worker`'s gauge series (a removed worker must not report stale load)."""
+        """Drop `worker`'s gauge and counter series (a removed worker must not report stale load)."""
         for gauge in self._worker_gauges.values():
             try:
                 gauge.remove(worker)
             except KeyError:
                 pass  # this worker never reported that stat
+        self._worker_counts.remove(worker)
 
     def render(self) -> tuple[bytes, str]:
         """(payload, content type) in the Prometheus text exposition format."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+# Worker stats key holding a running count since the worker started -> the counter it is
+# exported as (prometheus_client adds "_total").
+WORKER_COUNTERS = (
+    ("cpu_borrowed_steps", "pdserve_worker_cpu_borrowed_steps",
+     "Engine steps a worker has run with cores borrowed from idle engines, since it started."),
+)
+
+
+class _WorkerCounts:
+    """The workers' running counts, exported as counters with the values they report
+    (a Counter object can only be incremented; these are counted in the workers)."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, dict[str, float]] = {}   # stats key -> worker -> its count
+
+    def set(self, worker: str, stats: Mapping[str, float]) -> None:
+        for key, _, _ in WORKER_COUNTERS:
+            if key in stats:
+                self._values.setdefault(key, {})[worker] = float(stats[key])
+
+    def remove(self, worker: str) -> None:
+        for values in self._values.values():
+            values.pop(worker, None)
+
+    def collect(self):
+        for key, name, doc in WORKER_COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=["worker"])
+            for worker, value in sorted(self._values.get(key, {}).items()):
+                family.add_metric([worker], value)
+            yield family

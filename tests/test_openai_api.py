@@ -338,7 +338,7 @@ def test_metrics_after_requests(client, metrics, tokenizer):
     assert client.post("/v1/completions", json={"prompt": "Hi", "stream": True}).status_code == 200
     assert client.post("/v1/completions", json={"prompt": "Hi", "n": 3}).status_code == 400
     metrics.set_worker_stats("decode-1", {"num_running": 3, "kv_cache_usage": 0.25,
-                                          "free_kv_blocks": 7})
+                                          "free_kv_blocks": 7, "cpu_borrowed_steps": 41})
     samples = metric_samples(client)
     assert samples[("pdserve_time_to_first_token_seconds_count", ())] == 2
     assert samples[("pdserve_time_per_output_token_seconds_count", ())] == 2
@@ -355,8 +355,13 @@ def test_metrics_after_requests(client, metrics, tokenizer):
     assert samples[("pdserve_kv_cache_usage_ratio", (("worker", "decode-1"),))] == 0.25
     assert ("pdserve_num_requests_waiting", (("worker", "decode-1"),)) not in samples  # not reported
     assert not any("free_kv" in name for name, _ in samples)  # stats without a gauge stay out
+    # a worker's running count is a counter (what rate() reads), with the value the worker counted
+    assert samples[("pdserve_worker_cpu_borrowed_steps_total", (("worker", "decode-1"),))] == 41
+    assert "# TYPE pdserve_worker_cpu_borrowed_steps_total counter" in client.get("/metrics").text
     metrics.remove_worker("decode-1")
-    assert ("pdserve_num_requests_running", (("worker", "decode-1"),)) not in metric_samples(client)
+    samples = metric_samples(client)
+    assert ("pdserve_num_requests_running", (("worker", "decode-1"),)) not in samples
+    assert ("pdserve_worker_cpu_borrowed_steps_total", (("worker", "decode-1"),)) not in samples
 
 
 def test_metrics_own_their_registry():

@@ -183,7 +183,7 @@ def test_disaggregated_one_prefill_one_decode(ray_cluster, model_dirs, reference
         assert role_gauge(base, "pdserve_worker_torch_threads") == {"prefill": [1.0], "decode": [1.0]}
         assert all(len(worker.split("-", 1)[1]) > 1 for worker in threads), threads   # replica ids, not positions
         # ... and the decode worker steps on both cores while the prefill worker is idle; prefill never borrows
-        borrowed = role_gauge(base, "pdserve_worker_cpu_borrowed_steps")
+        borrowed = role_gauge(base, "pdserve_worker_cpu_borrowed_steps_total")
         assert borrowed["decode"][0] > 0 and borrowed["prefill"] == [0.0], borrowed
         # every request of the checks above (6 + 32), each handed off ("always"): once in each figure
         for name in ("pdserve_time_to_first_token_seconds_count", "pdserve_kv_transfer_time_seconds_count",
