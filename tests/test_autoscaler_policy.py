@@ -112,7 +112,13 @@ def test_load_predictors():
             p.observe(rate)
     assert c.predict(3) == 4.0
     assert e.predict(3) == pytest.approx(3.125)               # 1 -> 1.5 -> 2.25 -> 3.125
-    assert t.predict(0) < 4.0 < t.predict(3)                  # a rising load is extrapolated
+    # Holt, alpha = beta = 0.5: level 1 -> 1.5 -> 2.375 -> 3.46875, slope 0 -> 0.25 -> 0.5625 -> 0.828125
+    assert t.predict(0) == pytest.approx(3.46875)
+    assert t.predict(3) == pytest.approx(3.46875 + 3 * 0.828125)   # a rising load is extrapolated
+    falling = LoadPredictor("trend", 0.5, 0.5)
+    for rate in (4.0, 3.0, 2.0, 1.0):
+        falling.observe(rate)
+    assert falling.predict(0) > 0 and falling.predict(20) == 0.0    # never below zero
     with pytest.raises(ValueError, match="predictor must be one of"):
         LoadPredictor("magic")
 
