@@ -27,6 +27,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -42,6 +43,9 @@ log = logging.getLogger(__name__)
 Ticker = Callable[[LLMEngine], bool]
 _BUSY_POLL_S = 0.002
 _IDLE_WAIT_S = 0.5
+# a step that has run this long is stuck (a TP rank alive but hung, a kernel that never returns):
+# the health check says so, and Serve replaces the replica; far past any real step, first ones included
+STUCK_STEP_S = 300.0
 
 
 class OutputSink(Protocol):
@@ -56,10 +60,12 @@ class OutputSink(Protocol):
 
 class AsyncEngine:
     def __init__(self, make_engine: Callable[[], LLMEngine], *, prefill: bool = True, decode: bool = True,
-                 name: str = "engine", cost_warmup_steps: int = COST_WARMUP_STEPS):
+                 name: str = "engine", cost_warmup_steps: int = COST_WARMUP_STEPS,
+                 stuck_step_s: float = STUCK_STEP_S):
         """Starts the thread, which builds the engine with `make_engine()`;
         await `ready()` before anything else. The first `cost_warmup_steps`
-        steps stay out of the cost estimates."""
+        steps stay out of the cost estimates; a step running for longer than
+        `stuck_step_s` fails `check_alive`."""
         _resolve_lazy_imports()
         self._make_engine = make_engine
         self._step_kwargs = {"prefill": prefill, "decode": decode}
@@ -80,6 +86,8 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._ready = self._loop.create_future()
         self.engine: LLMEngine | None = None
+        self.stuck_step_s = stuck_step_s
+        self._step_started: float | None = None     # monotonic start of the step running now
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -88,13 +96,20 @@ class AsyncEngine:
         return await asyncio.shield(self._ready)
 
     def check_alive(self) -> None:
-        """Raises EngineStoppedError when the engine thread is gone, or a
+        """Raises EngineStoppedError when the engine thread is gone, a
         tensor-parallel rank process of its engine died (the engine thread may
-        then wait in a collective for good)."""
+        then wait in a collective for good), or its current step has run for
+        longer than `stuck_step_s` (a rank that is alive but hung holds the
+        others in a collective, whose timeout is days)."""
         if self._failure is not None or self._stop.is_set() or not self._thread.is_alive():
             raise EngineStoppedError(f"the engine is not running: {self._failure or 'shut down'}")
         if self.engine is not None and (problem := self.engine.rank_problem()):
             raise EngineStoppedError(f"the engine is not running: {problem}")
+        started = self._step_started
+        if started is not None and (running := time.monotonic() - started) > self.stuck_step_s:
+            raise EngineStoppedError(f"the engine is stuck: its current step has run for {running:.0f} s "
+                                     f"(more than {self.stuck_step_s:g} s); a tensor-parallel rank or a kernel "
+                                     "hangs")
 
     # ---- asyncio side -------------------------------------------------------------------------
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -214,7 +229,12 @@ class AsyncEngine:
                     busy = True
             if engine.has_unfinished_requests():
                 self._cores.at_work()
-                self.deliver(engine.step(**self._step_kwargs))
+                self._step_started = time.monotonic()
+                try:
+                    outputs = engine.step(**self._step_kwargs)
+                finally:
+                    self._step_started = None
+                self.deliver(outputs)
                 self._measure(engine)
                 if not engine.last_step_empty:
                     continue

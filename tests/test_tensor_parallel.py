@@ -215,6 +215,34 @@ def test_the_health_check_sees_a_dead_rank(model_dirs):
     asyncio.run(asyncio.wait_for(main(), 120))
 
 
+def test_the_health_check_sees_a_rank_that_is_alive_but_stuck(model_dirs):
+    # a stopped (SIGSTOP) follower holds rank 0 in the step's first collective, whose timeout is
+    # days: the step's age tells the health check, so Serve can replace the replica
+    import asyncio
+
+    from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine.async_engine import AsyncEngine
+    from engine.errors import EngineStoppedError
+
+    async def main():
+        config = EngineConfig(model=str(model_dirs["tiny"]), max_model_len=128, tensor_parallel_size=2)
+        engine = AsyncEngine(lambda: LLMEngine(config), name="tp-stuck", cost_warmup_steps=0, stuck_step_s=1.0)
+        await engine.ready()
+        (pid,) = engine.engine.rank_pids
+        try:
+            os.kill(pid, signal.SIGSTOP)
+            await engine.call(lambda e: e.add_request("r", [5, 6, 7], SamplingParams(max_tokens=4)))
+            await asyncio.sleep(0.5)
+            engine.check_alive()                   # in its step, not yet for long
+            await asyncio.sleep(1.0)
+            with pytest.raises(EngineStoppedError, match="stuck: its current step has run for"):
+                engine.check_alive()
+        finally:
+            os.kill(pid, signal.SIGKILL)           # rank 0's collective fails; the engine thread ends
+            engine.shutdown()
+    asyncio.run(asyncio.wait_for(main(), 120))
+
+
 def test_an_error_every_rank_hits_at_start_keeps_its_type(model_dirs):
     """A setting every rank refuses is the user's to fix: it stays a ValueError
     (the CLI prints it and exits 2), not a report of a rank that exited."""
