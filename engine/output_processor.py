@@ -118,9 +118,9 @@ class RequestTextState:
         num_text = len(self.text)
         visible = num_text if finished else max(self.num_emitted_chars, num_text - self.hold_back)
         delta_text = self.text.slice(self.num_emitted_chars, visible)
-        start = seq.num_prompt_tokens + self.num_emitted_tokens
-        delta_ids = seq.token_ids[start:seq.num_known_tokens]
-        num_out = seq.num_known_tokens - seq.num_prompt_tokens
+        known = seq.num_known_tokens
+        delta_ids = seq.token_ids[seq.num_prompt_tokens + self.num_emitted_tokens:known]
+        num_out = known - seq.num_prompt_tokens
         self.num_emitted_chars, self.num_emitted_tokens = visible, num_out
         if self.output_kind is OutputKind.DELTA:
             text, token_ids = delta_text, delta_ids

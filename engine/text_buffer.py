@@ -52,6 +52,11 @@ class TextBuffer:
         end = self._len if end is None else end
         if start >= end:
             return ""
+        if self._pieces:    # most reads are within the newest piece: one slice
+            last = self._pieces[-1]
+            last_start = self._len - len(last)
+            if start >= last_start:
+                return last[start - last_start:end - last_start]
         found: list[str] = []
         part_end = self._len
         for part in self._parts_from_end():
