@@ -440,6 +440,9 @@ def test_a_worker_whose_engine_stopped_reports_no_room_to_the_router():
 
         def stats(self):
             return {"free_kv_blocks": 900.0}            # its last figures: stale
+
+        def shutdown(self):                             # the replica's __del__ stops its worker
+            pass
     replica = WorkerDeployment.__new__(WorkerDeployment)
     replica.worker = Stopped()
     stats = replica.record_routing_stats()
