@@ -75,67 +75,75 @@ class ModelRunner:
                          key=lambda sn: sn[0].num_computed_tokens)
         prefills = [(s, n) for s, n in work if not (n == 1 and s.num_computed_tokens > 0)]
         ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
+        positions: list[np.ndarray] = []       # decodes' as one array, then each prefill chunk's
+        slots: list[np.ndarray] = []           # the same order
+        decode_positions: list[int] = []
+        decode_slots: list[int] = []
         sample_rows: list[int] = []
         sampled: list[Sequence] = []
-        decode_tables: list[list[int]] = []
-        prefill_tables: list[list[int]] = []
+        decode_tables: list[np.ndarray] = []   # [used blocks] int32 views of each sequence's BlockTable
+        prefill_tables: list[np.ndarray] = []
         chunks: list[PrefillChunk] = []
         pending: list[tuple[int, Sequence]] = []
-        for seq, n in decodes + prefills:
+        for seq, n in decodes:
+            p = seq.num_computed_tokens
+            if seq.num_pending_tokens:
+                if seq.num_pending_tokens != 1:
+                    raise RuntimeError(f"request {seq.request_id}: only a decode's one input token may be pending")
+                pending.append((len(ids), seq))
+            ids.append(seq.token_ids[p])
+            decode_positions.append(p)
+            decode_slots.append(seq.block_table[p // bs] * bs + p % bs)
+            decode_tables.append(seq.block_table.ids[:p // bs + 1])
+            if p + 1 == seq.num_tokens:       # else the last token of a prompt chunked down to one
+                sample_rows.append(len(ids) - 1)
+                sampled.append(seq)
+        positions.append(np.array(decode_positions, dtype=np.int64))
+        slots.append(np.array(decode_slots, dtype=np.int64))
+        for seq, n in prefills:
             start = seq.num_computed_tokens
             end = start + n
             token_start = len(ids)
             if seq.num_pending_tokens:
-                if n != 1 or seq.num_pending_tokens != 1:
-                    raise RuntimeError(f"request {seq.request_id}: only a decode's one input token may be pending")
-                pending.append((token_start, seq))
+                raise RuntimeError(f"request {seq.request_id}: only a decode's one input token may be pending")
             ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            used = table[: -(-end // bs)]
-            if len(decode_tables) < len(decodes):
-                decode_tables.append(used)
-            else:
-                # the torch path gathers a cached prefix through this table; the paged path reads `tables`
-                prefix_table = used if start > 0 and not self.paged else []
-                chunks.append(PrefillChunk(token_start, n, end, torch.tensor(prefix_table, dtype=torch.long)))
-                prefill_tables.append(used)
+            chunk_positions = np.arange(start, end, dtype=np.int64)
+            used = seq.block_table.ids[:-(-end // bs)]
+            positions.append(chunk_positions)
+            slots.append(used[chunk_positions // bs].astype(np.int64) * bs + chunk_positions % bs)
+            # the torch path gathers a cached prefix through this table; the paged path reads `tables`
+            prefix_table = used if start > 0 and not self.paged else used[:0]
+            chunks.append(PrefillChunk(token_start, n, end, torch.from_numpy(prefix_table.astype(np.int64))))
+            prefill_tables.append(used)
             if end == seq.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 sampled.append(seq)
-        lens = [s.num_computed_tokens + 1 for s, _ in decodes]
+        slot_mapping = torch.from_numpy(np.concatenate(slots))
+        lens = [p + 1 for p in decode_positions]
         if self.paged:
-            meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long), [], chunks,
+            meta = AttentionMetadata(slot_mapping, [], chunks,
                                      self._paged_batch(decode_tables + prefill_tables, lens, chunks))
         else:
             meta = AttentionMetadata(
-                slot_mapping=torch.tensor(slots, dtype=torch.long),
+                slot_mapping=slot_mapping,
                 decode_groups=self._decode_groups(decode_tables, lens),
                 prefills=chunks,
             )
         inputs = ModelInputs(
             input_ids=torch.tensor(ids, dtype=torch.long),
-            positions=torch.tensor(positions, dtype=torch.long),
+            positions=torch.from_numpy(np.concatenate(positions)),
             meta=meta,
             sample_indices=torch.tensor(sample_rows, dtype=torch.long),
         )
         return inputs, sampled, pending
 
-    def _paged_batch(self, tables: list[list[int]], decode_lens: list[int],
+    def _paged_batch(self, tables: list[np.ndarray], decode_lens: list[int],
                      chunks: list[PrefillChunk]) -> PagedBatch:
         """Decodes then prefill chunks (`tables`: their used blocks, in that order),
         as block tables and lengths for the paged kernels."""
         num_decodes = len(decode_lens)
         lens = decode_lens + [c.context_len for c in chunks]
-        width = max((len(t) for t in tables), default=0) or 1
-        flat: list[int] = []            # one flat list through numpy: several times cheaper than nested lists
-        for t in tables:
-            flat.extend(t)
-            flat.extend([0] * (width - len(t)))
-        block_tables = torch.from_numpy(np.array(flat, dtype=np.int32)).view(len(tables), width)
+        block_tables = torch.from_numpy(_padded(tables, np.int32))
         query_start = [0]
         for c in chunks:
             query_start.append(query_start[-1] + c.num_tokens)
@@ -147,14 +155,15 @@ class ModelRunner:
             decode_splits=self.worker.decode_splits(num_decodes, max(decode_lens, default=1)),
             single_fresh_prefill=num_decodes == 0 and len(chunks) == 1 and not chunks[0].has_cached_prefix)
 
-    def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
+    def _decode_groups(self, tables: list[np.ndarray], lens: list[int]) -> list[DecodeGroup]:
         """Splits decodes (sorted by length) where padding to the group's longest
         would waste more than a quarter of the gathered keys. The C++ kernel
         gathers nothing: one group, with each sequence's length."""
         if self.cpp_decode:
             if not tables:
                 return []
-            return [DecodeGroup(0, _padded(tables), None, torch.tensor(lens, dtype=torch.long))]
+            return [DecodeGroup(0, torch.from_numpy(_padded(tables, np.int64)), None,
+                                torch.tensor(lens, dtype=torch.long))]
         groups = []
         start = 0
         while start < len(tables):
@@ -166,10 +175,10 @@ class ModelRunner:
             start = end
         return groups
 
-    def _decode_group(self, token_start: int, tables: list[list[int]], lens: list[int]) -> DecodeGroup:
+    def _decode_group(self, token_start: int, tables: list[np.ndarray], lens: list[int]) -> DecodeGroup:
         bs = self.block_size
         max_blocks = len(tables[-1])
-        padded = _padded(tables)
+        padded = torch.from_numpy(_padded(tables, np.int64))
         mask = None
         if any(n != max_blocks * bs for n in lens):
             mask = (torch.arange(max_blocks * bs)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
@@ -219,10 +228,13 @@ def _copy_to_host_async(ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Eve
     return host, ready
 
 
-def _padded(tables: list[list[int]]) -> torch.Tensor:
-    """[n, longest] int64 block tables, rows padded with block 0 (`tables` sorted by length)."""
-    width = len(tables[-1])
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+def _padded(tables: list[np.ndarray], dtype: type) -> np.ndarray:
+    """[n, longest] block tables of `dtype`, rows padded with block 0; at least one column."""
+    width = max((len(t) for t in tables), default=0) or 1
+    out = np.zeros((len(tables), width), dtype=dtype)
+    for row, table in zip(out, tables):
+        row[:len(table)] = table
+    return out
 
 
 def sampling_row(seq: Sequence) -> SamplingRow:

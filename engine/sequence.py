@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.block_table import BlockTable
 from engine.sampling_params import SamplingParams
 
 
@@ -41,7 +42,7 @@ class Sequence:
     eos_token_ids: tuple[int, ...] = ()
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0          # tokens whose K/V are in the cache
-    block_table: list[int] = field(default_factory=list)
+    block_table: BlockTable = field(default_factory=BlockTable)
     num_hashed_blocks: int = 0            # leading blocks registered for prefix caching
     num_cached_prompt_tokens: int = 0     # prompt tokens served from the prefix cache
     generator: torch.Generator | None = None
