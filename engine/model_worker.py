@@ -39,6 +39,7 @@ from engine.preflight import (
     kv_capacity_problem,
     tensor_parallel_problem,
 )
+from engine.sampler import Sampler, heaviest_rows
 
 log = logging.getLogger(__name__)
 
@@ -148,31 +149,54 @@ class ModelWorker:
 
     @torch.inference_mode()
     def _activation_reserve(self, spec: KVCacheSpec) -> int:
-        """CUDA bytes the forward passes need beside weights and KV, measured on a
-        scratch cache: the peak of the largest prefill step, plus that of the
-        largest captured decode batch, whose graph pool stays allocated."""
+        """CUDA bytes the steps need beside weights and KV, measured on a scratch
+        cache: the peak of the largest captured decode batch, whose graph pool
+        stays allocated, plus the larger of the largest prefill step's peak and
+        that of sampling the most rows a step can sample (max_num_seqs) with
+        every option that allocates; a step samples after its forward pass."""
         tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
         blocks = -(-tokens // spec.block_size)
         scratch = KVCache(spec, blocks, self.device)
         layers = scratch.layer_views()
         with_cache = torch.cuda.memory_allocated(self.device)
-        peaks = []
-        for inputs in (self._profile_inputs(tokens, prefill=True),
-                       self._profile_inputs(max(self.graph_sizes, default=0), prefill=False)):
-            if inputs is None:
-                continue
-            torch.cuda.reset_peak_memory_stats(self.device)
-            inputs = inputs.to(self.device)
-            hidden = self.model(inputs.input_ids, inputs.positions, layers, inputs.meta)
-            self.model.compute_logits(hidden[inputs.sample_indices])
-            del hidden
-            torch.cuda.synchronize(self.device)
-            peaks.append(torch.cuda.max_memory_allocated(self.device) - with_cache)
+        prefill_peak, decode_peak = (
+            self._forward_peak(self._profile_inputs(n, prefill=prefill), layers, with_cache)
+            for n, prefill in ((tokens, True), (max(self.graph_sizes, default=0), False)))
         del scratch, layers
         torch.cuda.empty_cache()
-        reserve = sum(peaks)
-        log.info("activation reserve %.0f MiB (peaks %s)", reserve / 2**20, [round(p / 2**20) for p in peaks])
+        sampling_peak = self._sampling_peak(self.config.max_num_seqs)
+        reserve = decode_peak + max(prefill_peak, sampling_peak)
+        log.info("activation reserve %.0f MiB (peaks: prefill %.0f, decode %.0f, sampling %.0f MiB)",
+                 reserve / 2**20, prefill_peak / 2**20, decode_peak / 2**20, sampling_peak / 2**20)
         return reserve
+
+    def _forward_peak(self, inputs: ModelInputs | None, layers: list, baseline: int) -> int:
+        """Peak CUDA bytes above `baseline` of one forward pass and its logits (0 for None)."""
+        if inputs is None:
+            return 0
+        torch.cuda.reset_peak_memory_stats(self.device)
+        inputs = inputs.to(self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, layers, inputs.meta)
+        self.model.compute_logits(hidden[inputs.sample_indices])
+        del hidden
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - baseline
+
+    def _sampling_peak(self, num_rows: int) -> int:
+        """Peak CUDA bytes of the logits of `num_rows` rows and the sampler's work on
+        them (rank 0 samples; every rank measures, and the ranks keep the smallest
+        KV pool)."""
+        baseline = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        hidden = torch.zeros(num_rows, self.model_config.hidden_size, dtype=self.dtype, device=self.device)
+        logits = self.model.compute_logits(hidden)
+        if logits is not None:
+            Sampler()(logits, heaviest_rows(num_rows, logits.shape[-1], self.device))
+        del hidden, logits
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - baseline
+        torch.cuda.empty_cache()
+        return peak
 
     def _profile_inputs(self, num_tokens: int, prefill: bool) -> ModelInputs | None:
         """A dummy step for `_activation_reserve`: one prompt of `num_tokens`, or

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.model.attention_metadata import to_device
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 # top_p is compared against float32 cumulative sums whose rounding error is ~1e-7;
 # the slack makes "mass above this token already reaches top_p" hold when the two
@@ -288,6 +288,20 @@ def sample_from_probs(probs: torch.Tensor, generators: Sequence[torch.Generator 
     # argmax would pick), so floor the noise at the smallest normal float.
     noise.clamp_(min=torch.finfo(noise.dtype).tiny)
     return (probs / noise).argmax(dim=-1)
+
+
+def heaviest_rows(num_rows: int, vocab_size: int, device: torch.device) -> list[SamplingRow]:
+    """Rows that take every allocating path of the sampler at once, for measuring
+    its peak memory: banned tokens, all three penalties, temperature, top-k over
+    the whole vocabulary (a full sort), top-p, min-p, the most logprobs, and half
+    the rows seeded beside half drawn from the batch generator (both noise
+    tensors live at once)."""
+    params = SamplingParams(temperature=0.8, top_k=vocab_size, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+                            presence_penalty=0.5, frequency_penalty=0.5, logprobs=MAX_LOGPROBS, max_tokens=2)
+    return [SamplingRow(params=params, prompt_token_ids=[0], output_token_ids=[1],
+                        generator=torch.Generator(device=device).manual_seed(i) if i % 2 else None,
+                        banned_token_ids=[2])
+            for i in range(num_rows)]
 
 
 # ---------------------------------------------------------------------------

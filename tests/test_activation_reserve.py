@@ -1,0 +1,55 @@
+"""What the GPU's KV sizing keeps free for a step: the decode graph pool plus the
+larger of the largest prefill's and the sampler's peaks, the sampler measured on
+rows that take every path that allocates. The CUDA memory counters are replaced
+by fakes so the bookkeeping runs here on the real model and sampler."""
+
+from __future__ import annotations
+
+import torch
+
+from engine import LLM
+from engine import sampler as sampler_module
+from engine.sampler import Sampler, heaviest_rows
+
+
+def test_the_heaviest_rows_take_every_path_that_allocates(monkeypatch):
+    called = []
+    for name in ("apply_banned_tokens", "apply_penalties", "apply_temperature", "apply_top_k", "apply_top_p",
+                 "apply_min_p", "_gather_logprobs"):
+        real = getattr(sampler_module, name)
+        monkeypatch.setattr(sampler_module, name,
+                            lambda *a, _real=real, _name=name, **k: (called.append(_name), _real(*a, **k))[1])
+    vocab = 300
+    rows = heaviest_rows(6, vocab, torch.device("cpu"))
+    result = Sampler()(torch.randn(6, vocab), rows)
+    assert sorted(set(called)) == sorted(["apply_banned_tokens", "apply_penalties", "apply_temperature",
+                                          "apply_top_k", "apply_top_p", "apply_min_p", "_gather_logprobs"])
+    assert rows[0].params.top_k == vocab                      # a top-k over the whole vocabulary sorts it all
+    assert [row.generator is None for row in rows] == [True, False] * 3
+    assert all(0 <= t < vocab and t != 2 for t in result.token_ids)          # token 2 is banned
+    assert all(len(lp.top) == 20 for lp in result.logprobs)
+
+
+def test_the_reserve_is_the_graph_pool_plus_the_larger_of_prefill_and_sampling(model_dirs, monkeypatch):
+    llm = LLM(str(model_dirs["tiny"]), max_model_len=128, max_num_seqs=12, dtype="float32")
+    worker = llm.engine.worker
+    spec = worker.kv_cache.spec
+    for name in ("reset_peak_memory_stats", "synchronize", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 1000)
+
+    sampled = []
+    real_call = Sampler.__call__
+    monkeypatch.setattr(Sampler, "__call__", lambda self, logits, rows: (sampled.append((logits.shape, len(rows))),
+                                                                          real_call(self, logits, rows))[1])
+    assert worker._sampling_peak(12) == 1000
+    assert sampled == [((12, worker.model_config.vocab_size), 12)]    # real logits of max_num_seqs rows
+
+    worker.graph_sizes = [1, 2, 4]
+    peaks = {"prefill": 300, "decode": 50}
+    monkeypatch.setattr(worker, "_forward_peak",
+                        lambda inputs, layers, baseline: peaks["prefill" if inputs.meta.prefills else "decode"])
+    for sampling, expected in ((200, 350), (700, 750)):
+        monkeypatch.setattr(worker, "_sampling_peak", lambda rows, _p=sampling: _p)
+        assert worker._activation_reserve(spec) == expected
