@@ -119,7 +119,8 @@ def build_application(config: DeploymentConfig) -> serve.Application:
         workers = {
             "prefill": prefill_app,
             "decode": decode.bind(config.engine_config("decode", model_path), transport,
-                                  config.kv_transfer.reserve_timeout_s, prefill=prefill_app),
+                                  config.kv_transfer.reserve_timeout_s, prefill=prefill_app,
+                                  staging_budget_bytes=int(config.kv_transfer.staging_mib * 2**20)),
         }
         d = config.disaggregation
         router_args["disaggregation"] = DisaggregationSettings(d.policy, d.local_prefill_max_tokens,

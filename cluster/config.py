@@ -95,6 +95,11 @@ class KVTransferSection(_Strict):
                            "(counted again from the start of a send; a send on the wire keeps it one more lease at most)")
     reserve_timeout_s: float = Field(120.0, gt=0, description="a decode worker refuses a request it found no "
                                      "free KV blocks for in this long")
+    staging_mib: float = Field(1024.0, gt=0, description="a decode worker's buffers for incoming KV stay within "
+                               "this much per rank (hand-offs past it wait for earlier ones to land; one larger "
+                               "than it goes alone); on a GPU, prefill and decode workers size their KV cache "
+                               "with this much left free, for these buffers and the packed copies a prefill "
+                               "worker sends from")
     secret_env: EnvName = Field(None, description="name of the environment variable that holds the secret "
                                    "a prefill worker proves to a decode worker before any KV moves (read where "
                                    "the application is built); default: a random secret made once per Ray cluster")
@@ -367,6 +372,7 @@ class DeploymentConfig(_Strict):
             cpu_weight_prepack=e.cpu_weight_prepack, skinny_gemm=e.skinny_gemm,
             async_scheduling=e.async_scheduling if pool.tensor_parallel_size == 1 else False,
             cpu_threads=max(1, int(cpus)) if self.device == "cpu" and cpus is not None else None,
+            kv_transfer_staging_gib=0.0 if role == "colocated" else self.kv_transfer.staging_mib / 1024,
             cpu_core_ledger=LEDGER_AUTO if self.lends_idle_cores() else None)
 
 

@@ -35,9 +35,10 @@ SEND_CALL_TIMEOUT_S = 60.0
 @serve.deployment(name="DecodeServer")
 class DecodeServer(WorkerDeployment):
     async def __init__(self, engine_config: EngineConfig, transport: TransportSettings | None = None,
-                       reserve_timeout_s: float = 120.0, prefill=None):
+                       reserve_timeout_s: float = 120.0, prefill=None, staging_budget_bytes: int | None = None):
         """`transport` and `prefill` (the PrefillServer deployment's handle):
-        both for disaggregated mode, neither for colocated mode."""
+        both for disaggregated mode, neither for colocated mode.
+        `staging_budget_bytes`: DecodeWorker's bound on receive buffers per rank."""
         await self.join_gang(engine_config)
         name = f"decode-{self.replica_id}"
         make_receiver, peer = None, None
@@ -46,7 +47,8 @@ class DecodeServer(WorkerDeployment):
             transport = dataclasses.replace(transport, host=ray.util.get_node_ip_address())
             make_receiver, peer = receiver_factory(transport, name), ServePrefillPeer(prefill)
         self.worker = DecodeWorker(engine_config, make_receiver, peer, reserve_timeout_s=reserve_timeout_s,
-                                   transfer_timeout_s=transport.timeout_s if transport else 60.0, name=name,
+                                   transfer_timeout_s=transport.timeout_s if transport else 60.0,
+                                   staging_budget_bytes=staging_budget_bytes, name=name,
                                    replica_id=self.replica_id)
         await self.worker.start()
 

@@ -6,8 +6,9 @@ class; decode_server.py wraps it for Ray Serve.
     generate(DecodeRequest) -> Admitted
       prefilled elsewhere, one small state machine per request, polled by the engine thread:
         RESERVING   blocks for the prompt's KV (waits while the cache is full)
-        RECEIVING   staging buffers posted; this worker asks the prefill replica
-                    that holds the KV to send it (by replica id)
+        RECEIVING   staging buffers posted (at most `staging_budget_bytes` per rank
+                    at once: a hand-off past it waits as for blocks); this worker
+                    asks the prefill replica that holds the KV to send it (by replica id)
         admitted    scattered into the blocks, joins the batch after its first token
                     (which the router already streamed); the prefill hold is released
       prefilled here: queued in this engine (prefill, then decode in the same batch)
@@ -83,8 +84,9 @@ class _HandOff:
     future: asyncio.Future                 # RESERVING: (bytes, arrival future); RECEIVING: None on arrival
     deadline: float
     block_ids: list[int] | None = None
+    staging_bytes: int = 0                 # RECEIVING: bytes of the receive buffers posted on each rank
     failed: bool = False                   # the transfer failed; waiting for the request's abort
-    room_seen: tuple[int, int] = (-1, -1)  # (free blocks, sequences in the batch) when a reserve last did not fit
+    room_seen: tuple[int, ...] = ()        # DecodeWorker._room when a reserve last did not fit
 
 
 @dataclass(slots=True)
@@ -97,10 +99,15 @@ class _Subscriber:
 class DecodeWorker:
     def __init__(self, config: EngineConfig, make_receiver: Callable[[int, torch.device], KVReceiver] | None = None,
                  prefill_peer: PrefillPeer | None = None, *, reserve_timeout_s: float = 60.0,
-                 transfer_timeout_s: float = 60.0, name: str = "decode", replica_id: str = ""):
+                 transfer_timeout_s: float = 60.0, staging_budget_bytes: int | None = None,
+                 name: str = "decode", replica_id: str = ""):
         """Without `make_receiver` and `prefill_peer` it prefills every request
-        itself (colocated). Call from a running event loop, then `await start()`."""
+        itself (colocated). `staging_budget_bytes`: the receive buffers posted at
+        once on each rank stay within it (None: no bound), except that a hand-off
+        with nothing else in flight always goes. Call from a running event loop,
+        then `await start()`."""
         self.config = config
+        self.staging_budget_bytes = staging_budget_bytes
         self.name = name
         self.replica_id = replica_id
         self.reserve_timeout_s = reserve_timeout_s
@@ -287,12 +294,16 @@ class DecodeWorker:
         in between); resolves the reserve future with (bytes, arrival future)."""
         r, prefill = handoff.request, handoff.request.prefill
         first = prefill.first
+        block_bytes = engine.worker.kv_cache.spec.bytes_per_block     # on each rank: K and V, all layers
+        staging = -(-len(r.prompt_token_ids) // engine.block_manager.block_size) * block_bytes
         try:
-            blocks = engine.reserve_prefilled(
-                r.request_id, r.prompt_token_ids, first.token_ids[0], r.params,
-                first_logprobs=first.logprobs[0] if first.logprobs else None,
-                generator_state=prefill.generator_state, first_token_emitted=True,
-                output_kind=OutputKind.DELTA)
+            blocks = None
+            if not self._staging_full(staging):
+                blocks = engine.reserve_prefilled(
+                    r.request_id, r.prompt_token_ids, first.token_ids[0], r.params,
+                    first_logprobs=first.logprobs[0] if first.logprobs else None,
+                    generator_state=prefill.generator_state, first_token_emitted=True,
+                    output_kind=OutputKind.DELTA)
             if blocks is not None:
                 nbytes = sum(engine.collective_rpc(kv_handoff.start_receive, r.transfer_id, len(blocks),
                                                    prefill.sender_names, prefill.num_kv_heads))
@@ -304,15 +315,17 @@ class DecodeWorker:
             settle_from_thread(handoff.future, exc=exc)
             return
         if blocks is None:
-            handoff.room_seen = _room(engine)
+            handoff.room_seen = self._room(engine)
             if time.monotonic() > handoff.deadline:
                 del self._handoffs[r.request_id]
                 settle_from_thread(handoff.future, exc=TimeoutError(
-                    f"{self.name} had no room for request {r.request_id} (free KV blocks, and a place among "
-                    f"its max_num_seqs {engine.scheduler.max_num_seqs}) for {self.reserve_timeout_s:.0f} s"))
+                    f"{self.name} had no room for request {r.request_id} (free KV blocks, a place among "
+                    f"its max_num_seqs {engine.scheduler.max_num_seqs}, and receive buffers within "
+                    f"kv_transfer.staging_mib) for {self.reserve_timeout_s:.0f} s"))
             return
         reserved = handoff.future
         handoff.phase, handoff.block_ids = Phase.RECEIVING, blocks
+        handoff.staging_bytes = len(blocks) * block_bytes
         handoff.future = reserved.get_loop().create_future()
         handoff.deadline = time.monotonic() + self.transfer_timeout_s
         settle_from_thread(reserved, (nbytes, handoff.future))
@@ -352,8 +365,23 @@ class DecodeWorker:
             settle_from_thread(handoff.future, exc=EngineStoppedError(
                 f"{self.name}'s engine stopped while request {rid} waited for its KV ({reason})"))
 
+    def _staging_in_use(self) -> int:
+        """Bytes of receive buffers posted on each rank (failed transfers' too, until their abort)."""
+        return sum(h.staging_bytes for h in self._handoffs.values() if h.phase is Phase.RECEIVING)
+
+    def _staging_full(self, staging_bytes: int) -> bool:
+        """Whether `staging_bytes` more would pass the budget while other receives are in flight."""
+        in_use = self._staging_in_use()
+        return self.staging_budget_bytes is not None and in_use > 0 and \
+            in_use + staging_bytes > self.staging_budget_bytes
+
+    def _room(self, engine: LLMEngine) -> tuple[int, int, int]:
+        """What a hand-off waits for: free KV blocks, sequences holding a place in
+        the batch, and the receive buffers in flight."""
+        return engine.block_manager.num_free_blocks, engine.scheduler.num_seqs_in_batch, self._staging_in_use()
+
     def _tick(self, engine: LLMEngine) -> bool:
-        room = _room(engine)
+        room = self._room(engine)
         now = time.monotonic()
         for handoff in [h for h in self._handoffs.values() if h.phase is Phase.RESERVING]:
             # blocks and places in the batch free up only as requests finish: retry when
@@ -382,11 +410,6 @@ class DecodeWorker:
 def _add_request(engine: LLMEngine, request_id: str, prompt_token_ids: list[int], params,
                  resume: ResumedOutput | None) -> None:
     engine.add_request(request_id, prompt_token_ids, params, resume=resume, output_kind=OutputKind.DELTA)
-
-
-def _room(engine: LLMEngine) -> tuple[int, int]:
-    """What a hand-off waits for: free KV blocks, and sequences holding a place in the batch."""
-    return engine.block_manager.num_free_blocks, engine.scheduler.num_seqs_in_batch
 
 
 def _aborted(request_id: str) -> RequestOutput:

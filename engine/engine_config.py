@@ -18,6 +18,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None            # fixed pool size; overrides the memory budget
     kv_cache_memory_gib: float = 1.0            # CPU: KV budget
     gpu_memory_utilization: float = 0.90        # CUDA: fraction of the device the process may use
+    kv_transfer_staging_gib: float = 0.0        # CUDA: of that, left free beside the KV cache for KV hand-off
+                                                # buffers (a disaggregated worker's)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
@@ -59,6 +61,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
+        if self.kv_transfer_staging_gib < 0:
+            raise ValueError(f"kv_transfer_staging_gib must be >= 0, got {self.kv_transfer_staging_gib}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.device.startswith("cuda:") and self.tensor_parallel_size > 1:

@@ -22,7 +22,7 @@ from engine.cpu_allocator import keep_freed_memory_in_heap
 from engine.cpu_count import usable_cpus
 from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from engine.engine_config import EngineConfig
-from engine.kv_cache import KVCache, KVCacheSpec, gpu_kv_budget_bytes
+from engine.kv_cache import GIB, KVCache, KVCacheSpec, gpu_kv_budget_bytes
 from engine.model import ModelConfig, load_model
 from engine.model.attention_metadata import (
     AttentionMetadata,
@@ -140,7 +140,8 @@ class ModelWorker:
         if self.device.type == "cuda" and config.num_kv_blocks is None:
             torch.cuda.empty_cache()   # what loading freed is free for the KV cache, not held by the allocator
             budget = gpu_kv_budget_bytes(self.device, config.gpu_memory_utilization)
-            num = spec.num_blocks_for(max(0, budget - self._activation_reserve(spec)))
+            staging = int(config.kv_transfer_staging_gib * GIB)
+            num = spec.num_blocks_for(max(0, budget - self._activation_reserve(spec) - staging))
         else:
             num = cpu_kv_blocks(config, spec, self.max_model_len)
         if problem := kv_capacity_problem(num, spec.block_size, self.max_model_len):

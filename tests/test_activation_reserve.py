@@ -53,3 +53,21 @@ def test_the_reserve_is_the_graph_pool_plus_the_larger_of_prefill_and_sampling(m
     for sampling, expected in ((200, 350), (700, 750)):
         monkeypatch.setattr(worker, "_sampling_peak", lambda rows, _p=sampling: _p)
         assert worker._activation_reserve(spec) == expected
+
+
+def test_the_kv_cache_on_a_gpu_leaves_the_staging_budget_free(model_dirs, monkeypatch):
+    from engine import model_worker
+
+    llm = LLM(str(model_dirs["tiny"]), max_model_len=128, dtype="float32")
+    worker = llm.engine.worker
+    spec = worker.kv_cache.spec
+    worker.device = torch.device("cuda")
+    worker.config.num_kv_blocks = None
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a, **k: None)
+    monkeypatch.setattr(model_worker, "gpu_kv_budget_bytes", lambda device, utilization: 10 * 2**30)
+    monkeypatch.setattr(worker, "_activation_reserve", lambda spec: 2**30)
+    worker.config.kv_transfer_staging_gib = 0.0
+    without = worker._num_kv_blocks(spec)
+    worker.config.kv_transfer_staging_gib = 2.0
+    assert without == 9 * 2**30 // spec.bytes_per_block
+    assert worker._num_kv_blocks(spec) == 7 * 2**30 // spec.bytes_per_block

@@ -185,3 +185,13 @@ def test_autoscaling_thresholds_in_the_file_reach_the_policy():
         DeploymentConfig.model_validate({"autoscaling": {"refusal_pressure": 1.5}})
     with pytest.raises(ValidationError, match="autoscaling.ttft_percentile"):
         DeploymentConfig.model_validate({"autoscaling": {"ttft_percentile": 1.0}})
+
+
+def test_the_kv_transfer_staging_budget_reaches_the_disaggregated_engines_only():
+    c = load_config(CONFIGS / "tiny-cpu.yaml", {"kv_transfer.staging_mib": 512})
+    assert c.engine_config("prefill", "/m").kv_transfer_staging_gib == 0.5
+    assert c.engine_config("decode", "/m").kv_transfer_staging_gib == 0.5
+    colocated = load_config(CONFIGS / "tiny-cpu.yaml", {"mode": "colocated"})
+    assert colocated.engine_config("colocated", "/m").kv_transfer_staging_gib == 0.0
+    with pytest.raises(ConfigFileError, match="staging_mib"):
+        load_config(None, {"kv_transfer.staging_mib": 0})

@@ -98,7 +98,8 @@ class LocalDecodePool:
 
 class Pair:
     def __init__(self, model_dir, hub: FakeTransportHub, lease_s: float = 30.0,
-                 policy: DisaggregationPolicy | None = None, max_migrations: int = 0):
+                 policy: DisaggregationPolicy | None = None, max_migrations: int = 0,
+                 staging_budget_bytes: int | None = None):
         """max_migrations 0 (migration off): these tests look at the hand-off's own retries."""
         config = EngineConfig(model=str(model_dir), max_model_len=128, block_size=8, dtype="float32",
                               num_kv_blocks=64)
@@ -106,7 +107,8 @@ class Pair:
         self.prefill = PrefillWorker(config, lambda rank, device: hub.sender(f"p{rank}"), lease_s=lease_s,
                                      replica_id="P")
         self.decode = DecodeWorker(config, lambda rank, device: hub.receiver(f"d{rank}"),
-                                   LocalPrefillPeer(self.prefill), transfer_timeout_s=10, replica_id="D")
+                                   LocalPrefillPeer(self.prefill), transfer_timeout_s=10,
+                                   staging_budget_bytes=staging_budget_bytes, replica_id="D")
         self.prefill_pool = LocalPrefillPool(self.prefill)
         self.decode_pool = LocalDecodePool(self.decode)
         self.backend = ServingBackend(ModelInfo("tiny", 128, 512), self.decode_pool, self.prefill_pool, policy,
@@ -158,6 +160,45 @@ def test_handoff_matches_transformers_greedy(model_dirs, reference):
     for prompt, out in zip(PROMPTS, outs):
         assert out.token_ids == reference("tiny").greedy(tuple(prompt), 10)
         assert out.finished and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("budget_blocks, most_in_flight", [(None, 4), (2, 2), (0.5, 1)])
+def test_receive_buffers_in_flight_stay_within_the_staging_budget(model_dirs, reference, monkeypatch,
+                                                                  budget_blocks, most_in_flight):
+    # four one-block prompts handed off at once over transfers that take 0.3 s each; a budget
+    # smaller than one request's KV still lets one at a time through
+    posted, in_flight = [], set()
+    start, finish, forget = kv_handoff.start_receive, kv_handoff.finish_receive, kv_handoff.forget_transfer
+
+    def counted_start(worker, transfer_id, num_blocks, *args):
+        in_flight.add(transfer_id)
+        posted.append(len(in_flight))
+        return start(worker, transfer_id, num_blocks, *args)
+
+    monkeypatch.setattr(kv_handoff, "start_receive", counted_start)
+    monkeypatch.setattr(kv_handoff, "finish_receive",
+                        lambda worker, tid, *a: (in_flight.discard(tid), finish(worker, tid, *a))[1])
+    monkeypatch.setattr(kv_handoff, "forget_transfer",
+                        lambda worker, tid: (in_flight.discard(tid), forget(worker, tid))[1])
+    prompts = [[5 + i, 6, 7, 8, 9, 10, 11] for i in range(4)]
+
+    async def main():
+        config = EngineConfig(model=str(model_dirs["tiny"]), max_model_len=128, block_size=8, dtype="float32",
+                              num_kv_blocks=64)
+        block_bytes = LLMEngine(config).worker.kv_cache.spec.bytes_per_block
+        budget = None if budget_blocks is None else int(budget_blocks * block_bytes)
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub(delay_s=0.3), staging_budget_bytes=budget).start()
+        try:
+            outs = await asyncio.gather(*[pair.run(str(i), p) for i, p in enumerate(prompts)])
+            await pair.wait_idle()
+            return outs
+        finally:
+            await pair.shutdown()
+
+    outs = run(main())
+    assert max(posted) == most_in_flight and len(posted) == 4
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == reference("tiny").greedy(tuple(prompt), 10)
 
 
 @pytest.mark.parametrize("when", ["connect", "transfer"])
