@@ -3,7 +3,12 @@ offline engine.
 
 The group is a torch.distributed backend (gloo for CPU tensors, NCCL for CUDA
 tensors) created directly on a prefixed TCP store, without
-`init_process_group`: nothing global is touched.
+`init_process_group`: nothing global is touched. Beside it, every gang has a
+gloo group for rank 0's commands and other pickled objects (`control`):
+followers wait for the next command there, blocked on a socket, for as long
+as rank 0 is idle. Waiting in an NCCL broadcast instead would keep a kernel
+spinning on every follower's GPU between requests, and pass each command
+through device memory and a host sync.
 
 `RankProcesses` starts ranks 1..N-1 as local processes that run
 `model_worker.follow` (rank 0 stays in the caller's process, where the
@@ -33,10 +38,13 @@ from engine.tcp_store import listening_store
 
 log = logging.getLogger(__name__)
 
-# Followers block in a broadcast while rank 0 is idle, so the collective timeout
-# must outlast any idle period. With gloo a dead peer is detected by its closed
-# socket; rank 0 also checks that the rank processes are alive before each step.
-IDLE_TIMEOUT = datetime.timedelta(days=7)
+# Followers wait for rank 0's next command in the control group for as long as it is idle,
+# so its timeout outlasts any idle period; a dead peer is detected by its closed socket, and
+# rank 0 also checks that the rank processes are alive before each step.
+CONTROL_TIMEOUT = datetime.timedelta(days=3650)
+# Tensor collectives run only within a command, all ranks at once; a rank stuck in one is
+# found sooner by rank 0's stuck-step check (engine/async_engine.py).
+COLLECTIVE_TIMEOUT = datetime.timedelta(days=7)
 CONNECT_TIMEOUT = datetime.timedelta(seconds=120)
 
 
@@ -58,19 +66,21 @@ def host_store(size: int) -> dist.TCPStore:
 def create_group(rank: int, size: int, host: str, port: int, backend: str, device: torch.device,
                  prefix: str = "tp", store: dist.Store | None = None) -> TensorParallel:
     """Joins (rank 0: hosts, unless `store` is its hosted store) the store at
-    host:port and builds the group."""
+    host:port and builds the tensor group and the control group."""
     if store is None:
         store = dist.TCPStore(host, port, size, rank == 0, timeout=CONNECT_TIMEOUT)
     store = dist.PrefixStore(f"{prefix}/", store)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = IDLE_TIMEOUT
+        opts._timeout = COLLECTIVE_TIMEOUT
         group = dist.ProcessGroupNCCL(store, rank, size, opts)
         comm_device = str(device)
     else:
-        group = dist.ProcessGroupGloo(store, rank, size, IDLE_TIMEOUT)
+        group = dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
         comm_device = "cpu"
-    return TensorParallel(rank=rank, size=size, group=group, comm_device=comm_device, store=store)
+    control = dist.ProcessGroupGloo(dist.PrefixStore("control/", store), rank, size, CONTROL_TIMEOUT)
+    return TensorParallel(rank=rank, size=size, group=group, comm_device=comm_device, store=store,
+                          control=control)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

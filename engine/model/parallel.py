@@ -25,6 +25,7 @@ class TensorParallel:
     group: Any = None            # a torch.distributed Backend (ProcessGroupGloo / ProcessGroupNCCL)
     comm_device: str = "cpu"     # where collective buffers live (cuda for NCCL)
     store: Any = None            # the TCP store the group was built on; kept alive with it
+    control: Any = None          # a gloo group over the same ranks for pickled objects (engine/tp_group.py)
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -70,7 +71,7 @@ class TensorParallel:
         return outputs[0] if self.is_first else None
 
     def broadcast_object(self, obj: Any = None) -> Any:
-        """Rank 0 sends `obj` (pickled); every rank returns it."""
+        """Rank 0 sends `obj` (pickled, over the control group); every rank returns it."""
         if self.size == 1:
             return obj
         opts = dist.BroadcastOptions()
@@ -81,30 +82,34 @@ class TensorParallel:
             length = torch.tensor([payload.numel()], dtype=torch.int64)
         else:
             length = torch.zeros(1, dtype=torch.int64)
-        length = length.to(self.comm_device)
-        self.group.broadcast([length], opts).wait()
+        self.control.broadcast([length], opts).wait()
         if not self.is_first:
             payload = torch.empty(int(length.item()), dtype=torch.uint8)
-        payload = payload.to(self.comm_device)
-        self.group.broadcast([payload], opts).wait()
-        return obj if self.is_first else pickle.loads(payload.cpu().numpy().tobytes())
+        self.control.broadcast([payload], opts).wait()
+        return obj if self.is_first else pickle.loads(payload.numpy().tobytes())
 
     def gather_objects_to_first(self, obj: Any) -> list[Any] | None:
-        """Rank 0 gets every rank's `obj` (pickled) in rank order; others get None."""
+        """Rank 0 gets every rank's `obj` (pickled, over the control group) in rank
+        order; others get None."""
         if self.size == 1:
             return [obj]
         payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)),
                                    dtype=torch.uint8)
         # gather needs equal shapes: pad to the longest payload (unpickling stops at
         # the pickle's own end, so the padding needs no length alongside)
-        longest = torch.tensor([-payload.numel()], dtype=torch.int64, device=self.comm_device)
-        self.all_reduce(longest, op="min")
-        padded = torch.zeros(int(-longest.item()), dtype=torch.uint8)
+        longest = torch.tensor([payload.numel()], dtype=torch.int64)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        self.control.allreduce([longest], opts).wait()
+        padded = torch.zeros(int(longest.item()), dtype=torch.uint8)
         padded[:payload.numel()] = payload
-        parts = self.gather_to_first(padded)
-        if parts is None:
+        gather = dist.GatherOptions()
+        gather.rootRank = 0
+        outputs = [[torch.empty_like(padded) for _ in range(self.size)]] if self.is_first else []
+        self.control.gather(outputs, [padded], gather).wait()
+        if not self.is_first:
             return None
-        return [pickle.loads(p.cpu().numpy().tobytes()) for p in parts]
+        return [pickle.loads(p.numpy().tobytes()) for p in outputs[0]]
 
 
 SINGLE_PROCESS = TensorParallel()
