@@ -272,8 +272,10 @@ class DecodeWorker:
         for blocks count as waiting; prompt tokens queued for a local prefill."""
         stats = self._engine.load_stats()
         if stats:
-            stats["num_waiting"] += sum(h.phase is Phase.RESERVING for h in list(self._handoffs.values()))
-            stats["num_receiving"] = float(sum(h.phase is Phase.RECEIVING for h in list(self._handoffs.values())))
+            handoffs = list(self._handoffs.values())
+            stats["num_waiting"] += sum(h.phase is Phase.RESERVING for h in handoffs)
+            stats["num_receiving"] = float(sum(h.phase is Phase.RECEIVING for h in handoffs))
+            stats["kv_staging_bytes"] = float(sum(h.staging_bytes for h in handoffs if h.phase is Phase.RECEIVING))
             stats["queued_prefill_tokens"] = float(sum(self._queued_prompt_tokens.values()))
         return stats
 

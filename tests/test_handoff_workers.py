@@ -271,10 +271,13 @@ def test_a_client_that_leaves_mid_transfer_frees_both_sides(model_dirs):
             while pair.decode.stats()["num_receiving"] == 0:
                 await asyncio.sleep(0.01)
             assert pair.decode.stats()["kv_cache_usage"] > 0 and pair.prefill.stats()["num_held"] == 1
+            one_block = pair.decode._engine.engine.worker.kv_cache.spec.bytes_per_block
+            assert pair.decode.stats()["kv_staging_bytes"] == one_block       # a 7-token prompt, blocks of 8
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
             await pair.wait_idle()
+            assert pair.decode.stats()["kv_staging_bytes"] == 0
         finally:
             await pair.shutdown()
     run(main())
