@@ -47,9 +47,6 @@ class BlockTable(list):
         self._array[n:n + len(new)] = new
         super().extend(new)
 
-    def clear(self) -> None:
-        super().clear()
-
     def _grow(self, needed: int) -> None:
         array = np.empty(max(needed, 2 * len(self._array)), dtype=np.int32)
         array[:len(self)] = self._array[:len(self)]
