@@ -26,7 +26,7 @@ import dataclasses
 import enum
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -275,7 +275,7 @@ class DecodeWorker:
             handoffs = list(self._handoffs.values())
             stats["num_waiting"] += sum(h.phase is Phase.RESERVING for h in handoffs)
             stats["num_receiving"] = float(sum(h.phase is Phase.RECEIVING for h in handoffs))
-            stats["kv_staging_bytes"] = float(sum(h.staging_bytes for h in handoffs if h.phase is Phase.RECEIVING))
+            stats["kv_staging_bytes"] = float(_receiving_bytes(handoffs))
             stats["queued_prefill_tokens"] = float(sum(self._queued_prompt_tokens.values()))
         return stats
 
@@ -367,20 +367,17 @@ class DecodeWorker:
             settle_from_thread(handoff.future, exc=EngineStoppedError(
                 f"{self.name}'s engine stopped while request {rid} waited for its KV ({reason})"))
 
-    def _staging_in_use(self) -> int:
-        """Bytes of receive buffers posted on each rank (failed transfers' too, until their abort)."""
-        return sum(h.staging_bytes for h in self._handoffs.values() if h.phase is Phase.RECEIVING)
-
     def _staging_full(self, staging_bytes: int) -> bool:
         """Whether `staging_bytes` more would pass the budget while other receives are in flight."""
-        in_use = self._staging_in_use()
+        in_use = _receiving_bytes(self._handoffs.values())
         return self.staging_budget_bytes is not None and in_use > 0 and \
             in_use + staging_bytes > self.staging_budget_bytes
 
     def _room(self, engine: LLMEngine) -> tuple[int, int, int]:
         """What a hand-off waits for: free KV blocks, sequences holding a place in
         the batch, and the receive buffers in flight."""
-        return engine.block_manager.num_free_blocks, engine.scheduler.num_seqs_in_batch, self._staging_in_use()
+        return (engine.block_manager.num_free_blocks, engine.scheduler.num_seqs_in_batch,
+                _receiving_bytes(self._handoffs.values()))
 
     def _tick(self, engine: LLMEngine) -> bool:
         room = self._room(engine)
@@ -412,6 +409,12 @@ class DecodeWorker:
 def _add_request(engine: LLMEngine, request_id: str, prompt_token_ids: list[int], params,
                  resume: ResumedOutput | None) -> None:
     engine.add_request(request_id, prompt_token_ids, params, resume=resume, output_kind=OutputKind.DELTA)
+
+
+def _receiving_bytes(handoffs: Iterable[_HandOff]) -> int:
+    """Bytes of receive buffers the hand-offs have posted on each rank (failed
+    transfers' too, until their abort)."""
+    return sum(h.staging_bytes for h in handoffs if h.phase is Phase.RECEIVING)
 
 
 def _aborted(request_id: str) -> RequestOutput:

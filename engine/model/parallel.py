@@ -63,11 +63,14 @@ class TensorParallel:
         rank); the other ranks get None."""
         if self.size == 1:
             return [x]
-        x = x.contiguous().to(self.comm_device)
+        return self._gather(self.group, x.contiguous().to(self.comm_device))
+
+    def _gather(self, group: Any, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """`gather_to_first` over `group` (the tensor group or the control group)."""
         opts = dist.GatherOptions()
         opts.rootRank = 0
         outputs = [[torch.empty_like(x) for _ in range(self.size)]] if self.is_first else []
-        self.group.gather(outputs, [x], opts).wait()
+        group.gather(outputs, [x], opts).wait()
         return outputs[0] if self.is_first else None
 
     def broadcast_object(self, obj: Any = None) -> Any:
@@ -103,13 +106,10 @@ class TensorParallel:
         self.control.allreduce([longest], opts).wait()
         padded = torch.zeros(int(longest.item()), dtype=torch.uint8)
         padded[:payload.numel()] = payload
-        gather = dist.GatherOptions()
-        gather.rootRank = 0
-        outputs = [[torch.empty_like(padded) for _ in range(self.size)]] if self.is_first else []
-        self.control.gather(outputs, [padded], gather).wait()
-        if not self.is_first:
+        parts = self._gather(self.control, padded)
+        if parts is None:
             return None
-        return [pickle.loads(p.numpy().tobytes()) for p in outputs[0]]
+        return [pickle.loads(p.numpy().tobytes()) for p in parts]
 
 
 SINGLE_PROCESS = TensorParallel()
