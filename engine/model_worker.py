@@ -12,8 +12,8 @@ the layers (all-reduce, logits gather) keep the ranks in lockstep.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -357,4 +357,7 @@ def follower_main(rank: int, size: int, port: int, parent_pid: int, config: Engi
         follow(ModelWorker(config, tp))
     except Exception:
         log.exception("tensor-parallel rank %d failed", rank)
-        sys.exit(1)
+        # at once: an orderly exit would first tear down this rank's groups, whose gloo
+        # pairs wait on rank 0, which waits to see this process gone to say which rank failed
+        logging.shutdown()
+        os._exit(1)
