@@ -114,13 +114,14 @@ def build_application(config: DeploymentConfig) -> serve.Application:
         transport = TransportSettings(timeout_s=config.kv_transfer.timeout_s, secret=config.kv_transfer_secret())
         prefill = _worker_options(PrefillServer, config, "prefill", "queued_prefill_tokens", "min")
         decode = _worker_options(DecodeServer, config, "decode", "free_kv_blocks", "max", "kv_block_size")
+        staging_bytes = int(config.kv_transfer.staging_mib * 2**20)
         prefill_app = prefill.bind(config.engine_config("prefill", model_path), transport,
-                                   config.kv_transfer.lease_s)
+                                   config.kv_transfer.lease_s, staging_budget_bytes=staging_bytes)
         workers = {
             "prefill": prefill_app,
             "decode": decode.bind(config.engine_config("decode", model_path), transport,
                                   config.kv_transfer.reserve_timeout_s, prefill=prefill_app,
-                                  staging_budget_bytes=int(config.kv_transfer.staging_mib * 2**20)),
+                                  staging_budget_bytes=staging_bytes),
         }
         d = config.disaggregation
         router_args["disaggregation"] = DisaggregationSettings(d.policy, d.local_prefill_max_tokens,

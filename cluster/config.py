@@ -95,11 +95,11 @@ class KVTransferSection(_Strict):
                            "(counted again from the start of a send; a send on the wire keeps it one more lease at most)")
     reserve_timeout_s: float = Field(120.0, gt=0, description="a decode worker refuses a request it found no "
                                      "free KV blocks for in this long")
-    staging_mib: float = Field(1024.0, gt=0, description="a decode worker's buffers for incoming KV stay within "
-                               "this much per rank (hand-offs past it wait for earlier ones to land; one larger "
-                               "than it goes alone); on a GPU, prefill and decode workers size their KV cache "
-                               "with this much left free, for these buffers and the packed copies a prefill "
-                               "worker sends from")
+    staging_mib: float = Field(1024.0, gt=0, description="a decode worker's buffers for incoming KV, and a "
+                               "prefill worker's packed copies of the KV it sends, stay within this much per rank "
+                               "(hand-offs past it wait for earlier ones to end; one larger than it goes alone); "
+                               "on a GPU, prefill and decode workers size their KV cache with this much left free "
+                               "for them")
     secret_env: EnvName = Field(None, description="name of the environment variable that holds the secret "
                                    "a prefill worker proves to a decode worker before any KV moves (read where "
                                    "the application is built); default: a random secret made once per Ray cluster")

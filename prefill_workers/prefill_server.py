@@ -23,10 +23,13 @@ from prefill_workers.prefill_worker import PrefillWorker
 
 @serve.deployment(name="PrefillServer")
 class PrefillServer(WorkerDeployment):
-    async def __init__(self, engine_config: EngineConfig, transport: TransportSettings, lease_s: float = 60.0):
+    async def __init__(self, engine_config: EngineConfig, transport: TransportSettings, lease_s: float = 60.0,
+                       staging_budget_bytes: int | None = None):
+        """`staging_budget_bytes`: PrefillWorker's bound on packed send copies per rank."""
         await self.join_gang(engine_config)
         name = f"prefill-{self.replica_id}"
-        self.worker = PrefillWorker(engine_config, sender_factory(transport, name), lease_s=lease_s, name=name,
+        self.worker = PrefillWorker(engine_config, sender_factory(transport, name), lease_s=lease_s,
+                                    staging_budget_bytes=staging_budget_bytes, name=name,
                                     replica_id=self.replica_id)
         await self.worker.start()
 

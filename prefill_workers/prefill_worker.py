@@ -4,8 +4,9 @@ to a decode worker (plain class; prefill_server.py wraps it for Ray Serve).
     prefill(request) ─▶ waiting ─▶ running (batched, chunked prefill; prefix cache on)
                                      │ first token sampled: returned at once (the client's TTFT)
                                      ▼
-                                 holding: KV blocks kept ──send_kv──▶ sending (packed copies on the wire)
-                                     │   (asked by the decode worker that posted the receives)
+                                 holding: KV blocks kept ──send_kv──▶ sending (packed copies on the wire;
+                                     │   (asked by the decode worker    at most `staging_budget_bytes` of
+                                     │    that posted the receives)     them per rank: send_budget.py)
                   release (the decode side has the KV), abort, or lease expiry
                   (a decode worker still waiting for free blocks renews the lease)
                                      ▼
@@ -39,6 +40,7 @@ from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine, StepStats
 from engine.outputs import OutputKind, RequestOutput
 from engine.sampling_params import SamplingParams
+from prefill_workers.send_budget import SendBudget
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,7 @@ _LEASE_MARGIN_S = 1.0
 @dataclass(slots=True)
 class _Hold:
     deadline: float                      # monotonic; the lease
+    num_blocks: int
     transfer_id: str | None = None       # set once send_kv started
     transfer_state: TransferState | None = None
     release_requested: bool = False
@@ -57,8 +60,11 @@ class _Hold:
 
 class PrefillWorker:
     def __init__(self, config: EngineConfig, make_sender: Callable[[int, torch.device], KVSender], *,
-                 lease_s: float = 60.0, name: str = "prefill", replica_id: str = ""):
-        """Call from a running event loop, then `await start()`."""
+                 lease_s: float = 60.0, staging_budget_bytes: int | None = None, name: str = "prefill",
+                 replica_id: str = ""):
+        """`staging_budget_bytes`: the packed copies that sends in flight hold on
+        each rank stay within it (None: no bound), except that a send with nothing
+        else in flight always goes. Call from a running event loop, then `await start()`."""
         self.config = config
         self.name = name
         self.replica_id = replica_id
@@ -68,12 +74,16 @@ class PrefillWorker:
         self._holds: dict[str, _Hold] = {}     # touched only on the engine thread
         self._sends_to_note: set[str] = set()  # sent off the engine thread, _note_send not run yet
         self._queued_prompt_tokens: dict[str, int] = {}
+        self._send_budget = SendBudget(staging_budget_bytes)
         self.sender_names: list[str] = []
         self.num_kv_heads = 0
+        self._head_block_bytes = 0   # one KV head of one block, K and V, all layers
 
     async def start(self) -> None:
         engine = await self._engine.ready()
         self.num_kv_heads = engine.model_config.num_kv_heads
+        spec = engine.kv_cache.spec
+        self._head_block_bytes = spec.bytes_per_block // spec.num_kv_heads
         self.sender_names = await self._engine.call(LLMEngine.collective_rpc, kv_handoff.attach_sender,
                                                     self._make_sender)
         self._engine.add_ticker(self._tick)
@@ -99,8 +109,24 @@ class PrefillWorker:
 
     async def send_kv(self, request_id: str, transfer_id: str, receivers: list[PeerAddress]) -> int:
         """Starts sending the held KV to a decode gang (one address per decode
-        rank, whose receives are already posted); returns the bytes queued.
-        Raises KeyError when the request holds nothing here."""
+        rank, whose receives are already posted), once the packed copies fit in
+        the staging budget; returns the bytes queued. Raises KeyError when the
+        request holds nothing here."""
+        hold = self._holds.get(request_id)
+        nbytes = 0
+        if hold is not None:
+            nbytes = kv_handoff.packed_bytes_per_rank(hold.num_blocks, self._head_block_bytes, self.num_kv_heads,
+                                                      self.config.tensor_parallel_size, len(receivers))
+            if hold.transfer_id not in (None, transfer_id):   # a retry: the send it replaces is forgotten first
+                self._send_budget.release(hold.transfer_id)
+        await self._send_budget.acquire(transfer_id, nbytes)
+        try:
+            return await self._send(request_id, transfer_id, receivers)
+        except BaseException:
+            self._send_budget.release(transfer_id)
+            raise
+
+    async def _send(self, request_id: str, transfer_id: str, receivers: list[PeerAddress]) -> int:
         if self.config.tensor_parallel_size > 1:   # every rank packs its heads: between steps
             return await self._engine.call(self._start_send, request_id, transfer_id, receivers)
         engine = self._engine.engine
@@ -141,11 +167,13 @@ class PrefillWorker:
 
     def stats(self) -> dict[str, float]:
         """Load figures for routing and metrics: the engine's, the prompt tokens
-        not yet prefilled, and the requests holding KV."""
+        not yet prefilled, the requests holding KV, and the packed copies of
+        sends in flight (per rank)."""
         stats = self._engine.load_stats()
         if stats:
             stats["queued_prefill_tokens"] = float(sum(self._queued_prompt_tokens.values()))
             stats["num_held"] = float(len(self._holds))
+            stats["kv_staging_bytes"] = float(self._send_budget.in_flight_bytes)
         return stats
 
     def shutdown(self) -> None:
@@ -164,7 +192,7 @@ class PrefillWorker:
         if out.finished:   # nothing left to decode: nobody will ask for the KV
             engine.release_kv(out.request_id)
         else:
-            self._holds[out.request_id] = _Hold(deadline)
+            self._holds[out.request_id] = _Hold(deadline, len(seq.block_table))
         return result
 
     def _note_send(self, engine: LLMEngine, request_id: str, transfer_id: str) -> None:
@@ -172,7 +200,7 @@ class PrefillWorker:
         self._sends_to_note.discard(request_id)
         hold = self._holds.get(request_id)
         if hold is None:   # dropped meanwhile (abort, lease): stop the send
-            engine.collective_rpc(kv_handoff.forget_transfer, transfer_id)
+            self._forget_send(engine, transfer_id)
             return
         hold.transfer_id, hold.transfer_state = transfer_id, TransferState.PENDING
         self._renew(engine, request_id)
@@ -184,7 +212,7 @@ class PrefillWorker:
             raise KeyError(f"request {request_id!r} holds no KV on {self.name} (lease expired or aborted)")
         if hold.transfer_id is not None:
             # a retry towards another decode worker: the router gave up on the last attempt
-            engine.collective_rpc(kv_handoff.forget_transfer, hold.transfer_id)
+            self._forget_send(engine, hold.transfer_id)
         block_ids = list(engine.held_sequence(request_id).block_table)
         nbytes = sum(engine.collective_rpc(kv_handoff.start_send, transfer_id, block_ids, receivers,
                                            self.num_kv_heads))
@@ -210,8 +238,12 @@ class PrefillWorker:
     def _drop(self, engine: LLMEngine, request_id: str) -> None:
         hold = self._holds.pop(request_id, None)
         if hold is not None and hold.transfer_id is not None:
-            engine.collective_rpc(kv_handoff.forget_transfer, hold.transfer_id)
+            self._forget_send(engine, hold.transfer_id)
         engine.abort_request(request_id)
+
+    def _forget_send(self, engine: LLMEngine, transfer_id: str) -> None:
+        engine.collective_rpc(kv_handoff.forget_transfer, transfer_id)
+        self._send_budget.release(transfer_id)
 
     def _tick(self, engine: LLMEngine) -> bool:
         """Polls the sends in flight, frees released holds and expired leases."""
@@ -223,6 +255,8 @@ class PrefillWorker:
                 state, error = kv_handoff.combine_states([r[tid] for r in per_rank])
                 hold = self._holds[rid]
                 hold.transfer_state = state
+                if state.is_final:
+                    self._send_budget.release(tid)
                 if state is TransferState.FAILED:
                     log.warning("KV send of %s failed: %s", rid, error)
                 if state.is_final and hold.release_requested:

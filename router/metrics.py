@@ -57,7 +57,8 @@ WORKER_GAUGES = (
      "CPU cores a worker borrows from idle engines on its machine for its current step."),
     ("num_held", "pdserve_worker_kv_holds", "Requests whose KV a prefill worker holds for a decode worker."),
     ("kv_staging_bytes", "pdserve_worker_kv_staging_bytes",
-     "Bytes of receive buffers for incoming KV a decode worker has posted, per rank (kv_transfer.staging_mib)."),
+     "Bytes of KV hand-off buffers in flight per rank: receive buffers a decode worker posted, packed copies "
+     "a prefill worker sends (kv_transfer.staging_mib)."),
     ("prefill_s_per_token", "pdserve_worker_prefill_seconds_per_token",
      "A worker's measured prefill cost per prompt token (its last 16 prefill steps' time over their tokens)."),
 )

@@ -99,13 +99,14 @@ class LocalDecodePool:
 class Pair:
     def __init__(self, model_dir, hub: FakeTransportHub, lease_s: float = 30.0,
                  policy: DisaggregationPolicy | None = None, max_migrations: int = 0,
-                 staging_budget_bytes: int | None = None):
-        """max_migrations 0 (migration off): these tests look at the hand-off's own retries."""
+                 staging_budget_bytes: int | None = None, send_budget_bytes: int | None = None):
+        """max_migrations 0 (migration off): these tests look at the hand-off's own retries.
+        The staging budgets: the decode worker's, the prefill worker's."""
         config = EngineConfig(model=str(model_dir), max_model_len=128, block_size=8, dtype="float32",
                               num_kv_blocks=64)
         self.hub = hub
         self.prefill = PrefillWorker(config, lambda rank, device: hub.sender(f"p{rank}"), lease_s=lease_s,
-                                     replica_id="P")
+                                     staging_budget_bytes=send_budget_bytes, replica_id="P")
         self.decode = DecodeWorker(config, lambda rank, device: hub.receiver(f"d{rank}"),
                                    LocalPrefillPeer(self.prefill), transfer_timeout_s=10,
                                    staging_budget_bytes=staging_budget_bytes, replica_id="D")
@@ -197,6 +198,59 @@ def test_receive_buffers_in_flight_stay_within_the_staging_budget(model_dirs, re
 
     outs = run(main())
     assert max(posted) == most_in_flight and len(posted) == 4
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == reference("tiny").greedy(tuple(prompt), 10)
+
+
+@pytest.mark.parametrize("budget_blocks, most_in_flight", [(None, 4), (2, 2), (0.5, 1)])
+def test_packed_sends_in_flight_stay_within_the_prefill_staging_budget(model_dirs, reference, monkeypatch,
+                                                                       budget_blocks, most_in_flight):
+    # the decode side takes all four one-block hand-offs at once (no budget of its own, as with
+    # four decode workers); the prefill side packs and sends at most its budget's worth at a time
+    started, in_flight, seen = [], set(), []
+    start, poll, forget = kv_handoff.start_send, kv_handoff.poll_transfers, kv_handoff.forget_transfer
+
+    def counted_start(worker, transfer_id, *args):
+        in_flight.add(transfer_id)
+        started.append(len(in_flight))
+        return start(worker, transfer_id, *args)
+
+    def counted_poll(worker, transfer_ids):
+        states = poll(worker, transfer_ids)
+        in_flight.difference_update(tid for tid, (state, _) in states.items() if state.is_final)
+        return states
+
+    monkeypatch.setattr(kv_handoff, "start_send", counted_start)
+    monkeypatch.setattr(kv_handoff, "poll_transfers", counted_poll)
+    monkeypatch.setattr(kv_handoff, "forget_transfer",
+                        lambda worker, tid: (in_flight.discard(tid), forget(worker, tid))[1])
+    prompts = [[5 + i, 6, 7, 8, 9, 10, 11] for i in range(4)]
+
+    async def main():
+        config = EngineConfig(model=str(model_dirs["tiny"]), max_model_len=128, block_size=8, dtype="float32",
+                              num_kv_blocks=64)
+        block_bytes = LLMEngine(config).worker.kv_cache.spec.bytes_per_block
+        budget = None if budget_blocks is None else int(budget_blocks * block_bytes)
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub(delay_s=0.3), send_budget_bytes=budget).start()
+
+        async def watch():
+            while True:
+                seen.append(pair.prefill.stats()["kv_staging_bytes"] / block_bytes)
+                await asyncio.sleep(0.01)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            outs = await asyncio.gather(*[pair.run(str(i), p) for i, p in enumerate(prompts)])
+            await pair.wait_idle()
+            assert pair.prefill.stats()["kv_staging_bytes"] == 0
+            return outs
+        finally:
+            watcher.cancel()
+            await pair.shutdown()
+
+    outs = run(main())
+    assert max(started) == most_in_flight and len(started) == 4
+    assert max(seen) == most_in_flight     # the stat counts the packed copies, one block each
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == reference("tiny").greedy(tuple(prompt), 10)
 
@@ -545,7 +599,10 @@ def test_kv_arrives_bit_for_bit_between_tp_gangs(model_dirs, reference, prefill_
         src_blocks = prefill.held_sequence("r").block_table
         dst_blocks = decode.reserve_prefilled("r", prompt, first.token_ids[0], GREEDY)
         decode.collective_rpc(kv_handoff.start_receive, "t", len(dst_blocks), names, heads)
-        prefill.collective_rpc(kv_handoff.start_send, "t", src_blocks, addresses, heads)
+        packed = prefill.collective_rpc(kv_handoff.start_send, "t", src_blocks, addresses, heads)
+        spec = prefill.kv_cache.spec
+        assert max(packed) == kv_handoff.packed_bytes_per_rank(
+            len(src_blocks), spec.bytes_per_block // spec.num_kv_heads, heads, prefill_tp, decode_tp)
         deadline = time.monotonic() + 30
         _wait(decode, "t", deadline)
         _wait(prefill, "t", deadline)

@@ -244,3 +244,34 @@ def test_pdserve_plan_slo_rejects_bad_input(capsys):
                       (["--random-input-len", "7200", "--random-output-len", "1000"], "exceed the 8192-token")):
         assert main(["plan", "--model", "llama-3-8b", "--slo", "ttft:1000", "--gpus", "2", *bad]) == 2
         assert says in capsys.readouterr().err, bad
+
+
+def test_prefill_and_decode_replicas_leave_the_kv_staging_budget_free():
+    # as the engines size their caches (kv_transfer.staging_mib): a disaggregated TP-4 replica of 70B
+    # holds 1 GiB per rank less KV than a colocated one, in the planner and in the simulator
+    from cluster.config import load_config
+    from cluster.planner.search import Candidate, roofline_spec_builder
+    from cluster.simulator.from_config import kv_blocks
+    from engine.memory_planner import kv_bytes_per_token
+    from engine.model.model_config import ModelConfig
+    model = ModelConfig.from_pretrained("configs/models/llama-3-70b")
+    block_bytes_per_rank = kv_bytes_per_token(model, 4, "bfloat16") * 16
+    one_gib_of_blocks = 2**30 / block_bytes_per_rank                   # 819.2
+    build = roofline_spec_builder(model, gpu="H100-SXM", dtype="bfloat16", max_model_len=8192)
+    colocated, _ = build(Candidate("colocated", 0, 0, 1, 4))
+    disaggregated, _ = build(Candidate("disaggregated", 1, 4, 1, 4))
+    lost = colocated.decode.num_kv_blocks - disaggregated.decode.num_kv_blocks
+    assert lost == pytest.approx(one_gib_of_blocks, abs=1)
+    assert disaggregated.prefill.num_kv_blocks == disaggregated.decode.num_kv_blocks
+    half, _ = roofline_spec_builder(model, gpu="H100-SXM", dtype="bfloat16", max_model_len=8192,
+                                    kv_transfer_staging_gib=0.5)(Candidate("disaggregated", 1, 4, 1, 4))
+    assert half.decode.num_kv_blocks - disaggregated.decode.num_kv_blocks == pytest.approx(one_gib_of_blocks / 2,
+                                                                                           abs=1)
+
+    def simulated(overrides):
+        config = load_config("configs/llama-3-70b-8xh100.yaml", overrides)
+        pool = config.colocated if config.mode.value == "colocated" else config.decode
+        return kv_blocks(config, pool, model, "bfloat16", 8192)
+    assert simulated({}) == disaggregated.decode.num_kv_blocks
+    assert simulated({"kv_transfer.staging_mib": 512}) == half.decode.num_kv_blocks
+    assert simulated({"mode": "colocated", "colocated.tensor_parallel_size": 4}) == colocated.decode.num_kv_blocks

@@ -320,9 +320,12 @@ def roofline_spec_builder(model_config, *, gpu: str, dtype: str, max_model_len: 
                           gpu_memory_utilization: float = 0.9, policy: str = "always",
                           link_efficiency: float = 0.7, kv_latency_s: float = 1e-3,
                           models: dict[int, StepTimeModel] | None = None, gpu_memory_gib: float | None = None,
-                          overhead_gib: float = 1.0) -> Callable[[Candidate], tuple[ClusterSpec | None, str]]:
+                          overhead_gib: float = 1.0, kv_transfer_staging_gib: float = 1.0,
+                          ) -> Callable[[Candidate], tuple[ClusterSpec | None, str]]:
     """Builds ClusterSpecs for candidates: KV capacity from the memory planner
-    (GPUs of `gpu_memory_gib`, default the GPU type's), step times from
+    (GPUs of `gpu_memory_gib`, default the GPU type's; prefill and decode
+    replicas leave `kv_transfer_staging_gib` more free for hand-off buffers,
+    as the engines do: kv_transfer.staging_mib), step times from
     `models[tp]` when given (a profile), else the roofline; hand-offs over
     NVLink at `link_efficiency` of its per-direction rate; the router's 400
     past `max_model_len`."""
@@ -330,34 +333,37 @@ def roofline_spec_builder(model_config, *, gpu: str, dtype: str, max_model_len: 
     from engine.memory_planner import kv_bytes_per_token, plan
 
     gpu_spec = GPU_SPECS[gpu]
-    cache: dict[int, tuple[ReplicaSpec | None, str]] = {}
+    cache: dict[tuple[int, bool], tuple[ReplicaSpec | None, str]] = {}
 
-    def replica(tp: int) -> tuple[ReplicaSpec | None, str]:
-        if tp not in cache:
+    def replica(tp: int, hands_off: bool) -> tuple[ReplicaSpec | None, str]:
+        key = (tp, hands_off)
+        if key not in cache:
             p = plan(model_config, tp=tp, gpu_memory_gib=gpu_memory_gib or gpu_spec.memory_gib,
                      gpu_memory_utilization=gpu_memory_utilization, dtype=dtype, max_model_len=max_model_len,
-                     gpu_type=gpu, block_size=block_size, overhead_gib=overhead_gib)
+                     gpu_type=gpu, block_size=block_size,
+                     overhead_gib=overhead_gib + (kv_transfer_staging_gib if hands_off else 0.0))
             if not p.fits:
-                cache[tp] = (None, "; ".join(p.problems) or "does not fit")
+                cache[key] = (None, "; ".join(p.problems) or "does not fit")
             elif models is not None and tp not in models:
-                cache[tp] = (None, f"the profile has no TP {tp}")
+                cache[key] = (None, f"the profile has no TP {tp}")
             else:
                 model = models[tp] if models is not None else RooflineStepModel.for_model(
                     model_config, gpu=gpu, tp=tp, dtype=dtype)
-                cache[tp] = (ReplicaSpec(model, p.kv_tokens_capacity // block_size, block_size, max_num_seqs,
-                                         max_num_batched_tokens), "")
-        return cache[tp]
+                cache[key] = (ReplicaSpec(model, p.kv_tokens_capacity // block_size, block_size, max_num_seqs,
+                                          max_num_batched_tokens), "")
+        return cache[key]
 
     kv_per_token = kv_bytes_per_token(model_config, 1, dtype)
 
     def build(cand: Candidate) -> tuple[ClusterSpec | None, str]:
-        decode, why = replica(cand.decode_tp)
+        hands_off = cand.mode != "colocated"
+        decode, why = replica(cand.decode_tp, hands_off)
         if decode is None:
             return None, f"TP {cand.decode_tp}: {why}"
         if cand.mode == "colocated":
             return ClusterSpec("colocated", decode=decode, decode_replicas=cand.decode_replicas,
                                max_model_len=max_model_len), ""
-        prefill, why = replica(cand.prefill_tp)
+        prefill, why = replica(cand.prefill_tp, True)
         if prefill is None:
             return None, f"TP {cand.prefill_tp}: {why}"
         return ClusterSpec("disaggregated", prefill=prefill, decode=decode, prefill_replicas=cand.prefill_replicas,

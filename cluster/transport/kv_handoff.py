@@ -16,8 +16,10 @@ flight.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -85,6 +87,23 @@ def start_send(worker, transfer_id: str, block_ids: list[int], receivers: list[P
         forget_transfer(worker, transfer_id)
         raise
     return nbytes
+
+
+def packed_bytes_per_rank(num_blocks: int, head_block_bytes: int, num_kv_heads: int, src_tp: int,
+                          dst_tp: int) -> int:
+    """What `start_send` packs for `num_blocks` blocks on the prefill rank that
+    packs most (`head_block_bytes`: one KV head of one block, K and V, all layers)."""
+    return num_blocks * head_block_bytes * _most_heads_sent(num_kv_heads, src_tp, dst_tp)
+
+
+@lru_cache(maxsize=64)
+def _most_heads_sent(num_kv_heads: int, src_tp: int, dst_tp: int) -> int:
+    """Heads one source rank packs per block, at most over the ranks (a head
+    replicated on several decode ranks is packed once for each)."""
+    heads = Counter()
+    for t in kv_transfer_plan(num_kv_heads, src_tp, dst_tp):
+        heads[t.src_rank] += t.num_heads
+    return max(heads.values())
 
 
 # ---- decode side ----------------------------------------------------------------------------
