@@ -28,7 +28,9 @@ Per interval:
    interval serving, and refusals from before it served count no more.
 5. Guards, per role: min/max and the budget; replicas still starting count as
    capacity already coming; scaling up waits `upscale_cooldown_s` after the
-   last scale-up, scaling down `downscale_cooldown_s` after any change, goes
+   last scale-up, scaling down `downscale_cooldown_s` after any change of the
+   role (the pools as deployed count as one, except for a re-split: the split
+   deployed is a guess, not a decision the load has confirmed), goes
    one replica at a time, never while one of the role is starting; and unless
    the budget needs the replica elsewhere, only when requests finished in the
    interval with the role's latency (TTFT for prefill, TPOT for decode) at
@@ -218,6 +220,7 @@ class GoodputPolicy:
         self.output_tokens: float | None = None
         self.last_up: dict[str, float] = {}
         self.last_change: dict[str, float] = {}
+        self.first_seen: float | None = None     # the pools as deployed
         self.recent_holding: deque[tuple[float, dict[str, int]]] = deque()   # (time, replicas to hold per role)
         lends = settings.lend_idle_cores and settings.mode == "disaggregated" and settings.tp("decode") == 1
         self.shared_cores = shared_cores if lends and shared_cores else None
@@ -228,8 +231,8 @@ class GoodputPolicy:
     # ---- one interval ---------------------------------------------------------------------
     def decide(self, obs: Observation) -> Decision:
         s = self.settings
-        for r in s.roles:       # the pools as deployed count as the first change: no scale-down right away
-            self.last_change.setdefault(r, obs.now)
+        if self.first_seen is None:
+            self.first_seen = obs.now
         self._learn(obs)
         current = {r: obs.roles[r].running + obs.roles[r].starting if r in obs.roles else s.min_for(r)
                    for r in s.roles}
@@ -534,11 +537,15 @@ class GoodputPolicy:
             if want >= current[r]:
                 continue
             resplit = self._rank_wanted_elsewhere(r, current, needed)
-            keep = holding[r] if resplit else window_holding[r]
+            # a re-split's giver need only serve the load at its capacity (which the SLOs already bound),
+            # not with the headroom of a plain scale-down: the rank serves the role that is short
+            keep = needed[r] if resplit else window_holding[r]
+            # the pools as deployed count as a change (no scale-down right away), but not against a re-split
+            changed = self.last_change.get(r, -math.inf if resplit else self.first_seen)
             ro = obs.roles.get(r)
             if ro is not None and ro.starting:
                 reasons[r] = f"holds {current[r]}: a replica is still starting"
-            elif obs.now - self.last_change.get(r, -math.inf) < s.downscale_cooldown_s:
+            elif obs.now - changed < s.downscale_cooldown_s:
                 reasons[r] = f"holds {current[r]}: scale-down cool-down"
             elif not budget_bound and (latency := self._observed_for(obs, r)) is None:
                 reasons[r] = f"holds {current[r]}: no request finished this interval to confirm the SLOs hold"
