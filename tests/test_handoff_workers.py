@@ -146,6 +146,20 @@ def run(coro):
 
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42] * 6, [300, 2, 77, 91, 100, 12, 13, 14, 15, 16, 17]]
+ONE_BLOCK_PROMPTS = [[5 + i, 6, 7, 8, 9, 10, 11] for i in range(4)]   # 7 tokens, blocks of 8
+
+
+def _uncount_forgotten(monkeypatch, in_flight: set) -> None:
+    """A transfer forgotten on any rank leaves `in_flight`."""
+    forget = kv_handoff.forget_transfer
+    monkeypatch.setattr(kv_handoff, "forget_transfer",
+                        lambda worker, tid: (in_flight.discard(tid), forget(worker, tid))[1])
+
+
+def _block_bytes(model_dir) -> int:
+    """One KV block of Pair's engines, K and V, all layers."""
+    config = EngineConfig(model=str(model_dir), max_model_len=128, block_size=8, dtype="float32", num_kv_blocks=64)
+    return LLMEngine(config).worker.kv_cache.spec.bytes_per_block
 
 
 def test_handoff_matches_transformers_greedy(model_dirs, reference):
@@ -169,7 +183,7 @@ def test_receive_buffers_in_flight_stay_within_the_staging_budget(model_dirs, re
     # four one-block prompts handed off at once over transfers that take 0.3 s each; a budget
     # smaller than one request's KV still lets one at a time through
     posted, in_flight = [], set()
-    start, finish, forget = kv_handoff.start_receive, kv_handoff.finish_receive, kv_handoff.forget_transfer
+    start, finish = kv_handoff.start_receive, kv_handoff.finish_receive
 
     def counted_start(worker, transfer_id, num_blocks, *args):
         in_flight.add(transfer_id)
@@ -179,14 +193,11 @@ def test_receive_buffers_in_flight_stay_within_the_staging_budget(model_dirs, re
     monkeypatch.setattr(kv_handoff, "start_receive", counted_start)
     monkeypatch.setattr(kv_handoff, "finish_receive",
                         lambda worker, tid, *a: (in_flight.discard(tid), finish(worker, tid, *a))[1])
-    monkeypatch.setattr(kv_handoff, "forget_transfer",
-                        lambda worker, tid: (in_flight.discard(tid), forget(worker, tid))[1])
-    prompts = [[5 + i, 6, 7, 8, 9, 10, 11] for i in range(4)]
+    _uncount_forgotten(monkeypatch, in_flight)
+    prompts = ONE_BLOCK_PROMPTS
 
     async def main():
-        config = EngineConfig(model=str(model_dirs["tiny"]), max_model_len=128, block_size=8, dtype="float32",
-                              num_kv_blocks=64)
-        block_bytes = LLMEngine(config).worker.kv_cache.spec.bytes_per_block
+        block_bytes = _block_bytes(model_dirs["tiny"])
         budget = None if budget_blocks is None else int(budget_blocks * block_bytes)
         pair = await Pair(model_dirs["tiny"], FakeTransportHub(delay_s=0.3), staging_budget_bytes=budget).start()
         try:
@@ -208,7 +219,7 @@ def test_packed_sends_in_flight_stay_within_the_prefill_staging_budget(model_dir
     # the decode side takes all four one-block hand-offs at once (no budget of its own, as with
     # four decode workers); the prefill side packs and sends at most its budget's worth at a time
     started, in_flight, seen = [], set(), []
-    start, poll, forget = kv_handoff.start_send, kv_handoff.poll_transfers, kv_handoff.forget_transfer
+    start, poll = kv_handoff.start_send, kv_handoff.poll_transfers
 
     def counted_start(worker, transfer_id, *args):
         in_flight.add(transfer_id)
@@ -222,14 +233,11 @@ def test_packed_sends_in_flight_stay_within_the_prefill_staging_budget(model_dir
 
     monkeypatch.setattr(kv_handoff, "start_send", counted_start)
     monkeypatch.setattr(kv_handoff, "poll_transfers", counted_poll)
-    monkeypatch.setattr(kv_handoff, "forget_transfer",
-                        lambda worker, tid: (in_flight.discard(tid), forget(worker, tid))[1])
-    prompts = [[5 + i, 6, 7, 8, 9, 10, 11] for i in range(4)]
+    _uncount_forgotten(monkeypatch, in_flight)
+    prompts = ONE_BLOCK_PROMPTS
 
     async def main():
-        config = EngineConfig(model=str(model_dirs["tiny"]), max_model_len=128, block_size=8, dtype="float32",
-                              num_kv_blocks=64)
-        block_bytes = LLMEngine(config).worker.kv_cache.spec.bytes_per_block
+        block_bytes = _block_bytes(model_dirs["tiny"])
         budget = None if budget_blocks is None else int(budget_blocks * block_bytes)
         pair = await Pair(model_dirs["tiny"], FakeTransportHub(delay_s=0.3), send_budget_bytes=budget).start()
 
