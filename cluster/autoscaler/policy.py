@@ -43,7 +43,8 @@ Per interval:
    jumps for an interval, does not give back a replica that takes a start-up
    to return; the pools as deployed count in the window too (the first
    intervals' rates rest on a few arrivals). When another role needs the
-   rank, the latest interval is enough (a re-split does not wait).
+   rank, the latest interval is enough, at the replicas' capacity (which the
+   SLOs already bound) without the headroom: a re-split does not wait.
 
 On a CPU machine whose one-rank replicas lend idle cores to each other
 (`lend_idle_cores`, and the machine's cores given as `shared_cores`), a decode
