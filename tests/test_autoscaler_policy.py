@@ -535,13 +535,18 @@ def test_p90_is_the_nearest_rank():
     assert (p90([5.0]), p90([])) == (5.0, None)
 
 
-def test_a_re_split_right_after_deployment_needs_only_the_givers_capacity():
-    # the even split as deployed, then a load whose decode side needs a third replica: the prefill
-    # pool gives up its rank at once, though its one replica then runs at 90% of its capacity; a
-    # plain scale-down keeps 20% to spare and waits out the cool-down after deployment
-    p = policy(budget=4, downscale_cooldown_s=60.0)
+def test_a_re_split_right_after_deployment_needs_a_missed_slo_and_only_the_givers_capacity():
+    # the even split as deployed, then a load whose decode side needs a third replica. Within the
+    # cool-down after deployment the model alone moves nothing (its first figures rest on a few
+    # arrivals); once finished requests miss the TPOT SLO, the prefill pool gives up its rank at
+    # once, though its one replica then runs at 90% of its capacity (a plain scale-down keeps 20%
+    # to spare)
     rate = 0.9 * prefill_capacity(MODEL, 1000, 1.0)
     assert 2 < rate / decode_capacity(MODEL, 1000, 130, 0.05 * 0.8, ReplicaLimits()) <= 3
-    d = p.decide(observe(10.0, rate, 1000, 130, {"prefill": 2, "decode": 2}))
+    deployed = {"prefill": 2, "decode": 2}
+    d = policy(budget=4, downscale_cooldown_s=60.0).decide(observe(10.0, rate, 1000, 130, deployed))
+    assert d.targets == deployed and "cool-down" in d.reasons["prefill"], d.reasons
+    d = policy(budget=4, downscale_cooldown_s=60.0).decide(observe(10.0, rate, 1000, 130, deployed,
+                                                                   tpot_p90_s=0.06))
     assert d.targets == {"prefill": 1, "decode": 3}, d.reasons
     assert d.reasons["prefill"].startswith("scale down by one")

@@ -29,8 +29,9 @@ Per interval:
 5. Guards, per role: min/max and the budget; replicas still starting count as
    capacity already coming; scaling up waits `upscale_cooldown_s` after the
    last scale-up, scaling down `downscale_cooldown_s` after any change of the
-   role (the pools as deployed count as one, except for a re-split: the split
-   deployed is a guess, not a decision the load has confirmed), goes
+   role (the pools as deployed count as one, except for a re-split towards a
+   role whose finished requests miss its SLO: then the split deployed is
+   shown wrong), goes
    one replica at a time, never while one of the role is starting; and unless
    the budget needs the replica elsewhere, only when requests finished in the
    interval with the role's latency (TTFT for prefill, TPOT for decode) at
@@ -541,8 +542,12 @@ class GoodputPolicy:
             # a re-split's giver need only serve the load at its capacity (which the SLOs already bound),
             # not with the headroom of a plain scale-down: the rank serves the role that is short
             keep = needed[r] if resplit else window_holding[r]
-            # the pools as deployed count as a change (no scale-down right away), but not against a re-split
-            changed = self.last_change.get(r, -math.inf if resplit else self.first_seen)
+            # the pools as deployed count as a change (no scale-down right away: the first rates and step
+            # fits rest on a few arrivals and steps), but not against a re-split for a role whose finished
+            # requests already miss its SLO
+            confirmed = resplit and any(self._missing_slo(obs, o) for o in s.roles
+                                        if o != r and needed[o] > current[o])
+            changed = self.last_change.get(r, -math.inf if confirmed else self.first_seen)
             ro = obs.roles.get(r)
             if ro is not None and ro.starting:
                 reasons[r] = f"holds {current[r]}: a replica is still starting"
@@ -580,6 +585,11 @@ class GoodputPolicy:
         s = self.settings
         return any(needed[o] > current[o] and self._ranks(current) + s.tp(o) > s.budget
                    for o in s.roles if o != role)
+
+    def _missing_slo(self, obs: Observation, role: str) -> bool:
+        """Whether the latency `role` answers for is observed past its SLO (p90)."""
+        observed = self._observed_for(obs, role)
+        return observed is not None and observed[0] > observed[1]
 
     def _observed_for(self, obs: Observation, role: str) -> tuple[float, float] | None:
         """(observed p90, SLO) of the latency `role` answers for: TTFT for prefill,
