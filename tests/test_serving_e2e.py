@@ -373,9 +373,10 @@ def test_streams_survive_a_killed_decode_or_prefill_worker(ray_cluster, model_di
             assert text == tokenizer.decode(ids, skip_special_tokens=True)
         # the router counts a request when its handler ends, which can be just after the client's last chunk
         assert _counter_reaches(base, "pdserve_request_migrations_total", 1)
-        # ~10,000 prompt tokens (~213 each): about twenty 512-token steps of the prefill worker, so that
-        # the first token reaches the client while most prompts still wait there
-        long_prompts = [tokenizer.encode(" ".join(["story"] * 70) + f" {i}") for i in range(48)]
+        # ~20,000 prompt tokens (~213 each): about forty 512-token steps of the prefill worker, so that
+        # the first token reaches the client while most prompts still wait there (with half as many, a
+        # full run on 2 busy cores once saw every prompt prefilled before the client read its first chunk)
+        long_prompts = [tokenizer.encode(" ".join(["story"] * 70) + f" {i}") for i in range(96)]
         (prefill_pid,) = _replica_pids("mig", "PrefillServer")
         # the first token comes from the prefill worker: killed then, it holds that request's KV for the
         # hand-off and the other prompts still wait for it
