@@ -329,6 +329,11 @@ class DeploymentConfig(_Strict):
         return self.autoscaling.settings(self.mode.value, self.pools(), self.slo,
                                          lend_idle_cores=self.lends_idle_cores())
 
+    def kv_transfer_staging_gib(self) -> float:
+        """What each rank's KV cache leaves free for hand-off buffers on a GPU
+        (kv_transfer.staging_mib; nothing in colocated mode, which hands nothing off)."""
+        return 0.0 if self.mode is Mode.colocated else self.kv_transfer.staging_mib / 1024
+
     def lends_idle_cores(self) -> bool:
         """Whether one-rank CPU engines lend idle cores to each other (engine/core_lending.py)."""
         return self.device == "cpu" and self.resources.lend_idle_cores
@@ -372,7 +377,7 @@ class DeploymentConfig(_Strict):
             cpu_weight_prepack=e.cpu_weight_prepack, skinny_gemm=e.skinny_gemm,
             async_scheduling=e.async_scheduling if pool.tensor_parallel_size == 1 else False,
             cpu_threads=max(1, int(cpus)) if self.device == "cpu" and cpus is not None else None,
-            kv_transfer_staging_gib=0.0 if role == "colocated" else self.kv_transfer.staging_mib / 1024,
+            kv_transfer_staging_gib=self.kv_transfer_staging_gib(),
             cpu_core_ledger=LEDGER_AUTO if self.lends_idle_cores() else None)
 
 

@@ -85,10 +85,9 @@ def kv_blocks(config, pool, model_config, dtype: str, max_len: int) -> int:
         blocks = min(int(e.kv_cache_memory_gib * GIB // per_block), e.max_num_seqs * math.ceil(max_len / e.block_size))
     else:
         spec = resolve_gpu_type(config.resources.gpu_type or "H100-SXM")
-        staging_gib = 0.0 if config.mode.value == "colocated" else config.kv_transfer.staging_mib / 1024
         p = plan(model_config, tp=tp, gpu_memory_gib=config.resources.gpu_memory_gib or spec.memory_gib,
                  gpu_memory_utilization=e.gpu_memory_utilization, dtype=dtype, max_model_len=max_len,
-                 gpu_type=spec.name, block_size=e.block_size, overhead_gib=1.0 + staging_gib)
+                 gpu_type=spec.name, block_size=e.block_size, overhead_gib=1.0 + config.kv_transfer_staging_gib())
         if not p.fits:
             raise ValueError(f"a TP-{tp} replica does not fit on {spec.name}: {'; '.join(p.problems)}")
         blocks = p.kv_tokens_capacity // e.block_size
