@@ -3,7 +3,7 @@ budget, on one phased workload, in the simulator.
 
     python bench/autoscale.py [--model llama-3-70b] [--gpu H100-SXM] [--gpus 8] [--tp 2]
                               [--slo ttft:1000 tpot:50] [--predictors ewma,constant,trend]
-                              [--seed 0] [--admission]
+                              [--starts planned,even] [--seed 0] [--admission]
                               [--json bench/results/autoscale.json] [--plot bench/results/autoscale.png]
 
 Workload (Poisson arrivals, lengths +-25%), five phases of 60 s:
@@ -17,13 +17,17 @@ Workload (Poisson arrivals, lengths +-25%), five phases of 60 s:
 best split.
 
 Every system serves the same requests: the autoscaler with each load
-predictor (starting from the even split, replicas ready 30 s after they are
-asked for) and each static split
+predictor from each first split of --starts (replicas ready 30 s after they
+are asked for) and each static split
 P prefill + D decode replicas of TP `--tp` with (P + D) * tp = --gpus. For
 each: goodput (requests meeting both SLOs per second of the run), SLO
 attainment, and GPU-seconds (replica-seconds times TP, a starting replica
 included). Prints a table and the ratio of the autoscaler to the best static
-split; writes JSON and a PNG timeline (rate, replicas per role, attainment).
+split; writes JSON and a PNG timeline (rate, replicas per role, attainment) of
+the first predictor from the first start. A start is `even` (half the slots
+each way), `planned` (the best split for the first phase's traffic, what
+`pdserve plan` answers for it: a deployment planned for the traffic it
+expects) or a split such as `1P+3D`.
 With `--admission` every system runs behind the router's admission control
 at the SLOs (as `pdserve serve --slo` does): a request predicted to miss is
 refused (a 429, counted against the system's attainment) instead of queued,
@@ -132,6 +136,8 @@ def main() -> int:
     ap.add_argument("--interval-s", type=float, default=10.0)
     ap.add_argument("--downscale-window-s", type=float, default=AutoscaleSettings.downscale_window_s,
                     help="a scale-down must hold the load of every interval of this window (0: the latest)")
+    ap.add_argument("--starts", default="planned,even",
+                    help="the autoscaler's first splits, each run in turn: even, planned, or PP+DD (e.g. 1P+3D)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
@@ -147,6 +153,12 @@ def main() -> int:
     if base is None:
         print(f"error: {why}", file=sys.stderr)
         return 2
+    starts = args.starts.split(",")
+    for start in starts:
+        if start not in ("even", "planned") and not _parse_split(start, slots):
+            print(f"error: --starts: {start!r} is not even, planned or a split PP+DD of {slots} slots "
+                  f"(e.g. 1P+{slots - 1}D)", file=sys.stderr)
+            return 2
     ttft_s, tpot_s = slos_ms["ttft"] / 1000, slos_ms["tpot"] / 1000
     lengths, arrivals, phases = workload(base, ttft_s, tpot_s, slots, args.seed)
     admission = AdmissionSettings(ttft_slo_s=ttft_s, tpot_slo_s=tpot_s) if args.admission else None
@@ -166,23 +178,30 @@ def main() -> int:
     limits = {r: ReplicaLimits(base.decode.max_num_seqs, base.decode.num_kv_blocks, base.decode.block_size)
               for r in ("prefill", "decode")}
     timelines = {}
-    for predictor in args.predictors.split(","):
+    first_splits = {"even": f"{even}P+{slots - even}D", "planned": phases[0]["best_split"]}
+    for start, predictor in [(st, pr) for st in starts for pr in args.predictors.split(",")]:
+        split = first_splits.get(start, start)
+        first_prefill = _parse_split(split, slots)[0]
+        first, _ = build(Candidate("disaggregated", first_prefill, args.tp, slots - first_prefill, args.tp))
+        first = dataclasses.replace(first, admission=admission)
         settings = AutoscaleSettings(ttft_slo_s=ttft_s, tpot_slo_s=tpot_s, budget=args.gpus,
                                      tensor_parallel={"prefill": args.tp, "decode": args.tp},
                                      interval_s=args.interval_s, startup_s=args.startup_s, predictor=predictor,
                                      downscale_window_s=args.downscale_window_s)
         scaler = SimAutoscaler(GoodputPolicy(settings, {"prefill": base.prefill.model,
                                                         "decode": base.decode.model}, limits))
-        auto = simulate(base, lengths, arrivals, autoscaler=scaler)
-        rows[f"autoscaled ({predictor})"] = score(auto, slos_ms, duration, args.tp)
-        timelines[predictor] = auto.timeline
+        auto = simulate(first, lengths, arrivals, autoscaler=scaler)
+        name = f"{predictor}, from {split}" + (", planned" if start == "planned" else "")
+        rows[f"autoscaled ({name})"] = score(auto, slos_ms, duration, args.tp)
+        timelines[name] = auto.timeline
     best_name = max((n for n in rows if n.startswith("static")), key=lambda n: rows[n]["goodput"])
     best = rows[best_name]
-    chosen = f"autoscaled ({args.predictors.split(',')[0]})"
-    print(f"\n{'system':<16} {'goodput req/s':>13} {'SLO met':>8} {'GPU-s':>8} {'TTFT p90':>9} {'TPOT p90':>9} "
+    chosen = next(iter(timelines))
+    width = max(len(n) for n in rows)
+    print(f"\n{'system':<{width}} {'goodput req/s':>13} {'SLO met':>8} {'GPU-s':>8} {'TTFT p90':>9} {'TPOT p90':>9} "
           f"{'refused':>8}")
     for name, r in rows.items():
-        print(f"{name:<16} {r['goodput']:13.2f} {r['attainment']:8.0%} {r['gpu_seconds']:8.0f} "
+        print(f"{name:<{width}} {r['goodput']:13.2f} {r['attainment']:8.0%} {r['gpu_seconds']:8.0f} "
               f"{r['ttft_p90_ms'] or 0:9.0f} {r['tpot_p90_ms'] or 0:9.1f} {r['refused']:8d}")
     print()
     for name, a in rows.items():
@@ -193,9 +212,17 @@ def main() -> int:
         Path(args.json).write_text(json.dumps({"args": vars(args), "phases": phases, "systems": rows,
                                                "timelines": timelines, "best_static": best_name}, indent=2))
     if args.plot:
-        first = args.predictors.split(",")[0]
-        plot(timelines[first], phases, args.plot, f"{args.model}, {args.gpus} x {args.gpu}, {chosen}")
+        plot(timelines[chosen], phases, args.plot, f"{args.model}, {args.gpus} x {args.gpu}, autoscaled ({chosen})")
     return 0
+
+
+def _parse_split(split: str, slots: int) -> tuple[int, int] | None:
+    """(prefill, decode) replicas of a split written `PP+DD` that fills `slots`, else None."""
+    p, plus, d = split.upper().partition("P+")
+    if not plus or not d.endswith("D") or not p.isdigit() or not d[:-1].isdigit():
+        return None
+    p, d = int(p), int(d[:-1])
+    return (p, d) if p >= 1 and d >= 1 and p + d == slots else None
 
 
 def plot(timeline: list[dict], phases: list[dict], path: str, title: str) -> None:
