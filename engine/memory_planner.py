@@ -151,6 +151,7 @@ class Plan:
     decode_floor_ms_batch1: float        # weights + one max_model_len sequence's KV, read once
     decode_floor_ms_weights_only: float
     fits: bool
+    kv_transfer_staging_gib: float = 0.0  # left free for KV hand-off buffers (prefill and decode replicas)
     problems: list[str] = field(default_factory=list)
     suggestions: list[str] = field(default_factory=list)
 
@@ -189,11 +190,13 @@ def _fit(model: ModelConfig, tp: int, dtype: str, gpu_memory_gib: float, utiliza
 
 def plan(model: ModelConfig, *, tp: int, gpu_memory_gib: float, gpu_memory_utilization: float = 0.9,
          dtype: str = "auto", max_model_len: int | None = None, gpu_type: str = "H100-SXM",
-         overhead_gib: float = 1.0, block_size: int = 16) -> Plan:
+         overhead_gib: float = 1.0, block_size: int = 16, kv_transfer_staging_gib: float = 0.0) -> Plan:
     """Sizes one replica of `model` over `tp` GPUs of `gpu_memory_gib` each.
 
     The KV budget per rank is gpu_memory_gib * gpu_memory_utilization minus the
-    rank's weights minus `overhead_gib` (activations, CUDA context, workspace).
+    rank's weights minus `overhead_gib` (activations, CUDA context, workspace)
+    minus `kv_transfer_staging_gib` (the hand-off buffers a prefill or decode
+    replica leaves free: kv_transfer.staging_mib; 0 for a colocated one).
     The decode floors are the time to read the rank's weights (and one full
     `max_model_len` sequence's KV) once from HBM at `gpu_type`'s bandwidth; the
     tensor-parallel all-reduces are not included, so real steps are slower.
@@ -211,6 +214,8 @@ def plan(model: ModelConfig, *, tp: int, gpu_memory_gib: float, gpu_memory_utili
         raise ValueError(f"--gpu-memory-gib must be > 0, got {gpu_memory_gib}")
     if overhead_gib < 0:
         raise ValueError(f"--overhead-gib must be >= 0, got {overhead_gib}")
+    if kv_transfer_staging_gib < 0:
+        raise ValueError(f"--kv-transfer-staging-mib must be >= 0, got {kv_transfer_staging_gib * 1024:g}")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     limit = model_len_limit(model)
@@ -220,12 +225,13 @@ def plan(model: ModelConfig, *, tp: int, gpu_memory_gib: float, gpu_memory_utili
         raise ValueError(f"--max-model-len must be in [1, {limit}] for this model, got {max_model_len}")
     dtype = resolve_dtype(model, dtype)
 
-    fit = _fit(model, tp, dtype, gpu_memory_gib, gpu_memory_utilization, overhead_gib, max_model_len, block_size)
+    reserved_gib = overhead_gib + kv_transfer_staging_gib     # per rank, besides weights and KV
+    fit = _fit(model, tp, dtype, gpu_memory_gib, gpu_memory_utilization, reserved_gib, max_model_len, block_size)
     problems: list[str] = []
     suggestions: list[str] = []
     if not fit.fits:
-        problems.append(_problem(fit, gpu_memory_gib, gpu_memory_utilization, overhead_gib))
-        suggestions = _suggestions(model, tp, dtype, gpu_memory_gib, gpu_memory_utilization, overhead_gib,
+        problems.append(_problem(fit, gpu_memory_gib, gpu_memory_utilization, overhead_gib, kv_transfer_staging_gib))
+        suggestions = _suggestions(model, tp, dtype, gpu_memory_gib, gpu_memory_utilization, reserved_gib,
                                    max_model_len, block_size, fit)
     ms_per_byte = 1e3 / gpu.hbm_bytes_per_s
     return Plan(
@@ -242,7 +248,7 @@ def plan(model: ModelConfig, *, tp: int, gpu_memory_gib: float, gpu_memory_utili
         max_concurrent_sequences=fit.sequences,
         decode_floor_ms_batch1=(fit.weight_bytes + fit.kv_bytes * max_model_len) * ms_per_byte,
         decode_floor_ms_weights_only=fit.weight_bytes * ms_per_byte,
-        fits=fit.fits, problems=problems, suggestions=suggestions,
+        fits=fit.fits, kv_transfer_staging_gib=kv_transfer_staging_gib, problems=problems, suggestions=suggestions,
     )
 
 
@@ -250,16 +256,22 @@ def _gib(n: float) -> str:
     return f"{n / GIB:.1f} GiB"
 
 
-def _problem(fit: _Fit, gpu_memory_gib: float, utilization: float, overhead_gib: float) -> str:
+def _problem(fit: _Fit, gpu_memory_gib: float, utilization: float, overhead_gib: float,
+             staging_gib: float) -> str:
     available = fit.budget + fit.weight_bytes
     if fit.budget <= 0:
         return (f"weights need {_gib(fit.weight_bytes)} per rank but only {gpu_memory_gib:g} GiB × "
-                f"{utilization:g} − {overhead_gib:g} GiB overhead = {_gib(available)} is available: "
+                f"{utilization:g} − {_reserved(overhead_gib, staging_gib)} = {_gib(available)} is available: "
                 f"short by {_gib(fit.weight_bytes - available)}")
     needed = fit.blocks_per_sequence * fit.block_size * fit.kv_bytes
     return (f"the KV cache holds {fit.capacity:,} tokens, fewer than one max_model_len={fit.max_model_len:,} "
             f"sequence: its KV needs {_gib(needed)} per rank, {_gib(fit.budget)} is left after the weights, "
             f"short by {_gib(needed - fit.budget)}")
+
+
+def _reserved(overhead_gib: float, staging_gib: float) -> str:
+    text = f"{overhead_gib:g} GiB overhead"
+    return text + (f" − {staging_gib:g} GiB hand-off buffers" if staging_gib else "")
 
 
 def _describe(fit: _Fit) -> str:
@@ -306,7 +318,7 @@ def format_plan(p: Plan) -> str:
         ("model", f"{p.architecture}, {p.parameters / 1e9:.2f} B parameters"),
         ("replica", f"--tp {p.tp} × {p.gpu_type} ({p.gpu_memory_gib:g} GiB), {p.dtype}"),
         ("memory per rank", f"{p.gpu_memory_gib:g} GiB × {p.gpu_memory_utilization:g} "
-                            f"− {p.overhead_gib:g} GiB overhead"),
+                            f"− {_reserved(p.overhead_gib, p.kv_transfer_staging_gib)}"),
         ("weights, whole model", f"{_gib(p.weight_bytes_total)} ({p.weight_bytes_total:,} B)"),
         ("weights per rank", f"{_gib(p.weight_bytes_per_rank)} ({p.weight_bytes_per_rank:,} B)"),
         ("KV per token, whole model", f"{p.kv_bytes_per_token:,} B"),

@@ -155,6 +155,20 @@ def test_llama70b_tp8_on_h100(llama70b):
     assert p.fits
 
 
+def test_a_replica_that_hands_kv_off_leaves_its_staging_buffers_free(llama70b):
+    colocated = plan(llama70b, tp=2, gpu_memory_gib=80)
+    decode = plan(llama70b, tp=2, gpu_memory_gib=80, kv_transfer_staging_gib=1.0)
+    assert colocated.kv_budget_bytes_per_rank - decode.kv_budget_bytes_per_rank == 1 << 30
+    # 4.3 GiB: 4,669,530,112 B / 163,840 B a token = 28,500 -> 1,757 blocks of 16
+    assert (colocated.kv_tokens_capacity, decode.kv_tokens_capacity) == (34_656, 28_112)
+    assert decode.kv_transfer_staging_gib == 1.0 and colocated.kv_transfer_staging_gib == 0.0
+    # the buffers count where the weights are what does not fit, and in what would fit
+    tight = plan(llama70b, tp=2, gpu_memory_gib=80, kv_transfer_staging_gib=5.0, max_model_len=8192)
+    assert not tight.fits and "1 GiB overhead − 5 GiB hand-off buffers" in format_plan(tight)
+    with pytest.raises(ValueError, match="--kv-transfer-staging-mib must be >= 0, got -512"):
+        plan(llama70b, tp=2, gpu_memory_gib=80, kv_transfer_staging_gib=-0.5)
+
+
 # ---- decode floor --------------------------------------------------------------------------------
 
 def test_decode_floor(llama70b):
@@ -263,6 +277,16 @@ def test_command_does_not_fit_exits_1(capsys):
     assert code == 1 and "short by 60.4 GiB" in out and "would fit: --tp 2" in out
 
 
+def test_command_role_leaves_the_staging_buffers_free(capsys):
+    code, out, _ = run_plan(capsys, "--model", "llama-3-70b", "--tp", "2", "--role", "decode")
+    assert code == 0 and "− 1 GiB hand-off buffers" in out and "28,112 tokens" in out
+    code, out, _ = run_plan(capsys, "--model", "llama-3-70b", "--tp", "2", "--role", "prefill",
+                            "--kv-transfer-staging-mib", "512")
+    assert code == 0 and "− 0.5 GiB hand-off buffers" in out
+    code, out, _ = run_plan(capsys, "--model", "llama-3-70b", "--tp", "2", "--kv-transfer-staging-mib", "512")
+    assert code == 0 and "hand-off" not in out and "34,656 tokens" in out      # colocated: nothing handed off
+
+
 def test_command_json(capsys):
     code, out, _ = run_plan(capsys, "--model", str(MODELS_DIR / "llama-3-70b"), "--tp", "1",
                             "--gpu-type", "h200", "--json")
@@ -281,6 +305,7 @@ def test_command_json(capsys):
     (("--model", "llama-3-8b", "--tp", "1", "--dtype", "int8"), "--dtype"),
     (("--model", "llama-3-8b", "--tp", "1", "--max-model-len", "100000"), "--max-model-len"),
     (("--model", "llama-3-8b", "--tp", "1", "--gpu-memory-utilization", "0"), "--gpu-memory-utilization"),
+    (("--model", "llama-3-8b", "--tp", "1", "--kv-transfer-staging-mib", "-1"), "--kv-transfer-staging-mib"),
 ])
 def test_command_bad_arguments_exit_2(capsys, argv, flag):
     code, out, err = run_plan(capsys, *argv)

@@ -1,12 +1,15 @@
 """`pdserve plan`: will a model fit, and how much KV cache is left; with
 --slo, which configuration serves a workload best (cluster/cli/plan_goodput.py).
 
-    pdserve plan --model DIR --tp N [--gpu-memory-gib G] [--gpu-memory-utilization F]
-                 [--dtype D] [--max-model-len L] [--gpu-type T] [--overhead-gib O] [--json]
+    pdserve plan --model DIR --tp N [--role colocated|prefill|decode] [--gpu-memory-gib G]
+                 [--gpu-memory-utilization F] [--dtype D] [--max-model-len L] [--gpu-type T]
+                 [--overhead-gib O] [--kv-transfer-staging-mib M] [--json]
     pdserve plan --model DIR --slo ttft:MS tpot:MS --gpus N [--gpu-type T] [workload flags] [--write-config F]
 
 Reads only the checkpoint's config.json, so it runs anywhere, without weights
-or a GPU. `--model` is a checkpoint directory, or the name of a directory under
+or a GPU. A prefill or decode replica (`--role`) leaves `--kv-transfer-staging-mib`
+per rank free for its KV hand-off buffers, as the engines do (the deployment
+file's kv_transfer.staging_mib); a colocated one hands nothing off. `--model` is a checkpoint directory, or the name of a directory under
 configs/models/ of this repository (llama-3-8b, llama-3-70b), found relative to
 this file; a directory of that name in the working directory wins.
 
@@ -58,6 +61,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.slo:
         from cluster.cli.plan_goodput import run_goodput_plan
         return run_goodput_plan(args, model_dir, model)
+    if args.kv_transfer_staging_mib < 0:
+        print(f"error: --kv-transfer-staging-mib must be >= 0, got {args.kv_transfer_staging_mib:g}", file=sys.stderr)
+        return 2
     if args.tp is None:
         print("error: --tp is required (or give --slo and --gpus to search for the best configuration)",
               file=sys.stderr)
@@ -66,7 +72,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         result = plan(model, tp=args.tp,
                       gpu_memory_gib=gpu.memory_gib if args.gpu_memory_gib is None else args.gpu_memory_gib,
                       gpu_memory_utilization=args.gpu_memory_utilization, dtype=args.dtype,
-                      max_model_len=args.max_model_len, gpu_type=gpu.name, overhead_gib=args.overhead_gib)
+                      max_model_len=args.max_model_len, gpu_type=gpu.name, overhead_gib=args.overhead_gib,
+                      kv_transfer_staging_gib=0.0 if args.role == "colocated" else args.kv_transfer_staging_mib / 1024)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -95,6 +102,12 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument("--gpu-type", default="H100-SXM", help="H100-SXM (h100), H200 (h200) or A100-80GB (a100)")
     p.add_argument("--overhead-gib", type=float, default=1.0,
                    help="per-GPU memory for activations, CUDA context and workspace (default 1.0)")
+    p.add_argument("--role", choices=("colocated", "prefill", "decode"), default="colocated",
+                   help="the replica's role: a prefill or decode replica leaves --kv-transfer-staging-mib free "
+                        "per rank for KV hand-off buffers (default colocated)")
+    p.add_argument("--kv-transfer-staging-mib", type=float, default=1024.0,
+                   help="per rank, with --role prefill or decode (the deployment's kv_transfer.staging_mib; "
+                        "default 1024)")
     p.add_argument("--json", action="store_true", help="print every number of the plan as JSON")
     from cluster.cli.plan_goodput import add_goodput_arguments
     add_goodput_arguments(p)

@@ -340,8 +340,8 @@ def roofline_spec_builder(model_config, *, gpu: str, dtype: str, max_model_len: 
         if key not in cache:
             p = plan(model_config, tp=tp, gpu_memory_gib=gpu_memory_gib or gpu_spec.memory_gib,
                      gpu_memory_utilization=gpu_memory_utilization, dtype=dtype, max_model_len=max_model_len,
-                     gpu_type=gpu, block_size=block_size,
-                     overhead_gib=overhead_gib + (kv_transfer_staging_gib if hands_off else 0.0))
+                     gpu_type=gpu, block_size=block_size, overhead_gib=overhead_gib,
+                     kv_transfer_staging_gib=kv_transfer_staging_gib if hands_off else 0.0)
             if not p.fits:
                 cache[key] = (None, "; ".join(p.problems) or "does not fit")
             elif models is not None and tp not in models:

@@ -87,7 +87,7 @@ def kv_blocks(config, pool, model_config, dtype: str, max_len: int) -> int:
         spec = resolve_gpu_type(config.resources.gpu_type or "H100-SXM")
         p = plan(model_config, tp=tp, gpu_memory_gib=config.resources.gpu_memory_gib or spec.memory_gib,
                  gpu_memory_utilization=e.gpu_memory_utilization, dtype=dtype, max_model_len=max_len,
-                 gpu_type=spec.name, block_size=e.block_size, overhead_gib=1.0 + config.kv_transfer_staging_gib())
+                 gpu_type=spec.name, block_size=e.block_size, kv_transfer_staging_gib=config.kv_transfer_staging_gib())
         if not p.fits:
             raise ValueError(f"a TP-{tp} replica does not fit on {spec.name}: {'; '.join(p.problems)}")
         blocks = p.kv_tokens_capacity // e.block_size
