@@ -21,7 +21,7 @@ predictor from each first split of --starts (replicas ready 30 s after they
 are asked for) and each static split
 P prefill + D decode replicas of TP `--tp` with (P + D) * tp = --gpus. For
 each: goodput (requests meeting both SLOs per second of the run), SLO
-attainment, and GPU-seconds (replica-seconds times TP, a starting replica
+attainment, the requests within both SLOs by the phase they arrived in, and GPU-seconds (replica-seconds times TP, a starting replica
 included). Prints a table and the ratio of the autoscaler to the best static
 split; writes JSON and a PNG timeline (rate, replicas per role, attainment) of
 the first predictor from the first start. A start is `even` (half the slots
@@ -47,7 +47,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.loadtest.metrics import summarize  # noqa: E402
+from bench.loadtest.metrics import meets_slos, summarize  # noqa: E402
 from cluster.autoscaler.capacity import ReplicaLimits, decode_capacity, prefill_seconds  # noqa: E402
 from cluster.autoscaler.policy import AutoscaleSettings, GoodputPolicy  # noqa: E402
 from cluster.cli.plan_command import resolve_model_dir  # noqa: E402
@@ -116,7 +116,11 @@ def score(result, slos_ms: dict, duration: float, tp: int) -> dict:
     records = result.records()
     summary = summarize(records, num_requests=len(records), duration=duration, slos_ms=slos_ms, percentiles=[90])
     good = summary.good or 0
-    return {"goodput": good / duration, "attainment": good / max(1, len(records)),
+    per_phase = [0] * len(PHASES)            # requests within both SLOs, by the phase they arrived in
+    for record in records:
+        if meets_slos(record, slos_ms):
+            per_phase[min(len(PHASES) - 1, int(record.scheduled_offset // PHASE_S))] += 1
+    return {"goodput": good / duration, "attainment": good / max(1, len(records)), "good_per_phase": per_phase,
             "gpu_seconds": sum(result.replica_seconds.values()) * tp,
             "ttft_p90_ms": summary.latency["ttft"].percentiles.get(90),
             "tpot_p90_ms": summary.latency["tpot"].percentiles.get(90),
@@ -203,6 +207,10 @@ def main() -> int:
     for name, r in rows.items():
         print(f"{name:<{width}} {r['goodput']:13.2f} {r['attainment']:8.0%} {r['gpu_seconds']:8.0f} "
               f"{r['ttft_p90_ms'] or 0:9.0f} {r['tpot_p90_ms'] or 0:9.1f} {r['refused']:8d}")
+    print(f"\nrequests within both SLOs, by the phase they arrived in (of {_per_phase_counts(arrivals)}):")
+    print(f"{'system':<{width}} " + " ".join(f"{p['name']:>13}" for p in phases))
+    for name, r in rows.items():
+        print(f"{name:<{width}} " + " ".join(f"{n:13d}" for n in r["good_per_phase"]))
     print()
     for name, a in rows.items():
         if name.startswith("autoscaled"):
@@ -214,6 +222,13 @@ def main() -> int:
     if args.plot:
         plot(timelines[chosen], phases, args.plot, f"{args.model}, {args.gpus} x {args.gpu}, autoscaled ({chosen})")
     return 0
+
+
+def _per_phase_counts(arrivals: list[float]) -> list[int]:
+    counts = [0] * len(PHASES)
+    for t in arrivals:
+        counts[min(len(PHASES) - 1, int(t // PHASE_S))] += 1
+    return counts
 
 
 def _parse_split(split: str, slots: int) -> tuple[int, int] | None:
