@@ -74,6 +74,8 @@ class AutoscaleLoop:
         self._arrivals = 0                      # offered this interval: served or refused
         self._sized_arrivals = 0                # of which with a known prompt length
         self._prompt_tokens = 0
+        self._limited_arrivals = 0              # of the arrivals, with a known max_tokens ...
+        self._max_tokens = 0                    # ... and those max_tokens together
         self._refused: dict[str, int] = {}      # this interval's refusals, by the role they were refused for
         self._ended: list[RequestTimings] = []
         self._fit_steps: dict[str, deque] = {r: deque(maxlen=FIT_WINDOW) for r in settings.roles}
@@ -88,14 +90,18 @@ class AutoscaleLoop:
         if blocks:
             self._kv_blocks[role] = min(blocks)
 
-    def on_arrival(self, prompt_tokens: int | None) -> None:
+    def on_arrival(self, prompt_tokens: int | None, max_tokens: int | None = None) -> None:
         """Every request offered, the ones admission control refuses included (their
         prompt length is None when refused before tokenizing): the demand is what
-        arrives, not what the current replicas let in."""
+        arrives, not what the current replicas let in. `max_tokens`: the most it may
+        generate, where known."""
         self._arrivals += 1
         if prompt_tokens is not None:
             self._sized_arrivals += 1
             self._prompt_tokens += prompt_tokens
+        if max_tokens is not None:
+            self._limited_arrivals += 1
+            self._max_tokens += max_tokens
 
     def on_refusal(self, reason: str) -> None:
         """A request admission control refused (router/admission.py's reasons): on the
@@ -171,10 +177,13 @@ class AutoscaleLoop:
                                waiting_requests=self._waiting.get(role, 0.0), steps=steps)
 
     def _take_counts(self) -> tuple:
-        """This interval's counts (arrivals, sized ones, their prompt tokens, refusals,
-        ended requests), the counters reset for the next one."""
-        counts = (self._arrivals, self._sized_arrivals, self._prompt_tokens, self._refused, self._ended)
+        """This interval's counts (arrivals, sized ones, their prompt tokens, limited
+        ones, their max_tokens, refusals, ended requests), the counters reset for
+        the next one."""
+        counts = (self._arrivals, self._sized_arrivals, self._prompt_tokens, self._limited_arrivals,
+                  self._max_tokens, self._refused, self._ended)
         self._arrivals = self._sized_arrivals = self._prompt_tokens = 0
+        self._limited_arrivals = self._max_tokens = 0
         self._refused, self._ended = {}, []
         return counts
 
@@ -183,13 +192,15 @@ class AutoscaleLoop:
                 for r in self.settings.roles if r in self._kv_blocks}
 
     def _observation(self, now: float, window: float, roles: dict[str, RoleObservation], counts: tuple) -> Observation:
-        arrivals, sized, prompt, refused, ended = counts
+        arrivals, sized, prompt, limited, max_tokens, refused, ended = counts
         ttfts = [t.time_to_first_token for t in ended if t.time_to_first_token is not None]
         tpots = [t.time_per_output_token for t in ended if t.time_per_output_token is not None]
         return Observation(
             now=now, window_s=window, arrivals=arrivals,
             mean_prompt_tokens=prompt / sized if sized else None,
             mean_output_tokens=sum(t.generation_tokens for t in ended) / len(ended) if ended else None,
+            finished=len(ended), finished_by_length=sum(t.finish_reason == "length" for t in ended),
+            mean_max_tokens=max_tokens / limited if limited else None,
             mean_inflight_output_tokens=self.running_output_tokens(),
             ttft_p90_s=p90(ttfts), tpot_p90_s=p90(tpots), roles=roles, refused=refused)
 

@@ -123,15 +123,16 @@ class ServingMetrics:
         self._listeners: list = []
 
     def add_listener(self, listener) -> None:
-        """`listener.on_arrival(prompt_tokens)` for every request offered (taken by
-        the backend, or refused by admission control: then prompt_tokens may be
-        None), `listener.on_refusal(reason)` for every one admission control refuses,
+        """`listener.on_arrival(prompt_tokens, max_tokens)` for every request offered
+        (taken by the backend, or refused by admission control: then prompt_tokens
+        may be None), `listener.on_refusal(reason)` for every one admission control refuses,
         `listener.on_request(timings)` for every one that ends."""
         self._listeners.append(listener)
 
-    def observe_arrival(self, prompt_tokens: int | None) -> None:
+    def observe_arrival(self, prompt_tokens: int | None, max_tokens: int | None = None) -> None:
+        """A request offered; `max_tokens`: the most it may generate (None: not known)."""
         for listener in self._listeners:
-            listener.on_arrival(prompt_tokens)
+            listener.on_arrival(prompt_tokens, max_tokens)
 
     def set_autoscaler(self, targets: Mapping[str, int], current: Mapping[str, int],
                        latency: Mapping[tuple[str, str], float | None]) -> None:

@@ -264,7 +264,7 @@ class _Server:
             return self.admission.admit(num_prompt_tokens, max_tokens)
         except Overloaded as exc:
             self.metrics.observe_rejection(exc.reason)
-            self.metrics.observe_arrival(num_prompt_tokens)    # refused, but demand all the same
+            self.metrics.observe_arrival(num_prompt_tokens, max_tokens)    # refused, but demand all the same
             raise
 
     def _check_request_limits(self, body: CompletionRequest | ChatCompletionRequest) -> None:
@@ -363,7 +363,7 @@ class _Generation:
         self.request_id = request_id
         self.outputs = server.backend.generate(request_id, prompt_ids, params)
         self.timings = RequestTimings(arrival_time=arrival, prompt_tokens=len(prompt_ids))
-        self._server.metrics.observe_arrival(len(prompt_ids))
+        self._server.metrics.observe_arrival(len(prompt_ids), params.max_tokens)
         self.last: RequestOutput | None = None
         self._closed = False
         self._admitted = admitted

@@ -369,8 +369,8 @@ def test_a_busy_server_answers_429_at_once_and_serves_what_it_admitted():
     offered, refused = [], []                         # what an autoscaler listening to the metrics sees
 
     class Listener:
-        def on_arrival(self, prompt_tokens):
-            offered.append(prompt_tokens)
+        def on_arrival(self, prompt_tokens, max_tokens):
+            offered.append((prompt_tokens, max_tokens))
 
         def on_refusal(self, reason):
             refused.append(reason)
@@ -410,7 +410,7 @@ def test_a_busy_server_answers_429_at_once_and_serves_what_it_admitted():
         assert 'pdserve_requests_rejected_total{reason="queue_requests"} 1.0' in text
     # the refused request is demand too (refused before tokenizing: no prompt length)
     prompt_len = len(tokenizer("Hi")["input_ids"])
-    assert sorted(offered, key=lambda n: n is None) == [prompt_len] * 3 + [None]
+    assert sorted(offered, key=lambda n: n[0] is None) == [(prompt_len, 3)] * 3 + [(None, None)]
     assert refused == ["queue_requests"]
 
 

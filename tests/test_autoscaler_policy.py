@@ -284,6 +284,36 @@ def test_running_requests_show_longer_outputs_before_they_finish():
     assert p.output_tokens == 400.0
 
 
+def test_arrivals_max_tokens_show_longer_outputs_where_requests_run_to_it():
+    """Where finished requests run to their max_tokens, a larger max_tokens on the
+    arrivals is their output length, and the decode pool grows in the same
+    interval; where they stop on their own, max_tokens says nothing."""
+    current = {"prefill": 1, "decode": 2}
+    rate = 2.5 * decode_capacity(MODEL, 200, 1000, 0.8 * SLOS["tpot_slo_s"])   # at 1k-token outputs: 3 replicas
+
+    def run(by_length: int, max_tokens: float) -> tuple[GoodputPolicy, dict[str, int]]:
+        p = policy(downscale_cooldown_s=0.0)
+        p.decide(observe(10.0, rate, 200, 128, current, finished=20, finished_by_length=by_length,
+                         mean_max_tokens=128))
+        d = p.decide(observe(20.0, rate, 200, 128, current, finished=20, finished_by_length=by_length,
+                             mean_max_tokens=max_tokens))
+        return p, d.targets
+
+    p, targets = run(by_length=20, max_tokens=1000)
+    assert p.output_tokens == 1000 and targets["decode"] > current["decode"]
+    p, targets = run(by_length=19, max_tokens=1000)          # 95% ran to max_tokens: still the limit
+    assert p.output_tokens == 1000
+    p, targets = run(by_length=10, max_tokens=1000)          # half stopped on their own
+    assert p.output_tokens == 128 and targets["decode"] == current["decode"]
+    p, _ = run(by_length=20, max_tokens=64)                  # shorter limits: only finished requests lower it
+    assert p.output_tokens == 128
+    p = GoodputPolicy(settings(length_finish_share=1.01), {r: MODEL for r in ("prefill", "decode")})
+    p.decide(observe(10.0, rate, 200, 128, current, finished=20, finished_by_length=20, mean_max_tokens=1000))
+    assert p.output_tokens == 128                            # above 1: never taken
+    with pytest.raises(ValueError, match="length_finish_share"):
+        settings(length_finish_share=0.0)
+
+
 def test_a_starting_replica_is_not_counted_twice():
     p = policy()
     rate = 2.5 * prefill_capacity(MODEL, 2000, 1.0)             # needs 3 prefill replicas
@@ -465,6 +495,24 @@ def test_the_live_loop_prices_decode_with_the_workers_kv_blocks_and_max_num_seqs
     policy = loop._make_policy()
     assert policy.limits["decode"] == ReplicaLimits(64, 700, 16)
     assert policy.limits["prefill"] == ReplicaLimits()     # no stats from prefill yet: unbounded
+
+
+def test_the_live_loop_counts_max_tokens_and_requests_that_ran_to_it():
+    from router.autoscale_loop import AutoscaleLoop
+    from router.metrics import ServingMetrics
+    from router.timings import RequestTimings
+    metrics = ServingMetrics()
+    loop = AutoscaleLoop(settings(), {}, metrics)
+    metrics.observe_arrival(100, 64)
+    metrics.observe_arrival(100, 192)
+    metrics.observe_arrival(None)          # refused before tokenizing: no limit known
+    for reason in ("length", "length", "stop", "abort"):
+        metrics.observe_request(RequestTimings(arrival_time=0.0, finished_time=1.0, generation_tokens=64,
+                                               finish_reason=reason))
+    obs = loop._observation(10.0, 10.0, {}, loop._take_counts())
+    assert (obs.mean_max_tokens, obs.finished, obs.finished_by_length) == (128, 3, 2)   # an abort did not finish
+    obs = loop._observation(20.0, 10.0, {}, loop._take_counts())
+    assert (obs.mean_max_tokens, obs.finished, obs.finished_by_length) == (None, 0, 0)
 
 
 def test_the_live_loop_reports_the_running_requests_output_so_far():

@@ -7,9 +7,15 @@ the same Observation.
 Per interval:
 1. The request rate (arrivals over the window, the ones admission control
    refused included) goes into the load predictor; prompt and output lengths
-   into running means. The demand is the rate predicted one start-up horizon
-   ahead (a replica asked for now serves then), plus what the queues need to
-   drain within that horizon.
+   into running means. The output length is learnt from finished requests,
+   raised early by the running ones (their tokens so far) and, where nearly
+   every request runs to its max_tokens (`length_finish_share` of those
+   finishing; load tests, fixed answer budgets), by the arrivals' max_tokens:
+   a shift to longer outputs then shows as the requests arrive, where
+   finished requests show it tens of seconds later. A shorter max_tokens
+   lowers it only through the requests that finish. The demand is the rate
+   predicted one start-up horizon ahead (a replica asked for now serves
+   then), plus what the queues need to drain within that horizon.
 2. Each role's step model is corrected by the steps its warm replicas measured
    (OnlineCorrection); a replica's first steps (warming up) are left out.
 3. One replica's capacity at the SLOs (cluster/autoscaler/capacity.py) gives
@@ -108,6 +114,8 @@ class AutoscaleSettings:
     lend_idle_cores: bool = False             # CPU: one-rank replicas lend idle cores to each other
     refusal_pressure: float = 0.1             # on shared cores: refusals (share of arrivals) that show a role short
     pressure_window_s: float = 30.0           # ... over this window
+    length_finish_share: float = 0.9          # finished requests running to max_tokens past this share: the
+                                              # arrivals' max_tokens is their output length (> 1: never)
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
@@ -122,6 +130,8 @@ class AutoscaleSettings:
             raise ValueError("ttft_percentile must be in (0, 1)")
         if not 0 <= self.refusal_pressure <= 1 or self.pressure_window_s <= 0:
             raise ValueError("refusal_pressure must be in [0, 1] and pressure_window_s > 0")
+        if self.length_finish_share <= 0:
+            raise ValueError("length_finish_share must be > 0 (above 1: max_tokens is never taken as the length)")
         floor = sum(self.min_for(r) * self.tp(r) for r in self.roles)
         if floor > self.budget:
             raise ValueError(f"the minimum replicas need {floor} ranks, more than the budget of {self.budget}")
@@ -173,6 +183,9 @@ class Observation:
     arrivals: int
     mean_prompt_tokens: float | None = None        # of the window's arrivals
     mean_output_tokens: float | None = None        # of the window's finished requests
+    finished: int = 0                              # requests that finished in the window (stop or length) ...
+    finished_by_length: int = 0                    # ... of which ran to their max_tokens
+    mean_max_tokens: float | None = None           # of the window's arrivals: the most tokens each may generate
     mean_inflight_output_tokens: float | None = None   # generated so far by the running ones (a lower bound)
     ttft_p90_s: float | None = None
     tpot_p90_s: float | None = None
@@ -220,6 +233,7 @@ class GoodputPolicy:
         self.predictor = LoadPredictor(settings.predictor)
         self.prompt_tokens: float | None = None
         self.output_tokens: float | None = None
+        self.length_share: float | None = None    # of finished requests, the share that ran to max_tokens (smoothed)
         self.last_up: dict[str, float] = {}
         self.last_change: dict[str, float] = {}
         self.first_seen: float | None = None     # the pools as deployed
@@ -287,7 +301,18 @@ class GoodputPolicy:
             self.prompt_tokens = _smooth(self.prompt_tokens, obs.mean_prompt_tokens)
         if obs.mean_output_tokens is not None:
             self.output_tokens = _smooth(self.output_tokens, obs.mean_output_tokens)
-        if obs.mean_inflight_output_tokens is not None and obs.mean_inflight_output_tokens > (self.output_tokens or 0):
+        if obs.finished:
+            self.length_share = _smooth(self.length_share, obs.finished_by_length / obs.finished)
+        if self.length_share is not None and self.length_share >= self.settings.length_finish_share and \
+                obs.mean_max_tokens is not None and obs.mean_max_tokens > (self.output_tokens or 0):
+            # the requests run to their max_tokens (a benchmark, a fixed budget per answer): the arrivals'
+            # limits are their output lengths, known as they arrive, where finished requests show longer
+            # outputs only once the new requests end (a 1k-token answer takes tens of seconds). Upwards
+            # only: lowered at once, it moved ranks away from decode while the longer requests already
+            # running still held the pool (bench/autoscale.py, README)
+            self.output_tokens = obs.mean_max_tokens
+        elif obs.mean_inflight_output_tokens is not None and \
+                obs.mean_inflight_output_tokens > (self.output_tokens or 0):
             # outputs got longer: the running requests show it before any of them finishes
             self.output_tokens = obs.mean_inflight_output_tokens
         for role, ro in obs.roles.items():

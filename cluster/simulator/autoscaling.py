@@ -97,6 +97,9 @@ class SimAutoscaler:
             now=sim.now, window_s=s.interval_s, arrivals=len(arrived),
             mean_prompt_tokens=sum(r.prompt_len for r in arrived) / len(arrived) if arrived else None,
             mean_output_tokens=sum(len(r.token_times) for r in finished) / len(finished) if finished else None,
+            # a simulated request generates its output_len, its max_tokens (run past any EOS, as load tests do)
+            finished=len(finished), finished_by_length=len(finished),
+            mean_max_tokens=sum(r.output_len for r in arrived) / len(arrived) if arrived else None,
             mean_inflight_output_tokens=_mean([len(r.token_times) for r in sim.logs
                                                if r.send_time is not None and r.end_time is None]),
             ttft_p90_s=p90(ttfts), tpot_p90_s=p90(tpots), roles=roles, refused=dict(refused))
