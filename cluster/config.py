@@ -228,6 +228,9 @@ class AutoscalingSection(_Strict):
     refusal_pressure: float = Field(0.1, ge=0, le=1, description="on shared cores: the share of arrivals "
                                     "admission control refuses on a role's account that shows the role short")
     pressure_window_s: float = Field(30.0, gt=0, description="the window refusal_pressure is taken over")
+    length_finish_share: float = Field(0.9, gt=0, description="where at least this share of finished requests "
+                                       "ran to their max_tokens, a larger max_tokens on the arrivals raises the "
+                                       "output length the policy expects (above 1: never)")
 
     def settings(self, mode: str, initial: dict[str, WorkerPool], slo: "SloSection", *, lend_idle_cores: bool = False):
         """The policy's AutoscaleSettings for `mode`, whose pools start as `initial`;
@@ -244,7 +247,7 @@ class AutoscalingSection(_Strict):
             lend_idle_cores=lend_idle_cores, ttft_percentile=self.ttft_percentile, slo_headroom=self.slo_headroom,
             downscale_headroom=self.downscale_headroom, split_margin=self.split_margin,
             warmup_steps=self.warmup_steps, refusal_pressure=self.refusal_pressure,
-            pressure_window_s=self.pressure_window_s)
+            pressure_window_s=self.pressure_window_s, length_finish_share=self.length_finish_share)
 
 
 class DeploymentConfig(_Strict):

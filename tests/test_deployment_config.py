@@ -172,7 +172,8 @@ def test_a_gpu_deployment_is_built_where_no_gpu_is_visible():
 
 def test_autoscaling_thresholds_in_the_file_reach_the_policy():
     thresholds = {"ttft_percentile": 0.95, "slo_headroom": 0.7, "downscale_headroom": 0.6, "split_margin": 0.35,
-                  "warmup_steps": 7, "refusal_pressure": 0.25, "pressure_window_s": 45.0}
+                  "warmup_steps": 7, "refusal_pressure": 0.25, "pressure_window_s": 45.0,
+                  "length_finish_share": 0.8}
     c = DeploymentConfig.model_validate({"slo": {"ttft_ms": 1000, "tpot_ms": 50},
                                          "autoscaling": {"enabled": True, **thresholds}})
     s = c.autoscaling_settings()
@@ -185,6 +186,8 @@ def test_autoscaling_thresholds_in_the_file_reach_the_policy():
         DeploymentConfig.model_validate({"autoscaling": {"refusal_pressure": 1.5}})
     with pytest.raises(ValidationError, match="autoscaling.ttft_percentile"):
         DeploymentConfig.model_validate({"autoscaling": {"ttft_percentile": 1.0}})
+    with pytest.raises(ValidationError, match="autoscaling.length_finish_share"):
+        DeploymentConfig.model_validate({"autoscaling": {"length_finish_share": 0}})
 
 
 def test_the_kv_transfer_staging_budget_reaches_the_disaggregated_engines_only():
