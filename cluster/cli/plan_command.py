@@ -9,9 +9,10 @@
 Reads only the checkpoint's config.json, so it runs anywhere, without weights
 or a GPU. A prefill or decode replica (`--role`) leaves `--kv-transfer-staging-mib`
 per rank free for its KV hand-off buffers, as the engines do (the deployment
-file's kv_transfer.staging_mib); a colocated one hands nothing off. `--model` is a checkpoint directory, or the name of a directory under
-configs/models/ of this repository (llama-3-8b, llama-3-70b), found relative to
-this file; a directory of that name in the working directory wins.
+file's kv_transfer.staging_mib); a colocated one hands nothing off. `--model`
+is a checkpoint directory, or the name of a directory under configs/models/ of
+this repository (llama-3-8b, llama-3-70b), found relative to this file; a
+directory of that name in the working directory wins.
 
 Exit status: 0 when the model fits, 1 when it does not (the plan, its problems
 and what would fit are printed either way), 2 for bad arguments.
