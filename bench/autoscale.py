@@ -23,8 +23,9 @@ P prefill + D decode replicas of TP `--tp` with (P + D) * tp = --gpus. For
 each: goodput (requests meeting both SLOs per second of the run), SLO
 attainment, the requests within both SLOs by the phase they arrived in, and
 GPU-seconds (replica-seconds times TP, a starting replica included). Prints
-a table and the ratio of the autoscaler to the best static split; writes JSON and a PNG timeline (rate, replicas per role, attainment) of
-the first predictor from the first start. A start is `even` (half the slots
+a table and the ratio of the autoscaler to the best static split; writes JSON
+and a PNG timeline (rate, replicas per role, attainment) of the first
+predictor from the first start. A start is `even` (half the slots
 each way), `planned` (the best split for the first phase's traffic, what
 `pdserve plan` answers for it: a deployment planned for the traffic it
 expects) or a split such as `1P+3D`.
