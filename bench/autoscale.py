@@ -117,10 +117,7 @@ def score(result, slos_ms: dict, duration: float, tp: int) -> dict:
     records = result.records()
     summary = summarize(records, num_requests=len(records), duration=duration, slos_ms=slos_ms, percentiles=[90])
     good = summary.good or 0
-    per_phase = [0] * len(PHASES)            # requests within both SLOs, by the phase they arrived in
-    for record in records:
-        if meets_slos(record, slos_ms):
-            per_phase[min(len(PHASES) - 1, int(record.scheduled_offset // PHASE_S))] += 1
+    per_phase = _per_phase_counts([r.scheduled_offset for r in records if meets_slos(r, slos_ms)])
     return {"goodput": good / duration, "attainment": good / max(1, len(records)), "good_per_phase": per_phase,
             "gpu_seconds": sum(result.replica_seconds.values()) * tp,
             "ttft_p90_ms": summary.latency["ttft"].percentiles.get(90),
@@ -174,10 +171,11 @@ def main() -> int:
     for p in phases:
         print(f"  {p['name']:<13} from {p['start_s']:5.0f} s: {p['rate']:.2f} req/s, ~{p['prompt']} -> "
               f"~{p['output']} tokens (best split {p['best_split']})")
+    specs = {p: dataclasses.replace(build(Candidate("disaggregated", p, args.tp, slots - p, args.tp))[0],
+                                    admission=admission)
+             for p in range(1, slots)}     # one per split, static or the autoscaler's first
     rows = {}
-    for p_count in range(1, slots):
-        spec, _ = build(Candidate("disaggregated", p_count, args.tp, slots - p_count, args.tp))
-        spec = dataclasses.replace(spec, admission=admission)
+    for p_count, spec in specs.items():
         rows[f"static {p_count}P+{slots - p_count}D"] = score(simulate(spec, lengths, arrivals), slos_ms, duration,
                                                               args.tp)
     limits = {r: ReplicaLimits(base.decode.max_num_seqs, base.decode.num_kv_blocks, base.decode.block_size)
@@ -186,9 +184,7 @@ def main() -> int:
     first_splits = {"even": f"{even}P+{slots - even}D", "planned": phases[0]["best_split"]}
     for start, predictor in [(st, pr) for st in starts for pr in args.predictors.split(",")]:
         split = first_splits.get(start, start)
-        first_prefill = _parse_split(split, slots)[0]
-        first, _ = build(Candidate("disaggregated", first_prefill, args.tp, slots - first_prefill, args.tp))
-        first = dataclasses.replace(first, admission=admission)
+        first = specs[_parse_split(split, slots)[0]]
         settings = AutoscaleSettings(ttft_slo_s=ttft_s, tpot_slo_s=tpot_s, budget=args.gpus,
                                      tensor_parallel={"prefill": args.tp, "decode": args.tp},
                                      interval_s=args.interval_s, startup_s=args.startup_s, predictor=predictor,
@@ -226,6 +222,7 @@ def main() -> int:
 
 
 def _per_phase_counts(arrivals: list[float]) -> list[int]:
+    """How many of `arrivals` (offsets, s) fall in each phase."""
     counts = [0] * len(PHASES)
     for t in arrivals:
         counts[min(len(PHASES) - 1, int(t // PHASE_S))] += 1

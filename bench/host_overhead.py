@@ -57,8 +57,9 @@ def measure(num_seqs: int, steps: int, output_kind: OutputKind) -> dict:
     params = SamplingParams(max_tokens=100_000, temperature=0.8, ignore_eos=True)
     for i in range(num_seqs):
         engine.add_request(str(i), [rng.randrange(10, vocab) for _ in range(16)], params, output_kind=output_kind)
-    while engine.step() is not None and engine.last_step.num_prefill_tokens:   # the prompts first
-        pass
+    engine.step()
+    while engine.last_step.num_prefill_tokens:   # the prompts first
+        engine.step()
     for _ in range(5):
         engine.step()
     schedule, runner = [0.0], [0.0]
