@@ -204,6 +204,9 @@ class _Server:
         except _ClientDisconnected:
             await gen.close("abort")
             return Response(status_code=_CLIENT_CLOSED)
+        except asyncio.CancelledError:    # Serve cancels the handler of a client that left
+            await gen.close("abort")
+            raise
         except BaseException:
             await gen.close(None)
             raise
@@ -292,15 +295,15 @@ class _Server:
             raise InvalidRequestError(f"The {param} has {len(ids)} tokens; this server accepts at most "
                                       f"{self.limits.max_prompt_tokens}.", param=param)
         vocab, limit = self.info.vocab_size, self.info.max_model_len
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"The prompt contains token id {bad}, outside the model's "
-                                      f"vocabulary [0, {vocab}).", param=param)
-        if len(ids) >= limit:
+        if len(ids) >= limit:    # first: bounds the scan below
             raise InvalidRequestError(
                 f"This model's maximum context length is {limit} tokens. However, your {param} "
                 f"has {len(ids)} tokens, which leaves no room for the completion. Please reduce "
                 f"the length of the {param}.", param=param)
+        if min(ids) < 0 or max(ids) >= vocab:
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            raise InvalidRequestError(f"The prompt contains token id {bad}, outside the model's "
+                                      f"vocabulary [0, {vocab}).", param=param)
 
     def _check_context(self, num_prompt: int, params: SamplingParams, max_tokens_param: str,
                        prompt_param: str) -> None:
@@ -437,7 +440,17 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
         watcher.cancel()
         if not task.done():
             task.cancel()
-            await asyncio.wait({task})  # let the work unwind before the caller closes the stream
+            # Let the work unwind before the caller closes the stream (closing a generator that
+            # is still inside anext() fails), even if this coroutine is cancelled meanwhile: both
+            # the watcher and Serve see a client leave, and Serve cancels the handler.
+            cancelled_again = False
+            while not task.done():
+                try:
+                    await asyncio.wait({task})
+                except asyncio.CancelledError:
+                    cancelled_again = True
+            if cancelled_again:
+                raise asyncio.CancelledError
     if task.cancelled():
         raise _ClientDisconnected()
     return task.result()

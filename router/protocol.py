@@ -43,8 +43,20 @@ def _shape_error(message: str) -> PydanticCustomError:
 
 
 def _is_token_ids(value: object) -> bool:
-    return isinstance(value, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value)
+    """A list of ints (bools are not token ids). One pass in C, not a Python loop per
+    item: a body of millions of ids must not hold the router's event loop for seconds."""
+    return isinstance(value, list) and set(map(type, value)) <= {int}
+
+
+def _string_chars(value: object) -> int:
+    """Characters in every string within `value` (nested lists and dicts, keys too)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_string_chars(k) + _string_chars(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return sum(_string_chars(v) for v in value)
+    return 0
 
 
 class StreamOptions(BaseModel):
@@ -241,25 +253,25 @@ class CompletionRequest(_GenerationRequest):
     @field_validator("prompt", mode="before")
     @classmethod
     def _one_prompt(cls, value: object) -> object:
-        if isinstance(value, list) and value and not _is_token_ids(value):
+        shape = _shape_error("must be a string, a list of token ids, or a list holding one of those")
+        if isinstance(value, list) and value and not isinstance(value[0], int):
             # A list of prompts: text prompts or token-id prompts.
             if not all(isinstance(p, str) or _is_token_ids(p) for p in value):
-                raise _shape_error("must be a string, a list of token ids, or a list holding "
-                                   "one of those")
+                raise shape
             if len(value) > 1:
                 raise _shape_error(f"batch prompts are not supported (got {len(value)} prompts); "
                                    "send one request per prompt")
             value = value[0]
-        if isinstance(value, str) or _is_token_ids(value):
-            if not value:
-                raise _shape_error("empty prompt; send at least one character or token id")
-            return value
-        raise _shape_error("must be a string, a list of token ids, or a list holding one of those")
+        elif not (isinstance(value, str) or _is_token_ids(value)):
+            raise shape
+        if not value:
+            raise _shape_error("empty prompt; send at least one character or token id")
+        return value
 
     @field_validator("prompt", "suffix")
     @classmethod
     def _prompt_text(cls, value: object) -> object:
-        return _valid_text(value)
+        return _valid_text(value) if isinstance(value, str) else value    # token ids: checked by their type
 
     def text_length(self) -> int:
         return len(self.prompt) if isinstance(self.prompt, str) else 0
@@ -353,7 +365,10 @@ class ChatCompletionRequest(_GenerationRequest):
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def text_length(self) -> int:
-        return sum(len(m.content or "") for m in self.messages)
+        """The messages' text and every string the template may render besides
+        (names, chat_template_kwargs: a template can print any of them)."""
+        return sum(len(m.content or "") + len(m.name or "") for m in self.messages) + \
+            _string_chars(self.chat_template_kwargs)
 
     def check_supported(self) -> None:
         super().check_supported()

@@ -9,7 +9,10 @@ Token strings in logprobs are each token's text after a fixed one-token context
 (decoded alone, a SentencePiece tokenizer drops a word's leading space, and the
 strings would not spell the completion nor `text_offset` point into it);
 `bytes` is that string's UTF-8 (a token that ends mid-character shows U+FFFD,
-as in vLLM). Logprobs are floored at -9999 because JSON has no -inf.
+as in vLLM). `text_offset` is the running sum of the strings' lengths (vLLM's):
+past a special token the completion skips, or a character split across tokens,
+it no longer points exactly into the text. Logprobs are floored at -9999
+because JSON has no -inf.
 """
 
 from __future__ import annotations

@@ -401,6 +401,11 @@ LONG = list(range(3, 3 + MAX_MODEL_LEN))
      "you requested 70 tokens (10 in the prompt, 60 in the completion)"),
     (COMPLETIONS, {"prompt": [5, 600]}, 400, "prompt", "token id 600, outside"),
     (COMPLETIONS, {"prompt": [-1]}, 400, "prompt", "token id -1"),
+    (COMPLETIONS, {"prompt": [600] * MAX_MODEL_LEN}, 400, "prompt", "maximum context length"),  # length first
+    (COMPLETIONS, {"prompt": [5, "a"]}, 400, "prompt", "prompt: must be a string"),
+    (COMPLETIONS, {"prompt": [5, True]}, 400, "prompt", "prompt: must be a string"),
+    (COMPLETIONS, {"prompt": [[5, 6], 7]}, 400, "prompt", "prompt: must be a string"),
+    (COMPLETIONS, {"prompt": [[]]}, 400, "prompt", "prompt: empty prompt"),
     (COMPLETIONS, {"prompt": ""}, 400, "prompt", "prompt: empty prompt"),
     (COMPLETIONS, {"prompt": ["a", "b"]}, 400, "prompt", "batch prompts are not supported"),
     (COMPLETIONS, {"prompt": {"text": "a"}}, 400, "prompt", "prompt: must be a string"),
@@ -428,6 +433,8 @@ LONG = list(range(3, 3 + MAX_MODEL_LEN))
     (CHAT, {"messages": [{"role": "user", "content": "\ud83d"}]}, 400, "messages[0].content", "surrogate"),
     (COMPLETIONS, {"prompt": "x" * 1_000_000}, 400, "prompt", "your prompt has 1000000 characters, far more "
      "than 64 tokens can hold"),
+    (CHAT, {"messages": USER, "chat_template_kwargs": {"bos_token": "ab " * 1_000_000}}, 400, "messages",
+     "your messages has 3000011 characters, far more than 64 tokens can hold"),   # the key too
     (COMPLETIONS, {"prompt": "Hi", "stop_token_ids": list(range(300))}, 400, "stop_token_ids",
      "has 300 ids; this server allows at most 256"),
     (CHAT, {"messages": USER, "echo": True}, 400, "echo", "echo is not supported"),
@@ -451,6 +458,15 @@ def test_bad_requests_get_openai_errors_and_the_app_keeps_serving(
     assert error["code"] == ("model_not_found" if status == 404 else None)
     assert backend.calls == []  # refused before reaching the backend
     assert client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 1}).status_code == 200
+
+
+def test_a_token_id_list_with_many_bad_items_gets_one_short_error(client, backend):
+    """Each bad item of a long list must not become its own message (pydantic's
+    union errors would list every one)."""
+    error = assert_openai_error(client.post(COMPLETIONS, json={"prompt": [5] + ["a"] * 100_000}), 400, "prompt",
+                                "prompt: must be a string, a list of token ids")
+    assert len(error["message"]) < 300, error["message"][:400]
+    assert backend.calls == []
 
 
 def test_malformed_json_and_wrong_routes(client):
@@ -536,6 +552,63 @@ def test_client_disconnect_closes_the_backend_stream(app, backend, metrics, stre
     exposition = metrics.render()[0]
     assert b'pdserve_requests_total{finish_reason="abort"} 1.0' in exposition
     assert b"pdserve_e2e_request_latency_seconds_count 0.0" in exposition  # cut off: no latency
+
+
+def _scope(path: str) -> dict:
+    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+            "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+            "root_path": "", "headers": [(b"content-type", b"application/json"), (b"host", b"testserver")],
+            "client": ("127.0.0.1", 1234), "server": ("testserver", 80)}
+
+
+@pytest.mark.parametrize("disconnect_seen_too", [False, True])
+def test_a_handler_cancelled_as_its_client_left_aborts_the_request(app, backend, metrics, caplog,
+                                                                    disconnect_seen_too):
+    """Serve cancels the handler of a client that left. The request counts as
+    aborted, not as an error; and when the disconnect watcher has already begun
+    cancelling the backend stream, which takes a while to unwind, the handler's
+    own cancellation must not close that stream while it is still running."""
+    unwinding = asyncio.Event()
+
+    async def slow_to_unwind(request_id, prompt_token_ids, params):
+        backend.calls.append((request_id, list(prompt_token_ids), params))
+        try:
+            backend.hanging.set()
+            await asyncio.Event().wait()
+            yield
+        finally:
+            unwinding.set()
+            await asyncio.sleep(0.05)      # a remote stream's cancellation takes a round trip
+            backend.closed_early.append(request_id)
+
+    backend.generate = slow_to_unwind
+
+    async def run() -> None:
+        requests = [{"type": "http.request", "body": json.dumps({"messages": USER}).encode(), "more_body": False}]
+
+        async def receive() -> dict:
+            if requests:
+                return requests.pop()
+            await backend.hanging.wait()
+            if disconnect_seen_too:
+                return {"type": "http.disconnect"}
+            await asyncio.Event().wait()
+
+        async def send(message: dict) -> None:
+            pass
+
+        handler = asyncio.ensure_future(app(_scope(CHAT), receive, send))
+        await (unwinding if disconnect_seen_too else backend.hanging).wait()
+        handler.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(handler, timeout=10)
+
+    with caplog.at_level("ERROR"):
+        asyncio.run(run())
+    [(request_id, _, _)] = backend.calls
+    assert backend.closed_early == [request_id]
+    assert b'pdserve_requests_total{finish_reason="abort"} 1.0' in metrics.render()[0]
+    assert not [r for r in caplog.records if "closing the backend stream" in r.getMessage()]
 
 
 def test_continue_final_message_renders_the_assistants_turn_open(client, backend, tokenizer):
