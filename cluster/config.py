@@ -97,7 +97,8 @@ class KVTransferSection(_Strict):
                                      "free KV blocks for in this long")
     staging_mib: float = Field(1024.0, gt=0, description="a decode worker's buffers for incoming KV, and a "
                                "prefill worker's packed copies of the KV it sends, stay within this much per rank "
-                               "(hand-offs past it wait for earlier ones to end; one larger than it goes alone); "
+                               "(hand-offs past it wait for earlier ones to end, a send at most half of timeout_s; one larger than it "
+                               "goes alone); "
                                "on a GPU, prefill and decode workers size their KV cache with this much left free "
                                "for them")
     secret_env: EnvName = Field(None, description="name of the environment variable that holds the secret "

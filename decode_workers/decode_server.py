@@ -75,7 +75,11 @@ class ServePrefillPeer:
     async def send_kv(self, replica_id: str, request_id: str, transfer_id: str,
                       receivers: list[PeerAddress]) -> int:
         call = self._handle.send_kv.remote(request_id, transfer_id, receivers, **{TARGET_REPLICA: replica_id})
-        return await asyncio.wait_for(call, SEND_CALL_TIMEOUT_S)
+        try:
+            return await asyncio.wait_for(call, SEND_CALL_TIMEOUT_S)
+        except BaseException:
+            call.cancel()   # awaiting a response does not cancel the remote call by itself
+            raise
 
     def release(self, replica_id: str, request_id: str) -> None:
         # fire and forget: the lease frees the KV if this never lands

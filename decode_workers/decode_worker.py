@@ -184,18 +184,40 @@ class DecodeWorker:
         await self._engine.call(self._reserve, request, reserved)
         nbytes, arrived = await self._wait_for_blocks(reserved, prefill)
         t1 = time.monotonic()
-        try:
-            await self._peer.send_kv(prefill.replica_id, rid, request.transfer_id, list(self.receivers))
-        except Exception as exc:  # noqa: BLE001 - the hold expired, or the prefill replica failed
-            raise KVTransferFailed(f"the prefill worker could not send the KV of {rid}: {exc}",
-                                   self.replica_id) from None
-        error = await arrived
+        error = await self._send_and_arrive(request, arrived)
         if error is not None:
             raise KVTransferFailed(f"the KV of request {rid} did not arrive at {self.name}: {error}",
                                    self.replica_id)
         self._peer.release(prefill.replica_id, rid)
         return Admitted(self.replica_id, reserve_time_s=t1 - t0, transfer_time_s=time.monotonic() - t1,
                         transfer_bytes=nbytes)
+
+    async def _send_and_arrive(self, request: DecodeRequest, arrived: asyncio.Future) -> str | None:
+        """Asks the prefill replica to send and waits for the KV: None once it is in,
+        else why not. The transfer's deadline runs while the send call is pending
+        too (the prefill side may wait for its staging budget): whichever ends
+        first decides, and a send call still pending when the transfer failed is
+        cancelled. Raises KVTransferFailed when the send call fails."""
+        rid, prefill = request.request_id, request.prefill
+        send = asyncio.ensure_future(self._peer.send_kv(prefill.replica_id, rid, request.transfer_id,
+                                                        list(self.receivers)))
+        send.add_done_callback(_retrieved)   # (an arrival may settle it before the call answers)
+        try:
+            await asyncio.wait({send, arrived}, return_when=asyncio.FIRST_COMPLETED)
+            if not send.done():
+                if arrived.result() is None:
+                    return None        # in before the call answered: its answer is not needed
+                send.cancel()
+                return arrived.result()
+            if send.cancelled() or send.exception() is not None:
+                why = "cancelled" if send.cancelled() else send.exception()
+                raise KVTransferFailed(f"the prefill worker could not send the KV of {rid}: {why}",
+                                       self.replica_id)
+            return await arrived
+        except BaseException:
+            send.cancel()
+            arrived.cancel()   # nobody reads it now: the abort that follows settles nothing
+            raise
 
     async def _wait_for_blocks(self, reserved: asyncio.Future,
                                prefill: PrefillResult) -> tuple[int, asyncio.Future]:
@@ -409,6 +431,13 @@ class DecodeWorker:
 def _add_request(engine: LLMEngine, request_id: str, prompt_token_ids: list[int], params,
                  resume: ResumedOutput | None) -> None:
     engine.add_request(request_id, prompt_token_ids, params, resume=resume, output_kind=OutputKind.DELTA)
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    """Marks a task's outcome read (no "exception was never retrieved" for a call
+    whose answer came too late to matter)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _receiving_bytes(handoffs: Iterable[_HandOff]) -> int:

@@ -28,9 +28,10 @@ class PrefillServer(WorkerDeployment):
         """`staging_budget_bytes`: PrefillWorker's bound on packed send copies per rank."""
         await self.join_gang(engine_config)
         name = f"prefill-{self.replica_id}"
+        # a send waiting for room must start well within the receiver's transfer timeout
         self.worker = PrefillWorker(engine_config, sender_factory(transport, name), lease_s=lease_s,
-                                    staging_budget_bytes=staging_budget_bytes, name=name,
-                                    replica_id=self.replica_id)
+                                    staging_budget_bytes=staging_budget_bytes, send_wait_s=transport.timeout_s / 2,
+                                    name=name, replica_id=self.replica_id)
         await self.worker.start()
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> PrefillResult:

@@ -17,15 +17,20 @@ nothing. A hold that nobody releases (the router or decode worker died) is
 freed when its lease runs out (a send starts it again, and a send still on
 the wire keeps it until the transfer ends, one more lease at most); a release that
 arrives while the send is still in flight is carried out when the transfer
-ends. With one rank the KV is packed
-and queued on the caller's thread, without waiting for the engine's current
-step to end (held blocks are never written by a step).
+ends. A send that must wait for the staging budget renews the lease first and
+waits at most `send_wait_s` (then it is refused and the decode side tries
+elsewhere). With one rank the KV is packed and queued on the caller's thread,
+without waiting for the engine's current step to end (held blocks are never
+written by a step): while it packs, the hold is marked as being sent, and the
+engine thread neither expires nor frees it (an abort or release meanwhile is
+carried out once the send is recorded).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,23 +61,28 @@ class _Hold:
     transfer_id: str | None = None       # set once send_kv started
     transfer_state: TransferState | None = None
     release_requested: bool = False
+    drop_requested: bool = False         # dropped while packed off the engine thread: done once noted
 
 
 class PrefillWorker:
     def __init__(self, config: EngineConfig, make_sender: Callable[[int, torch.device], KVSender], *,
-                 lease_s: float = 60.0, staging_budget_bytes: int | None = None, name: str = "prefill",
-                 replica_id: str = ""):
+                 lease_s: float = 60.0, staging_budget_bytes: int | None = None, send_wait_s: float = 15.0,
+                 name: str = "prefill", replica_id: str = ""):
         """`staging_budget_bytes`: the packed copies that sends in flight hold on
         each rank stay within it (None: no bound), except that a send with nothing
-        else in flight always goes. Call from a running event loop, then `await start()`."""
+        else in flight always goes; a send waits for room at most `send_wait_s`
+        (keep it under the receivers' transfer timeout). Call from a running
+        event loop, then `await start()`."""
         self.config = config
         self.name = name
         self.replica_id = replica_id
         self.lease_s = lease_s
+        self.send_wait_s = send_wait_s
         self._make_sender = make_sender
         self._engine = AsyncEngine(lambda: LLMEngine(config), decode=False, name=f"{name}-engine")
-        self._holds: dict[str, _Hold] = {}     # touched only on the engine thread
-        self._sends_to_note: set[str] = set()  # sent off the engine thread, _note_send not run yet
+        self._holds: dict[str, _Hold] = {}     # changed only on the engine thread
+        self._sends_to_note: set[str] = set()  # packed off the engine thread, _note_send not run yet
+        self._sends_to_note_lock = threading.Lock()   # with a hold's drop: never both at once
         self._queued_prompt_tokens: dict[str, int] = {}
         self._send_budget = SendBudget(staging_budget_bytes)
         self.sender_names: list[str] = []
@@ -119,27 +129,52 @@ class PrefillWorker:
                                                       self.config.tensor_parallel_size, len(receivers))
             if hold.transfer_id not in (None, transfer_id):   # a retry: the send it replaces is forgotten first
                 self._send_budget.release(hold.transfer_id)
-        await self._send_budget.acquire(transfer_id, nbytes)
+        renewing = None
+        if hold is not None and not self._send_budget.fits(nbytes):   # the wait must not outlast the lease
+            renewing = asyncio.ensure_future(self._renew_every_third_of_the_lease(request_id))
+        try:
+            await self._send_budget.acquire(transfer_id, nbytes, self.send_wait_s)
+        except TimeoutError as exc:
+            raise TimeoutError(f"{self.name} could not start sending the KV of {request_id}: {exc} "
+                               f"(kv_transfer.staging_mib bounds them)") from None
+        finally:
+            if renewing is not None:
+                renewing.cancel()
         try:
             return await self._send(request_id, transfer_id, receivers)
+        except asyncio.CancelledError:
+            # the engine may still start the send queued for it: what it started is forgotten after it
+            self._engine.submit(self._abandon_send, request_id, transfer_id)
+            raise
         except BaseException:
             self._send_budget.release(transfer_id)
             raise
+
+    async def _renew_every_third_of_the_lease(self, request_id: str) -> None:
+        while await self._engine.call(self._renew, request_id):
+            await asyncio.sleep(self.lease_s / 3)
 
     async def _send(self, request_id: str, transfer_id: str, receivers: list[PeerAddress]) -> int:
         if self.config.tensor_parallel_size > 1:   # every rank packs its heads: between steps
             return await self._engine.call(self._start_send, request_id, transfer_id, receivers)
         engine = self._engine.engine
-        hold = self._holds.get(request_id)
-        if hold is None or hold.transfer_id is not None or request_id in self._sends_to_note or \
-                hold.deadline - time.monotonic() < _LEASE_MARGIN_S:
+        with self._sends_to_note_lock:
+            hold = self._holds.get(request_id)
+            packs_here = hold is not None and hold.transfer_id is None and request_id not in self._sends_to_note \
+                and hold.deadline - time.monotonic() >= _LEASE_MARGIN_S
+            if packs_here:   # from here until _note_send the engine thread neither expires nor frees it
+                self._sends_to_note.add(request_id)
+        if not packs_here:
             # unknown, a retry (its first send maybe not yet noted: the call queues behind the note), or a
-            # lease that could run out while packing here: the engine thread decides
+            # lease about to run out: the engine thread decides
             return await self._engine.call(self._start_send, request_id, transfer_id, receivers)
-        block_ids = list(engine.held_sequence(request_id).block_table)
-        (nbytes,) = engine.collective_rpc(kv_handoff.start_send, transfer_id, block_ids, receivers,
-                                          self.num_kv_heads)
-        self._sends_to_note.add(request_id)
+        try:
+            block_ids = list(engine.held_sequence(request_id).block_table)
+            (nbytes,) = engine.collective_rpc(kv_handoff.start_send, transfer_id, block_ids, receivers,
+                                              self.num_kv_heads)
+        except BaseException:
+            self._engine.submit(self._note_send, request_id, None)
+            raise
         self._engine.submit(self._note_send, request_id, transfer_id)
         return nbytes
 
@@ -195,15 +230,30 @@ class PrefillWorker:
             self._holds[out.request_id] = _Hold(deadline, len(seq.block_table))
         return result
 
-    def _note_send(self, engine: LLMEngine, request_id: str, transfer_id: str) -> None:
-        """Records a send started off the engine thread (one rank)."""
-        self._sends_to_note.discard(request_id)
+    def _note_send(self, engine: LLMEngine, request_id: str, transfer_id: str | None) -> None:
+        """Records a send started off the engine thread (one rank; None: it failed to
+        start), and carries out a drop asked for while it was packed."""
+        with self._sends_to_note_lock:
+            self._sends_to_note.discard(request_id)
         hold = self._holds.get(request_id)
-        if hold is None:   # dropped meanwhile (abort, lease): stop the send
-            self._forget_send(engine, transfer_id)
+        if hold is None:   # (not expected: a hold being sent is not dropped) stop the send
+            if transfer_id is not None:
+                self._forget_send(engine, transfer_id)
             return
-        hold.transfer_id, hold.transfer_state = transfer_id, TransferState.PENDING
-        self._renew(engine, request_id)
+        if transfer_id is not None:
+            hold.transfer_id, hold.transfer_state = transfer_id, TransferState.PENDING
+            self._renew(engine, request_id)
+        if hold.drop_requested:
+            self._drop(engine, request_id)
+
+    def _abandon_send(self, engine: LLMEngine, request_id: str, transfer_id: str) -> None:
+        """send_kv's caller went away after queueing `transfer_id` (engine thread,
+        after that queued call): the send it started, if any, is forgotten; the
+        hold stays for a retry, a release or its lease."""
+        hold = self._holds.get(request_id)
+        if hold is not None and hold.transfer_id == transfer_id:
+            hold.transfer_id, hold.transfer_state = None, None
+        self._forget_send(engine, transfer_id)
 
     def _start_send(self, engine: LLMEngine, request_id: str, transfer_id: str,
                     receivers: list[PeerAddress]) -> int:
@@ -214,8 +264,13 @@ class PrefillWorker:
             # a retry towards another decode worker: the router gave up on the last attempt
             self._forget_send(engine, hold.transfer_id)
         block_ids = list(engine.held_sequence(request_id).block_table)
-        nbytes = sum(engine.collective_rpc(kv_handoff.start_send, transfer_id, block_ids, receivers,
-                                           self.num_kv_heads))
+        try:
+            nbytes = sum(engine.collective_rpc(kv_handoff.start_send, transfer_id, block_ids, receivers,
+                                               self.num_kv_heads))
+        except BaseException:
+            # a rank that failed forgot its own pieces; the others queued theirs
+            engine.collective_rpc(kv_handoff.forget_transfer, transfer_id)
+            raise
         hold.transfer_id, hold.transfer_state = transfer_id, TransferState.PENDING
         self._renew(engine, request_id)
         return nbytes
@@ -236,7 +291,12 @@ class PrefillWorker:
         return True
 
     def _drop(self, engine: LLMEngine, request_id: str) -> None:
-        hold = self._holds.pop(request_id, None)
+        with self._sends_to_note_lock:
+            hold = self._holds.get(request_id)
+            if hold is not None and request_id in self._sends_to_note:   # being packed: _note_send drops it
+                hold.drop_requested = True
+                return
+            self._holds.pop(request_id, None)
         if hold is not None and hold.transfer_id is not None:
             self._forget_send(engine, hold.transfer_id)
         engine.abort_request(request_id)
@@ -265,8 +325,8 @@ class PrefillWorker:
         # a send on the wire keeps its hold past the lease until it ends (a transport's sends
         # end within its timeout), for one more lease at most
         expired = [rid for rid, h in self._holds.items()
-                   if h.deadline < now and (h.transfer_state is None or h.transfer_state.is_final
-                                            or h.deadline + self.lease_s < now)]
+                   if h.deadline < now and rid not in self._sends_to_note and not h.drop_requested
+                   and (h.transfer_state is None or h.transfer_state.is_final or h.deadline + self.lease_s < now)]
         for rid in expired:
             log.warning("the KV lease of %s expired after %.0f s without a release; freeing it", rid, self.lease_s)
             self._drop(engine, rid)

@@ -48,6 +48,7 @@ class StreamFanout:
         self._replica_of: dict[str, str] = {}
         self._readers: dict[str, asyncio.Task] = {}
         self._aborting: set[tuple[str, str]] = set()   # (replica id, request id) aborts under way
+        self._abort_tasks: set[asyncio.Task] = set()
         self._num_failures = 0                      # stream failures so far, of any replica
         self._failure_of: dict[str, int] = {}       # replica id -> the count at its latest failure
         self._expected_at: dict[str, int] = {}      # request id -> the count when it was expected
@@ -130,7 +131,9 @@ class StreamFanout:
     def _abort_soon(self, replica_id: str, request_id: str) -> None:
         if (replica_id, request_id) not in self._aborting:
             self._aborting.add((replica_id, request_id))
-            asyncio.get_running_loop().create_task(self._abort_orphan(replica_id, request_id))
+            task = asyncio.get_running_loop().create_task(self._abort_orphan(replica_id, request_id))
+            self._abort_tasks.add(task)    # the loop holds tasks weakly: one not held could vanish
+            task.add_done_callback(self._abort_tasks.discard)
 
     async def _abort_orphan(self, replica_id: str, request_id: str) -> None:
         try:

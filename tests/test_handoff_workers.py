@@ -162,6 +162,11 @@ def _block_bytes(model_dir) -> int:
     return LLMEngine(config).worker.kv_cache.spec.bytes_per_block
 
 
+def _sends(engine) -> list[list[str]]:
+    """The transfers each rank's sender still tracks."""
+    return engine.collective_rpc(lambda worker: sorted(worker.attachments[kv_handoff.SENDS]))
+
+
 def test_handoff_matches_transformers_greedy(model_dirs, reference):
     async def main():
         pair = await Pair(model_dirs["tiny"], FakeTransportHub()).start()
@@ -569,13 +574,132 @@ def test_a_send_retried_before_the_first_was_noted_forgets_the_first(model_dirs)
         await prefill.send_kv("r", "r#1", receivers)
         await prefill.send_kv("r", "r#2", receivers)
 
-        def sends(engine):
-            return engine.collective_rpc(lambda worker: sorted(worker.attachments[kv_handoff.SENDS]))
-        assert await prefill._engine.call(sends) == [["r#2"]]
+        assert await prefill._engine.call(_sends) == [["r#2"]]
         assert await prefill.release("r")
         await pair.wait_idle()
         prefill.shutdown()
         pair.decode.shutdown()
+    run(main())
+
+
+def test_a_send_waiting_for_the_prefill_staging_budget_keeps_its_hold(model_dirs, reference):
+    """Two one-block hand-offs on a budget of one block, each transfer longer than
+    the lease: the second waits for the first to end, its hold renewed meanwhile,
+    and neither is retried."""
+    async def main():
+        block = _block_bytes(model_dirs["tiny"])
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub(delay_s=1.0), lease_s=0.6,
+                          send_budget_bytes=block).start()
+        try:
+            outs = await asyncio.gather(*[pair.run(str(i), p) for i, p in enumerate(ONE_BLOCK_PROMPTS[:2])])
+            assert pair.decode_pool.attempts == 2
+            await pair.wait_idle()
+            return outs
+        finally:
+            await pair.shutdown()
+
+    for prompt, out in zip(ONE_BLOCK_PROMPTS, run(main())):
+        assert out.token_ids == reference("tiny").greedy(tuple(prompt), 10)
+
+
+def test_a_hold_packed_off_the_engine_thread_is_not_freed_while_it_packs(model_dirs, monkeypatch):
+    """One rank packs on the caller's thread while the engine thread runs on. A
+    lease that runs out during a slow pack must not free the blocks being read
+    (the next prompt would write into them): the hold stays, the send carries
+    the held KV whole, and the lease starts again once the send is noted."""
+    async def main():
+        hub = FakeTransportHub()
+        pair = await Pair(model_dirs["tiny"], hub, lease_s=1.2).start()
+        prefill = pair.prefill
+        try:
+            await prefill.prefill("slow", PROMPTS[1], GREEDY)
+            held = await prefill._engine.call(
+                lambda e: e.read_kv_shards(list(e.held_sequence("slow").block_table))[0])
+            kv_cache = prefill._engine.engine.worker.kv_cache
+            read_blocks = kv_cache.read_blocks
+
+            def slow_read(block_ids, heads=None):
+                time.sleep(1.6)                 # past the lease (1.2 s, of which > 1 s was left when it began)
+                return read_blocks(block_ids, heads)
+
+            monkeypatch.setattr(kv_cache, "read_blocks", slow_read)
+            receiver, received = hub.receiver("decode-x"), torch.zeros(held.numel() * held.element_size(),
+                                                                         dtype=torch.uint8)
+            receiver.expect("t-slow/0", "p0", received)
+            await prefill.send_kv("slow", "t-slow", [receiver.address])
+            monkeypatch.setattr(kv_cache, "read_blocks", read_blocks)
+            await asyncio.sleep(0.3)            # the engine thread notes the send
+            assert prefill.stats()["num_held"] == 1
+            deadline = time.monotonic() + 5
+            while receiver.poll("t-slow/0", "p0") is not TransferState.DONE:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            assert torch.equal(received.view(held.dtype), held.flatten())
+            assert await prefill.release("slow")
+            await pair.wait_idle()
+        finally:
+            await pair.shutdown()
+    run(main())
+
+
+def test_a_send_call_cancelled_while_queued_for_the_engine_forgets_the_send_it_starts(model_dirs):
+    """send_kv's caller goes away while its call waits for the engine thread: the
+    send the engine starts afterwards is forgotten, and its packed copy is not
+    left on the wire uncounted by the staging budget."""
+    async def main():
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub(delay_s=5.0)).start()
+        prefill = pair.prefill
+        try:
+            await prefill.prefill("r", PROMPTS[1], GREEDY)
+            receivers = list(pair.decode.receivers)
+            await prefill.send_kv("r", "r#1", receivers)
+            await asyncio.sleep(0.3)                                    # noted: a retry goes to the engine
+            prefill._engine.submit(lambda engine: time.sleep(0.5))     # a long step
+            retry = asyncio.create_task(prefill.send_kv("r", "r#2", receivers))
+            await asyncio.sleep(0.1)
+            retry.cancel()
+            await asyncio.sleep(0.8)
+            assert await prefill._engine.call(_sends) == [[]]
+            assert prefill.stats()["kv_staging_bytes"] == 0
+            assert await prefill.release("r")
+            await pair.wait_idle()
+        finally:
+            await pair.shutdown()
+    run(main())
+
+
+def test_a_send_that_fails_on_one_rank_is_forgotten_on_every_rank(model_dirs, monkeypatch):
+    """With several ranks, one rank failing to pack leaves the others' pieces
+    queued: the whole transfer is forgotten, on every rank."""
+    from engine.model_worker import RankCallError
+
+    async def main():
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub(delay_s=5.0)).start()
+        prefill = pair.prefill
+        engine = prefill._engine.engine
+        try:
+            await prefill.prefill("r", PROMPTS[1], GREEDY)
+            receivers = list(pair.decode.receivers)
+            await prefill.send_kv("r", "r#1", receivers)
+            await asyncio.sleep(0.3)                                    # noted: a retry goes to the engine
+            collective_rpc = engine.collective_rpc
+
+            def another_rank_fails(fn, *args):
+                results = collective_rpc(fn, *args)                      # this rank queued its pieces
+                if fn is kv_handoff.start_send:
+                    raise RankCallError("rank 1: out of memory packing the KV")
+                return results
+
+            monkeypatch.setattr(engine, "collective_rpc", another_rank_fails)
+            with pytest.raises(RankCallError, match="out of memory"):
+                await prefill.send_kv("r", "r#2", receivers)
+            monkeypatch.setattr(engine, "collective_rpc", collective_rpc)
+            assert await prefill._engine.call(_sends) == [[]]
+            assert prefill.stats()["kv_staging_bytes"] == 0
+            assert await prefill.release("r")
+            await pair.wait_idle()
+        finally:
+            await pair.shutdown()
     run(main())
 
 
