@@ -418,7 +418,7 @@ class DecodeWorker:
                 handoff = self._handoffs[rid]
                 state, error = kv_handoff.combine_states([r[tid] for r in per_rank])
                 if not state.is_final and now > handoff.deadline:
-                    state, error = TransferState.FAILED, f"timed out after {self.transfer_timeout_s:.0f} s"
+                    state, error = TransferState.FAILED, f"timed out after {self.transfer_timeout_s:g} s"
                 if state is TransferState.DONE:
                     settle_from_thread(handoff.future, self._admit(engine, rid))
                 elif state is TransferState.FAILED:

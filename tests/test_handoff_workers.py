@@ -330,6 +330,39 @@ def test_a_dead_sender_fails_the_transfer_instead_of_hanging(model_dirs):
     run(main())
 
 
+def test_a_send_call_that_outlasts_the_transfer_deadline_is_cancelled_at_it(model_dirs):
+    """The decode side's transfer deadline runs while the prefill replica has not
+    answered the send call yet (it may wait for its staging budget): at the
+    deadline the hand-off fails and the call is cancelled, instead of both sides
+    waiting for the call's own timeout."""
+    class SilentPeer(LocalPrefillPeer):
+        def __init__(self, worker):
+            super().__init__(worker)
+            self.cancelled = 0
+
+        async def send_kv(self, replica_id, request_id, transfer_id, receivers):
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+
+    async def main():
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub()).start()
+        peer = pair.decode._peer = SilentPeer(pair.prefill)
+        pair.decode.transfer_timeout_s = 0.4
+        try:
+            started = time.monotonic()
+            with pytest.raises(BackendUnavailableError, match="timed out after 0.4 s"):
+                await pair.run("x", PROMPTS[0])
+            assert time.monotonic() - started < 5      # two attempts (one retry) of 0.4 s, not 60 s calls
+            assert peer.cancelled == 2
+            await pair.wait_idle()
+        finally:
+            await pair.shutdown()
+    run(main())
+
+
 def test_a_client_that_leaves_mid_transfer_frees_both_sides(model_dirs):
     async def main():
         pair = await Pair(model_dirs["tiny"], FakeTransportHub(delay_s=60.0)).start()
