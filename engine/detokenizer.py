@@ -50,6 +50,10 @@ class IncrementalDetokenizer:
       a delta never ends in a U+FFFD that later tokens could still turn into a
       character (an incomplete UTF-8 sequence is held back until resolved);
     - ``text`` is the concatenation of all deltas and contains output text only;
+      with byte-level and SentencePiece-style tokenizers it reads as the output
+      does after the prompt, ``decode(prompt + output)`` past ``decode(prompt)``
+      (a word starting it keeps its leading space), unless the prompt ends inside
+      a character;
     - ``flush()`` emits whatever is held back, decoded as the full decode would;
       afterwards ``text == tokenizer.decode(output_ids, skip_special_tokens=...)``
       for byte-level tokenizers. No tokens may be added after ``flush()``.
@@ -61,10 +65,14 @@ class IncrementalDetokenizer:
         self._tokenizer = _fast_decoder(tokenizer)
         self._skip_special_tokens = skip_special_tokens
         context = [int(t) for t in prompt_token_ids[-_CONTEXT_TOKENS:]]
-        # Context ending inside a character would glue its bytes to the output's
-        # first bytes, which the decode of the output alone never sees.
-        if context and self._decode(context).endswith(_REPLACEMENT):
-            context = []
+        # The context's decode must end in a character. Where the context starts inside
+        # one, SentencePiece's byte fallback turns the whole run of byte tokens after it
+        # into U+FFFD: drop tokens from the left until the decode ends in a character, so
+        # the first output token still follows text (its leading space depends on it). A
+        # prompt that ends inside a character is left with none: its bytes glued to the
+        # output's first bytes would make a character the output's own decode never has.
+        while context and self._decode(context).endswith(_REPLACEMENT):
+            del context[0]
         self._ids: list[int] = context
         # ids[prefix_offset:read_offset] is context; text up to read_offset is emitted.
         self._prefix_offset = 0

@@ -106,8 +106,11 @@ class LLMEngine:
                                    max_model_len=self.max_model_len)
         batch_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.runner = ModelRunner(self.worker, Sampler(batch_generator))
+        # What ends a request (unless ignore_eos) and what min_tokens bans, on every path: config.json's,
+        # generation_config.json's and the tokenizer's EOS ids; an id outside the vocabulary is never sampled.
         tokenizer_eos = [] if self.tokenizer.eos_token_id is None else [self.tokenizer.eos_token_id]
-        self.eos_token_ids = tuple(dict.fromkeys([*mc.eos_token_ids, *tokenizer_eos]))
+        self.eos_token_ids = tuple(t for t in dict.fromkeys([*mc.eos_token_ids, *tokenizer_eos])
+                                   if 0 <= t < mc.vocab_size)
         self._states: dict[str, RequestTextState] = {}
         self._held: dict[str, Sequence] = {}
         self._ids = itertools.count()

@@ -1,11 +1,12 @@
 """Batched next-token sampling: penalties, temperature, top-k/top-p/min-p, seeded draws.
 
-Per row, in this order: banned tokens -> repetition penalty -> presence/frequency
-penalties -> temperature -> top-k -> top-p -> min-p -> sample. Greedy rows take the
-argmax right after the penalties. Everything is computed in float32 on the logits'
-device. The masking steps are pure functions (new tensor out, input untouched) that
-take per-row parameters as a Python scalar or sequence, so deciding what to skip
-never needs a device sync.
+Per row, in vLLM v1's order: banned tokens -> repetition penalty -> presence/frequency
+penalties -> temperature -> min-p -> top-k -> top-p -> sample; each mask acts on the
+distribution the previous ones left, renormalised (top-p measures the mass of the
+tokens min-p and top-k kept). Greedy rows take the argmax right after the penalties.
+Everything is computed in float32 on the logits' device. The masking steps are pure
+functions (new tensor out, input untouched) that take per-row parameters as a Python
+scalar or sequence, so deciding what to skip never needs a device sync.
 """
 
 from __future__ import annotations
@@ -292,8 +293,8 @@ def sample_from_probs(probs: torch.Tensor, generators: Sequence[torch.Generator 
 
 def heaviest_rows(num_rows: int, vocab_size: int, device: torch.device) -> list[SamplingRow]:
     """Rows that take every allocating path of the sampler at once, for measuring
-    its peak memory: banned tokens, all three penalties, temperature, top-k over
-    the whole vocabulary (a full sort), top-p, min-p, the most logprobs, and half
+    its peak memory: banned tokens, all three penalties, temperature, min-p, top-k
+    over the whole vocabulary (a full sort), top-p, the most logprobs, and half
     the rows seeded beside half drawn from the batch generator (both noise
     tensors live at once)."""
     params = SamplingParams(temperature=0.8, top_k=vocab_size, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
@@ -365,7 +366,7 @@ class Sampler:
 
     def _sample(self, x: torch.Tensor, rows: list[SamplingRow], idx: list[int],
                 num_rows: int) -> torch.Tensor:
-        """Temperature, top-k, top-p, min-p and a draw for the non-greedy rows x[idx]."""
+        """Temperature, min-p, top-k, top-p and a draw for the non-greedy rows x[idx]."""
         # x: [num_rows, vocab_size] float32 -> [num_rows] int64 (entries outside idx are 0)
         subset = len(idx) < num_rows
         idx_t = _on_device(idx, torch.long, x.device) if subset else None
@@ -375,15 +376,15 @@ class Sampler:
         temperature = [p.temperature for p in params]
         if any(t != 1.0 for t in temperature):
             xs = apply_temperature(xs, temperature)
+        min_p = [p.min_p for p in params]
+        if any(min_p):
+            xs = apply_min_p(xs, min_p)
         top_k = [p.top_k for p in params]
         if any(top_k):
             xs = apply_top_k(xs, top_k)
         top_p = [p.top_p for p in params]
         if any(p < 1.0 for p in top_p):
             xs = apply_top_p(xs, top_p)
-        min_p = [p.min_p for p in params]
-        if any(min_p):
-            xs = apply_min_p(xs, min_p)
 
         sampled = sample_from_probs(xs.softmax(dim=-1), [row.generator for row in rows],
                                     self._generator)

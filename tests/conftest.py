@@ -40,7 +40,8 @@ class Reference:
     def __init__(self, model_dir: Path):
         from transformers import AutoModelForCausalLM
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-        self.eos = self.model.generation_config.eos_token_id
+        self.eos = self.model.generation_config.eos_token_id     # one id or a list (generation_config.json's)
+        self.pad = self.eos[0] if isinstance(self.eos, list) else self.eos
 
     @functools.lru_cache(maxsize=None)
     def greedy(self, prompt_ids: tuple[int, ...], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
@@ -48,7 +49,7 @@ class Reference:
         with torch.no_grad():
             out = self.model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
                                       do_sample=False, eos_token_id=[] if ignore_eos else self.eos,
-                                      pad_token_id=self.eos,
+                                      pad_token_id=self.pad,
                                       attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
         return out[0, len(prompt_ids):].tolist()
 

@@ -139,6 +139,21 @@ def test_checkpoints_the_model_would_compute_wrongly_are_refused(model_dirs, tmp
         ModelConfig.from_pretrained(d)
 
 
+def test_eos_ids_join_generation_config_jsons_unless_it_is_absent_or_unreadable(model_dirs, tmp_path):
+    from engine.model import ModelConfig
+    d = tmp_path / "generation"
+    shutil.copytree(model_dirs["tiny"], d)
+    config_eos = json.loads((d / "config.json").read_text())["eos_token_id"]
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [config_eos, 300, 301]}))
+    assert ModelConfig.from_pretrained(d).eos_token_ids == (config_eos, 300, 301)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": 300}))
+    assert ModelConfig.from_pretrained(d).eos_token_ids == (config_eos, 300)
+    (d / "generation_config.json").write_text("{not json")
+    assert ModelConfig.from_pretrained(d).eos_token_ids == (config_eos,)
+    (d / "generation_config.json").unlink()
+    assert ModelConfig.from_pretrained(d).eos_token_ids == (config_eos,)
+
+
 def test_a_qwen2_config_whose_layers_slide_caps_the_context_at_its_window(model_dirs, tmp_path):
     # Qwen2 slides only with use_sliding_window, from layer max_window_layers on; sliding-window
     # attention is not implemented, so the context is capped at the window (as for Mistral)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -210,6 +212,12 @@ def _sentencepiece_style_tokenizer():
                                          decoders.Strip(" ", 1, 0)])
     corpus = ["the quick brown fox jumps over the lazy dog, embers and bread"] * 20
     backend.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=120, special_tokens=["<s>", "</s>"]))
+    # byte fallback spells a character outside the vocabulary in tokens <0x00>..<0xFF>, one per UTF-8 byte
+    spec = json.loads(backend.to_str())
+    vocab = spec["model"]["vocab"]
+    first_byte_id = len(vocab)
+    vocab.update({f"<0x{b:02X}>": first_byte_id + b for b in range(256)})
+    backend = Tokenizer.from_str(json.dumps(spec))
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
                                    clean_up_tokenization_spaces=False)
 
@@ -225,3 +233,18 @@ def test_a_run_of_skipped_special_tokens_keeps_the_next_words_space(num_skipped)
     text = "".join(detok.add_token(t) for t in ids) + detok.flush()
     assert text == " quick brown"
     assert tok.decode(ids, skip_special_tokens=True) == "quick brown"
+
+
+@pytest.mark.parametrize("prompt_text", ["the dog", "the dog 🎉", "the dog 🎉🎉", "the 日本語", "🎉🎉🎉"])
+def test_the_first_word_after_a_prompt_ending_in_byte_fallback_characters_keeps_its_space(prompt_text):
+    # the prompt's last tokens may start inside a character (a run of byte tokens that decodes to U+FFFD
+    # as a whole): the output still reads as what it adds after the prompt, decode(prompt + output) past
+    # decode(prompt)
+    tok = _sentencepiece_style_tokenizer()
+    prompt = tok.encode(prompt_text)
+    output = tok.encode("quick brown", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=True)
+    text = "".join(detok.add_token(t) for t in output) + detok.flush()
+    before = tok.decode(prompt, skip_special_tokens=True)
+    assert before.endswith(prompt_text)
+    assert text == tok.decode(prompt + output, skip_special_tokens=True)[len(before):] == " quick brown"

@@ -11,6 +11,7 @@ import torch
 
 from engine import LLM, EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
 from engine.model import CheckpointError, ModelConfigError
+from tests.conftest import Reference
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +83,28 @@ def test_eos_ends_generation_unless_ignored(llm, reference):
     assert "<|end_of_text|>" not in stopped.text
     ignored = llm.generate([p], _greedy(max_tokens=40))[0]
     assert len(ignored.token_ids) == 40 and ignored.token_ids[:len(stopped.token_ids)] == stopped.token_ids
+
+
+def test_generation_config_eos_ids_end_generation_as_in_transformers(model_dirs, reference, tmp_path):
+    # generation_config.json may list EOS ids config.json lacks (Llama-3-Instruct's <|eot_id|>)
+    d = tmp_path / "generation-eos"
+    shutil.copytree(model_dirs["tiny"], d)
+    prompt = (7, 99, 23, 311, 42, 5)
+    free = reference("tiny").greedy(prompt, 20, ignore_eos=True)
+    extra = free[5]
+    generation = json.loads((d / "generation_config.json").read_text())
+    generation["eos_token_id"] = [generation["eos_token_id"], extra]
+    (d / "generation_config.json").write_text(json.dumps(generation))
+    expected = Reference(d).greedy(prompt, 20)
+    assert expected == free[:free.index(extra) + 1]
+    llm = LLM(str(d), max_model_len=256)
+    assert extra in llm.engine.eos_token_ids and llm.tokenizer.eos_token_id in llm.engine.eos_token_ids
+    stopped = llm.generate([list(prompt)], SamplingParams(temperature=0.0, max_tokens=20))[0]
+    assert stopped.token_ids == expected and stopped.finish_reason == "stop"
+    assert llm.generate([list(prompt)], _greedy(max_tokens=20))[0].token_ids == free
+    # min_tokens bans it as it bans the tokenizer's EOS
+    banned = llm.generate([list(prompt)], SamplingParams(temperature=0.0, max_tokens=20, min_tokens=8))[0]
+    assert extra not in banned.token_ids[:8]
 
 
 def test_context_length_ends_generation(model_dirs):

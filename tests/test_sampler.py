@@ -277,10 +277,15 @@ def test_sampler_applies_top_k_before_top_p():
     assert set(tokens) == {0}
 
 
-def test_sampler_applies_top_p_before_min_p():
+def test_sampler_applies_min_p_before_top_p():
+    # As vLLM v1: min-p 0.3 drops the 0.1 token; top-p 0.75 then measures the renormalised
+    # .44/.33/.22, and the mass above the third token (.78) already reaches it.
     logits = log_probs(0.4, 0.3, 0.2, 0.1).repeat(2000, 1)
-    tokens = Sampler(gen(0))(logits, [row(top_p=0.75, min_p=0.4)] * 2000).token_ids
-    assert set(tokens) == {0, 1, 2}
+    rows = [row(top_p=0.75, min_p=0.3)] * 1000 + [row(top_p=0.75, min_p=0.3, seed=i, generator=gen(i))
+                                                   for i in range(1000)]
+    tokens = Sampler(gen(0))(logits, rows).token_ids
+    assert set(tokens[:1000]) == set(tokens[1000:]) == {0, 1}
+    assert tokens.count(0) / len(tokens) == pytest.approx(4 / 7, abs=0.04)
 
 
 def test_sampler_applies_temperature_before_top_p():

@@ -8,7 +8,8 @@ message, rather than deep inside a forward pass.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ class ModelConfig:
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
+    # config.json's and (from_pretrained) generation_config.json's, in that order
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
     # Mistral's attention window; the engine caps max_model_len at it, since
@@ -65,7 +67,9 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
-        """Reads `model_dir/config.json` (offline) and validates it."""
+        """Reads `model_dir/config.json` (offline) and validates it. The EOS ids
+        also take in `generation_config.json`'s (what transformers' generate()
+        stops on), when that file is there and readable."""
         path = Path(model_dir)
         if not (path / "config.json").is_file():
             raise ModelConfigError(
@@ -76,7 +80,11 @@ class ModelConfig:
             hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
         except (ValueError, KeyError) as exc:
             raise ModelConfigError(f"cannot read {path / 'config.json'}: {exc}") from exc
-        return cls.from_hf_config(hf_config)
+        config = cls.from_hf_config(hf_config)
+        generation_eos = _generation_eos_token_ids(path)
+        if generation_eos:
+            config = replace(config, eos_token_ids=tuple(dict.fromkeys([*config.eos_token_ids, *generation_eos])))
+        return config
 
     @classmethod
     def from_hf_config(cls, hf: Any) -> "ModelConfig":
@@ -99,8 +107,7 @@ class ModelConfig:
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         rope = _rope_parameters(hf)
-        eos = getattr(hf, "eos_token_id", None)
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        eos_ids = _token_ids(getattr(hf, "eos_token_id", None))
         is_qwen2 = arch == "Qwen2ForCausalLM"
         attention_bias = bool(getattr(hf, "attention_bias", False))
         dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or "float32"
@@ -127,6 +134,22 @@ class ModelConfig:
             torch_dtype=str(dtype).removeprefix("torch."),
             sliding_window=_sliding_window(hf, arch),
         )
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    """An `eos_token_id` setting (one id, a list of them, or None) as a tuple of ids."""
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return tuple(v for v in values if isinstance(v, int) and not isinstance(v, bool))
+
+
+def _generation_eos_token_ids(model_dir: Path) -> tuple[int, ...]:
+    """`eos_token_id` of `model_dir/generation_config.json`; () when the file is
+    absent or unreadable, or sets none."""
+    try:
+        generation = json.loads((model_dir / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return ()
+    return _token_ids(generation.get("eos_token_id")) if isinstance(generation, dict) else ()
 
 
 def _sliding_window(hf: Any, arch: str) -> int | None:
