@@ -141,16 +141,18 @@ class DecodeWorker:
 
     async def _generate(self, request: DecodeRequest) -> Admitted:
         rid = request.request_id
-        subscriber = self._subscriber(request.subscriber)
         if request.prefill is not None and request.resume is not None:
             raise InvalidRequestError("a resumed request is prefilled here, not handed off", "resume")
+        # before the request joins its subscriber: a stream closed during this wait aborts only
+        # what the engine has already taken
+        resume = await self._advanced(request.resume, request.params)
+        subscriber = self._subscriber(request.subscriber)
         if rid in subscriber.request_ids:
             raise InvalidRequestError(f"request id {rid!r} is already in use on {self.name}", "request_id")
         self._engine.attach(rid, subscriber.outbox)
         subscriber.request_ids.add(rid)
         try:
             if request.prefill is None:
-                resume = await self._advanced(request.resume, request.params)
                 resumed = resume.token_ids if resume is not None else []
                 self._queued_prompt_tokens[rid] = len(request.prompt_token_ids) + len(resumed)
                 await self._engine.call(_add_request, rid, request.prompt_token_ids, request.params, resume)
@@ -238,6 +240,7 @@ class DecodeWorker:
         """Ends the request wherever it is and frees its blocks; its subscriber
         gets a final delta with finish_reason "abort"."""
         await self._engine.call(self._abort, request_id)
+        self._queued_prompt_tokens.pop(request_id, None)   # (its subscriber may never read that delta)
 
     async def stream(self, subscriber_id: str, min_interval_s: float = 0.0) -> AsyncIterator[list[TokenDelta]]:
         """The subscriber's deltas, one list per engine step (several steps when

@@ -55,7 +55,7 @@ from engine.outputs import RequestOutput, ResumedOutput
 from engine.sampling_params import SamplingParams
 from router.backend import BackendUnavailableError, GenerationBackend, ModelInfo
 from router.disaggregation_policy import DisaggregationPolicy
-from router.stream_fanout import StreamFanout
+from router.stream_fanout import StreamFanout, SubmittedDuringStreamFailure
 from router.timings import PhaseTimings
 
 log = logging.getLogger(__name__)
@@ -208,6 +208,7 @@ class ServingBackend(GenerationBackend):
         resume = acc.resumed() if acc.token_ids else None
         queue = self._fanout.expect(attempt_id)
         replica, finished = None, False
+        aborted_there = False   # the replica's stream failed: it aborted the request itself (or died)
         held: PrefillResult | None = None   # KV a prefill replica holds for this attempt, not yet handed off
         try:
             result = None
@@ -234,6 +235,8 @@ class ServingBackend(GenerationBackend):
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     failed_on[0] = replica
+                    # one submitted while the stream failed may run there all the same: it is aborted below
+                    aborted_there = not isinstance(item, SubmittedDuringStreamFailure)
                     raise item
                 phases.first_token(item)
                 finished = item.finished
@@ -242,8 +245,7 @@ class ServingBackend(GenerationBackend):
             self._fanout.forget(attempt_id)
             if held is not None:
                 self._prefill.release(held)
-            # a replica whose stream failed aborted the request itself (or died): nothing to send it
-            if replica is not None and not finished and failed_on[0] != replica:
+            if replica is not None and not finished and not aborted_there:
                 await _shielded(self._decode.abort(replica, attempt_id), f"abort of {attempt_id}")
 
     async def _prefill_locally(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -40,6 +40,11 @@ OpenStream = Callable[[str], AsyncIterator[list[TokenDelta]]]   # replica id -> 
 Abort = Callable[[str, str], Awaitable[None]]                     # (replica id, request id)
 
 
+class SubmittedDuringStreamFailure(BackendUnavailableError):
+    """The replica's output stream failed between the request's submission and its
+    admission there: the replica may have taken it under a new stream all the same."""
+
+
 class StreamFanout:
     def __init__(self, open_stream: OpenStream, abort: Abort):
         self._open_stream = open_stream
@@ -72,8 +77,9 @@ class StreamFanout:
             if other != replica_id and not deltas[-1].finished:
                 self._abort_soon(other, request_id)
         if self._failure_of.get(replica_id, 0) > self._expected_at.get(request_id, self._num_failures):
-            self._queues[request_id].put_nowait(BackendUnavailableError(
-                f"the decode worker {replica_id}'s output stream failed while the request was submitted there"))
+            self._queues[request_id].put_nowait(SubmittedDuringStreamFailure(
+                f"the decode worker {replica_id}'s output stream failed while the request was submitted there",
+                replica_id))
             return
         for delta in early.get(replica_id, []):
             self._queues[request_id].put_nowait(delta)
@@ -87,9 +93,13 @@ class StreamFanout:
         self._early.pop(request_id, None)
 
     async def close(self) -> None:
+        """Stops every reader; the requests bound to one hear that their stream ended."""
         for task in list(self._readers.values()):
             task.cancel()
         await asyncio.gather(*self._readers.values(), return_exceptions=True)
+        for rid, replica_id in list(self._replica_of.items()):
+            self._queues[rid].put_nowait(BackendUnavailableError(
+                f"the router stopped reading decode worker {replica_id}'s output stream", replica_id))
 
     async def _read(self, replica_id: str) -> None:
         reason = None

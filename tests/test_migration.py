@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 
 import pytest
 
@@ -327,3 +328,136 @@ def test_the_backend_reports_the_running_requests_output_so_far(model_dirs):
     seen, after = run(main())
     assert seen and all(mean == float(n) for n, mean in seen)
     assert after is None
+
+
+class BreakableStreamPool(TwoWorkerPool):
+    """TwoWorkerPool whose router-side streams can break while the replica lives
+    (Serve cancels the call: the worker's generator is cancelled too), whose
+    generate calls can be held on their way, and which records the aborts sent."""
+
+    def __init__(self, workers: dict[str, DecodeWorker]):
+        super().__init__(workers)
+        self.gate: dict[str, asyncio.Event] = {}       # request id -> released when set
+        self.aborts: list[tuple[str, str]] = []        # (replica, request id)
+        self._breaks: dict[str, asyncio.Event] = {}
+
+    async def generate(self, request, avoid_replica=None):
+        if request.request_id in self.gate:
+            await self.gate[request.request_id].wait()
+        return await super().generate(request, avoid_replica)
+
+    async def abort(self, replica_id, request_id):
+        self.aborts.append((replica_id, request_id))
+        await super().abort(replica_id, request_id)
+
+    def break_stream(self, replica_id: str) -> None:
+        self._breaks[replica_id].set()
+
+    async def stream(self, replica_id, subscriber):
+        broken = self._breaks[replica_id] = asyncio.Event()
+        inner = self.workers[replica_id].stream(subscriber)
+        batch = None
+        try:
+            while True:
+                batch, breaking = asyncio.ensure_future(anext(inner)), asyncio.ensure_future(broken.wait())
+                await asyncio.wait({batch, breaking}, return_when=asyncio.FIRST_COMPLETED)
+                breaking.cancel()
+                if not batch.done():
+                    raise RuntimeError(f"the output stream of {replica_id} was cancelled")
+                try:
+                    yield batch.result()
+                except StopAsyncIteration:
+                    return
+        finally:
+            if batch is not None and not batch.done():
+                batch.cancel()
+                await asyncio.gather(batch, return_exceptions=True)
+            await inner.aclose()
+
+
+def test_a_request_admitted_as_its_replicas_stream_broke_is_aborted_there(model_dirs, reference):
+    """The router's stream from A breaks (A lives) while X's generate call is on
+    its way to A, and A takes X under a new stream. The router cannot read that
+    stream's past, so X moves to B; the copy A runs is aborted, not left decoding
+    for nobody with its KV held."""
+    async def main():
+        workers = _workers(model_dirs)
+        for w in workers.values():
+            await w.start()
+        pool = BreakableStreamPool(workers)
+        backend = ServingBackend(ModelInfo("tiny", 128, 512), pool, subscriber="router-0")
+
+        async def one(rid, prompt, streamed):
+            async for out in backend.generate(rid, prompt, GREEDY):
+                streamed.append(out)
+            return joined(streamed)
+
+        try:
+            y_streamed = []
+            y = asyncio.create_task(one("Y", PROMPTS[0], y_streamed))     # keeps A's stream open
+            while sum(len(o.delta_token_ids) for o in y_streamed) < 3:
+                await asyncio.sleep(0.005)
+            pool.gate["X"] = asyncio.Event()
+            x = asyncio.create_task(one("X", PROMPTS[1], []))
+            await asyncio.sleep(0.05)           # X's call is on its way
+            pool.break_stream("A")
+            await asyncio.sleep(0.2)            # A has closed that stream and aborted what it carried
+            pool.gate["X"].set()
+            outs = await asyncio.gather(y, x)
+            assert ("A", "X") in pool.aborts and ("X", "A") in pool.placed and ("X~1", "B") in pool.placed
+            deadline = asyncio.get_running_loop().time() + 5
+            while workers["A"].stats()["num_running"] or workers["A"].stats()["kv_cache_usage"]:
+                assert asyncio.get_running_loop().time() < deadline, workers["A"].stats()
+                await asyncio.sleep(0.02)
+            return outs
+        finally:
+            await backend.close()
+            for w in workers.values():
+                w.shutdown()
+
+    for prompt, final in zip(PROMPTS, run(main())):
+        assert final.token_ids == reference("tiny").greedy(tuple(prompt), TOKENS)
+
+
+def test_a_request_admitted_after_its_subscribers_stream_closed_streams_to_the_next_one(model_dirs, monkeypatch):
+    """A seeded migrated request waits for its generator to be advanced (on a
+    thread) before it joins the batch; the subscriber's stream closes meanwhile.
+    The request joins the subscriber's next stream: it is not left running with
+    no stream to read it."""
+    import decode_workers.decode_worker as decode_worker_module
+    from cluster.serving.messages import DecodeRequest
+    from engine.outputs import ResumedOutput
+
+    advance = decode_worker_module.advanced_generator_state
+
+    def slow_advance(*args):
+        time.sleep(0.5)
+        return advance(*args)
+
+    monkeypatch.setattr(decode_worker_module, "advanced_generator_state", slow_advance)
+    seeded = SamplingParams(max_tokens=TOKENS, temperature=0.8, seed=3, ignore_eos=True)
+
+    async def main():
+        worker = _workers(model_dirs)["A"]
+        await worker.start()
+        try:
+            first = worker.stream("router-0")
+            reading = asyncio.create_task(anext(first))
+            request = DecodeRequest("r~1", PROMPTS[0], seeded, "router-0",
+                                    resume=ResumedOutput(token_ids=[7, 8, 9], num_sent_chars=0))
+            admitting = asyncio.create_task(worker.generate(request))
+            await asyncio.sleep(0.1)             # advancing the generator
+            reading.cancel()
+            await asyncio.gather(reading, return_exceptions=True)
+            await first.aclose()
+            await admitting
+            tokens = 0
+            async for batch in worker.stream("router-0"):
+                tokens += sum(len(d.token_ids) for d in batch if d.request_id == "r~1")
+                if any(d.finished for d in batch if d.request_id == "r~1"):
+                    break
+            assert tokens == TOKENS - 3
+            assert worker.stats()["queued_prefill_tokens"] == 0
+        finally:
+            worker.shutdown()
+    run(main())

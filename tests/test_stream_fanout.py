@@ -158,3 +158,18 @@ def test_a_stream_cancelled_from_outside_fails_its_requests_and_readers_have_a_c
         await fanout.close()
     asyncio.run(run())
     assert seen == [None]
+
+
+def test_closing_the_fanout_ends_the_requests_bound_to_its_streams():
+    async def run():
+        replicas = FakeReplicas()
+        fanout = StreamFanout(replicas.open_stream, replicas.abort)
+        queue = fanout.expect("a")
+        fanout.bind("a", "R")
+        await asyncio.sleep(0.01)            # R's stream is open, with nothing to read
+        await fanout.close()
+        error = await _next(queue)
+        assert isinstance(error, BackendUnavailableError) and error.replica_id == "R"
+        assert "stopped reading decode worker R's output stream" in str(error)
+
+    asyncio.run(run())
