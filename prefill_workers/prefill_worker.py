@@ -121,7 +121,8 @@ class PrefillWorker:
         """Starts sending the held KV to a decode gang (one address per decode
         rank, whose receives are already posted), once the packed copies fit in
         the staging budget; returns the bytes queued. Raises KeyError when the
-        request holds nothing here."""
+        request holds nothing here, TimeoutError when the budget has no room
+        within `send_wait_s`."""
         hold = self._holds.get(request_id)
         nbytes = 0
         if hold is not None:
@@ -151,8 +152,12 @@ class PrefillWorker:
             raise
 
     async def _renew_every_third_of_the_lease(self, request_id: str) -> None:
-        while await self._engine.call(self._renew, request_id):
-            await asyncio.sleep(self.lease_s / 3)
+        """Until cancelled, or the hold is gone (or the engine stopped: the send fails anyway)."""
+        try:
+            while await self._engine.call(self._renew, request_id):
+                await asyncio.sleep(self.lease_s / 3)
+        except EngineStoppedError:
+            pass
 
     async def _send(self, request_id: str, transfer_id: str, receivers: list[PeerAddress]) -> int:
         if self.config.tensor_parallel_size > 1:   # every rank packs its heads: between steps
