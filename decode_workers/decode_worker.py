@@ -305,7 +305,11 @@ class DecodeWorker:
         return stats
 
     def shutdown(self) -> None:
+        """Stops the engine and closes this rank's KV receiver (its peers hear at once;
+        the other ranks' close with their processes)."""
         self._engine.shutdown()
+        if self._engine.engine is not None:
+            kv_handoff.close_transport(self._engine.engine.worker)
 
     # ---- engine thread ----------------------------------------------------------------------
     def _reserve(self, engine: LLMEngine, request: DecodeRequest, future: asyncio.Future) -> None:

@@ -363,6 +363,26 @@ def test_a_send_call_that_outlasts_the_transfer_deadline_is_cancelled_at_it(mode
     run(main())
 
 
+def test_a_worker_that_shuts_down_closes_its_kv_transport(model_dirs):
+    """Its peers hear at once: a transfer from a prefill worker that stopped fails
+    instead of waiting for the transport's timeout."""
+    async def main():
+        hub = FakeTransportHub(delay_s=60.0)
+        pair = await Pair(model_dirs["tiny"], hub).start()
+        try:
+            receiver = hub.receiver("decode-x")
+            await pair.prefill.prefill("r", PROMPTS[0], GREEDY)
+            receiver.expect("t/0", "p0", torch.zeros(_block_bytes(model_dirs["tiny"]), dtype=torch.uint8))
+            await pair.prefill.send_kv("r", "t", [receiver.address])
+            assert receiver.poll("t/0", "p0") is TransferState.TRANSFERRING
+            pair.prefill.shutdown()
+            assert receiver.poll("t/0", "p0") is TransferState.FAILED
+            assert "p0 closed" in receiver.error("t/0", "p0")
+        finally:
+            await pair.shutdown()
+    run(main())
+
+
 def test_a_client_that_leaves_mid_transfer_frees_both_sides(model_dirs):
     async def main():
         pair = await Pair(model_dirs["tiny"], FakeTransportHub(delay_s=60.0)).start()
