@@ -79,10 +79,12 @@ def resolve_model(config: DeploymentConfig) -> tuple[str, ModelInfo]:
     from engine.model_worker import resolve_max_model_len
     from engine.preflight import preflight
     from engine.tiny_model import checkpoint_dir
+    from engine.tokenizer import load_tokenizer
 
     path = checkpoint_dir(config.model.path)
     checkpoint_files(Path(path))
     mc = ModelConfig.from_pretrained(path)
+    load_tokenizer(path)    # the router and every worker load it
     max_len = resolve_max_model_len(EngineConfig(model=path, max_model_len=config.model.max_model_len), mc)
     problems = [f"{role}: {problem}" for role in config.pools()
                 for problem in preflight(config.engine_config(role, path), mc, max_len)]

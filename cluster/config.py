@@ -29,7 +29,8 @@ class Mode(str, Enum):
 class _Strict(BaseModel):
     # errors name the setting and what is wrong with it, without repeating the value given (a
     # secret pasted where its variable's name belongs stays out of logs)
-    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
+    # (no infinities: `.inf` passes a `gt=0` bound, and no size or count can be infinite)
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True, allow_inf_nan=False)
 
 
 def _env_name(value: str | None) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -382,3 +383,77 @@ def test_an_autoscaled_deploy_keeps_the_clusters_other_declarative_applications(
     schema, blocking = Client.sent
     assert [app.name for app in schema.applications] == ["other", "pdserve"]
     assert schema.applications[0].import_path == "other_app:app" and blocking is False
+
+
+def test_a_second_pdserve_on_a_joined_cluster_is_refused_not_deployed_over_the_first(monkeypatch):
+    """Deploying would replace the running application, and cleaning up after the
+    refusal would delete it."""
+    from types import SimpleNamespace
+
+    from ray import serve
+
+    from cluster.cli import serve_command
+    monkeypatch.setattr(serve, "status", lambda: SimpleNamespace(applications={"pdserve": object()}))
+    with pytest.raises(RuntimeError, match=r"already runs a pdserve application .* \(--address local\)"):
+        serve_command._refuse_a_second_pdserve()
+    monkeypatch.setattr(serve, "status", lambda: SimpleNamespace(applications={"other": object()}))
+    serve_command._refuse_a_second_pdserve()
+
+
+def test_an_empty_api_key_is_refused_not_taken_for_no_key():
+    with pytest.raises(ValueError, match="--api-key is empty"):
+        config_from_args(build_parser().parse_args(["serve", "--api-key", ""]))
+    with pytest.raises(ValueError, match="--api-key is empty"):
+        config_from_args(build_parser().parse_args(["serve", "--api-key", "  "]))
+
+
+def test_an_address_where_nothing_answers_is_refused_at_once(monkeypatch):
+    import socket
+
+    from cluster.cli import serve_command
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    serve_command._check_answers(f"127.0.0.1:{port}")
+    serve_command._check_answers(f"ray://127.0.0.1:{port}")
+    listener.close()
+    with pytest.raises(ConnectionError, match=f"nothing answers at 127.0.0.1:{port}"):
+        serve_command._check_answers(f"127.0.0.1:{port}", timeout_s=2)
+    serve_command._check_answers("auto")      # left to Ray
+
+
+@pytest.mark.parametrize("setting", ["engine.kv_cache_memory_gib", "resources.cpus_per_rank",
+                                     "kv_transfer.staging_mib"])
+def test_infinite_or_nan_sizes_in_a_deployment_file_are_refused(tmp_path, setting):
+    section, field = setting.split(".")
+    for value in (".inf", ".nan"):
+        path = tmp_path / "deploy.yaml"
+        path.write_text(f"{section}: {{{field}: {value}}}\n")
+        with pytest.raises(ValueError, match=f"{section}.{field}\n  Input should be a finite number"):
+            config_from_args(build_parser().parse_args(["serve", "--config", str(path)]))
+
+
+def test_a_checkpoint_without_its_sizes_or_tokenizer_is_refused_before_deploying(tmp_path):
+
+    from cluster.app_builder import resolve_model
+    from engine.model import ModelConfig
+
+    tiny = Path(checkpoint_dir_of("tiny"))
+    config = json.loads((tiny / "config.json").read_text())
+    for name, change, message in [
+            ("no_hidden", {"hidden_size": None}, "hidden_size (got None)"),
+            ("str_heads", {"num_attention_heads": "4"}, "num_attention_heads (got '4')"),
+            ("zero_layers", {"num_hidden_layers": 0}, "num_hidden_layers (got 0)"),
+            ("odd_width", {"hidden_size": 30}, "is not a multiple of the number of attention heads")]:
+        (tmp_path / name).mkdir()
+        edited = {k: v for k, v in {**config, **change}.items() if v is not None}
+        (tmp_path / name / "config.json").write_text(json.dumps(edited))
+        with pytest.raises(ValueError, match=re.escape(message)):
+            ModelConfig.from_pretrained(tmp_path / name)
+    no_tokenizer = tmp_path / "no_tokenizer"
+    no_tokenizer.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        (no_tokenizer / f).write_bytes((tiny / f).read_bytes())
+    with pytest.raises(ValueError, match="cannot load a tokenizer from"):
+        resolve_model(with_overrides(DeploymentConfig(), {"model.path": str(no_tokenizer)}))

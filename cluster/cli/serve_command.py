@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -96,7 +97,11 @@ def config_from_args(args: argparse.Namespace):
     overrides = {key: getattr(args, dest, None) for dest, key in FLAG_SETTINGS.items()}
     for name, ms in getattr(args, "slo", None) or []:
         overrides[f"slo.{name}_ms"] = ms
-    if key := getattr(args, "api_key", None):
+    key = getattr(args, "api_key", None)
+    if key is not None and not key.strip():
+        raise ConfigFileError("--api-key is empty (an unset variable in --api-key \"$KEY\"?): give the key, or "
+                              "leave the flag out to serve without one")
+    if key:
         overrides["http.api_key_sha256"] = api_key_digest(key)   # wins over the file's key settings
     config = load_config(args.config, overrides)
     if not key and os.environ.get(API_KEY_ENV) and not (config.http.api_key_env or config.http.api_key_sha256):
@@ -121,6 +126,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         resolve_model(config)   # a wrong path, or settings the engines would refuse: here, before a cluster starts
+        config.api_key_sha256()   # http.api_key_env names a variable that is not set
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -172,6 +178,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     deployed = False
     try:
         _start_serve(host, port, direct_ingress)
+        if not started_ray:
+            _refuse_a_second_pdserve()
         deployed = True
         if config.autoscaling.enabled:
             _deploy_autoscaled(shipped)
@@ -210,6 +218,31 @@ def _start_serve(host: str, port: int, direct_ingress: bool) -> None:
                            f"http.host / http.port in the deployment file), or stop Serve first (`serve shutdown`); "
                            "to run another pdserve beside one this machine already runs, give it a cluster of its "
                            "own (--address local)")
+
+
+def _check_answers(address: str, timeout_s: float = 10.0) -> None:
+    """Raises ConnectionError when nothing accepts a connection at `address`
+    (host:port, or ray://host:port); other forms are left to Ray."""
+    import socket
+
+    found = re.fullmatch(r"(?:ray://)?\[?([^\[\]]+?)\]?:(\d+)", address)
+    if found is None:
+        return
+    try:
+        socket.create_connection((found[1], int(found[2])), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConnectionError(f"nothing answers at {address} within {timeout_s:.0f} s: {exc}") from None
+
+
+def _refuse_a_second_pdserve() -> None:
+    """Raises RuntimeError when the joined cluster already runs a pdserve
+    application: deploying would replace it, and cleaning up delete it."""
+    from ray import serve
+
+    if APP_NAME in serve.status().applications:
+        raise RuntimeError(f"this Ray cluster already runs a pdserve application ({APP_NAME!r}); deploying would "
+                           "replace it: stop that one first (Ctrl-C on its `pdserve serve`, or `serve delete "
+                           f"{APP_NAME}`), or give this one a cluster of its own (--address local)")
 
 
 def _clean_up(started_ray: bool, deployed: bool) -> None:
@@ -300,6 +333,7 @@ def _connect(address: str | None, local_cpus: int, local_env: dict[str, str], da
         start_local_cluster(local_cpus, local_env, dashboard=dashboard)
         return True
     if address:
+        _check_answers(address)   # ray.init retries an address where nothing listens for minutes
         ray.init(address=address)
         return False
     try:

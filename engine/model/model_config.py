@@ -75,11 +75,12 @@ class ModelConfig:
             raise ModelConfigError(
                 f"no config.json in {path}: point the model path at a HuggingFace checkpoint "
                 "directory (config.json, tokenizer files, *.safetensors)")
+        _check_sizes_are_given(path / "config.json")
         from transformers import AutoConfig
         try:
             hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-        except (ValueError, KeyError) as exc:
-            raise ModelConfigError(f"cannot read {path / 'config.json'}: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - transformers' checks raise anything (TypeError, ZeroDivision...)
+            raise ModelConfigError(f"cannot read {path / 'config.json'}: {type(exc).__name__}: {exc}") from None
         config = cls.from_hf_config(hf_config)
         generation_eos = _generation_eos_token_ids(path)
         if generation_eos:
@@ -134,6 +135,27 @@ class ModelConfig:
             torch_dtype=str(dtype).removeprefix("torch."),
             sliding_window=_sliding_window(hf, arch),
         )
+
+
+# sizes a checkpoint's config.json must give: transformers would fill a missing one with its
+# class default (a 4096-wide model), and the weights would then not fit the shapes
+_REQUIRED_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def _check_sizes_are_given(config_json: Path) -> None:
+    """Raises ModelConfigError unless config.json is a JSON object that gives each
+    of _REQUIRED_SIZES as a positive integer."""
+    try:
+        raw = json.loads(config_json.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelConfigError(f"cannot read {config_json}: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ModelConfigError(f"{config_json} must hold a JSON object")
+    bad = [k for k in _REQUIRED_SIZES
+           if not (isinstance(raw.get(k), int) and not isinstance(raw.get(k), bool) and raw[k] > 0)]
+    if bad:
+        raise ModelConfigError(f"{config_json} needs a positive integer for each of: "
+                               + ", ".join(f"{k} (got {raw.get(k)!r})" for k in bad))
 
 
 def _token_ids(value: Any) -> tuple[int, ...]:
