@@ -246,6 +246,22 @@ def test_pdserve_plan_slo_rejects_bad_input(capsys):
         assert says in capsys.readouterr().err, bad
 
 
+def test_pdserve_plan_refuses_flags_its_mode_would_ignore(tmp_path, capsys):
+    from cluster.cli.main import main
+    slo = ["--slo", "ttft:1000", "tpot:50", "--gpus", "2"]
+    for argv, says in (
+            (["--tp", "1", "--gpus", "8", "--write-config", str(tmp_path / "x.yaml")],
+             "--gpus, --write-config set the goodput search, which runs only with --slo"),
+            (["--tp", "1", "--attainment", "0.5"], "--attainment set the goodput search"),
+            ([*slo, "--tp", "4", "--role", "decode"], "--tp, --role plan one given replica; with --slo the search"),
+            ([*slo, "--gpu-memory-gib", "0"], "--gpu-memory-gib must be > 0"),
+            ([*slo, "--write-config", str(tmp_path / "missing" / "x.yaml")], "its directory does not exist")):
+        assert main(["plan", "--model", "llama-3-8b", *argv]) == 2, argv
+        assert says in capsys.readouterr().err, argv
+    assert not (tmp_path / "x.yaml").exists()
+    assert main(["plan", "--model", "llama-3-8b", "--tp", "1"]) == 0
+
+
 def test_prefill_and_decode_replicas_leave_the_kv_staging_budget_free():
     # as the engines size their caches (kv_transfer.staging_mib): a disaggregated TP-4 replica of 70B
     # holds 1 GiB per rank less KV than a colocated one, in the planner and in the simulator

@@ -61,7 +61,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return 2
     if args.slo:
         from cluster.cli.plan_goodput import run_goodput_plan
+        fixed_only = [flag for flag, given in (("--tp", args.tp is not None), ("--role", args.role != "colocated"),
+                                               ("--kv-transfer-staging-mib", args.kv_transfer_staging_mib != 1024))
+                      if given]
+        if fixed_only:
+            print(f"error: {', '.join(fixed_only)} plan one given replica; with --slo the search chooses the "
+                  "roles and TP degrees itself: drop them, or drop --slo", file=sys.stderr)
+            return 2
         return run_goodput_plan(args, model_dir, model)
+    search_only = [f"--{dest.replace('_', '-')}" for dest, default in args.goodput_defaults.items()
+                   if getattr(args, dest) != default]
+    if search_only:
+        print(f"error: {', '.join(search_only)} set the goodput search, which runs only with --slo: add --slo "
+              "and --gpus, or drop them", file=sys.stderr)
+        return 2
     if args.kv_transfer_staging_mib < 0:
         print(f"error: --kv-transfer-staging-mib must be >= 0, got {args.kv_transfer_staging_mib:g}", file=sys.stderr)
         return 2

@@ -18,10 +18,10 @@ candidates at once (default: every core).
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 import json
 import os
 import sys
+from pathlib import Path
 
 import yaml
 
@@ -60,6 +60,12 @@ def run_goodput_plan(args: argparse.Namespace, model_dir, model) -> int:
         return 2
     if args.gpus is None or args.gpus < 1:
         print("error: --slo needs --gpus N (the GPU budget, N >= 1)", file=sys.stderr)
+        return 2
+    if args.gpu_memory_gib is not None and not args.gpu_memory_gib > 0 or not 0 < args.gpu_memory_utilization <= 1:
+        print("error: --gpu-memory-gib must be > 0 and --gpu-memory-utilization in (0, 1]", file=sys.stderr)
+        return 2
+    if args.write_config and not Path(args.write_config).resolve().parent.is_dir():
+        print(f"error: --write-config {args.write_config}: its directory does not exist", file=sys.stderr)
         return 2
     if args.num_prompts < 1 or args.refine_top < 0 or not 0 < args.rate_tolerance < 1 or args.jobs < 1:
         print("error: --num-prompts and --jobs must be >= 1, --refine-top >= 0 and --rate-tolerance in (0, 1)",
@@ -208,3 +214,5 @@ def add_goodput_arguments(p: argparse.ArgumentParser) -> None:
                    help="candidates simulated at once, in worker processes (default: every core)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--write-config", default=None, metavar="FILE", help="write a deployment file for the winner")
+    # what a plan without --slo refuses to ignore: any of these set away from its default
+    p.set_defaults(goodput_defaults={a.dest: a.default for a in g._group_actions if a.dest != "slo"})

@@ -338,7 +338,8 @@ def roofline_spec_builder(model_config, *, gpu: str, dtype: str, max_model_len: 
     def replica(tp: int, hands_off: bool) -> tuple[ReplicaSpec | None, str]:
         key = (tp, hands_off)
         if key not in cache:
-            p = plan(model_config, tp=tp, gpu_memory_gib=gpu_memory_gib or gpu_spec.memory_gib,
+            memory_gib = gpu_spec.memory_gib if gpu_memory_gib is None else gpu_memory_gib
+            p = plan(model_config, tp=tp, gpu_memory_gib=memory_gib,
                      gpu_memory_utilization=gpu_memory_utilization, dtype=dtype, max_model_len=max_model_len,
                      gpu_type=gpu, block_size=block_size, overhead_gib=overhead_gib,
                      kv_transfer_staging_gib=kv_transfer_staging_gib if hands_off else 0.0)
