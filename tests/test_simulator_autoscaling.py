@@ -91,6 +91,32 @@ def test_pdserve_simulate_autoscale(tmp_path, capsys):
     assert before > 5 * after
 
 
+def test_pdserve_simulate_runs_what_the_file_deploys(tmp_path, capsys):
+    """A file with autoscaling enabled autoscales (as pdserve serve --config would)
+    without --autoscale; a profile measured at another TP degree than a pool's,
+    or a tokenizer that cannot load, is refused with a message, not a traceback."""
+    import json
+
+    from cluster.cli.main import main
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({**MODEL.to_json(), "meta": {"tp": 1}}))
+    deploy = tmp_path / "deploy.yaml"
+    deploy.write_text(Path("configs/tiny-cpu.yaml").read_text()
+                      + "\nautoscaling: {enabled: true, budget: 3}\nslo: {ttft_ms: 400, tpot_ms: 50}\n")
+    args = ["simulate", "--config", str(deploy), "--profile", str(profile), "--num-prompts", "100",
+            "--request-rate", "7.4", "--random-input-len", "1000", "--random-output-len", "8", "--seed", "1",
+            "--save-result", "--result-dir", str(tmp_path), "--result-file", "r.json"]
+    assert main(args) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["autoscaler_timeline"]
+    capsys.readouterr()
+    tp2 = tmp_path / "tp2.yaml"
+    tp2.write_text(Path("configs/tiny-cpu-tp2.yaml").read_text())
+    assert main(["simulate", "--config", str(tp2), *args[3:]]) == 2
+    assert "the profile was measured at TP 1, and the deployment's pools decode (TP 2)" in capsys.readouterr().err
+    assert main([*args, "--tokenizer", str(tmp_path / "nowhere")]) == 2
+    assert "error: cannot load a tokenizer from" in capsys.readouterr().err
+
+
 def test_on_a_lending_machine_the_policy_counts_the_cores_a_decode_replica_borrows():
     """2 cores, 2 prefill + 1 decode (budget 3), an output-heavy load one decode
     replica on its own core cannot hold within the TPOT budget but can on two:

@@ -41,6 +41,7 @@ def parse_slo(text: str) -> tuple[str, float]:
 def run_goodput_plan(args: argparse.Namespace, model_dir, model) -> int:
     from cluster.perf_model import load_step_model
     from cluster.perf_model.roofline import GPU_SPECS
+    from cluster.perf_model.step_shape import profile_tp
     from cluster.planner.search import Workload, roofline_spec_builder, search, unbounded
     from engine.memory_planner import (
         model_len_limit,
@@ -75,8 +76,7 @@ def run_goodput_plan(args: argparse.Namespace, model_dir, model) -> int:
     models = None
     if args.profile:
         profile = load_step_model(args.profile)
-        cost = getattr(profile, "cost", None)      # a roofline profile carries its TP in its cost
-        tp = int(cost.tp if cost is not None else getattr(profile, "meta", {}).get("tp", 1))
+        tp = profile_tp(profile) or 1
         models, tps = {tp: profile}, [t for t in tps if t == tp]
     max_len = args.max_model_len or model_len_limit(model)
     if not 0 < args.attainment <= 1 or args.max_num_batched_tokens < 1:

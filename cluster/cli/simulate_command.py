@@ -36,6 +36,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from cluster.simulator.from_config import KVLink, cluster_spec
     from engine.model.model_config import ModelConfig
     from engine.tiny_model import checkpoint_dir
+    from engine.tokenizer import load_tokenizer
 
     try:
         check_dataset_flags(args)
@@ -45,9 +46,11 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             raise ValueError("--lend-profile applies to a CPU deployment whose resources.lend_idle_cores is true; "
                              f"{args.config}'s engines do not lend cores")
         step_model = load_step_model(args.profile)
+        _check_profile_tp(step_model, config)
         wide_model = load_step_model(args.lend_profile) if args.lend_profile else None
         model_dir = checkpoint_dir(config.model.path)
         model_config = ModelConfig.from_pretrained(model_dir)
+        tokenizer = load_tokenizer(args.tokenizer or model_dir)
         link = KVLink(args.kv_bandwidth_gibps * (1 << 30), args.kv_latency_ms / 1000)
         spec = cluster_spec(config, step_model, model_config=model_config, link=link,
                             request_overhead_s=args.request_overhead_ms / 1000, shared_cores=args.shared_cores,
@@ -56,13 +59,11 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     except (ConfigFileError, LoadtestError, ValueError, OSError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir)
     requests = _build_dataset(args, tokenizer, config.model.max_model_len, args.seed, lengths_seed=args.seed)
     rate = math.inf if args.request_rate is None else args.request_rate
     arrivals = arrival_offsets(len(requests), rate, args.burstiness, args.seed)
     autoscaler = None
-    if args.autoscale:
+    if args.autoscale or config.autoscaling.enabled:    # as pdserve serve --config would autoscale
         try:
             autoscaler = _autoscaler(config, args, spec)
         except ValueError as exc:
@@ -125,6 +126,18 @@ def _check_flags(args: argparse.Namespace) -> None:
                              "--shared-cores N or drop them")
 
 
+def _check_profile_tp(step_model, config) -> None:
+    """Raises ValueError when a pool runs at another TP degree than the profile
+    was measured at: its step times say nothing about that pool's."""
+    from cluster.perf_model.step_shape import profile_tp
+    tp = profile_tp(step_model)
+    other = [f"{role} (TP {getattr(config, role).tensor_parallel_size})" for role in config.pools()
+             if tp is not None and getattr(config, role).tensor_parallel_size != tp]
+    if other:
+        raise ValueError(f"the profile was measured at TP {tp}, and the deployment's pools {', '.join(other)} run "
+                         f"at another degree: profile at theirs (pdserve profile --tp N)")
+
+
 def _autoscaler(config, args, spec):
     """The deployment's autoscaling policy over the simulated pools (its SLOs: the
     config's, --slo applied)."""
@@ -172,8 +185,9 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
                         "--shared-cores threads; one-rank decode (colocated) replicas then borrow idle "
                         "replicas' cores for their steps, as the engines do")
     p.add_argument("--autoscale", action="store_true",
-                   help="let the deployment's autoscaling policy (its autoscaling: section) set the pools; "
-                        "a replica asked for serves after autoscaling.startup_s")
+                   help="let the deployment's autoscaling policy (its autoscaling: section) set the pools, as "
+                        "a file with autoscaling.enabled does without this flag; a replica asked for serves "
+                        "after autoscaling.startup_s")
     p.add_argument("--slo", nargs="+", type=parse_slo, metavar="ttft:MS|tpot:MS",
                    help="the SLOs admission control refuses for and the autoscaler scales for (default: the "
                         "deployment file's slo: section)")

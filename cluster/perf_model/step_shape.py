@@ -74,3 +74,11 @@ def load_step_model(source: str | Path | dict) -> StepTimeModel:
     except (KeyError, TypeError, AttributeError) as exc:   # a field missing or of the wrong shape
         raise ValueError(f"{where} is malformed for a {kind} model ({type(exc).__name__}: {exc}); "
                          "write it again with `pdserve profile`") from None
+
+
+def profile_tp(model: StepTimeModel) -> int | None:
+    """The tensor-parallel degree a step model was profiled (or roofline-priced) at;
+    None where it does not say."""
+    cost = getattr(model, "cost", None)       # a roofline model carries its TP in its cost
+    tp = cost.tp if cost is not None else (getattr(model, "meta", None) or {}).get("tp")
+    return None if tp is None else int(tp)
