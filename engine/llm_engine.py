@@ -37,11 +37,12 @@ import torch.distributed as dist
 from engine.block_manager import BlockManager
 from engine.engine_config import EngineConfig
 from engine.errors import InvalidRequestError
+from engine.model.model_config import ModelConfig
 from engine.model.parallel import SINGLE_PROCESS, TensorParallel
 from engine.model_worker import KV_READ, KV_WRITE, RPC, ModelWorker, RankCallError, run_rank_call
 from engine.output_processor import RequestTextState
 from engine.outputs import OutputKind, RequestOutput, ResumedOutput
-from engine.preflight import step_budget_problem
+from engine.preflight import step_budget_problem, tensor_parallel_problem
 from engine.runner import LaunchedStep, ModelRunner
 from engine.sampler import Sampler, TokenLogprobs, skip_draws
 from engine.sampling_params import SamplingParams
@@ -123,6 +124,9 @@ class LLMEngine:
     # ---- tensor-parallel ranks ----------------------------------------------------------
     def _start_ranks(self, config: EngineConfig) -> TensorParallel:
         size = config.tensor_parallel_size
+        # a model that cannot be split so is refused here, not by every rank process started for it
+        if problem := tensor_parallel_problem(ModelConfig.from_pretrained(config.model), size):
+            raise ValueError(problem)
         device = config.resolved_device()
         backend = resolve_backend(config.tp_backend, device)
         store = host_store(size)

@@ -248,3 +248,15 @@ def test_an_error_every_rank_hits_at_start_keeps_its_type(model_dirs):
     (the CLI prints it and exits 2), not a report of a rank that exited."""
     with pytest.raises(ValueError, match="max_model_len"):
         LLMEngine(EngineConfig(model=str(model_dirs["tiny"]), max_model_len=10**7, tensor_parallel_size=2))
+
+
+def test_a_model_that_cannot_be_split_so_is_refused_before_any_rank_starts(model_dirs, monkeypatch):
+    """Refused by the engine up front: no rank process is started to fail the same
+    check and print its traceback."""
+    import engine.llm_engine as llm_engine
+
+    started = []
+    monkeypatch.setattr(llm_engine, "RankProcesses", lambda *args: started.append(args))
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) is not divisible by tensor_parallel_size \(3\)"):
+        LLMEngine(EngineConfig(model=str(model_dirs["tiny"]), max_model_len=128, tensor_parallel_size=3))
+    assert started == []
