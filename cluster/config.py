@@ -45,7 +45,8 @@ EnvName = Annotated[str | None, AfterValidator(_env_name)]
 
 class ModelSection(_Strict):
     path: str | None = Field(None, description="HuggingFace checkpoint directory; null: the built-in tiny model")
-    served_model_name: str | None = Field(None, description="name clients use in requests; default: the directory name")
+    served_model_name: str | None = Field(None, min_length=1,
+                                          description="name clients use in requests; default: the directory name")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     max_model_len: int | None = Field(None, ge=2)
 
@@ -118,7 +119,7 @@ class DisaggregationSection(_Strict):
 
 
 class HttpSection(_Strict):
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", min_length=1)
     port: int = Field(8000, ge=1, le=65535)
     api_key_env: EnvName = Field(None, description="name of the environment variable that holds the API "
                                     "key (read where the application is built); never the key itself")

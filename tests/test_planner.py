@@ -237,8 +237,9 @@ def test_pdserve_plan_slo_rejects_bad_input(capsys):
     assert "--gpus" in capsys.readouterr().err
     assert main(["plan", "--model", "llama-3-8b", "--slo", "ttft:1000", "--gpus", "2", "--rate-tolerance", "0"]) == 2
     assert "--rate-tolerance" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["plan", "--model", "llama-3-8b", "--slo", "latency:5", "--gpus", "2"])
+    for slo in ("latency:5", "ttft:inf", "ttft:nan"):
+        with pytest.raises(SystemExit):
+            main(["plan", "--model", "llama-3-8b", "--slo", slo, "--gpus", "2"])
     for bad, says in ((["--random-range-ratio", "-1"], "--random-range-ratio must be in [0, 1)"),
                       (["--random-input-len", "-5"], "must be >= 1"), (["--attainment", "0"], "--attainment"),
                       (["--random-input-len", "7200", "--random-output-len", "1000"], "exceed the 8192-token")):

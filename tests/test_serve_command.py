@@ -457,3 +457,10 @@ def test_a_checkpoint_without_its_sizes_or_tokenizer_is_refused_before_deploying
         (no_tokenizer / f).write_bytes((tiny / f).read_bytes())
     with pytest.raises(ValueError, match="cannot load a tokenizer from"):
         resolve_model(with_overrides(DeploymentConfig(), {"model.path": str(no_tokenizer)}))
+
+
+@pytest.mark.parametrize("flags, says", [(["--host", ""], "http.host"), (["--served-model-name", ""],
+                                         "model.served_model_name")])
+def test_empty_names_are_refused_not_replaced(flags, says):
+    with pytest.raises(ValueError, match=f"{says}\n  String should have at least 1 character"):
+        config_from_args(build_parser().parse_args(["serve", *flags]))

@@ -48,7 +48,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     options = dict(dtype=args.dtype, device=args.device, tensor_parallel_size=args.tp)
-    if args.max_model_len:
+    if args.max_model_len is not None:     # (0 is refused by the engine, not taken for "the model's")
         options["max_model_len"] = args.max_model_len
     with LLM(model, **options) as llm:
         return _generate(llm, args, params)

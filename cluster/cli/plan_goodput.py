@@ -32,7 +32,7 @@ def parse_slo(text: str) -> tuple[str, float]:
         ms = float(value)
     except ValueError:
         ms = -1.0
-    if not sep or key not in ("ttft", "tpot") or not ms > 0:
+    if not sep or key not in ("ttft", "tpot") or not 0 < ms < float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r}: expected ttft:MS or tpot:MS with MS > 0, e.g. --slo ttft:1000 "
                                          "tpot:50")
     return key, ms

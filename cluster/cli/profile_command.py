@@ -59,7 +59,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     grid = ProfileGrid(prompt_lens=args.prompt_lens, batch_sizes=args.batch_sizes, contexts=args.contexts,
                        chunk_len=args.chunk_len, decode_steps=args.decode_steps)
     options = {"max_num_batched_tokens": args.max_num_batched_tokens}
-    if args.max_model_len:
+    if args.max_model_len is not None:     # (0 is refused by the engine, not taken for "the model's")
         options["max_model_len"] = args.max_model_len
     try:
         result = run_profile(model, tp=args.tp, device=args.device, dtype=args.dtype, grid=grid,
