@@ -401,7 +401,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     if path is not None:
         path = Path(path)
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.load(path.read_text(), Loader=_unique_key_loader()) or {}  # noqa: S506 - a SafeLoader
         except (OSError, yaml.YAMLError) as exc:
             raise ConfigFileError(f"cannot read deployment file {path}: {exc}") from None
         if not isinstance(data, dict):
@@ -413,6 +413,27 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         what = f"{path}" if path is not None else "the defaults"
         flags = " with the command-line settings" if any(v is not None for v in (overrides or {}).values()) else ""
         raise ConfigFileError(f"{what}{flags} is not a valid pdserve deployment:\n{exc}") from None
+
+
+def _unique_key_loader():
+    """yaml's SafeLoader, refusing a key given twice in one mapping (it would keep
+    the last silently: an edit that missed the setting already there)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":    # `<<: *anchor` merges, not a setting
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"{key!r} is given twice in one section", key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    return UniqueKeyLoader
 
 
 def with_overrides(config: DeploymentConfig, overrides: dict[str, Any]) -> DeploymentConfig:

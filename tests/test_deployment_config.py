@@ -198,3 +198,14 @@ def test_the_kv_transfer_staging_budget_reaches_the_disaggregated_engines_only()
     assert colocated.engine_config("colocated", "/m").kv_transfer_staging_gib == 0.0
     with pytest.raises(ConfigFileError, match="staging_mib"):
         load_config(None, {"kv_transfer.staging_mib": 0})
+
+
+def test_a_setting_given_twice_in_a_section_is_refused(tmp_path):
+    """YAML would keep the last silently: an edit that missed the line already there."""
+    path = tmp_path / "deploy.yaml"
+    path.write_text("engine:\n  max_num_seqs: 4\n  max_num_seqs: 8\n")
+    with pytest.raises(ConfigFileError, match="'max_num_seqs' is given twice in one section"):
+        load_config(path)
+    path.write_text("base: &b {max_num_seqs: 4}\nengine:\n  <<: *b\n  max_num_seqs: 8\n")   # a merge is not a repeat
+    with pytest.raises(ConfigFileError, match="base"):           # (an unknown section, refused as such)
+        load_config(path)
