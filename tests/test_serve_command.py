@@ -464,3 +464,11 @@ def test_a_checkpoint_without_its_sizes_or_tokenizer_is_refused_before_deploying
 def test_empty_names_are_refused_not_replaced(flags, says):
     with pytest.raises(ValueError, match=f"{says}\n  String should have at least 1 character"):
         config_from_args(build_parser().parse_args(["serve", *flags]))
+
+
+def test_slos_that_nothing_would_serve_are_refused(tmp_path):
+    off = tmp_path / "off.yaml"
+    off.write_text("admission: {enabled: false}\n")
+    with pytest.raises(ValueError, match="--slo sets the SLOs admission control and the autoscaler serve"):
+        config_from_args(build_parser().parse_args(["serve", "--config", str(off), "--slo", "ttft:1000"]))
+    assert config_from_args(build_parser().parse_args(["serve", "--slo", "ttft:1000"])).slo.ttft_ms == 1000

@@ -115,6 +115,9 @@ def config_from_args(args: argparse.Namespace):
     if unused:
         raise ConfigFileError(f"{', '.join(unused)} set a pool that {config.mode.value} mode does not run "
                               f"(its pools: {', '.join(config.pools())}); drop them or change --mode")
+    if getattr(args, "slo", None) and not config.admission.enabled and not config.autoscaling.enabled:
+        raise ConfigFileError("--slo sets the SLOs admission control and the autoscaler serve, and both are off "
+                              "here: enable admission (admission.enabled) or add --autoscale, or drop --slo")
     if getattr(args, "max_replicas", None) is not None and not config.autoscaling.enabled:
         raise ConfigFileError("--max-replicas is the autoscaler's budget: add --autoscale (and --slo), or drop it")
     return config
