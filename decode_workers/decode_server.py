@@ -28,7 +28,7 @@ from cluster.transport.transport_factory import TransportSettings, receiver_fact
 from decode_workers.decode_worker import DecodeWorker
 from engine.engine_config import EngineConfig
 
-# a prefill replica that does not answer a send request in this long is gone
+# a prefill replica that does not answer a send request in this long is gone (at least; see ServePrefillPeer)
 SEND_CALL_TIMEOUT_S = 60.0
 
 
@@ -45,7 +45,10 @@ class DecodeServer(WorkerDeployment):
         if transport is not None:
             # senders on other nodes reach this replica's receivers at the node's address
             transport = dataclasses.replace(transport, host=ray.util.get_node_ip_address())
-            make_receiver, peer = receiver_factory(transport, name), ServePrefillPeer(prefill)
+            # the call outlasts the prefill side's wait for its staging budget (half the timeout) and more;
+            # the transfer's own deadline cancels it sooner
+            peer = ServePrefillPeer(prefill, call_timeout_s=max(SEND_CALL_TIMEOUT_S, 2 * transport.timeout_s))
+            make_receiver = receiver_factory(transport, name)
         self.worker = DecodeWorker(engine_config, make_receiver, peer, reserve_timeout_s=reserve_timeout_s,
                                    transfer_timeout_s=transport.timeout_s if transport else 60.0,
                                    staging_budget_bytes=staging_budget_bytes, name=name,
@@ -69,14 +72,15 @@ class ServePrefillPeer:
     """The prefill pool as a decode replica reaches it: the replica holding a
     request's KV, addressed by its id."""
 
-    def __init__(self, handle):
+    def __init__(self, handle, call_timeout_s: float = SEND_CALL_TIMEOUT_S):
         self._handle = handle
+        self.call_timeout_s = call_timeout_s
 
     async def send_kv(self, replica_id: str, request_id: str, transfer_id: str,
                       receivers: list[PeerAddress]) -> int:
         call = self._handle.send_kv.remote(request_id, transfer_id, receivers, **{TARGET_REPLICA: replica_id})
         try:
-            return await asyncio.wait_for(call, SEND_CALL_TIMEOUT_S)
+            return await asyncio.wait_for(call, self.call_timeout_s)
         except BaseException:
             call.cancel()   # awaiting a response does not cancel the remote call by itself
             raise

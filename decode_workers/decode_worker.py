@@ -206,9 +206,9 @@ class DecodeWorker:
         send.add_done_callback(_retrieved)   # (an arrival may settle it before the call answers)
         try:
             await asyncio.wait({send, arrived}, return_when=asyncio.FIRST_COMPLETED)
+            if arrived.done() and arrived.result() is None:
+                return None            # in (whatever the call answers, or before it does)
             if not send.done():
-                if arrived.result() is None:
-                    return None        # in before the call answered: its answer is not needed
                 send.cancel()
                 return arrived.result()
             if send.cancelled() or send.exception() is not None:

@@ -124,14 +124,14 @@ class PrefillWorker:
         request holds nothing here, TimeoutError when the budget has no room
         within `send_wait_s`."""
         hold = self._holds.get(request_id)
-        nbytes = 0
-        if hold is not None:
-            nbytes = kv_handoff.packed_bytes_per_rank(hold.num_blocks, self._head_block_bytes, self.num_kv_heads,
-                                                      self.config.tensor_parallel_size, len(receivers))
-            if hold.transfer_id not in (None, transfer_id):   # a retry: the send it replaces is forgotten first
-                self._send_budget.release(hold.transfer_id)
+        if hold is None:   # nothing to send, nothing to wait for: the engine thread says so (KeyError)
+            return await self._engine.call(self._start_send, request_id, transfer_id, receivers)
+        nbytes = kv_handoff.packed_bytes_per_rank(hold.num_blocks, self._head_block_bytes, self.num_kv_heads,
+                                                  self.config.tensor_parallel_size, len(receivers))
+        if hold.transfer_id not in (None, transfer_id):   # a retry: the send it replaces is forgotten first
+            self._send_budget.release(hold.transfer_id)
         renewing = None
-        if hold is not None and not self._send_budget.fits(nbytes):   # the wait must not outlast the lease
+        if not self._send_budget.fits(nbytes):   # the wait must not outlast the lease
             renewing = asyncio.ensure_future(self._renew_every_third_of_the_lease(request_id))
         try:
             await self._send_budget.acquire(transfer_id, nbytes, self.send_wait_s)
@@ -145,7 +145,10 @@ class PrefillWorker:
             return await self._send(request_id, transfer_id, receivers)
         except asyncio.CancelledError:
             # the engine may still start the send queued for it: what it started is forgotten after it
-            self._engine.submit(self._abandon_send, request_id, transfer_id)
+            try:
+                self._engine.submit(self._abandon_send, request_id, transfer_id)
+            except EngineStoppedError:
+                pass     # nothing runs there any more
             raise
         except BaseException:
             self._send_budget.release(transfer_id)
@@ -177,10 +180,15 @@ class PrefillWorker:
             block_ids = list(engine.held_sequence(request_id).block_table)
             (nbytes,) = engine.collective_rpc(kv_handoff.start_send, transfer_id, block_ids, receivers,
                                               self.num_kv_heads)
+            self._engine.submit(self._note_send, request_id, transfer_id)
         except BaseException:
-            self._engine.submit(self._note_send, request_id, None)
+            try:
+                self._engine.submit(self._note_send, request_id, None)
+            except EngineStoppedError:
+                pass
+            with self._sends_to_note_lock:    # (if the note could not be queued)
+                self._sends_to_note.discard(request_id)
             raise
-        self._engine.submit(self._note_send, request_id, transfer_id)
         return nbytes
 
     async def renew(self, request_id: str) -> bool:
@@ -263,6 +271,8 @@ class PrefillWorker:
         if hold is not None and hold.transfer_id == transfer_id:
             hold.transfer_id, hold.transfer_state = None, None
         self._forget_send(engine, transfer_id)
+        if hold is not None and (hold.release_requested or hold.drop_requested):   # waited for this send
+            self._drop(engine, request_id)
 
     def _start_send(self, engine: LLMEngine, request_id: str, transfer_id: str,
                     receivers: list[PeerAddress]) -> int:

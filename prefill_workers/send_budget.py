@@ -63,7 +63,7 @@ class SendBudget:
             if isinstance(exc, asyncio.TimeoutError):
                 raise TimeoutError(f"{self.in_flight_bytes} bytes of KV sends are in flight on a budget of "
                                    f"{self.budget_bytes} and {len(self._waiting)} more wait; this send of "
-                                   f"{nbytes} bytes could not start within {timeout_s:.0f} s") from None
+                                   f"{nbytes} bytes could not start within {timeout_s:g} s") from None
             raise
 
     def release(self, transfer_id: str) -> None:

@@ -300,7 +300,7 @@ class _Server:
                 f"This model's maximum context length is {limit} tokens. However, your {param} "
                 f"has {len(ids)} tokens, which leaves no room for the completion. Please reduce "
                 f"the length of the {param}.", param=param)
-        if min(ids) < 0 or max(ids) >= vocab:
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
             bad = next(t for t in ids if not 0 <= t < vocab)
             raise InvalidRequestError(f"The prompt contains token id {bad}, outside the model's "
                                       f"vocabulary [0, {vocab}).", param=param)

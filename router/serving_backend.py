@@ -186,6 +186,8 @@ class ServingBackend(GenerationBackend):
                     return
                 except BackendUnavailableError as exc:
                     failed_on[0] = exc.replica_id or failed_on[0]   # the next attempt avoids it
+                    if self._fanout.closed:      # the router is going away: nothing to move the request to
+                        raise
                     if migration == self.max_migrations:
                         why = ("migration is off (max_migrations: 0)" if migration == 0 else
                                f"the request was already moved to another worker {migration} time(s), the "

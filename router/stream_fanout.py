@@ -54,6 +54,7 @@ class StreamFanout:
         self._readers: dict[str, asyncio.Task] = {}
         self._aborting: set[tuple[str, str]] = set()   # (replica id, request id) aborts under way
         self._abort_tasks: set[asyncio.Task] = set()
+        self.closed = False                          # close() ran: the router is going away
         self._num_failures = 0                      # stream failures so far, of any replica
         self._failure_of: dict[str, int] = {}       # replica id -> the count at its latest failure
         self._expected_at: dict[str, int] = {}      # request id -> the count when it was expected
@@ -72,6 +73,10 @@ class StreamFanout:
         """The request runs on `replica_id`: read that replica's stream (or, when
         that stream failed since the request was expected, hear the failure)."""
         self._replica_of[request_id] = replica_id
+        if self.closed:
+            self._queues[request_id].put_nowait(BackendUnavailableError(
+                "the router stopped reading the decode workers' output streams", replica_id))
+            return
         early = self._early.pop(request_id, {})
         for other, deltas in early.items():
             if other != replica_id and not deltas[-1].finished:
@@ -93,7 +98,9 @@ class StreamFanout:
         self._early.pop(request_id, None)
 
     async def close(self) -> None:
-        """Stops every reader; the requests bound to one hear that their stream ended."""
+        """Stops every reader; the requests bound to one hear that their stream ended
+        (and, with `closed` set, are not moved elsewhere)."""
+        self.closed = True
         for task in list(self._readers.values()):
             task.cancel()
         await asyncio.gather(*self._readers.values(), return_exceptions=True)

@@ -703,6 +703,12 @@ async def _nothing_left_on_the_wire(pair: Pair, request_id: str) -> None:
     await pair.wait_idle()
 
 
+async def _nothing_left_on_the_wire_or_held(pair: Pair) -> None:
+    assert await pair.prefill._engine.call(_sends) == [[]]
+    assert pair.prefill.stats()["kv_staging_bytes"] == 0
+    await pair.wait_idle()
+
+
 def test_a_send_call_cancelled_while_queued_for_the_engine_forgets_the_send_it_starts(model_dirs):
     """send_kv's caller goes away while its call waits for the engine thread: the
     send the engine starts afterwards is forgotten, and its packed copy is not
@@ -721,6 +727,53 @@ def test_a_send_call_cancelled_while_queued_for_the_engine_forgets_the_send_it_s
             retry.cancel()
             await asyncio.sleep(0.8)
             await _nothing_left_on_the_wire(pair, "r")
+        finally:
+            await pair.shutdown()
+    run(main())
+
+
+def test_a_release_that_came_while_a_cancelled_send_was_queued_frees_the_hold(model_dirs):
+    """The release found the send in flight and waited for it; the send's caller
+    then went away: once the engine forgets that send, the hold goes too (not a
+    lease later)."""
+    async def main():
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub(delay_s=5.0)).start()
+        prefill = pair.prefill
+        try:
+            await prefill.prefill("r", PROMPTS[1], GREEDY)
+            receivers = list(pair.decode.receivers)
+            await prefill.send_kv("r", "r#1", receivers)
+            await asyncio.sleep(0.3)                                    # noted: a retry goes to the engine
+            prefill._engine.submit(lambda engine: time.sleep(0.5))     # a long step
+            retry = asyncio.create_task(prefill.send_kv("r", "r#2", receivers))
+            await asyncio.sleep(0.05)
+            release = asyncio.create_task(prefill.release("r"))        # queued behind the retry's send
+            await asyncio.sleep(0.05)
+            retry.cancel()
+            assert await release
+            deadline = time.monotonic() + 3
+            while prefill.stats()["num_held"]:
+                assert time.monotonic() < deadline, prefill.stats()
+                await asyncio.sleep(0.02)
+            await _nothing_left_on_the_wire_or_held(pair)
+        finally:
+            await pair.shutdown()
+    run(main())
+
+
+def test_a_send_for_a_request_holding_nothing_fails_at_once_whatever_waits_for_the_budget(model_dirs):
+    async def main():
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub(), send_budget_bytes=1024).start()
+        prefill = pair.prefill
+        try:
+            await prefill._send_budget.acquire("busy", 1024)
+            waiting = asyncio.create_task(prefill._send_budget.acquire("queued", 1024, timeout_s=30))
+            await asyncio.sleep(0.01)
+            started = time.monotonic()
+            with pytest.raises(KeyError, match="holds no KV"):
+                await prefill.send_kv("nothing", "n#1", list(pair.decode.receivers))
+            assert time.monotonic() - started < 2
+            waiting.cancel()
         finally:
             await pair.shutdown()
     run(main())

@@ -461,3 +461,40 @@ def test_a_request_admitted_after_its_subscribers_stream_closed_streams_to_the_n
         finally:
             worker.shutdown()
     run(main())
+
+
+async def joined_output(outputs):
+    return joined([out async for out in outputs])
+
+
+def test_a_router_that_closes_does_not_move_its_requests_elsewhere(model_dirs):
+    """Closing the backend (the router replica going away) ends the requests it
+    streams with an error; they are not prefilled again on another replica."""
+    async def main():
+        workers = _workers(model_dirs)
+        for w in workers.values():
+            await w.start()
+        admitted = asyncio.Event()
+
+        class StallingPool(TwoWorkerPool):
+            async def generate(self, request, avoid_replica=None):
+                out = await super().generate(request, avoid_replica)
+                workers["A"]._engine.submit(lambda engine: time.sleep(1.0))   # it stays running a while
+                admitted.set()
+                return out
+
+        pool = StallingPool(workers)
+        backend = ServingBackend(ModelInfo("tiny", 128, 512), pool, subscriber="router-0")
+        try:
+            long = SamplingParams(max_tokens=110, temperature=0.0, ignore_eos=True)
+            task = asyncio.create_task(joined_output(backend.generate("r", PROMPTS[0], long)))
+            await admitted.wait()
+            await asyncio.sleep(0.05)
+            await backend.close()
+            with pytest.raises(BackendUnavailableError, match="stopped reading"):
+                await asyncio.wait_for(task, 10)
+            assert pool.placed == [("r", "A")]
+        finally:
+            for w in workers.values():
+                w.shutdown()
+    run(main())

@@ -350,11 +350,18 @@ def test_serve_running_elsewhere_on_a_joined_cluster_is_refused_not_misreported(
 
     import ray.serve._private.api as serve_api
 
+    from ray import serve
+
     from cluster.cli import serve_command
     running = SimpleNamespace(http_config=SimpleNamespace(host="0.0.0.0", port=8000))
     monkeypatch.setattr(serve_api, "serve_start", lambda **kw: running)
+    monkeypatch.setattr(serve, "status", lambda: SimpleNamespace(applications={"other": object()}))
     serve_command._start_serve("0.0.0.0", 8000, direct_ingress=False)        # the same address: fine
     with pytest.raises(RuntimeError, match="HTTP proxy on 0.0.0.0:8000.*--host 0.0.0.0 --port 8000"):
+        serve_command._start_serve("127.0.0.1", 9000, direct_ingress=False)
+    # where what runs there is a pdserve, the advice to serve on its address would replace it
+    monkeypatch.setattr(serve, "status", lambda: SimpleNamespace(applications={"pdserve": object()}))
+    with pytest.raises(RuntimeError, match="already runs a pdserve application"):
         serve_command._start_serve("127.0.0.1", 9000, direct_ingress=False)
 
 

@@ -173,3 +173,17 @@ def test_closing_the_fanout_ends_the_requests_bound_to_its_streams():
         assert "stopped reading decode worker R's output stream" in str(error)
 
     asyncio.run(run())
+
+
+def test_a_request_bound_after_the_fanout_closed_hears_so_and_opens_nothing():
+    async def run():
+        replicas = FakeReplicas()
+        fanout = StreamFanout(replicas.open_stream, replicas.abort)
+        await fanout.close()
+        queue = fanout.expect("late")
+        fanout.bind("late", "R")
+        assert isinstance(await _next(queue), BackendUnavailableError) and fanout.closed
+        await asyncio.sleep(0.01)
+        assert replicas.opened == []
+
+    asyncio.run(run())

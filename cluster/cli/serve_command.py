@@ -216,6 +216,7 @@ def _start_serve(host: str, port: int, direct_ingress: bool) -> None:
     proxy_port = free_port(host) if direct_ingress else port
     http = serve_start(http_options={"host": host, "port": proxy_port}).http_config
     if not direct_ingress and (http.host, http.port) != (host, port):
+        _refuse_a_second_pdserve()    # (the advice below is for a Serve that runs something else)
         raise RuntimeError(f"Serve already runs on this Ray cluster with its HTTP proxy on {http.host}:{http.port}, "
                            f"and it keeps that address: serve on it (--host {http.host} --port {http.port}, or "
                            f"http.host / http.port in the deployment file), or stop Serve first (`serve shutdown`); "
