@@ -10,6 +10,7 @@ worker of that role runs.
 from __future__ import annotations
 
 import copy
+import functools
 import re
 from enum import Enum
 from pathlib import Path
@@ -415,6 +416,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         raise ConfigFileError(f"{what}{flags} is not a valid pdserve deployment:\n{exc}") from None
 
 
+@functools.lru_cache(maxsize=1)
 def _unique_key_loader():
     """yaml's SafeLoader, refusing a key given twice in one mapping (it would keep
     the last silently: an edit that missed the setting already there)."""

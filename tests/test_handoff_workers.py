@@ -695,18 +695,26 @@ def test_a_hold_packed_off_the_engine_thread_is_not_freed_while_it_packs(model_d
     run(main())
 
 
-async def _nothing_left_on_the_wire(pair: Pair, request_id: str) -> None:
-    """No send is tracked nor counted by the staging budget; the hold then frees."""
+async def _nothing_left_on_the_wire(pair: Pair, release: str | None = None) -> None:
+    """No send is tracked nor counted by the staging budget; the holds then free
+    (after releasing `release`'s, when given)."""
     assert await pair.prefill._engine.call(_sends) == [[]]
     assert pair.prefill.stats()["kv_staging_bytes"] == 0
-    assert await pair.prefill.release(request_id)
+    if release is not None:
+        assert await pair.prefill.release(release)
     await pair.wait_idle()
 
 
-async def _nothing_left_on_the_wire_or_held(pair: Pair) -> None:
-    assert await pair.prefill._engine.call(_sends) == [[]]
-    assert pair.prefill.stats()["kv_staging_bytes"] == 0
-    await pair.wait_idle()
+async def _retry_queued_behind_a_long_step(pair: Pair) -> asyncio.Task:
+    """Request "r" prefilled and its first send ("r#1") noted; the engine busy with a
+    long step; a retry ("r#2") queued for it. Returns the retry's task."""
+    prefill = pair.prefill
+    await prefill.prefill("r", PROMPTS[1], GREEDY)
+    receivers = list(pair.decode.receivers)
+    await prefill.send_kv("r", "r#1", receivers)
+    await asyncio.sleep(0.3)                                    # noted: a retry goes to the engine
+    prefill._engine.submit(lambda engine: time.sleep(0.5))     # a long step
+    return asyncio.create_task(prefill.send_kv("r", "r#2", receivers))
 
 
 def test_a_send_call_cancelled_while_queued_for_the_engine_forgets_the_send_it_starts(model_dirs):
@@ -715,18 +723,12 @@ def test_a_send_call_cancelled_while_queued_for_the_engine_forgets_the_send_it_s
     left on the wire uncounted by the staging budget."""
     async def main():
         pair = await Pair(model_dirs["tiny"], FakeTransportHub(delay_s=5.0)).start()
-        prefill = pair.prefill
         try:
-            await prefill.prefill("r", PROMPTS[1], GREEDY)
-            receivers = list(pair.decode.receivers)
-            await prefill.send_kv("r", "r#1", receivers)
-            await asyncio.sleep(0.3)                                    # noted: a retry goes to the engine
-            prefill._engine.submit(lambda engine: time.sleep(0.5))     # a long step
-            retry = asyncio.create_task(prefill.send_kv("r", "r#2", receivers))
+            retry = await _retry_queued_behind_a_long_step(pair)
             await asyncio.sleep(0.1)
             retry.cancel()
             await asyncio.sleep(0.8)
-            await _nothing_left_on_the_wire(pair, "r")
+            await _nothing_left_on_the_wire(pair, release="r")
         finally:
             await pair.shutdown()
     run(main())
@@ -740,12 +742,7 @@ def test_a_release_that_came_while_a_cancelled_send_was_queued_frees_the_hold(mo
         pair = await Pair(model_dirs["tiny"], FakeTransportHub(delay_s=5.0)).start()
         prefill = pair.prefill
         try:
-            await prefill.prefill("r", PROMPTS[1], GREEDY)
-            receivers = list(pair.decode.receivers)
-            await prefill.send_kv("r", "r#1", receivers)
-            await asyncio.sleep(0.3)                                    # noted: a retry goes to the engine
-            prefill._engine.submit(lambda engine: time.sleep(0.5))     # a long step
-            retry = asyncio.create_task(prefill.send_kv("r", "r#2", receivers))
+            retry = await _retry_queued_behind_a_long_step(pair)
             await asyncio.sleep(0.05)
             release = asyncio.create_task(prefill.release("r"))        # queued behind the retry's send
             await asyncio.sleep(0.05)
@@ -755,7 +752,7 @@ def test_a_release_that_came_while_a_cancelled_send_was_queued_frees_the_hold(mo
             while prefill.stats()["num_held"]:
                 assert time.monotonic() < deadline, prefill.stats()
                 await asyncio.sleep(0.02)
-            await _nothing_left_on_the_wire_or_held(pair)
+            await _nothing_left_on_the_wire(pair)
         finally:
             await pair.shutdown()
     run(main())
@@ -805,7 +802,7 @@ def test_a_send_that_fails_on_one_rank_is_forgotten_on_every_rank(model_dirs, mo
             with pytest.raises(RankCallError, match="out of memory"):
                 await prefill.send_kv("r", "r#2", receivers)
             monkeypatch.setattr(engine, "collective_rpc", collective_rpc)
-            await _nothing_left_on_the_wire(pair, "r")
+            await _nothing_left_on_the_wire(pair, release="r")
         finally:
             await pair.shutdown()
     run(main())

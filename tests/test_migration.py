@@ -61,13 +61,18 @@ def _workers(model_dirs) -> dict[str, DecodeWorker]:
     return {name: DecodeWorker(config, replica_id=name) for name in ("A", "B")}
 
 
+async def _started_workers(model_dirs) -> dict[str, DecodeWorker]:
+    workers = _workers(model_dirs)
+    for w in workers.values():
+        await w.start()
+    return workers
+
+
 def _kill_a_worker_midstream(model_dirs, params: SamplingParams):
     """Every prompt starts on A; A dies once the first request streamed 6 tokens.
     Returns each request's outputs and where its attempts were placed."""
     async def main():
-        workers = _workers(model_dirs)
-        for w in workers.values():
-            await w.start()
+        workers = await _started_workers(model_dirs)
         pool = TwoWorkerPool(workers)
         backend = ServingBackend(ModelInfo("tiny", 128, 512), pool, subscriber="router-0")
         killed = asyncio.Event()
@@ -125,9 +130,7 @@ def test_seeded_sampling_with_penalties_continues_as_if_nothing_failed(model_dir
 
 def test_with_migration_off_the_error_says_so(model_dirs):
     async def main():
-        workers = _workers(model_dirs)
-        for w in workers.values():
-            await w.start()
+        workers = await _started_workers(model_dirs)
         pool = TwoWorkerPool(workers)
         backend = ServingBackend(ModelInfo("tiny", 128, 512), pool, subscriber="router-0", max_migrations=0)
         try:
@@ -289,9 +292,7 @@ def test_a_worker_whose_engine_stopped_is_avoided_by_the_next_attempt(model_dirs
     health checks fail): its EngineStoppedError names it, and the request moves to B
     instead of going back to A on every attempt."""
     async def main():
-        workers = _workers(model_dirs)
-        for w in workers.values():
-            await w.start()
+        workers = await _started_workers(model_dirs)
         workers["A"].shutdown()                       # the engine stops; the "replica" still takes calls
         pool = TwoWorkerPool(workers)
         backend = ServingBackend(ModelInfo("tiny", 128, 512), pool, subscriber="router-0", max_migrations=1)
@@ -309,9 +310,7 @@ def test_a_worker_whose_engine_stopped_is_avoided_by_the_next_attempt(model_dirs
 def test_the_backend_reports_the_running_requests_output_so_far(model_dirs):
     # what the autoscaler reads to see outputs getting longer before any request ends
     async def main():
-        workers = _workers(model_dirs)
-        for w in workers.values():
-            await w.start()
+        workers = await _started_workers(model_dirs)
         backend = ServingBackend(ModelInfo("tiny", 128, 512), TwoWorkerPool(workers), subscriber="router-0")
         seen = []
         try:
@@ -381,9 +380,7 @@ def test_a_request_admitted_as_its_replicas_stream_broke_is_aborted_there(model_
     stream's past, so X moves to B; the copy A runs is aborted, not left decoding
     for nobody with its KV held."""
     async def main():
-        workers = _workers(model_dirs)
-        for w in workers.values():
-            await w.start()
+        workers = await _started_workers(model_dirs)
         pool = BreakableStreamPool(workers)
         backend = ServingBackend(ModelInfo("tiny", 128, 512), pool, subscriber="router-0")
 
@@ -471,9 +468,7 @@ def test_a_router_that_closes_does_not_move_its_requests_elsewhere(model_dirs):
     """Closing the backend (the router replica going away) ends the requests it
     streams with an error; they are not prefilled again on another replica."""
     async def main():
-        workers = _workers(model_dirs)
-        for w in workers.values():
-            await w.start()
+        workers = await _started_workers(model_dirs)
         admitted = asyncio.Event()
 
         class StallingPool(TwoWorkerPool):
