@@ -81,9 +81,15 @@ class StepCostFit:
         seqs, tokens, seconds = data[:, 0], data[:, 1], data[:, 2]
         if np.ptp(seqs) == 0:          # one batch size only: the per-sequence term is not identifiable
             return None
-        columns = {"fixed": np.ones_like(seqs), "seq": seqs, "token": tokens}
+        columns = {"fixed": np.ones_like(seqs), "seq": seqs}
+        if tokens.any():
+            columns["token"] = tokens
         while True:
             x = np.stack(list(columns.values()), axis=1)
+            if np.linalg.matrix_rank(x) < x.shape[1]:
+                # the shapes cannot tell the terms apart (prompt-only steps beside decode-only
+                # steps of one batch size): a least-squares split of them would be arbitrary
+                return None
             coef, *_ = np.linalg.lstsq(x, seconds, rcond=None)
             fitted = dict(zip(columns, coef))
             negative = [name for name, c in fitted.items() if c < 0 and name != "seq"]
@@ -146,7 +152,7 @@ class EngineCosts:
         self.warmup_steps = warmup_steps
         self.num_steps = 0
         self.prefill_s_per_token = start_prefill_s_per_token
-        self.decode_s_per_seq: float | None = None      # decode-only steps' time per sequence (EWMA)
+        self.decode_s_per_seq: float | None = None      # decode-only steps' time per sequence, one more (EWMA)
         self.step_cost = StepCostFit()                   # decode and prefill shares of mixed steps too
         self._prefill = PrefillTokenCost()
 
@@ -159,7 +165,12 @@ class EngineCosts:
         self.step_cost.add(num_decode_seqs, num_prefill_tokens, duration_s)
         if num_prefill_tokens == 0:
             if num_decode_seqs:
-                cost = duration_s / num_decode_seqs
+                # shared by one more sequence than the step ran: until the fit splits the fixed
+                # cost from the per-sequence one, a batch one larger than any run yet is priced
+                # at the step seen, so it gets run (at `duration / seqs` the router would refuse
+                # it while the fixed cost is past the TPOT budget's share, and the fit would
+                # never see a second batch size)
+                cost = duration_s / (num_decode_seqs + 1)
                 old = self.decode_s_per_seq
                 self.decode_s_per_seq = cost if old is None else \
                     (1 - DECODE_COST_EWMA) * old + DECODE_COST_EWMA * cost

@@ -27,9 +27,10 @@ predicted step time, with it, stays within `tpot_headroom` of the SLO:
 with the costs each decode replica fits on its own steps (engine/step_cost.py),
 the slowest replica's step: a replica's figures are kept together, never one
 replica's fixed cost beside another's per-sequence cost. A replica that has
-only run one batch size has no fit, only its time per sequence (which holds
-its whole step: 34 ms a sequence for a lone 70B decode whose fixed cost is
-34 ms); it is priced so only while no replica of the pool has a fit, or it
+only run one batch size has no fit, only its step over one more sequence than
+it ran (17 ms a sequence for a lone 70B decode whose fixed cost is 34 ms: two
+sequences are priced at the step it has seen, so it gets to run two and fit
+its costs); it is priced so only while no replica of the pool has a fit, or it
 would price a pool of fitted replicas as if every sequence cost a whole step.
 Where the decode replicas prefill too (colocated), every running request
 brings its prompt onto their steps once over the steps it decodes: it counts
@@ -117,9 +118,9 @@ class AdmissionControl:
         self.decode_costs: list[StepCost] = []   # the decode replicas' that priced steps (module doc)
 
     # ---- the checks ---------------------------------------------------------------------------
-    def check_before_tokenizing(self) -> None:
-        """Counts the request's arrival; raises Overloaded when the queue alone is
-        past a bound or the SLO."""
+    def check_before_tokenizing(self) -> float:
+        """Counts the request's arrival and returns its time (for `withdraw`); raises
+        Overloaded when the queue alone is past a bound or the SLO."""
         s = self.settings
         now = self.clock()
         if self._first_arrival is None:
@@ -135,6 +136,15 @@ class AdmissionControl:
                                f"server queues ({s.max_waiting_prompt_tokens})")
         self._check_slo(0)
         self._check_tpot(self._prefill_tokens_per_step(self.mean_prompt_tokens or 0.0, max_tokens=None))
+        return now
+
+    def withdraw(self, arrival: float) -> None:
+        """The request that arrived at `arrival` (check_before_tokenizing's) turned out
+        invalid: a client's 400s are no demand on the prefill replicas."""
+        try:
+            self._arrivals.remove(arrival)
+        except ValueError:
+            pass        # past the window already
 
     def predicted_step_s(self, extra_prefill_tokens_per_step: float = 0.0, extra_seqs: int = 0) -> float | None:
         """A decode replica's step time with what runs now and `extra_seqs` more
@@ -223,8 +233,8 @@ class AdmissionControl:
         for count, factor in BURST_RULES:
             if len(self._arrivals) >= count:
                 span = now - self._arrivals[-count]
-                if span > 0 and (count - 1) / span > factor * capacity:
-                    return True
+                if span <= 0 or (count - 1) / span > factor * capacity:
+                    return True     # (no time between them, as a simulated burst: an unbounded rate)
         return False
 
     def observe_workers(self, role: str, stats: Iterable[Mapping[str, float]]) -> None:

@@ -25,7 +25,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -169,23 +170,13 @@ class _Server:
                               code="model_not_found")
         body.check_supported()
         self._check_request_limits(body)
-        self._admit(None, None)
-        prompt_param = "messages" if chat else "prompt"
-        text_chars = body.text_length()
-        self._check_text_length(text_chars, prompt_param)
-        # many short messages cost a template little text each but still its rendering: counted as
-        # a long token's text apiece towards rendering them off the loop
-        render_chars = text_chars + self.max_token_chars * len(body.messages) if chat else text_chars
-        prompt_ids = await self._tokenize(body, render_chars)
-        self._check_prompt(prompt_ids, prompt_param)
-        # chat: the rest of the context; completions: 16 as OpenAI's and vLLM's (or min_tokens, if more)
-        default_max = self.info.max_model_len - len(prompt_ids)
-        if not chat:
-            default_max = min(default_max, max(COMPLETION_DEFAULT_MAX_TOKENS, body.min_tokens or 0))
-        if self.limits.max_tokens is not None:
-            default_max = min(default_max, self.limits.max_tokens)
-        params = body.to_sampling_params(default_max)
-        self._check_context(len(prompt_ids), params, body.max_tokens_param, prompt_param)
+        arrived = self._check_before_tokenizing()
+        try:
+            prompt_ids, params = await self._prompt_and_params(body, chat)
+        except BaseException:    # a 400 (or a client gone while tokenizing): no demand on the workers
+            if arrived is not None:
+                self.admission.withdraw(arrived)
+            raise
 
         fmt = ChatResponses(self.token_texts) if chat else CompletionResponses(self.token_texts)
         request_id = f"{'chat' if chat else ''}{self.prefix}-{uuid.uuid4().hex}"
@@ -214,6 +205,27 @@ class _Server:
         logprobs = fmt.logprobs(final.logprobs, 0)[0] if final.logprobs is not None else None
         return JSONResponse({**header, "choices": [fmt.choice(final.text, logprobs, final)],
                              "usage": usage(len(prompt_ids), final)})
+
+    async def _prompt_and_params(self, body: CompletionRequest | ChatCompletionRequest,
+                                 chat: bool) -> tuple[list[int], SamplingParams]:
+        """The prompt's token ids and the sampling parameters, each checked (400s)."""
+        prompt_param = "messages" if chat else "prompt"
+        text_chars = body.text_length()
+        self._check_text_length(text_chars, prompt_param)
+        # many short messages cost a template little text each but still its rendering: counted as
+        # a long token's text apiece towards rendering them off the loop
+        render_chars = text_chars + self.max_token_chars * len(body.messages) if chat else text_chars
+        prompt_ids = await self._tokenize(body, render_chars)
+        self._check_prompt(prompt_ids, prompt_param)
+        # chat: the rest of the context; completions: 16 as OpenAI's and vLLM's (or min_tokens, if more)
+        default_max = self.info.max_model_len - len(prompt_ids)
+        if not chat:
+            default_max = min(default_max, max(COMPLETION_DEFAULT_MAX_TOKENS, body.min_tokens or 0))
+        if self.limits.max_tokens is not None:
+            default_max = min(default_max, self.limits.max_tokens)
+        params = body.to_sampling_params(default_max)
+        self._check_context(len(prompt_ids), params, body.max_tokens_param, prompt_param)
+        return prompt_ids, params
 
     def _check_text_length(self, chars: int, param: str) -> None:
         """Refuses, before tokenizing, text of `chars` characters that cannot fit the
@@ -254,17 +266,26 @@ class _Server:
             ids = ids["input_ids"]
         return [int(t) for t in ids]
 
-    def _admit(self, num_prompt_tokens: int | None, max_tokens: int | None) -> Admitted | None:
-        """Admission control (router/admission.py): without a prompt length, the checks
-        that need none; with one, the rest, and the request counts as waiting and
-        running (what it returns, with admission control on)."""
+    def _check_before_tokenizing(self) -> float | None:
+        """Admission control's checks that need no prompt length (router/admission.py):
+        the arrival's time, to withdraw it should the request turn out invalid."""
         if self.admission is None:
             return None
-        try:
-            if num_prompt_tokens is None:
-                self.admission.check_before_tokenizing()
-                return None
+        with self._counting_refusals(None, None):
+            return self.admission.check_before_tokenizing()
+
+    def _admit(self, num_prompt_tokens: int, max_tokens: int | None) -> Admitted | None:
+        """Admission control's checks with the prompt's length and output bound; an admitted
+        request counts as waiting and running (what it returns, with admission control on)."""
+        if self.admission is None:
+            return None
+        with self._counting_refusals(num_prompt_tokens, max_tokens):
             return self.admission.admit(num_prompt_tokens, max_tokens)
+
+    @contextmanager
+    def _counting_refusals(self, num_prompt_tokens: int | None, max_tokens: int | None) -> Iterator[None]:
+        try:
+            yield
         except Overloaded as exc:
             self.metrics.observe_rejection(exc.reason)
             self.metrics.observe_arrival(num_prompt_tokens, max_tokens)    # refused, but demand all the same

@@ -222,6 +222,24 @@ def test_a_burst_of_ten_times_the_capacity_is_overload_at_its_third_arrival():
     assert a.overloaded()                              # three in 20 ms: 100 req/s, past 5.6x the capacity
 
 
+def test_arrivals_at_one_instant_are_overload_from_the_third():
+    # a simulated burst (no --request-rate) arrives all at t = 0: no time between arrivals is
+    # an unbounded rate, not "too few to tell" (before, the burst was admitted up to the
+    # 1 s SLO: ten 100 ms prompts)
+    clock = _Clock()
+    a = AdmissionControl(AdmissionSettings(ttft_slo_s=1.0), clock=clock)
+    a.observe_workers("prefill", [{"prefill_s_per_token": 1e-3}])
+    outcomes = []
+    for _ in range(6):
+        try:
+            a.check_before_tokenizing()
+            a.admit(100)
+            outcomes.append("admitted")
+        except Overloaded as exc:
+            outcomes.append(exc.reason)
+    assert outcomes == ["admitted"] * 2 + ["overload"] * 4
+
+
 def test_the_tpot_slo_bounds_the_requests_running_at_once():
     a = AdmissionControl(AdmissionSettings(max_waiting_requests=None, max_waiting_prompt_tokens=None,
                                            tpot_slo_s=0.1))
@@ -346,6 +364,62 @@ def test_the_step_cost_fit_separates_decodes_from_prefill_chunks_in_mixed_steps(
     assert same_batch.cost is None                     # one batch size: the per-sequence cost is unknown
 
 
+def test_a_replica_that_decoded_only_lone_requests_is_not_held_to_one_for_good():
+    # A 70B decode step: 34 ms fixed, 0.5 ms a sequence; TPOT SLO 50 ms (40 ms with the headroom).
+    # One request decoded alone before the load came: one batch size, no fit yet.
+    from engine.step_cost import EngineCosts
+
+    def step(seqs, tokens=0):
+        return 0.034 + 0.0005 * seqs + 0.0002 * tokens
+
+    for colocated in (False, True):
+        costs = EngineCosts(warmup_steps=0)
+        a = AdmissionControl(AdmissionSettings(max_waiting_requests=None, max_waiting_prompt_tokens=None,
+                                               tpot_slo_s=0.05), prefill_on_decode_steps=colocated)
+        role = "colocated" if colocated else "decode"
+        if colocated:
+            costs.observe(0, 100, step(0, 100))       # the lone request's prompt step
+        for _ in range(64):
+            costs.observe(1, 0, step(1))
+        admitted = []
+        for _ in range(40):                            # rounds of 4 arrivals that decode together
+            a.observe_workers(role, [costs.stats()])
+            tickets = []
+            for _ in range(4):
+                try:
+                    tickets.append(a.admit(100, max_tokens=64))
+                except Overloaded:
+                    pass
+            for ticket in tickets:
+                a.first_token(ticket)
+            if colocated:
+                costs.observe(len(tickets) - 1, 100, step(len(tickets) - 1, 100))
+            for _ in range(64):
+                costs.observe(len(tickets), 0, step(len(tickets)))
+            for ticket in tickets:
+                a.finished(ticket, 64)
+            admitted.append(len(tickets))
+        # two are priced at the step seen (34.5 ms); once it has run two the fit finds 0.5 ms a
+        # sequence, and four (36 ms) fit the budget (before: one each round, for good)
+        assert admitted[0] == 2, (colocated, admitted)
+        assert admitted[-1] == 4, (colocated, admitted)
+        assert costs.step_cost.cost.per_seq_s == pytest.approx(0.0005, rel=1e-3)
+
+
+def test_the_step_cost_fit_refuses_a_split_its_steps_cannot_tell():
+    from engine.step_cost import StepCostFit
+    fit = StepCostFit()
+    for i in range(64):                                # prompt-only steps and lone decodes, alternating
+        fit.add(*((0, 100, 0.054) if i % 2 else (1, 0, 0.0345)))
+    # three terms, two shapes: any split fits them, so none is reported (least squares had
+    # given half the 34 ms to a fixed cost and half to each sequence)
+    assert fit.cost is None
+    decode_only = StepCostFit()
+    for i in range(64):
+        decode_only.add(1 + i % 2, 0, 0.034 + 0.0005 * (1 + i % 2))
+    assert decode_only.cost.per_seq_s == pytest.approx(0.0005) and decode_only.cost.per_prefill_token_s == 0.0
+
+
 class SlowBackend(FakeBackend):
     """Holds every request before its first token until released."""
 
@@ -358,6 +432,26 @@ class SlowBackend(FakeBackend):
             await asyncio.sleep(0.01)
         async for out in super().generate(request_id, prompt_token_ids, params):
             yield out
+
+
+def test_requests_answered_400_are_not_arrivals_that_make_the_server_look_overloaded():
+    from engine.tiny_model import ensure_default_model
+    from engine.tokenizer import load_tokenizer
+    tokenizer = load_tokenizer(ensure_default_model())
+    admission = AdmissionControl(AdmissionSettings(ttft_slo_s=10.0))
+    admission.observe_workers("prefill", [{"prefill_s_per_token": 0.3}])    # ~1 req/s of short prompts
+    app = build_openai_app(FakeBackend(tokenizer, len(tokenizer)), tokenizer, ServingMetrics(),
+                           admission=admission)
+    valid = {"model": MODEL, "prompt": "Hi", "max_tokens": 3}
+    with TestClient(app, raise_server_exceptions=False) as client:
+        assert client.post("/v1/completions", json=valid).status_code == 200
+        # past the context: checked after the arrival was counted, and withdrawn
+        codes = [client.post("/v1/completions", json={**valid, "max_tokens": 100_000}).status_code
+                 for _ in range(8)]
+        assert codes == [400] * 8
+        assert not admission.overloaded()      # before: 9 arrivals in a few ms, a burst of ~100x
+        assert client.post("/v1/completions", json=valid).status_code == 200
+        assert admission.overloaded() is False
 
 
 def test_a_busy_server_answers_429_at_once_and_serves_what_it_admitted():

@@ -67,9 +67,10 @@ def test_replicas_report_what_their_steps_measured_once_warm():
     assert costs.stats() == {"prefill_s_per_token": 0.004}
     costs.observe(0, 100, 0.2)                 # 2 ms a prompt token
     costs.observe(0, 100, 0.9, borrowed_cores=True)   # faster or slower on lent cores: not its own figure
-    costs.observe(4, 0, 0.04)                  # 10 ms a decoding sequence
-    costs.observe(2, 0, 0.04)                  # 20 ms: the EWMA moves a fifth of the way
-    assert costs.stats() == pytest.approx({"prefill_s_per_token": 0.002, "decode_s_per_seq": 0.012})
+    costs.observe(4, 0, 0.04)                  # 8 ms a sequence, for one more than it ran (no fit yet)
+    costs.observe(2, 0, 0.04)                  # 13.3 ms: the EWMA moves a fifth of the way
+    assert costs.stats() == pytest.approx({"prefill_s_per_token": 0.002,
+                                           "decode_s_per_seq": 0.8 * 0.008 + 0.2 * 0.04 / 3})
 
 
 def test_the_simulated_router_prices_prompts_with_the_replicas_measured_cost():
