@@ -212,13 +212,19 @@ class ServingBackend(GenerationBackend):
         replica, finished = None, False
         aborted_there = False   # the replica's stream failed: it aborted the request itself (or died)
         held: PrefillResult | None = None   # KV a prefill replica holds for this attempt, not yet handed off
+        # a prompt prefilled on a decode replica is in flight until its first token (or the attempt's end)
+        local_prefill = contextlib.ExitStack()
         try:
             result = None
             if migration == 0 and not self._local(len(prompt)):
                 # None: the prefill pool has no replica running
                 result = await self._prefill_remotely(attempt_id, prompt, params)
             if result is None:
-                admitted = await self._prefill_locally(attempt_id, prompt, params, resume, avoid=failed_on[0])
+                resumed = len(resume.token_ids) if resume is not None else 0
+                local_prefill.enter_context(self._in_flight(True, len(prompt) + resumed))
+                admitted = await self._decode.generate(
+                    DecodeRequest(attempt_id, prompt, params, self.subscriber, resume=resume),
+                    avoid_replica=failed_on[0])
                 phases.prefilled_on = phases.prefilled_on or "decode"   # where the request's first prefill ran
             else:
                 phases.prefilled_on = "prefill"
@@ -240,24 +246,17 @@ class ServingBackend(GenerationBackend):
                     # one submitted while the stream failed may run there all the same: it is aborted below
                     aborted_there = not isinstance(item, SubmittedDuringStreamFailure)
                     raise item
+                local_prefill.close()
                 phases.first_token(item)
                 finished = item.finished
                 yield acc.add(item)
         finally:
+            local_prefill.close()
             self._fanout.forget(attempt_id)
             if held is not None:
                 self._prefill.release(held)
             if replica is not None and not finished and not aborted_there:
                 await _shielded(self._decode.abort(replica, attempt_id), f"abort of {attempt_id}")
-
-    async def _prefill_locally(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                               resume: ResumedOutput | None, avoid: str | None = None) -> Admitted:
-        num_tokens = len(prompt_token_ids) + (len(resume.token_ids) if resume is not None else 0)
-        # in flight until admitted: close enough, the prompt is queued on the replica by then
-        with self._in_flight(True, num_tokens):
-            return await self._decode.generate(
-                DecodeRequest(request_id, prompt_token_ids, params, self.subscriber, resume=resume),
-                avoid_replica=avoid)
 
     async def _prefill_remotely(self, request_id: str, prompt_token_ids: list[int],
                                 params: SamplingParams) -> PrefillResult | None:

@@ -127,6 +127,62 @@ def test_the_policy_overflows_to_the_decode_worker_only_when_the_prefill_pool_is
     assert not always.prefill_locally(5000)
 
 
+def test_a_prompt_sent_to_a_decode_worker_counts_as_in_flight_until_its_first_token():
+    """A decode replica answers `generate` once the prompt is queued there; the prompt
+    still waits for its prefill, and the policy must see it, or every long prompt of a
+    backlog overflows onto the decode replicas (19 of 20 here, before)."""
+    from cluster.serving.messages import Admitted
+
+    class QueueingDecodePool:        # queues each request, and no token comes within the test
+        def __init__(self):
+            self.local = 0
+
+        async def generate(self, request, avoid_replica=None):
+            self.local += request.prefill is None
+            return Admitted("D0")
+
+        async def abort(self, replica_id, request_id):
+            pass
+
+        async def stream(self, replica_id, subscriber):
+            await asyncio.Event().wait()
+            yield []
+
+    class BackloggedPrefillPool:     # never answers within the test
+        def __init__(self):
+            self.calls = 0
+
+        async def prefill(self, request_id, prompt, params):
+            self.calls += 1
+            await asyncio.Event().wait()
+
+        def release(self, result):
+            pass
+
+    async def main():
+        policy = DisaggregationPolicy(DisaggregationSettings())
+        for role in ("prefill", "decode"):
+            policy.observe_workers(role, [{"prefill_s_per_token": 1e-3}])   # 2 s a 2,000-token prompt
+        decode, prefill = QueueingDecodePool(), BackloggedPrefillPool()
+        backend = ServingBackend(ModelInfo("m", 100_000, 1000), decode, prefill, policy, subscriber="r")
+
+        async def consume(i):
+            async for _ in backend.generate(f"req{i}", [1] * 2000, SamplingParams(max_tokens=8)):
+                pass
+        tasks = []
+        for i in range(20):
+            tasks.append(asyncio.ensure_future(consume(i)))
+            await asyncio.sleep(0.01)
+        counts = (prefill.calls, decode.local, policy._local.tokens_in_flight)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return counts, policy._local.tokens_in_flight
+    (remote, local, local_in_flight), after = run(main())
+    assert (remote, local) == (10, 10)       # each side's queue grows in turn
+    assert local_in_flight == 10 * 2000 and after == 0
+
+
 @pytest.mark.parametrize("min_interval_s", [0.0, 60.0])
 def test_a_worker_stream_carries_one_delta_per_request_per_batch(model_dirs, reference, min_interval_s):
     """Eight requests decoding together on a colocated worker: every batch names a
