@@ -28,6 +28,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 
 from cluster.autoscaler.capacity import ReplicaLimits
 from cluster.autoscaler.policy import (
@@ -43,6 +44,7 @@ from cluster.perf_model.linear_model import LinearStepModel
 from cluster.perf_model.online import OnlineCorrection
 from cluster.perf_model.step_shape import StepShape, StepTimeModel
 from engine.cpu_count import usable_cpus
+from router.serve_pools import replica_replies
 from router.timings import RequestTimings
 
 log = logging.getLogger("ray.serve")   # shown in the replica log and the driver
@@ -132,7 +134,7 @@ class AutoscaleLoop:
         window, self._last_tick = now - self._last_tick, now
         counts = self._take_counts()
         observed = await asyncio.gather(*(self._observe_role(role) for role in self.settings.roles))
-        roles = dict(zip(self.settings.roles, observed))
+        roles = self._starting_within_budget(dict(zip(self.settings.roles, observed)))
         obs = self._observation(now, window, roles, counts)
         if self.policy is None:
             self.policy = self._make_policy()
@@ -156,7 +158,7 @@ class AutoscaleLoop:
     async def _observe_role(self, role: str) -> RoleObservation:
         handle = self.workers[role]
         try:
-            replies = await asyncio.wait_for(handle.broadcast("step_samples").results_async(), 5.0)
+            replies = await replica_replies(handle, "step_samples", 5.0)
         except Exception as exc:  # noqa: BLE001 - count it as no replica answering this time
             log.debug("autoscaler: no %s replies: %s", role, exc)
             replies = []
@@ -175,6 +177,24 @@ class AutoscaleLoop:
                     self._fit_steps[role].append(sample)
         return RoleObservation(running=running, starting=max(0, asked - running),
                                waiting_requests=self._waiting.get(role, 0.0), steps=steps)
+
+    def _starting_within_budget(self, roles: dict[str, RoleObservation]) -> dict[str, RoleObservation]:
+        """`roles` with no more replicas counted as starting than the budget leaves
+        beside those running. What Serve was asked for can be more: a router that
+        restarted knows only the pools as deployed, and the autoscaler may have
+        moved ranks from one role to another since (counted as starting, the
+        replicas it gave back would be held for ever)."""
+        s = self.settings
+        over = sum((ro.running + ro.starting) * s.tp(r) for r, ro in roles.items()) - s.budget
+        trimmed = dict(roles)
+        for role, ro in roles.items():
+            if over <= 0:
+                break
+            drop = min(ro.starting, -(-over // s.tp(role)))
+            if drop:
+                trimmed[role] = replace(ro, starting=ro.starting - drop)
+                over -= drop * s.tp(role)
+        return trimmed
 
     def _take_counts(self) -> tuple:
         """This interval's counts (arrivals, sized ones, their prompt tokens, limited

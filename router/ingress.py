@@ -24,7 +24,7 @@ from router.backend import ModelInfo
 from router.disaggregation_policy import DisaggregationPolicy, DisaggregationSettings
 from router.metrics import ServingMetrics
 from router.openai_api import RequestLimits, build_openai_app
-from router.serve_pools import ServeDecodePool, ServePrefillPool
+from router.serve_pools import ServeDecodePool, ServePrefillPool, replica_replies
 from router.serving_backend import ServingBackend
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class Router:
             for role, handle in self._workers.items():
                 try:
                     # bounded: one replica that does not answer must not stop every figure the router keeps
-                    replies = await asyncio.wait_for(handle.broadcast("stats").results_async(), STATS_TIMEOUT_S)
+                    replies = await replica_replies(handle, "stats", STATS_TIMEOUT_S)
                 except DeploymentUnavailableError:   # not one replica runs (they died; none replaced yet)
                     replies = []
                 except Exception as exc:  # noqa: BLE001 - metrics must never take the router down

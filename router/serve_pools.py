@@ -36,14 +36,26 @@ log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 5.0
 
 
+async def replica_replies(handle, method: str, timeout_s: float) -> list:
+    """Each running replica's answer to `method` (a Serve broadcast), within
+    `timeout_s` in all. A replica whose call failed (it died, or is being replaced)
+    is left out, not the others with it; raises what the broadcast itself raises
+    (TimeoutError, no replica running)."""
+    replies = await asyncio.wait_for(handle.broadcast(method).results_async(return_exceptions=True), timeout_s)
+    failed = [r for r in replies if isinstance(r, BaseException)]
+    if failed:
+        log.debug("%d of %d replicas did not answer %s: %s", len(failed), len(replies), method, failed[0])
+    return [r for r in replies if not isinstance(r, BaseException)]
+
+
 async def check_replicas(handle, what: str) -> None:
     """Raises BackendUnavailableError unless at least one replica answers."""
     try:
-        replies = await asyncio.wait_for(handle.broadcast("stats").results_async(), HEALTH_TIMEOUT_S)
+        replies = await replica_replies(handle, "stats", HEALTH_TIMEOUT_S)
     except Exception as exc:  # noqa: BLE001 - any failure to answer means unavailable
         raise BackendUnavailableError(f"no {what} worker answered: {exc or type(exc).__name__}") from None
     if not replies:
-        raise BackendUnavailableError(f"no {what} worker is running")
+        raise BackendUnavailableError(f"no {what} worker answered")
 
 
 @contextmanager

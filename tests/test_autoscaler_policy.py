@@ -459,7 +459,7 @@ class _FakeRole:
         replies = [{"steps": []} for _ in range(self.answering)]
 
         class _Result:
-            async def results_async(self):
+            async def results_async(self, **kwargs):
                 return replies
         return _Result()
 
@@ -534,7 +534,7 @@ def test_the_live_loop_takes_an_intervals_counts_before_asking_the_workers():
             inner = super().broadcast(method)
 
             class _Result:
-                async def results_async(self):
+                async def results_async(self, **kwargs):
                     for _ in range(3):
                         metrics.observe_arrival(100)     # arrivals while the broadcast is out
                     return await inner.results_async()
@@ -598,3 +598,70 @@ def test_a_re_split_right_after_deployment_needs_a_missed_slo_and_only_the_giver
                                                                    tpot_p90_s=0.06))
     assert d.targets == {"prefill": 1, "decode": 3}, d.reasons
     assert d.reasons["prefill"].startswith("scale down by one")
+
+
+def test_an_idle_deployment_scales_down_to_its_minimum():
+    # no arrivals, nothing running or waiting: no finished request can confirm the SLOs, and
+    # none is needed (before, every role held its peak for good)
+    p = policy(budget=8, min_replicas={"prefill": 0, "decode": 1})
+    current = {"prefill": 1, "decode": 1}
+    t = 0.0
+    for _ in range(20):
+        t += 10.0
+        current = dict(p.decide(observe(t, 60.0, 1000, 200, current)).targets)
+    assert current["prefill"] >= 2 and current["decode"] >= 4
+    peak, history = dict(current), []
+    for _ in range(200):
+        t += 10.0
+        roles = {r: RoleObservation(running=n) for r, n in current.items()}
+        current = dict(p.decide(Observation(now=t, window_s=10.0, arrivals=0, roles=roles)).targets)
+        history.append(current)
+    assert current == {"prefill": 0, "decode": 1}
+    # one replica at a time, and not before the window of what the peak needed has passed
+    assert all(sum(peak.values()) - sum(h.values()) <= i + 1 for i, h in enumerate(history))
+    # requests still running (an interval with no arrival): no scale-down without latency
+    p = policy(budget=8)
+    p.decide(observe(10.0, 60.0, 1000, 200, peak))
+    roles = {r: RoleObservation(running=n) for r, n in peak.items()}
+    for i in range(30):
+        d = p.decide(Observation(now=20.0 + 10 * i, window_s=10.0, arrivals=0, roles=roles,
+                                 mean_inflight_output_tokens=50.0))
+    assert d.targets == peak and "no request finished" in d.reasons["decode"]
+
+
+def test_a_restarted_router_does_not_count_replicas_given_back_as_starting():
+    # deployed 3 prefill + 1 decode (budget 4); the autoscaler has since moved two ranks to
+    # decode, and the router restarts knowing only the deployed pools: 2 prefill replicas
+    # "asked for" do not run and will not, and counting them as starting over-asked the budget
+    import asyncio
+    from router.autoscale_loop import AutoscaleLoop
+    from router.metrics import ServingMetrics
+    metrics = ServingMetrics()
+    loop = AutoscaleLoop(settings(budget=4), {"prefill": _FakeRole(1), "decode": _FakeRole(3)}, metrics,
+                         profile=MODEL, deployed={"prefill": 3, "decode": 1})
+    for _ in range(3):
+        for _ in range(20):
+            metrics.observe_arrival(1000, 200)
+        asyncio.run(loop.tick())
+        assert sum(loop.targets.values()) <= 4, loop.targets
+    assert loop.targets == {"prefill": 1, "decode": 3}
+
+
+def test_a_replica_that_fails_to_answer_leaves_the_others_replies():
+    import asyncio
+    from router.serve_pools import replica_replies
+
+    class _OneDying:
+        def broadcast(self, method):
+            class _Result:
+                async def results_async(self, return_exceptions=False):
+                    replies = [{"steps": []}, RuntimeError("the actor died"), {"steps": []}]
+                    if not return_exceptions:
+                        raise replies[1]
+                    return replies
+            return _Result()
+    assert asyncio.run(replica_replies(_OneDying(), "step_samples", 1.0)) == [{"steps": []}] * 2
+    loop = _live_loop({"prefill": 1}, {"prefill": 1, "decode": 3})
+    loop.workers["decode"] = _OneDying()
+    observed = asyncio.run(loop._observe_role("decode"))
+    assert (observed.running, observed.starting) == (2, 1)     # before: 0 running, 3 starting

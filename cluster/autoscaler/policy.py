@@ -574,13 +574,14 @@ class GoodputPolicy:
                                         if o != r and needed[o] > current[o])
             changed = self.last_change.get(r, -math.inf if confirmed else self.first_seen)
             ro = obs.roles.get(r)
+            latency = self._observed_for(obs, r)
             if ro is not None and ro.starting:
                 reasons[r] = f"holds {current[r]}: a replica is still starting"
             elif obs.now - changed < s.downscale_cooldown_s:
                 reasons[r] = f"holds {current[r]}: scale-down cool-down"
-            elif not budget_bound and (latency := self._observed_for(obs, r)) is None:
+            elif not budget_bound and latency is None and not _idle(obs):
                 reasons[r] = f"holds {current[r]}: no request finished this interval to confirm the SLOs hold"
-            elif not budget_bound and latency[0] > latency[1] * s.downscale_headroom:
+            elif not budget_bound and latency is not None and latency[0] > latency[1] * s.downscale_headroom:
                 reasons[r] = (f"holds {current[r]}: observed p90 {latency[0] * 1000:.0f} ms is within "
                               f"{1 - s.downscale_headroom:.0%} of the SLO")
             elif not budget_bound and keep > current[r] - 1:
@@ -648,6 +649,14 @@ class GoodputPolicy:
                 break
             batch = new
         return ttft, tpot
+
+
+def _idle(obs: Observation) -> bool:
+    """Nothing arrived this interval, nothing runs and nothing waits: no latency to
+    confirm a scale-down with, and none needed (the downscale window and the
+    cool-down still pace it)."""
+    return obs.arrivals == 0 and obs.mean_inflight_output_tokens is None and \
+        not any(ro.waiting_requests for ro in obs.roles.values())
 
 
 def p90(values: list[float]) -> float | None:
