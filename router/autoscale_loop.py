@@ -219,6 +219,7 @@ class AutoscaleLoop:
             now=now, window_s=window, arrivals=arrivals,
             mean_prompt_tokens=prompt / sized if sized else None,
             mean_output_tokens=sum(t.generation_tokens for t in ended) / len(ended) if ended else None,
+            mean_squared_output_tokens=sum(t.generation_tokens ** 2 for t in ended) / len(ended) if ended else None,
             finished=len(ended), finished_by_length=sum(t.finish_reason == "length" for t in ended),
             mean_max_tokens=max_tokens / limited if limited else None,
             mean_inflight_output_tokens=self.running_output_tokens(),

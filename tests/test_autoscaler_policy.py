@@ -665,3 +665,36 @@ def test_a_replica_that_fails_to_answer_leaves_the_others_replies():
     loop.workers["decode"] = _OneDying()
     observed = asyncio.run(loop._observe_role("decode"))
     assert (observed.running, observed.starting) == (2, 1)     # before: 0 running, 3 starting
+
+
+def test_running_requests_raise_the_output_length_only_past_their_sampling_by_length():
+    # Poisson 4 req/s; 90% of outputs 20 tokens, 10% 2,000; 20 ms a token. A long request runs
+    # 100x longer, so the running ones are mostly long: their mean output so far is ~4x the
+    # mean output. Read as a lower bound of it, it had given decode 12 replicas for 2.
+    rng = random.Random(0)
+    arrivals, t = [], 0.0
+    while t < 600:
+        t += rng.expovariate(4.0)
+        arrivals.append((t, 20 if rng.random() < 0.9 else 2000))
+    lengths = [n for _, n in arrivals]
+    mean, mean_sq = sum(lengths) / len(lengths), sum(n * n for n in lengths) / len(lengths)
+
+    def running_mean_so_far(now):
+        running = [min(n, (now - a) / 0.02) for a, n in arrivals if a <= now < a + n * 0.02]
+        return sum(running) / len(running)
+
+    def last(inflight: bool, squares: bool):
+        p = policy(budget=16)
+        current = {"prefill": 1, "decode": 1}
+        for i in range(20):
+            now = 100.0 + 10 * i
+            current = dict(p.decide(observe(
+                now, 4.0, 500, mean, current, finished=40, finished_by_length=4,
+                mean_squared_output_tokens=mean_sq if squares else None,
+                mean_inflight_output_tokens=running_mean_so_far(now) if inflight else None)).targets)
+        return current["decode"], p.output_tokens
+    assert sum(running_mean_so_far(100.0 + 10 * i) for i in range(20)) / 20 > 3 * mean
+    decode, output = last(inflight=False, squares=True)
+    assert output == pytest.approx(mean)
+    assert last(inflight=True, squares=True) == (decode, pytest.approx(mean, rel=0.35))
+    assert last(inflight=True, squares=False)[0] >= 4 * decode      # uncorrected (before)

@@ -96,7 +96,8 @@ class SimAutoscaler:
         return Observation(
             now=sim.now, window_s=s.interval_s, arrivals=len(arrived),
             mean_prompt_tokens=sum(r.prompt_len for r in arrived) / len(arrived) if arrived else None,
-            mean_output_tokens=sum(len(r.token_times) for r in finished) / len(finished) if finished else None,
+            mean_output_tokens=_mean([len(r.token_times) for r in finished]),
+            mean_squared_output_tokens=_mean([len(r.token_times) ** 2 for r in finished]),
             # a simulated request generates its output_len, its max_tokens (run past any EOS, as load tests do)
             finished=len(finished), finished_by_length=len(finished),
             mean_max_tokens=sum(r.output_len for r in arrived) / len(arrived) if arrived else None,
