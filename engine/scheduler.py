@@ -75,10 +75,11 @@ class Scheduler:
         be written from outside (a prefill worker). The sequence is not scheduled
         until `mark_filled`. Returns False when the blocks do not fit now, when
         running and reserved sequences already number `max_num_seqs`, or when
-        they would leave too few for the sequence at the head of the waiting
-        queue (one preempted, say): it came first, and a stream of hand-offs
-        taking every block that frees would keep it waiting for ever."""
-        if self.num_seqs_in_batch >= self.max_num_seqs:
+        they would leave too few blocks, or no batch slot, for the sequence at
+        the head of the waiting queue (one preempted, a prompt prefilled here):
+        it came first, and a stream of hand-offs taking every block or slot
+        that frees would keep it waiting for ever."""
+        if self.num_seqs_in_batch + (1 if self.waiting else 0) >= self.max_num_seqs:
             return False
         bm = self.block_manager
         if self.waiting:

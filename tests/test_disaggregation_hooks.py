@@ -164,6 +164,11 @@ def test_a_decode_engine_runs_at_most_max_num_seqs_reserved_ones_included(model_
     assert [s.request_id for s in step.seqs] == ["a"]
     decode.scheduler.after_step(step)
     decode.abort_request("a")
+    # the slot "a" frees is the waiting prompt's: it came first (a hand-off taking it would
+    # keep it waiting for as long as hand-offs come)
+    assert decode.reserve_prefilled("c", [5, 6, 10], 8, params) is None
+    assert [s.request_id for s in decode.scheduler.schedule().seqs] == ["local"]
+    decode.abort_request("b")
     assert decode.reserve_prefilled("c", [5, 6, 10], 8, params) is not None
 
 

@@ -103,6 +103,25 @@ def test_hand_offs_leave_room_for_a_preempted_sequence(model):
     assert len(outputs[victim.request_id].token_ids) == 40
 
 
+def test_hand_offs_leave_a_batch_slot_for_a_waiting_request(model):
+    # a decode worker at max_num_seqs: every slot that frees went to the next hand-off, and a
+    # prompt waiting to be prefilled there got no first token for as long as they came
+    engine = LLMEngine(EngineConfig(model=model, device="cpu", max_model_len=64, block_size=4, num_kv_blocks=64,
+                                    max_num_seqs=2, async_scheduling=False))
+    short = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    engine.add_request("local", [5, 6, 7, 8], short)
+    handed_off, finished_at = 0, None
+    for step in range(200):
+        while engine.reserve_prefilled(f"h{handed_off}", [9, 10, 11], 12, short) is not None:
+            engine.commit_prefilled(f"h{handed_off}")
+            handed_off += 1
+        if any(o.request_id == "local" and o.finished for o in engine.step()):
+            finished_at = step
+            break
+    assert finished_at is not None and finished_at <= 6, (finished_at, handed_off)
+    assert handed_off >= 1          # the other slot kept taking hand-offs meanwhile
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_step_that_fails_to_launch_leaves_the_engine_able_to_go_on(model, async_scheduling):
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
