@@ -77,10 +77,12 @@ class SamplingParams:
         if self.max_tokens < 1:
             raise _out_of_range("max_tokens", self.max_tokens, ">= 1")
 
-        # `not (lo <= v)` rather than `v < lo` so that any NaN slipping through fails too.
-        self.temperature = _check_float("temperature", self.temperature, ">= 0")
-        if not self.temperature >= 0.0:
-            raise _out_of_range("temperature", self.temperature, ">= 0")
+        # `not (lo <= v)` rather than `v < lo` so that any NaN slipping through fails too. Bounded
+        # above so that it stays finite in float32 (past ~3.4e38 it is inf, and a banned token's
+        # -inf / inf a NaN that spoils the row); at 10,000 sampling is all but uniform already.
+        self.temperature = _check_float("temperature", self.temperature, "in [0, 10000]")
+        if not 0.0 <= self.temperature <= 1e4:
+            raise _out_of_range("temperature", self.temperature, "in [0, 10000]")
 
         self.top_p = _check_float("top_p", self.top_p, "in (0, 1]")
         if not 0.0 < self.top_p <= 1.0:

@@ -33,7 +33,8 @@ def test_error_is_a_value_error_with_field_value_and_range():
 @pytest.mark.parametrize("field, value, range_text", [
     ("max_tokens", 0, ">= 1"),
     ("max_tokens", -3, ">= 1"),
-    ("temperature", -0.1, ">= 0"),
+    ("temperature", -0.1, r"in \[0, 10000\]"),
+    ("temperature", 20000.0, r"in \[0, 10000\]"),   # 1e39 would be inf in float32: NaN beside a ban
     ("top_p", 0.0, r"in \(0, 1\]"),
     ("top_p", 1.0001, r"in \(0, 1\]"),
     ("top_k", -2, ">= 1"),
