@@ -9,10 +9,15 @@ All prompts are scheduled together (continuous batching). A prompt is a string,
 a list of token ids, or {"prompt_token_ids": [...]}. `LLM(..., tensor_parallel_size=N)`
 shards the model over N local rank processes; `shutdown()` (or leaving a
 `with LLM(...)` block, or exiting) stops them.
+
+Streams and generate() calls may interleave on one LLM (two streams read in
+turns, a generate() while a stream is open): whichever call steps the engine
+keeps the other open streams' outputs for them.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -31,6 +36,7 @@ class LLM:
             model = str(ensure_default_model())
         self.engine = LLMEngine(EngineConfig(model=str(model), **engine_options))
         self.tokenizer = self.engine.tokenizer
+        self._streams: dict[str, deque[RequestOutput]] = {}   # open streams' outputs not yet yielded
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
@@ -45,16 +51,19 @@ class LLM:
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"got {len(params_list)} sampling params for {len(prompt_list)} prompts")
         ids: list[str] = []
+        finished: dict[str, RequestOutput] = {}
         try:
             for prompt, params in zip(prompt_list, params_list):
                 # only the finished outputs are wanted: no output per step
                 ids.append(self.engine.add_request(None, _prompt_value(prompt), params,
                                                    output_kind=OutputKind.FINAL_ONLY))
-        except Exception:
+            while len(finished) < len(ids):
+                finished.update((o.request_id, o) for o in self._step() if o.finished)
+        except BaseException:
             for request_id in ids:  # all or nothing: none of this call's prompts stays queued
-                self.engine.abort_request(request_id)
+                if request_id not in finished:
+                    self.engine.abort_request(request_id)
             raise
-        finished = {o.request_id: o for o in self.engine.run_to_completion()}
         return [finished[i] for i in ids]
 
     def shutdown(self) -> None:
@@ -74,16 +83,40 @@ class LLM:
         cost per token that does not grow with the output. Abandoning the
         iterator aborts the request."""
         request_id = self.engine.add_request(None, _prompt_value(prompt), sampling_params, output_kind=output_kind)
+        outputs = self._streams[request_id] = deque()
         finished = False
         try:
             while not finished:
-                for out in self.engine.step():
-                    if out.request_id == request_id:
-                        finished = out.finished
-                        yield out
+                if not outputs:
+                    self._step()
+                    continue
+                out = outputs.popleft()
+                finished = out.finished
+                yield out
         finally:
+            del self._streams[request_id]
             if not finished:
                 self.engine.abort_request(request_id)
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step: the open streams' outputs are kept for them, the rest
+        returned. Raises RuntimeError when nothing can run (the requests left wait
+        for blocks that held or reserved ones keep)."""
+        if not self.engine.has_unfinished_requests():
+            raise RuntimeError("the engine has no unfinished request: this call's requests were aborted "
+                               "on the engine directly")
+        others = []
+        for out in self.engine.step():
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                others.append(out)
+            else:
+                stream.append(out)
+        if self.engine.last_step_empty:
+            raise RuntimeError(
+                f"{len(self.engine.scheduler.waiting)} requests wait for KV blocks or sequence slots that held "
+                "or reserved requests keep; release them (release_kv) or give the engine more KV cache")
+        return others
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

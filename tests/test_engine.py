@@ -124,6 +124,42 @@ def test_stream_deltas_add_up_to_the_full_text(llm):
     assert final.text == llm.tokenizer.decode(final.token_ids, skip_special_tokens=True)
 
 
+def test_streams_and_generate_may_interleave_on_one_llm(llm):
+    # whichever call steps the engine keeps the other open streams' outputs for them: before,
+    # a stream whose last output came out of another call's step waited for it for ever
+    from engine.outputs import OutputKind
+    short, long = _greedy(max_tokens=4), _greedy(max_tokens=12)
+    expected = {p: llm.generate(p, params)[0].token_ids for p, params in (("Hello", short), (PROMPT, long))}
+    a = llm.stream("Hello", short, output_kind=OutputKind.DELTA)
+    b = llm.stream(PROMPT, long, output_kind=OutputKind.DELTA)
+    got = {"Hello": [], PROMPT: []}
+    for name, stream in (("Hello", a), (PROMPT, b)):
+        got[name] += next(stream).delta_token_ids
+    assert llm.generate("Hello", long)[0].token_ids[:4] == expected["Hello"]   # steps both streams too
+    got["Hello"] += [t for out in a for t in out.delta_token_ids]              # every delta kept, none lost
+    got[PROMPT] += [t for out in b for t in out.delta_token_ids]
+    assert got == expected
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_an_interrupted_generate_leaves_nothing_queued(llm, monkeypatch):
+    steps = 0
+    real_step = llm.engine.step
+
+    def step_then_interrupt():
+        nonlocal steps
+        steps += 1
+        if steps == 2:
+            raise KeyboardInterrupt
+        return real_step()
+    monkeypatch.setattr(llm.engine, "step", step_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["Hello", PROMPT], _greedy())
+    monkeypatch.undo()
+    assert not llm.engine.has_unfinished_requests()
+    assert len(llm.generate(PROMPT, _greedy())[0].token_ids) == 24
+
+
 def test_prompt_forms_agree(llm):
     ids = llm.tokenizer.encode(PROMPT)
     a = llm.generate(PROMPT, _greedy())[0]
