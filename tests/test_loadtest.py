@@ -131,7 +131,7 @@ class FakeOpenAIServer:
         itl_s = float(script.get("itl", self.defaults["itl"])) / 1000
         n = int(script.get("n", body.get("max_tokens", 16)))
         fail = script.get("fail")
-        if fail in ("500", "400"):
+        if fail in ("500", "400", "200"):    # 200: a JSON body where an event stream was asked for
             return web.json_response({"error": {"message": f"injected {fail}", "type": "test", "code": int(fail)}},
                                      status=int(fail))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -146,7 +146,10 @@ class FakeOpenAIServer:
             return {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
 
         if chat:  # like pdserve and OpenAI: a role chunk with empty content comes first
-            await send({**header, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+            opening = {"role": "assistant", "content": ""}
+            if script.get("refusal") == "null":     # OpenAI's own opening chunk carries it
+                opening["refusal"] = None
+            await send({**header, "choices": [{"index": 0, "delta": opening}]})
         loop = asyncio.get_running_loop()
         for i in range(n):
             await asyncio.sleep(max(0.0, arrival + ttft_s + i * itl_s - loop.time()))
@@ -165,6 +168,9 @@ class FakeOpenAIServer:
             steps += 1
         elif "finish" in script:       # the last chunk's finish_reason, e.g. a server-side "abort"
             await send({**header, "choices": [{**choice(""), "finish_reason": script["finish"]}]})
+        if script.get("reset") == "1":      # the connection cut after the last output chunk
+            request.transport.close()
+            return resp
         if body.get("stream_options", {}).get("include_usage") and script.get("usage") != "0":
             await send({**header, "choices": [],
                         "usage": {"prompt_tokens": 3, "completion_tokens": steps, "total_tokens": steps + 3}})
@@ -389,6 +395,26 @@ def test_a_finished_stream_without_done_succeeds_and_a_cut_one_fails(server):
     finished, cut = sorted(result.records, key=lambda r: r.index)
     assert finished.succeeded and finished.output_tokens == 4
     assert not cut.succeeded and "before the output finished" in cut.error
+
+
+def test_a_connection_cut_after_the_finish_reason_is_a_complete_request(server):
+    result = run([fake(n=3, finish="length", reset=1), fake(n=3, reset=1)], server.base_url)
+    finished, cut = sorted(result.records, key=lambda r: r.index)
+    assert finished.succeeded and finished.error is None and len(finished.chunk_times) == 4
+    assert not cut.succeeded and cut.error
+
+
+def test_a_json_body_where_a_stream_was_asked_for_is_reported_as_such(server):
+    (record,) = run([fake(fail=200)], server.base_url).records
+    assert not record.succeeded
+    assert record.error == "HTTP 200 with a JSON body, not an event stream: injected 200"
+
+
+def test_chat_ttft_skips_an_opening_chunk_with_empty_fields(server):
+    result = run([fake(ttft=150, itl=5, n=4, refusal="null")], server.base_url, endpoint="/v1/chat/completions")
+    (record,) = result.records
+    assert record.succeeded and len(record.chunk_times) == 4
+    assert ttft(record) == pytest.approx(0.150, abs=TOL_S)    # before: the opening chunk's ~0 ms
 
 
 def test_an_unreachable_server_fails_every_request_without_crashing():
@@ -648,6 +674,11 @@ def test_cli_refuses_before_the_run_what_it_would_ignore_or_fail_on(server, tmp_
     assert main(["loadtest", "--base-url", server.base_url, "--num-prompts", "2", "--save-result",
                  "--result-dir", str(a_file)]) == 2
     assert f"--result-dir {a_file}: cannot make the directory" in capsys.readouterr().err
+    # a plot directory that cannot be made: refused before the sweep (after it, the sweep's
+    # results were lost with it)
+    assert main(["loadtest", "--base-url", server.base_url, "--num-prompts", "2", "--sweep-rates", "5,10",
+                 "--plot", str(a_file / "plots")]) == 2
+    assert f"--plot {a_file / 'plots'}: cannot make the directory" in capsys.readouterr().err
     assert server.received == 0
 
 

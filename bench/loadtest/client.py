@@ -100,9 +100,11 @@ async def send_request(session: aiohttp.ClientSession, url: str, payload: dict[s
     try:
         done = await _stream(session, url, payload, record, chat, timeout_s, auth_headers(api_key))
     except (asyncio.TimeoutError, TimeoutError):
-        record.error = f"timed out after {timeout_s:g} s (--request-timeout)"
+        if not _output_finished(record):
+            record.error = f"timed out after {timeout_s:g} s (--request-timeout)"
     except aiohttp.ClientError as exc:
-        record.error = f"{type(exc).__name__}: {exc}"
+        if not _output_finished(record):   # a connection cut after the last output chunk: complete
+            record.error = f"{type(exc).__name__}: {exc}"
     except ValueError as exc:  # bad JSON in an event
         record.error = f"malformed stream event: {exc}"
     except Exception as exc:  # noqa: BLE001 - one broken request must not end the run
@@ -121,6 +123,11 @@ async def send_request(session: aiohttp.ClientSession, url: str, payload: dict[s
         _count_tokens(record, tokenizer)
 
 
+def _output_finished(record: RequestRecord) -> bool:
+    """The stream carried output and its finish_reason (one that is no failure)."""
+    return bool(record.chunk_times) and record.finish_reason is not None and record.finish_reason != "abort"
+
+
 async def _stream(session: aiohttp.ClientSession, url: str, payload: dict[str, Any],
                   record: RequestRecord, chat: bool, timeout_s: float, headers: dict[str, str]) -> bool:
     """Read the response into `record`; True when it ended with [DONE]."""
@@ -129,6 +136,9 @@ async def _stream(session: aiohttp.ClientSession, url: str, payload: dict[str, A
         record.status = resp.status
         if resp.status != 200:
             record.error = f"HTTP {resp.status}: {_error_message(await resp.text())}"
+            return False
+        if resp.content_type == "application/json":    # a server that ignored stream: true, or an error
+            record.error = f"HTTP 200 with a JSON body, not an event stream: {_error_message(await resp.text())}"
             return False
         async for arrival, data in _sse_data(resp):
             if data == "[DONE]":
@@ -176,8 +186,11 @@ def _output_choice(event: dict[str, Any], chat: bool) -> dict[str, Any] | None:
     choice = choices[0]
     if chat and choice.get("finish_reason") is None:
         delta = choice.get("delta")
-        if isinstance(delta, dict) and "role" in delta and not delta.get("content") and len(delta) <= 2:
-            return None   # the opening chunk: {"role": "assistant", "content": ""}
+        if isinstance(delta, dict) and "role" in delta and \
+                all(value in (None, "", []) for key, value in delta.items() if key != "role"):
+            # the opening chunk: {"role": "assistant", "content": ""}, maybe with empty fields
+            # beside it ("refusal": null, as OpenAI's and some other servers' carry)
+            return None
     return choice
 
 

@@ -115,7 +115,9 @@ def _check_combinations(args: argparse.Namespace) -> None:
     if not args.endpoint.rstrip("/").endswith("completions"):
         raise LoadtestError(f"--endpoint must be /v1/completions or /v1/chat/completions, got {args.endpoint}")
     if args.save_result:
-        _check_result_dir(Path(args.result_dir or "."))
+        _check_writable_dir(Path(args.result_dir or "."), "--result-dir")
+    if args.plot:
+        _check_writable_dir(Path(args.plot), "--plot")
 
 
 def check_dataset_flags(args: argparse.Namespace) -> None:
@@ -130,14 +132,14 @@ def check_dataset_flags(args: argparse.Namespace) -> None:
                                 f"{args.dataset_name}; add --dataset-name sharegpt or drop them")
 
 
-def _check_result_dir(directory: Path) -> None:
-    """Before the run: the result JSON can be written into `directory` (made if missing)."""
+def _check_writable_dir(directory: Path, flag: str) -> None:
+    """Before the run: files can be written into `directory` (made if missing)."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise LoadtestError(f"--result-dir {directory}: cannot make the directory ({exc.strerror or exc})") from None
+        raise LoadtestError(f"{flag} {directory}: cannot make the directory ({exc.strerror or exc})") from None
     if not os.access(directory, os.W_OK):
-        raise LoadtestError(f"--result-dir {directory}: the directory is not writable")
+        raise LoadtestError(f"{flag} {directory}: the directory is not writable")
 
 
 def _probe_server(base_url: str, *, model_given: bool, api_key: str | None = None) -> list[dict]:
@@ -263,11 +265,14 @@ def _sweep(args: argparse.Namespace, datasets: list[list[SampleRequest]], config
 
     run_cancellable(run_sweep(datasets, config, args.sweep_rates, tokenizer=tokenizer, on_run=on_run))
     print(format_sweep_table(results))
-    if args.plot and results:
-        for path in write_plots(results, args.plot):
-            print(f"wrote {path}")
-    if args.save_result:
+    if args.save_result:     # first: the measurements outlive a plot that fails
         _save(args, {"sweep_rates": args.sweep_rates, "runs": results}, f"loadtest-sweep-{_safe(config.model)}")
+    if args.plot and results:
+        try:
+            for path in write_plots(results, args.plot):
+                print(f"wrote {path}")
+        except OSError as exc:
+            print(f"error: cannot write the plots into {args.plot} ({exc.strerror or exc})", file=sys.stderr)
     return 130 if runs and runs[-1].cancelled else 0
 
 
