@@ -364,7 +364,7 @@ def test_no_traffic_holds_and_the_predictions_are_reported():
     assert d.targets == {"prefill": 1, "decode": 2} and not d.changed({"prefill": 1, "decode": 2})
     d = p.decide(observe(20.0, 1.0, 500, 100, {"prefill": 1, "decode": 2}))
     s = MODEL.step_time(StepShape.build([(0, 500)]))
-    rho = 0.5 * s            # the EWMA predicts 0.5 req/s after an idle interval and a 1 req/s one
+    rho = 1.0 * s            # the EWMA predicts 1 req/s: an idle interval before any traffic is no rate of 0
     assert d.predicted_ttft_s == pytest.approx(s + rho * s / (2 * (1 - rho)), rel=1e-6)
     assert 0 < d.predicted_tpot_s < 0.05
 
@@ -698,3 +698,65 @@ def test_running_requests_raise_the_output_length_only_past_their_sampling_by_le
     assert output == pytest.approx(mean)
     assert last(inflight=True, squares=True) == (decode, pytest.approx(mean, rel=0.35))
     assert last(inflight=True, squares=False)[0] >= 4 * decode      # uncorrected (before)
+
+
+def test_the_live_loop_takes_ttft_from_the_intervals_first_tokens():
+    # a request that ends now got its first token minutes ago, before a prefill replica added
+    # since served: its TTFT is no evidence about the pool as it is (it asked for one more)
+    from router.autoscale_loop import AutoscaleLoop
+    from router.metrics import ServingMetrics
+    from router.timings import RequestTimings
+    metrics = ServingMetrics()
+    loop = AutoscaleLoop(settings(), {}, metrics)
+    metrics.observe_request(RequestTimings(arrival_time=0.0, first_token_time=3.0, finished_time=90.0,
+                                           generation_tokens=900, finish_reason="length"))
+    for ttft in (0.2, 0.3, 0.4):
+        metrics.observe_first_token(ttft)
+    obs = loop._observation(100.0, 10.0, {}, loop._take_counts())
+    assert obs.ttft_p90_s == 0.4 and obs.finished == 1
+    obs = loop._observation(110.0, 10.0, {}, loop._take_counts())
+    assert obs.ttft_p90_s is None
+
+
+def test_a_replica_slower_to_start_than_startup_s_is_not_asked_for_twice():
+    # admission control refuses 30% on decode's account while one decode replica serves; the
+    # second takes 70 s to load where startup_s says 30: the refusals from before it served are
+    # what it was asked for, not a reason for a third
+    def replicas(real_startup_s: float) -> int:
+        p = policy(budget=8, startup_s=30.0, pressure_window_s=30.0, downscale_cooldown_s=600)
+        current, starting = {"prefill": 1, "decode": 1}, []
+        for i in range(1, 25):
+            t = 10.0 * i
+            current["decode"] += sum(ready <= t for ready in starting)
+            starting = [ready for ready in starting if ready > t]
+            roles = {"prefill": RoleObservation(current["prefill"]),
+                     "decode": RoleObservation(current["decode"], starting=len(starting))}
+            d = p.decide(Observation(now=t, window_s=10, arrivals=10, mean_prompt_tokens=200,
+                                     mean_output_tokens=20, finished=7, ttft_p90_s=0.1, tpot_p90_s=0.01,
+                                     roles=roles, refused={"decode": 3} if current["decode"] < 2 else {}))
+            starting += [t + real_startup_s] * max(0, d.targets["decode"] - current["decode"] - len(starting))
+        return current["decode"] + len(starting)
+    assert replicas(30.0) == 2
+    assert replicas(70.0) == 2          # before: 3
+
+
+def test_an_idle_start_gives_back_no_replica_when_traffic_comes():
+    # deployed 2 prefill + 2 decode; a load that needs 1.6 decode replicas arrives only after
+    # the deployment sat idle past the downscale window: the idle intervals are no rate of 0
+    # to predict from, and the deployed pools count from when the traffic came
+    rate = 1.6 * decode_capacity(MODEL, 1000, 200, 0.05 * 0.8, ReplicaLimits())
+
+    def decode_targets(idle_s: float) -> list[int]:
+        p = policy(budget=8)
+        current, t, targets = {"prefill": 2, "decode": 2}, 0.0, []
+        while t < idle_s:
+            t += 10.0
+            roles = {r: RoleObservation(n) for r, n in current.items()}
+            current = dict(p.decide(Observation(now=t, window_s=10.0, arrivals=0, roles=roles)).targets)
+        for _ in range(6):
+            t += 10.0
+            current = dict(p.decide(observe(t, rate, 1000, 200, current)).targets)
+            targets.append(current["decode"])
+        return targets
+    assert decode_targets(0.0) == [2] * 6
+    assert decode_targets(200.0) == [2] * 6     # before: 1 at first, then 2 (a start-up lost)

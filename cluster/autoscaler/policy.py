@@ -188,8 +188,8 @@ class Observation:
     finished_by_length: int = 0                    # ... of which ran to their max_tokens
     mean_max_tokens: float | None = None           # of the window's arrivals: the most tokens each may generate
     mean_inflight_output_tokens: float | None = None   # generated so far by the running ones
-    ttft_p90_s: float | None = None
-    tpot_p90_s: float | None = None
+    ttft_p90_s: float | None = None                # of the requests whose first token came in the window
+    tpot_p90_s: float | None = None                # of the window's finished requests
     roles: dict[str, RoleObservation] = field(default_factory=dict)
     refused: dict[str, int] = field(default_factory=dict)   # of the arrivals, refused on each role's account
 
@@ -238,6 +238,7 @@ class GoodputPolicy:
         self.length_share: float | None = None    # of finished requests, the share that ran to max_tokens (smoothed)
         self.last_up: dict[str, float] = {}
         self.last_change: dict[str, float] = {}
+        self.last_starting: dict[str, float] = {}   # role -> the latest interval a replica of it was starting
         self.first_seen: float | None = None     # the pools as deployed
         self.recent_holding: deque[tuple[float, dict[str, int]]] = deque()   # (time, replicas to hold per role)
         lends = settings.lend_idle_cores and settings.mode == "disaggregated" and settings.tp("decode") == 1
@@ -249,21 +250,23 @@ class GoodputPolicy:
     # ---- one interval ---------------------------------------------------------------------
     def decide(self, obs: Observation) -> Decision:
         s = self.settings
-        if self.first_seen is None:
-            self.first_seen = obs.now
         self._learn(obs)
         current = {r: obs.roles[r].running + obs.roles[r].starting if r in obs.roles else s.min_for(r)
                    for r in s.roles}
-        if not self.recent_holding and s.downscale_window_s > 0:
-            # ... and as what the downscale window held so far: the first intervals' rates are a few
-            # arrivals each, too few to give back a replica on (a re-split still may)
-            self.recent_holding.append((obs.now, dict(current)))
         horizon = s.startup_s / s.interval_s
         rate = self.predictor.predict(horizon)
         capacity = self._capacities()
         if self.prompt_tokens is None:        # nothing has arrived yet: hold (within the bounds)
             held = {r: max(s.min_for(r), min(s.max_for(r), current[r])) for r in s.roles}
             return Decision(held, {r: "no traffic seen yet" for r in s.roles}, rate, capacity)
+        if self.first_seen is None:
+            # the pools as deployed count as a change from when traffic first came (however long the
+            # deployment sat idle before) ...
+            self.first_seen = obs.now
+            if s.downscale_window_s > 0:
+                # ... and as what the downscale window held so far: the first intervals' rates are a
+                # few arrivals each, too few to give back a replica on (a re-split still may)
+                self.recent_holding.append((obs.now, dict(current)))
         drain_s = max(s.startup_s, s.interval_s)
         demand = {r: rate + (obs.roles[r].waiting_requests / drain_s if r in obs.roles else 0.0) for r in s.roles}
         # one replica's capacity in the pools as they are (a decode replica's with the cores lent it)
@@ -295,7 +298,11 @@ class GoodputPolicy:
 
     # ---- inputs -----------------------------------------------------------------------
     def _learn(self, obs: Observation) -> None:
-        self.predictor.observe(obs.arrivals / obs.window_s if obs.window_s > 0 else 0.0)
+        for role, ro in obs.roles.items():
+            if ro.starting:
+                self.last_starting[role] = obs.now
+        if obs.arrivals or self.prompt_tokens is not None:   # an idle start is no rate of 0 to predict from
+            self.predictor.observe(obs.arrivals / obs.window_s if obs.window_s > 0 else 0.0)
         self.recent_refusals.append((obs.now, obs.arrivals, dict(obs.refused)))
         while self.recent_refusals[0][0] <= obs.now - self.settings.pressure_window_s:
             self.recent_refusals.popleft()
@@ -519,13 +526,20 @@ class GoodputPolicy:
         ro = obs.roles.get(role)
         if ro is not None and ro.starting:
             return True
-        return obs.now < self.last_up.get(role, -math.inf) + self.settings.startup_s + self.settings.interval_s
+        return obs.now < self._serving_since(role) + self.settings.interval_s
+
+    def _serving_since(self, role: str) -> float:
+        """When the replica `role` last asked for served, at the earliest: a start-up
+        after it was asked for, or the latest interval it was still seen starting
+        (a replica slower to start than `startup_s`)."""
+        return max(self.last_up.get(role, -math.inf) + self.settings.startup_s,
+                   self.last_starting.get(role, -math.inf))
 
     def _refused_share(self, role: str) -> float:
         """Of the last `pressure_window_s`'s arrivals, the share refused on `role`'s
         account, counted from when the replica it last asked for served (refusals
         before that are what it was asked for)."""
-        since = self.last_up.get(role, -math.inf) + self.settings.startup_s
+        since = self._serving_since(role)
         recent = [(a, r) for t, a, r in self.recent_refusals if t > since]
         arrivals = sum(a for a, _ in recent)
         refused = sum(r.get(role, 0) for _, r in recent)

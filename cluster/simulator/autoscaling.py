@@ -82,7 +82,9 @@ class SimAutoscaler:
         self._last_latencies = [(r.token_times[0] - r.send_time,
                                  (r.end_time - r.token_times[0]) / (len(r.token_times) - 1)
                                  if len(r.token_times) > 1 else None) for r in finished]
-        ttfts = [ttft for ttft, _ in self._last_latencies]
+        # TTFT as the live router takes it: of the requests whose first token came in the window
+        ttfts = [r.token_times[0] - r.send_time for r in sim.logs
+                 if r.token_times and sim.now - s.interval_s < r.token_times[0] <= sim.now]
         tpots = [tpot for _, tpot in self._last_latencies if tpot is not None]
         roles = {}
         for role in s.roles:
