@@ -210,6 +210,24 @@ def test_a_run_cut_at_max_duration_reads_as_loadtest_reports_one():
     assert all(r.error == "unfinished when the run stopped (--max-duration 0.6 s reached)" for r in cut)
 
 
+def test_a_run_that_ended_before_max_duration_is_not_cut_and_a_400_is_an_end():
+    # the autoscaler ticks every interval while requests are unfinished: a request answered 400
+    # had kept them coming (to --max-duration, or for ever without one), and the ticks left past
+    # --max-duration had read as a cut run
+    from cluster.autoscaler.policy import AutoscaleSettings, GoodputPolicy
+    from cluster.simulator.autoscaling import SimAutoscaler
+    spec = dataclasses.replace(_colocated(), max_model_len=64)
+    settings = AutoscaleSettings(ttft_slo_s=1.0, tpot_slo_s=0.05, mode="colocated", budget=2,
+                                 interval_s=10.0, startup_s=5.0)
+    for lengths, max_duration in (([(8, 3)], 5.0), ([(8, 3), (100, 3)], 600.0)):
+        result = simulate(spec, lengths, [0.0] * len(lengths), max_duration=max_duration,
+                          autoscaler=SimAutoscaler(GoodputPolicy(settings, {"colocated": FIXED})))
+        assert result.interrupted is None, lengths
+        assert result.duration == pytest.approx(3 * T)
+        # the tick at 10 s (past a 5 s --max-duration: none), after which nothing was left to do
+        assert len(result.timeline) == (1 if max_duration > 10 else 0)
+
+
 def test_profiles_that_would_run_the_clock_backwards_or_are_malformed_are_refused(tmp_path):
     from cluster.perf_model import load_step_model
     negative = LinearStepModel((1e-3, -1e-5, 0.0, 0.0, 0.0)).to_json()

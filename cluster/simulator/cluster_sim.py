@@ -225,6 +225,7 @@ class _Simulation:
                                           clock=lambda: self.now) if spec.admission is not None else None
         self.tickets: dict[int, Admitted] = {}           # admitted requests' admission tickets, by index
         self.refused: list[SimRequestLog] = []           # in refusal order (the autoscaler reads them)
+        self.num_invalid = 0                               # answered 400 (past max_model_len)
 
     def _replica(self, name: str, rs: ReplicaSpec, *, borrows: bool) -> SimReplica:
         """`borrows`: a decode (colocated) replica, which may borrow idle cores."""
@@ -263,7 +264,7 @@ class _Simulation:
         while self.events:
             time, _, action = heapq.heappop(self.events)
             if time > self.max_duration:
-                cut = True
+                cut = self.unfinished      # (past every request's end, only ticks and refreshes are left)
                 break
             self.now = time
             action()
@@ -290,7 +291,7 @@ class _Simulation:
     # ---- pools ------------------------------------------------------------------------------
     @property
     def unfinished(self) -> bool:
-        return len(self.finished) + len(self.refused) < len(self.logs)
+        return len(self.finished) + len(self.refused) + self.num_invalid < len(self.logs)
 
     def role_of(self, replica: SimReplica) -> str:
         return replica.name.rsplit("-", 1)[0]
@@ -334,6 +335,7 @@ class _Simulation:
                            f"{log.prompt_len + log.output_len} tokens ({log.prompt_len} in the prompt, "
                            f"{log.output_len} in the completion).")
             log.end_time = self.now
+            self.num_invalid += 1
             self._send_pending()
             return
         if self.admission is not None:
