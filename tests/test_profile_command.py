@@ -24,3 +24,14 @@ def test_flags_that_cannot_be_measured_with_are_refused_before_the_engine_starts
     output = [] if "--output" in flags else ["--output", str(tmp_path / "p.json")]
     assert main(["profile", *output, *flags]) == 2
     assert expected in capsys.readouterr().err
+
+
+def test_the_built_in_models_are_names_profile_and_plan_take(capsys):
+    from cluster.cli.plan_command import resolve_model_dir
+    from engine.tiny_model import preset_model_dir
+    assert resolve_model_dir("tiny") == preset_model_dir("tiny")       # built on first use
+    assert resolve_model_dir("llama-3-8b").name == "llama-3-8b"       # configs/models/
+    assert main(["plan", "--model", "tiny", "--tp", "1"]) == 0        # before: no config.json in tiny
+    assert "fits: yes" in capsys.readouterr().out
+    assert main(["plan", "--model", "no-such-model", "--tp", "1"]) == 2
+    assert "built-in names: llama-3-70b, llama-3-8b, tiny," in capsys.readouterr().err

@@ -37,10 +37,17 @@ def known_models() -> list[str]:
 
 
 def resolve_model_dir(model: str) -> Path:
+    """A checkpoint directory as given; else a name of configs/models/ (a config.json
+    to plan with), or of a built-in model (tiny, bench, ...: built on first use)."""
+    from engine.tiny_model import PRESETS, ensure_preset_model
     path = Path(model)
-    if (path / "config.json").is_file() or model not in known_models():
+    if (path / "config.json").is_file():
         return path
-    return MODELS_DIR / model
+    if model in known_models():
+        return MODELS_DIR / model
+    if model in PRESETS:
+        return ensure_preset_model(model)
+    return path
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -56,7 +63,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     try:
         model = ModelConfig.from_pretrained(model_dir)
     except (ModelConfigError, OSError) as exc:
-        names = ", ".join(known_models()) or "none installed"
+        from engine.tiny_model import PRESETS
+        names = ", ".join([*known_models(), *PRESETS])
         print(f"error: --model {args.model}: {exc} (built-in names: {names})", file=sys.stderr)
         return 2
     if args.slo:
