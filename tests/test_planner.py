@@ -247,6 +247,30 @@ def test_pdserve_plan_slo_rejects_bad_input(capsys):
         assert says in capsys.readouterr().err, bad
 
 
+def test_pdserve_plan_refuses_a_profile_of_another_model_or_a_tp_it_cannot_run(tmp_path, capsys):
+    # before: a 2-layer CPU model's profile planned Llama-3-8B at >= 52,429 req/s per GPU; a
+    # profile at a TP no candidate has left an empty table and "add GPUs"
+    import json
+
+    from cluster.cli.main import main
+    from cluster.perf_model import LinearStepModel
+    from cluster.perf_model.roofline import RooflineStepModel
+    from engine.model.model_config import ModelConfig
+    llama_8b = ModelConfig.from_pretrained("configs/models/llama-3-8b")
+    tiny_shape = {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "vocab_size": 512}
+    other = tmp_path / "tiny.json"
+    other.write_text(json.dumps(LinearStepModel((1e-3, 1e-5, 0.0, 5e-5, 0.0),
+                                                meta={"model_shape": tiny_shape, "tp": 1}).to_json()))
+    base = ["plan", "--model", "llama-3-8b", "--slo", "ttft:1000", "tpot:50", "--num-prompts", "20"]
+    assert main([*base, "--gpus", "2", "--profile", str(other)]) == 2
+    assert "step times are another model's: num_layers 2 (this model: 32)" in capsys.readouterr().err
+    tp4 = tmp_path / "tp4.json"
+    tp4.write_text(json.dumps(RooflineStepModel.for_model(llama_8b, gpu="H100-SXM", tp=4).to_json()))
+    assert main([*base, "--gpus", "2", "--profile", str(tp4)]) == 2
+    assert "measured at TP 4, which this model on --gpus 2 cannot run (TP degrees: 1, 2)" in \
+        capsys.readouterr().err
+
+
 def test_pdserve_plan_refuses_flags_its_mode_would_ignore(tmp_path, capsys):
     from cluster.cli.main import main
     slo = ["--slo", "ttft:1000", "tpot:50", "--gpus", "2"]

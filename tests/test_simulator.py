@@ -261,6 +261,20 @@ def test_pdserve_simulate_refuses_what_it_would_ignore_or_could_not_start(tmp_pa
     assert "--dataset-path apply to --dataset-name sharegpt" in capsys.readouterr().err
     assert main([*base, "--kv-latency-ms", "-5"]) == 2
     assert "--kv-latency-ms and --request-overhead-ms >= 0" in capsys.readouterr().err
+    for bad in (["--request-overhead-ms", "nan"], ["--shared-cores", "inf"], ["--shared-cores", "nan"]):
+        assert main([*base, *bad]) == 2, bad               # before: a traceback, or no limit at all
+        assert "every number finite" in capsys.readouterr().err
+    assert main([*base, "--shared-cores", "2", "--threads-per-rank", "0"]) == 2
+    assert "--threads-per-rank must be >= 1, got 0" in capsys.readouterr().err
+    on_gpu = tmp_path / "gpu.yaml"
+    on_gpu.write_text(open("configs/tiny-cpu.yaml").read().replace("device: cpu", "device: cuda"))
+    assert main([*base[:2], str(on_gpu), *base[3:], "--shared-cores", "2"]) == 2
+    assert "runs on cuda: drop it" in capsys.readouterr().err
+    other = tmp_path / "other-model.json"             # measured on a model of 4 layers, not tiny's 2
+    other.write_text(json.dumps(LinearStepModel((1e-3, 1e-5, 0.0, 5e-5, 0.0), meta={"model_shape": {
+        "num_layers": 4, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "vocab_size": 512}}).to_json()))
+    assert main([*base[:4], str(other), *base[5:]]) == 2
+    assert "step times are another model's: num_layers 4 (this model: 2)" in capsys.readouterr().err
     small = tmp_path / "small.yaml"      # a KV cache of a few blocks: the engine would refuse to start
     small.write_text(open("configs/tiny-cpu.yaml").read().replace("kv_cache_memory_gib: 0.25",
                                                                   "kv_cache_memory_gib: 0.0001"))

@@ -41,7 +41,7 @@ def parse_slo(text: str) -> tuple[str, float]:
 def run_goodput_plan(args: argparse.Namespace, model_dir, model) -> int:
     from cluster.perf_model import load_step_model
     from cluster.perf_model.roofline import GPU_SPECS
-    from cluster.perf_model.step_shape import profile_tp
+    from cluster.perf_model.step_shape import profile_model_problem, profile_tp
     from cluster.planner.search import Workload, roofline_spec_builder, search, unbounded
     from engine.memory_planner import (
         model_len_limit,
@@ -75,9 +75,20 @@ def run_goodput_plan(args: argparse.Namespace, model_dir, model) -> int:
     tps = [t for t in valid_tps(model) if t <= args.gpus]
     models = None
     if args.profile:
-        profile = load_step_model(args.profile)
+        try:
+            profile = load_step_model(args.profile)
+        except (ValueError, OSError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         tp = profile_tp(profile) or 1
-        models, tps = {tp: profile}, [t for t in tps if t == tp]
+        problem = profile_model_problem(profile, model)
+        if problem is None and tp not in tps:
+            problem = (f"it was measured at TP {tp}, which this model on --gpus {args.gpus} cannot run "
+                       f"(TP degrees: {', '.join(map(str, tps)) or 'none'}): profile at one of them")
+        if problem is not None:
+            print(f"error: --profile {args.profile}: {problem}", file=sys.stderr)
+            return 2
+        models, tps = {tp: profile}, [tp]
     max_len = args.max_model_len or model_len_limit(model)
     if not 0 < args.attainment <= 1 or args.max_num_batched_tokens < 1:
         print("error: --attainment must be in (0, 1] and --max-num-batched-tokens >= 1", file=sys.stderr)

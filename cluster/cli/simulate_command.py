@@ -32,6 +32,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from bench.loadtest.runner import RunConfig, RunResult
     from cluster.config import ConfigFileError, load_config
     from cluster.perf_model import load_step_model
+    from cluster.perf_model.step_shape import profile_model_problem
     from cluster.simulator import simulate
     from cluster.simulator.from_config import KVLink, cluster_spec
     from engine.model.model_config import ModelConfig
@@ -45,11 +46,17 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         if args.lend_profile and not config.lends_idle_cores():
             raise ValueError("--lend-profile applies to a CPU deployment whose resources.lend_idle_cores is true; "
                              f"{args.config}'s engines do not lend cores")
+        if args.shared_cores is not None and config.device != "cpu":
+            raise ValueError(f"--shared-cores models CPU replicas sharing one machine's cores, and {args.config} "
+                             f"runs on {config.device}: drop it (and the flags that go with it)")
         step_model = load_step_model(args.profile)
         _check_profile_tp(step_model, config)
         wide_model = load_step_model(args.lend_profile) if args.lend_profile else None
         model_dir = checkpoint_dir(config.model.path)
         model_config = ModelConfig.from_pretrained(model_dir)
+        for profile, model in ((args.profile, step_model), (args.lend_profile, wide_model)):
+            if model is not None and (problem := profile_model_problem(model, model_config)):
+                raise ValueError(f"{profile}: {problem}")
         tokenizer = load_tokenizer(args.tokenizer or model_dir)
         link = KVLink(args.kv_bandwidth_gibps * (1 << 30), args.kv_latency_ms / 1000)
         spec = cluster_spec(config, step_model, model_config=model_config, link=link,
@@ -115,8 +122,16 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 def _check_flags(args: argparse.Namespace) -> None:
     """Flags that would be ignored, or that would make time run backwards, are refused."""
-    if args.kv_bandwidth_gibps <= 0 or args.kv_latency_ms < 0 or args.request_overhead_ms < 0:
-        raise ValueError("--kv-bandwidth-gibps must be > 0, --kv-latency-ms and --request-overhead-ms >= 0")
+    finite = [args.kv_bandwidth_gibps, args.kv_latency_ms, args.request_overhead_ms, args.serving_cores_per_stream,
+              *([args.shared_cores] if args.shared_cores is not None else [])]
+    if not all(math.isfinite(v) for v in finite) or args.kv_bandwidth_gibps <= 0 or args.kv_latency_ms < 0 or \
+            args.request_overhead_ms < 0:
+        raise ValueError("--kv-bandwidth-gibps must be > 0, --kv-latency-ms and --request-overhead-ms >= 0, "
+                         "and every number finite")
+    if args.shared_cores is not None and not args.shared_cores > 0 or args.serving_cores_per_stream < 0:
+        raise ValueError("--shared-cores must be > 0 and --serving-cores-per-stream >= 0")
+    if args.threads_per_rank is not None and args.threads_per_rank < 1:
+        raise ValueError(f"--threads-per-rank must be >= 1, got {args.threads_per_rank}")
     if args.shared_cores is None:
         given = [flag for flag, value in (("--threads-per-rank", args.threads_per_rank),
                                           ("--serving-cores-per-stream", args.serving_cores_per_stream or None),

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from cluster.perf_model.linear_model import LinearStepModel
-from cluster.perf_model.step_shape import StepShape
+from cluster.perf_model.step_shape import StepShape, model_shape
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,8 @@ def run_profile(model: str, *, tp: int = 1, device: str = "auto", dtype: str = "
     try:
         engine.step()     # nothing queued: a no-op, but fails early on a broken engine
         recorder = profile_engine(engine, grid, progress=progress)
-        meta = {"model": str(model), "tp": tp, "device": str(engine.worker.device),
+        meta = {"model": str(model), "model_shape": model_shape(engine.model_config), "tp": tp,
+                "device": str(engine.worker.device),
                 "dtype": str(engine.worker.dtype).removeprefix("torch."),
                 "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
                 "threads": getattr(engine.worker, "num_threads", None)}

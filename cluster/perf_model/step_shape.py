@@ -82,3 +82,29 @@ def profile_tp(model: StepTimeModel) -> int | None:
     cost = getattr(model, "cost", None)       # a roofline model carries its TP in its cost
     tp = cost.tp if cost is not None else (getattr(model, "meta", None) or {}).get("tp")
     return None if tp is None else int(tp)
+
+
+MODEL_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "vocab_size")
+
+
+def model_shape(model_config) -> dict[str, int]:
+    """What a profile records of the model it measured (an engine ModelConfig's sizes)."""
+    return {name: int(getattr(model_config, name)) for name in MODEL_SHAPE_FIELDS}
+
+
+def profile_model_problem(model: StepTimeModel, model_config) -> str | None:
+    """Why `model`'s step times are not those of `model_config`'s model (measured or
+    priced for another one), or None; a profile that does not say which model it
+    measured (written before profiles recorded it) passes."""
+    cost = getattr(model, "cost", None)      # a roofline model: priced from its model's sizes
+    if cost is not None:
+        recorded = {"num_layers": cost.num_layers, "hidden_size": cost.hidden_size}
+    else:
+        recorded = (getattr(model, "meta", None) or {}).get("model_shape") or {}
+    wanted = model_shape(model_config)
+    differ = [f"{name} {recorded[name]} (this model: {wanted[name]})" for name in MODEL_SHAPE_FIELDS
+              if name in recorded and recorded[name] != wanted[name]]
+    if not differ:
+        return None
+    return (f"the profile's step times are another model's: {', '.join(differ)}; profile this one "
+            "(pdserve profile --model ...)")
