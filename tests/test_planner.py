@@ -78,6 +78,17 @@ def test_max_rate_finds_the_capacity_of_a_fixed_time_replica():
         assert rate == pytest.approx(exact, rel=0.15) and att >= 0.9
 
 
+def test_a_configuration_slower_than_the_first_probe_is_rated_not_dropped():
+    # 40 s a request, one at a time, TTFT SLO 80 s: 90% of waits within 40 s is ~0.0147 req/s
+    # (M/D/1), under the 0.05 req/s the search first tries; before, it was rated 0 and the
+    # planner said no configuration meets the SLOs
+    exact = md1_rate_for_wait(40.0, 40.0, 0.9)
+    rate, att = max_rate(fixed_time_replica(40.0), Workload(10, 1, num_requests=300), {"ttft": 80.0})
+    assert rate == pytest.approx(exact, rel=0.2) and att >= 0.9
+    # one that misses the SLO even alone is still 0 (and found so in two runs, not a descent)
+    assert max_rate(fixed_time_replica(40.0), Workload(10, 1, num_requests=50), {"ttft": 30.0}) == (0.0, 0.0)
+
+
 def test_a_short_run_overstates_the_rate_and_refinement_converges_to_the_md1_answer():
     # a 0.1 s server with a TTFT SLO of 1 s (the step included): 90% of waits within
     # 0.9 s, which M/D/1 gives at ~8.8 req/s; it can never sustain more than 10

@@ -139,6 +139,7 @@ def attainment(spec: ClusterSpec, workload: Workload, lengths, rate: float, slos
 
 
 RATE_CAP = 1e5   # requests/s past which the search stops doubling
+RATE_FLOOR = 1e-4   # requests/s: a configuration that misses the SLOs even here serves nothing within them
 
 
 def max_rate(spec: ClusterSpec, workload: Workload, slos_s: dict[str, float], target: float = 0.9,
@@ -157,8 +158,13 @@ def max_rate(spec: ClusterSpec, workload: Workload, slos_s: dict[str, float], ta
         return _bisect_near(holds, near, iterations)
     probe = 0.05
     ok, low_att = holds(probe)
-    if not ok:
-        return 0.0, 0.0
+    if not ok:      # a slow configuration (long contexts, few KV blocks), or one that serves nothing
+        if not holds(RATE_FLOOR)[0]:
+            return 0.0, 0.0
+        while not ok:                            # halve until the SLOs hold, then narrow
+            probe /= 2
+            ok, low_att = holds(probe)
+        return _bisect(holds, probe, low_att, 2 * probe, iterations)
     low, high = probe, 2 * probe
     while True:                                  # double until the SLOs break
         ok, att = holds(high)
@@ -184,7 +190,7 @@ def _bisect_near(holds, near: float, iterations: int) -> tuple[float, float]:
     ok, low_att = holds(low)
     while not ok:                                # the answer is lower still
         high, low = low, low * 0.7
-        if low < 0.01:
+        if low < RATE_FLOOR:
             return 0.0, 0.0
         ok, low_att = holds(low)
     while high < RATE_CAP:                       # the answer may be higher still
