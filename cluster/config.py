@@ -165,7 +165,7 @@ class MigrationSection(_Strict):
 class SloSection(_Strict):
     ttft_ms: float | None = Field(None, gt=0, description="time-to-first-token SLO: admission control refuses "
                                   "what would miss it; the autoscaler scales for it")
-    tpot_ms: float | None = Field(None, gt=0, description="time-per-output-token SLO (the autoscaler)")
+    tpot_ms: float | None = Field(None, gt=0, description="time-per-output-token SLO (admission control, the autoscaler)")
 
 
 class AdmissionSection(_Strict):

@@ -203,6 +203,7 @@ def test_pdserve_plan_slo_writes_a_valid_deployment(tmp_path, capsys):
     config = load_config(out)
     used = sum(p.replicas * p.tensor_parallel_size for p in config.pools().values())
     assert config.device == "cuda" and used <= 2
+    assert (config.slo.ttft_ms, config.slo.tpot_ms) == (1000, 50)     # the SLOs it was chosen for
     out_text = capsys.readouterr().out
     assert "best colocated" in out_text and "| 60: " in out_text and " -> 120: " in out_text
 

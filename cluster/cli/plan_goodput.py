@@ -184,7 +184,9 @@ def deployment_yaml(cand, model_dir, dtype: str, max_len: int, gpu: str, args: a
             "device": "cuda", **pools,
             "engine": {"max_num_batched_tokens": args.max_num_batched_tokens,
                        "gpu_memory_utilization": args.gpu_memory_utilization},
-            "resources": {"gpu_type": gpu}}
+            "resources": {"gpu_type": gpu},
+            # the SLOs it was chosen for: admission control (and autoscaling, once enabled) hold them
+            "slo": {f"{name}_ms": ms for name, ms in dict(args.slo).items()}}
     if args.gpu_memory_gib is not None:
         data["resources"]["gpu_memory_gib"] = args.gpu_memory_gib
     if cand.mode == "disaggregated":
