@@ -32,11 +32,15 @@ def tensor_parallel_problem(mc: ModelConfig, tp: int) -> str | None:
     return None
 
 
-def step_budget_problem(config: EngineConfig, max_model_len: int) -> str | None:
-    """Without chunked prefill a prompt runs in one step: the budget must hold the longest."""
-    if config.enable_chunked_prefill or config.max_num_batched_tokens >= max_model_len:
+def step_budget_problem(config: EngineConfig, max_model_len: int, max_num_batched_tokens: int | None = None
+                        ) -> str | None:
+    """Without chunked prefill a prompt runs in one step: the budget (`config`'s, or
+    `max_num_batched_tokens` where the caller resolved it: a deployment file's
+    engine section leaves it to the device) must hold the longest."""
+    budget = config.max_num_batched_tokens if max_num_batched_tokens is None else max_num_batched_tokens
+    if config.enable_chunked_prefill or budget >= max_model_len:
         return None
-    return (f"with chunked prefill off, max_num_batched_tokens ({config.max_num_batched_tokens}) must be "
+    return (f"with chunked prefill off, max_num_batched_tokens ({budget}) must be "
             f">= max_model_len ({max_model_len}), or a long prompt could never be scheduled; raise "
             "max_num_batched_tokens, lower max_model_len, or enable chunked prefill")
 

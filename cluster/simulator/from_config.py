@@ -36,6 +36,7 @@ def cluster_spec(config, model: StepTimeModel, *, model_config, link: KVLink = K
     borrow idle replicas' cores as the engines do. The router's admission
     control is the config's (its admission: and slo: sections)."""
     from engine.memory_planner import kv_bytes_per_token
+    from engine.preflight import step_budget_problem
     e = config.engine
     max_len = config.model.max_model_len or model_config.max_position_embeddings
     dtype = "float32" if config.device == "cpu" and config.model.dtype == "auto" else \
@@ -44,6 +45,8 @@ def cluster_spec(config, model: StepTimeModel, *, model_config, link: KVLink = K
 
     lending = shared_cores is not None and config.resources.lend_idle_cores
     admission = config.admission.settings(config.slo)
+    if problem := step_budget_problem(e, max_len, config.tokens_per_step()):
+        raise ValueError(f"the engines would not start: {problem}")
 
     def replica(pool, step_model: StepTimeModel) -> ReplicaSpec:
         one_rank = pool.tensor_parallel_size == 1       # TP gangs keep their threads (engine/core_lending.py)
