@@ -188,6 +188,31 @@ def test_a_hand_off_leaves_room_for_the_head_of_the_waiting_queue():
     assert not replica.try_admit_prefilled(SimSequence(1, prompt_len=8, output_len=4))
     replica.waiting.clear()
     assert replica.try_admit_prefilled(SimSequence(1, prompt_len=8, output_len=4))
+    # and a batch slot: at max_num_seqs 2 with one reserved, the waiting head keeps the other
+    replica = SimReplica("decode-0", FIXED, num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=64)
+    assert replica.try_admit_prefilled(SimSequence(1, prompt_len=8, output_len=4))
+    replica.add(SimSequence(0, prompt_len=4, output_len=4))
+    assert not replica.try_admit_prefilled(SimSequence(2, prompt_len=8, output_len=4))
+
+
+def test_the_queued_prompt_tokens_are_kept_as_sequences_come_and_go():
+    # kept as a running count (the router reads it on every arrival): it must equal the sum
+    import random
+
+    from cluster.simulator.replica import SimReplica, SimSequence
+    rng = random.Random(0)
+    replica = SimReplica("colocated-0", FIXED, num_blocks=24, block_size=4, max_num_seqs=6,
+                         max_num_batched_tokens=24)
+    replica.on_token = lambda seq, now: None
+    for i in range(200):
+        if rng.random() < 0.5:
+            replica.add(SimSequence(i, prompt_len=rng.randint(1, 30), output_len=rng.randint(1, 40)))
+        _, work = replica.schedule()
+        replica.finish_step(work, float(i))
+        brute = sum(q.num_tokens - q.computed for q in replica.waiting) + \
+            sum(q.num_tokens - q.computed for q in replica.running if q.computed < q.prompt_len)
+        assert replica.queued_prefill_tokens == brute, i
+    assert replica.num_preemptions > 0 and replica.waiting   # both paths were taken
 
 
 def test_with_chunked_prefill_off_a_prompt_runs_whole_as_the_engine_runs_it():

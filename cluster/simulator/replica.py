@@ -77,6 +77,7 @@ class SimReplica:
     enable_chunked_prefill: bool = True       # False: a prompt runs whole in one step, or waits
     cached_prompt_tokens: int = 0    # prompt tokens its prefix cache spared it, in all
     costs: EngineCosts = field(default_factory=EngineCosts)   # what it reports to the router, from its steps
+    waiting_tokens: int = 0          # the waiting sequences' tokens, all to be computed (kept as they come and go)
 
     # ---- load figures the router reads --------------------------------------------
     @property
@@ -85,7 +86,9 @@ class SimReplica:
 
     @property
     def queued_prefill_tokens(self) -> int:
-        return sum(s.num_tokens - s.computed for s in self.waiting) + \
+        # the waiting queue's by its running count (thousands wait under overload, and the router
+        # reads this on every arrival); the running ones are at most max_num_seqs
+        return self.waiting_tokens + \
             sum(s.num_tokens - s.computed for s in self.running if s.computed < s.prompt_len)
 
     def blocks_for(self, tokens: int) -> int:
@@ -95,15 +98,17 @@ class SimReplica:
     def add(self, seq: SimSequence) -> None:
         seq.computed = 0
         self.waiting.append(seq)
+        self.waiting_tokens += seq.num_tokens
 
     def try_admit_prefilled(self, seq: SimSequence) -> bool:
         """A decode replica takes a sequence whose prompt KV arrives from elsewhere:
         reserves its blocks now (False if they are not free, or if they would leave
         too few for the sequence at the head of the waiting queue, as the engine's
-        Scheduler.reserve decides)."""
+        Scheduler.reserve decides, which keeps the head a batch slot too)."""
         need = self.blocks_for(seq.num_tokens)
         head = self.blocks_for(self.waiting[0].num_tokens) if self.waiting else 0
-        if need + head > self.free_blocks or len(self.running) + len(self.reserved) >= self.max_num_seqs:
+        slots = len(self.running) + len(self.reserved) + (1 if self.waiting else 0)   # (a slot kept for the head)
+        if need + head > self.free_blocks or slots >= self.max_num_seqs:
             return False
         self.used_blocks += need
         self.reserved[seq.index] = need
@@ -164,9 +169,10 @@ class SimReplica:
             if (n < remaining and not self.enable_chunked_prefill) or \
                     not self._allocate(seq, seq.computed + cached + n):
                 break
+            self.waiting.popleft()
+            self.waiting_tokens -= seq.num_tokens
             seq.computed += cached
             self.cached_prompt_tokens += cached
-            self.waiting.popleft()
             self.running.append(seq)
             seq.is_running = True
             work.append((seq, n))
@@ -223,5 +229,6 @@ class SimReplica:
         self._leave(seq)
         seq.computed = 0
         self.waiting.appendleft(seq)
+        self.waiting_tokens += seq.num_tokens
         self.num_preemptions += 1
 
