@@ -35,3 +35,15 @@ def test_the_built_in_models_are_names_profile_and_plan_take(capsys):
     assert "fits: yes" in capsys.readouterr().out
     assert main(["plan", "--model", "no-such-model", "--tp", "1"]) == 2
     assert "built-in names: llama-3-70b, llama-3-8b, tiny," in capsys.readouterr().err
+
+
+def test_a_grid_past_the_context_is_refused_or_fitted_within_it(tmp_path, capsys):
+    # every --prompt-lens past the context: said so (before: the warm-up's prompt failed with
+    # the engine's own error); a short context: the chunks shrink to fit (before: refused)
+    assert main(["profile", "--prompt-lens", "2000", "--output", str(tmp_path / "p.json")]) == 2
+    assert "the grid has no prompt length that fits: prompts must be <= 1023 tokens" in capsys.readouterr().err
+    assert main(["profile", "--max-model-len", "64", "--prompt-lens", "16,32", "--batch-sizes", "1,2",
+                 "--contexts", "16", "--output", str(tmp_path / "short.json")]) == 0
+    import json
+    points = json.loads((tmp_path / "short.json").read_text())["points"]
+    assert {p["kind"] for p in points} == {"prefill", "decode", "mixed"}

@@ -90,24 +90,35 @@ def profile_engine(engine, grid: ProfileGrid, *, seed: int = 0,
         while engine.has_unfinished_requests():
             recorder.step(kind)
 
+    longest = min(limit, budget)             # a prompt prefilled in one step
+    prompt_lens = [p for p in grid.prompt_lens if p <= longest]
+    contexts = [c for c in grid.contexts if c + grid.decode_steps + 2 <= limit]
+    if not prompt_lens or not contexts:
+        raise ValueError(
+            f"the grid has no {'prompt length' if not prompt_lens else 'context'} that fits: prompts must be "
+            f"<= {longest} tokens (the context less one, and the step budget), contexts <= "
+            f"{limit - grid.decode_steps - 2} (the context less the decode steps); lower --prompt-lens / "
+            "--contexts or raise --max-model-len / --max-num-batched-tokens")
+
     # warm-up, not recorded: the first steps pay for allocations, kernel selection, caches
     recorder = StepRecorder(engine)
-    for n in (min(grid.prompt_lens), min(max(grid.prompt_lens), limit, budget)):
+    for n in (min(prompt_lens), max(prompt_lens)):
         engine.add_request(None, prompt(n), params(4))
         drain("warm-up")
     recorder = StepRecorder(engine)
 
     # prefill-only: one fresh prompt per step; then a chunk after that prompt's cached blocks
-    for n in (p for p in grid.prompt_lens if p <= min(limit, budget)):
+    for n in prompt_lens:
         engine.add_request(None, prompt(n), params(1))
         drain("prefill")
-    shared = prompt(min(limit - grid.chunk_len, max(grid.prompt_lens)))
-    for tail in (grid.chunk_len, grid.chunk_len // 2):
+    chunk = min(grid.chunk_len, longest // 2)
+    shared = prompt(min(limit - chunk, max(grid.prompt_lens)))
+    for tail in (chunk, chunk // 2):
         engine.add_request(None, shared + prompt(tail), params(1))
         drain("prefill")
     # decode-only, then mixed: B sequences at context C, then one chunk arrives beside them
     for batch in (b for b in grid.batch_sizes if b <= max_seqs - 1):
-        for context in (c for c in grid.contexts if c + grid.decode_steps + 2 <= limit):
+        for context in contexts:
             if progress:
                 progress(f"batch {batch}, context {context}")
             ids = [engine.add_request(None, prompt(context), params(grid.decode_steps + 3)) for _ in range(batch)]
@@ -116,7 +127,7 @@ def profile_engine(engine, grid: ProfileGrid, *, seed: int = 0,
                 started.update(o.request_id for o in recorder.step("prefill"))
             for _ in range(grid.decode_steps):
                 recorder.step("decode")
-            engine.add_request(None, prompt(min(grid.chunk_len, budget - batch)), params(1))
+            engine.add_request(None, prompt(min(chunk, budget - batch)), params(1))
             recorder.step("mixed")
             drain("decode")
     return recorder
