@@ -79,6 +79,21 @@ def test_conditional_policy_prefills_short_prompts_on_the_decode_worker():
     assert _times(result, 1) == pytest.approx([1 + T, 1 + T + 0.5 + T])
 
 
+def test_conditional_routing_is_the_live_routers_own_decision():
+    # 1 ms a prompt token on either side, hand-offs of 2 s. At t=1 six 400-token prompts arrive
+    # together: the live policy sends two to the prefill replica (0 and 0.4 s of prompts ahead,
+    # within the 0.5 s it waits), then prices the rest at the decode replica's prompts sent and
+    # not yet answered + its own (0.4, 0.8, 1.2, 1.6 s) against the prefill pool's wait + its own
+    # + the hand-off (0.8 + 0.4 + 2 s): all four local. (The simulator's own pricing, without the
+    # hand-off, had sent the fifth to the prefill replica.)
+    per_token = LinearStepModel((0.0, 1e-3, 0.0, 0.0, 0.0))
+    replica = ReplicaSpec(per_token, 1000)
+    spec = ClusterSpec("disaggregated", prefill=replica, decode=replica, prefill_replicas=1, decode_replicas=1,
+                       policy="conditional", local_prefill_max_tokens=16, kv_latency_s=2.0)
+    result = simulate(spec, [(400, 2)] * 7, [0.0] + [1.0] * 6)
+    assert [r.prefilled_locally for r in result.requests] == [False] * 3 + [True] * 4
+
+
 def test_max_concurrency_holds_requests_back():
     result = simulate(_colocated(), [(5, 2)] * 4, [0.0] * 4, max_concurrency=2)
     sends = sorted(r.send_time for r in result.requests)

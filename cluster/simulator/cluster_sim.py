@@ -8,16 +8,20 @@ router/disaggregation_policy.py, cluster/serving/replica_routing.py):
   the most free blocks reserves blocks for the sequence (or it waits for
   some), the KV moves (latency + bytes / bandwidth), the prefill side frees its
   copy and the decode side decodes;
-- disaggregated, policy "conditional": prompts of at most
-  local_prefill_max_tokens are prefilled on a decode replica; longer ones too,
-  when the prefill pool's predicted wait exceeds max_remote_wait and the
-  decode replica's predicted time to first token is shorter.
+- disaggregated, policy "conditional": the router's own class decides
+  (router/disaggregation_policy.py): prompts of at most local_prefill_max_tokens
+  are prefilled on a decode replica; longer ones too, when the prefill pool's
+  predicted wait exceeds max_remote_wait and the decode replica's predicted
+  time to first token is shorter, priced with the replicas' measured cost
+  figures (below), the prompt tokens sent to each side and not yet answered
+  with a first token, and the hand-offs' measured time.
 A request's time on the router and the HTTP path (`request_overhead_s`) is
 added to all its token times.
 
 Admission control (`ClusterSpec.admission`): the router's own class
-(router/admission.py) decides each arrival, on the simulated clock, from the
-cost figures each replica measures on its simulated steps (engine/step_cost.py
+(router/admission.py) decides each arrival, on the simulated clock. It and
+the disaggregation policy read the cost figures each replica measures on its
+simulated steps (engine/step_cost.py
 EngineCosts, as the engines do; the start-up figure is the model's time for
 the engine's calibration prompt), read every `stats_period_s` as the router
 refreshes them. A refused request ends at once with a 429, as a load-test
@@ -61,6 +65,7 @@ from cluster.simulator.replica import SimReplica, SimSequence
 from engine.core_lending import lendable_cores
 from engine.step_cost import CALIBRATION_TOKENS, EngineCosts
 from router.admission import AdmissionControl, AdmissionSettings, Admitted, Overloaded
+from router.disaggregation_policy import DisaggregationPolicy, DisaggregationSettings
 
 
 @dataclass(frozen=True)
@@ -226,6 +231,10 @@ class _Simulation:
         self.tickets: dict[int, Admitted] = {}           # admitted requests' admission tickets, by index
         self.refused: list[SimRequestLog] = []           # in refusal order (the autoscaler reads them)
         self.num_invalid = 0                               # answered 400 (past max_model_len)
+        self.policy = DisaggregationPolicy(DisaggregationSettings(
+            spec.policy, spec.local_prefill_max_tokens, spec.max_remote_wait_s)) \
+            if spec.mode == "disaggregated" else None
+        self.prefilling: dict[int, tuple[bool, int]] = {}   # index -> (on a decode replica, prompt tokens)
 
     def _replica(self, name: str, rs: ReplicaSpec, *, borrows: bool) -> SimReplica:
         """`borrows`: a decode (colocated) replica, which may borrow idle cores."""
@@ -258,7 +267,7 @@ class _Simulation:
             self.at(offset, lambda log=log: self._arrive(log))
         if self.autoscaler is not None:
             self.autoscaler.attach(self)
-        if self.admission is not None:
+        if self.admission is not None or self.policy is not None:
             self._refresh_worker_stats()
         cut = False
         while self.events:
@@ -349,7 +358,11 @@ class _Simulation:
         seq = SimSequence(log.index, log.prompt_len, log.output_len)
         if self.block_hashes is not None:
             seq.block_hashes = self.block_hashes[log.index]
-        if self.spec.mode == "colocated" or self._prefill_locally(seq):
+        local = self.policy is None or self.policy.prefill_locally(seq.prompt_len)
+        if self.policy is not None:
+            self.policy.started(local, seq.prompt_len)
+            self.prefilling[seq.index] = (local, seq.prompt_len)
+        if local:
             log.prefilled_locally = self.spec.mode == "disaggregated"
             self.num_local_prefills += log.prefilled_locally
             replica = max(self._live(self.decode_pool), key=lambda r: r.free_blocks)
@@ -358,20 +371,6 @@ class _Simulation:
             replica = min(self._live(self.prefill_pool), key=lambda r: r.queued_prefill_tokens)
         replica.add(seq)
         self._kick(replica)
-
-    def _prefill_locally(self, seq: SimSequence) -> bool:
-        spec = self.spec
-        if spec.policy != "conditional":
-            return False
-        if seq.prompt_len <= spec.local_prefill_max_tokens:
-            return True
-        remote_wait = min(_prefill_time(r.model, r.queued_prefill_tokens) for r in self._live(self.prefill_pool))
-        if remote_wait <= spec.max_remote_wait_s:
-            return False
-        local = max(self._live(self.decode_pool), key=lambda r: r.free_blocks)
-        local_ttft = _prefill_time(local.model, local.queued_prefill_tokens + seq.prompt_len)
-        remote_ttft = remote_wait + _prefill_time(self.prefill_pool[0].model, seq.prompt_len)
-        return local_ttft < remote_ttft
 
     def _refuse(self, log: SimRequestLog, refusal: Overloaded) -> None:
         log.refused = refusal
@@ -394,6 +393,8 @@ class _Simulation:
         ticket = self.tickets.get(seq.index)
         if ticket is not None and len(log.token_times) == 1:
             self.admission.first_token(ticket)
+        if seq.index in self.prefilling and len(log.token_times) == 1:
+            self.policy.first_token(*self.prefilling.pop(seq.index))
         if seq.finished:
             log.end_time = time + self.spec.request_overhead_s
             self.finished.append(log)
@@ -410,7 +411,11 @@ class _Simulation:
         roles = [("colocated", self.decode_pool)] if self.spec.mode == "colocated" else \
             [("prefill", self.prefill_pool), ("decode", self.decode_pool)]
         for role, pool in roles:
-            self.admission.observe_workers(role, [r.costs.stats() for r in pool if not r.draining])
+            stats = [r.costs.stats() for r in pool if not r.draining]
+            if self.admission is not None:
+                self.admission.observe_workers(role, stats)
+            if self.policy is not None:
+                self.policy.observe_workers(role, stats)
         if self.unfinished and self.events:    # (nothing else to come: the run is over, or stuck for good)
             self.at(self.now + self.spec.stats_period_s, self._refresh_worker_stats)
 
@@ -429,6 +434,7 @@ class _Simulation:
             spec = self.spec
             seconds = spec.kv_latency_s + seq.prompt_len * spec.kv_bytes_per_token / spec.kv_bandwidth_bytes_per_s
             self.at(self.now + seconds, lambda s=seq, src=source, dst=target: self._transferred(s, src, dst))
+            self.policy.observe_handoff(seconds)     # (the router hears it when the decode side admits it)
         self.awaiting_decode = still
 
     def _transferred(self, seq: SimSequence, source: SimReplica, target: SimReplica) -> None:
