@@ -252,11 +252,15 @@ class AsyncEngine:
                 return
             try:
                 result = fn(engine, *args)
-            except Exception as exc:  # noqa: BLE001 - raised in the caller
+            except BaseException as exc:  # noqa: BLE001 - raised in the caller
                 if future is None:
                     log.exception("engine call %s failed", getattr(fn, "__qualname__", fn))
-                else:
+                elif isinstance(exc, Exception):
                     settle_from_thread(future, exc=exc)
+                else:       # the engine thread ends: its caller is answered, not left waiting
+                    settle_from_thread(future, exc=EngineStoppedError(f"the engine thread stopped: {exc!r}"))
+                if not isinstance(exc, Exception):
+                    raise
             else:
                 if future is not None:
                     settle_from_thread(future, result)

@@ -147,3 +147,24 @@ def test_a_step_that_fails_to_launch_leaves_the_engine_able_to_go_on(model, asyn
     while engine.has_unfinished_requests():
         done += [o for o in engine.step() if o.finished]
     assert done[0].token_ids == expected
+
+
+def test_a_call_that_ends_the_engine_thread_answers_its_caller(model):
+    # a BaseException (SystemExit, KeyboardInterrupt) in a call stops the engine thread; its
+    # caller had waited for ever, the call taken off the queue and never answered
+    from engine.errors import EngineStoppedError
+
+    def exits(engine):
+        raise SystemExit("stop")
+
+    async def main():
+        ae = AsyncEngine(lambda: _small_pool(model), decode=False, cost_warmup_steps=0, name="exit-test")
+        try:
+            await ae.ready()
+            with pytest.raises(EngineStoppedError, match="the engine thread stopped: SystemExit"):
+                await asyncio.wait_for(ae.call(exits), 30)
+            with pytest.raises(EngineStoppedError):
+                await asyncio.wait_for(ae.call(lambda engine: None), 30)    # and no later call waits either
+        finally:
+            ae.shutdown()
+    asyncio.run(main())
