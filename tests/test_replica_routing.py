@@ -53,6 +53,37 @@ def test_prefill_prefers_the_fewest_queued_tokens_and_decode_the_most_free_block
     assert ranked(router("free_kv_blocks", "min"), reps, pending()) == ["a", "c", "b"]
 
 
+def test_a_replica_whose_engine_stopped_ranks_last_whatever_the_others_load():
+    # a stopped engine reports no free block; a live decode replica that is full (or charged
+    # with a burst) scored as low or lower, and ties went to the one with fewer calls in flight
+    stopped = {"free_kv_blocks": 0.0, "queued_prefill_tokens": 1e18, "engine_stopped": 1.0}
+    for stat, prefer, live in (("free_kv_blocks", "max", {"free_kv_blocks": 0.0, "kv_block_size": 16}),
+                               ("queued_prefill_tokens", "min", {"queued_prefill_tokens": 5e4})):
+        r = router(stat, prefer)
+        reps = [replica("live", **live), replica("dead", **stopped)]
+        r.on_request_routed(None, reps[0].replica_id, None)       # the live one has a call in flight
+        assert ranked(r, reps, pending(prompt_token_ids=[1] * 64)) == ["live", "dead"], stat
+
+
+def test_a_worker_whose_engine_stopped_answers_no_stats():
+    # the router's /health and figures leave it out (its last figures were reported as a
+    # replica serving: /health said 200 with the only decode engine stopped)
+    from cluster.serving.worker_deployment import WorkerDeployment
+    from engine.errors import EngineStoppedError
+
+    class StoppedWorker:
+        def check_health(self):
+            raise EngineStoppedError("the engine is not running: a TP rank died")
+
+        def stats(self):
+            return {"free_kv_blocks": 120.0}
+    deployment = WorkerDeployment.__new__(WorkerDeployment)
+    deployment.worker, deployment.replica_id = StoppedWorker(), "r1"
+    with pytest.raises(EngineStoppedError):
+        deployment.stats()
+    deployment.worker = None        # (its __del__ shuts nothing down)
+
+
 def test_ties_go_to_the_replica_with_fewer_calls_in_flight():
     r = router("queued_prefill_tokens", "min")
     reps = [replica("a", queued_prefill_tokens=0), replica("b", queued_prefill_tokens=0)]

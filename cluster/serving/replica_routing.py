@@ -27,6 +27,7 @@ router, configured per deployment by the app builder).
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 
@@ -87,6 +88,8 @@ class LoadAwareRouter(RequestRouter):
 
         def load(replica: RunningReplica) -> tuple[float, int]:
             stats = replica.routing_stats or {}
+            if stats.get("engine_stopped"):
+                return math.inf, 0       # last, whatever the others' load: it cannot serve
             per_unit = float(stats.get(self._per_unit, 1.0)) if self._per_unit else 1.0
             tokens = float(stats.get(self._stat, 0.0)) * per_unit
             uid = replica.replica_id.unique_id

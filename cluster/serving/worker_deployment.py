@@ -36,6 +36,10 @@ class WorkerDeployment:
         return self.replica_id
 
     def stats(self) -> dict:
+        """The worker's figures; raises EngineStoppedError where its engine stopped, so
+        that the router's health check and figures leave it out (its last figures
+        are no replica serving) until Serve's health probe replaces it."""
+        self.worker.check_health()
         return {"replica": self.replica_id, **self.worker.stats()}
 
     def step_samples(self) -> dict:
