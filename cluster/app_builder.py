@@ -90,14 +90,30 @@ def resolve_model(config: DeploymentConfig) -> tuple[str, ModelInfo]:
                 for problem in preflight(config.engine_config(role, path), mc, max_len)]
     if problems:
         raise ValueError("the workers' engines would refuse this deployment:\n  " + "\n  ".join(problems))
+    if config.autoscaling.enabled and config.autoscaling.profile and (problems := _profile_problems(config, mc)):
+        raise ValueError(f"autoscaling.profile {config.autoscaling.profile}: " + "; ".join(problems))
     name = config.model.served_model_name or Path(path).name
     return path, ModelInfo(served_model_name=name, max_model_len=max_len, vocab_size=mc.vocab_size)
+
+
+def _profile_problems(config: DeploymentConfig, mc) -> list[str]:
+    """What keeps the autoscaling profile from pricing this deployment's steps."""
+    from cluster.perf_model.step_shape import load_step_model, profile_model_problem, profile_tp_problem
+    try:
+        model = load_step_model(config.autoscaling.profile)
+    except OSError as exc:
+        return [f"cannot read it ({exc.strerror or exc})"]
+    except ValueError as exc:
+        return [str(exc)]
+    tps = {role: pool.tensor_parallel_size for role, pool in config.pools().items()}
+    return [p for p in (profile_tp_problem(model, tps), profile_model_problem(model, mc)) if p]
 
 
 def build_application(config: DeploymentConfig) -> serve.Application:
     """The Serve application; `config.resources.cpus_per_rank` must be resolved
     (cluster/serving/placement.py: resolve_cpus_per_rank)."""
     from cluster.autoscaler.capacity import ReplicaLimits
+    from cluster.perf_model.step_shape import load_step_model
     from decode_workers.decode_server import DecodeServer
     from prefill_workers.prefill_server import PrefillServer
     from router.disaggregation_policy import DisaggregationSettings
@@ -140,7 +156,9 @@ def build_application(config: DeploymentConfig) -> serve.Application:
     router_args["max_migrations"] = config.migration.max_migrations
     if config.autoscaling.enabled:
         router_args["autoscaling"] = config.autoscaling_settings()
-        router_args["autoscaling_profile"] = config.autoscaling.profile
+        # read here, where the file's path means what the user gave (the router may run on another node)
+        router_args["autoscaling_profile"] = load_step_model(config.autoscaling.profile).to_json() \
+            if config.autoscaling.profile else None
         router_args["autoscaling_deployed"] = {role: pool.replicas for role, pool in config.pools().items()}
         router_args["autoscaling_limits"] = ReplicaLimits(config.engine.max_num_seqs,
                                                           block_size=config.engine.block_size)

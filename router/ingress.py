@@ -38,7 +38,7 @@ STATS_TIMEOUT_S = 5.0
 class Router:
     def __init__(self, info: ModelInfo, tokenizer_path: str, mode: str, *, prefill=None, decode=None,
                  colocated=None, disaggregation: DisaggregationSettings | None = None,
-                 autoscaling: AutoscaleSettings | None = None, autoscaling_profile: str | None = None,
+                 autoscaling: AutoscaleSettings | None = None, autoscaling_profile: dict | None = None,
                  autoscaling_deployed: dict[str, int] | None = None,
                  autoscaling_limits: ReplicaLimits = ReplicaLimits(),
                  limits: RequestLimits = RequestLimits(), api_key_sha256: str | None = None,

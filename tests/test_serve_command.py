@@ -138,6 +138,18 @@ def test_settings_the_engines_would_refuse_are_found_before_deploying(tmp_path, 
     (tmp_path / "config.json").write_text((Path(checkpoint_dir_of("tiny")) / "config.json").read_text())
     assert f"no *.safetensors files in {tmp_path}" in problems(**{"model.path": str(tmp_path)})
     resolve_model(with_overrides(DeploymentConfig(), {"decode.tensor_parallel_size": 2}))   # fine
+    # the autoscaling profile, read where the path means what the user gave (before: by the
+    # router once the workers had loaded, ending the deployment with a traceback)
+    autoscaled = {"autoscaling.enabled": True, "slo.ttft_ms": 1000, "slo.tpot_ms": 100}
+    assert f"autoscaling.profile {tmp_path / 'none.json'}: cannot read it (No such file or directory)" in \
+        problems(**autoscaled, **{"autoscaling.profile": str(tmp_path / "none.json")})
+    import json
+
+    from cluster.perf_model import LinearStepModel
+    at_tp2 = tmp_path / "tp2.json"
+    at_tp2.write_text(json.dumps(LinearStepModel((1e-3, 1e-5, 0.0, 5e-5, 0.0), meta={"tp": 2}).to_json()))
+    assert "the profile was measured at TP 2, and the deployment's pools prefill (TP 1), decode (TP 1) run " \
+        "at another degree" in problems(**autoscaled, **{"autoscaling.profile": str(at_tp2)})
 
 
 def checkpoint_dir_of(name: str) -> str:

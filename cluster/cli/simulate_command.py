@@ -32,7 +32,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from bench.loadtest.runner import RunConfig, RunResult
     from cluster.config import ConfigFileError, load_config
     from cluster.perf_model import load_step_model
-    from cluster.perf_model.step_shape import profile_model_problem
+    from cluster.perf_model.step_shape import profile_model_problem, profile_tp_problem
     from cluster.simulator import simulate
     from cluster.simulator.from_config import KVLink, cluster_spec
     from engine.model.model_config import ModelConfig
@@ -50,7 +50,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             raise ValueError(f"--shared-cores models CPU replicas sharing one machine's cores, and {args.config} "
                              f"runs on {config.device}: drop it (and the flags that go with it)")
         step_model = load_step_model(args.profile)
-        _check_profile_tp(step_model, config)
+        if problem := profile_tp_problem(step_model, {r: p.tensor_parallel_size for r, p in config.pools().items()}):
+            raise ValueError(problem)
         wide_model = load_step_model(args.lend_profile) if args.lend_profile else None
         model_dir = checkpoint_dir(config.model.path)
         model_config = ModelConfig.from_pretrained(model_dir)
@@ -139,18 +140,6 @@ def _check_flags(args: argparse.Namespace) -> None:
         if given:
             raise ValueError(f"{', '.join(given)} apply to replicas sharing one machine's cores; add "
                              "--shared-cores N or drop them")
-
-
-def _check_profile_tp(step_model, config) -> None:
-    """Raises ValueError when a pool runs at another TP degree than the profile
-    was measured at: its step times say nothing about that pool's."""
-    from cluster.perf_model.step_shape import profile_tp
-    tp = profile_tp(step_model)
-    other = [f"{role} (TP {getattr(config, role).tensor_parallel_size})" for role in config.pools()
-             if tp is not None and getattr(config, role).tensor_parallel_size != tp]
-    if other:
-        raise ValueError(f"the profile was measured at TP {tp}, and the deployment's pools {', '.join(other)} run "
-                         f"at another degree: profile at theirs (pdserve profile --tp N)")
 
 
 def _autoscaler(config, args, spec):

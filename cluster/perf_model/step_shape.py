@@ -84,6 +84,17 @@ def profile_tp(model: StepTimeModel) -> int | None:
     return None if tp is None else int(tp)
 
 
+def profile_tp_problem(model: StepTimeModel, pool_tps: dict[str, int]) -> str | None:
+    """Why `model` cannot price pools at these TP degrees (role -> TP): it was
+    measured at another; None where it fits or does not say."""
+    tp = profile_tp(model)
+    other = [f"{role} (TP {degree})" for role, degree in pool_tps.items() if tp is not None and degree != tp]
+    if not other:
+        return None
+    return (f"the profile was measured at TP {tp}, and the deployment's pools {', '.join(other)} run at "
+            "another degree: profile at theirs (pdserve profile --tp N)")
+
+
 MODEL_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "vocab_size")
 
 
