@@ -79,7 +79,6 @@ class AutoscaleLoop:
         self._limited_arrivals = 0              # of the arrivals, with a known max_tokens ...
         self._max_tokens = 0                    # ... and those max_tokens together
         self._refused: dict[str, int] = {}      # this interval's refusals, by the role they were refused for
-        self._first_tokens: list[float] = []    # this interval's first tokens' TTFTs
         self._ended: list[RequestTimings] = []
         self._fit_steps: dict[str, deque] = {r: deque(maxlen=FIT_WINDOW) for r in settings.roles}
         self._last_tick = time.monotonic()
@@ -112,12 +111,6 @@ class AutoscaleLoop:
         colocated pool's, either way)."""
         role = refusal_role(self.settings.mode, reason)
         self._refused[role] = self._refused.get(role, 0) + 1
-
-    def on_first_token(self, ttft_s: float) -> None:
-        """A request's first token: the TTFT evidence of the interval it came in (a
-        request's end can come minutes later, after a prefill replica added since
-        has served; its TTFT would still ask for one more)."""
-        self._first_tokens.append(ttft_s)
 
     def on_request(self, timings: RequestTimings) -> None:
         if timings.finish_reason in ("stop", "length"):
@@ -205,13 +198,13 @@ class AutoscaleLoop:
 
     def _take_counts(self) -> tuple:
         """This interval's counts (arrivals, sized ones, their prompt tokens, limited
-        ones, their max_tokens, refusals, first tokens' TTFTs, ended requests), the
-        counters reset for the next one."""
+        ones, their max_tokens, refusals, ended requests), the counters reset for
+        the next one."""
         counts = (self._arrivals, self._sized_arrivals, self._prompt_tokens, self._limited_arrivals,
-                  self._max_tokens, self._refused, self._first_tokens, self._ended)
+                  self._max_tokens, self._refused, self._ended)
         self._arrivals = self._sized_arrivals = self._prompt_tokens = 0
         self._limited_arrivals = self._max_tokens = 0
-        self._refused, self._first_tokens, self._ended = {}, [], []
+        self._refused, self._ended = {}, []
         return counts
 
     def _role_limits(self) -> dict[str, ReplicaLimits]:
@@ -219,7 +212,8 @@ class AutoscaleLoop:
                 for r in self.settings.roles if r in self._kv_blocks}
 
     def _observation(self, now: float, window: float, roles: dict[str, RoleObservation], counts: tuple) -> Observation:
-        arrivals, sized, prompt, limited, max_tokens, refused, ttfts, ended = counts
+        arrivals, sized, prompt, limited, max_tokens, refused, ended = counts
+        ttfts = [(t.first_token_time, t.time_to_first_token) for t in ended if t.time_to_first_token is not None]
         tpots = [t.time_per_output_token for t in ended if t.time_per_output_token is not None]
         return Observation(
             now=now, window_s=window, arrivals=arrivals,
@@ -229,7 +223,8 @@ class AutoscaleLoop:
             finished=len(ended), finished_by_length=sum(t.finish_reason == "length" for t in ended),
             mean_max_tokens=max_tokens / limited if limited else None,
             mean_inflight_output_tokens=self.running_output_tokens(),
-            ttft_p90_s=p90(ttfts), tpot_p90_s=p90(tpots), roles=roles, refused=refused)
+            ttft_p90_s=p90([ttft for _, ttft in ttfts]), tpot_p90_s=p90(tpots), ttft_samples=ttfts,
+            roles=roles, refused=refused)
 
     # ---- the step-time model ------------------------------------------------------------
     def _make_policy(self) -> GoodputPolicy | None:

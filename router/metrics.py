@@ -126,14 +126,8 @@ class ServingMetrics:
         """`listener.on_arrival(prompt_tokens, max_tokens)` for every request offered
         (taken by the backend, or refused by admission control: then prompt_tokens
         may be None), `listener.on_refusal(reason)` for every one admission control refuses,
-        `listener.on_first_token(ttft_s)` for every one that gets its first token,
         `listener.on_request(timings)` for every one that ends."""
         self._listeners.append(listener)
-
-    def observe_first_token(self, ttft_s: float) -> None:
-        """A request got its first token, `ttft_s` after it arrived."""
-        for listener in self._listeners:
-            listener.on_first_token(ttft_s)
 
     def observe_arrival(self, prompt_tokens: int | None, max_tokens: int | None = None) -> None:
         """A request offered; `max_tokens`: the most it may generate (None: not known)."""

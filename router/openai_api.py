@@ -408,7 +408,6 @@ class _Generation:
         if self.timings.first_token_time is None and out.num_output_tokens:
             self.timings.first_token_time = now
             self._done_waiting()
-            self._server.metrics.observe_first_token(now - self.timings.arrival_time)
         if out.finished:
             self.timings.finished_time = now
         self.last = out

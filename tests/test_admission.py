@@ -469,9 +469,6 @@ def test_a_busy_server_answers_429_at_once_and_serves_what_it_admitted():
         def on_refusal(self, reason):
             refused.append(reason)
 
-        def on_first_token(self, ttft_s):
-            pass
-
         def on_request(self, timings):
             pass
     metrics.add_listener(Listener())

@@ -700,9 +700,33 @@ def test_running_requests_raise_the_output_length_only_past_their_sampling_by_le
     assert last(inflight=True, squares=False)[0] >= 4 * decode      # uncorrected (before)
 
 
-def test_the_live_loop_takes_ttft_from_the_intervals_first_tokens():
-    # a request that ends now got its first token minutes ago, before a prefill replica added
-    # since served: its TTFT is no evidence about the pool as it is (it asked for one more)
+def test_ttft_from_before_the_latest_prefill_replica_served_asks_for_no_more():
+    # TTFT p90 is 2 s (SLO 1 s) while one prefill replica serves, 0.3 s with two; outputs take
+    # 60 s, so a request finishing now got its first token a minute ago. Counted, those late
+    # first tokens asked for a third and a fourth replica after the second had fixed it.
+    def prefill_replicas(with_first_token_times: bool) -> int:
+        p = policy(budget=8, startup_s=30.0, downscale_cooldown_s=600)
+        current, starting, serving = {"prefill": 1, "decode": 2}, [], {}
+        for i in range(1, 30):
+            t = 10.0 * i
+            current["prefill"] += sum(ready <= t for ready in starting)
+            starting = [ready for ready in starting if ready > t]
+            serving[t] = current["prefill"]
+            first_token = t - 60.0                   # of the requests that finish in this interval
+            ttft = None if first_token <= 0 else (2.0 if serving.get(first_token, 1) < 2 else 0.3)
+            samples = None if not with_first_token_times else [] if ttft is None else [(first_token, ttft)] * 20
+            roles = {"prefill": RoleObservation(current["prefill"], starting=len(starting)),
+                     "decode": RoleObservation(current["decode"])}
+            d = p.decide(Observation(now=t, window_s=10, arrivals=20, mean_prompt_tokens=200, mean_output_tokens=50,
+                                     finished=20, ttft_p90_s=ttft, tpot_p90_s=0.01, ttft_samples=samples,
+                                     roles=roles))
+            starting += [t + 30.0] * max(0, d.targets["prefill"] - current["prefill"] - len(starting))
+        return current["prefill"] + len(starting)
+    assert prefill_replicas(with_first_token_times=True) == 2
+    assert prefill_replicas(with_first_token_times=False) >= 3      # the lagging evidence alone (before)
+
+
+def test_the_live_loop_reports_each_finished_requests_first_token_time_and_ttft():
     from router.autoscale_loop import AutoscaleLoop
     from router.metrics import ServingMetrics
     from router.timings import RequestTimings
@@ -710,12 +734,8 @@ def test_the_live_loop_takes_ttft_from_the_intervals_first_tokens():
     loop = AutoscaleLoop(settings(), {}, metrics)
     metrics.observe_request(RequestTimings(arrival_time=0.0, first_token_time=3.0, finished_time=90.0,
                                            generation_tokens=900, finish_reason="length"))
-    for ttft in (0.2, 0.3, 0.4):
-        metrics.observe_first_token(ttft)
     obs = loop._observation(100.0, 10.0, {}, loop._take_counts())
-    assert obs.ttft_p90_s == 0.4 and obs.finished == 1
-    obs = loop._observation(110.0, 10.0, {}, loop._take_counts())
-    assert obs.ttft_p90_s is None
+    assert obs.ttft_samples == [(3.0, 3.0)] and obs.ttft_p90_s == 3.0
 
 
 def test_a_replica_slower_to_start_than_startup_s_is_not_asked_for_twice():

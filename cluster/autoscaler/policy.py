@@ -188,8 +188,11 @@ class Observation:
     finished_by_length: int = 0                    # ... of which ran to their max_tokens
     mean_max_tokens: float | None = None           # of the window's arrivals: the most tokens each may generate
     mean_inflight_output_tokens: float | None = None   # generated so far by the running ones
-    ttft_p90_s: float | None = None                # of the requests whose first token came in the window
-    tpot_p90_s: float | None = None                # of the window's finished requests
+    ttft_p90_s: float | None = None                # of the window's finished requests ...
+    tpot_p90_s: float | None = None
+    # ... their (first-token time, TTFT), where known: evidence about a pool counts only from
+    # first tokens after the replica it last asked for served
+    ttft_samples: list[tuple[float, float]] | None = None
     roles: dict[str, RoleObservation] = field(default_factory=dict)
     refused: dict[str, int] = field(default_factory=dict)   # of the arrivals, refused on each role's account
 
@@ -556,7 +559,8 @@ class GoodputPolicy:
         has not served an interval yet: the evidence predates it (and adding one
         per interval meanwhile would overshoot)."""
         s = self.settings
-        checks = (("ttft", obs.ttft_p90_s, s.ttft_slo_s, "prefill" if s.mode == "disaggregated" else "colocated"),
+        prefill_role = "prefill" if s.mode == "disaggregated" else "colocated"
+        checks = (("ttft", self._ttft_p90(obs, prefill_role), s.ttft_slo_s, prefill_role),
                   ("tpot", obs.tpot_p90_s, s.tpot_slo_s, "decode" if s.mode == "disaggregated" else "colocated"))
         for name, observed, slo, role in checks:
             if observed is None or observed <= slo or needed[role] > current[role] or self._coming(obs, role):
@@ -644,10 +648,22 @@ class GoodputPolicy:
         """(observed p90, SLO) of the latency `role` answers for: TTFT for prefill,
         TPOT for decode, the worse ratio of the two for colocated."""
         s = self.settings
-        pairs = {"prefill": [(obs.ttft_p90_s, s.ttft_slo_s)], "decode": [(obs.tpot_p90_s, s.tpot_slo_s)],
-                 "colocated": [(obs.ttft_p90_s, s.ttft_slo_s), (obs.tpot_p90_s, s.tpot_slo_s)]}[role]
+        ttft = self._ttft_p90(obs, role)
+        pairs = {"prefill": [(ttft, s.ttft_slo_s)], "decode": [(obs.tpot_p90_s, s.tpot_slo_s)],
+                 "colocated": [(ttft, s.ttft_slo_s), (obs.tpot_p90_s, s.tpot_slo_s)]}[role]
         pairs = [(v, slo) for v, slo in pairs if v is not None]
         return max(pairs, key=lambda p: p[0] / p[1]) if pairs else None
+
+    def _ttft_p90(self, obs: Observation, role: str) -> float | None:
+        """The p90 TTFT of the window's finished requests whose first token came after
+        the replica `role` last asked for served: a request ends long after its
+        first token (a 1k-token answer, tens of seconds), and one that waited
+        before that replica served says nothing about the pool with it (counted,
+        it asked for one more replica again)."""
+        if obs.ttft_samples is None:
+            return obs.ttft_p90_s
+        since = self._serving_since(role)
+        return p90([ttft for first_token, ttft in obs.ttft_samples if first_token > since])
 
     def _predicted_latency(self, rate: float, targets: dict[str, int]) -> tuple[float | None, float | None]:
         """Mean TTFT (M/D/1 on the prefill pool) and TPOT (the decode step at the

@@ -82,9 +82,7 @@ class SimAutoscaler:
         self._last_latencies = [(r.token_times[0] - r.send_time,
                                  (r.end_time - r.token_times[0]) / (len(r.token_times) - 1)
                                  if len(r.token_times) > 1 else None) for r in finished]
-        # TTFT as the live router takes it: of the requests whose first token came in the window
-        ttfts = [r.token_times[0] - r.send_time for r in sim.logs
-                 if r.token_times and sim.now - s.interval_s < r.token_times[0] <= sim.now]
+        ttfts = [(r.token_times[0], r.token_times[0] - r.send_time) for r in finished]   # (first token, TTFT)
         tpots = [tpot for _, tpot in self._last_latencies if tpot is not None]
         roles = {}
         for role in s.roles:
@@ -105,7 +103,8 @@ class SimAutoscaler:
             mean_max_tokens=sum(r.output_len for r in arrived) / len(arrived) if arrived else None,
             mean_inflight_output_tokens=_mean([len(r.token_times) for r in sim.logs
                                                if r.send_time is not None and r.end_time is None]),
-            ttft_p90_s=p90(ttfts), tpot_p90_s=p90(tpots), roles=roles, refused=dict(refused))
+            ttft_p90_s=p90([ttft for _, ttft in ttfts]), tpot_p90_s=p90(tpots), ttft_samples=ttfts,
+            roles=roles, refused=dict(refused))
 
 
 def _mean(values: list[float]) -> float | None:
