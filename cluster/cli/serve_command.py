@@ -76,7 +76,7 @@ def add_serve_parser(sub) -> None:
                    help="let the goodput autoscaler set the replicas per role (needs --slo); --no-autoscale "
                         "turns off a file's autoscaling")
     p.add_argument("--slo", nargs="+", type=parse_slo, metavar="ttft:MS|tpot:MS",
-                   help="the SLOs: admission control refuses what would miss the TTFT one, the autoscaler "
+                   help="the SLOs: admission control refuses what would miss either, the autoscaler "
                         "scales for both, e.g. --slo ttft:1000 tpot:100")
     p.add_argument("--max-replicas", type=int, help="the autoscaler's budget in ranks (default: the ranks the "
                                                      "pools start with)")
