@@ -72,6 +72,12 @@ CASES = [
     ("autoscaled: a budget of 3 ranks on 2 cores", config(**{
         "autoscaling.enabled": True, "autoscaling.budget": 3, "slo.ttft_ms": 1000, "slo.tpot_ms": 100}), ONE_2CPU,
      ["needs 3 CPUs in all", "prefill: 2 replicas", "lower autoscaling.budget (--max-replicas, now 3)"]),
+    # first fit in node order put the TP-6 gang on the 8-GPU node, leaving no node for the second
+    # TP-4 gang (with the nodes listed the other way round, it fitted)
+    ("8 + 6 GPUs: tp 6 prefill + 2 x tp 4 decode, the larger node first",
+     config(device="cuda", **{"prefill.tensor_parallel_size": 6, "decode.replicas": 2,
+                              "decode.tensor_parallel_size": 4}),
+     ClusterResources((("10.0.0.1", 64, 8), ("10.0.0.2", 64, 6))), None),
     ("GPU deployment on a CPU-only cluster", config(device="cuda"), CPU_ONLY_BIG,
      ["device is cuda but the cluster has no GPUs", "prefill: 1 replica × 1 TP rank × {CPU: 1, GPU: 1}",
       "in all 128 CPUs, 0 GPUs", "--device cpu", "ray start --num-gpus"]),

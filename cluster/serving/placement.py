@@ -137,7 +137,7 @@ def cluster_resources() -> ClusterResources:
 def check_placement(config: DeploymentConfig, cluster: ClusterResources) -> None:
     """Returns when every gang of `config` (cpus_per_rank resolved) fits on
     `cluster` at once by total capacity: each gang whole on one node, all gangs
-    together by first-fit-decreasing over the nodes. Raises PlacementError
+    together by best-fit-decreasing over the nodes. Raises PlacementError
     otherwise. An autoscaled deployment must fit at every size it can reach."""
     if config.autoscaling.enabled:
         budget = config.autoscaling_settings().budget
@@ -166,7 +166,7 @@ def check_placement(config: DeploymentConfig, cluster: ClusterResources) -> None
             needs, cluster, _advice(
                 [need], cpu_short=cluster.largest_node_cpus < need.cpus - _EPS,
                 gpu_short=most_gpus < need.gpus - _EPS, add=f"add a node with at least {_gang(need)}")))
-    unplaced = _first_fit_decreasing(needs, cluster)
+    unplaced = _best_fit_decreasing(needs, cluster)
     if unplaced is not None:
         total_cpus = sum(n.replicas * n.cpus for n in needs)
         total_gpus = sum(n.replicas * n.gpus for n in needs)
@@ -216,19 +216,20 @@ def _fits(cpus: float, gpus: float, need: GangNeed) -> bool:
     return cpus >= need.cpus - _EPS and gpus >= need.gpus - _EPS
 
 
-def _first_fit_decreasing(needs: list[GangNeed], cluster: ClusterResources) -> GangNeed | None:
-    """Places every gang, largest first, on the first node with room; the first
-    gang that finds none, or None when all fit."""
+def _best_fit_decreasing(needs: list[GangNeed], cluster: ClusterResources) -> GangNeed | None:
+    """Places every gang, largest first, on the node it leaves the least room on
+    (first fit in node order refused a TP-6 gang and two TP-4 ones on nodes of 8
+    and 6 GPUs, listed in that order); the first gang that finds no node, or None
+    when all fit."""
     free = [[n.cpus, n.gpus] for n in cluster.nodes]
     gangs = sorted((n for n in needs for _ in range(n.replicas)), key=lambda n: (n.gpus, n.cpus), reverse=True)
     for gang in gangs:
-        for room in free:
-            if _fits(room[0], room[1], gang):
-                room[0] -= gang.cpus
-                room[1] -= gang.gpus
-                break
-        else:
+        rooms = [room for room in free if _fits(room[0], room[1], gang)]
+        if not rooms:
             return gang
+        room = min(rooms, key=lambda r: (r[1] - gang.gpus, r[0] - gang.cpus))
+        room[0] -= gang.cpus
+        room[1] -= gang.gpus
     return None
 
 
