@@ -55,6 +55,20 @@ def test_a_listening_port_is_seen_and_cannot_be_bound(listener):
     assert can_bind("127.0.0.1", port)
 
 
+def test_a_listener_on_another_address_of_this_machine_is_seen_for_a_wildcard_host():
+    # a server on one address (here 127.0.0.2, the node's own address in a cluster) blocks binding
+    # 0.0.0.0 as surely; probed through 127.0.0.1 it went unseen, and pdserve waited 65 s for
+    # TIME_WAIT before saying "nothing listens on it"
+    with socket.socket() as s:
+        s.bind(("127.0.0.2", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert not can_bind("0.0.0.0", port)
+        assert has_listener("0.0.0.0", port)
+        problem = wait_for_port("0.0.0.0", port, listener_grace_s=0.2, time_wait_s=30.0, poll_s=0.05)
+        assert f"0.0.0.0:{port} is in use by another process" in problem
+
+
 def test_time_wait_blocks_a_plain_bind_only_after_a_server_without_reuse_address():
     port = closed_server_port(reuse_address=False)
     assert not has_listener("127.0.0.1", port)

@@ -42,15 +42,41 @@ def can_bind(host: str, port: int, *, reuse_address: bool = False) -> bool:
     return bind_error(host, port, reuse_address=reuse_address) is None
 
 
+WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}   # -> the loopback that reaches them
+
+
 def has_listener(host: str, port: int) -> bool:
-    """True when something accepts TCP connections on `host`:`port` (a wildcard
-    host is reached through loopback)."""
-    target = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+    """True when something accepts TCP connections on `host`:`port`. For a wildcard
+    host, anything listening on the port at any address of this machine (it
+    blocks the wildcard's bind as surely; a connection through loopback would
+    miss a server on the node's own address, and waiting for TIME_WAIT to end
+    would not help)."""
+    if host in WILDCARD_HOSTS and (ports := _listening_ports()) is not None:
+        return port in ports
     try:
-        with socket.create_connection((target, port), timeout=1.0):
+        with socket.create_connection((WILDCARD_HOSTS.get(host, host), port), timeout=1.0):
             return True
     except OSError:
         return False
+
+
+def _listening_ports() -> set[int] | None:
+    """The local ports of TCP sockets in LISTEN state (Linux's /proc/net), or None
+    where this system does not say."""
+    ports: set[int] = set()
+    known = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as rows:
+                next(rows, None)                       # the header
+                for row in rows:
+                    fields = row.split()
+                    if len(fields) > 3 and fields[3] == "0A":     # TCP_LISTEN
+                        ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+            known = True
+        except (OSError, ValueError):
+            continue
+    return ports if known else None
 
 
 def wait_for_port(host: str, port: int, *, reuse_address: bool = False, listener_grace_s: float | None = None,
