@@ -157,3 +157,14 @@ def test_pdserve_serve_refuses_a_gang_bigger_than_the_cluster(ray_2cpu, tmp_path
     assert "a decode gang needs 4 CPUs on one node" in done.stderr, done.stderr[-2000:]
     assert "pdserve is serving" not in done.stdout
     print(f"refused in {elapsed:.1f} s")
+
+
+def test_pdserve_serve_refuses_the_dashboard_flag_on_a_cluster_it_joins(ray_2cpu, tmp_path):
+    # the flag starts the dashboard with a cluster pdserve starts; joining one, it was ignored
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    done = subprocess.run(
+        [sys.executable, "-m", "cluster.cli.main", "serve", "--ray-dashboard", "--address", ray_2cpu,
+         "--port", str(free_port())],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120, check=False)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "error: --ray-dashboard starts the dashboard with a cluster pdserve starts" in done.stderr

@@ -118,6 +118,21 @@ def test_serve_on_a_held_port_exits_with_the_port_in_the_message(listener, monke
     assert shutdowns == [True]          # the cluster it started is stopped
 
 
+def test_ctrl_c_while_serve_waits_for_the_port_stops_its_cluster(monkeypatch):
+    # a KeyboardInterrupt traceback and exit 1 before, the StopSignal not yet installed
+    import ray
+    shutdowns = []
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(serve_command, "_connect", lambda *a, **k: True)
+    monkeypatch.setattr(ray, "shutdown", lambda: shutdowns.append(True))
+    monkeypatch.setattr(port_check, "wait_for_port", interrupted)
+    args = build_parser().parse_args(["serve", "--port", "8765"])
+    assert serve_command._cmd_serve(args) == 130
+    assert shutdowns == [True]
+
+
 @pytest.mark.parametrize(("host", "expected"), [
     ("no-such-host.invalid", "does not resolve"),
     ("192.0.2.1", "is not an address of this machine"),     # TEST-NET-1: never a local address

@@ -156,12 +156,23 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"error: cannot join the Ray cluster ({exc}): check --address, or leave it out to start a local "
               "cluster", file=sys.stderr)
         return 2
+    if args.ray_dashboard and not started_ray:
+        print("error: --ray-dashboard starts the dashboard with a cluster pdserve starts, and this one joined a "
+              "running cluster (whose `ray start --include-dashboard` decides): drop the flag, or give "
+              "--address local", file=sys.stderr)
+        ray.shutdown()
+        return 2
     direct_ingress = started_ray and config.http.direct_ingress
     host, port = config.http.host, config.http.port
     # on a cluster of its own nothing of this server listens yet: the port must be free to bind
     # as the router (direct ingress: no SO_REUSEADDR) or Serve's proxy will bind it
-    if started_ray and (problem := wait_for_port(host, port, reuse_address=not direct_ingress,
-                                                 notify=lambda m: print(m, flush=True))):
+    try:
+        problem = started_ray and wait_for_port(host, port, reuse_address=not direct_ingress,
+                                                notify=lambda m: print(m, flush=True))
+    except KeyboardInterrupt:     # Ctrl-C while it waits (up to a minute): stop the cluster it started
+        ray.shutdown()
+        return 130
+    if problem:
         print(f"error: {problem}", file=sys.stderr)
         ray.shutdown()
         return 2
