@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import signal
 from dataclasses import dataclass
 
 import torch
@@ -349,6 +350,9 @@ def follower_main(rank: int, size: int, port: int, parent_pid: int, config: Engi
                   backend: str) -> None:
     """Entry point of a spawned rank process."""
     from engine.tp_group import create_group, exit_when_parent_dies
+    # Ctrl-C in a terminal reaches the whole process group: rank 0 decides what it means (an
+    # idle follower that took it died at rank 0's next command, ending the engine for good)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format=f"[tp rank {rank}] %(levelname)s %(message)s")
     exit_when_parent_dies(parent_pid)
     device = config.resolved_device()

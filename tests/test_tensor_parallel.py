@@ -163,6 +163,19 @@ def test_collective_rpc_calls_that_cannot_be_sent_or_answered_leave_the_ranks_in
         assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids) == 3
 
 
+def test_ctrl_c_at_an_idle_prompt_leaves_the_ranks_serving(model_dirs):
+    # a terminal's Ctrl-C reaches every process of its group: a rank that took it while waiting
+    # for rank 0's next command died on that command, and the engine was gone for good
+    import signal
+    with LLM(str(model_dirs["tiny"]), max_model_len=128, tensor_parallel_size=2) as llm:
+        first = llm.generate([[5, 6, 7]], GREEDY)[0].token_ids
+        for pid in llm.engine.rank_pids:
+            os.kill(pid, signal.SIGINT)
+        time.sleep(0.5)
+        assert all(_alive(pid) for pid in llm.engine.rank_pids)
+        assert llm.generate([[5, 6, 7]], GREEDY)[0].token_ids == first
+
+
 def test_an_interrupt_mid_step_breaks_the_engine_instead_of_hanging_it(model_dirs):
     """Ctrl-C on rank 0 after the step went to the other ranks leaves them in a
     collective rank 0 never joins: the engine must refuse to step and stop them
