@@ -124,8 +124,7 @@ def kv_bytes_per_token(model: ModelConfig, tp: int, dtype: str) -> int:
 
 def model_len_limit(model: ModelConfig) -> int:
     """The longest context the engine accepts (see model_worker.resolve_max_model_len)."""
-    limit = model.max_position_embeddings
-    return min(limit, model.sliding_window) if model.sliding_window else limit
+    return model.longest_context
 
 
 @dataclass(frozen=True)
@@ -220,7 +219,7 @@ def plan(model: ModelConfig, *, tp: int, gpu_memory_gib: float, gpu_memory_utili
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     limit = model_len_limit(model)
     if max_model_len is None:
-        max_model_len = limit
+        max_model_len = model.default_context     # as the engine takes it
     elif not 1 <= max_model_len <= limit:
         raise ValueError(f"--max-model-len must be in [1, {limit}] for this model, got {max_model_len}")
     dtype = resolve_dtype(model, dtype)

@@ -270,15 +270,21 @@ def _cpp_kernels_run(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def resolve_max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
-    limit = mc.max_position_embeddings
-    if mc.sliding_window:
-        limit = min(limit, mc.sliding_window)
+    """The engine's context: the config's max_model_len, or the model's default
+    (ModelConfig.default_context); ValueError past ModelConfig.longest_context."""
+    limit = mc.longest_context
     if config.max_model_len is None:
-        return limit
+        return mc.default_context
     if config.max_model_len > limit:
-        why = (f"its attention slides over a window of {mc.sliding_window} tokens, which pdserve does not "
-               f"implement (its max_position_embeddings is {mc.max_position_embeddings})"
-               if limit < mc.max_position_embeddings else f"its max_position_embeddings is {limit}")
+        scaled = mc.rope_type in ("linear", "dynamic")
+        if mc.sliding_window and limit == mc.sliding_window:
+            why = (f"its attention slides over a window of {mc.sliding_window} tokens, which pdserve does not "
+                   f"implement (its max_position_embeddings is {mc.max_position_embeddings})")
+        elif scaled:
+            why = (f"its max_position_embeddings {mc.max_position_embeddings} times its {mc.rope_type} RoPE "
+                   f"scaling factor {mc.rope_params.get('factor', 1.0):g}")
+        else:
+            why = f"its max_position_embeddings is {limit}"
         raise ValueError(f"max_model_len ({config.max_model_len}) is larger than the model supports "
                          f"({limit}: {why}); set max_model_len <= {limit}")
     return config.max_model_len

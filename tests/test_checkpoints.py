@@ -43,6 +43,31 @@ def test_rope_scaling_variants_match_transformers(rope, model_dirs, tmp_path):
         assert o.token_ids == ref.greedy(tuple(p), 16)
 
 
+def test_linear_and_dynamic_rope_scalings_reach_past_max_position_embeddings(model_dirs, tmp_path):
+    # how such checkpoints extend their context (vLLM takes max_position_embeddings x factor);
+    # they were refused past max_position_embeddings, and the dynamic-NTK code never ran
+    from engine.model import ModelConfig
+    from engine.model_worker import resolve_max_model_len
+    from engine.engine_config import EngineConfig
+    linear = _with_rope(model_dirs["tiny"], tmp_path / "lin", {"rope_type": "linear", "factor": 4.0})
+    mc = ModelConfig.from_pretrained(linear)
+    assert (mc.max_position_embeddings, mc.longest_context, mc.default_context) == (1024, 4096, 4096)
+    dynamic_dir = _with_rope(model_dirs["tiny"], tmp_path / "dyn", {"rope_type": "dynamic", "factor": 2.0})
+    dynamic = ModelConfig.from_pretrained(dynamic_dir)
+    # dynamic: fixed for the engine's context, as vLLM; past 1024 that differs from transformers'
+    # frequencies for shorter sequences, so it is asked for, not the default
+    assert (dynamic.longest_context, dynamic.default_context) == (2048, 1024)
+    assert resolve_max_model_len(EngineConfig(model=str(dynamic_dir), max_model_len=2048), dynamic) == 2048
+    with pytest.raises(ValueError, match=r"\(2048: its max_position_embeddings 1024 times its dynamic RoPE "
+                                         r"scaling factor 2\)"):
+        resolve_max_model_len(EngineConfig(model=str(dynamic_dir), max_model_len=3000), dynamic)
+    # past max_position_embeddings, linear scaling is what transformers computes too
+    llm = LLM(str(linear), max_model_len=1400)
+    prompt = [random.Random(3).randrange(3, 512) for _ in range(1200)]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8))[0]
+    assert out.token_ids == Reference(linear).greedy(tuple(prompt), 8)
+
+
 def test_rope_scaling_changes_the_output(model_dirs, tmp_path):
     """Guards the test above: a scaled RoPE is not silently ignored."""
     d = _with_rope(model_dirs["tiny"], tmp_path / "lin", {"rope_type": "linear", "factor": 4.0})

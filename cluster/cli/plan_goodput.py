@@ -44,7 +44,6 @@ def run_goodput_plan(args: argparse.Namespace, model_dir, model) -> int:
     from cluster.perf_model.step_shape import profile_model_problem, profile_tp
     from cluster.planner.search import Workload, roofline_spec_builder, search, unbounded
     from engine.memory_planner import (
-        model_len_limit,
         resolve_dtype,
         resolve_gpu_type,
         valid_tps,
@@ -89,7 +88,7 @@ def run_goodput_plan(args: argparse.Namespace, model_dir, model) -> int:
             print(f"error: --profile {args.profile}: {problem}", file=sys.stderr)
             return 2
         models, tps = {tp: profile}, [tp]
-    max_len = args.max_model_len or model_len_limit(model)
+    max_len = args.max_model_len or model.default_context     # the engine's default
     if not 0 < args.attainment <= 1 or args.max_num_batched_tokens < 1:
         print("error: --attainment must be in (0, 1] and --max-num-batched-tokens >= 1", file=sys.stderr)
         return 2

@@ -65,6 +65,27 @@ class ModelConfig:
             raise ModelConfigError(
                 f"rope type {self.rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
 
+    @property
+    def longest_context(self) -> int:
+        """The longest max_model_len the engine accepts: max_position_embeddings,
+        times the factor of a linear or dynamic-NTK RoPE scaling (how such a
+        checkpoint reaches past it; vLLM takes the same), within a sliding window
+        (the engine does not slide its attention)."""
+        limit = self.max_position_embeddings
+        if self.rope_type in ("linear", "dynamic"):
+            limit = int(limit * self.rope_params.get("factor", 1.0))
+        return min(limit, self.sliding_window) if self.sliding_window else limit
+
+    @property
+    def default_context(self) -> int:
+        """max_model_len where none is set: the longest, but for dynamic NTK
+        max_position_embeddings: its frequencies are fixed for the engine's
+        max_model_len (vLLM's choice), which past max_position_embeddings differ
+        from transformers' for every shorter sequence."""
+        if self.rope_type == "dynamic":
+            return min(self.max_position_embeddings, self.longest_context)
+        return self.longest_context
+
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
         """Reads `model_dir/config.json` (offline) and validates it. The EOS ids
