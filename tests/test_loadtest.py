@@ -384,10 +384,12 @@ def test_an_output_ending_with_eos_is_timed_to_its_last_step(server, endpoint):
     assert ttft(eos_first) == pytest.approx(0.040, abs=TOL_S)
 
 def test_a_request_the_server_aborted_is_a_failure_not_a_short_output(server):
-    result = run([fake(n=4, finish="abort"), fake(n=4, finish="length")], server.base_url)
+    result = run([fake(n=4, finish="abort"), fake(n=4, finish="length"), fake(n=4, finish="error")],
+                 server.base_url)
     by_index = {r.index: r for r in result.records}
-    assert not by_index[0].succeeded and "aborted the request" in by_index[0].error
+    assert not by_index[0].succeeded and "ended the request with finish_reason 'abort'" in by_index[0].error
     assert by_index[1].succeeded and by_index[1].finish_reason == "length"
+    assert not by_index[2].succeeded and "finish_reason 'error'" in by_index[2].error
 
 
 def test_a_finished_stream_without_done_succeeds_and_a_cut_one_fails(server):

@@ -88,6 +88,11 @@ def build_payload(request: SampleRequest, *, model: str, chat: bool, temperature
     return payload
 
 
+# a request the server cut off: vLLM's (and pdserve's) "abort", and "error" (vLLM's for a request
+# the engine failed)
+FAILED_FINISH_REASONS = frozenset({"abort", "error"})
+
+
 def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
@@ -113,8 +118,8 @@ async def send_request(session: aiohttp.ClientSession, url: str, payload: dict[s
         if record.error is None:
             if not done and record.finish_reason is None:
                 record.error = "the stream ended before the output finished (no finish_reason, no data: [DONE])"
-            elif record.finish_reason == "abort":    # vLLM's (and pdserve's) for a request cut off server-side
-                record.error = "the server aborted the request (finish_reason 'abort')"
+            elif record.finish_reason in FAILED_FINISH_REASONS:
+                record.error = f"the server ended the request with finish_reason {record.finish_reason!r}"
             elif not record.chunk_times:
                 record.error = "the response carried no output chunk (no first token to time)"
     record.end_time = time.perf_counter()
@@ -125,7 +130,8 @@ async def send_request(session: aiohttp.ClientSession, url: str, payload: dict[s
 
 def _output_finished(record: RequestRecord) -> bool:
     """The stream carried output and its finish_reason (one that is no failure)."""
-    return bool(record.chunk_times) and record.finish_reason is not None and record.finish_reason != "abort"
+    return bool(record.chunk_times) and record.finish_reason is not None and \
+        record.finish_reason not in FAILED_FINISH_REASONS
 
 
 async def _stream(session: aiohttp.ClientSession, url: str, payload: dict[str, Any],
