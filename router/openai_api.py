@@ -111,7 +111,7 @@ def build_openai_app(backend: GenerationBackend, tokenizer: Any, metrics: Servin
     async def models() -> dict[str, Any]:
         return server.models()
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])     # (load balancers' probes send HEAD too)
     async def health() -> Response:
         try:
             await backend.check_health()
@@ -189,7 +189,8 @@ class _Server:
                 first = await _unless_disconnected(request, gen.next())
                 if first is None:    # before any header: an HTTP error like a non-streamed request's
                     raise BackendUnavailableError("the generation stream ended before its first output")
-                return _EventStream(self._events(gen, first, fmt, header, body.include_usage),
+                return _EventStream(self._events(gen, first, fmt, header, body.include_usage,
+                                                 body.continuous_usage),
                                     on_close=lambda: gen.close("abort"), media_type="text/event-stream")
             final = await _unless_disconnected(request, gen.run_to_end())
         except _ClientDisconnected:
@@ -341,14 +342,26 @@ class _Server:
                 f"{max_tokens_param}.", param=max_tokens_param)
 
     async def _events(self, gen: _Generation, first: RequestOutput | None, fmt: ResponseBuilder,
-                      header: dict[str, Any], include_usage: bool) -> AsyncIterator[str]:
+                      header: dict[str, Any], include_usage: bool,
+                      continuous_usage: bool = False) -> AsyncIterator[str]:
         """SSE events of one stream; closes `gen` however the stream ends."""
-        # OpenAI sends "usage": null on every chunk but the last when usage is asked for.
-        usage_null = {"usage": None} if include_usage else {}
+        prompt_tokens = gen.timings.prompt_tokens
+
+        def chunk_usage(out: RequestOutput | None) -> dict[str, Any]:
+            # OpenAI sends "usage": null on every chunk but the last when usage is asked for;
+            # vLLM's continuous_usage_stats, the usage so far
+            if not include_usage:
+                return {}
+            if not continuous_usage:
+                return {"usage": None}
+            if out is None:        # the opening chunk: nothing generated yet
+                return {"usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 0,
+                                  "total_tokens": prompt_tokens}}
+            return {"usage": usage(prompt_tokens, out)}
         reason: str | None = "abort"   # kept if the client leaves mid-stream
         try:
             for choice in fmt.opening_choices():
-                yield sse_event({**header, "choices": [choice], **usage_null})
+                yield sse_event({**header, "choices": [choice], **chunk_usage(None)})
             out, text_offset = first, 0
             while out is not None:
                 # Skip outputs with nothing to say (text held back mid-character, no logprobs).
@@ -357,7 +370,7 @@ class _Server:
                     if out.logprobs is not None:
                         logprobs, text_offset = fmt.logprobs(out.logprobs, text_offset)
                     choice = fmt.chunk_choice(out.delta_text, logprobs, out)
-                    yield sse_event({**header, "choices": [choice], **usage_null})
+                    yield sse_event({**header, "choices": [choice], **chunk_usage(out)})
                 if out.finished:
                     break
                 out = await gen.next()
@@ -365,7 +378,7 @@ class _Server:
                 raise BackendUnavailableError("the generation stream ended before the request finished")
             reason = out.finish_reason
             if include_usage:
-                yield sse_event({**header, "choices": [], "usage": usage(gen.timings.prompt_tokens, out)})
+                yield sse_event({**header, "choices": [], "usage": usage(prompt_tokens, out)})
         except Exception as exc:  # noqa: BLE001 - headers are out: report it in the stream
             reason = None
             error = from_exception(exc)

@@ -35,6 +35,9 @@ from engine.sampling_params import SamplingParams, SamplingParamsError
 StrictNumber = Annotated[float, Field(strict=True)]
 # OpenAI's range; the engine itself takes any temperature >= 0.
 Temperature = Annotated[float, Field(strict=True, ge=0, le=2)]
+# a count or a seed: within 64 bits (a max_tokens of thousands of digits made the context check's
+# own message fail: a 500)
+Int64 = Annotated[int, Field(strict=True, ge=-(2**63), le=2**63 - 1)]
 
 
 def _shape_error(message: str) -> PydanticCustomError:
@@ -62,6 +65,7 @@ def _string_chars(value: object) -> int:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False     # vLLM's: with include_usage, usage on every chunk
 
 
 _UNSUPPORTED_EXTENSIONS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
@@ -95,21 +99,21 @@ class _GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr | None = None           # None = the served model
-    max_tokens: StrictInt | None = None      # None: completions 16, chat the rest of the context window
+    max_tokens: Int64 | None = None      # None: completions 16, chat the rest of the context window
     temperature: Temperature | None = None
     top_p: StrictNumber | None = None
-    top_k: StrictInt | None = None
+    top_k: Int64 | None = None
     min_p: StrictNumber | None = None
     repetition_penalty: StrictNumber | None = None
     presence_penalty: StrictNumber | None = None
     frequency_penalty: StrictNumber | None = None
-    seed: StrictInt | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool | None = None
-    min_tokens: StrictInt | None = None
+    min_tokens: Int64 | None = None
     skip_special_tokens: StrictBool | None = None
-    n: StrictInt | None = None
+    n: Int64 | None = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, Any] | None = None
@@ -157,6 +161,11 @@ class _GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         """Whether a stream ends with a usage chunk."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every chunk of a stream carries the usage so far (vLLM's continuous_usage_stats)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -244,10 +253,10 @@ class CompletionRequest(_GenerationRequest):
     """POST /v1/completions. `prompt` is normalised to one str or one list of token ids."""
 
     prompt: str | list[StrictInt]
-    logprobs: StrictInt | None = None
+    logprobs: Int64 | None = None
     echo: StrictBool | None = False
     suffix: StrictStr | None = None
-    best_of: StrictInt | None = None
+    best_of: Int64 | None = None
     add_special_tokens: StrictBool = True    # vLLM: prepend BOS etc. to a text prompt
 
     @field_validator("prompt", mode="before")
@@ -278,6 +287,8 @@ class CompletionRequest(_GenerationRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.best_of is not None and self.best_of < 1:
+            raise InvalidRequestError(f"best_of must be 1, got {self.best_of}.", param="best_of")
         if self.best_of is not None and self.best_of != 1:
             raise InvalidRequestError(f"best_of > 1 is not supported (got best_of={self.best_of}); "
                                       "send one request per candidate.", param="best_of")
@@ -340,8 +351,8 @@ class ChatCompletionRequest(_GenerationRequest):
 
     messages: list[ChatMessage]
     logprobs: StrictBool | None = False
-    top_logprobs: StrictInt | None = None
-    max_completion_tokens: StrictInt | None = None  # OpenAI's newer name; wins over max_tokens
+    top_logprobs: Int64 | None = None
+    max_completion_tokens: Int64 | None = None  # OpenAI's newer name; wins over max_tokens
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False   # vLLM: the reply continues the last (assistant) message
     chat_template_kwargs: dict[str, Any] | None = None   # vLLM: extra variables for the template
@@ -374,6 +385,9 @@ class ChatCompletionRequest(_GenerationRequest):
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs=true.", param="top_logprobs")
+        if self.top_logprobs is not None and self.top_logprobs < 0:
+            raise InvalidRequestError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}.",
+                                      param="top_logprobs")
         if self.echo:
             raise InvalidRequestError("echo is not supported; the last message is not returned with the reply. "
                                       "Remove echo.", param="echo")

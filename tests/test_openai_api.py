@@ -224,6 +224,19 @@ def test_completion_stream_chunks_add_up_and_end_with_usage_then_done(client, ba
     assert usage_chunk["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
 
 
+def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(client):
+    # vLLM's stream_options.continuous_usage_stats (it was ignored: usage null on every chunk)
+    events = sse_events(client.post(CHAT, json={
+        "messages": USER, "max_tokens": 3, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}}))
+    chunks = [json.loads(e) for e in events[:-1]]
+    completions = [c["usage"]["completion_tokens"] for c in chunks]
+    assert completions[0] == 0 and completions[-1] == 3             # the role chunk, the final usage
+    assert completions == sorted(completions) and chunks[-1]["choices"] == []
+    assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
+               for c in chunks)
+
+
 def test_stream_without_include_usage_has_no_usage_key(client):
     events = sse_events(client.post("/v1/completions",
                                     json={"prompt": "Hi", "max_tokens": 2, "stream": True}))
@@ -329,8 +342,10 @@ def test_health_reports_the_backend(client, backend):
     assert client.get("/health").status_code == 200
     backend.healthy = False
     assert_openai_error(client.get("/health"), 503, None, "no decode replica is alive")
+    assert client.head("/health").status_code == 503       # load balancers' HEAD probes (405 before)
     backend.healthy = True
     assert client.get("/health").status_code == 200
+    assert client.head("/health").status_code == 200
 
 
 def test_metrics_after_requests(client, metrics, tokenizer):
@@ -381,6 +396,12 @@ LONG = list(range(3, 3 + MAX_MODEL_LEN))
 @pytest.mark.parametrize(("path", "body", "status", "param", "fragment"), [
     (COMPLETIONS, {"prompt": "Hi", "n": 2}, 400, "n", "n > 1 is not supported"),
     (COMPLETIONS, {"prompt": "Hi", "best_of": 2}, 400, "best_of", "best_of > 1 is not supported"),
+    (COMPLETIONS, {"prompt": "Hi", "best_of": 0}, 400, "best_of", "best_of must be 1, got 0"),
+    # thousands of digits: the context check's own message had failed on the sum (a 500)
+    (COMPLETIONS, {"prompt": "Hi", "max_tokens": int("9" * 4300)}, 400, "max_tokens",
+     "less than or equal to 9223372036854775807"),
+    (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs",
+     "top_logprobs must be in [0, 20], got -1"),
     (COMPLETIONS, {"prompt": "Hi", "echo": True}, 400, "echo", "echo is not supported"),
     (COMPLETIONS, {"prompt": "Hi", "suffix": "end"}, 400, "suffix", "suffix"),
     (COMPLETIONS, {"prompt": "Hi", "logit_bias": {"5": 10}}, 400, "logit_bias", "not supported"),
