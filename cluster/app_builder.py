@@ -76,6 +76,7 @@ def resolve_model(config: DeploymentConfig) -> tuple[str, ModelInfo]:
     from engine.engine_config import EngineConfig
     from engine.model import ModelConfig
     from engine.model.loader import checkpoint_files
+    from engine.model.model_config import generation_sampling_defaults
     from engine.model_worker import resolve_max_model_len
     from engine.preflight import preflight
     from engine.tiny_model import checkpoint_dir
@@ -93,7 +94,8 @@ def resolve_model(config: DeploymentConfig) -> tuple[str, ModelInfo]:
     if config.autoscaling.enabled and config.autoscaling.profile and (problems := _profile_problems(config, mc)):
         raise ValueError(f"autoscaling.profile {config.autoscaling.profile}: " + "; ".join(problems))
     name = config.model.served_model_name or Path(path).name
-    return path, ModelInfo(served_model_name=name, max_model_len=max_len, vocab_size=mc.vocab_size)
+    return path, ModelInfo(served_model_name=name, max_model_len=max_len, vocab_size=mc.vocab_size,
+                           sampling_defaults=generation_sampling_defaults(path))
 
 
 def _profile_problems(config: DeploymentConfig, mc) -> list[str]:

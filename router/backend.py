@@ -8,8 +8,8 @@ drive the API with an in-process engine or a scripted fake.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
 
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -21,6 +21,8 @@ class ModelInfo:
     served_model_name: str
     max_model_len: int
     vocab_size: int
+    # the checkpoint's generation_config.json sampling settings, for what a request leaves unset
+    sampling_defaults: Mapping[str, float] = field(default_factory=dict)
 
 
 class BackendUnavailableError(RuntimeError):

@@ -224,7 +224,7 @@ class _Server:
             default_max = min(default_max, max(COMPLETION_DEFAULT_MAX_TOKENS, body.min_tokens or 0))
         if self.limits.max_tokens is not None:
             default_max = min(default_max, self.limits.max_tokens)
-        params = body.to_sampling_params(default_max)
+        params = body.to_sampling_params(default_max, self.info.sampling_defaults)
         self._check_context(len(prompt_ids), params, body.max_tokens_param, prompt_param)
         return prompt_ids, params
 

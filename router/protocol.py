@@ -14,6 +14,7 @@ Contracts:
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -219,8 +220,11 @@ class _GenerationRequest(BaseModel):
             raise InvalidRequestError("stream_options is only allowed when stream is true.",
                                       param="stream_options")
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """The engine's SamplingParams; `default_max_tokens` stands in for an unset max_tokens."""
+    def to_sampling_params(self, default_max_tokens: int,
+                           defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """The engine's SamplingParams; `default_max_tokens` stands in for an unset
+        max_tokens, `defaults` (the model's generation_config.json settings) for
+        other unset fields."""
         max_tokens = self.requested_max_tokens
         kwargs: dict[str, Any] = {
             "max_tokens": default_max_tokens if max_tokens is None else max_tokens,
@@ -230,7 +234,9 @@ class _GenerationRequest(BaseModel):
                      "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
                      "ignore_eos", "min_tokens", "skip_special_tokens"):
             value = getattr(self, name)
-            if value is not None:  # unset: keep the engine's default
+            if value is None:   # unset: the model's recommendation, else the engine's default
+                value = (defaults or {}).get(name)
+            if value is not None:
                 kwargs[name] = value
         try:
             return SamplingParams(**kwargs)

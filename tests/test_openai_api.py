@@ -237,6 +237,30 @@ def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(client):
                for c in chunks)
 
 
+def test_the_models_generation_config_sets_what_a_request_leaves_unset(tokenizer, tmp_path):
+    # an instruct model's recommended sampling (vLLM's --generation-config auto); a request's
+    # own value wins, and a setting the engine would refuse is left out
+    import json
+
+    from engine.model.model_config import generation_sampling_defaults
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 2.0, "do_sample": True}))
+    defaults = generation_sampling_defaults(tmp_path)
+    assert defaults == {"temperature": 0.6, "top_p": 0.9, "top_k": 20}
+
+    class Recommending(FakeBackend):
+        def model_info(self):
+            return ModelInfo(MODEL, MAX_MODEL_LEN, self.vocab_size, sampling_defaults=defaults)
+    backend = Recommending(tokenizer, len(tokenizer))
+    with TestClient(build_openai_app(backend, tokenizer, ServingMetrics())) as client:
+        assert client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+        assert client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 2, "temperature": 0,
+                                              "top_k": 5}).status_code == 200
+    (_, _, first), (_, _, second) = backend.calls
+    assert (first.temperature, first.top_p, first.top_k, first.min_p) == (0.6, 0.9, 20, 0.0)
+    assert (second.temperature, second.top_p, second.top_k) == (0.0, 0.9, 5)
+
+
 def test_stream_without_include_usage_has_no_usage_key(client):
     events = sse_events(client.post("/v1/completions",
                                     json={"prompt": "Hi", "max_tokens": 2, "stream": True}))

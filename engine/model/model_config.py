@@ -185,14 +185,42 @@ def _token_ids(value: Any) -> tuple[int, ...]:
     return tuple(v for v in values if isinstance(v, int) and not isinstance(v, bool))
 
 
-def _generation_eos_token_ids(model_dir: Path) -> tuple[int, ...]:
-    """`eos_token_id` of `model_dir/generation_config.json`; () when the file is
-    absent or unreadable, or sets none."""
+def _generation_config(model_dir: Path) -> dict[str, Any]:
+    """`model_dir/generation_config.json`; {} when it is absent or unreadable."""
     try:
-        generation = json.loads((model_dir / "generation_config.json").read_text())
+        generation = json.loads((Path(model_dir) / "generation_config.json").read_text())
     except (OSError, ValueError):
-        return ()
-    return _token_ids(generation.get("eos_token_id")) if isinstance(generation, dict) else ()
+        return {}
+    return generation if isinstance(generation, dict) else {}
+
+
+def _generation_eos_token_ids(model_dir: Path) -> tuple[int, ...]:
+    """`eos_token_id` of `model_dir/generation_config.json`; () where it sets none."""
+    return _token_ids(_generation_config(model_dir).get("eos_token_id"))
+
+
+# the sampling settings a checkpoint's generation_config.json may recommend (vLLM's
+# --generation-config auto takes the same)
+GENERATION_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_sampling_defaults(model_dir: str | Path) -> dict[str, float]:
+    """The sampling settings `model_dir/generation_config.json` recommends, for
+    requests that leave them unset (numbers only; {} without the file)."""
+    from engine.sampling_params import SamplingParams, SamplingParamsError
+    generation = _generation_config(Path(model_dir))
+    defaults = {}
+    for name in GENERATION_SAMPLING_FIELDS:
+        value = generation.get(name)
+        if name == "top_k" and isinstance(value, float) and value.is_integer():
+            value = int(value)
+        try:
+            SamplingParams(**{name: value})     # one the engine would refuse is left out
+        except (SamplingParamsError, TypeError, ValueError):
+            continue
+        if value is not None:
+            defaults[name] = value
+    return defaults
 
 
 def _sliding_window(hf: Any, arch: str) -> int | None:
