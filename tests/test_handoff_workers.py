@@ -291,6 +291,33 @@ def test_a_failed_transfer_is_retried_once_then_fails_cleanly(model_dirs, refere
     assert good.token_ids == reference("tiny").greedy(tuple(PROMPTS[1]), 10)
 
 
+def test_a_failed_scatter_into_the_decode_cache_forgets_its_staging_buffers(model_dirs, reference):
+    # the pieces were taken off the books before the write: a write that failed (a CUDA error,
+    # say) left the receiver's expect and its staging buffer registered for good
+    async def main():
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub()).start()
+        kv_cache = pair.decode._engine.engine.worker.kv_cache
+        write, failures = kv_cache.write_blocks, []
+
+        def write_once_failing(block_ids, buffer, heads=None):
+            if not failures:
+                failures.append(1)
+                raise RuntimeError("injected: the scatter failed")
+            return write(block_ids, buffer, heads)
+        kv_cache.write_blocks = write_once_failing
+        try:
+            out = await pair.run("r", PROMPTS[0])
+            await pair.wait_idle()
+            with pair.hub._lock:
+                left = dict(pair.hub._expects)
+            return out, failures, left
+        finally:
+            await pair.shutdown()
+    out, failures, left = run(main())
+    assert failures == [1] and out.token_ids == reference("tiny").greedy(tuple(PROMPTS[0]), 10)   # retried
+    assert left == {}
+
+
 def test_a_request_that_cannot_join_the_batch_after_its_kv_arrived_is_retried(model_dirs, reference):
     async def main():
         pair = await Pair(model_dirs["tiny"], FakeTransportHub()).start()

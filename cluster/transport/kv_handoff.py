@@ -133,11 +133,16 @@ def start_receive(worker, transfer_id: str, num_blocks: int, sender_names: list[
 
 
 def finish_receive(worker, transfer_id: str, block_ids: list[int]) -> None:
-    """Scatters the received pieces into the request's blocks and forgets them."""
+    """Scatters the received pieces into the request's blocks and forgets them,
+    every piece even when a write fails (its staging buffer would stay held)."""
     receiver: KVReceiver = worker.attachments[RECEIVER]
-    for piece in worker.attachments[RECEIVES].pop(transfer_id):
-        worker.kv_cache.write_blocks(block_ids, piece.buffer, heads=piece.local_heads)
-        receiver.forget(piece.sub_id, piece.sender_name)
+    pieces = worker.attachments[RECEIVES].pop(transfer_id)
+    try:
+        for piece in pieces:
+            worker.kv_cache.write_blocks(block_ids, piece.buffer, heads=piece.local_heads)
+    finally:
+        for piece in pieces:
+            receiver.forget(piece.sub_id, piece.sender_name)
 
 
 # ---- both sides -------------------------------------------------------------------------------
