@@ -222,6 +222,7 @@ class ServingBackend(GenerationBackend):
             if result is None:
                 resumed = len(resume.token_ids) if resume is not None else 0
                 local_prefill.enter_context(self._in_flight(True, len(prompt) + resumed))
+                self._fanout.submitting(attempt_id)
                 admitted = await self._decode.generate(
                     DecodeRequest(attempt_id, prompt, params, self.subscriber, resume=resume),
                     avoid_replica=failed_on[0])
@@ -299,6 +300,7 @@ class ServingBackend(GenerationBackend):
                 request = DecodeRequest(request_id, prompt_token_ids, params, self.subscriber, result,
                                         f"{request_id}#{attempt}")
                 try:
+                    self._fanout.submitting(request_id)
                     done = await self._decode.generate(request, avoid_replica=avoid)
                     admitted = True
                     if self._policy is not None and done.transfer_time_s is not None:

@@ -69,6 +69,12 @@ class StreamFanout:
         self._expected_at[request_id] = self._num_failures
         return queue
 
+    def submitting(self, request_id: str) -> None:
+        """The request's call to a decode replica is about to go: a stream failure
+        before now (during its prefill elsewhere, say) cannot have crossed it."""
+        if request_id in self._expected_at:
+            self._expected_at[request_id] = self._num_failures
+
     def bind(self, request_id: str, replica_id: str) -> None:
         """The request runs on `replica_id`: read that replica's stream (or, when
         that stream failed since the request was expected, hear the failure)."""

@@ -416,6 +416,66 @@ def test_a_request_admitted_as_its_replicas_stream_broke_is_aborted_there(model_
         assert final.token_ids == reference("tiny").greedy(tuple(prompt), TOKENS)
 
 
+def test_a_stream_failure_during_a_requests_prefill_elsewhere_does_not_move_it(model_dirs, reference):
+    """X is expected, then prefilled on the prefill worker (slowly); A's stream breaks
+    and reopens meanwhile. X's hand-off to A comes after all that: it cannot have
+    crossed the failure, so it stays on A (it was aborted there and prefilled again
+    on B, or failed outright with migration off)."""
+    from cluster.transport.fake_transport import FakeTransportHub
+    from prefill_workers.prefill_worker import PrefillWorker
+    from tests.test_handoff_workers import LocalPrefillPeer, LocalPrefillPool
+
+    class SlowPrefillPool(LocalPrefillPool):
+        def __init__(self, worker):
+            super().__init__(worker)
+            self.gate: dict[str, asyncio.Event] = {}
+
+        async def prefill(self, request_id, prompt_token_ids, params):
+            result = await super().prefill(request_id, prompt_token_ids, params)
+            if request_id in self.gate:
+                await self.gate[request_id].wait()
+            return result
+
+    async def main():
+        hub = FakeTransportHub()
+        config = EngineConfig(model=str(model_dirs["tiny"]), max_model_len=128, block_size=8, dtype="float32",
+                              num_kv_blocks=64)
+        prefill = PrefillWorker(config, lambda rank, device: hub.sender(f"p{rank}"), lease_s=30, replica_id="P")
+        workers = {name: DecodeWorker(config, lambda rank, device, name=name: hub.receiver(f"{name}{rank}"),
+                                      LocalPrefillPeer(prefill), replica_id=name) for name in "AB"}
+        await prefill.start()
+        for w in workers.values():
+            await w.start()
+        pool, prefill_pool = BreakableStreamPool(workers), SlowPrefillPool(prefill)
+        backend = ServingBackend(ModelInfo("tiny", 128, 512), pool, prefill_pool, subscriber="router-0",
+                                 max_migrations=0)
+
+        async def one(rid, prompt):
+            return joined([out async for out in backend.generate(rid, prompt, GREEDY)])
+        try:
+            y = asyncio.create_task(one("Y", PROMPTS[0]))           # opens the router's stream from A
+            while "A" not in pool._breaks:
+                await asyncio.sleep(0.005)
+            prefill_pool.gate["X"] = asyncio.Event()
+            x = asyncio.create_task(one("X", PROMPTS[1]))           # expected now; its prefill is slow
+            await asyncio.sleep(0.05)
+            pool.break_stream("A")
+            await asyncio.sleep(0.3)                                # the failure is over
+            prefill_pool.gate["X"].set()
+            outs = await asyncio.gather(y, x, return_exceptions=True)
+            return outs, list(pool.placed), list(pool.aborts)
+        finally:
+            await backend.close()
+            prefill.shutdown()
+            for w in workers.values():
+                w.shutdown()
+
+    (y, x), placed, aborts = run(main())
+    assert not isinstance(x, BaseException), x
+    assert x.token_ids == reference("tiny").greedy(tuple(PROMPTS[1]), TOKENS)
+    assert ("A", "X") not in aborts and not any(rid.startswith("X~") for rid, _ in placed)
+
+
 def test_a_request_admitted_after_its_subscribers_stream_closed_streams_to_the_next_one(model_dirs, monkeypatch):
     """A seeded migrated request waits for its generator to be advanced (on a
     thread) before it joins the batch; the subscriber's stream closes meanwhile.
