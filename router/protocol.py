@@ -363,6 +363,7 @@ class ChatCompletionRequest(_GenerationRequest):
     continue_final_message: StrictBool = False   # vLLM: the reply continues the last (assistant) message
     chat_template_kwargs: dict[str, Any] | None = None   # vLLM: extra variables for the template
     echo: Any = None                         # vLLM's chat echo, a custom template, best_of: refused
+    documents: Any = None                    # vLLM's documents for the chat template (RAG): refused
     chat_template: Any = None
     best_of: Any = None
 
@@ -397,6 +398,10 @@ class ChatCompletionRequest(_GenerationRequest):
         if self.echo:
             raise InvalidRequestError("echo is not supported; the last message is not returned with the reply. "
                                       "Remove echo.", param="echo")
+        if self.documents:
+            raise InvalidRequestError("documents is not supported: this server does not pass documents to the "
+                                      "chat template. Put them in the messages, or remove documents.",
+                                      param="documents")
         if self.chat_template is not None:
             raise InvalidRequestError("chat_template is not supported: this server renders every conversation "
                                       "with the model's own template. Remove it.", param="chat_template")

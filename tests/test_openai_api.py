@@ -483,6 +483,8 @@ LONG = list(range(3, 3 + MAX_MODEL_LEN))
     (COMPLETIONS, {"prompt": "Hi", "stop_token_ids": list(range(300))}, 400, "stop_token_ids",
      "has 300 ids; this server allows at most 256"),
     (CHAT, {"messages": USER, "echo": True}, 400, "echo", "echo is not supported"),
+    (CHAT, {"messages": USER, "documents": [{"title": "t", "text": "doc"}]}, 400, "documents",
+     "does not pass documents to the chat template"),       # (was dropped silently)
     (CHAT, {"messages": USER, "chat_template": "{{ messages }}"}, 400, "chat_template", "model's own template"),
     (CHAT, {"messages": USER, "best_of": 2}, 400, "best_of", "not supported"),
     (CHAT, {"messages": USER, "cache_salt": "tenant-a"}, 400, "cache_salt", "not supported"),
