@@ -112,10 +112,7 @@ class LLM:
                 others.append(out)
             else:
                 stream.append(out)
-        if self.engine.last_step_empty:
-            raise RuntimeError(
-                f"{len(self.engine.scheduler.waiting)} requests wait for KV blocks or sequence slots that held "
-                "or reserved requests keep; release them (release_kv) or give the engine more KV cache")
+        self.engine.raise_if_blocked()
         return others
 
 

@@ -508,12 +508,17 @@ class LLMEngine:
         done = []
         while self.has_unfinished_requests():
             done.extend(o for o in self.step() if o.finished or o.request_id in self._held)
-            if self.last_step_empty:   # nothing in this loop can free what the waiting requests need
-                raise RuntimeError(
-                    f"{len(self.scheduler.waiting)} requests wait for KV blocks or sequence slots that "
-                    f"{len(self._held)} held and {len(self.scheduler.reserved)} reserved requests keep; "
-                    "release them (release_kv) or give the engine more KV cache")
+            self.raise_if_blocked()
         return done
+
+    def raise_if_blocked(self) -> None:
+        """For a loop that only steps (nothing in it can free what the waiting requests
+        need): raises RuntimeError when the latest step had nothing to run."""
+        if self.last_step_empty:
+            raise RuntimeError(
+                f"{len(self.scheduler.waiting)} requests wait for KV blocks or sequence slots that "
+                f"{len(self._held)} held and {len(self.scheduler.reserved)} reserved requests keep; "
+                "release them (release_kv) or give the engine more KV cache")
 
 
 @dataclass(slots=True)

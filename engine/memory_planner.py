@@ -122,11 +122,6 @@ def kv_bytes_per_token(model: ModelConfig, tp: int, dtype: str) -> int:
     return 2 * model.num_layers * local_kv_heads(model, tp) * model.head_dim * dtype_size(dtype)
 
 
-def model_len_limit(model: ModelConfig) -> int:
-    """The longest context the engine accepts (see model_worker.resolve_max_model_len)."""
-    return model.longest_context
-
-
 @dataclass(frozen=True)
 class Plan:
     """Memory and bandwidth arithmetic for one replica; sizes in bytes."""
@@ -217,7 +212,7 @@ def plan(model: ModelConfig, *, tp: int, gpu_memory_gib: float, gpu_memory_utili
         raise ValueError(f"--kv-transfer-staging-mib must be >= 0, got {kv_transfer_staging_gib * 1024:g}")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    limit = model_len_limit(model)
+    limit = model.longest_context      # as the engine accepts it (model_worker.resolve_max_model_len)
     if max_model_len is None:
         max_model_len = model.default_context     # as the engine takes it
     elif not 1 <= max_model_len <= limit:
