@@ -19,7 +19,7 @@ GPUs). On CPU each rank runs torch with as many threads as its bundle has CPUs.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
@@ -68,11 +68,18 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     return build_application(resolve_cpus_per_rank(config, usable_cpus()))
 
 
-def resolve_model(config: DeploymentConfig) -> tuple[str, ModelInfo]:
-    """The checkpoint directory (building the tiny model when none is set) and
-    what the router tells clients about it. Raises ValueError (CheckpointError,
-    or the list of problems) for a directory without weights, or for settings
-    the workers' engines would refuse for this model, before anything deploys."""
+class ResolvedModel(NamedTuple):
+    path: str                                   # the checkpoint directory
+    info: ModelInfo                             # what the router tells clients about it
+    autoscaling_profile: dict | None = None     # autoscaling.profile, read and checked
+
+
+def resolve_model(config: DeploymentConfig) -> ResolvedModel:
+    """The checkpoint directory (building the tiny model when none is set), what
+    the router tells clients about it, and the autoscaling profile. Raises
+    ValueError (CheckpointError, or the list of problems) for a directory without
+    weights, for settings the workers' engines would refuse for this model, or
+    for a profile that cannot price its steps, before anything deploys."""
     from engine.engine_config import EngineConfig
     from engine.model import ModelConfig
     from engine.model.loader import checkpoint_files
@@ -91,31 +98,37 @@ def resolve_model(config: DeploymentConfig) -> tuple[str, ModelInfo]:
                 for problem in preflight(config.engine_config(role, path), mc, max_len)]
     if problems:
         raise ValueError("the workers' engines would refuse this deployment:\n  " + "\n  ".join(problems))
-    if config.autoscaling.enabled and config.autoscaling.profile and (problems := _profile_problems(config, mc)):
-        raise ValueError(f"autoscaling.profile {config.autoscaling.profile}: " + "; ".join(problems))
+    profile = _autoscaling_profile(config, mc) if config.autoscaling.enabled and config.autoscaling.profile \
+        else None
     name = config.model.served_model_name or Path(path).name
-    return path, ModelInfo(served_model_name=name, max_model_len=max_len, vocab_size=mc.vocab_size,
-                           sampling_defaults=generation_sampling_defaults(path))
+    return ResolvedModel(path, ModelInfo(served_model_name=name, max_model_len=max_len, vocab_size=mc.vocab_size,
+                                         sampling_defaults=generation_sampling_defaults(path)), profile)
 
 
-def _profile_problems(config: DeploymentConfig, mc) -> list[str]:
-    """What keeps the autoscaling profile from pricing this deployment's steps."""
+def _autoscaling_profile(config: DeploymentConfig, mc) -> dict:
+    """autoscaling.profile as data, read here, where its path means what the user
+    gave (the router may run on another node); ValueError when it cannot price
+    this deployment's steps."""
     from cluster.perf_model.step_shape import load_step_model, profile_model_problem, profile_tp_problem
+    where = f"autoscaling.profile {config.autoscaling.profile}"
     try:
         model = load_step_model(config.autoscaling.profile)
     except OSError as exc:
-        return [f"cannot read it ({exc.strerror or exc})"]
+        raise ValueError(f"{where}: cannot read it ({exc.strerror or exc})") from None
     except ValueError as exc:
-        return [str(exc)]
+        raise ValueError(f"{where}: {exc}") from None
     tps = {role: pool.tensor_parallel_size for role, pool in config.pools().items()}
-    return [p for p in (profile_tp_problem(model, tps), profile_model_problem(model, mc)) if p]
+    problems = [p for p in (profile_tp_problem(model, tps), profile_model_problem(model, mc)) if p]
+    if problems:
+        raise ValueError(f"{where}: " + "; ".join(problems))
+    return model.to_json()
 
 
-def build_application(config: DeploymentConfig) -> serve.Application:
+def build_application(config: DeploymentConfig, resolved: ResolvedModel | None = None) -> serve.Application:
     """The Serve application; `config.resources.cpus_per_rank` must be resolved
-    (cluster/serving/placement.py: resolve_cpus_per_rank)."""
+    (cluster/serving/placement.py: resolve_cpus_per_rank). `resolved`: the
+    config's resolve_model, where the caller has it already."""
     from cluster.autoscaler.capacity import ReplicaLimits
-    from cluster.perf_model.step_shape import load_step_model
     from decode_workers.decode_server import DecodeServer
     from prefill_workers.prefill_server import PrefillServer
     from router.disaggregation_policy import DisaggregationSettings
@@ -124,7 +137,7 @@ def build_application(config: DeploymentConfig) -> serve.Application:
 
     if config.resources.cpus_per_rank is None:
         raise ValueError("resources.cpus_per_rank is not resolved; call resolve_cpus_per_rank first")
-    model_path, info = resolve_model(config)
+    model_path, info, profile = resolved or resolve_model(config)
     router_args = {}
     if config.mode is Mode.colocated:
         colocated = _worker_options(DecodeServer.options(name="ColocatedServer"), config, "colocated",
@@ -158,9 +171,7 @@ def build_application(config: DeploymentConfig) -> serve.Application:
     router_args["max_migrations"] = config.migration.max_migrations
     if config.autoscaling.enabled:
         router_args["autoscaling"] = config.autoscaling_settings()
-        # read here, where the file's path means what the user gave (the router may run on another node)
-        router_args["autoscaling_profile"] = load_step_model(config.autoscaling.profile).to_json() \
-            if config.autoscaling.profile else None
+        router_args["autoscaling_profile"] = profile
         router_args["autoscaling_deployed"] = {role: pool.replicas for role, pool in config.pools().items()}
         router_args["autoscaling_limits"] = ReplicaLimits(config.engine.max_num_seqs,
                                                           block_size=config.engine.block_size)

@@ -128,7 +128,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         config = config_from_args(args)
-        resolve_model(config)   # a wrong path, or settings the engines would refuse: here, before a cluster starts
+        resolved = resolve_model(config)   # a wrong path, settings the engines would refuse: before a cluster starts
         config.api_key_sha256()   # http.api_key_env names a variable that is not set
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -180,7 +180,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         config = placed_config(config, machine_cpus if started_ray else None)
         if config.autoscaling.enabled:
             shipped = autoscaled_application(config)   # resolves the file's variables here, as below
-        app = build_application(config)
+        app = build_application(config, resolved)
     except (PlacementError, ValueError) as exc:   # ValueError: e.g. http.api_key_env not set
         print(f"error: {exc}", file=sys.stderr)
         ray.shutdown()   # disconnects; stops the cluster only when this process started it
