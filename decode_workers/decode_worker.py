@@ -159,8 +159,7 @@ class DecodeWorker:
                 return Admitted(self.replica_id)
             return await self._receive(request)
         except BaseException:
-            subscriber.request_ids.discard(rid)
-            self._engine.detach(rid)
+            self._leave(request.subscriber, subscriber, rid)
             self._queued_prompt_tokens.pop(rid, None)
             await self._engine.call_for_cleanup(self._abort, rid)
             raise
@@ -241,6 +240,10 @@ class DecodeWorker:
         gets a final delta with finish_reason "abort"."""
         await self._engine.call(self._abort, request_id)
         self._queued_prompt_tokens.pop(request_id, None)   # (its subscriber may never read that delta)
+        for name, subscriber in list(self._subscribers.items()):
+            if request_id in subscriber.request_ids and not subscriber.streaming:
+                # a stream that never opens (the router saw this subscriber's stream fail) cleans nothing up
+                self._leave(name, subscriber, request_id)
 
     async def stream(self, subscriber_id: str, min_interval_s: float = 0.0) -> AsyncIterator[list[TokenDelta]]:
         """The subscriber's deltas, one list per engine step (several steps when
@@ -278,6 +281,14 @@ class DecodeWorker:
                 self._engine.detach(rid)
                 self._queued_prompt_tokens.pop(rid, None)
                 await self._engine.call_for_cleanup(self._abort, rid)
+
+    def _leave(self, name: str, subscriber: _Subscriber, request_id: str) -> None:
+        """The request no longer streams to `subscriber`; one left with no request
+        and no stream is forgotten."""
+        subscriber.request_ids.discard(request_id)
+        self._engine.detach(request_id)
+        if not subscriber.request_ids and not subscriber.streaming and self._subscribers.get(name) is subscriber:
+            del self._subscribers[name]
 
     def _subscriber(self, subscriber_id: str) -> _Subscriber:
         if subscriber_id not in self._subscribers:

@@ -132,13 +132,12 @@ class ServingBackend(GenerationBackend):
                  max_transfer_attempts: int = 2, max_migrations: int = 3):
         """Without `prefill` (colocated mode) every request is prefilled on its
         decode replica; with it, `policy` decides per request (default: always
-        remote). `subscriber` names this router's output streams."""
+        remote). `subscriber` names this router's output streams (unique per router)."""
         self._info = info
         self._decode, self._prefill, self._policy = decode, prefill, policy
-        self.subscriber = subscriber
         self.max_transfer_attempts = max_transfer_attempts
         self.max_migrations = max_migrations
-        self._fanout = StreamFanout(lambda replica: decode.stream(replica, subscriber), decode.abort)
+        self._fanout = StreamFanout(decode.stream, decode.abort, subscriber)
         self._phases: dict[str, _Phases] = {}
         self._running: dict[str, _Accumulator] = {}   # requests under way, by id
 
@@ -222,9 +221,9 @@ class ServingBackend(GenerationBackend):
             if result is None:
                 resumed = len(resume.token_ids) if resume is not None else 0
                 local_prefill.enter_context(self._in_flight(True, len(prompt) + resumed))
-                self._fanout.submitting(attempt_id)
+                subscriber = self._fanout.submitting(attempt_id)
                 admitted = await self._decode.generate(
-                    DecodeRequest(attempt_id, prompt, params, self.subscriber, resume=resume),
+                    DecodeRequest(attempt_id, prompt, params, subscriber, resume=resume),
                     avoid_replica=failed_on[0])
                 phases.prefilled_on = phases.prefilled_on or "decode"   # where the request's first prefill ran
             else:
@@ -297,10 +296,9 @@ class ServingBackend(GenerationBackend):
         try:
             for attempt in range(1, self.max_transfer_attempts + 1):
                 # a fresh transfer id per attempt; the prefill side still holds the KV
-                request = DecodeRequest(request_id, prompt_token_ids, params, self.subscriber, result,
-                                        f"{request_id}#{attempt}")
+                request = DecodeRequest(request_id, prompt_token_ids, params, self._fanout.submitting(request_id),
+                                        result, f"{request_id}#{attempt}")
                 try:
-                    self._fanout.submitting(request_id)
                     done = await self._decode.generate(request, avoid_replica=avoid)
                     admitted = True
                     if self._policy is not None and done.transfer_time_s is not None:

@@ -1,27 +1,36 @@
 """The router's end of the decode replicas' per-step output streams.
 
-    decode replica R ── stream_outputs(subscriber) ──▶ reader task for R ─┐
-                                                                           ├─▶ one queue per request
-    decode replica S ── stream_outputs(subscriber) ──▶ reader task for S ─┘
+    decode replica R ── stream_outputs(subscriber) ──▶ reader task for (R, subscriber) ─┐
+                                                                                        ├─▶ one queue per request
+    decode replica S ── stream_outputs(subscriber) ──▶ reader task for (S, subscriber) ─┘
 
-One stream per replica this router has requests on, opened on first use and
-kept open while it has requests; each message is one engine step's deltas (or
-several steps', when the router reads slower than the replica steps) for all
-of this router's requests there. The replica ends a stream that stays idle
-(so a replica being scaled down can stop); requests bound to it meanwhile get
-a new one. A stream that fails ends every request bound to its replica with
-BackendUnavailableError, and every request bound to it later that was
-expected before the failure: the replica aborts a failed stream's requests,
+A request joins, on the replica that takes it, the subscriber it was
+submitted under: this router's name plus a generation that moves on whenever
+one of its streams fails. One stream per (replica, subscriber) this router has
+requests on, opened on first use and kept open while it has requests; each
+message is one engine step's deltas (or several steps', when the router reads
+slower than the replica steps) for all of the subscriber's requests there.
+The replica ends a stream that stays idle (so a replica being scaled down can
+stop); requests bound to it meanwhile get a new one.
+
+A stream that fails ends every request bound to it with
+BackendUnavailableError, and every request submitted under its subscriber
+that the replica admits later: the replica aborts a failed stream's requests,
 and one it had admitted while the router did not know yet would otherwise
-wait for ever on a stream that never carries it. A delta of a request nobody
-waits for any more (its client left before the router learnt its replica), or
-one from a replica other than the one the request is bound to (a hand-off the
-router retried elsewhere that the first replica admitted after all), is
-answered with an abort there. A delta that arrives before the router knows
-which replica took its request (a replica's stream can be faster than its
-reply) is kept, per replica, until `bind` says: the bound replica's are
-delivered in order, and a copy on any other (a hand-off retried elsewhere
-that the first replica admitted after all) is aborted there.
+wait for ever on a stream that never carries it. Requests submitted after the
+failure go under the next generation's name, so they never join the failed
+subscriber while the replica is still closing it (Serve's cancel arrives
+later than the router hears of the failure), and the replica never sees a
+second stream opened for a subscriber whose first one it still runs.
+
+A delta of a request nobody waits for any more (its client left before the
+router learnt its replica), or one from a replica other than the one the
+request is bound to (a hand-off the router retried elsewhere that the first
+replica admitted after all), is answered with an abort there. A delta that
+arrives before the router knows which replica took its request (a replica's
+stream can be faster than its reply) is kept, per stream, until `bind` says:
+the bound stream's are delivered in order, and a copy on any other replica is
+aborted there.
 """
 
 from __future__ import annotations
@@ -36,71 +45,80 @@ from router.backend import BackendUnavailableError
 
 log = logging.getLogger(__name__)
 
-OpenStream = Callable[[str], AsyncIterator[list[TokenDelta]]]   # replica id -> its stream
-Abort = Callable[[str, str], Awaitable[None]]                     # (replica id, request id)
+OpenStream = Callable[[str, str], AsyncIterator[list[TokenDelta]]]   # (replica id, subscriber) -> its stream
+Abort = Callable[[str, str], Awaitable[None]]                          # (replica id, request id)
+StreamKey = tuple[str, str]                                            # (replica id, subscriber)
 
 
 class SubmittedDuringStreamFailure(BackendUnavailableError):
-    """The replica's output stream failed between the request's submission and its
-    admission there: the replica may have taken it under a new stream all the same."""
+    """The replica's output stream for the request's subscriber failed before the
+    request was bound there: the replica may have taken it all the same."""
 
 
 class StreamFanout:
-    def __init__(self, open_stream: OpenStream, abort: Abort):
+    def __init__(self, open_stream: OpenStream, abort: Abort, subscriber: str = "router"):
+        """`subscriber`: this router's name on the replicas (unique per router)."""
         self._open_stream = open_stream
         self._abort = abort
+        self._name = subscriber
+        self._generation = 0                         # moves on at every stream failure
         self._queues: dict[str, asyncio.Queue] = {}
-        self._replica_of: dict[str, str] = {}
-        self._readers: dict[str, asyncio.Task] = {}
+        self._submitted_as: dict[str, str] = {}     # request id -> the subscriber it was last submitted under
+        self._bound_to: dict[str, StreamKey] = {}
+        self._readers: dict[StreamKey, asyncio.Task] = {}
+        self._failed: set[StreamKey] = set()
         self._aborting: set[tuple[str, str]] = set()   # (replica id, request id) aborts under way
         self._abort_tasks: set[asyncio.Task] = set()
         self.closed = False                          # close() ran: the router is going away
-        self._num_failures = 0                      # stream failures so far, of any replica
-        self._failure_of: dict[str, int] = {}       # replica id -> the count at its latest failure
-        self._expected_at: dict[str, int] = {}      # request id -> the count when it was expected
-        # request id -> replica id -> its deltas that came before the request was bound
-        self._early: dict[str, dict[str, list[TokenDelta]]] = {}
+        # request id -> stream -> its deltas that came before the request was bound
+        self._early: dict[str, dict[StreamKey, list[TokenDelta]]] = {}
+
+    @property
+    def subscriber(self) -> str:
+        """The name requests submitted now join on a replica."""
+        return self._name if self._generation == 0 else f"{self._name}/{self._generation}"
 
     def expect(self, request_id: str) -> asyncio.Queue:
         """The queue that will receive the request's deltas (or an exception).
         Call before the request is submitted."""
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        self._expected_at[request_id] = self._num_failures
+        self._submitted_as[request_id] = self.subscriber
         return queue
 
-    def submitting(self, request_id: str) -> None:
-        """The request's call to a decode replica is about to go: a stream failure
-        before now (during its prefill elsewhere, say) cannot have crossed it."""
-        if request_id in self._expected_at:
-            self._expected_at[request_id] = self._num_failures
+    def submitting(self, request_id: str) -> str:
+        """The request's call to a decode replica is about to go: the subscriber
+        to name in it (a stream failure before now cannot have crossed it)."""
+        self._submitted_as[request_id] = self.subscriber
+        return self._submitted_as[request_id]
 
     def bind(self, request_id: str, replica_id: str) -> None:
-        """The request runs on `replica_id`: read that replica's stream (or, when
-        that stream failed since the request was expected, hear the failure)."""
-        self._replica_of[request_id] = replica_id
+        """The request runs on `replica_id`: read its subscriber's stream there (or,
+        when that stream failed since the request was submitted, hear the failure)."""
+        key = (replica_id, self._submitted_as.get(request_id, self.subscriber))
+        self._bound_to[request_id] = key
         if self.closed:
             self._queues[request_id].put_nowait(BackendUnavailableError(
                 "the router stopped reading the decode workers' output streams", replica_id))
             return
         early = self._early.pop(request_id, {})
-        for other, deltas in early.items():
+        for (other, _), deltas in early.items():
             if other != replica_id and not deltas[-1].finished:
                 self._abort_soon(other, request_id)
-        if self._failure_of.get(replica_id, 0) > self._expected_at.get(request_id, self._num_failures):
+        if key in self._failed:
             self._queues[request_id].put_nowait(SubmittedDuringStreamFailure(
                 f"the decode worker {replica_id}'s output stream failed while the request was submitted there",
                 replica_id))
             return
-        for delta in early.get(replica_id, []):
+        for delta in early.get(key, []):
             self._queues[request_id].put_nowait(delta)
-        if replica_id not in self._readers:
-            self._readers[replica_id] = _own_task(self._read(replica_id))
+        if key not in self._readers:
+            self._readers[key] = _own_task(self._read(key))
 
     def forget(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
-        self._replica_of.pop(request_id, None)
-        self._expected_at.pop(request_id, None)
+        self._bound_to.pop(request_id, None)
+        self._submitted_as.pop(request_id, None)
         self._early.pop(request_id, None)
 
     async def close(self) -> None:
@@ -110,23 +128,25 @@ class StreamFanout:
         for task in list(self._readers.values()):
             task.cancel()
         await asyncio.gather(*self._readers.values(), return_exceptions=True)
-        for rid, replica_id in list(self._replica_of.items()):
+        for rid, (replica_id, _) in list(self._bound_to.items()):
             self._queues[rid].put_nowait(BackendUnavailableError(
                 f"the router stopped reading decode worker {replica_id}'s output stream", replica_id))
 
-    async def _read(self, replica_id: str) -> None:
+    async def _read(self, key: StreamKey) -> None:
+        replica_id, subscriber = key
         reason = None
         try:
-            async for batch in self._open_stream(replica_id):
+            async for batch in self._open_stream(replica_id, subscriber):
                 for delta in batch:
                     rid = delta.request_id
                     queue = self._queues.get(rid)
-                    bound_to = self._replica_of.get(rid)
+                    bound_to = self._bound_to.get(rid)
                     if queue is not None and bound_to is None:   # which replica took it is not known yet
-                        self._early.setdefault(rid, {}).setdefault(replica_id, []).append(delta)
-                    elif queue is not None and bound_to == replica_id:
+                        self._early.setdefault(rid, {}).setdefault(key, []).append(delta)
+                    elif queue is not None and bound_to == key:
                         queue.put_nowait(delta)
-                    elif not delta.finished:    # nobody waits, or a copy on a replica the request is not on
+                    elif not delta.finished and (bound_to is None or bound_to[0] != replica_id):
+                        # nobody waits, or a copy on a replica the request is not on
                         self._abort_soon(replica_id, rid)
         except asyncio.CancelledError as exc:
             task = asyncio.current_task()
@@ -138,15 +158,16 @@ class StreamFanout:
             reason = f"{type(exc).__name__}: {exc}"
             log.warning("the output stream of decode replica %s failed: %s", replica_id, reason)
         finally:
-            del self._readers[replica_id]
-        bound = [rid for rid, replica in self._replica_of.items() if replica == replica_id]
+            del self._readers[key]
+        bound = [rid for rid, stream in self._bound_to.items() if stream == key]
         if reason is None:
             # the replica ended an idle stream: whatever was bound since belongs to its next stream
             if bound:
-                self._readers[replica_id] = _own_task(self._read(replica_id))
+                self._readers[key] = _own_task(self._read(key))
             return
-        self._num_failures += 1
-        self._failure_of[replica_id] = self._num_failures
+        self._failed.add(key)
+        if subscriber == self.subscriber:
+            self._generation += 1
         error = BackendUnavailableError(f"the decode worker {replica_id} stopped streaming ({reason})")
         for rid in bound:
             self._queues[rid].put_nowait(error)

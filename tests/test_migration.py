@@ -334,8 +334,12 @@ class BreakableStreamPool(TwoWorkerPool):
     (Serve cancels the call: the worker's generator is cancelled too), whose
     generate calls can be held on their way, and which records the aborts sent."""
 
-    def __init__(self, workers: dict[str, DecodeWorker]):
+    def __init__(self, workers: dict[str, DecodeWorker], cancel_lag_s: float = 0.0):
+        """`cancel_lag_s`: how long after the router's side of a stream breaks the
+        worker's generator is cancelled (Serve's cancel travels as a message)."""
         super().__init__(workers)
+        self.cancel_lag_s = cancel_lag_s
+        self._lagging: set[asyncio.Task] = set()
         self.gate: dict[str, asyncio.Event] = {}       # request id -> released when set
         self.aborts: list[tuple[str, str]] = []        # (replica, request id)
         self._breaks: dict[str, asyncio.Event] = {}
@@ -368,10 +372,22 @@ class BreakableStreamPool(TwoWorkerPool):
                 except StopAsyncIteration:
                     return
         finally:
-            if batch is not None and not batch.done():
-                batch.cancel()
-                await asyncio.gather(batch, return_exceptions=True)
-            await inner.aclose()
+            if self.cancel_lag_s:
+                task = asyncio.get_running_loop().create_task(self._close_later(inner, batch))
+                self._lagging.add(task)
+            else:
+                await self._close(inner, batch)
+
+    async def _close_later(self, inner, batch) -> None:
+        await asyncio.sleep(self.cancel_lag_s)
+        await self._close(inner, batch)
+
+    @staticmethod
+    async def _close(inner, batch) -> None:
+        if batch is not None and not batch.done():
+            batch.cancel()
+            await asyncio.gather(batch, return_exceptions=True)
+        await inner.aclose()
 
 
 def test_a_request_admitted_as_its_replicas_stream_broke_is_aborted_there(model_dirs, reference):
@@ -414,6 +430,63 @@ def test_a_request_admitted_as_its_replicas_stream_broke_is_aborted_there(model_
 
     for prompt, final in zip(PROMPTS, run(main())):
         assert final.token_ids == reference("tiny").greedy(tuple(prompt), TOKENS)
+
+
+def test_a_request_sent_while_a_broken_stream_closes_on_its_replica_runs_there(model_dirs, reference):
+    """The router's side of A's stream breaks; A's generator is cancelled only
+    0.3 s later. Y, on that stream, moves to B. Z, sent to A meanwhile, must not
+    join the stream A is closing (whose clean-up aborts what it carries, a delta
+    nobody reads) nor be refused a new one while the old one lives: it runs on A,
+    unmoved, and ends."""
+    async def main():
+        workers = await _started_workers(model_dirs)
+        pool = BreakableStreamPool(workers, cancel_lag_s=0.3)
+        backend = ServingBackend(ModelInfo("tiny", 128, 512), pool, subscriber="router-0")
+
+        async def one(rid, prompt, streamed):
+            async for out in backend.generate(rid, prompt, GREEDY):
+                streamed.append(out)
+            return joined(streamed)
+
+        try:
+            y_streamed = []
+            y = asyncio.create_task(one("Y", PROMPTS[0], y_streamed))
+            while sum(len(o.delta_token_ids) for o in y_streamed) < 3:
+                await asyncio.sleep(0.005)
+            pool.break_stream("A")
+            await asyncio.sleep(0.05)           # the router has heard; A's generator still runs
+            z = asyncio.create_task(one("Z", PROMPTS[1], []))
+            return await asyncio.wait_for(asyncio.gather(y, z), 30), pool.placed
+        finally:
+            await backend.close()
+            for w in workers.values():
+                w.shutdown()
+
+    outs, placed = run(main())
+    assert ("Y~1", "B") in placed
+    assert [replica for rid, replica in placed if rid.startswith("Z")] == ["A"]
+    for prompt, final in zip(PROMPTS, outs):
+        assert final.token_ids == reference("tiny").greedy(tuple(prompt), TOKENS)
+
+
+def test_a_request_aborted_under_a_subscriber_whose_stream_never_opens_leaves_nothing_behind(model_dirs):
+    """The router moves a request whose subscriber's stream it saw fail, and aborts
+    the copy the replica took: no stream will ever open for that subscriber to
+    clean up after it, so the abort does."""
+    from cluster.serving.messages import DecodeRequest
+
+    async def main():
+        worker = (await _started_workers(model_dirs))["A"]
+        try:
+            await worker.generate(DecodeRequest("q", PROMPTS[0], GREEDY, "router/3"))
+            assert "router/3" in worker._subscribers
+            await worker.abort("q")
+            return dict(worker._subscribers), dict(worker._engine._sinks), worker.stats()["num_running"]
+        finally:
+            worker.shutdown()
+
+    subscribers, sinks, running = run(main())
+    assert subscribers == {} and "q" not in sinks and running == 0
 
 
 def test_a_stream_failure_during_a_requests_prefill_elsewhere_does_not_move_it(model_dirs, reference):

@@ -14,27 +14,27 @@ from router.stream_fanout import StreamFanout
 
 
 class FakeReplicas:
-    """Each opened stream yields what `send` puts for its replica, and raises what `fail` puts."""
+    """Each opened stream yields what `send` puts for its replica and subscriber, and raises what `fail` puts."""
 
     def __init__(self):
-        self.feeds: dict[str, asyncio.Queue] = {}
-        self.opened: list[str] = []
+        self.feeds: dict[tuple[str, str], asyncio.Queue] = {}
+        self.opened: list[tuple[str, str]] = []          # (replica, subscriber)
         self.aborted: list[tuple[str, str]] = []
 
-    async def open_stream(self, replica_id: str):
-        self.opened.append(replica_id)
-        feed = self.feeds.setdefault(replica_id, asyncio.Queue())
+    async def open_stream(self, replica_id: str, subscriber: str):
+        self.opened.append((replica_id, subscriber))
+        feed = self.feeds.setdefault((replica_id, subscriber), asyncio.Queue())
         while True:
             item = await feed.get()
             if isinstance(item, BaseException):
                 raise item
             yield item
 
-    def send(self, replica_id: str, *deltas: TokenDelta) -> None:
-        self.feeds.setdefault(replica_id, asyncio.Queue()).put_nowait(list(deltas))
+    def send(self, replica_id: str, *deltas: TokenDelta, subscriber: str = "router") -> None:
+        self.feeds.setdefault((replica_id, subscriber), asyncio.Queue()).put_nowait(list(deltas))
 
-    def fail(self, replica_id: str) -> None:
-        self.feeds.setdefault(replica_id, asyncio.Queue()).put_nowait(ConnectionError("stream broke"))
+    def fail(self, replica_id: str, subscriber: str = "router") -> None:
+        self.feeds.setdefault((replica_id, subscriber), asyncio.Queue()).put_nowait(ConnectionError("stream broke"))
 
     async def abort(self, replica_id: str, request_id: str) -> None:
         self.aborted.append((replica_id, request_id))
@@ -58,7 +58,7 @@ def test_deltas_reach_their_request_and_an_orphan_is_aborted():
         replicas.send("R", _delta("a", 1), _delta("b", 2), _delta("gone", 3))
         assert (await _next(a)).token_ids == [1] and (await _next(b)).token_ids == [2]
         await asyncio.sleep(0.05)
-        assert replicas.aborted == [("R", "gone")] and replicas.opened == ["R"]
+        assert replicas.aborted == [("R", "gone")] and replicas.opened == [("R", "router")]
         await fanout.close()
 
     asyncio.run(run())
@@ -121,12 +121,41 @@ def test_a_failed_stream_fails_its_requests_and_those_admitted_there_before_the_
         fanout.bind("in-flight", "R")
         with pytest.raises(BackendUnavailableError, match="failed while the request was submitted there"):
             raise await _next(in_flight)
-        # a request submitted after the failure reads a new stream
+        # a request submitted after the failure joins a new subscriber there, and reads its stream
         later = fanout.expect("later")
+        assert fanout.submitting("later") == "router/1"
         fanout.bind("later", "R")
-        replicas.send("R", _delta("later", 7, finished=True))
+        replicas.send("R", _delta("later", 7, finished=True), subscriber="router/1")
         assert (await _next(later)).token_ids == [7]
-        assert replicas.opened == ["R", "R"]
+        assert replicas.opened == [("R", "router"), ("R", "router/1")]
+        await fanout.close()
+
+    asyncio.run(run())
+
+
+def test_after_a_failure_new_requests_join_a_new_subscriber_and_the_old_streams_keep_theirs():
+    """R's stream fails while S's is healthy: what is bound to S keeps reading S's
+    stream; a request submitted afterwards goes under the next name, on S too,
+    and a request submitted under the old name and bound to S is not failed."""
+    async def run():
+        replicas = FakeReplicas()
+        fanout = StreamFanout(replicas.open_stream, replicas.abort, "router-x")
+        on_r, on_s, to_s = fanout.expect("on-r"), fanout.expect("on-s"), fanout.expect("to-s")
+        assert fanout.submitting("to-s") == "router-x"
+        fanout.bind("on-r", "R")
+        fanout.bind("on-s", "S")
+        replicas.fail("R", "router-x")
+        assert isinstance(await _next(on_r), BackendUnavailableError)
+        fanout.bind("to-s", "S")            # submitted before R failed: S's stream under the old name
+        new = fanout.expect("new")
+        assert fanout.submitting("new") == "router-x/1"
+        fanout.bind("new", "S")
+        replicas.send("S", _delta("on-s", 1), _delta("to-s", 2), subscriber="router-x")
+        replicas.send("S", _delta("new", 3), subscriber="router-x/1")
+        assert (await _next(on_s)).token_ids == [1] and (await _next(to_s)).token_ids == [2]
+        assert (await _next(new)).token_ids == [3]
+        assert sorted(replicas.opened) == [("R", "router-x"), ("S", "router-x"), ("S", "router-x/1")]
+        assert replicas.aborted == []
         await fanout.close()
 
     asyncio.run(run())
@@ -143,16 +172,16 @@ def test_a_stream_cancelled_from_outside_fails_its_requests_and_readers_have_a_c
         replicas = FakeReplicas()
         opened = replicas.open_stream
 
-        async def recording(replica_id):
+        async def recording(replica_id, subscriber):
             seen.append(request_context.get())
-            async for batch in opened(replica_id):
+            async for batch in opened(replica_id, subscriber):
                 yield batch
         fanout = StreamFanout(recording, replicas.abort)
         a, b = fanout.expect("a"), fanout.expect("b")
         request_context.set("request a")           # the call that binds a carries its request's context
         fanout.bind("a", "R")
         fanout.bind("b", "R")
-        replicas.feeds.setdefault("R", asyncio.Queue()).put_nowait(asyncio.CancelledError())
+        replicas.feeds.setdefault(("R", "router"), asyncio.Queue()).put_nowait(asyncio.CancelledError())
         for queue in (a, b):
             assert isinstance(await _next(queue), BackendUnavailableError)
         await fanout.close()
