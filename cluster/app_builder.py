@@ -29,6 +29,7 @@ from cluster.serving.replica_routing import LoadAwareRouter
 from cluster.transport.transport_factory import TransportSettings
 from engine.cpu_count import usable_cpus
 from router.backend import ModelInfo
+from router.cors import CorsSettings
 
 ROUTING_STATS_PERIOD_S = 0.5
 # Worker replicas log no access line per call: their calls are the router's internal RPCs
@@ -166,6 +167,8 @@ def build_application(config: DeploymentConfig, resolved: ResolvedModel | None =
                                           lim.max_stop_sequences, lim.max_request_body_bytes, lim.max_stop_token_ids)
     router_args["api_key_sha256"] = config.api_key_sha256()
     router_args["protect_metrics"] = config.http.protect_metrics
+    router_args["cors"] = CorsSettings(tuple(config.http.allowed_origins), config.http.allow_credentials) \
+        if config.http.allowed_origins else None
     router_args["stream_interval_s"] = config.http.stream_interval_ms / 1000
     router_args["admission"] = config.admission.settings(config.slo)
     router_args["max_migrations"] = config.migration.max_migrations

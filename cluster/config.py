@@ -134,6 +134,23 @@ class HttpSection(_Strict):
                                       "mid-stream tokens to the router at most this often, the steps in "
                                       "between in one message (first tokens and finishes go at once); 0: "
                                       "one message per engine step")
+    allowed_origins: list[str] = Field(default_factory=list, description="CORS: the origins whose web pages may "
+                                       "call the API (e.g. https://chat.example.com), or [\"*\"] for any; empty: "
+                                       "no CORS headers, so browsers let only pages of the server's own origin read "
+                                       "its answers")
+    allow_credentials: bool = Field(False, description="CORS: browsers may send cookies and HTTP authentication "
+                                    "with cross-origin requests (only with origins listed one by one)")
+
+    @model_validator(mode="after")
+    def _check_cors(self):
+        for i, origin in enumerate(self.allowed_origins):
+            if origin != "*" and not re.fullmatch(r"https?://[^/\s*]+", origin):
+                raise ValueError(f"allowed_origins[{i}] is not an origin: give scheme://host[:port] with no "
+                                 "path or trailing slash (e.g. https://chat.example.com), or \"*\" for any origin")
+        if self.allow_credentials and "*" in self.allowed_origins:
+            raise ValueError("allow_credentials with allowed_origins \"*\" would let every web site send requests "
+                             "with its visitors' cookies: list the origins one by one, or drop allow_credentials")
+        return self
 
 
 class LimitsSection(_Strict):

@@ -21,6 +21,7 @@ from engine.tokenizer import load_tokenizer
 from router.admission import AdmissionControl, AdmissionSettings
 from router.autoscale_loop import AutoscaleLoop
 from router.backend import ModelInfo
+from router.cors import CorsSettings
 from router.disaggregation_policy import DisaggregationPolicy, DisaggregationSettings
 from router.metrics import ServingMetrics
 from router.openai_api import RequestLimits, build_openai_app
@@ -43,12 +44,12 @@ class Router:
                  autoscaling_limits: ReplicaLimits = ReplicaLimits(),
                  limits: RequestLimits = RequestLimits(), api_key_sha256: str | None = None,
                  protect_metrics: bool = True, admission: AdmissionSettings | None = None,
-                 max_migrations: int = 3, stream_interval_s: float = 0.0):
+                 max_migrations: int = 3, stream_interval_s: float = 0.0, cors: CorsSettings | None = None):
         normal_priority()
         self.admission = AdmissionControl(admission, prefill_on_decode_steps=mode == "colocated") \
             if admission is not None else None
         self._http = {"limits": limits, "api_key_sha256": api_key_sha256, "protect_metrics": protect_metrics,
-                      "admission": self.admission}
+                      "admission": self.admission, "cors": cors}
         self.tokenizer = load_tokenizer(tokenizer_path)
         self.metrics = ServingMetrics()
         replica = serve.get_replica_context().replica_id.unique_id

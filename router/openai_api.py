@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 import anyio
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -40,6 +41,7 @@ from engine.outputs import RequestOutput, joined
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from router.admission import AdmissionControl, Admitted, Overloaded
 from router.backend import BackendUnavailableError, GenerationBackend
+from router.cors import CorsSettings
 from router.errors import (
     OpenAIError,
     error_response,
@@ -89,15 +91,20 @@ class RequestLimits:
 def build_openai_app(backend: GenerationBackend, tokenizer: Any, metrics: ServingMetrics, *,
                      request_id_prefix: str = "cmpl", limits: RequestLimits = RequestLimits(),
                      api_key_sha256: str | None = None, protect_metrics: bool = True,
-                     admission: AdmissionControl | None = None) -> FastAPI:
+                     admission: AdmissionControl | None = None, cors: CorsSettings | None = None) -> FastAPI:
     """An app serving `backend`'s model. Request ids are `{prefix}-{hex}` for completions
     and `chat{prefix}-{hex}` for chat (so "cmpl-..." and "chatcmpl-...", as OpenAI).
-    With `api_key_sha256`, requests must carry the key (router/http_guard.py)."""
+    With `api_key_sha256`, requests must carry the key (router/http_guard.py). With
+    `cors`, pages of its origins may call the API from a browser."""
     server = _Server(backend, tokenizer, metrics, request_id_prefix, limits, admission)
     app = FastAPI(title="pdserve", summary="OpenAI-compatible API")
     install_error_handlers(app, on_error=metrics.observe_error)
     app.add_middleware(HttpGuard, api_key_sha256=api_key_sha256, protect_metrics=protect_metrics,
                        max_body_bytes=limits.max_body_bytes, on_error=metrics.observe_error)
+    if cors is not None:
+        # added last, so outermost: preflights are answered before the key check (browsers send no key
+        # with them), and the guard's 401 and 413 carry the headers a page needs to read them
+        app.add_middleware(CORSMiddleware, **cors.middleware_options())
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -138,3 +138,60 @@ def test_the_kv_transfer_secret_comes_from_the_named_variable_or_is_random(monke
     monkeypatch.setenv("KV_SECRET", "shared-by-every-node")
     assert config.kv_transfer_secret() == "shared-by-every-node"
     assert "shared-by-every-node" not in repr(TransportSettings(secret=config.kv_transfer_secret()))
+
+
+PAGE = "https://chat.example.com"
+
+
+def _preflight(client, origin: str):
+    return client.options("/v1/chat/completions", headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+
+
+def test_cors_lets_listed_pages_call_the_api_with_the_key_and_read_its_errors(tokenizer):
+    from router.cors import CorsSettings
+    client, backend = client_for(tokenizer, api_key_sha256=api_key_digest(KEY), cors=CorsSettings((PAGE,)))
+    r = _preflight(client, PAGE)                   # browsers send no key with a preflight
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == PAGE
+    assert "POST" in r.headers["access-control-allow-methods"]
+    assert "authorization" in r.headers["access-control-allow-headers"].lower()
+    r = completion(client, {"Origin": PAGE, "Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == PAGE
+    r = completion(client, {"Origin": PAGE})       # the page can read why it was refused
+    assert r.status_code == 401 and r.headers["access-control-allow-origin"] == PAGE
+    other = _preflight(client, "https://evil.example.com")
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    # CORS is no access control (the key is): the server answers, the browser keeps it from the page
+    r = completion(client, {"Origin": "https://evil.example.com", "Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    assert "access-control-allow-credentials" not in r.headers
+
+
+def test_without_allowed_origins_no_response_carries_cors_headers(tokenizer):
+    client, _ = client_for(tokenizer)
+    assert "access-control-allow-origin" not in _preflight(client, PAGE).headers
+    r = completion(client, {"Origin": PAGE})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+def test_cors_settings_from_flags_and_the_file_and_their_errors():
+    args = build_parser().parse_args(["serve", "--allowed-origins", PAGE, "http://localhost:3000",
+                                      "--allow-credentials"])
+    http = config_from_args(args).http
+    assert http.allowed_origins == [PAGE, "http://localhost:3000"] and http.allow_credentials
+    assert DeploymentConfig.model_validate({}).http.allowed_origins == []
+    for origins, credentials, fragment in ((["*"], True, "list the origins one by one"),
+                                           ([PAGE + "/"], False, "no path or trailing slash"),
+                                           (["chat.example.com"], False, r"give scheme://host\[:port\]")):
+        with pytest.raises(ValueError, match=fragment):
+            DeploymentConfig.model_validate({"http": {"allowed_origins": origins, "allow_credentials": credentials}})
+
+
+def test_the_application_passes_the_cors_settings_to_the_router():
+    from cluster.app_builder import build_app
+    from router.cors import CorsSettings
+    app = build_app({"mode": "colocated", "http.allowed_origins": [PAGE]})
+    assert app._bound_deployment.init_kwargs["cors"] == CorsSettings((PAGE,), False)
+    assert build_app({"mode": "colocated"})._bound_deployment.init_kwargs["cors"] is None
+

@@ -45,6 +45,7 @@ FLAG_SETTINGS = {
     "prefill_tp": "prefill.tensor_parallel_size", "decode_tp": "decode.tensor_parallel_size",
     "colocated_replicas": "colocated.replicas", "colocated_tp": "colocated.tensor_parallel_size",
     "autoscale": "autoscaling.enabled", "max_replicas": "autoscaling.budget",
+    "allowed_origins": "http.allowed_origins", "allow_credentials": "http.allow_credentials",
 }
 _POOLS = ("prefill", "decode", "colocated")
 SERVE_POLICY = "cluster.autoscaler.serve_policy:router_targets"
@@ -59,6 +60,10 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--served-model-name")
     p.add_argument("--host")
     p.add_argument("--port", type=int)
+    p.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN",
+                   help="CORS: origins whose web pages may call the API (e.g. https://chat.example.com), or '*'")
+    p.add_argument("--allow-credentials", action="store_true", default=None,
+                   help="CORS: browsers may send cookies and HTTP authentication (with origins listed one by one)")
     p.add_argument("--mode", choices=["disaggregated", "colocated"])
     p.add_argument("--prefill-replicas", type=int)
     p.add_argument("--decode-replicas", type=int)
