@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from cluster.autoscaler.capacity import prefill_capacity
-from cluster.autoscaler.policy import AutoscaleSettings, GoodputPolicy
+from cluster.autoscaler.policy import AutoscaleSettings, Decision, GoodputPolicy
 from cluster.perf_model.linear_model import LinearStepModel
 from cluster.simulator.autoscaling import SimAutoscaler
 from cluster.simulator.cluster_sim import ClusterSpec, ReplicaSpec, simulate
@@ -51,6 +51,50 @@ def test_scaled_down_replicas_finish_what_they_hold_and_leave():
     assert all(b >= a - 1 for a, b in zip(decode_running, decode_running[1:]))   # one at a time
     assert all(r.end_time is not None and len(r.token_times) == 400 for r in result.requests)
     assert result.replica_seconds["decode"] < 3 * result.duration
+
+
+def _most_ranks_at_once(spans, tp: dict[str, int]) -> int:
+    events = sorted([(start, tp[role]) for role, start, _ in spans] + [(stop, -tp[role]) for role, _, stop in spans],
+                    key=lambda e: (e[0], e[1]))        # a replica leaving frees its ranks before one arrives
+    held = most = 0
+    for _, change in events:
+        held += change
+        most = max(most, held)
+    return most
+
+
+class ScriptedPolicy:
+    """Targets by time (the latest entry at or before the decision), recording what it was shown."""
+
+    def __init__(self, settings: AutoscaleSettings, script: list[tuple[float, dict[str, int]]]):
+        self.settings, self.script, self.seen = settings, script, []
+
+    def decide(self, obs):
+        self.seen.append(obs)
+        targets = [t for at, t in self.script if at <= obs.now][-1]
+        return Decision(dict(targets), {r: "scripted" for r in targets}, 0.0, {})
+
+
+def test_a_re_split_at_the_budget_starts_the_new_replica_once_the_old_one_drained():
+    """Budget 3 ranks, 1 prefill + 2 decode, both decoders running long answers;
+    at 10 s the split becomes 2 + 1. The decode replica scaled down holds its
+    device until its answers end; the new prefill replica is placed then (and
+    counted as starting meanwhile), not beside it."""
+    lengths, arrivals = steady(2.0, 4.0, 100, 2000)                # 8 answers of ~12 s, on both decoders
+    settings = AutoscaleSettings(ttft_slo_s=1.0, tpot_slo_s=0.05, budget=3, interval_s=10.0, startup_s=5.0)
+    policy = ScriptedPolicy(settings, [(0.0, {"prefill": 1, "decode": 2}), (10.0, {"prefill": 2, "decode": 1})])
+    spec = ClusterSpec("disaggregated", prefill=SPEC, decode=SPEC, prefill_replicas=1, decode_replicas=2,
+                       kv_bytes_per_token=1000)
+    result = simulate(spec, lengths, arrivals, autoscaler=SimAutoscaler(policy))
+    drained = [stop for role, _, stop in result.replica_spans if role == "decode" and stop < result.duration]
+    added = [start for role, start, _ in result.replica_spans if role == "prefill" and start > 0]
+    assert len(drained) == 1 and len(added) == 1
+    assert added[0] == drained[0] > 10.0                          # placed the moment the drained one left
+    assert _most_ranks_at_once(result.replica_spans, {"prefill": 1, "decode": 1}) == 3
+    at_20 = next(obs for obs in policy.seen if obs.now == 20.0)
+    if drained[0] > 20.0:                                        # still draining: asked for, not placed
+        assert at_20.roles["prefill"].starting == 1 and at_20.roles["prefill"].running == 1
+    assert all(len(r.token_times) == 2000 for r in result.requests)
 
 
 def test_the_same_seed_and_load_give_the_same_timeline():

@@ -1,8 +1,12 @@
 """The goodput autoscaling policy driving a simulated cluster: every interval
 it sees what the live policy would (arrivals, lengths, latency percentiles,
 queues, replicas running and starting, measured steps), and its targets
-change the pools: a replica asked for serves after `startup_s` (and holds its
-devices from the asking), a replica scaled down drains (cluster_sim.py).
+change the pools: a replica scaled down drains (cluster_sim.py) and holds its
+devices until it has finished what it runs; a replica asked for is placed
+once the budget's devices have room for it (as Serve places a replica only
+where its resources are free: on a cluster of exactly the budget, a re-split
+starts the new replica when the one it replaces has drained), holds its
+devices from then on, and serves `startup_s` later.
 """
 
 from __future__ import annotations
@@ -29,12 +33,17 @@ class SimAutoscaler:
         self._finished = 0
         self._refused = 0
         self._last_latencies: list = []        # (TTFT, TPOT) of the requests that finished in the last window
-        self._starting: dict[str, int] = {r: 0 for r in self.settings.roles}
+        self._starting: dict[str, int] = {r: 0 for r in self.settings.roles}     # placed, starting up
+        self._asked: list[str] = []             # roles of replicas asked for, not placed yet (oldest first)
         self._steps: dict[str, list[StepSample]] = {r: [] for r in self.settings.roles}
 
     def attach(self, sim) -> None:
         self._sim = sim
         sim.at(self.settings.interval_s, self._tick)
+
+    def on_retire(self) -> None:
+        """A drained replica left its pool: its devices are free."""
+        self._place()
 
     def on_step(self, replica, shape, seconds: float) -> None:
         role = self._sim.role_of(replica)
@@ -50,14 +59,16 @@ class SimAutoscaler:
         decision = self.policy.decide(obs)
         for role, target in decision.targets.items():
             live = [r for r in sim.pool(role) if not r.draining]
-            change = target - len(live) - self._starting[role]
-            for _ in range(max(0, change)):
-                self._starting[role] += 1
-                sim.at(sim.now + s.startup_s, lambda role=role, asked=sim.now: self._ready(role, asked))
+            change = target - len(live) - self._starting[role] - self._asked.count(role)
+            self._asked += [role] * max(0, change)
             for _ in range(max(0, -change)):
+                if role in self._asked:           # not placed yet: nothing to drain
+                    del self._asked[len(self._asked) - 1 - self._asked[::-1].index(role)]
+                    continue
                 victim = min(live, key=lambda r: (len(r.running) + len(r.waiting), -r.started_at))
                 live.remove(victim)
                 sim.drain_replica(victim)
+        self._place()
         self.timeline.append({
             "time_s": sim.now, "rate": obs.arrivals / obs.window_s, "predicted_rate": decision.predicted_rate,
             "targets": dict(decision.targets),
@@ -68,9 +79,20 @@ class SimAutoscaler:
         if sim.unfinished:
             sim.at(sim.now + s.interval_s, self._tick)
 
-    def _ready(self, role: str, asked: float) -> None:
+    def _place(self) -> None:
+        """Starts the replicas asked for, oldest first, while the budget's devices
+        (those of every replica running, draining or starting) have room."""
+        sim, s = self._sim, self.settings
+        used = sum((len(sim.pool(r)) + self._starting[r]) * s.tp(r) for r in s.roles)
+        while self._asked and used + s.tp(self._asked[0]) <= s.budget:
+            role = self._asked.pop(0)
+            used += s.tp(role)
+            self._starting[role] += 1
+            sim.at(sim.now + s.startup_s, lambda role=role, placed=sim.now: self._ready(role, placed))
+
+    def _ready(self, role: str, placed: float) -> None:
         self._starting[role] -= 1
-        self._sim.add_replica(role).started_at = asked
+        self._sim.add_replica(role).started_at = placed
 
     def _observe(self) -> Observation:
         sim, s = self._sim, self.settings
@@ -90,7 +112,7 @@ class SimAutoscaler:
             waiting = sum(len(r.waiting) for r in live)
             if role == "decode":
                 waiting += len(sim.awaiting_decode)
-            roles[role] = RoleObservation(running=len(live), starting=self._starting[role],
+            roles[role] = RoleObservation(running=len(live), starting=self._starting[role] + self._asked.count(role),
                                           waiting_requests=float(waiting), steps=self._steps[role])
             self._steps[role] = []
         return Observation(

@@ -149,6 +149,7 @@ class SimulationResult:
     num_preemptions: int
     num_local_prefills: int
     replica_seconds: dict[str, float] = field(default_factory=dict)   # per role
+    replica_spans: list[tuple[str, float, float]] = field(default_factory=list)   # (role, placed, stopped or end)
     timeline: list[dict] = field(default_factory=list)                # the autoscaler's intervals
     mean_stretch: dict[str, float] = field(default_factory=dict)      # per role: step time / model's time
     cached_prompt_tokens: int = 0                                     # prompt tokens served by prefix caches
@@ -280,22 +281,23 @@ class _Simulation:
         ends = [r.end_time for r in self.logs if r.end_time is not None]
         duration = self.max_duration if cut else max(ends, default=0.0)
         pools = self.prefill_pool + self.decode_pool + self.retired
+        spans = [(self.role_of(r), r.started_at, r.stopped_at or duration) for r in pools]
         seconds: dict[str, float] = {}
-        for r in pools:
-            role = self.role_of(r)
-            seconds[role] = seconds.get(role, 0.0) + max(0.0, (r.stopped_at or duration) - r.started_at)
+        for role, start, stop in spans:
+            seconds[role] = seconds.get(role, 0.0) + max(0.0, stop - start)
         timeline = self.autoscaler.timeline if self.autoscaler is not None else []
         stretch: dict[str, list[float]] = {}
         for r in pools:
             totals = stretch.setdefault(self.role_of(r), [0.0, 0])
             totals[0] += r.stretch_sum
             totals[1] += r.num_steps
-        return SimulationResult(self.logs, duration, sum(r.num_steps for r in pools),
-                                sum(r.num_preemptions for r in pools), self.num_local_prefills, seconds, timeline,
-                                {role: total / n for role, (total, n) in stretch.items() if n},
-                                sum(r.cached_prompt_tokens for r in pools),
-                                dict(Counter(log.refused.reason for log in self.refused)),
-                                f"--max-duration {self.max_duration:g} s reached" if cut else None)
+        return SimulationResult(
+            self.logs, duration, sum(r.num_steps for r in pools), sum(r.num_preemptions for r in pools),
+            self.num_local_prefills, replica_seconds=seconds, replica_spans=spans, timeline=timeline,
+            mean_stretch={role: total / n for role, (total, n) in stretch.items() if n},
+            cached_prompt_tokens=sum(r.cached_prompt_tokens for r in pools),
+            refusals=dict(Counter(log.refused.reason for log in self.refused)),
+            interrupted=f"--max-duration {self.max_duration:g} s reached" if cut else None)
 
     # ---- pools ------------------------------------------------------------------------------
     @property
@@ -326,6 +328,8 @@ class _Simulation:
             replica.stopped_at = self.now
             self.pool(self.role_of(replica)).remove(replica)
             self.retired.append(replica)
+            if self.autoscaler is not None:
+                self.autoscaler.on_retire()
 
     @staticmethod
     def _live(pool: list[SimReplica]) -> list[SimReplica]:

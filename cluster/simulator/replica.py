@@ -63,7 +63,7 @@ class SimReplica:
     busy: bool = False
     step_pending: bool = False       # a step start is queued for this instant
     draining: bool = False           # scaled down: takes nothing new, finishes what it holds
-    started_at: float = 0.0          # asked for (holds its devices from then on)
+    started_at: float = 0.0          # placed (holds its devices from then on)
     stopped_at: float | None = None
     num_steps: int = 0
     num_preemptions: int = 0
