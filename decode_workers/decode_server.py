@@ -17,11 +17,12 @@ import dataclasses
 from collections.abc import AsyncIterator
 
 import ray
+from ray import exceptions as ray_exceptions
 from ray import serve
 
 from cluster.serving.detached import detached
-from cluster.serving.messages import Admitted, DecodeRequest, TokenDelta
-from cluster.serving.replica_routing import TARGET_REPLICA
+from cluster.serving.messages import Admitted, DecodeRequest, KVHolderLost, TokenDelta
+from cluster.serving.replica_routing import TARGET_REPLICA, ReplicaGoneError
 from cluster.serving.worker_deployment import WorkerDeployment
 from cluster.transport.kv_transport import PeerAddress
 from cluster.transport.transport_factory import TransportSettings, receiver_factory
@@ -30,6 +31,9 @@ from engine.engine_config import EngineConfig
 
 # a prefill replica that does not answer a send request in this long is gone (at least; see ServePrefillPeer)
 SEND_CALL_TIMEOUT_S = 60.0
+RENEW_CALL_TIMEOUT_S = 10.0
+# what a call to a prefill replica raises when that replica is not running any more
+_GONE = (ReplicaGoneError, ray_exceptions.ActorDiedError)
 
 
 @serve.deployment(name="DecodeServer")
@@ -81,14 +85,27 @@ class ServePrefillPeer:
         call = self._handle.send_kv.remote(request_id, transfer_id, receivers, **{TARGET_REPLICA: replica_id})
         try:
             return await asyncio.wait_for(call, self.call_timeout_s)
-        except BaseException:
+        except BaseException as exc:
             call.cancel()   # awaiting a response does not cancel the remote call by itself
+            cause = exc.cause if isinstance(exc, ray_exceptions.RayTaskError) and exc.cause is not None else exc
+            if isinstance(cause, _GONE):
+                raise KVHolderLost(f"the prefill replica {replica_id} holding the KV of {request_id} is gone: "
+                                   f"{cause}") from None
+            if isinstance(cause, KeyError):     # the replica's answer for a request that holds nothing there
+                raise KVHolderLost(f"the prefill replica {replica_id} holds no KV for {request_id} any more (its "
+                                   "lease ran out)") from None
             raise
 
     def release(self, replica_id: str, request_id: str) -> None:
         # fire and forget: the lease frees the KV if this never lands
         detached(lambda: self._handle.release.remote(request_id, **{TARGET_REPLICA: replica_id}))
 
-    def renew(self, replica_id: str, request_id: str) -> None:
-        # fire and forget: a lost renew costs at most a prefill again
-        detached(lambda: self._handle.renew.remote(request_id, **{TARGET_REPLICA: replica_id}))
+    async def renew(self, replica_id: str, request_id: str) -> bool | None:
+        call = detached(lambda: self._handle.renew.remote(request_id, **{TARGET_REPLICA: replica_id}))
+        try:
+            return bool(await asyncio.wait_for(call, RENEW_CALL_TIMEOUT_S))
+        except _GONE:
+            return False
+        except Exception:  # noqa: BLE001 - no answer in time (a busy engine): the next renewal asks again
+            call.cancel()
+            return None

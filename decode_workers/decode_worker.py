@@ -35,6 +35,7 @@ import torch
 from cluster.serving.messages import (
     Admitted,
     DecodeRequest,
+    KVHolderLost,
     KVTransferFailed,
     PrefillResult,
     TokenDelta,
@@ -61,14 +62,16 @@ class PrefillPeer(Protocol):
     async def send_kv(self, replica_id: str, request_id: str, transfer_id: str,
                       receivers: list[PeerAddress]) -> int:
         """Asks the replica holding the request's KV to send it to `receivers`
-        (one per decode rank, receives already posted); returns the bytes queued."""
+        (one per decode rank, receives already posted); returns the bytes queued.
+        Raises KVHolderLost when the replica is gone or holds nothing for it."""
 
     def release(self, replica_id: str, request_id: str) -> None:
         """Tells the replica it may free the request's KV (fire and forget)."""
 
-    def renew(self, replica_id: str, request_id: str) -> None:
-        """Tells the replica to keep holding the request's KV for another lease
-        (fire and forget)."""
+    async def renew(self, replica_id: str, request_id: str) -> bool | None:
+        """Tells the replica to keep holding the request's KV for another lease:
+        True if it does, False if it is gone or holds nothing for the request,
+        None if that cannot be told (no answer in time)."""
 
 
 class Phase(enum.Enum):
@@ -131,7 +134,8 @@ class DecodeWorker:
     # ---- requests ------------------------------------------------------------------------------
     async def generate(self, request: DecodeRequest) -> Admitted:
         """Takes the request into the batch; its outputs then stream to
-        `request.subscriber`. Raises KVTransferFailed, InvalidRequestError,
+        `request.subscriber`. Raises KVTransferFailed (KVHolderLost when the prefill
+        replica no longer holds the KV), InvalidRequestError,
         TimeoutError when no blocks free up in time, or EngineStoppedError naming
         this replica; nothing is left behind then."""
         try:
@@ -210,6 +214,8 @@ class DecodeWorker:
             if not send.done():
                 send.cancel()
                 return arrived.result()
+            if not send.cancelled() and isinstance(send.exception(), KVHolderLost):
+                raise KVHolderLost(str(send.exception()), self.replica_id)
             if send.cancelled() or send.exception() is not None:
                 why = "cancelled" if send.cancelled() else send.exception()
                 raise KVTransferFailed(f"the prefill worker could not send the KV of {rid}: {why}",
@@ -223,13 +229,22 @@ class DecodeWorker:
     async def _wait_for_blocks(self, reserved: asyncio.Future,
                                prefill: PrefillResult) -> tuple[int, asyncio.Future]:
         """The reservation's result. Waiting for free blocks may outlast the
-        hold's lease (reserve_timeout_s is longer): the hold is renewed meanwhile."""
+        hold's lease (reserve_timeout_s is longer): the hold is renewed meanwhile,
+        every third of the lease. Raises KVHolderLost once a renewal finds the
+        prefill replica gone or holding nothing (it died while this waited)."""
+        renewal: asyncio.Future | None = None
         try:
             while not reserved.done():
                 await asyncio.wait({reserved}, timeout=prefill.lease_s / 3)
                 if not reserved.done():
                     self._engine.check_alive()   # (its stop hook settles the future; this is the backstop)
-                    self._peer.renew(prefill.replica_id, prefill.request_id)
+                    if renewal is not None and renewal.done() and not renewal.cancelled() \
+                            and renewal.exception() is None and renewal.result() is False:
+                        raise KVHolderLost(f"the prefill worker {prefill.replica_id} no longer holds the KV of "
+                                           f"{prefill.request_id} (it stopped, or the hold's lease ran out) while "
+                                           f"{self.name} waited for free blocks", self.replica_id)
+                    renewal = asyncio.ensure_future(self._peer.renew(prefill.replica_id, prefill.request_id))
+                    renewal.add_done_callback(_retrieved)
             return reserved.result()
         except BaseException:
             reserved.cancel()

@@ -47,6 +47,7 @@ from typing import Protocol
 from cluster.serving.messages import (
     Admitted,
     DecodeRequest,
+    KVHolderLost,
     KVTransferFailed,
     PrefillResult,
     TokenDelta,
@@ -290,7 +291,9 @@ class ServingBackend(GenerationBackend):
     async def _hand_off(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                         result: PrefillResult) -> Admitted:
         """A decode replica takes the request and its KV (it releases the
-        prefill hold on success); retried once elsewhere on failure."""
+        prefill hold on success); retried once elsewhere on failure, except when
+        the prefill replica lost the KV (BackendUnavailableError: the request is
+        prefilled again)."""
         avoid = None
         admitted = False
         try:
@@ -304,6 +307,9 @@ class ServingBackend(GenerationBackend):
                     if self._policy is not None and done.transfer_time_s is not None:
                         self._policy.observe_handoff(done.transfer_time_s)
                     return done
+                except KVHolderLost as exc:
+                    # no decode replica can take KV that is gone: the request is prefilled again
+                    raise BackendUnavailableError(str(exc)) from None
                 except (KVTransferFailed, BackendUnavailableError, TimeoutError) as exc:
                     if attempt == self.max_transfer_attempts:
                         raise BackendUnavailableError(str(exc), getattr(exc, "replica_id", "")) from None

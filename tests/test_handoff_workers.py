@@ -26,7 +26,7 @@ from cluster.transport.transport_factory import (
     receiver_factory,
     sender_factory,
 )
-from cluster.serving.messages import DecodeRequest, KVTransferFailed
+from cluster.serving.messages import DecodeRequest, KVHolderLost, KVTransferFailed
 from decode_workers.decode_worker import DecodeWorker
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import EngineStoppedError
@@ -67,13 +67,16 @@ class LocalPrefillPeer:
         self.worker = worker
 
     async def send_kv(self, replica_id, request_id, transfer_id, receivers):
-        return await self.worker.send_kv(request_id, transfer_id, receivers)
+        try:
+            return await self.worker.send_kv(request_id, transfer_id, receivers)
+        except KeyError:            # as ServePrefillPeer maps it
+            raise KVHolderLost(f"the prefill worker holds no KV for {request_id}") from None
 
     def release(self, replica_id, request_id):
         _later(self.worker.release(request_id))
 
-    def renew(self, replica_id, request_id):
-        _later(self.worker.renew(request_id))
+    async def renew(self, replica_id, request_id):
+        return await self.worker.renew(request_id)
 
 
 class LocalDecodePool:
@@ -539,8 +542,9 @@ def test_a_decode_worker_waiting_for_blocks_renews_the_hold_until_they_free_up()
     renewed = []
 
     class Peer:
-        def renew(self, replica_id, request_id):
+        async def renew(self, replica_id, request_id):
             renewed.append((replica_id, request_id, time.monotonic()))
+            return True
 
     async def main():
         worker = DecodeWorker.__new__(DecodeWorker)     # the wait needs no engine, only that it runs
@@ -563,6 +567,72 @@ def test_a_decode_worker_waiting_for_blocks_renews_the_hold_until_they_free_up()
         with pytest.raises(asyncio.CancelledError):
             await task
         assert waiting.cancelled()
+    run(main())
+
+
+def test_a_hand_off_waiting_for_blocks_gives_up_once_the_prefill_worker_lost_the_kv(model_dirs):
+    """The decode cache is full, so the hand-off waits for blocks (up to
+    reserve_timeout_s, a minute), renewing the prefill hold. The prefill worker
+    loses the hold (as when its replica dies): the next renewal finds nothing
+    there, and the hand-off fails with KVHolderLost within a third of the lease
+    or two, leaving nothing behind, instead of waiting out the minute."""
+    async def main():
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub(), lease_s=0.3).start()
+        pair.decode._engine.engine.reserve_prefilled = lambda *a, **kw: None     # no room: it waits
+        try:
+            first = await pair.prefill.prefill("h", PROMPTS[0], GREEDY)
+            waiting = asyncio.ensure_future(pair.decode.generate(
+                DecodeRequest("h", PROMPTS[0], GREEDY, "sub", first, "h#1")))
+            await asyncio.sleep(0.5)                  # renewed meanwhile: still waiting
+            assert not waiting.done() and pair.prefill.stats()["num_held"] == 1
+            await pair.prefill.abort("h")
+            start = time.monotonic()
+            with pytest.raises(KVHolderLost, match="no longer holds the KV of h") as info:
+                await asyncio.wait_for(waiting, 5.0)
+            assert info.value.replica_id == "D" and time.monotonic() - start < 0.5
+            assert pair.decode.stats()["num_waiting"] == 0
+            await pair.wait_idle(timeout_s=2)
+        finally:
+            await pair.shutdown()
+    run(main())
+
+
+def test_a_gone_prefill_replica_reads_as_a_lost_hold_to_the_decode_side():
+    """ServePrefillPeer: a call to a prefill replica that is gone (or that holds
+    nothing for the request) is KVHolderLost for send_kv and False for renew;
+    a renewal with no answer in time is None (not known)."""
+    from cluster.serving.replica_routing import ReplicaGoneError
+    from decode_workers import decode_server
+
+    class Response:
+        def __init__(self, outcome):
+            self.outcome, self.cancelled = outcome, False
+
+        def __await__(self):
+            yield from asyncio.sleep(0).__await__()
+            if isinstance(self.outcome, BaseException):
+                raise self.outcome
+            return self.outcome
+
+        def cancel(self):
+            self.cancelled = True
+
+    class Handle:
+        def __init__(self, outcome):
+            self.send_kv = self.renew = SimpleNamespace(remote=lambda *a, **kw: Response(outcome))
+
+    async def main():
+        for outcome, fragment in ((ReplicaGoneError("replica P is not running"), "is gone"),
+                                  (KeyError("h"), "holds no KV for h")):
+            peer = decode_server.ServePrefillPeer(Handle(outcome))
+            with pytest.raises(KVHolderLost, match=fragment):
+                await peer.send_kv("P", "h", "h#1", [])
+        with pytest.raises(TimeoutError):       # anything else is the transfer's own failure
+            await decode_server.ServePrefillPeer(Handle(TimeoutError("slow"))).send_kv("P", "h", "h#1", [])
+        assert await decode_server.ServePrefillPeer(Handle(ReplicaGoneError("gone"))).renew("P", "h") is False
+        assert await decode_server.ServePrefillPeer(Handle(False)).renew("P", "h") is False
+        assert await decode_server.ServePrefillPeer(Handle(True)).renew("P", "h") is True
+        assert await decode_server.ServePrefillPeer(Handle(RuntimeError("no answer"))).renew("P", "h") is None
     run(main())
 
 

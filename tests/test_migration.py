@@ -202,6 +202,33 @@ def test_a_prefill_worker_that_dies_before_the_first_token(model_dirs, reference
     assert (prefill_calls, local, phases.migrations, phases.prefilled_on) == (1, 1, 1, "decode")
 
 
+def test_a_hand_off_whose_prefill_hold_is_lost_while_it_waits_is_prefilled_again(model_dirs, reference):
+    """The decode replica waits for blocks to take the KV; the prefill replica
+    holding it loses it (it died). The router does not retry the hand-off (no
+    decode replica can take KV that is gone): it prefills prompt and first token
+    on a decode replica, and the output is the undisturbed one."""
+    from cluster.transport.fake_transport import FakeTransportHub
+    from tests.test_handoff_workers import Pair
+
+    async def main():
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub(), lease_s=0.3, max_migrations=1).start()
+        pair.decode._engine.engine.reserve_prefilled = lambda *a, **kw: None   # full: the hand-off waits
+        try:
+            request = asyncio.ensure_future(pair.run("r", PROMPTS[2]))
+            while pair.prefill.stats()["num_held"] == 0:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)
+            await pair.prefill.abort("r")                       # the hold is gone, as with its replica
+            out = await asyncio.wait_for(request, 10)
+            return out, pair.decode_pool.attempts, pair.decode_pool.local, pair.backend.phase_timings("r")
+        finally:
+            await pair.shutdown()
+
+    out, handoffs, local, phases = run(main())
+    assert out.token_ids == reference("tiny").greedy(tuple(PROMPTS[2]), 10)
+    assert (handoffs, local, phases.migrations) == (1, 1, 1)
+
+
 def test_a_prompt_waiting_on_a_prefill_pool_that_lost_every_replica_is_prefilled_locally(model_dirs, reference):
     """The only prefill replica died: the call would wait for a replacement. Once the
     router's stats show the pool empty, the prompt goes to a decode worker instead

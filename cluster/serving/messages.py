@@ -105,4 +105,10 @@ class KVTransferFailed(RuntimeError):
         self.replica_id = replica_id
 
     def __reduce__(self):   # keeps replica_id across Ray's pickling
-        return KVTransferFailed, (str(self), self.replica_id)
+        return type(self), (str(self), self.replica_id)
+
+
+class KVHolderLost(KVTransferFailed):
+    """The prefill replica that held the request's KV no longer has it (it is
+    gone, or the hold's lease ran out): no decode replica can take it any more,
+    so the router prefills the request again instead of retrying the hand-off."""
