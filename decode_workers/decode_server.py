@@ -20,6 +20,7 @@ import ray
 from ray import exceptions as ray_exceptions
 from ray import serve
 
+from cluster.serving.call_cancel import cancel_call
 from cluster.serving.detached import detached
 from cluster.serving.messages import Admitted, DecodeRequest, KVHolderLost, TokenDelta
 from cluster.serving.replica_routing import TARGET_REPLICA, ReplicaGoneError
@@ -86,7 +87,7 @@ class ServePrefillPeer:
         try:
             return await asyncio.wait_for(call, self.call_timeout_s)
         except BaseException as exc:
-            call.cancel()   # awaiting a response does not cancel the remote call by itself
+            cancel_call(call)   # awaiting a response does not cancel the remote call by itself
             cause = exc.cause if isinstance(exc, ray_exceptions.RayTaskError) and exc.cause is not None else exc
             if isinstance(cause, _GONE):
                 raise KVHolderLost(f"the prefill replica {replica_id} holding the KV of {request_id} is gone: "
@@ -107,5 +108,5 @@ class ServePrefillPeer:
         except _GONE:
             return False
         except Exception:  # noqa: BLE001 - no answer in time (a busy engine): the next renewal asks again
-            call.cancel()
+            cancel_call(call)
             return None

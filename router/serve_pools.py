@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from ray import exceptions as ray_exceptions
 from ray.serve.exceptions import RayServeException, RequestCancelledError
 
+from cluster.serving.call_cancel import cancel_call
 from cluster.serving.detached import detached
 from cluster.serving.messages import Admitted, DecodeRequest, PrefillResult, TokenDelta
 from cluster.serving.replica_routing import (
@@ -84,7 +85,7 @@ async def _call(response, what: str, on_cancel: Callable[[], None] | None = None
         with unwrapped_errors(what):
             return await response
     except asyncio.CancelledError:
-        response.cancel()
+        cancel_call(response)
         if on_cancel is not None:
             on_cancel()
         raise
@@ -166,4 +167,4 @@ class ServeDecodePool:
                 async for batch in stream:
                     yield batch
         finally:
-            stream.cancel()
+            cancel_call(stream)

@@ -616,6 +616,8 @@ def test_a_gone_prefill_replica_reads_as_a_lost_hold_to_the_decode_side():
 
         def cancel(self):
             self.cancelled = True
+            if isinstance(self.outcome, BaseException):   # as Serve's cancel() does for a failed call
+                raise self.outcome
 
     class Handle:
         def __init__(self, outcome):

@@ -157,6 +157,29 @@ def test_a_call_to_a_replica_that_is_gone_fails_instead_of_waiting():
     assert isinstance(old.future.exception(), ReplicaGoneError)
 
 
+def test_replica_gone_is_one_class_in_every_process():
+    """Serve ships the request router to each replica by value (cloudpickle), a
+    module's own classes included: the error it raises must be the one a caller in
+    that process can catch, not a copy made by the unpickling."""
+    import subprocess
+    import sys
+
+    import cloudpickle
+
+    import cluster.serving.replica_routing as routing
+    cloudpickle.register_pickle_by_value(routing)        # as RequestRouterConfig does
+    try:
+        shipped = cloudpickle.dumps(routing.LoadAwareRouter)
+    finally:
+        cloudpickle.unregister_pickle_by_value(routing)
+    check = ("import sys, cloudpickle\n"
+             "from cluster.serving.replica_routing import ReplicaGoneError\n"   # as callers import it
+             "router = cloudpickle.loads(sys.stdin.buffer.read())\n"
+             "print(router._fail_if_gone.__globals__['ReplicaGoneError'] is ReplicaGoneError)")
+    out = subprocess.run([sys.executable, "-c", check], input=shipped, capture_output=True, check=True)
+    assert out.stdout.decode().strip() == "True"
+
+
 def test_calls_to_the_only_replica_fail_when_it_dies():
     """With no replica left Serve never asks choose_replicas: the death itself fails the calls
     waiting for that replica (others keep waiting for a replacement)."""
@@ -206,6 +229,28 @@ def _route(r: LoadAwareRouter, call_id: str, **kwargs) -> asyncio.Task:
     return asyncio.ensure_future(r._choose_replica_for_request(request))
 
 
+
+
+def test_a_call_to_a_replica_never_seen_fails_once_a_newer_list_lacks_it():
+    """A decode replica that started after the prefill replica holding a request's
+    KV died has never seen that replica: a list Serve gives its router after the
+    call, without the target, says the target is gone (the call used to wait the
+    whole grace period, past the KV transfer's deadline). A call made after the
+    latest list still waits: its target may be starting."""
+    async def scenario():
+        a = FakeServeReplica("a")
+        r = _serve_router([a])
+        waiting = _route(r, "to-dead", **{TARGET_REPLICA: "dead"})
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        r.update_replicas([a, FakeServeReplica("b")])          # Serve's next list: no "dead" in it
+        with pytest.raises(ReplicaGoneError, match="replica dead is not running"):
+            await asyncio.wait_for(waiting, 2.0)
+        later = _route(r, "to-starting", **{TARGET_REPLICA: "starting"})
+        await asyncio.sleep(0.2)
+        assert not later.done()
+        later.cancel()
+    asyncio.run(scenario())
 
 
 def test_calls_to_a_scaled_down_replica_do_not_hold_up_calls_to_the_live_one():

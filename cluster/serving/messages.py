@@ -108,6 +108,14 @@ class KVTransferFailed(RuntimeError):
         return type(self), (str(self), self.replica_id)
 
 
+class ReplicaGoneError(RuntimeError):
+    """The replica a call was addressed to (target_replica) is no longer running.
+    Raised by the request router (cluster/serving/replica_routing.py), which Serve
+    ships to every replica by value: defined here, so that it is one class
+    everywhere (a class defined there is a new one in each process, which no
+    `except ReplicaGoneError` elsewhere would catch)."""
+
+
 class KVHolderLost(KVTransferFailed):
     """The prefill replica that held the request's KV no longer has it (it is
     gone, or the hold's lease ran out): no decode replica can take it any more,

@@ -4,8 +4,9 @@ router, configured per deployment by the app builder).
 - A call that names `target_replica=<replica unique id>` goes to that replica
   only: the prefill replica that holds a request's KV is asked to send or
   release it. If that replica is gone (this router saw it before and Serve no
-  longer lists it, or it has not appeared within TARGET_GRACE_S), the call
-  fails with ReplicaGoneError instead of waiting for it for ever.
+  longer lists it; or a list Serve gave this router after the call was made
+  lacks it; or it has not appeared within TARGET_GRACE_S), the call fails with
+  ReplicaGoneError instead of waiting for it for ever.
 - A replica chosen for a call goes to that call (Serve's match by request id),
   never to an older waiting one as Serve's FIFOMixin would do: an older call
   may be addressed to another replica.
@@ -37,14 +38,12 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from cluster.serving.messages import ReplicaGoneError
+
 TARGET_REPLICA = "target_replica"
 AVOID_REPLICA = "avoid_replica"
 TARGET_GRACE_S = 10.0      # a target this router has never seen may still be starting
 RECENT_S = 1.5             # sent prompts count against a replica this long (a report's period and delay)
-
-
-class ReplicaGoneError(RuntimeError):
-    """The replica a call was addressed to is no longer running."""
 
 
 class LoadAwareRouter(RequestRouter):
@@ -60,6 +59,7 @@ class LoadAwareRouter(RequestRouter):
         self._recent: dict[str, deque[list]] = {}    # replica id -> [time chosen, prompt tokens, call key]
         self._charged: dict[object, tuple[str, list]] = {}   # call key -> (replica id, its entry there)
         self._seen: set[str] = set()                 # replica ids this router has had as candidates
+        self._listed_at = 0.0                        # when Serve last gave this router its replicas (wall clock)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -130,6 +130,7 @@ class LoadAwareRouter(RequestRouter):
         super().update_replicas(replicas)
         self._seen.update(r.replica_id.unique_id for r in replicas)
         live = {r.replica_id.unique_id for r in replicas}
+        self._listed_at = time.time()
         for gone in [uid for uid in self._recent if uid not in live]:
             for entry in self._recent.pop(gone):
                 self._charged.pop(entry[2], None)
@@ -150,7 +151,9 @@ class LoadAwareRouter(RequestRouter):
 
     def _fail_if_gone(self, pending_request: PendingRequest, target: str) -> None:
         waited = time.time() - pending_request.created_at
-        if target in self._seen or waited > TARGET_GRACE_S:
+        # a target that answered before the call was made was running then: a list of the replicas
+        # given after the call that lacks it says it is gone (one never seen may still be starting)
+        if target in self._seen or waited > TARGET_GRACE_S or self._listed_at > pending_request.created_at:
             future = pending_request.future
             if not future.done():
                 future.set_exception(ReplicaGoneError(f"replica {target} is not running (any more)"))
