@@ -356,6 +356,18 @@ def test_the_backend_reports_the_running_requests_output_so_far(model_dirs):
     assert after is None
 
 
+async def _streamed_into(backend, request_id: str, prompt, streamed: list):
+    """The request's whole output; each output is appended to `streamed` as it comes."""
+    async for out in backend.generate(request_id, prompt, GREEDY):
+        streamed.append(out)
+    return joined(streamed)
+
+
+async def _tokens_streamed(streamed: list, n: int) -> None:
+    while sum(len(o.delta_token_ids) for o in streamed) < n:
+        await asyncio.sleep(0.005)
+
+
 class BreakableStreamPool(TwoWorkerPool):
     """TwoWorkerPool whose router-side streams can break while the replica lives
     (Serve cancels the call: the worker's generator is cancelled too), whose
@@ -427,16 +439,13 @@ def test_a_request_admitted_as_its_replicas_stream_broke_is_aborted_there(model_
         pool = BreakableStreamPool(workers)
         backend = ServingBackend(ModelInfo("tiny", 128, 512), pool, subscriber="router-0")
 
-        async def one(rid, prompt, streamed):
-            async for out in backend.generate(rid, prompt, GREEDY):
-                streamed.append(out)
-            return joined(streamed)
+        def one(rid, prompt, streamed):
+            return _streamed_into(backend, rid, prompt, streamed)
 
         try:
             y_streamed = []
             y = asyncio.create_task(one("Y", PROMPTS[0], y_streamed))     # keeps A's stream open
-            while sum(len(o.delta_token_ids) for o in y_streamed) < 3:
-                await asyncio.sleep(0.005)
+            await _tokens_streamed(y_streamed, 3)
             pool.gate["X"] = asyncio.Event()
             x = asyncio.create_task(one("X", PROMPTS[1], []))
             await asyncio.sleep(0.05)           # X's call is on its way
@@ -470,16 +479,13 @@ def test_a_request_sent_while_a_broken_stream_closes_on_its_replica_runs_there(m
         pool = BreakableStreamPool(workers, cancel_lag_s=0.3)
         backend = ServingBackend(ModelInfo("tiny", 128, 512), pool, subscriber="router-0")
 
-        async def one(rid, prompt, streamed):
-            async for out in backend.generate(rid, prompt, GREEDY):
-                streamed.append(out)
-            return joined(streamed)
+        def one(rid, prompt, streamed):
+            return _streamed_into(backend, rid, prompt, streamed)
 
         try:
             y_streamed = []
             y = asyncio.create_task(one("Y", PROMPTS[0], y_streamed))
-            while sum(len(o.delta_token_ids) for o in y_streamed) < 3:
-                await asyncio.sleep(0.005)
+            await _tokens_streamed(y_streamed, 3)
             pool.break_stream("A")
             await asyncio.sleep(0.05)           # the router has heard; A's generator still runs
             z = asyncio.create_task(one("Z", PROMPTS[1], []))
