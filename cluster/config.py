@@ -144,9 +144,18 @@ class HttpSection(_Strict):
     @model_validator(mode="after")
     def _check_cors(self):
         for i, origin in enumerate(self.allowed_origins):
-            if origin != "*" and not re.fullmatch(r"https?://[^/\s*]+", origin):
-                raise ValueError(f"allowed_origins[{i}] is not an origin: give scheme://host[:port] with no "
-                                 "path or trailing slash (e.g. https://chat.example.com), or \"*\" for any origin")
+            # as a browser sends it: lower case, no default port (the match is exact)
+            if origin != "*" and not re.fullmatch(r"https?://([a-z0-9.-]+|\[[0-9a-f:.]+\])(:[0-9]{1,5})?", origin):
+                raise ValueError(f"allowed_origins[{i}] is not an origin as browsers send it: give "
+                                 "scheme://host[:port] in lower case, with no path, query or trailing slash "
+                                 "(e.g. https://chat.example.com), or \"*\" for any origin")
+            if origin.startswith("https://") and origin.endswith(":443") or \
+                    origin.startswith("http://") and origin.endswith(":80"):
+                raise ValueError(f"allowed_origins[{i}] names its scheme's default port, which browsers leave "
+                                 "out of the origin they send: drop the port")
+        if self.allow_credentials and not self.allowed_origins:
+            raise ValueError("allow_credentials does nothing without allowed_origins: list the origins whose pages "
+                             "may send credentials, or drop allow_credentials")
         if self.allow_credentials and "*" in self.allowed_origins:
             raise ValueError("allow_credentials with allowed_origins \"*\" would let every web site send requests "
                              "with its visitors' cookies: list the origins one by one, or drop allow_credentials")

@@ -29,12 +29,18 @@ from cluster.transport.kv_transport import PeerAddress
 from cluster.transport.transport_factory import TransportSettings, receiver_factory
 from decode_workers.decode_worker import DecodeWorker
 from engine.engine_config import EngineConfig
+from engine.errors import EngineStoppedError
 
 # a prefill replica that does not answer a send request in this long is gone (at least; see ServePrefillPeer)
 SEND_CALL_TIMEOUT_S = 60.0
 RENEW_CALL_TIMEOUT_S = 10.0
-# what a call to a prefill replica raises when that replica is not running any more
-_GONE = (ReplicaGoneError, ray_exceptions.ActorDiedError)
+# what a call to a prefill replica raises when that replica is not running any more, or cannot serve
+_GONE = (ReplicaGoneError, ray_exceptions.ActorDiedError, EngineStoppedError)
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The replica's own exception, for one Ray raises wrapped in a RayTaskError."""
+    return exc.cause if isinstance(exc, ray_exceptions.RayTaskError) and exc.cause is not None else exc
 
 
 @serve.deployment(name="DecodeServer")
@@ -88,10 +94,10 @@ class ServePrefillPeer:
             return await asyncio.wait_for(call, self.call_timeout_s)
         except BaseException as exc:
             cancel_call(call)   # awaiting a response does not cancel the remote call by itself
-            cause = exc.cause if isinstance(exc, ray_exceptions.RayTaskError) and exc.cause is not None else exc
+            cause = _cause(exc)
             if isinstance(cause, _GONE):
-                raise KVHolderLost(f"the prefill replica {replica_id} holding the KV of {request_id} is gone: "
-                                   f"{cause}") from None
+                raise KVHolderLost(f"the prefill replica {replica_id} holding the KV of {request_id} is gone or "
+                                   f"cannot serve: {cause}") from None
             if isinstance(cause, KeyError):     # the replica's answer for a request that holds nothing there
                 raise KVHolderLost(f"the prefill replica {replica_id} holds no KV for {request_id} any more (its "
                                    "lease ran out)") from None
@@ -105,8 +111,6 @@ class ServePrefillPeer:
         call = detached(lambda: self._handle.renew.remote(request_id, **{TARGET_REPLICA: replica_id}))
         try:
             return bool(await asyncio.wait_for(call, RENEW_CALL_TIMEOUT_S))
-        except _GONE:
-            return False
-        except Exception:  # noqa: BLE001 - no answer in time (a busy engine): the next renewal asks again
+        except Exception as exc:  # noqa: BLE001 - else no answer in time (a busy engine): the next one asks again
             cancel_call(call)
-            return None
+            return False if isinstance(_cause(exc), _GONE) else None

@@ -238,8 +238,10 @@ class DecodeWorker:
                 await asyncio.wait({reserved}, timeout=prefill.lease_s / 3)
                 if not reserved.done():
                     self._engine.check_alive()   # (its stop hook settles the future; this is the backstop)
-                    if renewal is not None and renewal.done() and not renewal.cancelled() \
-                            and renewal.exception() is None and renewal.result() is False:
+                    if renewal is not None and not renewal.done():
+                        continue                 # one renewal at a time: each answer is read
+                    if renewal is not None and not renewal.cancelled() and renewal.exception() is None \
+                            and renewal.result() is False:
                         raise KVHolderLost(f"the prefill worker {prefill.replica_id} no longer holds the KV of "
                                            f"{prefill.request_id} (it stopped, or the hold's lease ran out) while "
                                            f"{self.name} waited for free blocks", self.replica_id)

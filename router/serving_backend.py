@@ -56,7 +56,7 @@ from engine.outputs import RequestOutput, ResumedOutput
 from engine.sampling_params import SamplingParams
 from router.backend import BackendUnavailableError, GenerationBackend, ModelInfo
 from router.disaggregation_policy import DisaggregationPolicy
-from router.stream_fanout import StreamFanout, SubmittedDuringStreamFailure
+from router.stream_fanout import StreamFanout
 from router.timings import PhaseTimings
 
 log = logging.getLogger(__name__)
@@ -210,7 +210,6 @@ class ServingBackend(GenerationBackend):
         resume = acc.resumed() if acc.token_ids else None
         queue = self._fanout.expect(attempt_id)
         replica, finished = None, False
-        aborted_there = False   # the replica's stream failed: it aborted the request itself (or died)
         held: PrefillResult | None = None   # KV a prefill replica holds for this attempt, not yet handed off
         # a prompt prefilled on a decode replica is in flight until its first token (or the attempt's end)
         local_prefill = contextlib.ExitStack()
@@ -243,9 +242,10 @@ class ServingBackend(GenerationBackend):
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
+                    # aborted below even so: the replica aborts a failed stream's requests itself, but one
+                    # it took under a subscriber whose stream never opened (submitted while the stream
+                    # failed, or as the replica ended it) would decode for nobody; a dead one fails fast
                     failed_on[0] = replica
-                    # one submitted while the stream failed may run there all the same: it is aborted below
-                    aborted_there = not isinstance(item, SubmittedDuringStreamFailure)
                     raise item
                 local_prefill.close()
                 phases.first_token(item)
@@ -256,7 +256,7 @@ class ServingBackend(GenerationBackend):
             self._fanout.forget(attempt_id)
             if held is not None:
                 self._prefill.release(held)
-            if replica is not None and not finished and not aborted_there:
+            if replica is not None and not finished:
                 await _shielded(self._decode.abort(replica, attempt_id), f"abort of {attempt_id}")
 
     async def _prefill_remotely(self, request_id: str, prompt_token_ids: list[int],

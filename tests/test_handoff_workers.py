@@ -601,6 +601,8 @@ def test_a_gone_prefill_replica_reads_as_a_lost_hold_to_the_decode_side():
     """ServePrefillPeer: a call to a prefill replica that is gone (or that holds
     nothing for the request) is KVHolderLost for send_kv and False for renew;
     a renewal with no answer in time is None (not known)."""
+    from ray.exceptions import RayTaskError
+
     from cluster.serving.replica_routing import ReplicaGoneError
     from decode_workers import decode_server
 
@@ -635,7 +637,35 @@ def test_a_gone_prefill_replica_reads_as_a_lost_hold_to_the_decode_side():
         assert await decode_server.ServePrefillPeer(Handle(False)).renew("P", "h") is False
         assert await decode_server.ServePrefillPeer(Handle(True)).renew("P", "h") is True
         assert await decode_server.ServePrefillPeer(Handle(RuntimeError("no answer"))).renew("P", "h") is None
+        # a replica whose engine stopped holds nothing it can send (Ray wraps the replica's own error)
+        stopped = RayTaskError("send_kv", "traceback", EngineStoppedError("the engine stopped"))
+        with pytest.raises(KVHolderLost, match="cannot serve"):
+            await decode_server.ServePrefillPeer(Handle(stopped)).send_kv("P", "h", "h#1", [])
+        assert await decode_server.ServePrefillPeer(Handle(stopped)).renew("P", "h") is False
     run(main())
+
+
+def test_a_renewal_slower_than_a_third_of_the_lease_is_still_read():
+    """Renewals go one at a time: an answer that comes after the next tick is
+    read there, not dropped for a newer renewal (whose answer could be late too)."""
+    class SlowPeer:
+        calls = 0
+
+        async def renew(self, replica_id, request_id):
+            self.calls += 1
+            await asyncio.sleep(0.12)             # over two ticks of a 0.15 s lease
+            return False                          # the holder is gone
+
+    async def main():
+        worker = DecodeWorker.__new__(DecodeWorker)
+        worker._peer, worker.name, worker.replica_id = SlowPeer(), "decode", "D"
+        worker._engine = SimpleNamespace(check_alive=lambda: None)
+        prefill = SimpleNamespace(replica_id="P", request_id="r1", lease_s=0.15)
+        never = asyncio.get_running_loop().create_future()
+        with pytest.raises(KVHolderLost, match="no longer holds the KV of r1"):
+            await asyncio.wait_for(worker._wait_for_blocks(never, prefill), 2.0)
+        return worker._peer.calls
+    assert run(main()) == 1
 
 
 @pytest.mark.parametrize("phase", ["waiting for blocks", "receiving"])

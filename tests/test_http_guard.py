@@ -181,9 +181,16 @@ def test_cors_settings_from_flags_and_the_file_and_their_errors():
     http = config_from_args(args).http
     assert http.allowed_origins == [PAGE, "http://localhost:3000"] and http.allow_credentials
     assert DeploymentConfig.model_validate({}).http.allowed_origins == []
+    ok = ["http://localhost:3000", "https://[::1]:8443", "http://10.0.0.7"]
+    assert DeploymentConfig.model_validate({"http": {"allowed_origins": ok}}).http.allowed_origins == ok
     for origins, credentials, fragment in ((["*"], True, "list the origins one by one"),
-                                           ([PAGE + "/"], False, "no path or trailing slash"),
-                                           (["chat.example.com"], False, r"give scheme://host\[:port\]")):
+                                           ([PAGE + "/"], False, "no path, query or trailing slash"),
+                                           (["chat.example.com"], False, r"give scheme://host\[:port\]"),
+                                           (["https://Chat.example.com"], False, "in lower case"),
+                                           (["https://a.com?x"], False, "no path, query"),
+                                           (["https://user:pw@a.com"], False, "not an origin"),
+                                           (["https://a.com:443"], False, "drop the port"),
+                                           ([], True, "does nothing without allowed_origins")):
         with pytest.raises(ValueError, match=fragment):
             DeploymentConfig.model_validate({"http": {"allowed_origins": origins, "allow_credentials": credentials}})
 

@@ -489,14 +489,15 @@ def test_a_request_sent_while_a_broken_stream_closes_on_its_replica_runs_there(m
             pool.break_stream("A")
             await asyncio.sleep(0.05)           # the router has heard; A's generator still runs
             z = asyncio.create_task(one("Z", PROMPTS[1], []))
-            return await asyncio.wait_for(asyncio.gather(y, z), 30), pool.placed
+            return await asyncio.wait_for(asyncio.gather(y, z), 30), pool.placed, pool.aborts
         finally:
             await backend.close()
             for w in workers.values():
                 w.shutdown()
 
-    outs, placed = run(main())
-    assert ("Y~1", "B") in placed
+    outs, placed, aborts = run(main())
+    # Y is aborted on A by the router too (a backstop: A aborts a failed stream's requests itself)
+    assert ("Y~1", "B") in placed and ("A", "Y") in aborts
     assert [replica for rid, replica in placed if rid.startswith("Z")] == ["A"]
     for prompt, final in zip(PROMPTS, outs):
         assert final.token_ids == reference("tiny").greedy(tuple(prompt), TOKENS)

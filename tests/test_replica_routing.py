@@ -14,6 +14,7 @@ from ray.serve._private.request_router.common import PendingRequest
 
 from cluster.serving.replica_routing import (
     AVOID_REPLICA,
+    LISTED_AFTER_S,
     TARGET_GRACE_S,
     TARGET_REPLICA,
     LoadAwareRouter,
@@ -242,7 +243,10 @@ def test_a_call_to_a_replica_never_seen_fails_once_a_newer_list_lacks_it():
         r = _serve_router([a])
         waiting = _route(r, "to-dead", **{TARGET_REPLICA: "dead"})
         await asyncio.sleep(0.2)
+        r.update_replicas([a, FakeServeReplica("b")])          # too soon after the call to tell
+        await asyncio.sleep(0.2)
         assert not waiting.done()
+        await asyncio.sleep(LISTED_AFTER_S)
         r.update_replicas([a, FakeServeReplica("b")])          # Serve's next list: no "dead" in it
         with pytest.raises(ReplicaGoneError, match="replica dead is not running"):
             await asyncio.wait_for(waiting, 2.0)

@@ -97,6 +97,23 @@ def test_a_re_split_at_the_budget_starts_the_new_replica_once_the_old_one_draine
     assert all(len(r.token_times) == 2000 for r in result.requests)
 
 
+def test_an_ask_the_next_decision_takes_back_is_cancelled_not_placed_by_a_drain_in_that_decision():
+    """Budget 4: 2 prefill + 2 decode, then a third decode replica is asked for (no
+    room: it waits), then the next decision wants 1 + 2. The idle prefill replica
+    it drains leaves at once; its device must not go to the decode ask that the
+    same decision takes back (which then drained a live decode replica)."""
+    lengths, arrivals = steady(0.5, 30.0, 100, 2000)                # decoders busy throughout
+    settings = AutoscaleSettings(ttft_slo_s=1.0, tpot_slo_s=0.05, budget=4, interval_s=10.0, startup_s=5.0)
+    policy = ScriptedPolicy(settings, [(0.0, {"prefill": 2, "decode": 2}), (10.0, {"prefill": 2, "decode": 3}),
+                                       (20.0, {"prefill": 1, "decode": 2})])
+    spec = ClusterSpec("disaggregated", prefill=SPEC, decode=SPEC, prefill_replicas=2, decode_replicas=2,
+                       kv_bytes_per_token=1000)
+    result = simulate(spec, lengths, arrivals, autoscaler=SimAutoscaler(policy))
+    decode = [(start, stop) for role, start, stop in result.replica_spans if role == "decode"]
+    assert decode == [(0.0, result.duration)] * 2                   # none added, none drained
+    assert sum(role == "prefill" and stop < result.duration for role, _, stop in result.replica_spans) == 1
+
+
 def test_the_same_seed_and_load_give_the_same_timeline():
     lengths, arrivals = steady(3.0, 60.0, 1500, 50)
     a = run(1, 1, lengths, arrivals)

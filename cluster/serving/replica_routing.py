@@ -4,9 +4,10 @@ router, configured per deployment by the app builder).
 - A call that names `target_replica=<replica unique id>` goes to that replica
   only: the prefill replica that holds a request's KV is asked to send or
   release it. If that replica is gone (this router saw it before and Serve no
-  longer lists it; or a list Serve gave this router after the call was made
-  lacks it; or it has not appeared within TARGET_GRACE_S), the call fails with
-  ReplicaGoneError instead of waiting for it for ever.
+  longer lists it; or a list Serve gave this router LISTED_AFTER_S or more
+  after the call was made lacks it; or it has not appeared within
+  TARGET_GRACE_S), the call fails with ReplicaGoneError instead of waiting for
+  it for ever.
 - A replica chosen for a call goes to that call (Serve's match by request id),
   never to an older waiting one as Serve's FIFOMixin would do: an older call
   may be addressed to another replica.
@@ -43,6 +44,7 @@ from cluster.serving.messages import ReplicaGoneError
 TARGET_REPLICA = "target_replica"
 AVOID_REPLICA = "avoid_replica"
 TARGET_GRACE_S = 10.0      # a target this router has never seen may still be starting
+LISTED_AFTER_S = 1.0       # ... unless a replica list this much newer than the call lacks it
 RECENT_S = 1.5             # sent prompts count against a replica this long (a report's period and delay)
 
 
@@ -152,8 +154,10 @@ class LoadAwareRouter(RequestRouter):
     def _fail_if_gone(self, pending_request: PendingRequest, target: str) -> None:
         waited = time.time() - pending_request.created_at
         # a target that answered before the call was made was running then: a list of the replicas
-        # given after the call that lacks it says it is gone (one never seen may still be starting)
-        if target in self._seen or waited > TARGET_GRACE_S or self._listed_at > pending_request.created_at:
+        # given after the call that lacks it says it is gone (one never seen may still be starting);
+        # a second's margin, as a list can reach this router later than the controller made it
+        listed_after = self._listed_at - pending_request.created_at
+        if target in self._seen or waited > TARGET_GRACE_S or listed_after >= LISTED_AFTER_S:
             future = pending_request.future
             if not future.done():
                 future.set_exception(ReplicaGoneError(f"replica {target} is not running (any more)"))

@@ -35,6 +35,7 @@ class SimAutoscaler:
         self._last_latencies: list = []        # (TTFT, TPOT) of the requests that finished in the last window
         self._starting: dict[str, int] = {r: 0 for r in self.settings.roles}     # placed, starting up
         self._asked: list[str] = []             # roles of replicas asked for, not placed yet (oldest first)
+        self._deciding = False                  # in _tick: a replica retiring meanwhile places nothing yet
         self._steps: dict[str, list[StepSample]] = {r: [] for r in self.settings.roles}
 
     def attach(self, sim) -> None:
@@ -42,8 +43,10 @@ class SimAutoscaler:
         sim.at(self.settings.interval_s, self._tick)
 
     def on_retire(self) -> None:
-        """A drained replica left its pool: its devices are free."""
-        self._place()
+        """A drained replica left its pool: its devices are free (placed after the
+        decision under way, if any, which may cancel what was asked before)."""
+        if not self._deciding:
+            self._place()
 
     def on_step(self, replica, shape, seconds: float) -> None:
         role = self._sim.role_of(replica)
@@ -57,6 +60,7 @@ class SimAutoscaler:
         obs = self._observe()
         running = {r: obs.roles[r].running for r in s.roles}       # before this decision
         decision = self.policy.decide(obs)
+        self._deciding = True
         for role, target in decision.targets.items():
             live = [r for r in sim.pool(role) if not r.draining]
             change = target - len(live) - self._starting[role] - self._asked.count(role)
@@ -64,10 +68,11 @@ class SimAutoscaler:
             for _ in range(max(0, -change)):
                 if role in self._asked:           # not placed yet: nothing to drain
                     del self._asked[len(self._asked) - 1 - self._asked[::-1].index(role)]
-                    continue
-                victim = min(live, key=lambda r: (len(r.running) + len(r.waiting), -r.started_at))
-                live.remove(victim)
-                sim.drain_replica(victim)
+                elif live:                        # (replicas still starting are not stopped)
+                    victim = min(live, key=lambda r: (len(r.running) + len(r.waiting), -r.started_at))
+                    live.remove(victim)
+                    sim.drain_replica(victim)
+        self._deciding = False
         self._place()
         self.timeline.append({
             "time_s": sim.now, "rate": obs.arrivals / obs.window_s, "predicted_rate": decision.predicted_rate,
@@ -80,15 +85,21 @@ class SimAutoscaler:
             sim.at(sim.now + s.interval_s, self._tick)
 
     def _place(self) -> None:
-        """Starts the replicas asked for, oldest first, while the budget's devices
-        (those of every replica running, draining or starting) have room."""
+        """Starts the replicas asked for, oldest first, each one the budget's devices
+        (those of every replica running, draining or starting) have room for: one
+        that does not fit yet holds back none that does (Serve places each
+        deployment's replicas on their own)."""
         sim, s = self._sim, self.settings
         used = sum((len(sim.pool(r)) + self._starting[r]) * s.tp(r) for r in s.roles)
-        while self._asked and used + s.tp(self._asked[0]) <= s.budget:
-            role = self._asked.pop(0)
+        waiting = []
+        for role in self._asked:
+            if used + s.tp(role) > s.budget:
+                waiting.append(role)
+                continue
             used += s.tp(role)
             self._starting[role] += 1
             sim.at(sim.now + s.startup_s, lambda role=role, placed=sim.now: self._ready(role, placed))
+        self._asked = waiting
 
     def _ready(self, role: str, placed: float) -> None:
         self._starting[role] -= 1
