@@ -88,9 +88,11 @@ class StreamFanout:
 
     def submitting(self, request_id: str) -> str:
         """The request's call to a decode replica is about to go: the subscriber
-        to name in it (a stream failure before now cannot have crossed it)."""
-        self._submitted_as[request_id] = self.subscriber
-        return self._submitted_as[request_id]
+        to name in it (a stream failure before now cannot have crossed it).
+        Recorded only for a request `expect` knows (`forget` clears it)."""
+        if request_id in self._queues:
+            self._submitted_as[request_id] = self.subscriber
+        return self.subscriber
 
     def bind(self, request_id: str, replica_id: str) -> None:
         """The request runs on `replica_id`: read its subscriber's stream there (or,

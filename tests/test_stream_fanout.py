@@ -154,6 +154,7 @@ def test_after_a_failure_new_requests_join_a_new_subscriber_and_the_old_streams_
         replicas.send("S", _delta("new", 3), subscriber="router-x/1")
         assert (await _next(on_s)).token_ids == [1] and (await _next(to_s)).token_ids == [2]
         assert (await _next(new)).token_ids == [3]
+        assert fanout.submitting("never-expected") == "router-x/1" and "never-expected" not in fanout._submitted_as
         assert sorted(replicas.opened) == [("R", "router-x"), ("S", "router-x"), ("S", "router-x/1")]
         assert replicas.aborted == []
         await fanout.close()
