@@ -33,6 +33,7 @@ from engine.model.attention_metadata import (
 )
 from engine.model.cpu_gemm import pack_linear_weights, packing_supported, use_skinny_gemm
 from engine.model.llama import use_fused_ops
+from engine.model.model_config import CONTEXT_SCALING_ROPE_TYPES
 from engine.model.parallel import SINGLE_PROCESS, TensorParallel
 from engine.preflight import (
     attention_backend_problem,
@@ -276,7 +277,7 @@ def resolve_max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
     if config.max_model_len is None:
         return mc.default_context
     if config.max_model_len > limit:
-        scaled = mc.rope_type in ("linear", "dynamic")
+        scaled = mc.rope_type in CONTEXT_SCALING_ROPE_TYPES
         if mc.sliding_window and limit == mc.sliding_window:
             why = (f"its attention slides over a window of {mc.sliding_window} tokens, which pdserve does not "
                    f"implement (its max_position_embeddings is {mc.max_position_embeddings})")

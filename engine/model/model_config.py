@@ -16,6 +16,7 @@ from typing import Any
 # architecture name in config.json -> the flags that distinguish it from Llama
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+CONTEXT_SCALING_ROPE_TYPES = ("linear", "dynamic")    # their factor stretches the context past the trained one
 
 
 class ModelConfigError(ValueError):
@@ -72,7 +73,7 @@ class ModelConfig:
         checkpoint reaches past it; vLLM takes the same), within a sliding window
         (the engine does not slide its attention)."""
         limit = self.max_position_embeddings
-        if self.rope_type in ("linear", "dynamic"):
+        if self.rope_type in CONTEXT_SCALING_ROPE_TYPES:
             limit = int(limit * self.rope_params.get("factor", 1.0))
         return min(limit, self.sliding_window) if self.sliding_window else limit
 
