@@ -53,8 +53,10 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     """Serve's application builder. args: `config` (a deployment YAML file;
     default: the built-in defaults) or `config_json` (a whole deployment as a
     dict), and dotted overrides, e.g. {"prefill.replicas": 2, "model.path":
-    "/models/llama"}. With autoscaling enabled, the Serve config's application
-    must also name the policy: `autoscaling_policy: {policy_function:
+    "/models/llama"}; `autoscaling_profile`: autoscaling.profile's contents, read
+    where the deployment was made (`pdserve serve --autoscale` sends them), in
+    place of reading its path here. With autoscaling enabled, the Serve config's
+    application must also name the policy: `autoscaling_policy: {policy_function:
     cluster.autoscaler.serve_policy:router_targets}`."""
     import ray
 
@@ -63,10 +65,11 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     args = dict(args or {})
     path = args.pop("config", None)
     whole = args.pop("config_json", None)      # a whole deployment, as `pdserve serve --autoscale` sends it
+    profile = args.pop("autoscaling_profile", None)
     config = with_overrides(DeploymentConfig.model_validate(whole), args) if whole else load_config(path, args)
-    if ray.is_initialized():   # `serve run` connects before it builds: check against the real cluster
-        return build_application(placed_config(config))
-    return build_application(resolve_cpus_per_rank(config, usable_cpus()))
+    # `serve run` connects before it builds: check against the real cluster
+    config = placed_config(config) if ray.is_initialized() else resolve_cpus_per_rank(config, usable_cpus())
+    return build_application(config, resolve_model(config, profile))
 
 
 class ResolvedModel(NamedTuple):
@@ -75,9 +78,10 @@ class ResolvedModel(NamedTuple):
     autoscaling_profile: dict | None = None     # autoscaling.profile, read and checked
 
 
-def resolve_model(config: DeploymentConfig) -> ResolvedModel:
+def resolve_model(config: DeploymentConfig, profile: dict | None = None) -> ResolvedModel:
     """The checkpoint directory (building the tiny model when none is set), what
-    the router tells clients about it, and the autoscaling profile. Raises
+    the router tells clients about it, and the autoscaling profile (`profile`,
+    where its contents were read already, else autoscaling.profile's file). Raises
     ValueError (CheckpointError, or the list of problems) for a directory without
     weights, for settings the workers' engines would refuse for this model, or
     for a profile that cannot price its steps, before anything deploys."""
@@ -99,21 +103,21 @@ def resolve_model(config: DeploymentConfig) -> ResolvedModel:
                 for problem in preflight(config.engine_config(role, path), mc, max_len)]
     if problems:
         raise ValueError("the workers' engines would refuse this deployment:\n  " + "\n  ".join(problems))
-    profile = _autoscaling_profile(config, mc) if config.autoscaling.enabled and config.autoscaling.profile \
-        else None
+    profile = _autoscaling_profile(config, mc, profile) \
+        if config.autoscaling.enabled and config.autoscaling.profile else None
     name = config.model.served_model_name or Path(path).name
     return ResolvedModel(path, ModelInfo(served_model_name=name, max_model_len=max_len, vocab_size=mc.vocab_size,
                                          sampling_defaults=generation_sampling_defaults(path)), profile)
 
 
-def _autoscaling_profile(config: DeploymentConfig, mc) -> dict:
+def _autoscaling_profile(config: DeploymentConfig, mc, read: dict | None = None) -> dict:
     """autoscaling.profile as data, read here, where its path means what the user
-    gave (the router may run on another node); ValueError when it cannot price
-    this deployment's steps."""
+    gave (the router may run on another node), unless `read` holds its contents
+    already; ValueError when it cannot price this deployment's steps."""
     from cluster.perf_model.step_shape import load_step_model, profile_model_problem, profile_tp_problem
     where = f"autoscaling.profile {config.autoscaling.profile}"
     try:
-        model = load_step_model(config.autoscaling.profile)
+        model = load_step_model(config.autoscaling.profile if read is None else read)
     except OSError as exc:
         raise ValueError(f"{where}: cannot read it ({exc.strerror or exc})") from None
     except ValueError as exc:

@@ -491,3 +491,24 @@ def test_slos_that_nothing_would_serve_are_refused(tmp_path):
     with pytest.raises(ValueError, match="--slo sets the SLOs admission control and the autoscaler serve"):
         config_from_args(build_parser().parse_args(["serve", "--config", str(off), "--slo", "ttft:1000"]))
     assert config_from_args(build_parser().parse_args(["serve", "--slo", "ttft:1000"])).slo.ttft_ms == 1000
+
+
+def test_an_autoscaled_deployment_ships_its_profile_as_data(tmp_path, monkeypatch):
+    """The app is built in the cluster, where the profile's path may mean nothing:
+    its contents, read by `pdserve serve`, go with the application and are used there."""
+    import json
+
+    from cluster.app_builder import build_app
+    from cluster.perf_model import LinearStepModel
+    profile = LinearStepModel((1e-3, 1e-5, 0.0, 5e-5, 0.0), meta={"tp": 1}).to_json()
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    config = DeploymentConfig.model_validate({"slo": {"ttft_ms": 1000, "tpot_ms": 100},
+                                              "autoscaling": {"enabled": True, "profile": str(path)}})
+    args = autoscaled_application(config, profile)["args"]
+    assert args["autoscaling_profile"] == profile
+    path.unlink()                          # not there where the cluster builds it
+    router = build_app(args)._bound_deployment
+    assert router.init_kwargs["autoscaling_profile"] == profile
+    with pytest.raises(ValueError, match="cannot read it"):
+        build_app({"config_json": args["config_json"]})

@@ -184,7 +184,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         config = placed_config(config, machine_cpus if started_ray else None)
         if config.autoscaling.enabled:
-            shipped = autoscaled_application(config)   # resolves the file's variables here, as below
+            shipped = autoscaled_application(config, resolved.autoscaling_profile)   # the file's variables too
         app = build_application(config, resolved)
     except (PlacementError, ValueError) as exc:   # ValueError: e.g. http.api_key_env not set
         print(f"error: {exc}", file=sys.stderr)
@@ -301,17 +301,19 @@ def _deploy_autoscaled(application: dict) -> None:
     client.deploy_apps(ServeDeploySchema(**schema), _blocking=False)
 
 
-def autoscaled_application(config) -> dict:
+def autoscaled_application(config, profile: dict | None = None) -> dict:
     """The Serve application spec of an autoscaled deployment: the app is built
     in the cluster from the whole config, where the variables the file names may
-    not be set. So they are read here (ValueError when one is not set): the API
-    key travels as its digest, the KV secret's variable in the application's
-    runtime environment (as it does to the workers without autoscaling, in their
-    arguments)."""
+    not be set, nor its paths mean what they meant here. So they are read here
+    (ValueError when one is not set): the API key travels as its digest, the KV
+    secret's variable in the application's runtime environment (as it does to
+    the workers without autoscaling, in their arguments), and `profile` (the
+    autoscaling profile, as resolve_model read it) as data."""
     http = config.http.model_copy(update={"api_key_sha256": config.api_key_sha256(), "api_key_env": None})
     shipped = config.model_copy(update={"http": http})
     application = {"name": APP_NAME, "route_prefix": "/", "import_path": "cluster.app_builder:build_app",
-                   "args": {"config_json": shipped.model_dump(mode="json")},
+                   "args": {"config_json": shipped.model_dump(mode="json"),
+                            **({"autoscaling_profile": profile} if profile is not None else {})},
                    "autoscaling_policy": {"policy_function": SERVE_POLICY}}
     if config.kv_transfer.secret_env:
         application["runtime_env"] = {"env_vars": {config.kv_transfer.secret_env: config.kv_transfer_secret()}}
