@@ -103,6 +103,9 @@ def test_decode_and_colocated_capacity():
     assert decode_capacity(MODEL, 200, 200, 0.05) == pytest.approx(b / (200 * step))
     p, d = prefill_capacity(MODEL, 200, 1.0), decode_capacity(MODEL, 200, 200, 0.05)
     assert colocated_capacity(MODEL, 200, 200, 1.0, 0.05) == pytest.approx(1 / (1 / p + 1 / d))
+    # unequal lengths: prompt and output are not interchangeable
+    p, d = prefill_capacity(MODEL, 300, 1.0), decode_capacity(MODEL, 300, 100, 0.04)
+    assert colocated_capacity(MODEL, 300, 100, 1.0, 0.04) == pytest.approx(1 / (1 / p + 1 / d))
 
 
 def test_load_predictors():
@@ -367,6 +370,12 @@ def test_no_traffic_holds_and_the_predictions_are_reported():
     rho = 1.0 * s            # the EWMA predicts 1 req/s: an idle interval before any traffic is no rate of 0
     assert d.predicted_ttft_s == pytest.approx(s + rho * s / (2 * (1 - rho)), rel=1e-6)
     assert 0 < d.predicted_tpot_s < 0.05
+    # one sequence in the batch at context prompt + output / 2: 5 ms + 1 ms + 550 x 1 us
+    assert d.predicted_tpot_s == pytest.approx(5e-3 + 1e-3 + 550e-6, rel=1e-9)
+    # Little's law per decode replica: 4 req/s x 100 tokens x t(B) / 2 replicas gives B = 2
+    d = policy().decide(observe(10.0, 4.0, 500, 100, {"prefill": 1, "decode": 2}))
+    assert d.targets == {"prefill": 1, "decode": 2}
+    assert d.predicted_tpot_s == pytest.approx(5e-3 + 2 * 1.55e-3, rel=1e-9)
 
 
 def test_settings_are_validated():
@@ -619,6 +628,8 @@ def test_an_idle_deployment_scales_down_to_its_minimum():
     assert current == {"prefill": 0, "decode": 1}
     # one replica at a time, and not before the window of what the peak needed has passed
     assert all(sum(peak.values()) - sum(h.values()) <= i + 1 for i, h in enumerate(history))
+    assert all(sum(a.values()) - sum(b.values()) <= 1 for a, b in zip([peak] + history, history))
+    assert history[:12] == [peak] * 12   # the 120 s window holds the peak's pools through t = 320 s
     # requests still running (an interval with no arrival): no scale-down without latency
     p = policy(budget=8)
     p.decide(observe(10.0, 60.0, 1000, 200, peak))

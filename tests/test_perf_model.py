@@ -65,6 +65,12 @@ def test_fit_keeps_coefficients_non_negative_and_skips_unexercised_terms():
     assert model.coefficients[1] == 0 and model.coefficients[2] == 0
     assert all(c >= 0 for c in model.coefficients)
     assert model.step_time(StepShape()) == 0.0
+    # times that fall with the decode context: the unconstrained fit's context term is negative
+    # (-1e-8), and is held at 0 while the others stay
+    times = [2e-3 + 1e-4 * s.decode_seqs - 1e-8 * s.decode_context for s in shapes]
+    clamped = LinearStepModel.fit(shapes, times)
+    assert clamped.coefficients[4] == 0 and all(c >= 0 for c in clamped.coefficients)
+    assert clamped.coefficients[0] > 0 and clamped.coefficients[3] > 0
 
 
 def test_profile_json_round_trips(tmp_path):
@@ -102,6 +108,10 @@ def test_roofline_decode_at_batch_one_is_the_weights_over_bandwidth():
     floor = model.cost.weight_bytes / (3.35e12 * e.mbu)
     t = model.step_time(StepShape.build([], [512]))
     assert t == pytest.approx(e.host_fixed_s + e.host_per_seq_s + floor, rel=0.01)
+    # the bytes from the config, not from the model's own count: bf16 q/k/v/o and the 3 MLP matrices
+    # of 32 layers, and the lm_head
+    per_layer = 4096 * (32 + 2 * 8) * 128 + 32 * 128 * 4096 + 3 * 4096 * 14336
+    assert model.cost.weight_bytes == 2 * (32 * per_layer + 128256 * 4096) == 15_009_316_864
     # long prefill is compute-bound: doubling the tokens roughly doubles the time
     t1, t2 = (model.step_time(StepShape.build([(0, n)])) for n in (4096, 8192))
     assert 1.9 < t2 / t1 < 2.3
@@ -130,6 +140,11 @@ def test_online_correction_follows_a_slower_worker():
     assert online.step_time(probe) == pytest.approx(1.5 * base.step_time(probe))
     online.observe(StepShape(), 1.0)          # nothing predicted: ignored
     assert online.num_observed == len(shapes)
+    # the first ratio sets the factor, each next one moves it by the weight: 2 -> 1.5 -> ... -> 1.16
+    varying = OnlineCorrection(base, weight=0.2)
+    for ratio in (2.0, 1.0, 1.0, 1.0, 1.0, 1.0):
+        varying.observe(probe, ratio * base.step_time(probe))
+    assert varying.factor == pytest.approx(1.16, rel=1e-9)
 
 
 def test_online_correction_adds_a_fixed_serving_cost_per_step():
@@ -138,3 +153,6 @@ def test_online_correction_adds_a_fixed_serving_cost_per_step():
     probe = StepShape.build([], [100] * 8)
     assert online.step_time(probe) == pytest.approx(base.step_time(probe) + 0.004)
     assert online.step_time(StepShape()) == 0.0          # no step, no overhead
+    # the overhead is added after the factor, not scaled by it
+    slower = OnlineCorrection(base, factor=2.0, overhead_s=0.004)
+    assert slower.step_time(probe) == pytest.approx(2 * base.step_time(probe) + 0.004)
