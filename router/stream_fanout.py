@@ -167,12 +167,19 @@ class StreamFanout:
             if bound:
                 self._readers[key] = _own_task(self._read(key))
             return
+        self._forget_failures_nobody_can_bind()
         self._failed.add(key)
         if subscriber == self.subscriber:
             self._generation += 1
         error = BackendUnavailableError(f"the decode worker {replica_id} stopped streaming ({reason})")
         for rid in bound:
             self._queues[rid].put_nowait(error)
+
+    def _forget_failures_nobody_can_bind(self) -> None:
+        """A failed stream matters while a request submitted under its subscriber
+        may still be bound to it; no request is submitted under an old generation."""
+        waiting_under = set(self._submitted_as.values())
+        self._failed = {key for key in self._failed if key[1] in waiting_under}
 
     def _abort_soon(self, replica_id: str, request_id: str) -> None:
         if (replica_id, request_id) not in self._aborting:

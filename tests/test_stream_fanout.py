@@ -162,6 +162,35 @@ def test_after_a_failure_new_requests_join_a_new_subscriber_and_the_old_streams_
     asyncio.run(run())
 
 
+def test_a_failed_stream_is_remembered_while_a_request_submitted_under_it_may_still_bind_and_no_longer():
+    async def run():
+        replicas = FakeReplicas()
+        fanout = StreamFanout(replicas.open_stream, replicas.abort)
+        first, pending = fanout.expect("first"), fanout.expect("pending")
+        fanout.bind("first", "R")
+        replicas.fail("R")
+        assert isinstance(await _next(first), BackendUnavailableError)
+        fanout.forget("first")
+        second = fanout.expect("second")
+        fanout.bind("second", "R")
+        replicas.fail("R", "router/1")
+        assert isinstance(await _next(second), BackendUnavailableError)
+        fanout.forget("second")
+        # "pending", submitted before the first failure, is bound after the second: it still hears the first
+        fanout.bind("pending", "R")
+        with pytest.raises(BackendUnavailableError, match="failed while the request was submitted there"):
+            raise await _next(pending)
+        fanout.forget("pending")
+        third = fanout.expect("third")
+        fanout.bind("third", "S")
+        replicas.fail("S", "router/2")
+        assert isinstance(await _next(third), BackendUnavailableError)
+        assert fanout._failed == {("S", "router/2")}    # nobody submitted under the older names waits
+        await fanout.close()
+
+    asyncio.run(run())
+
+
 def test_a_stream_cancelled_from_outside_fails_its_requests_and_readers_have_a_context_of_their_own():
     # Serve cancels the calls a request made when its client leaves: the shared stream must not be one
     # of them, and if a stream is cancelled anyway its requests hear it instead of waiting for ever
