@@ -569,21 +569,27 @@ def ensure_preset_model(preset: str) -> Path:
     return target
 
 
+def names_built_in_model(model: str) -> bool:
+    """`model` is the name of a preset, and no checkpoint directory of that name is here."""
+    return model in PRESETS and not (Path(model) / "config.json").is_file()
+
+
 def checkpoint_dir(model: str | None) -> str:
-    """The checkpoint directory a `--model` / `model.path` names: a HuggingFace
-    checkpoint directory as given; unset, the built-in "tiny" model; the name
+    """The checkpoint directory a `--model` / `model.path` names, as an absolute
+    path (a worker on another node, or in another working directory, reads the
+    same directory): a HuggingFace checkpoint directory; unset, the built-in "tiny" model; the name
     of a preset ("bench", "tiny-mqa", ...) that is not a checkpoint directory
     here (the repository's own bench/ folder is not one), that preset, built in
     pdserve's model cache on first use. Raises FileNotFoundError, saying what
     to give, for anything else."""
     if model is None:
         return str(ensure_default_model())
-    if model in PRESETS and not (Path(model) / "config.json").is_file():
+    if names_built_in_model(model):
         return str(ensure_preset_model(model))
     if not (Path(model) / "config.json").is_file():
         raise FileNotFoundError(f"model {model} is not a HuggingFace checkpoint directory (no config.json); give "
                                 f"a checkpoint directory or a built-in model: {', '.join(sorted(PRESETS))}")
-    return model
+    return os.path.abspath(model)
 
 
 def _discard(path: Path) -> None:

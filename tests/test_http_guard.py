@@ -160,6 +160,11 @@ def test_cors_lets_listed_pages_call_the_api_with_the_key_and_read_its_errors(to
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == PAGE
     r = completion(client, {"Origin": PAGE})       # the page can read why it was refused
     assert r.status_code == 401 and r.headers["access-control-allow-origin"] == PAGE
+    backend.fail_after, backend.failure = 0, RuntimeError("a bug")   # and why it failed
+    r = completion(client, {"Origin": PAGE, "Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    assert r.headers["access-control-allow-origin"] == PAGE
+    backend.fail_after = None
     other = _preflight(client, "https://evil.example.com")
     assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
     # CORS is no access control (the key is): the server answers, the browser keeps it from the page

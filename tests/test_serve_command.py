@@ -83,6 +83,21 @@ def test_an_autoscaled_deployment_ships_the_api_keys_digest_not_its_variable(mon
     assert DeploymentConfig.model_validate(shipped).api_key_sha256() == api_key_digest("s3cret")
 
 
+def test_an_autoscaled_deployment_ships_a_relative_checkpoint_path_as_the_absolute_one(tmp_path, monkeypatch):
+    """The app is built in the cluster, whose working directory is not this one."""
+    (tmp_path / "ckpt").mkdir()
+    monkeypatch.chdir(tmp_path)
+    autoscaled = {"slo": {"ttft_ms": 1000, "tpot_ms": 100}, "autoscaling": {"enabled": True}}
+
+    def shipped_path(path):
+        config = DeploymentConfig.model_validate({**autoscaled, "model": {"path": path}})
+        return autoscaled_application(config)["args"]["config_json"]["model"]["path"]
+
+    assert shipped_path("ckpt") == shipped_path("./ckpt/") == str(tmp_path / "ckpt")
+    assert shipped_path("bench") == "bench"          # a built-in model: each node builds its own
+    assert shipped_path(None) is None
+
+
 def test_an_autoscaled_deployment_ships_the_kv_secret_in_its_runtime_environment(monkeypatch):
     """The app is built in the cluster, whose processes need not have the file's
     variables: the one the KV secret is read from goes with the application."""
@@ -170,7 +185,11 @@ def test_model_names_a_checkpoint_directory_or_a_built_in_model(model_dirs, tmp_
     (tmp_path / "bench").mkdir()
     assert checkpoint_dir("bench") == str(preset_model_dir("bench"))
     (tmp_path / "bench" / "config.json").write_text((Path(checkpoint_dir("tiny")) / "config.json").read_text())
-    assert checkpoint_dir("bench") == "bench"
+    assert checkpoint_dir("bench") == str(tmp_path / "bench")
+    # as an absolute path: the workers (the in-cluster build, other nodes) have other working directories
+    assert checkpoint_dir("./bench/") == checkpoint_dir(".." + os.sep + tmp_path.name + "/bench") == str(tmp_path / "bench")
+    monkeypatch.chdir(tmp_path / "bench")
+    assert checkpoint_dir(".") == str(tmp_path / "bench")
 
 
 def test_serve_refuses_a_wrong_model_before_starting_a_cluster(tmp_path):

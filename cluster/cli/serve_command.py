@@ -307,10 +307,12 @@ def autoscaled_application(config, profile: dict | None = None) -> dict:
     not be set, nor its paths mean what they meant here. So they are read here
     (ValueError when one is not set): the API key travels as its digest, the KV
     secret's variable in the application's runtime environment (as it does to
-    the workers without autoscaling, in their arguments), and `profile` (the
-    autoscaling profile, as resolve_model read it) as data."""
+    the workers without autoscaling, in their arguments), `profile` (the
+    autoscaling profile, as resolve_model read it) as data, and a relative
+    checkpoint path as the absolute path it names here."""
     http = config.http.model_copy(update={"api_key_sha256": config.api_key_sha256(), "api_key_env": None})
-    shipped = config.model_copy(update={"http": http})
+    model = config.model.model_copy(update={"path": _path_for_the_cluster(config.model.path)})
+    shipped = config.model_copy(update={"http": http, "model": model})
     application = {"name": APP_NAME, "route_prefix": "/", "import_path": "cluster.app_builder:build_app",
                    "args": {"config_json": shipped.model_dump(mode="json"),
                             **({"autoscaling_profile": profile} if profile is not None else {})},
@@ -318,6 +320,14 @@ def autoscaled_application(config, profile: dict | None = None) -> dict:
     if config.kv_transfer.secret_env:
         application["runtime_env"] = {"env_vars": {config.kv_transfer.secret_env: config.kv_transfer_secret()}}
     return application
+
+
+def _path_for_the_cluster(model: str | None) -> str | None:
+    """model.path as a process with another working directory must read it: a
+    directory named here as its absolute path; unset, or a built-in model's name
+    (which each node builds in its own cache), as given."""
+    from engine.tiny_model import names_built_in_model
+    return model if model is None or names_built_in_model(model) else os.path.abspath(model)
 
 
 def _wait_running(name: str, stop: StopSignal, notify: Callable[[str], None], every_s: float = 30.0) -> bool:
