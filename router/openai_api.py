@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API, written against a GenerationBackend.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
-GET /health, GET /metrics.
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (and
+/v1/models/{model}), GET /health, GET /metrics, and vLLM's POST /tokenize,
+POST /detokenize and GET /version.
 
 One generation request:
   parse (router/protocol.py) -> model name -> supported features -> tokenize once
@@ -22,6 +23,7 @@ Contracts:
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 import time
 import uuid
@@ -31,7 +33,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
-from fastapi import FastAPI, Request
+from pydantic import ValidationError
+from fastapi import Body, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -50,7 +54,13 @@ from router.errors import (
 )
 from router.http_guard import HttpGuard
 from router.metrics import ServingMetrics
-from router.protocol import ChatCompletionRequest, CompletionRequest
+from router.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 from router.responses import (
     DONE_EVENT,
     ChatResponses,
@@ -74,6 +84,16 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 _INLINE_TOKENIZE_CHARS = 16_384
 # text is refused untokenized past this many times the characters the context's tokens could spell
 _TEXT_MARGIN = 4
+
+
+def _installed_version() -> str:
+    try:
+        return importlib.metadata.version("pdserve")
+    except importlib.metadata.PackageNotFoundError:    # run from a source tree that is not installed
+        return "unknown"
+
+
+_VERSION = _installed_version()
 
 
 @dataclass(frozen=True)
@@ -117,6 +137,29 @@ def build_openai_app(backend: GenerationBackend, tokenizer: Any, metrics: Servin
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return server.models()
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        server.check_model(model)
+        return server.models()["data"][0]
+
+    @app.post("/tokenize")
+    async def tokenize(body: dict[str, Any] = Body(...)) -> dict[str, Any]:
+        # a conversation when it has messages, else a prompt (one shape's errors, not both's)
+        shape = TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest
+        try:
+            parsed = shape.model_validate(body)
+        except ValidationError as exc:
+            raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+        return await server.tokenize(parsed)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        return server.detokenize(body)
+
+    @app.get("/version")
+    async def version() -> dict[str, Any]:
+        return {"version": _VERSION}
 
     @app.api_route("/health", methods=["GET", "HEAD"])     # (load balancers' probes send HEAD too)
     async def health() -> Response:
@@ -163,18 +206,47 @@ class _Server:
         self.token_texts = TokenTexts(tokenizer)
 
     def models(self) -> dict[str, Any]:
-        card = {"id": self.info.served_model_name, "object": "model", "created": self.created,
-                "owned_by": "pdserve", "max_model_len": self.info.max_model_len}
+        name = self.info.served_model_name
+        card = {"id": name, "object": "model", "created": self.created, "owned_by": "pdserve",
+                "root": name, "parent": None, "max_model_len": self.info.max_model_len, "permission": []}
         return {"object": "list", "data": [card]}
+
+    def check_model(self, name: str | None) -> None:
+        """404 unless `name` is the served model's (None: the served model)."""
+        if name is not None and name != self.info.served_model_name:
+            raise OpenAIError(404, f"The model `{name}` does not exist; this server serves "
+                              f"`{self.info.served_model_name}`.", param="model", code="model_not_found")
+
+    async def tokenize(self, body: TokenizeChatRequest | TokenizeCompletionRequest) -> dict[str, Any]:
+        """vLLM's /tokenize: the prompt's token ids as the generation endpoints would run them."""
+        self.check_model(body.model)
+        chat = isinstance(body, TokenizeChatRequest)
+        if chat:
+            body.check_rendering()
+        text_chars = body.text_length()
+        self._check_text_length(text_chars, "messages" if chat else "prompt")
+        ids = await self._tokenize(body, text_chars + self.max_token_chars * len(body.messages) if chat else text_chars)
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.info.max_model_len, "tokens": ids, "token_strs": strs}
+
+    def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        """vLLM's /detokenize: the text of token ids (special tokens included)."""
+        self.check_model(body.model)
+        if len(body.tokens) > self.info.max_model_len:
+            raise InvalidRequestError(f"tokens has {len(body.tokens)} ids, more than the model's context of "
+                                      f"{self.info.max_model_len}.", param="tokens")
+        vocab = self.info.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"tokens contains {bad}, outside the model's vocabulary [0, {vocab}).",
+                                      param="tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
 
     async def generate(self, body: CompletionRequest | ChatCompletionRequest,
                        request: Request) -> Response:
         arrival = time.monotonic()
         chat = isinstance(body, ChatCompletionRequest)
-        if body.model is not None and body.model != self.info.served_model_name:
-            raise OpenAIError(404, f"The model `{body.model}` does not exist; this server serves "
-                              f"`{self.info.served_model_name}`.", param="model",
-                              code="model_not_found")
+        self.check_model(body.model)
         body.check_supported()
         self._check_request_limits(body)
         arrived = self._check_before_tokenizing()
@@ -185,11 +257,17 @@ class _Server:
                 self.admission.withdraw(arrived)
             raise
 
-        fmt = ChatResponses(self.token_texts) if chat else CompletionResponses(self.token_texts)
+        token_ids = prompt_ids if body.return_token_ids else None
+        fmt = ChatResponses(self.token_texts, token_ids) if chat else CompletionResponses(self.token_texts, token_ids)
         request_id = f"{'chat' if chat else ''}{self.prefix}-{uuid.uuid4().hex}"
         admitted = self._admit(len(prompt_ids), params.max_tokens)
         gen = _Generation(self, request_id, prompt_ids, params, arrival, admitted)
-        header = {"id": request_id, "object": fmt.chunk_object if body.stream else fmt.object,
+        # the client's own id for it (vLLM's request_id field, else the X-Request-Id header, which Ray Serve
+        # sets when the client did not: the response's header) names the response; the cluster keeps a
+        # unique one, as two clients may send the same
+        client_id = body.request_id or request.headers.get("x-request-id")
+        response_id = f"{'chat' if chat else ''}{self.prefix}-{client_id}" if client_id else request_id
+        header = {"id": response_id, "object": fmt.chunk_object if body.stream else fmt.object,
                   "created": int(time.time()), "model": self.info.served_model_name}
         try:
             if body.stream:
@@ -212,7 +290,7 @@ class _Server:
         await gen.close(final.finish_reason)
         logprobs = fmt.logprobs(final.logprobs, 0)[0] if final.logprobs is not None else None
         return JSONResponse({**header, "choices": [fmt.choice(final.text, logprobs, final)],
-                             "usage": usage(len(prompt_ids), final)})
+                             "usage": usage(len(prompt_ids), final), **fmt.response_fields()})
 
     async def _prompt_and_params(self, body: CompletionRequest | ChatCompletionRequest,
                                  chat: bool) -> tuple[list[int], SamplingParams]:
@@ -246,7 +324,8 @@ class _Server:
                 f"{chars} characters, far more than {limit} tokens can hold. Please reduce the length of "
                 f"the {param}.", param=param)
 
-    async def _tokenize(self, body: CompletionRequest | ChatCompletionRequest, text_chars: int) -> list[int]:
+    async def _tokenize(self, body: CompletionRequest | ChatCompletionRequest | TokenizeChatRequest |
+                        TokenizeCompletionRequest, text_chars: int) -> list[int]:
         """The prompt's token ids; a long text (`text_chars` characters) is tokenized
         off the event loop, which every stream of this router shares."""
         if isinstance(body, CompletionRequest) and not isinstance(body.prompt, str):
@@ -255,24 +334,27 @@ class _Server:
             return self._tokenize_text(body)
         return await anyio.to_thread.run_sync(self._tokenize_text, body)
 
-    def _tokenize_text(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
-        if isinstance(body, CompletionRequest):
+    def _tokenize_text(self, body: CompletionRequest | ChatCompletionRequest | TokenizeChatRequest |
+                       TokenizeCompletionRequest) -> list[int]:
+        if isinstance(body, CompletionRequest | TokenizeCompletionRequest):
             try:
                 return list(self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
             except (TypeError, ValueError) as exc:   # e.g. text the tokenizer cannot take
                 raise InvalidRequestError(f"The prompt cannot be tokenized: {exc}", param="prompt") from None
         try:
-            ids = self.tokenizer.apply_chat_template(
+            rendered = self.tokenizer.apply_chat_template(
                 body.chat_messages(), add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message, tokenize=True,
+                continue_final_message=body.continue_final_message, tokenize=not body.add_special_tokens,
                 **(body.chat_template_kwargs or {}))
         except Exception as exc:  # noqa: BLE001 - templates refuse messages by raising anything
             raise InvalidRequestError(f"The chat template cannot render these messages: {exc}",
                                       param="messages") from None
+        if body.add_special_tokens:      # the rendered text, with the tokenizer's own special tokens added
+            return list(self.tokenizer.encode(rendered, add_special_tokens=True))
         # transformers 5 returns a BatchEncoding (a Mapping); older versions a list.
-        if isinstance(ids, Mapping):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+        if isinstance(rendered, Mapping):
+            rendered = rendered["input_ids"]
+        return [int(t) for t in rendered]
 
     def _check_before_tokenizing(self) -> float | None:
         """Admission control's checks that need no prompt length (router/admission.py):
@@ -368,7 +450,7 @@ class _Server:
         reason: str | None = "abort"   # kept if the client leaves mid-stream
         try:
             for choice in fmt.opening_choices():
-                yield sse_event({**header, "choices": [choice], **chunk_usage(None)})
+                yield sse_event({**header, "choices": [choice], **chunk_usage(None), **fmt.response_fields()})
             out, text_offset = first, 0
             while out is not None:
                 # Skip outputs with nothing to say (text held back mid-character, no logprobs).

@@ -2,7 +2,8 @@
 
 Contracts:
 - Parsing (pydantic, run by FastAPI) checks shapes and types; numbers are strict
-  (`"max_tokens": "10"` or `true` is refused, not coerced). Unknown fields are ignored.
+  (`"max_tokens": "10"` or `true` is refused, not coerced). Unknown fields are
+  ignored, and named in the log (the first time each is seen), as vLLM does.
 - `check_supported()` raises engine.InvalidRequestError (param set) for an OpenAI
   feature pdserve does not implement (n > 1, best_of > 1, echo, suffix,
   logit_bias, response_format, tools, ...), saying what to send instead.
@@ -13,6 +14,7 @@ Contracts:
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
@@ -31,6 +33,8 @@ from pydantic_core import PydanticCustomError
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams, SamplingParamsError
+
+log = logging.getLogger(__name__)
 
 # Strict: a JSON int is a valid float, but a string or a bool is not.
 StrictNumber = Annotated[float, Field(strict=True)]
@@ -65,19 +69,35 @@ def _string_chars(value: object) -> int:
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: StrictBool = False
+    include_usage: StrictBool | None = True        # vLLM's default: asking for stream options asks for usage
     continuous_usage_stats: StrictBool = False     # vLLM's: with include_usage, usage on every chunk
 
 
 _UNSUPPORTED_EXTENSIONS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
                            "include_stop_str_in_output", "allowed_token_ids", "bad_words", "logits_processors",
                            "prompt_logprobs", "use_beam_search", "truncate_prompt_tokens",
-                           "return_tokens_as_token_ids", "cache_salt")
+                           "return_tokens_as_token_ids", "cache_salt", "structural_tag")
 # apply_chat_template's own arguments: not for a request's chat_template_kwargs to set
 _TEMPLATE_ARGUMENTS = frozenset({"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
                                  "continue_final_message", "tokenize", "padding", "truncation", "max_length",
                                  "return_tensors", "return_dict", "return_assistant_tokens_mask",
                                  "tokenizer_kwargs"})
+
+
+_ignored_fields_logged: set[tuple[str, str]] = set()     # (request model, field)
+_MAX_IGNORED_FIELDS_LOGGED = 256      # then no more: clients inventing names must not grow the set for ever
+
+
+def _log_ignored_fields(model: type[BaseModel], data: object) -> None:
+    """Names, once per request model and field name, a request field this server does not know and so ignores."""
+    if not isinstance(data, dict) or len(_ignored_fields_logged) >= _MAX_IGNORED_FIELDS_LOGGED:
+        return
+    new = sorted(str(k) for k in data if k not in model.model_fields
+                 and (model.__name__, str(k)) not in _ignored_fields_logged)
+    if new:
+        _ignored_fields_logged.update((model.__name__, k) for k in new)
+        log.warning("%s: ignoring request field(s) this server does not know: %s (logged once each)",
+                    model.__name__, ", ".join(new))
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -101,6 +121,7 @@ class _GenerationRequest(BaseModel):
 
     model: StrictStr | None = None           # None = the served model
     max_tokens: Int64 | None = None      # None: completions 16, chat the rest of the context window
+    max_completion_tokens: Int64 | None = None  # OpenAI's newer name; wins over max_tokens
     temperature: Temperature | None = None
     top_p: StrictNumber | None = None
     top_k: Int64 | None = None
@@ -119,6 +140,10 @@ class _GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, Any] | None = None
     user: StrictStr | None = None            # accepted and ignored
+    request_id: StrictStr | None = None      # vLLM's: the response's id (`{prefix}-{request_id}`)
+    return_token_ids: StrictBool | None = None   # vLLM's: the prompt's and the output's token ids too
+    priority: Int64 | None = None            # vLLM's priority scheduling: only 0 (there is none)
+    spaces_between_special_tokens: StrictBool | None = None   # vLLM's; only true (the tokenizer's own)
     response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
@@ -139,8 +164,15 @@ class _GenerationRequest(BaseModel):
     truncate_prompt_tokens: Any = None
     return_tokens_as_token_ids: Any = None
     cache_salt: Any = None
+    structural_tag: Any = None
 
-    @field_validator("model", "user", "stop")
+    @model_validator(mode="before")
+    @classmethod
+    def _note_ignored_fields(cls, data: object) -> object:
+        _log_ignored_fields(cls, data)
+        return data
+
+    @field_validator("model", "user", "stop", "request_id")
     @classmethod
     def _shared_text(cls, value: object) -> object:
         return _valid_text(value)
@@ -170,12 +202,12 @@ class _GenerationRequest(BaseModel):
 
     @property
     def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     @property
     def max_tokens_param(self) -> str:
         """The request field that set max_tokens (named in errors)."""
-        return "max_tokens"
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def _logprobs(self) -> int | None:
         """SamplingParams.logprobs: how many top alternatives to return, None = no logprobs."""
@@ -219,6 +251,13 @@ class _GenerationRequest(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true.",
                                       param="stream_options")
+        if self.priority:
+            raise InvalidRequestError(f"priority must be 0 (got {self.priority}): this server schedules "
+                                      "requests first come, first served. Remove it.", param="priority")
+        if self.spaces_between_special_tokens is False:
+            raise InvalidRequestError("spaces_between_special_tokens=false is not supported: special tokens are "
+                                      "decoded as the tokenizer decodes them. Remove it.",
+                                      param="spaces_between_special_tokens")
 
     def to_sampling_params(self, default_max_tokens: int,
                            defaults: Mapping[str, Any] | None = None) -> SamplingParams:
@@ -316,7 +355,7 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant"]   # developer: OpenAI's newer name for system
     content: str | None = None
-    name: StrictStr | None = None            # accepted and ignored
+    name: StrictStr | None = None            # passed to the chat template, which may show it
     tool_calls: Any = None                   # refused when set (no tool calling)
     function_call: Any = None
 
@@ -352,20 +391,17 @@ class ChatMessage(BaseModel):
         return self
 
 
-class ChatCompletionRequest(_GenerationRequest):
-    """POST /v1/chat/completions."""
+class _ChatPrompt(BaseModel):
+    """A conversation and how the model's chat template renders it into the prompt
+    (the chat endpoint's and /tokenize's)."""
+
+    model_config = ConfigDict(extra="ignore")
 
     messages: list[ChatMessage]
-    logprobs: StrictBool | None = False
-    top_logprobs: Int64 | None = None
-    max_completion_tokens: Int64 | None = None  # OpenAI's newer name; wins over max_tokens
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False   # vLLM: the reply continues the last (assistant) message
     chat_template_kwargs: dict[str, Any] | None = None   # vLLM: extra variables for the template
-    echo: Any = None                         # vLLM's chat echo, a custom template, best_of: refused
-    documents: Any = None                    # vLLM's documents for the chat template (RAG): refused
-    chat_template: Any = None
-    best_of: Any = None
+    add_special_tokens: StrictBool = False   # vLLM: BOS etc. on top of what the template adds
 
     @field_validator("messages")
     @classmethod
@@ -374,40 +410,14 @@ class ChatCompletionRequest(_GenerationRequest):
             raise _shape_error("no messages; send at least one")
         return value
 
-    @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    @property
-    def max_tokens_param(self) -> str:
-        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
-
     def text_length(self) -> int:
         """The messages' text and every string the template may render besides
         (names, chat_template_kwargs: a template can print any of them)."""
         return sum(len(m.content or "") + len(m.name or "") for m in self.messages) + \
             _string_chars(self.chat_template_kwargs)
 
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.top_logprobs is not None and not self.logprobs:
-            raise InvalidRequestError("top_logprobs requires logprobs=true.", param="top_logprobs")
-        if self.top_logprobs is not None and self.top_logprobs < 0:
-            raise InvalidRequestError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}.",
-                                      param="top_logprobs")
-        if self.echo:
-            raise InvalidRequestError("echo is not supported; the last message is not returned with the reply. "
-                                      "Remove echo.", param="echo")
-        if self.documents:
-            raise InvalidRequestError("documents is not supported: this server does not pass documents to the "
-                                      "chat template. Put them in the messages, or remove documents.",
-                                      param="documents")
-        if self.chat_template is not None:
-            raise InvalidRequestError("chat_template is not supported: this server renders every conversation "
-                                      "with the model's own template. Remove it.", param="chat_template")
-        if self.best_of not in (None, 1):
-            raise InvalidRequestError("best_of > 1 is not supported; send one request per candidate.",
-                                      param="best_of")
+    def check_rendering(self) -> None:
+        """Raise InvalidRequestError for settings the template cannot render."""
         if self.continue_final_message:
             if self.add_generation_prompt:
                 raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true: "
@@ -427,6 +437,44 @@ class ChatCompletionRequest(_GenerationRequest):
                                               "a conversation with tool calls cannot be continued. Remove them.",
                                               param=f"messages[{i}].{name}")
 
+    def chat_messages(self) -> list[dict[str, str]]:
+        """Messages as chat templates take them (`name` where the message has one)."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.content or "",
+                 **({"name": m.name} if m.name is not None else {})} for m in self.messages]
+
+
+class ChatCompletionRequest(_ChatPrompt, _GenerationRequest):
+    """POST /v1/chat/completions."""
+
+    logprobs: StrictBool | None = False
+    top_logprobs: Int64 | None = None
+    echo: Any = None                         # vLLM's chat echo, a custom template, best_of: refused
+    documents: Any = None                    # vLLM's documents for the chat template (RAG): refused
+    chat_template: Any = None
+    best_of: Any = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs and not self.logprobs:     # 0 asks for nothing (vLLM takes it too)
+            raise InvalidRequestError("top_logprobs requires logprobs=true.", param="top_logprobs")
+        if self.top_logprobs is not None and self.top_logprobs < 0:
+            raise InvalidRequestError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}.",
+                                      param="top_logprobs")
+        if self.echo:
+            raise InvalidRequestError("echo is not supported; the last message is not returned with the reply. "
+                                      "Remove echo.", param="echo")
+        if self.documents:
+            raise InvalidRequestError("documents is not supported: this server does not pass documents to the "
+                                      "chat template. Put them in the messages, or remove documents.",
+                                      param="documents")
+        if self.chat_template is not None:
+            raise InvalidRequestError("chat_template is not supported: this server renders every conversation "
+                                      "with the model's own template. Remove it.", param="chat_template")
+        if self.best_of not in (None, 1):
+            raise InvalidRequestError("best_of > 1 is not supported; send one request per candidate.",
+                                      param="best_of")
+        self.check_rendering()
+
     def _logprobs(self) -> int | None:
         if not self.logprobs:
             return None
@@ -435,7 +483,37 @@ class ChatCompletionRequest(_GenerationRequest):
     def _api_name(self, sampling_field: str) -> str:
         return "top_logprobs" if sampling_field == "logprobs" else sampling_field
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        """Messages as chat templates take them."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
-                for m in self.messages]
+
+class TokenizeCompletionRequest(BaseModel):
+    """POST /tokenize with a prompt (vLLM's): its token ids as /v1/completions would take them."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    prompt: StrictStr
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool | None = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_text(cls, value: str) -> str:
+        return _valid_text(value)
+
+    def text_length(self) -> int:
+        return len(self.prompt)
+
+
+class TokenizeChatRequest(_ChatPrompt):
+    """POST /tokenize with messages (vLLM's): the prompt /v1/chat/completions would run."""
+
+    model: StrictStr | None = None
+    return_token_strs: StrictBool | None = False
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's): the text of token ids."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    tokens: list[StrictInt]

@@ -1,9 +1,15 @@
 """How engine outputs become OpenAI response bodies and SSE stream chunks.
 
-One `ResponseBuilder` per endpoint: `CompletionResponses` (/v1/completions,
-"text_completion") and `ChatResponses` (/v1/chat/completions, "chat.completion"
-and "chat.completion.chunk"). They build the `choices` entries and the logprobs
-objects; the envelope (id, created, model, usage) is the caller's.
+One `ResponseBuilder` per request, by endpoint: `CompletionResponses`
+(/v1/completions, "text_completion") and `ChatResponses` (/v1/chat/completions,
+"chat.completion" and "chat.completion.chunk"). They build the `choices` entries
+and the logprobs objects; the envelope (id, created, model, usage) is the
+caller's.
+
+Given the prompt's token ids (vLLM's `return_token_ids`), the bodies carry them
+as vLLM's do: chat in the response's (a stream's first chunk's)
+`prompt_token_ids`, completions in the choice's (a stream's first content
+chunk's); and every choice its output's `token_ids` (a chunk: the new ones).
 
 Token strings in logprobs are each token's text after a fixed one-token context
 (decoded alone, a SentencePiece tokenizer drops a word's leading space, and the
@@ -74,12 +80,21 @@ class ResponseBuilder(ABC):
     object: str              # of a whole response
     chunk_object: str        # of a stream chunk
 
-    def __init__(self, token_text: TokenTexts):
+    def __init__(self, token_text: TokenTexts, prompt_token_ids: list[int] | None = None):
+        """`prompt_token_ids`: set when the request asked for token ids (return_token_ids)."""
         self.token_text = token_text
+        self.prompt_token_ids = prompt_token_ids
 
     def opening_choices(self) -> list[dict[str, Any]]:
         """Chunks sent before any text."""
         return []
+
+    def response_fields(self) -> dict[str, Any]:
+        """Fields beside `choices` in a whole response and in a stream's first chunk."""
+        return {}
+
+    def _output_ids(self, token_ids: list[int]) -> dict[str, Any]:
+        return {"token_ids": token_ids} if self.prompt_token_ids is not None else {}
 
     @abstractmethod
     def choice(self, text: str, logprobs: dict | None, out: RequestOutput) -> dict[str, Any]:
@@ -98,12 +113,25 @@ class CompletionResponses(ResponseBuilder):
     object = "text_completion"
     chunk_object = "text_completion"
 
+    def __init__(self, token_text: TokenTexts, prompt_token_ids: list[int] | None = None):
+        super().__init__(token_text, prompt_token_ids)
+        self._prompt_ids_sent = False
+
     def choice(self, text: str, logprobs: dict | None, out: RequestOutput) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": logprobs,
-                "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason, **self._token_ids(out.token_ids)}
 
     def chunk_choice(self, delta: str, logprobs: dict | None, out: RequestOutput) -> dict[str, Any]:
-        return self.choice(delta, logprobs, out)
+        return {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason, **self._token_ids(out.delta_token_ids)}
+
+    def _token_ids(self, output_ids: list[int]) -> dict[str, Any]:
+        """The prompt's ids in the first choice that carries ids, the output's in each."""
+        if self.prompt_token_ids is None:
+            return {}
+        prompt = None if self._prompt_ids_sent else self.prompt_token_ids
+        self._prompt_ids_sent = True
+        return {"prompt_token_ids": prompt, "token_ids": output_ids}
 
     def logprobs(self, entries: list[TokenLogprobs], text_offset: int) -> tuple[dict, int]:
         tokens, token_logprobs, top, offsets = [], [], [], []
@@ -126,16 +154,20 @@ class ChatResponses(ResponseBuilder):
 
     def opening_choices(self) -> list[dict[str, Any]]:
         return [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                 "finish_reason": None}]
+                 "finish_reason": None, "stop_reason": None}]
+
+    def response_fields(self) -> dict[str, Any]:
+        return {"prompt_token_ids": self.prompt_token_ids} if self.prompt_token_ids is not None else {}
 
     def choice(self, text: str, logprobs: dict | None, out: RequestOutput) -> dict[str, Any]:
         return {"index": 0, "message": {"role": "assistant", "content": text},
                 "logprobs": logprobs, "finish_reason": out.finish_reason,
-                "stop_reason": out.stop_reason}
+                "stop_reason": out.stop_reason, **self._output_ids(out.token_ids)}
 
     def chunk_choice(self, delta: str, logprobs: dict | None, out: RequestOutput) -> dict[str, Any]:
         return {"index": 0, "delta": {"content": delta} if delta else {}, "logprobs": logprobs,
-                "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+                "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
+                **self._output_ids(out.delta_token_ids)}
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.token_text(token_id)

@@ -8,6 +8,7 @@ what it was asked and whether its stream was closed early (the abort path).
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 
 import openai
@@ -360,6 +361,100 @@ def test_models_lists_the_served_model(client):
     assert body["object"] == "list"
     [card] = body["data"]
     assert (card["id"], card["object"], card["max_model_len"]) == (MODEL, "model", MAX_MODEL_LEN)
+    assert (card["root"], card["parent"], card["permission"]) == (MODEL, None, [])     # vLLM's card
+    assert client.get(f"/v1/models/{MODEL}").json() == card
+    assert_openai_error(client.get("/v1/models/gpt-4"), 404, "model", f"serves `{MODEL}`")
+
+
+def test_tokenize_and_detokenize_as_vllms(client, backend, tokenizer):
+    prompt = client.post("/tokenize", json={"model": MODEL, "prompt": "Hello world"}).json()
+    ids = tokenizer.encode("Hello world")
+    assert prompt == {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids, "token_strs": None}
+    bare = client.post("/tokenize", json={"prompt": "Hello world", "add_special_tokens": False,
+                                          "return_token_strs": True}).json()
+    assert bare["tokens"] == ids[1:] and bare["token_strs"] == tokenizer.convert_ids_to_tokens(ids[1:])
+    # messages: the prompt the chat endpoint runs
+    client.post(CHAT, json={"messages": USER, "max_tokens": 1})
+    chat = client.post("/tokenize", json={"messages": USER}).json()
+    assert chat["tokens"] == backend.calls[0][1] and chat["count"] == len(chat["tokens"])
+    continued = client.post("/tokenize", json={"messages": USER + [{"role": "assistant", "content": "The"}],
+                                               "add_generation_prompt": False, "continue_final_message": True})
+    assert tokenizer.decode(continued.json()["tokens"]).endswith("<|assistant|>\nThe")
+    assert client.post("/detokenize", json={"tokens": ids}).json() == {"prompt": tokenizer.decode(ids)}
+    assert_openai_error(client.post("/tokenize", json={"prompt": 5}), 400, "prompt", "valid string")
+    assert_openai_error(client.post("/tokenize", json={}), 400, "prompt", "prompt is required")
+    assert_openai_error(client.post("/tokenize", json={"messages": USER, "continue_final_message": True}), 400,
+                        "continue_final_message", "set add_generation_prompt to false")
+    assert_openai_error(client.post("/tokenize", json={"prompt": "x" * 1_000_000}), 400, "prompt",
+                        "far more than 64 tokens can hold")
+    assert_openai_error(client.post("/detokenize", json={"tokens": [5, len(tokenizer)]}), 400, "tokens",
+                        f"{len(tokenizer)}, outside the model's vocabulary")
+    assert_openai_error(client.post("/detokenize", json={"tokens": [5] * 65}), 400, "tokens", "65 ids")
+    assert_openai_error(client.post("/detokenize", json={"tokens": [5], "model": "gpt-4"}), 404, "model", "serves")
+    assert len(backend.calls) == 1                     # none of these generates
+    version = client.get("/version").json()["version"]
+    assert isinstance(version, str) and version
+
+
+def test_return_token_ids_gives_the_prompts_and_the_outputs_ids_as_vllm(client, backend):
+    reply = backend.reply_ids[:3]
+    body = client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 3, "return_token_ids": True}).json()
+    prompt_ids = backend.calls[-1][1]
+    [choice] = body["choices"]
+    assert (choice["prompt_token_ids"], choice["token_ids"]) == (prompt_ids, reply)
+    body = client.post(CHAT, json={"messages": USER, "max_tokens": 3, "return_token_ids": True}).json()
+    assert (body["prompt_token_ids"], body["choices"][0]["token_ids"]) == (backend.calls[-1][1], reply)
+    plain = client.post(CHAT, json={"messages": USER, "max_tokens": 3}).json()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+    # streamed: the prompt's ids once (chat: on the opening chunk; completions: on the first choice), then
+    # each chunk's new ids
+    chunks = [json.loads(e) for e in sse_events(client.post(COMPLETIONS, json={
+        "prompt": "Hi", "max_tokens": 3, "return_token_ids": True, "stream": True}))[:-1]]
+    assert [c["choices"][0]["prompt_token_ids"] for c in chunks] == [prompt_ids, None, None]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == reply
+    chunks = [json.loads(e) for e in sse_events(client.post(CHAT, json={
+        "messages": USER, "max_tokens": 3, "return_token_ids": True, "stream": True}))[:-1]]
+    assert chunks[0]["prompt_token_ids"] == backend.calls[-1][1] and "token_ids" not in chunks[0]["choices"][0]
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks[1:] for t in c["choices"][0]["token_ids"]] == reply
+
+
+def test_the_clients_request_id_names_the_response_and_the_cluster_keeps_its_own(client, backend):
+    by_field = client.post(CHAT, json={"messages": USER, "max_tokens": 1, "request_id": "trace-7"},
+                           headers={"X-Request-Id": "trace-8"}).json()   # (Ray Serve sets the header if unsent)
+    by_header = client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 1},
+                            headers={"X-Request-Id": "trace-7"}).json()
+    assert (by_field["id"], by_header["id"]) == ("chatcmpl-trace-7", "cmpl-trace-7")
+    internal = [call[0] for call in backend.calls]
+    assert len(set(internal)) == 2 and "trace" not in "".join(internal)
+
+
+def test_vllm_request_fields_a_completion_or_a_chat_takes(client, backend, tokenizer):
+    client.post(COMPLETIONS, json={"prompt": "Hi", "max_completion_tokens": 5, "max_tokens": 2})
+    assert backend.calls[-1][2].max_tokens == 5         # as on chat: the newer name wins
+    events = sse_events(client.post(CHAT, json={"messages": USER, "max_tokens": 2, "stream": True,
+                                                "stream_options": {"continuous_usage_stats": False}}))
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == 2     # stream_options ask for usage (vLLM)
+    client.post(CHAT, json={"messages": USER, "max_tokens": 1, "add_special_tokens": True})
+    assert backend.calls[-1][1][:2] == [tokenizer.bos_token_id] * 2    # the tokenizer's BOS on the template's
+    assert client.post(CHAT, json={"messages": USER, "max_tokens": 1, "top_logprobs": 0}).status_code == 200
+
+
+def test_a_messages_name_reaches_the_chat_template(backend, tokenizer, metrics):
+    named = copy.deepcopy(tokenizer)
+    named.chat_template = "{% for m in messages %}{{ m.get('name', '?') }}: {{ m['content'] }}\n{% endfor %}"
+    with TestClient(build_openai_app(backend, named, metrics)) as named_client:
+        named_client.post(CHAT, json={"messages": [{"role": "user", "content": "Hi", "name": "ada"},
+                                                   {"role": "user", "content": "Yo"}], "max_tokens": 1})
+    assert named.decode(backend.calls[-1][1]) == "ada: Hi\n?: Yo\n"
+
+
+def test_a_field_the_server_does_not_know_is_logged_once(client, caplog):
+    with caplog.at_level("WARNING", logger="router.protocol"):
+        for _ in range(2):
+            client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 1, "a_field_from_the_future": 1})
+    said = [r.getMessage() for r in caplog.records if "a_field_from_the_future" in r.getMessage()]
+    assert len(said) == 1 and "CompletionRequest" in said[0]
 
 
 def test_health_reports_the_backend(client, backend):
@@ -496,6 +591,12 @@ LONG = list(range(3, 3 + MAX_MODEL_LEN))
      "continue_final_message", "set add_generation_prompt to false"),
     (CHAT, {"messages": USER, "continue_final_message": True, "add_generation_prompt": False}, 400,
      "continue_final_message", "must be the assistant's (it is the user's)"),
+    (CHAT, {"messages": USER, "priority": -3}, 400, "priority", "priority must be 0 (got -3)"),
+    (COMPLETIONS, {"prompt": "Hi", "spaces_between_special_tokens": False}, 400, "spaces_between_special_tokens",
+     "not supported"),
+    (CHAT, {"messages": USER, "structural_tag": "{}"}, 400, "structural_tag", "not supported"),
+    (COMPLETIONS, {"prompt": [5] * 10, "max_completion_tokens": 60}, 400, "max_completion_tokens",
+     "you requested 70 tokens"),
 ])
 def test_bad_requests_get_openai_errors_and_the_app_keeps_serving(
         client, backend, path, body, status, param, fragment):
