@@ -87,6 +87,13 @@ def check_streaming_chat(base_url: str, reference, tokenizer) -> None:
     assert chunks[-1].usage.completion_tokens == n and chunks[-1].usage.prompt_tokens == len(prompt_ids)
     r = c.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS, temperature=0)
     assert r.choices[0].message.content == text and r.choices[0].message.role == "assistant"
+    # vLLM's return_token_ids: the prompt's ids once, then each chunk's new ids, which spell the greedy output
+    stream = c.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                       stream=True, extra_body={"return_token_ids": True})
+    chunks = [ch.model_dump() for ch in stream]
+    assert chunks[0]["prompt_token_ids"] == prompt_ids
+    assert [t for ch in chunks[1:] for t in ch["choices"][0]["token_ids"]] == \
+        reference("tiny").greedy(tuple(prompt_ids), MAX_TOKENS)
 
 
 def check_concurrent(base_url: str, reference, tokenizer, n_requests: int = 32) -> None:
@@ -186,11 +193,11 @@ def test_disaggregated_one_prefill_one_decode(ray_cluster, model_dirs, reference
         # ... and the decode worker steps on both cores while the prefill worker is idle; prefill never borrows
         borrowed = role_gauge(base, "pdserve_worker_cpu_borrowed_steps_total")
         assert borrowed["decode"][0] > 0 and borrowed["prefill"] == [0.0], borrowed
-        # every request of the checks above (6 + 32), each handed off ("always"): once in each figure
+        # every request of the checks above (7 + 32), each handed off ("always"): once in each figure
         for name in ("pdserve_time_to_first_token_seconds_count", "pdserve_kv_transfer_time_seconds_count",
                      "pdserve_request_prefill_time_seconds_count", "pdserve_e2e_request_latency_seconds_count"):
-            _counter_reaches(base, name, 38)
-            assert counter(base, name) == 38, name
+            _counter_reaches(base, name, 39)
+            assert counter(base, name) == 39, name
     finally:
         serve.delete("pd11")
 
