@@ -170,6 +170,7 @@ class LimitsSection(_Strict):
     max_logprobs: int = Field(20, ge=0)
     max_stop_sequences: int = Field(16, ge=0)
     max_stop_token_ids: int = Field(256, ge=0)
+    max_n: int = Field(16, ge=1, description="choices one request may ask for (n)")
 
 
 class Resources(_Strict):

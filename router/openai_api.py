@@ -7,7 +7,8 @@ POST /detokenize and GET /version.
 One generation request:
   parse (router/protocol.py) -> model name -> supported features -> tokenize once
   -> prompt ids in the vocabulary and the context window -> SamplingParams
-  -> backend.generate(...) -> one JSON body, or a stream of SSE chunks.
+  -> backend.generate(...) once per choice (n) -> one JSON body, or a stream of
+  SSE chunks.
 
 Contracts:
 - The backend iterator is closed (`aclose`) when the request ends for any reason;
@@ -23,6 +24,9 @@ Contracts:
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
+import dataclasses
 import importlib.metadata
 import logging
 import time
@@ -106,6 +110,7 @@ class RequestLimits:
     max_stop_sequences: int = 16
     max_body_bytes: int | None = 16 << 20
     max_stop_token_ids: int = 256
+    max_n: int = 16
 
 
 def build_openai_app(backend: GenerationBackend, tokenizer: Any, metrics: ServingMetrics, *,
@@ -260,8 +265,10 @@ class _Server:
         token_ids = prompt_ids if body.return_token_ids else None
         fmt = ChatResponses(self.token_texts, token_ids) if chat else CompletionResponses(self.token_texts, token_ids)
         request_id = f"{'chat' if chat else ''}{self.prefix}-{uuid.uuid4().hex}"
-        admitted = self._admit(len(prompt_ids), params.max_tokens)
-        gen = _Generation(self, request_id, prompt_ids, params, arrival, admitted)
+        n = body.choices
+        tickets = self._admit(len(prompt_ids), params.max_tokens, n)
+        choices = _Choices([_Generation(self, request_id if n == 1 else f"{request_id}-{i}", prompt_ids,
+                                        _params_of_choice(params, i), arrival, tickets[i]) for i in range(n)])
         # the client's own id for it (vLLM's request_id field, else the X-Request-Id header, which Ray Serve
         # sets when the client did not: the response's header) names the response; the cluster keeps a
         # unique one, as two clients may send the same
@@ -271,26 +278,27 @@ class _Server:
                   "created": int(time.time()), "model": self.info.served_model_name}
         try:
             if body.stream:
-                first = await _unless_disconnected(request, gen.next())
+                first = await _unless_disconnected(request, choices.next())
                 if first is None:    # before any header: an HTTP error like a non-streamed request's
                     raise BackendUnavailableError("the generation stream ended before its first output")
-                return _EventStream(self._events(gen, first, fmt, header, body.include_usage,
+                return _EventStream(self._events(choices, first, fmt, header, body.include_usage,
                                                  body.continuous_usage),
-                                    on_close=lambda: gen.close("abort"), media_type="text/event-stream")
-            final = await _unless_disconnected(request, gen.run_to_end())
+                                    on_close=lambda: choices.close("abort"), media_type="text/event-stream")
+            finals = await _unless_disconnected(request, choices.run_to_end())
         except _ClientDisconnected:
-            await gen.close("abort")
+            await choices.close("abort")
             return Response(status_code=_CLIENT_CLOSED)
         except asyncio.CancelledError:    # Serve cancels the handler of a client that left
-            await gen.close("abort")
+            await choices.close("abort")
             raise
         except BaseException:
-            await gen.close(None)
+            await choices.close(None)
             raise
-        await gen.close(final.finish_reason)
-        logprobs = fmt.logprobs(final.logprobs, 0)[0] if final.logprobs is not None else None
-        return JSONResponse({**header, "choices": [fmt.choice(final.text, logprobs, final)],
-                             "usage": usage(len(prompt_ids), final), **fmt.response_fields()})
+        await choices.close(None)      # each ran to its end: closed with its own finish reason
+        entries = [fmt.choice(i, final.text, fmt.logprobs(final.logprobs, 0)[0] if final.logprobs is not None
+                              else None, final) for i, final in enumerate(finals)]
+        return JSONResponse({**header, "choices": entries, "usage": usage(len(prompt_ids), *finals),
+                             **fmt.response_fields()})
 
     async def _prompt_and_params(self, body: CompletionRequest | ChatCompletionRequest,
                                  chat: bool) -> tuple[list[int], SamplingParams]:
@@ -364,13 +372,23 @@ class _Server:
         with self._counting_refusals(None, None):
             return self.admission.check_before_tokenizing()
 
-    def _admit(self, num_prompt_tokens: int, max_tokens: int | None) -> Admitted | None:
-        """Admission control's checks with the prompt's length and output bound; an admitted
-        request counts as waiting and running (what it returns, with admission control on)."""
+    def _admit(self, num_prompt_tokens: int, max_tokens: int | None, choices: int) -> list[Admitted | None]:
+        """Admission control's checks with the prompt's length and output bound, once per
+        choice (each runs as a request of its own); an admitted choice counts as waiting and
+        running (a ticket each, with admission control on). All or none are admitted."""
         if self.admission is None:
-            return None
-        with self._counting_refusals(num_prompt_tokens, max_tokens):
-            return self.admission.admit(num_prompt_tokens, max_tokens)
+            return [None] * choices
+        tickets: list[Admitted | None] = []
+        try:
+            with self._counting_refusals(num_prompt_tokens, max_tokens):
+                for _ in range(choices):
+                    tickets.append(self.admission.admit(num_prompt_tokens, max_tokens))
+        except Overloaded:
+            for ticket in tickets:
+                self.admission.first_token(ticket)
+                self.admission.finished(ticket)
+            raise
+        return tickets
 
     @contextmanager
     def _counting_refusals(self, num_prompt_tokens: int | None, max_tokens: int | None) -> Iterator[None]:
@@ -388,6 +406,9 @@ class _Server:
         if lim.max_tokens is not None and requested is not None and requested > lim.max_tokens:
             raise InvalidRequestError(f"{body.max_tokens_param} is {requested}; this server allows at most "
                                       f"{lim.max_tokens}.", param=body.max_tokens_param)
+        if body.choices > lim.max_n:
+            raise InvalidRequestError(f"n is {body.choices}; this server generates at most {lim.max_n} choices "
+                                      "per request.", param="n")
         logprobs = body.requested_logprobs
         if logprobs is not None and logprobs > lim.max_logprobs:
             raise InvalidRequestError(f"{body.logprobs_param} is {logprobs}; this server returns at most "
@@ -430,44 +451,43 @@ class _Server:
                 f"completion). Please reduce the length of the {prompt_param} or "
                 f"{max_tokens_param}.", param=max_tokens_param)
 
-    async def _events(self, gen: _Generation, first: RequestOutput | None, fmt: ResponseBuilder,
+    async def _events(self, choices: _Choices, first: tuple[int, RequestOutput], fmt: ResponseBuilder,
                       header: dict[str, Any], include_usage: bool,
                       continuous_usage: bool = False) -> AsyncIterator[str]:
-        """SSE events of one stream; closes `gen` however the stream ends."""
-        prompt_tokens = gen.timings.prompt_tokens
+        """SSE events of one stream (its choices' chunks in the order they come); closes
+        `choices` however the stream ends."""
+        prompt_tokens = choices.prompt_tokens
+        latest: list[RequestOutput | None] = [None] * choices.n      # each choice's latest output
 
-        def chunk_usage(out: RequestOutput | None) -> dict[str, Any]:
+        def chunk_usage() -> dict[str, Any]:
             # OpenAI sends "usage": null on every chunk but the last when usage is asked for;
             # vLLM's continuous_usage_stats, the usage so far
             if not include_usage:
                 return {}
-            if not continuous_usage:
-                return {"usage": None}
-            if out is None:        # the opening chunk: nothing generated yet
-                return {"usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 0,
-                                  "total_tokens": prompt_tokens}}
-            return {"usage": usage(prompt_tokens, out)}
+            return {"usage": usage(prompt_tokens, *latest) if continuous_usage else None}
         reason: str | None = "abort"   # kept if the client leaves mid-stream
         try:
-            for choice in fmt.opening_choices():
-                yield sse_event({**header, "choices": [choice], **chunk_usage(None), **fmt.response_fields()})
-            out, text_offset = first, 0
-            while out is not None:
+            for i, choice in enumerate(fmt.opening_choices(choices.n)):   # the response's fields on the first
+                yield sse_event({**header, "choices": [choice], **chunk_usage(), **(fmt.response_fields() if i == 0
+                                                                                   else {})})
+            item, text_offsets = first, [0] * choices.n
+            while item is not None:
+                index, out = item
+                latest[index] = out
                 # Skip outputs with nothing to say (text held back mid-character, no logprobs).
                 if out.delta_text or out.finished or out.logprobs:
                     logprobs = None
                     if out.logprobs is not None:
-                        logprobs, text_offset = fmt.logprobs(out.logprobs, text_offset)
-                    choice = fmt.chunk_choice(out.delta_text, logprobs, out)
-                    yield sse_event({**header, "choices": [choice], **chunk_usage(out)})
-                if out.finished:
+                        logprobs, text_offsets[index] = fmt.logprobs(out.logprobs, text_offsets[index])
+                    choice = fmt.chunk_choice(index, out.delta_text, logprobs, out)
+                    yield sse_event({**header, "choices": [choice], **chunk_usage()})
+                if choices.all_finished:
                     break
-                out = await gen.next()
-            if out is None:
+                item = await choices.next()
+            if item is None:
                 raise BackendUnavailableError("the generation stream ended before the request finished")
-            reason = out.finish_reason
             if include_usage:
-                yield sse_event({**header, "choices": [], "usage": usage(prompt_tokens, out)})
+                yield sse_event({**header, "choices": [], "usage": usage(prompt_tokens, *latest)})
         except Exception as exc:  # noqa: BLE001 - headers are out: report it in the stream
             reason = None
             error = from_exception(exc)
@@ -476,8 +496,95 @@ class _Server:
         finally:
             # Starlette cancels this generator's task on disconnect; the cleanup must still run.
             with anyio.CancelScope(shield=True):
-                await gen.close(reason)
+                await choices.close(reason)
         yield DONE_EVENT
+
+
+def _params_of_choice(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index`'s sampling parameters: a seed moves on by the index (vLLM's), so
+    seeded choices differ from each other and each is reproducible."""
+    return params if index == 0 or params.seed is None else dataclasses.replace(params, seed=params.seed + index)
+
+
+class _Choices:
+    """A request's generations, one per choice, read as one stream of (choice index,
+    output), in the order the outputs come. One choice is read directly; several,
+    each by a task of its own, in a context of its own: each choice's calls to the
+    workers are then requests of their own, not calls of the HTTP request (Ray
+    Serve matches the calls one request makes to replicas by the request's id, and
+    two at once under one id could wait for ever); `close` cleans up after them."""
+
+    def __init__(self, generations: list[_Generation]):
+        self.generations = generations
+        self.n = len(generations)
+        self.prompt_tokens = generations[0].timings.prompt_tokens
+        self._finished: set[int] = set()
+        self._arrivals: asyncio.Queue | None = None    # (index, output | None at its end | an exception)
+        self._readers: list[asyncio.Task] = []
+
+    @property
+    def all_finished(self) -> bool:
+        return len(self._finished) == self.n
+
+    async def next(self) -> tuple[int, RequestOutput] | None:
+        """The next output of any choice; None when a choice's stream ended before its
+        last output (every other output is delivered first when there is one choice)."""
+        if self.n == 1:
+            out = await self.generations[0].next()
+            item = None if out is None else (0, out)
+        else:
+            if self._arrivals is None:
+                self._arrivals = asyncio.Queue()
+                loop = asyncio.get_running_loop()
+                self._readers = [contextvars.Context().run(loop.create_task, self._read(i)) for i in range(self.n)]
+            while True:
+                index, out = await self._arrivals.get()
+                if isinstance(out, BaseException):
+                    raise out
+                if out is not None or index not in self._finished:
+                    break                       # (a finished choice's end marker: read on)
+            item = None if out is None else (index, out)
+        if item is not None and item[1].finished:
+            self._finished.add(item[0])
+        return item
+
+    async def _read(self, index: int) -> None:
+        gen = self.generations[index]
+        try:
+            while True:
+                out = await gen.next()
+                self._arrivals.put_nowait((index, out))
+                if out is None or out.finished:
+                    return
+        except Exception as exc:  # noqa: BLE001 - the reader of the stream hears it
+            self._arrivals.put_nowait((index, exc))
+
+    async def run_to_end(self) -> list[RequestOutput]:
+        """Each choice's finished output, with its whole text, token ids and logprobs (the
+        backend's outputs are deltas)."""
+        if self.n == 1:
+            final = await self.generations[0].run_to_end()
+            self._finished.add(0)
+            return [final]
+        deltas: list[list[RequestOutput]] = [[] for _ in range(self.n)]
+        while not self.all_finished:
+            item = await self.next()
+            if item is None:
+                raise BackendUnavailableError("the generation stream ended before the request finished")
+            deltas[item[0]].append(item[1])
+        return [joined(d) for d in deltas]
+
+    async def close(self, finish_reason: str | None) -> None:
+        """Stops reading and closes every choice's stream: a choice that finished with its
+        own finish reason, the others with `finish_reason` (see _Generation.close)."""
+        for task in self._readers:
+            task.cancel()
+        for task in self._readers:     # each must leave its stream before the stream is closed
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for index, gen in enumerate(self.generations):
+            ended = index in self._finished and gen.last is not None
+            await gen.close(gen.last.finish_reason if ended else finish_reason)
 
 
 class _Generation:

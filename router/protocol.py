@@ -5,7 +5,7 @@ Contracts:
   (`"max_tokens": "10"` or `true` is refused, not coerced). Unknown fields are
   ignored, and named in the log (the first time each is seen), as vLLM does.
 - `check_supported()` raises engine.InvalidRequestError (param set) for an OpenAI
-  feature pdserve does not implement (n > 1, best_of > 1, echo, suffix,
+  feature pdserve does not implement (best_of > 1, echo, suffix,
   logit_bias, response_format, tools, ...), saying what to send instead.
 - `to_sampling_params(default_max_tokens)` builds the engine's SamplingParams
   (vLLM's extra sampling fields included); out-of-range values raise
@@ -191,6 +191,11 @@ class _GenerationRequest(BaseModel):
         raise NotImplementedError
 
     @property
+    def choices(self) -> int:
+        """How many choices to generate (n)."""
+        return self.n or 1
+
+    @property
     def include_usage(self) -> bool:
         """Whether a stream ends with a usage chunk."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
@@ -224,12 +229,8 @@ class _GenerationRequest(BaseModel):
 
     def check_supported(self) -> None:
         """Raise InvalidRequestError for a feature pdserve does not implement."""
-        if self.n is not None and self.n != 1:
-            if self.n > 1:
-                raise InvalidRequestError(
-                    f"n > 1 is not supported (got n={self.n}); send one request per choice.",
-                    param="n")
-            raise InvalidRequestError(f"n must be 1, got {self.n}.", param="n")
+        if self.n is not None and self.n < 1:
+            raise InvalidRequestError(f"n must be at least 1, got {self.n}.", param="n")
         if self.logit_bias:
             raise InvalidRequestError("logit_bias is not supported; remove it.", param="logit_bias")
         if self.response_format is not None and not (

@@ -3,13 +3,14 @@
 One `ResponseBuilder` per request, by endpoint: `CompletionResponses`
 (/v1/completions, "text_completion") and `ChatResponses` (/v1/chat/completions,
 "chat.completion" and "chat.completion.chunk"). They build the `choices` entries
-and the logprobs objects; the envelope (id, created, model, usage) is the
-caller's.
+(one per choice index, `n` of them) and the logprobs objects; the envelope (id,
+created, model, usage) is the caller's.
 
 Given the prompt's token ids (vLLM's `return_token_ids`), the bodies carry them
 as vLLM's do: chat in the response's (a stream's first chunk's)
-`prompt_token_ids`, completions in the choice's (a stream's first content
-chunk's); and every choice its output's `token_ids` (a chunk: the new ones).
+`prompt_token_ids`, completions in each choice's (a stream's first content
+chunk of each choice); and every choice its output's `token_ids` (a chunk: the
+new ones).
 
 Token strings in logprobs are each token's text after a fixed one-token context
 (decoded alone, a SentencePiece tokenizer drops a word's leading space, and the
@@ -41,8 +42,9 @@ def sse_event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def usage(prompt: int, out: RequestOutput) -> dict[str, int]:
-    completion = out.num_output_tokens
+def usage(prompt: int, *outs: RequestOutput | None) -> dict[str, int]:
+    """The prompt counted once, the completion tokens of every choice (`outs`, None: none yet)."""
+    completion = sum(out.num_output_tokens for out in outs if out is not None)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
 
@@ -85,8 +87,8 @@ class ResponseBuilder(ABC):
         self.token_text = token_text
         self.prompt_token_ids = prompt_token_ids
 
-    def opening_choices(self) -> list[dict[str, Any]]:
-        """Chunks sent before any text."""
+    def opening_choices(self, n: int) -> list[dict[str, Any]]:
+        """Chunks sent before any text, for choices 0..n-1."""
         return []
 
     def response_fields(self) -> dict[str, Any]:
@@ -97,12 +99,12 @@ class ResponseBuilder(ABC):
         return {"token_ids": token_ids} if self.prompt_token_ids is not None else {}
 
     @abstractmethod
-    def choice(self, text: str, logprobs: dict | None, out: RequestOutput) -> dict[str, Any]:
-        """The one entry of `choices` in a whole response."""
+    def choice(self, index: int, text: str, logprobs: dict | None, out: RequestOutput) -> dict[str, Any]:
+        """Choice `index`'s entry of `choices` in a whole response."""
 
     @abstractmethod
-    def chunk_choice(self, delta: str, logprobs: dict | None, out: RequestOutput) -> dict[str, Any]:
-        """The one entry of `choices` in a stream chunk carrying `delta`."""
+    def chunk_choice(self, index: int, delta: str, logprobs: dict | None, out: RequestOutput) -> dict[str, Any]:
+        """The one entry of `choices` in a stream chunk carrying choice `index`'s `delta`."""
 
     @abstractmethod
     def logprobs(self, entries: list[TokenLogprobs], text_offset: int) -> tuple[dict, int]:
@@ -115,22 +117,22 @@ class CompletionResponses(ResponseBuilder):
 
     def __init__(self, token_text: TokenTexts, prompt_token_ids: list[int] | None = None):
         super().__init__(token_text, prompt_token_ids)
-        self._prompt_ids_sent = False
+        self._prompt_ids_sent: set[int] = set()     # the choices whose entry carried them already
 
-    def choice(self, text: str, logprobs: dict | None, out: RequestOutput) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason,
-                "stop_reason": out.stop_reason, **self._token_ids(out.token_ids)}
+    def choice(self, index: int, text: str, logprobs: dict | None, out: RequestOutput) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason, **self._token_ids(index, out.token_ids)}
 
-    def chunk_choice(self, delta: str, logprobs: dict | None, out: RequestOutput) -> dict[str, Any]:
-        return {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": out.finish_reason,
-                "stop_reason": out.stop_reason, **self._token_ids(out.delta_token_ids)}
+    def chunk_choice(self, index: int, delta: str, logprobs: dict | None, out: RequestOutput) -> dict[str, Any]:
+        return {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason, **self._token_ids(index, out.delta_token_ids)}
 
-    def _token_ids(self, output_ids: list[int]) -> dict[str, Any]:
-        """The prompt's ids in the first choice that carries ids, the output's in each."""
+    def _token_ids(self, index: int, output_ids: list[int]) -> dict[str, Any]:
+        """The prompt's ids in each choice's first entry that carries ids, the output's in each."""
         if self.prompt_token_ids is None:
             return {}
-        prompt = None if self._prompt_ids_sent else self.prompt_token_ids
-        self._prompt_ids_sent = True
+        prompt = None if index in self._prompt_ids_sent else self.prompt_token_ids
+        self._prompt_ids_sent.add(index)
         return {"prompt_token_ids": prompt, "token_ids": output_ids}
 
     def logprobs(self, entries: list[TokenLogprobs], text_offset: int) -> tuple[dict, int]:
@@ -152,20 +154,20 @@ class ChatResponses(ResponseBuilder):
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def opening_choices(self) -> list[dict[str, Any]]:
-        return [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                 "finish_reason": None, "stop_reason": None}]
+    def opening_choices(self, n: int) -> list[dict[str, Any]]:
+        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None, "stop_reason": None} for i in range(n)]
 
     def response_fields(self) -> dict[str, Any]:
         return {"prompt_token_ids": self.prompt_token_ids} if self.prompt_token_ids is not None else {}
 
-    def choice(self, text: str, logprobs: dict | None, out: RequestOutput) -> dict[str, Any]:
-        return {"index": 0, "message": {"role": "assistant", "content": text},
+    def choice(self, index: int, text: str, logprobs: dict | None, out: RequestOutput) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": text},
                 "logprobs": logprobs, "finish_reason": out.finish_reason,
                 "stop_reason": out.stop_reason, **self._output_ids(out.token_ids)}
 
-    def chunk_choice(self, delta: str, logprobs: dict | None, out: RequestOutput) -> dict[str, Any]:
-        return {"index": 0, "delta": {"content": delta} if delta else {}, "logprobs": logprobs,
+    def chunk_choice(self, index: int, delta: str, logprobs: dict | None, out: RequestOutput) -> dict[str, Any]:
+        return {"index": index, "delta": {"content": delta} if delta else {}, "logprobs": logprobs,
                 "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
                 **self._output_ids(out.delta_token_ids)}
 

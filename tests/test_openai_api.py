@@ -347,7 +347,7 @@ def test_official_openai_client(client):
     assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].choices == []
 
     with pytest.raises(openai.BadRequestError) as info:
-        oai.completions.create(model=MODEL, prompt="Hi", n=2)
+        oai.completions.create(model=MODEL, prompt="Hi", n=0)
     assert info.value.body["param"] == "n"
     with pytest.raises(openai.NotFoundError) as info:
         oai.completions.create(model="gpt-4", prompt="Hi")
@@ -470,7 +470,7 @@ def test_health_reports_the_backend(client, backend):
 def test_metrics_after_requests(client, metrics, tokenizer):
     assert client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4}).status_code == 200
     assert client.post("/v1/completions", json={"prompt": "Hi", "stream": True}).status_code == 200
-    assert client.post("/v1/completions", json={"prompt": "Hi", "n": 3}).status_code == 400
+    assert client.post("/v1/completions", json={"prompt": "Hi", "n": 0}).status_code == 400
     metrics.set_worker_stats("decode-1", {"num_running": 3, "kv_cache_usage": 0.25,
                                           "free_kv_blocks": 7, "cpu_borrowed_steps": 41})
     samples = metric_samples(client)
@@ -513,7 +513,8 @@ LONG = list(range(3, 3 + MAX_MODEL_LEN))
 
 
 @pytest.mark.parametrize(("path", "body", "status", "param", "fragment"), [
-    (COMPLETIONS, {"prompt": "Hi", "n": 2}, 400, "n", "n > 1 is not supported"),
+    (COMPLETIONS, {"prompt": "Hi", "n": 0}, 400, "n", "n must be at least 1, got 0"),
+    (CHAT, {"messages": USER, "n": 17}, 400, "n", "n is 17; this server generates at most 16 choices"),
     (COMPLETIONS, {"prompt": "Hi", "best_of": 2}, 400, "best_of", "best_of > 1 is not supported"),
     (COMPLETIONS, {"prompt": "Hi", "best_of": 0}, 400, "best_of", "best_of must be 1, got 0"),
     # thousands of digits: the context check's own message had failed on the sum (a 500)
@@ -653,6 +654,76 @@ def test_backend_errors_before_and_during_a_stream(client, backend, metrics, fai
     samples = metric_samples(client)
     assert samples[("pdserve_request_errors_total", (("status", str(status)),))] == 3
     assert samples[("pdserve_requests_total", (("finish_reason", "error"),))] == 3
+
+
+# --- n choices ------------------------------------------------------------------
+
+def test_n_choices_each_run_as_a_request_of_their_own_and_come_back_indexed(client, backend, tokenizer):
+    body = client.post(COMPLETIONS, json={"prompt": "Hi", "n": 3, "max_tokens": 4, "seed": 5,
+                                          "temperature": 1.0, "return_token_ids": True}).json()
+    ids = [call[0] for call in backend.calls]
+    assert len(set(ids)) == 3 and all(i.startswith("cmpl-") for i in ids)
+    assert sorted(call[2].seed for call in backend.calls) == [5, 6, 7]    # vLLM's: the seed moves on by the index
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == \
+        [(i, tokenizer.decode(backend.reply_ids[:4]), "length") for i in range(3)]
+    assert all(c["prompt_token_ids"] == backend.calls[0][1] for c in body["choices"])   # each choice's
+    assert body["usage"] == {"prompt_tokens": len(backend.calls[0][1]), "completion_tokens": 12,
+                             "total_tokens": len(backend.calls[0][1]) + 12}     # the prompt counted once
+    client.post(COMPLETIONS, json={"prompt": "Hi", "n": 2, "max_tokens": 1})
+    assert [call[2].seed for call in backend.calls[3:]] == [None, None]
+
+
+def test_n_streamed_choices_interleave_and_each_opens_and_ends(client, backend, tokenizer):
+    events = sse_events(client.post(CHAT, json={"messages": USER, "n": 2, "max_tokens": 5, "stream": True,
+                                                "stream_options": {"include_usage": True}}))
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert [c["choices"][0]["delta"] for c in chunks[:2]] == [{"role": "assistant", "content": ""}] * 2
+    assert [c["choices"][0]["index"] for c in chunks[:2]] == [0, 1]
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks[2:-1] if c["choices"][0]["index"] == index]
+        assert "".join(ch["delta"].get("content", "") for ch in mine) == tokenizer.decode(backend.reply_ids[:5])
+        assert [ch["finish_reason"] for ch in mine] == [None] * 4 + ["length"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 10
+    assert backend.closed_early == []
+
+
+def test_a_choice_that_fails_ends_the_stream_with_an_error_and_closes_the_others(client, backend):
+    healthy = backend.generate
+
+    async def second_choice_fails(request_id, prompt_token_ids, params):
+        async for out in healthy(request_id, prompt_token_ids, params):
+            if request_id.endswith("-1") and out.num_output_tokens == 2:
+                raise BackendUnavailableError("decode worker died")
+            yield out
+
+    backend.hang_after = 3          # the first choice waits after 3 tokens, as a slow one would
+    backend.generate = second_choice_fails
+    events = sse_events(client.post(COMPLETIONS, json={"prompt": "Hi", "n": 2, "stream": True}))
+    assert events[-1] == "[DONE]" and "decode worker died" in json.loads(events[-2])["error"]["message"]
+    assert sorted(i[-2:] for i in backend.closed_early) == ["-0", "-1"]    # the waiting one closed too
+    backend.hang_after = None
+    error = assert_openai_error(client.post(COMPLETIONS, json={"prompt": "Hi", "n": 2}), 503, None, "died")
+    assert error["type"] == "server_error"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_closes_every_choice(app, backend, stream):
+    backend.hang_after = 1
+    asyncio.run(_post_then_disconnect(app, CHAT, {"messages": USER, "n": 3, "stream": stream}, backend))
+    assert sorted(backend.closed_early) == sorted(call[0] for call in backend.calls) and len(backend.calls) == 3
+
+
+def test_n_choices_are_admitted_together_or_not_at_all(backend, tokenizer, metrics):
+    from router.admission import AdmissionControl, AdmissionSettings
+    admission = AdmissionControl(AdmissionSettings(max_waiting_requests=10, max_waiting_prompt_tokens=20))
+    n_client = TestClient(build_openai_app(backend, tokenizer, metrics, admission=admission))
+    prompt = tokenizer.encode("Hi there")          # each choice's prompt counts: 3 of them do not fit
+    refused = n_client.post(COMPLETIONS, json={"prompt": prompt * 3, "n": 3, "max_tokens": 1})
+    assert refused.status_code == 429 and backend.calls == []
+    assert (admission.waiting_requests, admission.waiting_tokens, admission.running) == (0, 0, 0)
+    assert n_client.post(COMPLETIONS, json={"prompt": prompt, "n": 3, "max_tokens": 2}).status_code == 200
+    assert len(backend.calls) == 3 and (admission.waiting_requests, admission.running) == (0, 0)
 
 
 # --- client disconnects ----------------------------------------------------------

@@ -214,7 +214,7 @@ def test_one_prefill_two_decoders_and_bad_input(ray_cluster, model_dirs, referen
         assert prefills["prefill"] > 0 and prefills["decode"] > 0, prefills
         assert counter(base, "pdserve_kv_transfer_time_seconds_count") == prefills["prefill"]
         c = client(base)
-        bad = [dict(prompt="hi", max_tokens=0), dict(prompt="hi", n=2), dict(prompt=[100000], max_tokens=2),
+        bad = [dict(prompt="hi", max_tokens=0), dict(prompt="hi", n=0), dict(prompt=[100000], max_tokens=2),
                dict(prompt="hi " * 400, max_tokens=2), dict(prompt="hi", temperature=-1)]
         for kwargs in bad:
             with pytest.raises(openai.BadRequestError) as info:
@@ -224,6 +224,7 @@ def test_one_prefill_two_decoders_and_bad_input(ray_cluster, model_dirs, referen
         with pytest.raises(openai.NotFoundError):
             c.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
         check_completions(base, reference, tokenizer)  # still serving
+        check_n_choices(base, reference, tokenizer)    # (handed off or not, concurrent calls of one request)
         # a client that goes away mid-stream: its blocks are freed on both sides
         stream = c.completions.create(model="tiny", prompt="abandoned", max_tokens=200, temperature=0,
                                       stream=True, extra_body={"ignore_eos": True})
@@ -268,8 +269,21 @@ def test_colocated(ray_cluster, model_dirs, reference, tokenizer):
         check_concurrent(base, reference, tokenizer)
         with urllib.request.urlopen(base.removesuffix("/v1") + "/health") as health:
             assert health.status == 200
+        check_n_choices(base, reference, tokenizer)
     finally:
         serve.delete("colo")
+
+
+def check_n_choices(base_url: str, reference, tokenizer) -> None:
+    """n choices: greedy ones are each transformers' output; seeded sampled ones differ
+    from each other and come back the same when asked again."""
+    c = client(base_url)
+    text, _ = expected_text(reference, tokenizer, tokenizer.encode(PROMPTS[0]))
+    r = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, n=3)
+    assert [(ch.index, ch.text) for ch in r.choices] == [(i, text) for i in range(3)]
+    sampled = [[ch.text for ch in c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                                       temperature=1.0, seed=11, n=3).choices] for _ in range(2)]
+    assert sampled[0] == sampled[1] and len(set(sampled[0])) == 3
 
 
 def test_a_tp_gang_sees_one_gpu_per_bundle_in_rank_order(ray_cluster):
