@@ -1,7 +1,8 @@
 """Batched next-token sampling: penalties, temperature, top-k/top-p/min-p, seeded draws.
 
-Per row, in vLLM v1's order: banned tokens -> repetition penalty -> presence/frequency
-penalties -> temperature -> min-p -> top-k -> top-p -> sample; each mask acts on the
+Per row, in vLLM v1's order: allowed tokens -> logit bias -> banned tokens -> repetition
+penalty -> presence/frequency penalties -> temperature -> min-p -> top-k -> top-p ->
+sample; each mask acts on the
 distribution the previous ones left, renormalised (top-p measures the mass of the
 tokens min-p and top-k kept). Greedy rows take the argmax right after the penalties.
 Everything is computed in float32 on the logits' device. The masking steps are pure
@@ -114,6 +115,33 @@ def token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int,
         # Adding 1.0s is exact in float32, so accumulation order cannot change the result.
         counts.index_put_(index, torch.ones(index[0].numel(), device=counts.device), accumulate=True)
     return counts
+
+
+def apply_allowed_tokens(logits: torch.Tensor, allowed_token_ids: Sequence[Sequence[int] | None]) -> torch.Tensor:
+    """Every token but a row's allowed ones to -inf (None: the row allows all)."""
+    # logits: [num_rows, vocab_size] float32
+    rows = [(i, ids) for i, ids in enumerate(allowed_token_ids) if ids is not None]
+    keep = torch.zeros(len(rows), logits.shape[-1], dtype=torch.bool, device=logits.device)
+    r, c = _row_col_index([ids for _, ids in rows], logits.shape[-1], logits.device)
+    keep[r, c] = True
+    masked = logits.clone()
+    idx = _on_device([i for i, _ in rows], torch.long, logits.device)
+    masked[idx] = logits[idx].masked_fill(~keep, float("-inf"))
+    return masked
+
+
+def apply_logit_bias(logits: torch.Tensor, logit_bias: Sequence[dict[int, float]]) -> torch.Tensor:
+    """Each row's biases added to their tokens' logits."""
+    # logits: [num_rows, vocab_size] float32
+    rows, cols, values = [], [], []
+    for i, bias in enumerate(logit_bias):
+        rows.extend([i] * len(bias))
+        cols.extend(bias)
+        values.extend(bias.values())
+    out = logits.clone()
+    out.index_put_((_on_device(rows, torch.long, logits.device), _on_device(cols, torch.long, logits.device)),
+                   _on_device(values, logits.dtype, logits.device), accumulate=True)
+    return out
 
 
 def apply_banned_tokens(logits: torch.Tensor, banned_token_ids: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -293,12 +321,13 @@ def sample_from_probs(probs: torch.Tensor, generators: Sequence[torch.Generator 
 
 def heaviest_rows(num_rows: int, vocab_size: int, device: torch.device) -> list[SamplingRow]:
     """Rows that take every allocating path of the sampler at once, for measuring
-    its peak memory: banned tokens, all three penalties, temperature, min-p, top-k
-    over the whole vocabulary (a full sort), top-p, the most logprobs, and half
-    the rows seeded beside half drawn from the batch generator (both noise
-    tensors live at once)."""
+    its peak memory: allowed tokens, a logit bias, banned tokens, all three
+    penalties, temperature, min-p, top-k over the whole vocabulary (a full sort),
+    top-p, the most logprobs, and half the rows seeded beside half drawn from the
+    batch generator (both noise tensors live at once)."""
     params = SamplingParams(temperature=0.8, top_k=vocab_size, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
-                            presence_penalty=0.5, frequency_penalty=0.5, logprobs=MAX_LOGPROBS, max_tokens=2)
+                            presence_penalty=0.5, frequency_penalty=0.5, logprobs=MAX_LOGPROBS, max_tokens=2,
+                            allowed_token_ids=[0, vocab_size - 1], logit_bias={0: 1.0})
     return [SamplingRow(params=params, prompt_token_ids=[0], output_token_ids=[1],
                         generator=torch.Generator(device=device).manual_seed(i) if i % 2 else None,
                         banned_token_ids=[2])
@@ -339,6 +368,10 @@ class Sampler:
         # Every step below is out-of-place, so aliasing float32 input here is safe.
         x = logits.float()
 
+        if any(p.allowed_token_ids is not None for p in params):
+            x = apply_allowed_tokens(x, [p.allowed_token_ids for p in params])
+        if any(p.logit_bias for p in params):
+            x = apply_logit_bias(x, [p.logit_bias for p in params])
         if any(row.banned_token_ids for row in rows):
             x = apply_banned_tokens(x, [row.banned_token_ids for row in rows])
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 # near-zero temperature would only overflow towards the same argmax.
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0       # OpenAI's range for a token's bias, either way
 _SEED_LIMIT = 2**63
 
 
@@ -71,6 +72,8 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None         # top-N to return; 0 = sampled token only
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit
+    allowed_token_ids: list[int] | None = None   # only these may be sampled (None: any)
 
     def __post_init__(self) -> None:
         self.max_tokens = _check_int("max_tokens", self.max_tokens, ">= 1")
@@ -132,6 +135,32 @@ class SamplingParams:
                 raise _out_of_range("logprobs", self.logprobs, logprobs_allowed)
 
         self.skip_special_tokens = _check_bool("skip_special_tokens", self.skip_special_tokens)
+        self.logit_bias = self._normalise_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = self._normalise_token_ids("allowed_token_ids", self.allowed_token_ids,
+                                                               "None or a non-empty list of int >= 0")
+            if not self.allowed_token_ids:
+                raise _out_of_range("allowed_token_ids", [], "None or a non-empty list of int >= 0")
+
+    @staticmethod
+    def _normalise_logit_bias(bias: object) -> dict[int, float]:
+        """Token ids as ints (OpenAI's JSON sends them as strings: {"50256": -100})."""
+        allowed = f"a map of token id (int >= 0, or its decimal string) to a number in [-{MAX_LOGIT_BIAS:g}, " \
+                  f"{MAX_LOGIT_BIAS:g}]"
+        if bias is None:
+            return {}
+        if not isinstance(bias, dict):
+            raise _out_of_range("logit_bias", bias, allowed)
+        out: dict[int, float] = {}
+        for key, value in bias.items():
+            token = int(key) if isinstance(key, str) and key.isascii() and key.isdecimal() else key
+            if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0:
+                raise SamplingParamsError(f"logit_bias must be {allowed}, got key {key!r}")
+            value = _check_float("logit_bias", value, f"in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise SamplingParamsError(f"logit_bias must be {allowed}, got {value!r} for token {key!r}")
+            out[int(token)] = value
+        return out
 
     @staticmethod
     def _normalise_stop(stop: object) -> list[str]:
@@ -150,14 +179,17 @@ class SamplingParams:
 
     @staticmethod
     def _normalise_stop_token_ids(ids: object) -> list[int]:
-        allowed = "None or a list of int >= 0"
         if ids is None:
             return []
+        return SamplingParams._normalise_token_ids("stop_token_ids", ids, "None or a list of int >= 0")
+
+    @staticmethod
+    def _normalise_token_ids(name: str, ids: object, allowed: str) -> list[int]:
         if not isinstance(ids, (list, tuple)):
-            raise _out_of_range("stop_token_ids", ids, allowed)
+            raise _out_of_range(name, ids, allowed)
         for i in ids:
             if isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0:
-                raise SamplingParamsError(f"stop_token_ids must be {allowed}, got element {i!r}")
+                raise SamplingParamsError(f"{name} must be {allowed}, got element {i!r}")
         return [int(i) for i in ids]
 
     @property
@@ -166,10 +198,12 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
     def validate_against_vocab(self, vocab_size: int) -> None:
-        """Raise SamplingParamsError unless every stop_token_id is in [0, vocab_size)."""
+        """Raise SamplingParamsError unless every token id a field names (stop_token_ids,
+        logit_bias, allowed_token_ids) is in [0, vocab_size)."""
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral) or vocab_size < 1:
             raise ValueError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
-        for token_id in self.stop_token_ids:
-            if token_id >= vocab_size:
-                raise SamplingParamsError(
-                    f"stop_token_ids contains {token_id}, must be in [0, {vocab_size})")
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias),
+                          ("allowed_token_ids", self.allowed_token_ids or ())):
+            for token_id in ids:
+                if token_id >= vocab_size:
+                    raise SamplingParamsError(f"{name} contains {token_id}, must be in [0, {vocab_size})")

@@ -6,7 +6,7 @@ Contracts:
   ignored, and named in the log (the first time each is seen), as vLLM does.
 - `check_supported()` raises engine.InvalidRequestError (param set) for an OpenAI
   feature pdserve does not implement (best_of > 1, echo, suffix,
-  logit_bias, response_format, tools, ...), saying what to send instead.
+  response_format, tools, ...), saying what to send instead.
 - `to_sampling_params(default_max_tokens)` builds the engine's SamplingParams
   (vLLM's extra sampling fields included); out-of-range values raise
   InvalidRequestError naming the request field. Neither method touches the tokenizer.
@@ -74,7 +74,7 @@ class StreamOptions(BaseModel):
 
 
 _UNSUPPORTED_EXTENSIONS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-                           "include_stop_str_in_output", "allowed_token_ids", "bad_words", "logits_processors",
+                           "include_stop_str_in_output", "bad_words", "logits_processors",
                            "prompt_logprobs", "use_beam_search", "truncate_prompt_tokens",
                            "return_tokens_as_token_ids", "cache_salt", "structural_tag")
 # apply_chat_template's own arguments: not for a request's chat_template_kwargs to set
@@ -138,7 +138,8 @@ class _GenerationRequest(BaseModel):
     n: Int64 | None = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, Any] | None = None
+    logit_bias: dict[str, Any] | None = None     # token id (a string in JSON) -> bias in [-100, 100]
+    allowed_token_ids: list[StrictInt] | None = None   # vLLM's: only these may be sampled
     user: StrictStr | None = None            # accepted and ignored
     request_id: StrictStr | None = None      # vLLM's: the response's id (`{prefix}-{request_id}`)
     return_token_ids: StrictBool | None = None   # vLLM's: the prompt's and the output's token ids too
@@ -156,7 +157,6 @@ class _GenerationRequest(BaseModel):
     guided_grammar: Any = None
     structured_outputs: Any = None
     include_stop_str_in_output: Any = None
-    allowed_token_ids: Any = None
     bad_words: Any = None
     logits_processors: Any = None
     prompt_logprobs: Any = None
@@ -231,8 +231,6 @@ class _GenerationRequest(BaseModel):
         """Raise InvalidRequestError for a feature pdserve does not implement."""
         if self.n is not None and self.n < 1:
             raise InvalidRequestError(f"n must be at least 1, got {self.n}.", param="n")
-        if self.logit_bias:
-            raise InvalidRequestError("logit_bias is not supported; remove it.", param="logit_bias")
         if self.response_format is not None and not (
                 isinstance(self.response_format, dict) and self.response_format.get("type") == "text"):
             raise InvalidRequestError("response_format (JSON mode, structured output) is not "
@@ -272,7 +270,7 @@ class _GenerationRequest(BaseModel):
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
-                     "ignore_eos", "min_tokens", "skip_special_tokens"):
+                     "ignore_eos", "min_tokens", "skip_special_tokens", "logit_bias", "allowed_token_ids"):
             value = getattr(self, name)
             if value is None:   # unset: the model's recommendation, else the engine's default
                 value = (defaults or {}).get(name)

@@ -26,6 +26,21 @@ def _greedy(max_tokens=24, **kw) -> SamplingParams:
 PROMPT = "The quick brown fox jumps over"
 
 
+# ---- logit bias and allowed tokens ---------------------------------------------------------
+def test_logit_bias_and_allowed_token_ids_steer_every_token_of_a_batch(llm):
+    plain = llm.generate([PROMPT], _greedy(8))[0].token_ids
+    favoured = next(t for t in range(5, 200) if t not in plain)
+    out = llm.generate([PROMPT] * 3, [_greedy(8, logit_bias={favoured: 100.0}), _greedy(8),
+                                      SamplingParams(max_tokens=30, ignore_eos=True, seed=4,
+                                                     allowed_token_ids=[7, favoured])])
+    assert out[0].token_ids == [favoured] * 8
+    assert out[1].token_ids == plain                    # a neighbour in the batch is untouched
+    assert set(out[2].token_ids) == {7, favoured}       # sampled, only from the allowed two
+    # a bias that leaves the favourite on top changes nothing; one that drops it, the first token
+    assert llm.generate([PROMPT], _greedy(8, logit_bias={plain[0]: 1.0}))[0].token_ids == plain
+    assert llm.generate([PROMPT], _greedy(1, logit_bias={plain[0]: -100.0}))[0].token_ids != plain[:1]
+
+
 # ---- stop conditions -------------------------------------------------------------------
 def test_stop_string_is_cut_and_never_streamed(llm):
     full = llm.generate(PROMPT, _greedy())[0]

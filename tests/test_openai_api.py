@@ -429,6 +429,13 @@ def test_the_clients_request_id_names_the_response_and_the_cluster_keeps_its_own
     assert len(set(internal)) == 2 and "trace" not in "".join(internal)
 
 
+def test_logit_bias_and_allowed_token_ids_reach_the_engine(client, backend):
+    client.post(CHAT, json={"messages": USER, "max_tokens": 1, "logit_bias": {"5": -100, "17": 3.5},
+                            "allowed_token_ids": [5, 17, 40]})
+    params = backend.calls[-1][2]
+    assert (params.logit_bias, params.allowed_token_ids) == ({5: -100.0, 17: 3.5}, [5, 17, 40])
+
+
 def test_vllm_request_fields_a_completion_or_a_chat_takes(client, backend, tokenizer):
     client.post(COMPLETIONS, json={"prompt": "Hi", "max_completion_tokens": 5, "max_tokens": 2})
     assert backend.calls[-1][2].max_tokens == 5         # as on chat: the newer name wins
@@ -524,7 +531,10 @@ LONG = list(range(3, 3 + MAX_MODEL_LEN))
      "top_logprobs must be in [0, 20], got -1"),
     (COMPLETIONS, {"prompt": "Hi", "echo": True}, 400, "echo", "echo is not supported"),
     (COMPLETIONS, {"prompt": "Hi", "suffix": "end"}, 400, "suffix", "suffix"),
-    (COMPLETIONS, {"prompt": "Hi", "logit_bias": {"5": 10}}, 400, "logit_bias", "not supported"),
+    (COMPLETIONS, {"prompt": "Hi", "logit_bias": {"5": 101}}, 400, "logit_bias", "got 101.0 for token '5'"),
+    (CHAT, {"messages": USER, "logit_bias": {"600": 1}}, 400, "logit_bias", "contains 600, must be in [0, 512)"),
+    (COMPLETIONS, {"prompt": "Hi", "allowed_token_ids": []}, 400, "allowed_token_ids", "non-empty list"),
+    (COMPLETIONS, {"prompt": "Hi", "allowed_token_ids": [3, 600]}, 400, "allowed_token_ids", "contains 600"),
     (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, 400,
      "response_format", "not supported"),
     (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools", "not supported"),

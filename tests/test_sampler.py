@@ -254,6 +254,27 @@ def test_banned_tokens_never_sampled():
     assert set(tokens) == {1, 3}
 
 
+def test_logit_bias_moves_the_greedy_choice_and_the_distribution_per_row():
+    logits = torch.tensor([[1.0, 5.0, 4.0, 3.0]]).repeat(3, 1)
+    rows = [row(temperature=0, logit_bias={3: 2.5}), row(temperature=0, logit_bias={1: -1.5, 2: 0.25}),
+            row(temperature=0)]
+    assert Sampler()(logits, rows).token_ids == [3, 2, 1]
+    # sampled: the bias is on the logits, so a +ln(3) bias makes a token 3x as likely
+    flat = torch.zeros(20000, 2)
+    tokens = Sampler(gen(2))(flat, [row(logit_bias={1: math.log(3)})] * 20000).token_ids
+    assert abs(sum(tokens) / 20000 - 0.75) < 0.015
+    assert Sampler()(logits[:1], [row(temperature=0, logit_bias={1: -100.0, 2: -100.0, 3: -100.0})]).token_ids == [0]
+
+
+def test_allowed_token_ids_are_the_only_ones_sampled_and_leave_other_rows_alone():
+    logits = torch.tensor([[4.0, 1.0, 4.0, 1.0, 9.0]]).repeat(4000, 1)
+    rows = [row(allowed_token_ids=[1, 3]), row(), row(allowed_token_ids=[2], temperature=0),
+            row(allowed_token_ids=[0, 1], temperature=0)] * 1000
+    tokens = Sampler(gen(3))(logits, rows).token_ids
+    assert set(tokens[0::4]) == {1, 3} and set(tokens[1::4]) <= {0, 2, 4} and 4 in tokens[1::4]
+    assert set(tokens[2::4]) == {2} and set(tokens[3::4]) == {0}
+
+
 def test_logits_not_modified_and_low_precision_accepted():
     logits = torch.tensor([[1.0, 2.0, 0.5, 2.0]], dtype=torch.bfloat16)
     before = logits.clone()

@@ -1,6 +1,7 @@
 """SamplingParams validation and normalisation."""
 
 import math
+import re
 
 import pytest
 
@@ -167,3 +168,27 @@ def test_validate_against_vocab():
         SamplingParams(stop_token_ids=[5, 32000]).validate_against_vocab(32000)
     with pytest.raises(ValueError, match="vocab_size"):
         SamplingParams().validate_against_vocab(0)
+
+
+def test_logit_bias_takes_token_ids_as_ints_or_their_strings_and_checks_each_bias():
+    assert SamplingParams(logit_bias={"50": -100, 7: 2.5}).logit_bias == {50: -100.0, 7: 2.5}
+    assert SamplingParams(logit_bias=None).logit_bias == {} and SamplingParams().allowed_token_ids is None
+    for bad, fragment in (({"50": 100.5}, "got 100.5 for token '50'"), ({"-3": 1}, "got key '-3'"),
+                          ({"x": 1}, "got key 'x'"), ({True: 1}, "got key True"), ([1], "got [1]"),
+                          ({"5": float("nan")}, "finite")):
+        with pytest.raises(SamplingParamsError, match=rf"^logit_bias must be .*{re.escape(fragment)}"):
+            SamplingParams(logit_bias=bad)
+
+
+def test_allowed_token_ids_must_name_some_tokens():
+    assert SamplingParams(allowed_token_ids=(3, 4)).allowed_token_ids == [3, 4]
+    for bad in ([], [-1], [True], "3"):
+        with pytest.raises(SamplingParamsError, match="^allowed_token_ids must be"):
+            SamplingParams(allowed_token_ids=bad)
+
+
+def test_every_token_id_a_field_names_must_be_in_the_vocabulary():
+    SamplingParams(stop_token_ids=[9], logit_bias={9: 1.0}, allowed_token_ids=[9]).validate_against_vocab(10)
+    for field, value in (("stop_token_ids", [10]), ("logit_bias", {10: 1.0}), ("allowed_token_ids", [0, 10])):
+        with pytest.raises(SamplingParamsError, match=rf"^{field} contains 10, must be in \[0, 10\)"):
+            SamplingParams(**{field: value}).validate_against_vocab(10)
