@@ -2,9 +2,10 @@
 
 Per request: incremental detokenization, stop conditions (EOS, stop token ids,
 stop strings, max_tokens, context length), and streaming deltas. A stop string is
-cut from the text; while one could still be forming at the end of the text, those
-last characters are held back from the stream, so a client never sees a stop
-string it has to take back.
+cut from the text (with what follows it), unless the request keeps it
+(`include_stop_str_in_output`: then only what follows); while one could still be
+forming at the end of the text, those last characters are held back from the
+stream, so a client never sees a stop string it has to take back.
 
 What an output carries is the consumer's choice (engine.outputs.OutputKind):
 DELTA outputs cost O(new tokens) whatever the request's length, which is what
@@ -34,7 +35,8 @@ class RequestTextState:
                                                   skip_special_tokens=params.skip_special_tokens)
         self.stop_strings = list(params.stop)
         self.max_stop_len = max((len(s) for s in self.stop_strings), default=1)
-        self.hold_back = self.max_stop_len - 1
+        self.keep_stop = params.include_stop_str_in_output
+        self.hold_back = 0 if self.keep_stop else self.max_stop_len - 1     # a kept stop is never taken back
         self.text = TextBuffer()
         self.num_emitted_chars = 0
         self.num_emitted_tokens = 0
@@ -92,7 +94,7 @@ class RequestTextState:
                 best = (i, stop)
         if best is None:
             return False
-        self.text.truncate(window_start + best[0])
+        self.text.truncate(window_start + best[0] + (len(best[1]) if self.keep_stop else 0))
         self._finish("stop", best[1])
         return True
 

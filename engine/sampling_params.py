@@ -72,6 +72,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None         # top-N to return; 0 = sampled token only
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False   # a stop string that ends the output stays in its text
     logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit
     allowed_token_ids: list[int] | None = None   # only these may be sampled (None: any)
 
@@ -135,6 +136,7 @@ class SamplingParams:
                 raise _out_of_range("logprobs", self.logprobs, logprobs_allowed)
 
         self.skip_special_tokens = _check_bool("skip_special_tokens", self.skip_special_tokens)
+        self.include_stop_str_in_output = _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         self.logit_bias = self._normalise_logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = self._normalise_token_ids("allowed_token_ids", self.allowed_token_ids,

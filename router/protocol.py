@@ -74,7 +74,7 @@ class StreamOptions(BaseModel):
 
 
 _UNSUPPORTED_EXTENSIONS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-                           "include_stop_str_in_output", "bad_words", "logits_processors",
+                           "bad_words", "logits_processors",
                            "prompt_logprobs", "use_beam_search", "truncate_prompt_tokens",
                            "return_tokens_as_token_ids", "cache_salt", "structural_tag")
 # apply_chat_template's own arguments: not for a request's chat_template_kwargs to set
@@ -140,6 +140,7 @@ class _GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, Any] | None = None     # token id (a string in JSON) -> bias in [-100, 100]
     allowed_token_ids: list[StrictInt] | None = None   # vLLM's: only these may be sampled
+    include_stop_str_in_output: StrictBool | None = None   # vLLM's: the stop string that ended it, kept
     user: StrictStr | None = None            # accepted and ignored
     request_id: StrictStr | None = None      # vLLM's: the response's id (`{prefix}-{request_id}`)
     return_token_ids: StrictBool | None = None   # vLLM's: the prompt's and the output's token ids too
@@ -156,7 +157,6 @@ class _GenerationRequest(BaseModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
-    include_stop_str_in_output: Any = None
     bad_words: Any = None
     logits_processors: Any = None
     prompt_logprobs: Any = None
@@ -270,7 +270,8 @@ class _GenerationRequest(BaseModel):
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
-                     "ignore_eos", "min_tokens", "skip_special_tokens", "logit_bias", "allowed_token_ids"):
+                     "ignore_eos", "min_tokens", "skip_special_tokens", "logit_bias", "allowed_token_ids",
+                     "include_stop_str_in_output"):
             value = getattr(self, name)
             if value is None:   # unset: the model's recommendation, else the engine's default
                 value = (defaults or {}).get(name)

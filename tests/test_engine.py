@@ -55,6 +55,18 @@ def test_stop_string_is_cut_and_never_streamed(llm):
     assert all(stop not in "".join(deltas[:i + 1]) for i in range(len(deltas)))
 
 
+def test_a_kept_stop_string_ends_the_text_and_streams_without_hold_back(llm):
+    full = llm.generate(PROMPT, _greedy())[0]
+    stop = full.text[3:6]
+    end = full.text.index(stop) + len(stop)
+    out = llm.generate(PROMPT, _greedy(stop=[stop], include_stop_str_in_output=True))[0]
+    assert out.text == full.text[:end] and (out.finish_reason, out.stop_reason) == ("stop", stop)
+    deltas = [o.delta_text for o in llm.stream(PROMPT, _greedy(stop=[stop], include_stop_str_in_output=True))]
+    assert "".join(deltas) == out.text
+    # nothing held back: each token's text goes out with it (the tiny model's tokens are whole characters)
+    assert all(len(d) > 0 for d in deltas[:-1]), deltas
+
+
 def test_stop_token_id_ends_generation(llm):
     full = llm.generate(PROMPT, _greedy())[0]
     stop_id = full.token_ids[4]

@@ -434,6 +434,9 @@ def test_logit_bias_and_allowed_token_ids_reach_the_engine(client, backend):
                             "allowed_token_ids": [5, 17, 40]})
     params = backend.calls[-1][2]
     assert (params.logit_bias, params.allowed_token_ids) == ({5: -100.0, 17: 3.5}, [5, 17, 40])
+    assert not params.include_stop_str_in_output
+    client.post(COMPLETIONS, json={"prompt": "Hi", "stop": "x", "include_stop_str_in_output": True})
+    assert backend.calls[-1][2].include_stop_str_in_output
 
 
 def test_vllm_request_fields_a_completion_or_a_chat_takes(client, backend, tokenizer):
@@ -568,8 +571,9 @@ LONG = list(range(3, 3 + MAX_MODEL_LEN))
         {"id": "c1", "type": "function", "function": {"name": "get", "arguments": "{}"}}]}] + USER}, 400,
      "messages[1].tool_calls", "tool calling is not supported"),
     (CHAT, {"messages": USER, "guided_choice": ["yes", "no"]}, 400, "guided_choice", "not supported"),
-    (COMPLETIONS, {"prompt": "Hi", "include_stop_str_in_output": True}, 400, "include_stop_str_in_output",
-     "not supported"),
+    (COMPLETIONS, {"prompt": "Hi", "include_stop_str_in_output": 1}, 400, "include_stop_str_in_output",
+     "valid boolean"),
+    (COMPLETIONS, {"prompt": "Hi", "bad_words": ["x"]}, 400, "bad_words", "not supported"),
     (COMPLETIONS, {"prompt": "Hi", "prompt_logprobs": 0}, 400, "prompt_logprobs", "not supported"),   # 0 asks
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "messages[0].content", "only text content parts"),
