@@ -171,6 +171,8 @@ class LimitsSection(_Strict):
     max_stop_sequences: int = Field(16, ge=0)
     max_stop_token_ids: int = Field(256, ge=0)
     max_n: int = Field(16, ge=1, description="choices one request may ask for (n)")
+    max_logit_bias: int = Field(1024, ge=0, description="token ids one request's logit_bias may name")
+    max_allowed_token_ids: int = Field(1024, ge=0, description="token ids one request's allowed_token_ids may name")
 
 
 class Resources(_Strict):

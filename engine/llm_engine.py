@@ -215,8 +215,14 @@ class LLMEngine:
         self.validate_prompt(token_ids)
         try:
             params.validate_against_vocab(self.model_config.vocab_size)
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc), "stop_token_ids") from None
+        except ValueError as exc:     # the message starts with the field's name
+            raise InvalidRequestError(str(exc), str(exc).split(" ", 1)[0]) from None
+        ending = {*self.eos_token_ids, *params.stop_token_ids}
+        if params.min_tokens and params.allowed_token_ids is not None and set(params.allowed_token_ids) <= ending:
+            raise InvalidRequestError(
+                f"allowed_token_ids allows only tokens that end the output ({sorted(ending)}), which min_tokens="
+                f"{params.min_tokens} forbids until then: allow other tokens, or drop min_tokens",
+                "allowed_token_ids")
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)

@@ -139,8 +139,9 @@ class SamplingParams:
         self.include_stop_str_in_output = _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         self.logit_bias = self._normalise_logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
-            self.allowed_token_ids = self._normalise_token_ids("allowed_token_ids", self.allowed_token_ids,
-                                                               "None or a non-empty list of int >= 0")
+            ids = self._normalise_token_ids("allowed_token_ids", self.allowed_token_ids,
+                                            "None or a non-empty list of int >= 0")
+            self.allowed_token_ids = list(dict.fromkeys(ids))      # each once: at most the vocabulary
             if not self.allowed_token_ids:
                 raise _out_of_range("allowed_token_ids", [], "None or a non-empty list of int >= 0")
 

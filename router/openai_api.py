@@ -24,7 +24,6 @@ Contracts:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import dataclasses
 import importlib.metadata
@@ -111,6 +110,8 @@ class RequestLimits:
     max_body_bytes: int | None = 16 << 20
     max_stop_token_ids: int = 256
     max_n: int = 16
+    max_logit_bias: int = 1024          # entries; every step of the batch pays for them
+    max_allowed_token_ids: int = 1024
 
 
 def build_openai_app(backend: GenerationBackend, tokenizer: Any, metrics: ServingMetrics, *,
@@ -257,6 +258,7 @@ class _Server:
         arrived = self._check_before_tokenizing()
         try:
             prompt_ids, params = await self._prompt_and_params(body, chat)
+            choice_params = [_params_of_choice(params, i) for i in range(body.choices)]
         except BaseException:    # a 400 (or a client gone while tokenizing): no demand on the workers
             if arrived is not None:
                 self.admission.withdraw(arrived)
@@ -265,10 +267,10 @@ class _Server:
         token_ids = prompt_ids if body.return_token_ids else None
         fmt = ChatResponses(self.token_texts, token_ids) if chat else CompletionResponses(self.token_texts, token_ids)
         request_id = f"{'chat' if chat else ''}{self.prefix}-{uuid.uuid4().hex}"
-        n = body.choices
+        n = len(choice_params)
         tickets = self._admit(len(prompt_ids), params.max_tokens, n)
         choices = _Choices([_Generation(self, request_id if n == 1 else f"{request_id}-{i}", prompt_ids,
-                                        _params_of_choice(params, i), arrival, tickets[i]) for i in range(n)])
+                                        choice_params[i], arrival, tickets[i]) for i in range(n)])
         # the client's own id for it (vLLM's request_id field, else the X-Request-Id header, which Ray Serve
         # sets when the client did not: the response's header) names the response; the cluster keeps a
         # unique one, as two clients may send the same
@@ -417,10 +419,12 @@ class _Server:
         if len(stops) > lim.max_stop_sequences:
             raise InvalidRequestError(f"stop has {len(stops)} sequences; this server allows at most "
                                       f"{lim.max_stop_sequences}.", param="stop")
-        stop_ids = body.stop_token_ids or []
-        if len(stop_ids) > lim.max_stop_token_ids:
-            raise InvalidRequestError(f"stop_token_ids has {len(stop_ids)} ids; this server allows at most "
-                                      f"{lim.max_stop_token_ids}.", param="stop_token_ids")
+        for name, ids, most in (("stop_token_ids", body.stop_token_ids, lim.max_stop_token_ids),
+                                ("logit_bias", body.logit_bias, lim.max_logit_bias),
+                                ("allowed_token_ids", body.allowed_token_ids, lim.max_allowed_token_ids)):
+            if ids is not None and len(ids) > most:
+                raise InvalidRequestError(f"{name} has {len(ids)} ids; this server allows at most {most}.",
+                                          param=name)
 
     def _check_prompt(self, ids: list[int], param: str) -> None:
         if self.limits.max_prompt_tokens is not None and len(ids) > self.limits.max_prompt_tokens:
@@ -459,28 +463,28 @@ class _Server:
         prompt_tokens = choices.prompt_tokens
         latest: list[RequestOutput | None] = [None] * choices.n      # each choice's latest output
 
-        def chunk_usage() -> dict[str, Any]:
+        def chunk_usage(index: int) -> dict[str, Any]:
             # OpenAI sends "usage": null on every chunk but the last when usage is asked for;
-            # vLLM's continuous_usage_stats, the usage so far
+            # vLLM's continuous_usage_stats, the usage so far of the chunk's choice
             if not include_usage:
                 return {}
-            return {"usage": usage(prompt_tokens, *latest) if continuous_usage else None}
+            return {"usage": usage(prompt_tokens, latest[index]) if continuous_usage else None}
+        with_ids = fmt.prompt_token_ids is not None     # a chunk per output with token ids, even without text
         reason: str | None = "abort"   # kept if the client leaves mid-stream
         try:
-            for i, choice in enumerate(fmt.opening_choices(choices.n)):   # the response's fields on the first
-                yield sse_event({**header, "choices": [choice], **chunk_usage(), **(fmt.response_fields() if i == 0
-                                                                                   else {})})
+            for i, choice in enumerate(fmt.opening_choices(choices.n)):
+                yield sse_event({**header, "choices": [choice], **chunk_usage(i), **fmt.response_fields()})
             item, text_offsets = first, [0] * choices.n
             while item is not None:
                 index, out = item
                 latest[index] = out
-                # Skip outputs with nothing to say (text held back mid-character, no logprobs).
-                if out.delta_text or out.finished or out.logprobs:
+                # Skip outputs with nothing to say (text held back mid-character, no logprobs, no ids asked for).
+                if out.delta_text or out.finished or out.logprobs or (with_ids and out.delta_token_ids):
                     logprobs = None
                     if out.logprobs is not None:
                         logprobs, text_offsets[index] = fmt.logprobs(out.logprobs, text_offsets[index])
                     choice = fmt.chunk_choice(index, out.delta_text, logprobs, out)
-                    yield sse_event({**header, "choices": [choice], **chunk_usage()})
+                    yield sse_event({**header, "choices": [choice], **chunk_usage(index)})
                 if choices.all_finished:
                     break
                 item = await choices.next()
@@ -502,8 +506,15 @@ class _Server:
 
 def _params_of_choice(params: SamplingParams, index: int) -> SamplingParams:
     """Choice `index`'s sampling parameters: a seed moves on by the index (vLLM's), so
-    seeded choices differ from each other and each is reproducible."""
-    return params if index == 0 or params.seed is None else dataclasses.replace(params, seed=params.seed + index)
+    seeded choices differ from each other and each is reproducible. InvalidRequestError
+    when that seed is out of range."""
+    if index == 0 or params.seed is None:
+        return params
+    try:
+        return dataclasses.replace(params, seed=params.seed + index)
+    except SamplingParamsError as exc:
+        raise InvalidRequestError(f"{exc} (choice {index} of n takes seed + {index}): send a smaller seed",
+                                  param="seed") from None
 
 
 class _Choices:
@@ -577,14 +588,20 @@ class _Choices:
     async def close(self, finish_reason: str | None) -> None:
         """Stops reading and closes every choice's stream: a choice that finished with its
         own finish reason, the others with `finish_reason` (see _Generation.close)."""
+        cancelled = False
         for task in self._readers:
             task.cancel()
         for task in self._readers:     # each must leave its stream before the stream is closed
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            while not task.done():
+                try:
+                    await asyncio.wait({task})
+                except asyncio.CancelledError:    # this close itself: finish it, then pass the cancel on
+                    cancelled = True
         for index, gen in enumerate(self.generations):
             ended = index in self._finished and gen.last is not None
             await gen.close(gen.last.finish_reason if ended else finish_reason)
+        if cancelled:
+            raise asyncio.CancelledError
 
 
 class _Generation:

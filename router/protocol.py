@@ -90,10 +90,11 @@ _MAX_IGNORED_FIELDS_LOGGED = 256      # then no more: clients inventing names mu
 
 def _log_ignored_fields(model: type[BaseModel], data: object) -> None:
     """Names, once per request model and field name, a request field this server does not know and so ignores."""
-    if not isinstance(data, dict) or len(_ignored_fields_logged) >= _MAX_IGNORED_FIELDS_LOGGED:
+    room = _MAX_IGNORED_FIELDS_LOGGED - len(_ignored_fields_logged)
+    if not isinstance(data, dict) or room <= 0:
         return
     new = sorted(str(k) for k in data if k not in model.model_fields
-                 and (model.__name__, str(k)) not in _ignored_fields_logged)
+                 and (model.__name__, str(k)) not in _ignored_fields_logged)[:room]
     if new:
         _ignored_fields_logged.update((model.__name__, k) for k in new)
         log.warning("%s: ignoring request field(s) this server does not know: %s (logged once each)",

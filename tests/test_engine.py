@@ -41,6 +41,20 @@ def test_logit_bias_and_allowed_token_ids_steer_every_token_of_a_batch(llm):
     assert llm.generate([PROMPT], _greedy(1, logit_bias={plain[0]: -100.0}))[0].token_ids != plain[:1]
 
 
+def test_allowed_tokens_that_min_tokens_forbids_are_refused(llm):
+    engine = llm.engine
+    eos = engine.eos_token_ids[0]
+    try:
+        with pytest.raises(InvalidRequestError, match="allows only tokens that end the output") as info:
+            engine.add_request("r", [5, 6], SamplingParams(allowed_token_ids=[eos, 9], stop_token_ids=[9],
+                                                           min_tokens=2))
+        assert info.value.param == "allowed_token_ids"
+        engine.add_request("ok", [5, 6], SamplingParams(allowed_token_ids=[eos], max_tokens=2))   # no min_tokens
+    finally:
+        for request_id in ("r", "ok"):        # the engine is the module's: leave nothing in it
+            engine.abort_request(request_id)
+
+
 # ---- stop conditions -------------------------------------------------------------------
 def test_stop_string_is_cut_and_never_streamed(llm):
     full = llm.generate(PROMPT, _greedy())[0]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import json
 
 import openai
@@ -460,11 +461,15 @@ def test_a_messages_name_reaches_the_chat_template(backend, tokenizer, metrics):
 
 
 def test_a_field_the_server_does_not_know_is_logged_once(client, caplog):
+    from router import protocol
     with caplog.at_level("WARNING", logger="router.protocol"):
         for _ in range(2):
             client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 1, "a_field_from_the_future": 1})
     said = [r.getMessage() for r in caplog.records if "a_field_from_the_future" in r.getMessage()]
     assert len(said) == 1 and "CompletionRequest" in said[0]
+    # a client inventing names does not grow what the server remembers past its bound
+    client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 1, **{f"made_up_{i}": 1 for i in range(5000)}})
+    assert len(protocol._ignored_fields_logged) <= protocol._MAX_IGNORED_FIELDS_LOGGED
 
 
 def test_health_reports_the_backend(client, backend):
@@ -538,6 +543,10 @@ LONG = list(range(3, 3 + MAX_MODEL_LEN))
     (CHAT, {"messages": USER, "logit_bias": {"600": 1}}, 400, "logit_bias", "contains 600, must be in [0, 512)"),
     (COMPLETIONS, {"prompt": "Hi", "allowed_token_ids": []}, 400, "allowed_token_ids", "non-empty list"),
     (COMPLETIONS, {"prompt": "Hi", "allowed_token_ids": [3, 600]}, 400, "allowed_token_ids", "contains 600"),
+    (COMPLETIONS, {"prompt": "Hi", "allowed_token_ids": [3] * 1025}, 400, "allowed_token_ids",
+     "has 1025 ids; this server allows at most 1024"),
+    (CHAT, {"messages": USER, "logit_bias": {str(i): 1 for i in range(1025)}}, 400, "logit_bias", "at most 1024"),
+    (COMPLETIONS, {"prompt": "Hi", "n": 2, "seed": 2**63 - 1}, 400, "seed", "choice 1 of n takes seed + 1"),
     (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, 400,
      "response_format", "not supported"),
     (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
@@ -728,6 +737,42 @@ def test_a_client_that_leaves_closes_every_choice(app, backend, stream):
     assert sorted(backend.closed_early) == sorted(call[0] for call in backend.calls) and len(backend.calls) == 3
 
 
+def test_token_ids_held_back_with_their_text_still_stream_when_asked_for(client, backend):
+    healthy = backend.generate
+
+    async def first_text_held_back(request_id, prompt_token_ids, params):   # (a stop string could be forming)
+        held = ""
+        async for out in healthy(request_id, prompt_token_ids, params):
+            if out.num_output_tokens == 1:
+                held = out.delta_text
+                out = dataclasses.replace(out, text="", delta_text="")
+            elif held:
+                out = dataclasses.replace(out, delta_text=held + out.delta_text)
+                held = ""
+            yield out
+
+    backend.generate = first_text_held_back
+    chunks = [json.loads(e) for e in sse_events(client.post(COMPLETIONS, json={
+        "prompt": "Hi", "max_tokens": 3, "stream": True, "return_token_ids": True}))[:-1]]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == backend.reply_ids[:3]
+    assert chunks[0]["choices"][0]["text"] == "" and chunks[0]["choices"][0]["prompt_token_ids"]
+    plain = [json.loads(e) for e in sse_events(client.post(COMPLETIONS, json={
+        "prompt": "Hi", "max_tokens": 3, "stream": True}))[:-1]]
+    assert len(plain) == 2          # without ids asked for, an output with nothing to show sends nothing
+
+
+def test_continuous_usage_of_n_choices_is_each_chunks_own_choices(client):
+    chunks = [json.loads(e) for e in sse_events(client.post(COMPLETIONS, json={
+        "prompt": "Hi", "n": 2, "max_tokens": 3, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}}))[:-1]]
+    counts = {0: 0, 1: 0}
+    for chunk in chunks[:-1]:
+        index = chunk["choices"][0]["index"]
+        counts[index] += 1
+        assert chunk["usage"]["completion_tokens"] == counts[index]      # as vLLM's
+    assert chunks[-1]["usage"]["completion_tokens"] == 6
+
+
 def test_n_choices_are_admitted_together_or_not_at_all(backend, tokenizer, metrics):
     from router.admission import AdmissionControl, AdmissionSettings
     admission = AdmissionControl(AdmissionSettings(max_waiting_requests=10, max_waiting_prompt_tokens=20))
@@ -735,6 +780,9 @@ def test_n_choices_are_admitted_together_or_not_at_all(backend, tokenizer, metri
     prompt = tokenizer.encode("Hi there")          # each choice's prompt counts: 3 of them do not fit
     refused = n_client.post(COMPLETIONS, json={"prompt": prompt * 3, "n": 3, "max_tokens": 1})
     assert refused.status_code == 429 and backend.calls == []
+    assert (admission.waiting_requests, admission.waiting_tokens, admission.running) == (0, 0, 0)
+    too_far = n_client.post(COMPLETIONS, json={"prompt": prompt, "n": 2, "seed": 2**63 - 1, "max_tokens": 1})
+    assert too_far.status_code == 400 and backend.calls == []
     assert (admission.waiting_requests, admission.waiting_tokens, admission.running) == (0, 0, 0)
     assert n_client.post(COMPLETIONS, json={"prompt": prompt, "n": 3, "max_tokens": 2}).status_code == 200
     assert len(backend.calls) == 3 and (admission.waiting_requests, admission.running) == (0, 0)
