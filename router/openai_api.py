@@ -24,8 +24,6 @@ Contracts:
 from __future__ import annotations
 
 import asyncio
-import contextvars
-import dataclasses
 import importlib.metadata
 import logging
 import time
@@ -36,18 +34,19 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
-from pydantic import ValidationError
 from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
 from engine.errors import InvalidRequestError
-from engine.outputs import RequestOutput, joined
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from router.admission import AdmissionControl, Admitted, Overloaded
 from router.backend import BackendUnavailableError, GenerationBackend
+from router.choices import Choices, Generation, params_of_choice
 from router.cors import CorsSettings
 from router.errors import (
     OpenAIError,
@@ -73,7 +72,6 @@ from router.responses import (
     sse_event,
     usage,
 )
-from router.timings import RequestTimings
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +256,7 @@ class _Server:
         arrived = self._check_before_tokenizing()
         try:
             prompt_ids, params = await self._prompt_and_params(body, chat)
-            choice_params = [_params_of_choice(params, i) for i in range(body.choices)]
+            choice_params = [params_of_choice(params, i) for i in range(body.choices)]
         except BaseException:    # a 400 (or a client gone while tokenizing): no demand on the workers
             if arrived is not None:
                 self.admission.withdraw(arrived)
@@ -269,8 +267,9 @@ class _Server:
         request_id = f"{'chat' if chat else ''}{self.prefix}-{uuid.uuid4().hex}"
         n = len(choice_params)
         tickets = self._admit(len(prompt_ids), params.max_tokens, n)
-        choices = _Choices([_Generation(self, request_id if n == 1 else f"{request_id}-{i}", prompt_ids,
-                                        choice_params[i], arrival, tickets[i]) for i in range(n)])
+        choices = Choices([Generation(self.backend, self.metrics, self.admission,
+                                      request_id if n == 1 else f"{request_id}-{i}", prompt_ids, choice_params[i],
+                                      arrival, tickets[i]) for i in range(n)])
         # the client's own id for it (vLLM's request_id field, else the X-Request-Id header, which Ray Serve
         # sets when the client did not: the response's header) names the response; the cluster keeps a
         # unique one, as two clients may send the same
@@ -455,7 +454,7 @@ class _Server:
                 f"completion). Please reduce the length of the {prompt_param} or "
                 f"{max_tokens_param}.", param=max_tokens_param)
 
-    async def _events(self, choices: _Choices, first: tuple[int, RequestOutput], fmt: ResponseBuilder,
+    async def _events(self, choices: Choices, first: tuple[int, RequestOutput], fmt: ResponseBuilder,
                       header: dict[str, Any], include_usage: bool,
                       continuous_usage: bool = False) -> AsyncIterator[str]:
         """SSE events of one stream (its choices' chunks in the order they come); closes
@@ -502,179 +501,6 @@ class _Server:
             with anyio.CancelScope(shield=True):
                 await choices.close(reason)
         yield DONE_EVENT
-
-
-def _params_of_choice(params: SamplingParams, index: int) -> SamplingParams:
-    """Choice `index`'s sampling parameters: a seed moves on by the index (vLLM's), so
-    seeded choices differ from each other and each is reproducible. InvalidRequestError
-    when that seed is out of range."""
-    if index == 0 or params.seed is None:
-        return params
-    try:
-        return dataclasses.replace(params, seed=params.seed + index)
-    except SamplingParamsError as exc:
-        raise InvalidRequestError(f"{exc} (choice {index} of n takes seed + {index}): send a smaller seed",
-                                  param="seed") from None
-
-
-class _Choices:
-    """A request's generations, one per choice, read as one stream of (choice index,
-    output), in the order the outputs come. One choice is read directly; several,
-    each by a task of its own, in a context of its own: each choice's calls to the
-    workers are then requests of their own, not calls of the HTTP request (Ray
-    Serve matches the calls one request makes to replicas by the request's id, and
-    two at once under one id could wait for ever); `close` cleans up after them."""
-
-    def __init__(self, generations: list[_Generation]):
-        self.generations = generations
-        self.n = len(generations)
-        self.prompt_tokens = generations[0].timings.prompt_tokens
-        self._finished: set[int] = set()
-        self._arrivals: asyncio.Queue | None = None    # (index, output | None at its end | an exception)
-        self._readers: list[asyncio.Task] = []
-
-    @property
-    def all_finished(self) -> bool:
-        return len(self._finished) == self.n
-
-    async def next(self) -> tuple[int, RequestOutput] | None:
-        """The next output of any choice; None when a choice's stream ended before its
-        last output (every other output is delivered first when there is one choice)."""
-        if self.n == 1:
-            out = await self.generations[0].next()
-            item = None if out is None else (0, out)
-        else:
-            if self._arrivals is None:
-                self._arrivals = asyncio.Queue()
-                loop = asyncio.get_running_loop()
-                self._readers = [contextvars.Context().run(loop.create_task, self._read(i)) for i in range(self.n)]
-            while True:
-                index, out = await self._arrivals.get()
-                if isinstance(out, BaseException):
-                    raise out
-                if out is not None or index not in self._finished:
-                    break                       # (a finished choice's end marker: read on)
-            item = None if out is None else (index, out)
-        if item is not None and item[1].finished:
-            self._finished.add(item[0])
-        return item
-
-    async def _read(self, index: int) -> None:
-        gen = self.generations[index]
-        try:
-            while True:
-                out = await gen.next()
-                self._arrivals.put_nowait((index, out))
-                if out is None or out.finished:
-                    return
-        except Exception as exc:  # noqa: BLE001 - the reader of the stream hears it
-            self._arrivals.put_nowait((index, exc))
-
-    async def run_to_end(self) -> list[RequestOutput]:
-        """Each choice's finished output, with its whole text, token ids and logprobs (the
-        backend's outputs are deltas)."""
-        if self.n == 1:
-            final = await self.generations[0].run_to_end()
-            self._finished.add(0)
-            return [final]
-        deltas: list[list[RequestOutput]] = [[] for _ in range(self.n)]
-        while not self.all_finished:
-            item = await self.next()
-            if item is None:
-                raise BackendUnavailableError("the generation stream ended before the request finished")
-            deltas[item[0]].append(item[1])
-        return [joined(d) for d in deltas]
-
-    async def close(self, finish_reason: str | None) -> None:
-        """Stops reading and closes every choice's stream: a choice that finished with its
-        own finish reason, the others with `finish_reason` (see _Generation.close)."""
-        cancelled = False
-        for task in self._readers:
-            task.cancel()
-        for task in self._readers:     # each must leave its stream before the stream is closed
-            while not task.done():
-                try:
-                    await asyncio.wait({task})
-                except asyncio.CancelledError:    # this close itself: finish it, then pass the cancel on
-                    cancelled = True
-        for index, gen in enumerate(self.generations):
-            ended = index in self._finished and gen.last is not None
-            await gen.close(gen.last.finish_reason if ended else finish_reason)
-        if cancelled:
-            raise asyncio.CancelledError
-
-
-class _Generation:
-    """One request's backend stream plus the router's timings; metrics recorded once, on close."""
-
-    def __init__(self, server: _Server, request_id: str, prompt_ids: list[int],
-                 params: SamplingParams, arrival: float, admitted: Admitted | None):
-        self._server = server
-        self.request_id = request_id
-        self.outputs = server.backend.generate(request_id, prompt_ids, params)
-        self.timings = RequestTimings(arrival_time=arrival, prompt_tokens=len(prompt_ids))
-        self._server.metrics.observe_arrival(len(prompt_ids), params.max_tokens)
-        self.last: RequestOutput | None = None
-        self._closed = False
-        self._admitted = admitted
-        self._waiting = admitted is not None     # counted by admission control until its first token
-
-    def _done_waiting(self) -> None:
-        if self._waiting:
-            self._waiting = False
-            self._server.admission.first_token(self._admitted)
-
-    async def next(self) -> RequestOutput | None:
-        """The next output, or None when the backend's stream ended."""
-        try:
-            out = await anext(self.outputs)
-        except StopAsyncIteration:
-            return None
-        now = time.monotonic()
-        if self.timings.first_token_time is None and out.num_output_tokens:
-            self.timings.first_token_time = now
-            self._done_waiting()
-        if out.finished:
-            self.timings.finished_time = now
-        self.last = out
-        return out
-
-    async def run_to_end(self) -> RequestOutput:
-        """The finished output, with the whole text, token ids and logprobs (the
-        backend's outputs are deltas)."""
-        deltas = []
-        while (out := await self.next()) is not None:
-            deltas.append(out)
-            if out.finished:
-                return joined(deltas)
-        raise BackendUnavailableError("the generation stream ended before the request finished")
-
-    async def close(self, finish_reason: str | None) -> None:
-        """Close the backend stream (aborting the request if it is still running), record metrics."""
-        if self._closed:
-            return
-        self._closed = True
-        self._done_waiting()
-        generated = self.last.num_output_tokens if self.last is not None else 0
-        if self._admitted is not None:
-            ran_to_end = self.last is not None and self.last.finished and finish_reason in ("stop", "length")
-            self._server.admission.finished(self._admitted, generated if ran_to_end else None)
-        aclose = getattr(self.outputs, "aclose", None)
-        if aclose is not None:
-            try:
-                await aclose()
-            except Exception:
-                # The response is decided by now; a failed abort must not turn it into an error.
-                log.exception("closing the backend stream of %s failed", self.request_id)
-        t = self.timings
-        if t.finished_time is None:
-            t.finished_time = time.monotonic()
-        t.generation_tokens = generated
-        t.finish_reason = finish_reason
-        phases = self._server.backend.phase_timings(self.request_id)
-        if phases is not None:
-            t.phases = phases
-        self._server.metrics.observe_request(t)
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
