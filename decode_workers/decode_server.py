@@ -20,7 +20,7 @@ import ray
 from ray import exceptions as ray_exceptions
 from ray import serve
 
-from cluster.serving.call_cancel import cancel_call
+from cluster.serving.handle_calls import cancel_call, replica_error
 from cluster.serving.detached import detached
 from cluster.serving.messages import Admitted, DecodeRequest, KVHolderLost, TokenDelta
 from cluster.serving.replica_routing import TARGET_REPLICA, ReplicaGoneError
@@ -36,11 +36,6 @@ SEND_CALL_TIMEOUT_S = 60.0
 RENEW_CALL_TIMEOUT_S = 10.0
 # what a call to a prefill replica raises when that replica is not running any more, or cannot serve
 _GONE = (ReplicaGoneError, ray_exceptions.ActorDiedError, EngineStoppedError)
-
-
-def _cause(exc: BaseException) -> BaseException:
-    """The replica's own exception, for one Ray raises wrapped in a RayTaskError."""
-    return exc.cause if isinstance(exc, ray_exceptions.RayTaskError) and exc.cause is not None else exc
 
 
 @serve.deployment(name="DecodeServer")
@@ -94,7 +89,7 @@ class ServePrefillPeer:
             return await asyncio.wait_for(call, self.call_timeout_s)
         except BaseException as exc:
             cancel_call(call)   # awaiting a response does not cancel the remote call by itself
-            cause = _cause(exc)
+            cause = replica_error(exc)
             if isinstance(cause, _GONE):
                 raise KVHolderLost(f"the prefill replica {replica_id} holding the KV of {request_id} is gone or "
                                    f"cannot serve: {cause}") from None
@@ -113,4 +108,4 @@ class ServePrefillPeer:
             return bool(await asyncio.wait_for(call, RENEW_CALL_TIMEOUT_S))
         except Exception as exc:  # noqa: BLE001 - else no answer in time (a busy engine): the next one asks again
             cancel_call(call)
-            return False if isinstance(_cause(exc), _GONE) else None
+            return False if isinstance(replica_error(exc), _GONE) else None

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from ray import exceptions as ray_exceptions
 from ray.serve.exceptions import RayServeException, RequestCancelledError
 
-from cluster.serving.call_cancel import cancel_call
+from cluster.serving.handle_calls import cancel_call, replica_error
 from cluster.serving.detached import detached
 from cluster.serving.messages import Admitted, DecodeRequest, PrefillResult, TokenDelta
 from cluster.serving.replica_routing import (
@@ -64,7 +64,7 @@ def unwrapped_errors(what: str):
     try:
         yield
     except ray_exceptions.RayTaskError as exc:
-        cause = exc.cause if exc.cause is not None else exc
+        cause = replica_error(exc)
         if isinstance(cause, EngineStoppedError):   # alive, but it cannot serve: as if it had died
             raise BackendUnavailableError(f"the {what} worker is unavailable: {cause}", cause.replica_id) from None
         raise cause from None
