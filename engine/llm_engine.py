@@ -45,7 +45,7 @@ from engine.outputs import OutputKind, RequestOutput, ResumedOutput
 from engine.preflight import step_budget_problem, tensor_parallel_problem
 from engine.runner import LaunchedStep, ModelRunner
 from engine.sampler import Sampler, TokenLogprobs, skip_draws
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler
 from engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from engine.tokenizer import load_tokenizer
@@ -215,8 +215,8 @@ class LLMEngine:
         self.validate_prompt(token_ids)
         try:
             params.validate_against_vocab(self.model_config.vocab_size)
-        except ValueError as exc:     # the message starts with the field's name
-            raise InvalidRequestError(str(exc), str(exc).split(" ", 1)[0]) from None
+        except SamplingParamsError as exc:
+            raise InvalidRequestError(str(exc), exc.field) from None
         ending = {*self.eos_token_ids, *params.stop_token_ids}
         if params.min_tokens and params.allowed_token_ids is not None and set(params.allowed_token_ids) <= ending:
             raise InvalidRequestError(

@@ -15,7 +15,12 @@ _SEED_LIMIT = 2**63
 
 
 class SamplingParamsError(ValueError):
-    """A sampling parameter is out of range or of the wrong type; the message names the field."""
+    """A sampling parameter is out of range or of the wrong type; the message starts
+    with the field's name, which `field` holds."""
+
+    @property
+    def field(self) -> str:
+        return str(self).split(" ", 1)[0]
 
 
 def _check_int(name: str, value: object, allowed: str) -> int:

@@ -444,8 +444,8 @@ class _Server:
                        prompt_param: str) -> None:
         try:
             params.validate_against_vocab(self.info.vocab_size)
-        except SamplingParamsError as exc:    # the message starts with the field's name
-            raise InvalidRequestError(str(exc), param=str(exc).split(" ", 1)[0]) from None
+        except SamplingParamsError as exc:
+            raise InvalidRequestError(str(exc), param=exc.field) from None
         limit, total = self.info.max_model_len, num_prompt + params.max_tokens
         if total > limit:
             raise InvalidRequestError(

@@ -281,15 +281,13 @@ class _GenerationRequest(BaseModel):
         try:
             return SamplingParams(**kwargs)
         except SamplingParamsError as exc:
-            raise InvalidRequestError(str(exc), param=self._param_for(str(exc), kwargs)) from None
+            raise InvalidRequestError(str(exc), param=self._param_for(exc.field, kwargs)) from None
 
-    def _param_for(self, message: str, fields: dict[str, Any]) -> str | None:
-        """The request field a SamplingParamsError is about (its message starts with the name)."""
-        # Longest first, so "stop_token_ids ..." is not taken for "stop".
-        for name in sorted(fields, key=len, reverse=True):
-            if message.startswith(name):
-                return self.max_tokens_param if name == "max_tokens" else self._api_name(name)
-        return None
+    def _param_for(self, field: str, fields: dict[str, Any]) -> str | None:
+        """The request field that set the sampling field `field` (None: none of `fields` did)."""
+        if field not in fields:
+            return None
+        return self.max_tokens_param if field == "max_tokens" else self._api_name(field)
 
     def _api_name(self, sampling_field: str) -> str:
         return sampling_field
