@@ -227,9 +227,7 @@ class _Server:
         chat = isinstance(body, TokenizeChatRequest)
         if chat:
             body.check_rendering()
-        text_chars = body.text_length()
-        self._check_text_length(text_chars, "messages" if chat else "prompt")
-        ids = await self._tokenize(body, text_chars + self.max_token_chars * len(body.messages) if chat else text_chars)
+        ids = await self._tokenize(body, "messages" if chat else "prompt")
         strs = self.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": self.info.max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -305,12 +303,7 @@ class _Server:
                                  chat: bool) -> tuple[list[int], SamplingParams]:
         """The prompt's token ids and the sampling parameters, each checked (400s)."""
         prompt_param = "messages" if chat else "prompt"
-        text_chars = body.text_length()
-        self._check_text_length(text_chars, prompt_param)
-        # many short messages cost a template little text each but still its rendering: counted as
-        # a long token's text apiece towards rendering them off the loop
-        render_chars = text_chars + self.max_token_chars * len(body.messages) if chat else text_chars
-        prompt_ids = await self._tokenize(body, render_chars)
+        prompt_ids = await self._tokenize(body, prompt_param)
         self._check_prompt(prompt_ids, prompt_param)
         # chat: the rest of the context; completions: 16 as OpenAI's and vLLM's (or min_tokens, if more)
         default_max = self.info.max_model_len - len(prompt_ids)
@@ -334,12 +327,18 @@ class _Server:
                 f"the {param}.", param=param)
 
     async def _tokenize(self, body: CompletionRequest | ChatCompletionRequest | TokenizeChatRequest |
-                        TokenizeCompletionRequest, text_chars: int) -> list[int]:
-        """The prompt's token ids; a long text (`text_chars` characters) is tokenized
-        off the event loop, which every stream of this router shares."""
+                        TokenizeCompletionRequest, param: str) -> list[int]:
+        """The prompt's token ids (a 400 naming `param` for text that cannot fit the
+        context); a long text is tokenized off the event loop, which every stream of
+        this router shares."""
+        text_chars = body.text_length()
+        self._check_text_length(text_chars, param)
         if isinstance(body, CompletionRequest) and not isinstance(body.prompt, str):
             return list(body.prompt)
-        if text_chars <= _INLINE_TOKENIZE_CHARS:
+        # many short messages cost a template little text each but still its rendering: counted as
+        # a long token's text apiece towards rendering them off the loop
+        render_chars = text_chars + self.max_token_chars * len(getattr(body, "messages", ()))
+        if render_chars <= _INLINE_TOKENIZE_CHARS:
             return self._tokenize_text(body)
         return await anyio.to_thread.run_sync(self._tokenize_text, body)
 
