@@ -154,6 +154,12 @@ def test_budget_and_bounds_are_never_exceeded():
         assert d.targets["prefill"] + d.targets["decode"] <= 6, d.describe()
         assert 1 <= d.targets["prefill"] <= 3 and d.targets["decode"] >= 2, d.describe()
         current = d.targets
+    # loads that press each bound (unbounded, the same policy goes to 5 + 1, then 1 + 1)
+    for rate, settled in ((30.0, {"prefill": 3, "decode": 3}), (0.2, {"prefill": 1, "decode": 2})):
+        for i in range(30):     # prompt-heavy (4,000-token prompts, 1 output token), then nearly idle
+            current = p.decide(observe(2000.0 + 10.0 * i + (300.0 if rate < 1 else 0.0), rate, 4000, 1,
+                                       current)).targets
+        assert current == settled
 
 
 def test_over_budget_the_split_follows_the_bottleneck():
