@@ -227,7 +227,8 @@ class LLMEngine:
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         return Sequence(request_id=request_id, token_ids=token_ids, num_prompt_tokens=len(token_ids),
-                        params=params, eos_token_ids=self.eos_token_ids, generator=generator)
+                        params=params, eos_token_ids=self.eos_token_ids, generator=generator,
+                        prompt_logprobs=None if params.prompt_logprobs is None else [None])
 
     def add_request(self, request_id: str | None, prompt: str | list[int],
                     params: SamplingParams | None = None, *, hold_kv: bool = False,
@@ -254,6 +255,9 @@ class LLMEngine:
         """Puts `resume`'s tokens after the prompt as the request's own output."""
         if seq.hold_kv:
             raise InvalidRequestError("a resumed request cannot hold its KV for a hand-off", "resume")
+        if seq.params.prompt_logprobs is not None:
+            raise InvalidRequestError("a resumed request's prompt logprobs went out with its first output: "
+                                      "resume it with prompt_logprobs=None", "prompt_logprobs")
         if len(resume.token_ids) >= seq.params.max_tokens:
             raise InvalidRequestError(f"the request already has {len(resume.token_ids)} output tokens, its "
                                       f"max_tokens ({seq.params.max_tokens}): nothing is left to generate",
@@ -349,6 +353,10 @@ class LLMEngine:
                                    launched.borrowed_threads)
         self._last_resolved = now
         outputs = []
+        for span, entries in launched.run.prompt_logprobs:
+            state = self._states.get(span.seq.request_id)
+            if state is not None and state.seq is span.seq:
+                span.seq.prompt_logprobs[span.first:span.first + span.count] = entries
         if result is None:
             return outputs
         for i, seq in enumerate(launched.run.sampled):
@@ -410,6 +418,7 @@ class LLMEngine:
         if not isinstance(request_id, str):
             raise InvalidRequestError(f"request_id must be a string, got {request_id!r}", "request_id")
         seq = self._new_sequence(request_id, prompt_token_ids, params)
+        seq.prompt_logprobs = None     # the prefill side scored the prompt and sent them with the first token
         self.validate_prompt([first_token_id])
         if params.logprobs is not None and first_logprobs is None:
             raise InvalidRequestError("the request asks for logprobs: pass the first token's first_logprobs",

@@ -41,9 +41,12 @@ from engine.preflight import (
     kv_capacity_problem,
     tensor_parallel_problem,
 )
-from engine.sampler import Sampler, heaviest_rows
+from engine.sampler import Sampler, TokenScores, heaviest_rows, score_tokens
 
 log = logging.getLogger(__name__)
+
+# prompt rows scored per pass (SamplingParams.prompt_logprobs): bounds their logits to this many x vocab
+SCORE_ROWS_PER_PASS = 256
 
 
 @dataclass(slots=True)
@@ -53,18 +56,32 @@ class ModelInputs:
     positions: torch.Tensor       # [T]
     meta: AttentionMetadata
     sample_indices: torch.Tensor  # [S] rows whose logits are needed
+    # prompt tokens to score (SamplingParams.prompt_logprobs): the rows whose logits predict them ...
+    score_rows: torch.Tensor | None = None      # [R] int64
+    score_targets: torch.Tensor | None = None   # [R] int64: ... and the prompt token each row predicts
+    score_top_n: int = 0                        # alternatives to list per row (the most any request asks)
 
     def to(self, device: torch.device) -> "ModelInputs":
         """A copy whose tensors are on `device` (self when that is the CPU)."""
         if device.type == "cpu":
             return self
+        scored = self.score_rows is not None
         return ModelInputs(to_device(self.input_ids, device), to_device(self.positions, device),
-                           self.meta.to(device), to_device(self.sample_indices, device))
+                           self.meta.to(device), to_device(self.sample_indices, device),
+                           to_device(self.score_rows, device) if scored else None,
+                           to_device(self.score_targets, device) if scored else None, self.score_top_n)
 
     @property
     def is_decode_only(self) -> bool:
         paged = self.meta.paged
         return paged is not None and paged.num_decodes == self.input_ids.shape[0]
+
+
+@dataclass(slots=True)
+class ForwardResult:
+    """A forward pass's outputs on rank 0 (on other ranks both are None)."""
+    logits: torch.Tensor | None               # [S, vocab] float32 of the sampled rows; None when S == 0
+    prompt_scores: TokenScores | None = None  # of the score rows, in order; None when there are none
 
 
 @dataclass(slots=True)
@@ -242,17 +259,35 @@ class ModelWorker:
         self.kv_cache.write_blocks(block_ids, data)
 
     @torch.inference_mode()
-    def execute(self, inputs: ModelInputs, fill: TokenFill | None = None) -> torch.Tensor | None:
-        """Forward pass; returns logits [S, vocab] (float32) on rank 0, None elsewhere
-        or when nothing is sampled. `fill` sets input tokens on the device first."""
+    def execute(self, inputs: ModelInputs, fill: TokenFill | None = None) -> ForwardResult:
+        """Forward pass: the sampled rows' logits and the score rows' scores (rank 0).
+        `fill` sets input tokens on the device first."""
         if self.graphs is not None and self.graphs.can_run(inputs):
-            return self.graphs.run(inputs, fill)
+            return ForwardResult(self.graphs.run(inputs, fill))
         inputs = inputs.to(self.device)
         input_ids = inputs.input_ids if fill is None else fill.applied_to(inputs.input_ids)
         hidden = self.model(input_ids, inputs.positions, self.kv_layers, inputs.meta)
+        scores = self._score(hidden, inputs) if inputs.score_rows is not None else None
         if inputs.sample_indices.numel() == 0:
-            return None
-        return self.model.compute_logits(hidden[inputs.sample_indices])
+            return ForwardResult(None, scores)
+        return ForwardResult(self.model.compute_logits(hidden[inputs.sample_indices]), scores)
+
+    def _score(self, hidden: torch.Tensor, inputs: ModelInputs) -> TokenScores | None:
+        """The score rows' prompt tokens scored, SCORE_ROWS_PER_PASS rows of logits at a
+        time so that a long prompt chunk never holds [chunk, vocab] logits at once
+        (every rank joins each pass's logits gather; rank 0 gets the scores)."""
+        scores = None
+        for start in range(0, inputs.score_rows.numel(), SCORE_ROWS_PER_PASS):
+            rows = inputs.score_rows[start:start + SCORE_ROWS_PER_PASS]
+            logits = self.model.compute_logits(hidden[rows])
+            if logits is None:
+                continue
+            part = score_tokens(logits, inputs.score_targets[start:start + rows.numel()], inputs.score_top_n)
+            if scores is None:
+                scores = part
+            else:
+                scores.extend(part)
+        return scores
 
 
 def _require_triton() -> None:

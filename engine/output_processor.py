@@ -41,6 +41,7 @@ class RequestTextState:
         self.num_emitted_chars = 0
         self.num_emitted_tokens = 0
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs_sent = False
 
     def resume(self, resumed: ResumedOutput) -> None:
         """Takes in the output a request already produced elsewhere (its tokens
@@ -124,9 +125,16 @@ class RequestTextState:
         delta_ids = seq.token_ids[seq.num_prompt_tokens + self.num_emitted_tokens:known]
         num_out = known - seq.num_prompt_tokens
         self.num_emitted_chars, self.num_emitted_tokens = visible, num_out
+        prompt_logprobs = seq.prompt_logprobs
+        if prompt_logprobs is not None and len(prompt_logprobs) != seq.num_prompt_tokens:
+            raise RuntimeError(f"request {seq.request_id}: an output before every prompt token was scored "
+                               f"({len(prompt_logprobs)} of {seq.num_prompt_tokens})")
         if self.output_kind is OutputKind.DELTA:
             text, token_ids = delta_text, delta_ids
             logprobs = self.logprobs[len(self.logprobs) - len(delta_ids):] if self.logprobs is not None else None
+            if self.prompt_logprobs_sent:
+                prompt_logprobs = None
+            self.prompt_logprobs_sent = self.prompt_logprobs_sent or prompt_logprobs is not None
         else:
             whole = self.text.value()
             text, token_ids = whole[:visible], seq.output_token_ids
@@ -139,6 +147,7 @@ class RequestTextState:
             delta_text=delta_text,
             delta_token_ids=delta_ids,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             finished=finished,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,

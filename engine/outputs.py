@@ -29,6 +29,8 @@ class RequestOutput:
     delta_text: str = ""              # text new since the previous output of this request
     delta_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None        # one per token in token_ids, when asked for
+    # one per prompt token (the first None), when asked for: DELTA outputs carry them once, in the first
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
@@ -52,8 +54,9 @@ def joined(deltas: list[RequestOutput]) -> RequestOutput:
     logprobs = None
     if any(out.logprobs is not None for out in deltas):
         logprobs = [entry for out in deltas for entry in (out.logprobs or [])]
+    prompt_logprobs = next((out.prompt_logprobs for out in deltas if out.prompt_logprobs is not None), None)
     return dataclasses.replace(deltas[-1], text="".join(out.delta_text for out in deltas), token_ids=token_ids,
-                               logprobs=logprobs)
+                               logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
 @dataclass(frozen=True, slots=True)

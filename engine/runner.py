@@ -14,7 +14,7 @@ copies it from that step's sampled ids into the batch before the forward pass.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -27,9 +27,17 @@ from engine.model.attention_metadata import (
     to_device,
 )
 from engine.model_worker import STEP, ModelInputs, ModelWorker, TokenFill
-from engine.sampler import Sampler, SampleResult, SamplingRow
+from engine.sampler import Sampler, SampleResult, SamplingRow, TokenLogprobs
 from engine.scheduler import ScheduledStep
 from engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class ScoreSpan:
+    """Prompt tokens [first, first + count) of `seq` scored in a step (prompt_logprobs)."""
+    seq: Sequence
+    first: int
+    count: int
 
 
 @dataclass(slots=True)
@@ -37,6 +45,8 @@ class LaunchedStep:
     """A step queued on the device. `sampled[i]` gets token row i of `token_ids`."""
     step: ScheduledStep
     sampled: list[Sequence]
+    # each span's prompt logprobs, read back at launch (such a step is never overlapped)
+    prompt_logprobs: list[tuple[ScoreSpan, list[TokenLogprobs]]] = field(default_factory=list)
     token_ids: torch.Tensor | None = None        # [S] int64 on the device
     overlapped: bool = False                     # the samples are read back in `result`
     _host_ids: torch.Tensor | None = None        # pinned copy of token_ids, filled by the device
@@ -64,9 +74,11 @@ class ModelRunner:
         self.paged = worker.attention_backend == "triton"
         self.cpp_decode = worker.attention_backend == "cpp"
 
-    def prepare(self, step: ScheduledStep) -> tuple[ModelInputs, list[Sequence], list[tuple[int, Sequence]]]:
-        """The step's model inputs, the sequences sampled (in logits row order), and
-        the (token row, sequence) of each decode whose input token is pending."""
+    def prepare(self, step: ScheduledStep) -> tuple[ModelInputs, list[Sequence], list[tuple[int, Sequence]],
+                                                    list[ScoreSpan]]:
+        """The step's model inputs, the sequences sampled (in logits row order), the
+        (token row, sequence) of each decode whose input token is pending, and the
+        prompt tokens scored (in score row order)."""
         bs = self.block_size
         # decodes (one new token after a cached context) first, shortest context first,
         # so that neighbours have similar lengths and can share a padded gather
@@ -85,6 +97,8 @@ class ModelRunner:
         prefill_tables: list[np.ndarray] = []
         chunks: list[PrefillChunk] = []
         pending: list[tuple[int, Sequence]] = []
+        score_rows: list[np.ndarray] = []
+        spans: list[ScoreSpan] = []
         for seq, n in decodes:
             p = seq.num_computed_tokens
             if seq.num_pending_tokens:
@@ -115,6 +129,10 @@ class ModelRunner:
             prefix_table = used if start > 0 and not self.paged else used[:0]
             chunks.append(PrefillChunk(token_start, n, end, torch.from_numpy(prefix_table.astype(np.int64))))
             prefill_tables.append(used)
+            if seq.prompt_logprobs is not None and (span := _score_span(seq, start, end)) is not None:
+                # the row of position p predicts token p + 1
+                score_rows.append(np.arange(span.first - 1 - start, span.first - 1 - start + span.count) + token_start)
+                spans.append(span)
             if end == seq.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 sampled.append(seq)
@@ -135,7 +153,12 @@ class ModelRunner:
             meta=meta,
             sample_indices=torch.tensor(sample_rows, dtype=torch.long),
         )
-        return inputs, sampled, pending
+        if spans:
+            inputs.score_rows = torch.from_numpy(np.concatenate(score_rows))
+            inputs.score_targets = torch.tensor([t for span in spans
+                                                 for t in span.seq.token_ids[span.first:span.first + span.count]])
+            inputs.score_top_n = max(span.seq.params.prompt_logprobs for span in spans)
+        return inputs, sampled, pending, spans
 
     def _paged_batch(self, tables: list[np.ndarray], decode_lens: list[int],
                      chunks: list[PrefillChunk]) -> PagedBatch:
@@ -191,7 +214,7 @@ class ModelRunner:
         leaves its samples on the device for `result()`; otherwise they are read
         here. `previous`: the launched step whose samples are the pending input
         tokens of this one (overlapped and not yet resolved)."""
-        inputs, sampled, pending = self.prepare(step)
+        inputs, sampled, pending, spans = self.prepare(step)
         fill = None
         if pending:
             if previous is None or previous.token_ids is None:
@@ -202,18 +225,45 @@ class ModelRunner:
         tp = self.worker.tp
         if tp.size > 1:
             tp.broadcast_object((STEP, inputs))
-        logits = self.worker.execute(inputs, fill)
+        forward = self.worker.execute(inputs, fill)
+        logits = forward.logits
         launched = LaunchedStep(step, sampled)
+        if spans:
+            launched.prompt_logprobs = _split_scores(spans, forward.prompt_scores)
         if not sampled:
             return launched
         rows = [sampling_row(seq) for seq in sampled]
-        if not (overlap and all(row.reads_nothing_from_host for row in rows)):
+        if not (overlap and not spans and all(row.reads_nothing_from_host for row in rows)):
             launched._result = self.sampler(logits, rows)
             return launched
         launched.overlapped = True
         launched.token_ids = self.sampler.sample(logits, rows)
         launched._host_ids, launched._ready = _copy_to_host_async(launched.token_ids)
         return launched
+
+
+def _score_span(seq: Sequence, start: int, end: int) -> ScoreSpan | None:
+    """The prompt tokens a chunk over positions [start, end) scores that `seq` has
+    no logprobs for yet (after a preemption the chunks run again; their tokens are
+    scored once). None when there are none."""
+    if start + 1 >= seq.num_prompt_tokens:
+        return None        # past the prompt: a preempted request recomputing its output
+    have = len(seq.prompt_logprobs)
+    if have < start + 1:
+        raise RuntimeError(f"request {seq.request_id}: prompt tokens up to {start} ran without their logprobs "
+                           f"({have} scored); a request scoring its prompt must not skip any of it")
+    first, stop = max(have, start + 1), min(end + 1, seq.num_prompt_tokens)
+    return ScoreSpan(seq, first, stop - first) if stop > first else None
+
+
+def _split_scores(spans: list[ScoreSpan], scores) -> list[tuple[ScoreSpan, list[TokenLogprobs]]]:
+    """Each span's share of the step's score rows, with its own number of alternatives."""
+    out, row = [], 0
+    for span in spans:
+        entries = scores.entries([span.seq.params.prompt_logprobs] * span.count, start=row)
+        out.append((span, entries))
+        row += span.count
+    return out
 
 
 def _copy_to_host_async(ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:

@@ -436,21 +436,47 @@ def _gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
     if not wanted:
         return result
     idx = torch.tensor(wanted, device=logits.device)
-    raw = logits.index_select(0, idx).float()                           # [w, vocab_size]
+    scores = score_tokens(logits.index_select(0, idx), token_ids.index_select(0, idx),
+                          max(params[i].logprobs for i in wanted))
+    for i, entry in zip(wanted, scores.entries([params[i].logprobs for i in wanted])):
+        result[i] = entry
+    return result
+
+
+@dataclass(slots=True)
+class TokenScores:
+    """Given tokens' log-probabilities under raw logits, per row, on the host."""
+    token_ids: list[int]                 # [R]
+    logprobs: list[float]                # [R]
+    ranks: list[int]                     # [R] 1 + tokens with a strictly larger raw logit
+    top_ids: list[list[int]]             # [R][top_n] best first
+    top_logprobs: list[list[float]]      # [R][top_n]
+
+    def entries(self, top_n: Sequence[int], start: int = 0) -> list[TokenLogprobs]:
+        """One TokenLogprobs for each of rows start, start + 1, ..., len(top_n) of
+        them, row start + i with its top_n[i] best alternatives."""
+        return [TokenLogprobs(token_id=self.token_ids[r], logprob=self.logprobs[r], rank=self.ranks[r],
+                              top=list(zip(self.top_ids[r][:n], self.top_logprobs[r][:n])) if n else [])
+                for r, n in zip(range(start, start + len(top_n)), top_n)]
+
+    def extend(self, other: "TokenScores") -> None:
+        for name in ("token_ids", "logprobs", "ranks", "top_ids", "top_logprobs"):
+            getattr(self, name).extend(getattr(other, name))
+
+
+def score_tokens(logits: torch.Tensor, token_ids: torch.Tensor, top_n: int) -> TokenScores:
+    """The log-probability and rank of token_ids[i] under the raw logits of row i,
+    and each row's `top_n` best tokens (read back to the host)."""
+    # logits: [R, vocab_size] any float dtype; token_ids: [R] int64 on the same device
+    raw = logits.float()
     logprobs = raw.log_softmax(dim=-1)
-    chosen = token_ids.index_select(0, idx).unsqueeze(1)                # [w, 1]
+    chosen = token_ids.unsqueeze(1)                                     # [R, 1]
     chosen_logprob = logprobs.gather(1, chosen).squeeze(1)
     # Rank by raw logit so tokens tied in logit share a rank, whatever log_softmax rounds to.
     rank = (raw > raw.gather(1, chosen)).sum(dim=-1) + 1
-    max_n = max(params[i].logprobs for i in wanted)
-    if max_n:
-        top = logprobs.topk(min(max_n, logprobs.shape[-1]), dim=-1)
+    top_ids: list[list[int]] = [[] for _ in range(raw.shape[0])]
+    top_values: list[list[float]] = [[] for _ in range(raw.shape[0])]
+    if top_n:
+        top = logprobs.topk(min(top_n, logprobs.shape[-1]), dim=-1)
         top_values, top_ids = top.values.tolist(), top.indices.tolist()
-    chosen_list, lp_list, rank_list = (chosen.squeeze(1).tolist(), chosen_logprob.tolist(),
-                                       rank.tolist())
-    for j, i in enumerate(wanted):
-        n = params[i].logprobs
-        result[i] = TokenLogprobs(
-            token_id=chosen_list[j], logprob=lp_list[j], rank=rank_list[j],
-            top=list(zip(top_ids[j][:n], top_values[j][:n])) if n else [])
-    return result
+    return TokenScores(token_ids.tolist(), chosen_logprob.tolist(), rank.tolist(), top_ids, top_values)

@@ -76,6 +76,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None         # top-N to return; 0 = sampled token only
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (None: not computed)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False   # a stop string that ends the output stays in its text
     logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit
@@ -134,11 +135,14 @@ class SamplingParams:
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise _out_of_range("min_tokens", self.min_tokens, min_tokens_allowed)
 
-        if self.logprobs is not None:
-            logprobs_allowed = f"None or in [0, {MAX_LOGPROBS}]"
-            self.logprobs = _check_int("logprobs", self.logprobs, logprobs_allowed)
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise _out_of_range("logprobs", self.logprobs, logprobs_allowed)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                logprobs_allowed = f"None or in [0, {MAX_LOGPROBS}]"
+                value = _check_int(name, value, logprobs_allowed)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise _out_of_range(name, value, logprobs_allowed)
+                setattr(self, name, value)
 
         self.skip_special_tokens = _check_bool("skip_special_tokens", self.skip_special_tokens)
         self.include_stop_str_in_output = _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)

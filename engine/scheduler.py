@@ -167,7 +167,9 @@ class Scheduler:
             seq = self.waiting[0]
             if not prefill and seq.num_output_tokens == 0:
                 break
-            cached = self.block_manager.match_prefix(seq.token_ids, seq.block_table)
+            # a request scoring its prompt runs all of it: a cached block's tokens would go unscored
+            cached = 0 if seq.prompt_logprobs is not None else \
+                self.block_manager.match_prefix(seq.token_ids, seq.block_table)
             seq.num_computed_tokens = cached
             if seq.num_preemptions == 0:
                 seq.num_cached_prompt_tokens = min(cached, seq.num_prompt_tokens)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.block_table import BlockTable
+from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 
@@ -55,6 +56,9 @@ class Sequence:
     num_preemptions: int = 0
     # trailing PENDING_TOKENs in token_ids: sampled by a launched step, not yet read back
     num_pending_tokens: int = 0
+    # params.prompt_logprobs set: entry i scores prompt token i given those before it (entry 0: None);
+    # filled chunk by chunk as the prompt runs. None: not asked for, or computed by another engine
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -71,7 +71,7 @@ def test_step_inputs_read_the_current_blocks_after_a_sequence_is_freed_and_refil
     assert manager.allocate(prompt.block_table, 16)            # the prompt takes the freed blocks
     assert manager.allocate(short_decode.block_table, 3)
     step = ScheduledStep([short_decode, long_decode, prompt], [1, 1, 7], num_decode_seqs=2)
-    inputs, sampled, pending = _runner(backend, bs).prepare(step)
+    inputs, sampled, pending, _ = _runner(backend, bs).prepare(step)
 
     def slot(seq, p):
         return list(seq.block_table)[p // bs] * bs + p % bs

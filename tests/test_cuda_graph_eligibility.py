@@ -28,7 +28,7 @@ def _steps(prompts: list[list[int]], num_steps: int) -> list[tuple[bool, int, in
     seen = []
     for _ in range(num_steps):
         step = scheduler.schedule()
-        inputs, sampled, _ = runner.prepare(step)
+        inputs, sampled, _, _ = runner.prepare(step)
         seen.append((inputs.is_decode_only, inputs.input_ids.shape[0], len(sampled),
                      DecodeGraphs.can_run(graphs, inputs)))
         scheduler.after_step(step)
