@@ -120,4 +120,5 @@ def merge(earlier: TokenDelta, later: TokenDelta) -> TokenDelta:
     return dataclasses.replace(
         later, token_ids=earlier.token_ids + later.token_ids, text=earlier.text + later.text, logprobs=logprobs,
         num_cached_tokens=max(earlier.num_cached_tokens, later.num_cached_tokens),
-        first_token_times=earlier.first_token_times or later.first_token_times)
+        first_token_times=earlier.first_token_times or later.first_token_times,
+        prompt_logprobs=earlier.prompt_logprobs or later.prompt_logprobs)

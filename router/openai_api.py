@@ -24,6 +24,7 @@ Contracts:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.metadata
 import logging
 import time
@@ -67,6 +68,7 @@ from router.responses import (
     DONE_EVENT,
     ChatResponses,
     CompletionResponses,
+    Echo,
     ResponseBuilder,
     TokenTexts,
     sse_event,
@@ -261,7 +263,9 @@ class _Server:
             raise
 
         token_ids = prompt_ids if body.return_token_ids else None
-        fmt = ChatResponses(self.token_texts, token_ids) if chat else CompletionResponses(self.token_texts, token_ids)
+        echo = self._echo(body, prompt_ids)
+        fmt = ChatResponses(self.token_texts, token_ids, echo) if chat else \
+            CompletionResponses(self.token_texts, token_ids, echo)
         request_id = f"{'chat' if chat else ''}{self.prefix}-{uuid.uuid4().hex}"
         n = len(choice_params)
         tickets = self._admit(len(prompt_ids), params.max_tokens, n)
@@ -281,7 +285,7 @@ class _Server:
                 if first is None:    # before any header: an HTTP error like a non-streamed request's
                     raise BackendUnavailableError("the generation stream ended before its first output")
                 return _EventStream(self._events(choices, first, fmt, header, body.include_usage,
-                                                 body.continuous_usage),
+                                                 body.continuous_usage, body.echo_only),
                                     on_close=lambda: choices.close("abort"), media_type="text/event-stream")
             finals = await _unless_disconnected(request, choices.run_to_end())
         except _ClientDisconnected:
@@ -294,10 +298,28 @@ class _Server:
             await choices.close(None)
             raise
         await choices.close(None)      # each ran to its end: closed with its own finish reason
-        entries = [fmt.choice(i, final.text, fmt.logprobs(final.logprobs, 0)[0] if final.logprobs is not None
-                              else None, final) for i, final in enumerate(finals)]
+        if body.echo_only:
+            finals = [_prompt_only(final) for final in finals]
+        entries = []
+        for i, final in enumerate(finals):
+            text, logprobs, _ = fmt.content(final.text, final, 0, opening=True)
+            entries.append(fmt.choice(i, text, logprobs, final))
+        scored = {}
+        if chat and finals[0].prompt_logprobs is not None:     # chat's are the response's (vLLM's)
+            scored = {"prompt_logprobs": fmt.prompt_logprobs(prompt_ids, finals[0].prompt_logprobs)}
         return JSONResponse({**header, "choices": entries, "usage": usage(len(prompt_ids), *finals),
-                             **fmt.response_fields()})
+                             **fmt.response_fields(), **scored})
+
+    def _echo(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int]) -> Echo | None:
+        """What `echo` puts before each choice's text: the prompt (its own text, or the text of
+        its token ids), or in a chat the last message when it is the assistant's."""
+        if not body.echo:
+            return None
+        if isinstance(body, ChatCompletionRequest):
+            last = body.messages[-1] if body.messages else None
+            return Echo(last.content or "", prompt_ids) if last is not None and last.role == "assistant" else None
+        text = body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(body.prompt)
+        return Echo(text, prompt_ids)
 
     async def _prompt_and_params(self, body: CompletionRequest | ChatCompletionRequest,
                                  chat: bool) -> tuple[list[int], SamplingParams]:
@@ -409,10 +431,11 @@ class _Server:
         if body.choices > lim.max_n:
             raise InvalidRequestError(f"n is {body.choices}; this server generates at most {lim.max_n} choices "
                                       "per request.", param="n")
-        logprobs = body.requested_logprobs
-        if logprobs is not None and logprobs > lim.max_logprobs:
-            raise InvalidRequestError(f"{body.logprobs_param} is {logprobs}; this server returns at most "
-                                      f"{lim.max_logprobs} alternatives per token.", param=body.logprobs_param)
+        for param, logprobs in ((body.logprobs_param, body.requested_logprobs),
+                                ("prompt_logprobs", body.prompt_logprobs)):
+            if logprobs is not None and logprobs > lim.max_logprobs:
+                raise InvalidRequestError(f"{param} is {logprobs}; this server returns at most "
+                                          f"{lim.max_logprobs} alternatives per token.", param=param)
         stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
         if len(stops) > lim.max_stop_sequences:
             raise InvalidRequestError(f"stop has {len(stops)} sequences; this server allows at most "
@@ -455,9 +478,10 @@ class _Server:
 
     async def _events(self, choices: Choices, first: tuple[int, RequestOutput], fmt: ResponseBuilder,
                       header: dict[str, Any], include_usage: bool,
-                      continuous_usage: bool = False) -> AsyncIterator[str]:
+                      continuous_usage: bool = False, prompt_only: bool = False) -> AsyncIterator[str]:
         """SSE events of one stream (its choices' chunks in the order they come); closes
-        `choices` however the stream ends."""
+        `choices` however the stream ends. `prompt_only`: the choices' outputs are
+        left out (an echo alone)."""
         prompt_tokens = choices.prompt_tokens
         latest: list[RequestOutput | None] = [None] * choices.n      # each choice's latest output
 
@@ -473,15 +497,19 @@ class _Server:
             for i, choice in enumerate(fmt.opening_choices(choices.n)):
                 yield sse_event({**header, "choices": [choice], **chunk_usage(i), **fmt.response_fields()})
             item, text_offsets = first, [0] * choices.n
+            opened = [fmt.echo is None] * choices.n      # an echo goes out in each choice's first chunk
             while item is not None:
                 index, out = item
+                if prompt_only:
+                    out = _prompt_only(out)
                 latest[index] = out
                 # Skip outputs with nothing to say (text held back mid-character, no logprobs, no ids asked for).
-                if out.delta_text or out.finished or out.logprobs or (with_ids and out.delta_token_ids):
-                    logprobs = None
-                    if out.logprobs is not None:
-                        logprobs, text_offsets[index] = fmt.logprobs(out.logprobs, text_offsets[index])
-                    choice = fmt.chunk_choice(index, out.delta_text, logprobs, out)
+                if out.delta_text or out.finished or out.logprobs or (with_ids and out.delta_token_ids) or \
+                        not opened[index]:
+                    text, logprobs, text_offsets[index] = fmt.content(out.delta_text, out, text_offsets[index],
+                                                                      opening=not opened[index])
+                    opened[index] = True
+                    choice = fmt.chunk_choice(index, text, logprobs, out)
                     yield sse_event({**header, "choices": [choice], **chunk_usage(index)})
                 if choices.all_finished:
                     break
@@ -500,6 +528,12 @@ class _Server:
             with anyio.CancelScope(shield=True):
                 await choices.close(reason)
         yield DONE_EVENT
+
+
+def _prompt_only(out: RequestOutput) -> RequestOutput:
+    """`out` without what the request generated (an echo alone: its one token ran only to score the prompt)."""
+    return dataclasses.replace(out, text="", token_ids=[], delta_text="", delta_token_ids=[],
+                               logprobs=None if out.logprobs is None else [], num_output_tokens=0)
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:

@@ -5,8 +5,8 @@ Contracts:
   (`"max_tokens": "10"` or `true` is refused, not coerced). Unknown fields are
   ignored, and named in the log (the first time each is seen), as vLLM does.
 - `check_supported()` raises engine.InvalidRequestError (param set) for an OpenAI
-  feature pdserve does not implement (best_of > 1, echo, suffix,
-  response_format, tools, ...), saying what to send instead.
+  feature pdserve does not implement (best_of > 1, suffix, response_format,
+  tools, ...), saying what to send instead.
 - `to_sampling_params(default_max_tokens)` builds the engine's SamplingParams
   (vLLM's extra sampling fields included); out-of-range values raise
   InvalidRequestError naming the request field. Neither method touches the tokenizer.
@@ -75,7 +75,7 @@ class StreamOptions(BaseModel):
 
 _UNSUPPORTED_EXTENSIONS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
                            "bad_words", "logits_processors",
-                           "prompt_logprobs", "use_beam_search", "truncate_prompt_tokens",
+                           "use_beam_search", "truncate_prompt_tokens",
                            "return_tokens_as_token_ids", "cache_salt", "structural_tag")
 # apply_chat_template's own arguments: not for a request's chat_template_kwargs to set
 _TEMPLATE_ARGUMENTS = frozenset({"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
@@ -160,7 +160,7 @@ class _GenerationRequest(BaseModel):
     structured_outputs: Any = None
     bad_words: Any = None
     logits_processors: Any = None
-    prompt_logprobs: Any = None
+    prompt_logprobs: Int64 | None = None    # vLLM's: each prompt token's logprob and this many alternatives
     use_beam_search: Any = None
     truncate_prompt_tokens: Any = None
     return_tokens_as_token_ids: Any = None
@@ -219,6 +219,15 @@ class _GenerationRequest(BaseModel):
         """SamplingParams.logprobs: how many top alternatives to return, None = no logprobs."""
         return None
 
+    def _prompt_logprobs(self) -> int | None:
+        """SamplingParams.prompt_logprobs: alternatives per prompt token, None = the prompt is not scored."""
+        return self.prompt_logprobs
+
+    @property
+    def echo_only(self) -> bool:
+        """The response is the prompt alone (completions' echo with max_tokens 0)."""
+        return False
+
     @property
     def requested_logprobs(self) -> int | None:
         """How many alternatives per token the request asks for (None: no logprobs)."""
@@ -254,6 +263,12 @@ class _GenerationRequest(BaseModel):
         if self.priority:
             raise InvalidRequestError(f"priority must be 0 (got {self.priority}): this server schedules "
                                       "requests first come, first served. Remove it.", param="priority")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise InvalidRequestError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs} (-1, the "
+                                      "whole vocabulary, is not supported).", param="prompt_logprobs")
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidRequestError("prompt_logprobs are not available when stream is true; send the request "
+                                      "without stream, or remove prompt_logprobs.", param="prompt_logprobs")
         if self.spaces_between_special_tokens is False:
             raise InvalidRequestError("spaces_between_special_tokens=false is not supported: special tokens are "
                                       "decoded as the tokenizer decodes them. Remove it.",
@@ -265,9 +280,12 @@ class _GenerationRequest(BaseModel):
         max_tokens, `defaults` (the model's generation_config.json settings) for
         other unset fields."""
         max_tokens = self.requested_max_tokens
+        if self.echo_only:
+            max_tokens = 1        # the prompt's logprobs come with the first token, which is not returned
         kwargs: dict[str, Any] = {
             "max_tokens": default_max_tokens if max_tokens is None else max_tokens,
             "logprobs": self._logprobs(),
+            "prompt_logprobs": self._prompt_logprobs(),
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
@@ -336,15 +354,22 @@ class CompletionRequest(_GenerationRequest):
         if self.best_of is not None and self.best_of != 1:
             raise InvalidRequestError(f"best_of > 1 is not supported (got best_of={self.best_of}); "
                                       "send one request per candidate.", param="best_of")
-        if self.echo:
-            raise InvalidRequestError("echo is not supported; the prompt is not returned with the "
-                                      "completion. Remove echo.", param="echo")
         if self.suffix:
             raise InvalidRequestError("suffix (insertion) is not supported; remove it.",
                                       param="suffix")
 
     def _logprobs(self) -> int | None:
         return self.logprobs
+
+    def _prompt_logprobs(self) -> int | None:
+        # echo with logprobs: the echoed prompt's tokens are scored as the output's are (vLLM's rule)
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
+
+    @property
+    def echo_only(self) -> bool:
+        return bool(self.echo) and self.requested_max_tokens == 0
 
 
 class ChatMessage(BaseModel):
@@ -447,9 +472,9 @@ class ChatCompletionRequest(_ChatPrompt, _GenerationRequest):
 
     logprobs: StrictBool | None = False
     top_logprobs: Int64 | None = None
-    echo: Any = None                         # vLLM's chat echo, a custom template, best_of: refused
+    echo: StrictBool | None = False          # vLLM's: the reply starts with the last message, if it is the assistant's
     documents: Any = None                    # vLLM's documents for the chat template (RAG): refused
-    chat_template: Any = None
+    chat_template: Any = None                # a template of its own, best_of > 1: refused
     best_of: Any = None
 
     def check_supported(self) -> None:
@@ -459,9 +484,6 @@ class ChatCompletionRequest(_ChatPrompt, _GenerationRequest):
         if self.top_logprobs is not None and self.top_logprobs < 0:
             raise InvalidRequestError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}.",
                                       param="top_logprobs")
-        if self.echo:
-            raise InvalidRequestError("echo is not supported; the last message is not returned with the reply. "
-                                      "Remove echo.", param="echo")
         if self.documents:
             raise InvalidRequestError("documents is not supported: this server does not pass documents to the "
                                       "chat template. Put them in the messages, or remove documents.",

@@ -12,6 +12,13 @@ as vLLM's do: chat in the response's (a stream's first chunk's)
 chunk of each choice); and every choice its output's `token_ids` (a chunk: the
 new ones).
 
+With `echo`, a response starts with the prompt (completions: its text, and
+with logprobs the prompt's tokens lead the logprobs object, the first without
+a logprob, as in OpenAI's legacy API) or the last message where that is the
+assistant's (chat, vLLM's). `prompt_logprobs` (vLLM's) are listed as vLLM
+lists them: per prompt token, None for the first, else token id -> logprob,
+rank and decoded text, for the prompt's token and the best alternatives.
+
 Token strings in logprobs are each token's text after a fixed one-token context
 (decoded alone, a SentencePiece tokenizer drops a word's leading space, and the
 strings would not spell the completion nor `text_offset` point into it);
@@ -27,6 +34,7 @@ from __future__ import annotations
 import json
 import math
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any
 
 from engine.outputs import RequestOutput
@@ -76,16 +84,55 @@ class TokenTexts:
         return text
 
 
+@dataclass(frozen=True, slots=True)
+class Echo:
+    """What every choice's text starts with."""
+    text: str
+    prompt_token_ids: list[int]      # completions: the prompt's, whose logprobs lead a choice's
+
+
 class ResponseBuilder(ABC):
     """What the two endpoints' bodies differ in."""
 
     object: str              # of a whole response
     chunk_object: str        # of a stream chunk
 
-    def __init__(self, token_text: TokenTexts, prompt_token_ids: list[int] | None = None):
+    def __init__(self, token_text: TokenTexts, prompt_token_ids: list[int] | None = None,
+                 echo: Echo | None = None):
         """`prompt_token_ids`: set when the request asked for token ids (return_token_ids)."""
         self.token_text = token_text
         self.prompt_token_ids = prompt_token_ids
+        self.echo = echo
+
+    def content(self, text: str, out: RequestOutput, text_offset: int,
+                opening: bool) -> tuple[str, dict | None, int]:
+        """A choice's text, its logprobs object (None: not asked for) and the text
+        offset after them, for `out` whose new text is `text`. `opening`: the
+        choice's first entry (a whole response's, a stream's first chunk of it),
+        which the echo leads."""
+        logprobs = None
+        if out.logprobs is not None:
+            logprobs, text_offset = self.logprobs(out.logprobs, text_offset)
+        if opening and self.echo is not None:
+            text = self.echo.text + text
+        return text, logprobs, text_offset
+
+    def prompt_logprobs(self, prompt_token_ids: list[int],
+                        entries: list[TokenLogprobs | None]) -> list[dict[str, Any] | None]:
+        """vLLM's `prompt_logprobs`: one per prompt token, None where it has none."""
+        def listed(token_id: int, logprob: float, rank: int) -> dict[str, Any]:
+            return {"logprob": _finite(logprob), "rank": rank, "decoded_token": self.token_text(token_id)}
+
+        out: list[dict[str, Any] | None] = []
+        for entry in entries:
+            if entry is None:
+                out.append(None)
+                continue
+            scored = {str(entry.token_id): listed(entry.token_id, entry.logprob, entry.rank)}
+            for rank, (token_id, logprob) in enumerate(entry.top, start=1):
+                scored.setdefault(str(token_id), listed(token_id, logprob, rank))
+            out.append(scored)
+        return out
 
     def opening_choices(self, n: int) -> list[dict[str, Any]]:
         """Chunks sent before any text, for choices 0..n-1."""
@@ -115,13 +162,16 @@ class CompletionResponses(ResponseBuilder):
     object = "text_completion"
     chunk_object = "text_completion"
 
-    def __init__(self, token_text: TokenTexts, prompt_token_ids: list[int] | None = None):
-        super().__init__(token_text, prompt_token_ids)
+    def __init__(self, token_text: TokenTexts, prompt_token_ids: list[int] | None = None,
+                 echo: Echo | None = None):
+        super().__init__(token_text, prompt_token_ids, echo)
         self._prompt_ids_sent: set[int] = set()     # the choices whose entry carried them already
 
     def choice(self, index: int, text: str, logprobs: dict | None, out: RequestOutput) -> dict[str, Any]:
+        scored = {} if out.prompt_logprobs is None else \
+            {"prompt_logprobs": self.prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs)}
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason,
-                "stop_reason": out.stop_reason, **self._token_ids(index, out.token_ids)}
+                "stop_reason": out.stop_reason, **self._token_ids(index, out.token_ids), **scored}
 
     def chunk_choice(self, index: int, delta: str, logprobs: dict | None, out: RequestOutput) -> dict[str, Any]:
         return {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": out.finish_reason,
@@ -135,19 +185,37 @@ class CompletionResponses(ResponseBuilder):
         self._prompt_ids_sent.add(index)
         return {"prompt_token_ids": prompt, "token_ids": output_ids}
 
-    def logprobs(self, entries: list[TokenLogprobs], text_offset: int) -> tuple[dict, int]:
+    def logprobs(self, entries: list[TokenLogprobs | None], text_offset: int,
+                 token_ids: list[int] | None = None) -> tuple[dict, int]:
+        """`token_ids`: the entries' tokens, needed where an entry is None (the
+        echoed prompt's first token, which has no logprob)."""
         tokens, token_logprobs, top, offsets = [], [], [], []
-        for entry in entries:
-            text = self.token_text(entry.token_id)
-            alternatives = {self.token_text(t): _finite(lp) for t, lp in entry.top}
-            alternatives.setdefault(text, _finite(entry.logprob))  # the sampled one is always listed
+        for i, entry in enumerate(entries):
+            text = self.token_text(entry.token_id if entry is not None else token_ids[i])
+            if entry is None:
+                token_logprobs.append(None)
+                top.append(None)
+            else:
+                alternatives = {self.token_text(t): _finite(lp) for t, lp in entry.top}
+                alternatives.setdefault(text, _finite(entry.logprob))  # the sampled one is always listed
+                token_logprobs.append(_finite(entry.logprob))
+                top.append(alternatives)
             tokens.append(text)
-            token_logprobs.append(_finite(entry.logprob))
-            top.append(alternatives)
             offsets.append(text_offset)
             text_offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
                 "text_offset": offsets}, text_offset
+
+    def content(self, text: str, out: RequestOutput, text_offset: int,
+                opening: bool) -> tuple[str, dict | None, int]:
+        echo = self.echo if opening else None
+        if echo is None or out.logprobs is None:
+            return super().content(text, out, text_offset, opening)
+        if out.prompt_logprobs is None:
+            raise RuntimeError("an echo with logprobs needs the prompt's logprobs on the choice's first output")
+        entries = [*out.prompt_logprobs, *out.logprobs]
+        logprobs, text_offset = self.logprobs(entries, text_offset, [*echo.prompt_token_ids, *out.token_ids])
+        return echo.text + text, logprobs, text_offset
 
 
 class ChatResponses(ResponseBuilder):

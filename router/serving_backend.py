@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from contextlib import nullcontext
@@ -124,7 +125,7 @@ class _Accumulator:
             token_ids=delta.token_ids, delta_text=delta.text, delta_token_ids=delta.token_ids,
             logprobs=delta.logprobs, finished=delta.finished, finish_reason=delta.finish_reason,
             stop_reason=delta.stop_reason, num_cached_tokens=self.num_cached_tokens,
-            num_output_tokens=len(self.token_ids))
+            num_output_tokens=len(self.token_ids), prompt_logprobs=delta.prompt_logprobs)
 
 
 class ServingBackend(GenerationBackend):
@@ -208,6 +209,8 @@ class ServingBackend(GenerationBackend):
         attempt_id = request_id if migration == 0 else f"{request_id}~{migration}"
         prompt = acc.prompt_token_ids
         resume = acc.resumed() if acc.token_ids else None
+        if resume is not None and params.prompt_logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=None)   # they went out with the first token
         queue = self._fanout.expect(attempt_id)
         replica, finished = None, False
         held: PrefillResult | None = None   # KV a prefill replica holds for this attempt, not yet handed off

@@ -111,3 +111,18 @@ def test_an_engine_failure_reaches_the_reader_after_what_was_pending(interval_s)
             await asyncio.wait_for(outbox.take(), 5)
         return batch
     assert [d.token_ids for d in asyncio.run(main())] == [[5]]
+
+
+def test_a_first_delta_merged_with_the_next_keeps_the_prompt_logprobs():
+    from engine.sampler import TokenLogprobs
+    scored = [None, TokenLogprobs(2, -1.5, 3, []), TokenLogprobs(3, -0.5, 1, [])]
+
+    async def main():
+        outbox = DeltaOutbox()
+        first = _output("a", [5], 1)
+        first.prompt_logprobs = scored
+        outbox.put([first])
+        outbox.put([_output("a", [5, 6], 1)])     # before the take: one delta for both steps
+        return await _taken_within(outbox, 5)
+    (delta,) = asyncio.run(main())
+    assert delta.token_ids == [5, 6] and delta.prompt_logprobs == scored

@@ -5,6 +5,7 @@ greedy output equal to transformers'."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import time
 
@@ -111,6 +112,19 @@ def test_requests_on_a_dying_worker_continue_on_the_other(model_dirs, reference)
     for prompt, final in zip(PROMPTS, results):
         assert final.finished and final.finish_reason == "length"
         assert final.token_ids == reference("tiny").greedy(tuple(prompt), TOKENS)
+
+
+def test_a_request_scoring_its_prompt_moves_without_scoring_it_again(model_dirs, reference):
+    """The prompt logprobs went out with the first token: the worker that continues the
+    request is not asked for them again (an engine refuses to resume a request that asks)."""
+    results = _kill_a_worker_midstream(model_dirs, dataclasses.replace(GREEDY, prompt_logprobs=1))
+    undisturbed = LLMEngine(EngineConfig(model=str(model_dirs["tiny"]), max_model_len=128, block_size=8,
+                                         dtype="float32"))
+    for prompt, final in zip(PROMPTS, results):
+        assert final.token_ids == reference("tiny").greedy(tuple(prompt), TOKENS)
+        undisturbed.add_request("r", prompt, dataclasses.replace(GREEDY, max_tokens=1, prompt_logprobs=1))
+        (alone,) = undisturbed.run_to_completion()
+        assert final.prompt_logprobs == alone.prompt_logprobs and len(final.prompt_logprobs) == len(prompt)
 
 
 def test_seeded_sampling_with_penalties_continues_as_if_nothing_failed(model_dirs):

@@ -75,7 +75,11 @@ class FakeBackend(GenerationBackend):
                 finished = i == len(ids) - 1
                 text = self.tokenizer.decode(ids[:i + 1])
                 previous = self.tokenizer.decode(ids[:i])
-                logprobs = None
+                logprobs = prompt_logprobs = None
+                if params.prompt_logprobs is not None and i == 0:
+                    prompt_logprobs = [None] + [
+                        TokenLogprobs(t, -0.5 * p, p, [(7, -0.125), (t, -0.5 * p)][:params.prompt_logprobs])
+                        for p, t in enumerate(prompt_token_ids[1:], start=1)]
                 if params.logprobs is not None:
                     logprobs = [TokenLogprobs(ids[i], -0.25 * (i + 1), 1,
                                               [(ids[i], -0.25 * (i + 1)), (7, -3.0)][:params.logprobs])]
@@ -84,7 +88,7 @@ class FakeBackend(GenerationBackend):
                 yield RequestOutput(     # a delta, as the backend contract says
                     request_id, list(prompt_token_ids), delta, [ids[i]],
                     delta_text=delta, delta_token_ids=[ids[i]], logprobs=logprobs,
-                    finished=finished,
+                    prompt_logprobs=prompt_logprobs, finished=finished,
                     finish_reason=("length" if len(ids) < len(self.reply_ids) else "stop")
                     if finished else None, num_output_tokens=i + 1)
         finally:
@@ -537,7 +541,11 @@ LONG = list(range(3, 3 + MAX_MODEL_LEN))
      "less than or equal to 9223372036854775807"),
     (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs",
      "top_logprobs must be in [0, 20], got -1"),
-    (COMPLETIONS, {"prompt": "Hi", "echo": True}, 400, "echo", "echo is not supported"),
+    (COMPLETIONS, {"prompt": "Hi", "prompt_logprobs": -1}, 400, "prompt_logprobs", "whole vocabulary"),
+    (COMPLETIONS, {"prompt": "Hi", "prompt_logprobs": 21}, 400, "prompt_logprobs", "at most 20"),
+    (COMPLETIONS, {"prompt": "Hi", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs",
+     "not available when stream is true"),
+    (COMPLETIONS, {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens", ">= 1"),    # 0 only with echo
     (COMPLETIONS, {"prompt": "Hi", "suffix": "end"}, 400, "suffix", "suffix"),
     (COMPLETIONS, {"prompt": "Hi", "logit_bias": {"5": 101}}, 400, "logit_bias", "got 101.0 for token '5'"),
     (CHAT, {"messages": USER, "logit_bias": {"600": 1}}, 400, "logit_bias", "contains 600, must be in [0, 512)"),
@@ -583,7 +591,6 @@ LONG = list(range(3, 3 + MAX_MODEL_LEN))
     (COMPLETIONS, {"prompt": "Hi", "include_stop_str_in_output": 1}, 400, "include_stop_str_in_output",
      "valid boolean"),
     (COMPLETIONS, {"prompt": "Hi", "bad_words": ["x"]}, 400, "bad_words", "not supported"),
-    (COMPLETIONS, {"prompt": "Hi", "prompt_logprobs": 0}, 400, "prompt_logprobs", "not supported"),   # 0 asks
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "messages[0].content", "only text content parts"),
     (CHAT, {"messages": []}, 400, "messages", "messages: no messages"),
@@ -601,7 +608,7 @@ LONG = list(range(3, 3 + MAX_MODEL_LEN))
      "your messages has 3000011 characters, far more than 64 tokens can hold"),   # the key too
     (COMPLETIONS, {"prompt": "Hi", "stop_token_ids": list(range(300))}, 400, "stop_token_ids",
      "has 300 ids; this server allows at most 256"),
-    (CHAT, {"messages": USER, "echo": True}, 400, "echo", "echo is not supported"),
+    (CHAT, {"messages": USER, "echo": "yes"}, 400, "echo", "valid boolean"),
     (CHAT, {"messages": USER, "documents": [{"title": "t", "text": "doc"}]}, 400, "documents",
      "does not pass documents to the chat template"),       # (was dropped silently)
     (CHAT, {"messages": USER, "chat_template": "{{ messages }}"}, 400, "chat_template", "model's own template"),

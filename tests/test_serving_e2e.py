@@ -73,6 +73,29 @@ def check_completions(base_url: str, reference, tokenizer) -> None:
     assert len(entries) == chunks[-1].usage.completion_tokens
 
 
+def check_prompt_scores(base_url: str, reference, tokenizer) -> None:
+    """lm-eval's loglikelihood request (echo, logprobs, max_tokens 0) and vLLM's
+    prompt_logprobs: each prompt token's logprob is transformers' log-softmax over
+    the prompt, whichever worker ran it."""
+    import torch
+    prompt = PROMPTS[2]
+    ids = tokenizer.encode(prompt)
+    with torch.no_grad():
+        expected = reference("tiny").model(torch.tensor([ids])).logits[0, :-1].float().log_softmax(dim=-1)
+    expected = [expected[p - 1, ids[p]].item() for p in range(1, len(ids))]
+    c = client(base_url)
+    r = c.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    (choice,) = r.choices
+    assert choice.text == prompt and r.usage.completion_tokens == 0
+    assert choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(expected, abs=2e-4)
+    r = c.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0,
+                             extra_body={"prompt_logprobs": 0})
+    scored = r.choices[0].model_extra["prompt_logprobs"]
+    assert scored[0] is None
+    assert [entry[str(t)]["logprob"] for entry, t in zip(scored[1:], ids[1:])] == pytest.approx(expected, abs=2e-4)
+
+
 def check_streaming_chat(base_url: str, reference, tokenizer) -> None:
     c = client(base_url)
     messages = [{"role": "user", "content": "Tell me a story"}]
@@ -198,6 +221,7 @@ def test_disaggregated_one_prefill_one_decode(ray_cluster, model_dirs, reference
                      "pdserve_request_prefill_time_seconds_count", "pdserve_e2e_request_latency_seconds_count"):
             _counter_reaches(base, name, 39)
             assert counter(base, name) == 39, name
+        check_prompt_scores(base, reference, tokenizer)     # scored on the prefill worker, then handed off
     finally:
         serve.delete("pd11")
 
@@ -270,6 +294,7 @@ def test_colocated(ray_cluster, model_dirs, reference, tokenizer):
         with urllib.request.urlopen(base.removesuffix("/v1") + "/health") as health:
             assert health.status == 200
         check_n_choices(base, reference, tokenizer)
+        check_prompt_scores(base, reference, tokenizer)
     finally:
         serve.delete("colo")
 

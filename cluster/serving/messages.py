@@ -42,6 +42,8 @@ class TokenDelta:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0               # prompt tokens served from a prefix cache
     first_token_times: FirstTokenTimes | None = None   # on the delta that carries the first token
+    # one per prompt token (the first None), on the request's first delta, when asked for
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @classmethod
     def from_output(cls, out: RequestOutput) -> "TokenDelta":
@@ -60,7 +62,8 @@ class TokenDelta:
         return cls(request_id=out.request_id, token_ids=list(out.delta_token_ids), text=out.delta_text,
                    logprobs=logprobs,
                    finished=out.finished, finish_reason=out.finish_reason, stop_reason=out.stop_reason,
-                   num_cached_tokens=out.num_cached_tokens, first_token_times=times)
+                   num_cached_tokens=out.num_cached_tokens, first_token_times=times,
+                   prompt_logprobs=out.prompt_logprobs)
 
 
 @dataclass(frozen=True, slots=True)
