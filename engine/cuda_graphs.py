@@ -87,9 +87,10 @@ class DecodeGraphs:
         """True for a decode-only step this instance captured a size for, every row of
         which is sampled (a prompt's last-but-one token, chunked alone when the step's
         budget ran out, looks like a decode but takes no sample: the graph's logits
-        have a row per token)."""
+        have a row per token), and which scores no prompt token."""
         batch = inputs.input_ids.shape[0]
-        return inputs.is_decode_only and batch <= self.sizes[-1] and inputs.sample_indices.numel() == batch
+        return inputs.is_decode_only and batch <= self.sizes[-1] and inputs.sample_indices.numel() == batch \
+            and inputs.score_rows is None
 
     def run(self, inputs, fill=None) -> torch.Tensor | None:
         """Logits [B, vocab] for a decode-only step of B sequences (rank 0; None elsewhere).

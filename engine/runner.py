@@ -109,6 +109,10 @@ class ModelRunner:
             decode_positions.append(p)
             decode_slots.append(seq.block_table[p // bs] * bs + p % bs)
             decode_tables.append(seq.block_table.ids[:p // bs + 1])
+            # a prompt chunked down to one token (mid-prompt) scores the token after it
+            if seq.prompt_logprobs is not None and (span := _score_span(seq, p, p + 1)) is not None:
+                score_rows.append(np.array([len(ids) - 1]))
+                spans.append(span)
             if p + 1 == seq.num_tokens:       # else the last token of a prompt chunked down to one
                 sample_rows.append(len(ids) - 1)
                 sampled.append(seq)

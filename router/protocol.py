@@ -255,7 +255,7 @@ class _GenerationRequest(BaseModel):
                                           param=name)
         for name in _UNSUPPORTED_EXTENSIONS:
             value = getattr(self, name)
-            if value is not None and value is not False:    # 0 too: prompt_logprobs=0 asks for them
+            if value is not None and value is not False:    # 0 too: set at all, it asks for the feature
                 raise InvalidRequestError(f"{name} is not supported by this server; remove it.", param=name)
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true.",
@@ -500,6 +500,12 @@ class ChatCompletionRequest(_ChatPrompt, _GenerationRequest):
         if not self.logprobs:
             return None
         return self.top_logprobs or 0
+
+    def _prompt_logprobs(self) -> int | None:
+        # echo with logprobs (vLLM's rule): the prompt is scored as the reply's tokens are
+        if self.prompt_logprobs is None and self.echo and self.logprobs and not self.stream:
+            return self.top_logprobs or 0          # (a stream does not carry them)
+        return self.prompt_logprobs
 
     def _api_name(self, sampling_field: str) -> str:
         return "top_logprobs" if sampling_field == "logprobs" else sampling_field

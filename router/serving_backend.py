@@ -238,6 +238,8 @@ class ServingBackend(GenerationBackend):
                 if finished:
                     return
                 held = None   # from here _hand_off releases it unless a decode replica took it
+                if result.first.prompt_logprobs is not None:    # the client has them: not for the decode side
+                    result = dataclasses.replace(result, first=dataclasses.replace(result.first, prompt_logprobs=None))
                 admitted = await self._hand_off(attempt_id, prompt, params, result)
                 phases.transfer_s, phases.transfer_bytes = admitted.transfer_time_s, admitted.transfer_bytes
             replica = admitted.replica_id

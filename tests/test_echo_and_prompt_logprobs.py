@@ -147,6 +147,12 @@ def test_chat_prompt_logprobs_are_the_responses_and_echo_repeats_an_assistant_me
     assert len(body["prompt_logprobs"]) == len(prompt_ids) and body["prompt_logprobs"][0] is None
     assert all(len(entry) == 1 for entry in body["prompt_logprobs"][1:])   # 0 alternatives: the token alone
     assert body["choices"][0]["message"]["content"] == "Well," + backend.tokenizer.decode(backend.reply_ids[:2])
+    # vLLM's rule: a chat echo with logprobs scores the prompt as the reply's tokens are
+    r = client.post(CHAT, json={"messages": messages, "max_tokens": 2, "echo": True, "logprobs": True,
+                                "top_logprobs": 2})
+    assert backend.calls[-1][2].prompt_logprobs == 2 and len(r.json()["prompt_logprobs"]) == len(prompt_ids)
+    client.post(CHAT, json={"messages": messages, "max_tokens": 2, "echo": True, "logprobs": True, "stream": True})
+    assert backend.calls[-1][2].prompt_logprobs is None       # a stream would not carry them
     r = client.post(CHAT, json={"messages": messages[:1], "max_tokens": 2, "echo": True, "stream": True})
     chunks = [json.loads(e) for e in sse_events(r) if e != "[DONE]"]
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])

@@ -84,6 +84,28 @@ def test_prompt_logprobs_match_transformers_in_chunks_beside_decodes(preset, mod
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def test_a_prompt_chunk_of_one_token_mid_prompt_scores_the_token_after_it(model_dirs):
+    """With two sequences decoding and a 3-token step budget, the prompt runs one token a
+    step: each such chunk looks like a decode, and still scores the next prompt token."""
+    model_dir = str(model_dirs["tiny"])
+    engine = LLMEngine(EngineConfig(model=model_dir, max_model_len=128, max_num_batched_tokens=3))
+    prompt = _prompts(engine.tokenizer, 1, seed=18, min_len=12, max_len=12)[0]
+    plain = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    engine.add_request("a", [5, 6], plain)
+    engine.add_request("b", [7, 8], plain)
+    for _ in range(3):
+        engine.step()
+    engine.add_request("s", prompt, SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=TOP))
+    seq = engine._states["s"].seq
+    computed, done = [0], []
+    while not done:
+        done = [o for o in engine.step() if o.request_id == "s"]
+        computed.append(seq.num_computed_tokens)
+    one_token_chunks = sum(b - a == 1 for a, b in zip(computed, computed[1:]) if b < len(prompt))
+    assert one_token_chunks >= 5, "the prompt was meant to run a token a step"
+    _check_against_hf(model_dir, prompt, done[0].prompt_logprobs)
+
+
 def test_a_one_token_prompt_has_one_entry_and_zero_asks_for_no_alternatives(model_dirs):
     model_dir = str(model_dirs["tiny"])
     engine = LLMEngine(EngineConfig(model=model_dir, max_model_len=128))

@@ -89,6 +89,14 @@ def check_prompt_scores(base_url: str, reference, tokenizer) -> None:
     assert choice.text == prompt and r.usage.completion_tokens == 0
     assert choice.logprobs.token_logprobs[0] is None
     assert choice.logprobs.token_logprobs[1:] == pytest.approx(expected, abs=2e-4)
+    # lm-eval-harness's local-completions request as it sends it; it reads the entries [ctxlen:-1]
+    r = c.completions.create(model="tiny", prompt=ids, max_tokens=1, echo=True, logprobs=1, temperature=0)
+    logprobs = r.choices[0].logprobs
+    assert len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == len(ids) + 1
+    assert logprobs.token_logprobs[1:-1] == pytest.approx(expected, abs=2e-4)
+    greedy = reference("tiny").greedy(tuple(ids[:2]), 1)[0]      # the model's best token after the first two
+    assert (max(logprobs.top_logprobs[2], key=logprobs.top_logprobs[2].get) == logprobs.tokens[2]) == \
+        (greedy == ids[2])
     r = c.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0,
                              extra_body={"prompt_logprobs": 0})
     scored = r.choices[0].model_extra["prompt_logprobs"]
