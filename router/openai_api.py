@@ -318,14 +318,16 @@ class _Server:
         if isinstance(body, ChatCompletionRequest):
             last = body.messages[-1] if body.messages else None
             return Echo(last.content or "", prompt_ids) if last is not None and last.role == "assistant" else None
-        text = body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(body.prompt)
+        # the prompt's own text, unless it is token ids or was cut (truncate_prompt_tokens): the ids' text
+        text = body.prompt if isinstance(body.prompt, str) and body.truncate_prompt_tokens is None else \
+            self.tokenizer.decode(prompt_ids)
         return Echo(text, prompt_ids)
 
     async def _prompt_and_params(self, body: CompletionRequest | ChatCompletionRequest,
                                  chat: bool) -> tuple[list[int], SamplingParams]:
         """The prompt's token ids and the sampling parameters, each checked (400s)."""
         prompt_param = "messages" if chat else "prompt"
-        prompt_ids = await self._tokenize(body, prompt_param)
+        prompt_ids = self._truncated(body, await self._tokenize(body, prompt_param))
         self._check_prompt(prompt_ids, prompt_param)
         # chat: the rest of the context; completions: 16 as OpenAI's and vLLM's (or min_tokens, if more)
         default_max = self.info.max_model_len - len(prompt_ids)
@@ -336,6 +338,22 @@ class _Server:
         params = body.to_sampling_params(default_max, self.info.sampling_defaults)
         self._check_context(len(prompt_ids), params, body.max_tokens_param, prompt_param)
         return prompt_ids, params
+
+    def _truncated(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int]) -> list[int]:
+        """The prompt cut to vLLM's `truncate_prompt_tokens` (-1: the context less one token
+        for the output), from `truncation_side` (left, the default: the last tokens stay)."""
+        keep = body.truncate_prompt_tokens
+        if keep is None:
+            return prompt_ids
+        limit = self.info.max_model_len
+        if keep > limit:
+            raise InvalidRequestError(f"truncate_prompt_tokens is {keep}, more than this model's context "
+                                      f"({limit} tokens); send at most {limit - 1}, or -1.",
+                                      param="truncate_prompt_tokens")
+        keep = limit - 1 if keep == -1 else keep
+        if len(prompt_ids) <= keep:
+            return prompt_ids
+        return prompt_ids[:keep] if body.truncation_side == "right" else prompt_ids[-keep:]
 
     def _check_text_length(self, chars: int, param: str) -> None:
         """Refuses, before tokenizing, text of `chars` characters that cannot fit the
@@ -354,7 +372,8 @@ class _Server:
         context); a long text is tokenized off the event loop, which every stream of
         this router shares."""
         text_chars = body.text_length()
-        self._check_text_length(text_chars, param)
+        if getattr(body, "truncate_prompt_tokens", None) is None:   # a prompt cut to fit may be any length
+            self._check_text_length(text_chars, param)
         if isinstance(body, CompletionRequest) and not isinstance(body.prompt, str):
             return list(body.prompt)
         # many short messages cost a template little text each but still its rendering: counted as

@@ -75,7 +75,7 @@ class StreamOptions(BaseModel):
 
 _UNSUPPORTED_EXTENSIONS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
                            "bad_words", "logits_processors",
-                           "use_beam_search", "truncate_prompt_tokens",
+                           "use_beam_search",
                            "return_tokens_as_token_ids", "cache_salt", "structural_tag")
 # apply_chat_template's own arguments: not for a request's chat_template_kwargs to set
 _TEMPLATE_ARGUMENTS = frozenset({"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
@@ -162,7 +162,8 @@ class _GenerationRequest(BaseModel):
     logits_processors: Any = None
     prompt_logprobs: Int64 | None = None    # vLLM's: each prompt token's logprob and this many alternatives
     use_beam_search: Any = None
-    truncate_prompt_tokens: Any = None
+    truncate_prompt_tokens: Int64 | None = None   # vLLM's: keep this many prompt tokens (-1: the context less one)
+    truncation_side: Literal["left", "right"] | None = None   # left (default): keep the last ones
     return_tokens_as_token_ids: Any = None
     cache_salt: Any = None
     structural_tag: Any = None
@@ -263,6 +264,11 @@ class _GenerationRequest(BaseModel):
         if self.priority:
             raise InvalidRequestError(f"priority must be 0 (got {self.priority}): this server schedules "
                                       "requests first come, first served. Remove it.", param="priority")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1 \
+                and self.truncate_prompt_tokens != -1:
+            raise InvalidRequestError(f"truncate_prompt_tokens must be at least 1 (or -1: as many as the context "
+                                      f"holds with one token for the output), got {self.truncate_prompt_tokens}.",
+                                      param="truncate_prompt_tokens")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise InvalidRequestError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs} (-1, the "
                                       "whole vocabulary, is not supported).", param="prompt_logprobs")
