@@ -264,8 +264,9 @@ class _Server:
 
         token_ids = prompt_ids if body.return_token_ids else None
         echo = self._echo(body, prompt_ids)
-        fmt = ChatResponses(self.token_texts, token_ids, echo) if chat else \
-            CompletionResponses(self.token_texts, token_ids, echo)
+        as_ids = bool(body.return_tokens_as_token_ids)
+        fmt = ChatResponses(self.token_texts, token_ids, echo, as_ids) if chat else \
+            CompletionResponses(self.token_texts, token_ids, echo, as_ids)
         request_id = f"{'chat' if chat else ''}{self.prefix}-{uuid.uuid4().hex}"
         n = len(choice_params)
         tickets = self._admit(len(prompt_ids), params.max_tokens, n)

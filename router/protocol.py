@@ -75,8 +75,7 @@ class StreamOptions(BaseModel):
 
 _UNSUPPORTED_EXTENSIONS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
                            "bad_words", "logits_processors",
-                           "use_beam_search",
-                           "return_tokens_as_token_ids", "cache_salt", "structural_tag")
+                           "use_beam_search", "cache_salt", "structural_tag")
 # apply_chat_template's own arguments: not for a request's chat_template_kwargs to set
 _TEMPLATE_ARGUMENTS = frozenset({"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
                                  "continue_final_message", "tokenize", "padding", "truncation", "max_length",
@@ -164,7 +163,7 @@ class _GenerationRequest(BaseModel):
     use_beam_search: Any = None
     truncate_prompt_tokens: Int64 | None = None   # vLLM's: keep this many prompt tokens (-1: the context less one)
     truncation_side: Literal["left", "right"] | None = None   # left (default): keep the last ones
-    return_tokens_as_token_ids: Any = None
+    return_tokens_as_token_ids: StrictBool | None = None   # vLLM's: logprobs name tokens `token_id:ID`
     cache_salt: Any = None
     structural_tag: Any = None
 

@@ -91,6 +91,11 @@ class Echo:
     prompt_token_ids: list[int]      # completions: the prompt's, whose logprobs lead a choice's
 
 
+def token_id_label(token_id: int) -> str:
+    """A token named by its id, as vLLM's return_tokens_as_token_ids names it."""
+    return f"token_id:{token_id}"
+
+
 class ResponseBuilder(ABC):
     """What the two endpoints' bodies differ in."""
 
@@ -98,11 +103,14 @@ class ResponseBuilder(ABC):
     chunk_object: str        # of a stream chunk
 
     def __init__(self, token_text: TokenTexts, prompt_token_ids: list[int] | None = None,
-                 echo: Echo | None = None):
-        """`prompt_token_ids`: set when the request asked for token ids (return_token_ids)."""
+                 echo: Echo | None = None, tokens_as_ids: bool = False):
+        """`prompt_token_ids`: set when the request asked for token ids (return_token_ids).
+        `tokens_as_ids` (vLLM's return_tokens_as_token_ids): logprobs name each token
+        `token_id:ID` instead of by its text."""
         self.token_text = token_text
         self.prompt_token_ids = prompt_token_ids
         self.echo = echo
+        self.token_label = token_id_label if tokens_as_ids else token_text
 
     def content(self, text: str, out: RequestOutput, text_offset: int,
                 opening: bool) -> tuple[str, dict | None, int]:
@@ -163,8 +171,8 @@ class CompletionResponses(ResponseBuilder):
     chunk_object = "text_completion"
 
     def __init__(self, token_text: TokenTexts, prompt_token_ids: list[int] | None = None,
-                 echo: Echo | None = None):
-        super().__init__(token_text, prompt_token_ids, echo)
+                 echo: Echo | None = None, tokens_as_ids: bool = False):
+        super().__init__(token_text, prompt_token_ids, echo, tokens_as_ids)
         self._prompt_ids_sent: set[int] = set()     # the choices whose entry carried them already
 
     def choice(self, index: int, text: str, logprobs: dict | None, out: RequestOutput) -> dict[str, Any]:
@@ -191,12 +199,12 @@ class CompletionResponses(ResponseBuilder):
         echoed prompt's first token, which has no logprob)."""
         tokens, token_logprobs, top, offsets = [], [], [], []
         for i, entry in enumerate(entries):
-            text = self.token_text(entry.token_id if entry is not None else token_ids[i])
+            text = self.token_label(entry.token_id if entry is not None else token_ids[i])
             if entry is None:
                 token_logprobs.append(None)
                 top.append(None)
             else:
-                alternatives = {self.token_text(t): _finite(lp) for t, lp in entry.top}
+                alternatives = {self.token_label(t): _finite(lp) for t, lp in entry.top}
                 alternatives.setdefault(text, _finite(entry.logprob))  # the sampled one is always listed
                 token_logprobs.append(_finite(entry.logprob))
                 top.append(alternatives)
@@ -240,7 +248,7 @@ class ChatResponses(ResponseBuilder):
                 **self._output_ids(out.delta_token_ids)}
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self.token_text(token_id)
+        text = self.token_label(token_id)
         return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
 
     def logprobs(self, entries: list[TokenLogprobs], text_offset: int) -> tuple[dict, int]:

@@ -158,3 +158,21 @@ def test_chat_prompt_logprobs_are_the_responses_and_echo_repeats_an_assistant_me
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text == backend.tokenizer.decode(backend.reply_ids[:2])    # the last message is the user's: no echo
 
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client, backend, tokenizer):
+    """vLLM's return_tokens_as_token_ids: every token string in logprobs is `token_id:ID`
+    (the echoed prompt's too); the text itself is unchanged."""
+    r = client.post(COMPLETIONS, json={"prompt": PROMPT, "max_tokens": 2, "logprobs": 1, "echo": True,
+                                       "return_tokens_as_token_ids": True})
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    ids = _prompt_ids(tokenizer) + backend.reply_ids[:2]
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in ids]
+    assert "token_id:7" in choice["logprobs"]["top_logprobs"][1]     # a prompt token's best alternative
+    assert choice["text"] == PROMPT + tokenizer.decode(backend.reply_ids[:2])
+    r = client.post(CHAT, json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                                "logprobs": True, "top_logprobs": 1, "return_tokens_as_token_ids": True})
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in content] == [f"token_id:{t}" for t in backend.reply_ids[:2]]
+    assert content[0]["bytes"] == list(f"token_id:{backend.reply_ids[0]}".encode())
