@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from engine.bad_words import tokenize_bad_words
 from engine.block_manager import BlockManager
 from engine.engine_config import EngineConfig
 from engine.errors import InvalidRequestError
@@ -226,9 +227,11 @@ class LLMEngine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        bad_words = tokenize_bad_words(self.tokenizer, params.bad_words) if params.bad_words else []
         return Sequence(request_id=request_id, token_ids=token_ids, num_prompt_tokens=len(token_ids),
                         params=params, eos_token_ids=self.eos_token_ids, generator=generator,
-                        prompt_logprobs=None if params.prompt_logprobs is None else [None])
+                        prompt_logprobs=None if params.prompt_logprobs is None else [None],
+                        bad_words_token_ids=bad_words)
 
     def add_request(self, request_id: str | None, prompt: str | list[int],
                     params: SamplingParams | None = None, *, hold_kv: bool = False,

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine.bad_words import banned_next
 from engine.model.attention_metadata import (
     AttentionMetadata,
     DecodeGroup,
@@ -293,12 +294,15 @@ def _padded(tables: list[np.ndarray], dtype: type) -> np.ndarray:
 
 def sampling_row(seq: Sequence) -> SamplingRow:
     """The sampler's view of a sequence. Until min_tokens are out, EOS and the
-    stop token ids are banned so the sequence cannot end early. The token
-    histories are copied only for the penalties that read them."""
+    stop token ids are banned so the sequence cannot end early; so is any token
+    that would complete a bad word. The token histories are copied only for the
+    penalties that read them."""
     params = seq.params
     banned: list[int] = []
     if seq.num_output_tokens < params.min_tokens:
         banned = [*seq.eos_token_ids, *params.stop_token_ids]
+    if seq.bad_words_token_ids:
+        banned += banned_next(seq.bad_words_token_ids, seq.output_token_ids)
     uses_prompt = params.repetition_penalty != 1.0
     uses_output = uses_prompt or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
     return SamplingRow(params=params, prompt_token_ids=seq.prompt_token_ids if uses_prompt else [],

@@ -46,7 +46,7 @@ class SamplingRow:
         logprobs: its token can stay on the device until the host wants it."""
         p = self.params
         return (p.logprobs is None and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
-                and p.frequency_penalty == 0.0)
+                and p.frequency_penalty == 0.0 and not p.bad_words)
 
 
 @dataclass(slots=True)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0       # OpenAI's range for a token's bias, either way
+MAX_BAD_WORDS = 128
 _SEED_LIMIT = 2**63
 
 
@@ -81,6 +82,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False   # a stop string that ends the output stays in its text
     logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit
     allowed_token_ids: list[int] | None = None   # only these may be sampled (None: any)
+    bad_words: list[str] = field(default_factory=list)   # words the output may not contain (engine/bad_words.py)
 
     def __post_init__(self) -> None:
         self.max_tokens = _check_int("max_tokens", self.max_tokens, ">= 1")
@@ -153,6 +155,19 @@ class SamplingParams:
             self.allowed_token_ids = list(dict.fromkeys(ids))      # each once: at most the vocabulary
             if not self.allowed_token_ids:
                 raise _out_of_range("allowed_token_ids", [], "None or a non-empty list of int >= 0")
+        self.bad_words = self._normalise_bad_words(self.bad_words)
+
+    @staticmethod
+    def _normalise_bad_words(words: object) -> list[str]:
+        allowed = f"None or a list of at most {MAX_BAD_WORDS} non-blank str"
+        if words is None:
+            return []
+        if not isinstance(words, (list, tuple)) or len(words) > MAX_BAD_WORDS:
+            raise _out_of_range("bad_words", words, allowed)
+        for word in words:
+            if not isinstance(word, str) or not word.strip():
+                raise SamplingParamsError(f"bad_words must be {allowed}, got element {word!r}")
+        return list(words)
 
     @staticmethod
     def _normalise_logit_bias(bias: object) -> dict[int, float]:

@@ -59,6 +59,7 @@ class Sequence:
     # params.prompt_logprobs set: entry i scores prompt token i given those before it (entry 0: None);
     # filled chunk by chunk as the prompt runs. None: not asked for, or computed by another engine
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)   # params.bad_words, tokenized
 
     @property
     def num_tokens(self) -> int:

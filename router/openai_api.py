@@ -42,6 +42,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
+from engine.bad_words import tokenize_bad_words
 from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams, SamplingParamsError
@@ -338,6 +339,8 @@ class _Server:
             default_max = min(default_max, self.limits.max_tokens)
         params = body.to_sampling_params(default_max, self.info.sampling_defaults)
         self._check_context(len(prompt_ids), params, body.max_tokens_param, prompt_param)
+        if params.bad_words:     # the workers encode them again; a word they could not take is a 400 here
+            tokenize_bad_words(self.tokenizer, params.bad_words)
         return prompt_ids, params
 
     def _truncated(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int]) -> list[int]:

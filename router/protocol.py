@@ -74,7 +74,7 @@ class StreamOptions(BaseModel):
 
 
 _UNSUPPORTED_EXTENSIONS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-                           "bad_words", "logits_processors",
+                           "logits_processors",
                            "use_beam_search", "cache_salt", "structural_tag")
 # apply_chat_template's own arguments: not for a request's chat_template_kwargs to set
 _TEMPLATE_ARGUMENTS = frozenset({"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
@@ -157,7 +157,7 @@ class _GenerationRequest(BaseModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
-    bad_words: Any = None
+    bad_words: list[StrictStr] | None = None     # vLLM's: words the output may not contain
     logits_processors: Any = None
     prompt_logprobs: Int64 | None = None    # vLLM's: each prompt token's logprob and this many alternatives
     use_beam_search: Any = None
@@ -295,7 +295,7 @@ class _GenerationRequest(BaseModel):
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
                      "ignore_eos", "min_tokens", "skip_special_tokens", "logit_bias", "allowed_token_ids",
-                     "include_stop_str_in_output"):
+                     "include_stop_str_in_output", "bad_words"):
             value = getattr(self, name)
             if value is None:   # unset: the model's recommendation, else the engine's default
                 value = (defaults or {}).get(name)

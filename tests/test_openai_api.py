@@ -442,6 +442,8 @@ def test_logit_bias_and_allowed_token_ids_reach_the_engine(client, backend):
     assert not params.include_stop_str_in_output
     client.post(COMPLETIONS, json={"prompt": "Hi", "stop": "x", "include_stop_str_in_output": True})
     assert backend.calls[-1][2].include_stop_str_in_output
+    client.post(COMPLETIONS, json={"prompt": "Hi", "bad_words": ["world", "this is"]})
+    assert backend.calls[-1][2].bad_words == ["world", "this is"]
 
 
 def test_vllm_request_fields_a_completion_or_a_chat_takes(client, backend, tokenizer):
@@ -590,7 +592,10 @@ LONG = list(range(3, 3 + MAX_MODEL_LEN))
     (CHAT, {"messages": USER, "guided_choice": ["yes", "no"]}, 400, "guided_choice", "not supported"),
     (COMPLETIONS, {"prompt": "Hi", "include_stop_str_in_output": 1}, 400, "include_stop_str_in_output",
      "valid boolean"),
-    (COMPLETIONS, {"prompt": "Hi", "bad_words": ["x"]}, 400, "bad_words", "not supported"),
+    (COMPLETIONS, {"prompt": "Hi", "bad_words": ["  "]}, 400, "bad_words", "non-blank str"),
+    (COMPLETIONS, {"prompt": "Hi", "bad_words": ["w"] * 129}, 400, "bad_words", "at most 128"),
+    (COMPLETIONS, {"prompt": "Hi", "bad_words": [f"w{i}" for i in range(100)]}, 400, "bad_words",
+     "token sequences"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "messages[0].content", "only text content parts"),
     (CHAT, {"messages": []}, 400, "messages", "messages: no messages"),

@@ -1,0 +1,46 @@
+"""vLLM's `bad_words`: words the output may not contain, as token sequences.
+
+A word is banned as the tokens it encodes to at the start of a text and, where
+that differs, after a space (mid-text), as vLLM encodes it. At every step, each
+sequence whose first tokens the output ends with has its last token banned; a
+one-token word is banned at every step. Only the output counts (the prompt may
+contain the words)."""
+
+from __future__ import annotations
+
+from engine.errors import InvalidRequestError
+
+MAX_BAD_WORD_SEQUENCES = 128     # token sequences after tokenizing (vLLM's VLLM_MAX_NUM_BAD_WORDS)
+
+
+def tokenize_bad_words(tokenizer, words: list[str]) -> list[list[int]]:
+    """Each word's token sequences: as encoded alone, and after a space where that is
+    another word token of the same length (vLLM's rule). InvalidRequestError for a
+    word that encodes to nothing, or past MAX_BAD_WORD_SEQUENCES sequences."""
+    sequences: list[list[int]] = []
+    for word in words:
+        for prefix in ("", " "):
+            ids = list(tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False))
+            if not ids:
+                if not prefix:
+                    raise InvalidRequestError(f"bad_words entry {word!r} encodes to no token; remove it",
+                                              "bad_words")
+                continue
+            if not prefix or (ids[0] != sequences[-1][0] and len(ids) == len(sequences[-1])):
+                sequences.append(ids)
+    if len(sequences) > MAX_BAD_WORD_SEQUENCES:
+        raise InvalidRequestError(f"bad_words encode to {len(sequences)} token sequences, more than the "
+                                  f"{MAX_BAD_WORD_SEQUENCES} this server takes; send fewer words", "bad_words")
+    return sequences
+
+
+def banned_next(sequences: list[list[int]], output_token_ids: list[int]) -> list[int]:
+    """The tokens that would complete a bad word after `output_token_ids`."""
+    banned = []
+    for ids in sequences:
+        prefix = len(ids) - 1
+        if prefix > len(output_token_ids):
+            continue
+        if prefix == 0 or output_token_ids[-prefix:] == ids[:prefix]:
+            banned.append(ids[-1])
+    return banned

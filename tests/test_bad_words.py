@@ -1,0 +1,75 @@
+"""vLLM's bad_words: each word's token sequences (alone, and after a space), and
+the engine never completing one in the output, whatever the prompt holds."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.bad_words import banned_next, tokenize_bad_words
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParamsError
+from tests.test_parity import _prompts
+
+
+def _contains(tokens: list[int], seq: list[int]) -> bool:
+    return any(tokens[i:i + len(seq)] == seq for i in range(len(tokens) - len(seq) + 1))
+
+
+def test_the_last_token_of_a_sequence_whose_start_the_output_ends_with_is_banned():
+    seqs = [[7], [3, 4, 5], [9, 4]]
+    assert banned_next(seqs, []) == [7]                    # only a one-token word fits an empty output
+    assert banned_next(seqs, [1, 3, 4]) == [7, 5]
+    assert banned_next(seqs, [3, 4, 1]) == [7]
+    assert banned_next(seqs, [9]) == [7, 4]
+
+
+def test_a_word_is_encoded_alone_and_after_a_space(tokenizer):
+    word = "Hello"
+    alone = tokenizer.encode(word, add_special_tokens=False)
+    spaced = tokenizer.encode(" " + word, add_special_tokens=False)
+    seqs = tokenize_bad_words(tokenizer, [word])
+    assert seqs[0] == alone
+    # vLLM's rule: the spaced form too, where it starts with another token and is as long
+    assert (spaced in seqs) == (spaced[0] != alone[0] and len(spaced) == len(alone))
+    with pytest.raises(SamplingParamsError, match="bad_words"):
+        SamplingParams(bad_words=[" "])
+
+
+def test_the_engine_never_completes_a_bad_word_and_the_prompt_may_hold_it(model_dirs):
+    engine = LLMEngine(EngineConfig(model=str(model_dirs["tiny"]), max_model_len=256))
+    tok = engine.tokenizer
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    chosen = None
+    for prompt in _prompts(tok, 12, seed=21, min_len=4, max_len=20):
+        engine.add_request("free", prompt, params)
+        (free,) = engine.run_to_completion()
+        for word in tok.decode(free.token_ids).split():
+            seqs = tokenize_bad_words(tok, [word])
+            if any(len(s) > 1 and _contains(free.token_ids, s) for s in seqs):
+                chosen = (prompt, free, word, seqs)
+                break
+        if chosen:
+            break
+    assert chosen, "no greedy output held a multi-token word to ban"
+    prompt, free, word, seqs = chosen
+    engine.add_request("banned", prompt + seqs[0], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                                                                  bad_words=[word]))
+    (banned,) = engine.run_to_completion()
+    assert not any(_contains(banned.token_ids, s) for s in seqs)
+    # greedy up to the first token that would have completed the word
+    engine.add_request("again", prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                                                       bad_words=[word]))
+    (again,) = engine.run_to_completion()
+    cut = next(i for i in range(len(free.token_ids))
+               if any(s[-1] == free.token_ids[i] and free.token_ids[i - len(s) + 1:i] == s[:-1]
+                      for s in seqs if i - len(s) + 1 >= 0))
+    assert again.token_ids[:cut] == free.token_ids[:cut] and again.token_ids[cut] != free.token_ids[cut]
+    assert not any(_contains(again.token_ids, s) for s in seqs)
+
+
+def test_a_word_that_encodes_to_nothing_is_refused(model_dirs, monkeypatch):
+    engine = LLMEngine(EngineConfig(model=str(model_dirs["tiny"]), max_model_len=128))
+    monkeypatch.setattr(engine.tokenizer, "encode", lambda text, add_special_tokens=True: [])
+    with pytest.raises(InvalidRequestError, match="encodes to no token"):
+        engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=2, bad_words=["zzz"]))
