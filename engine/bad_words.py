@@ -13,12 +13,13 @@ from engine.errors import InvalidRequestError
 MAX_BAD_WORD_SEQUENCES = 128     # token sequences after tokenizing (vLLM's VLLM_MAX_NUM_BAD_WORDS)
 
 
-def tokenize_bad_words(tokenizer, words: list[str]) -> list[list[int]]:
+def tokenize_bad_words(tokenizer, words: list[str], vocab_size: int) -> list[list[int]]:
     """Each word's token sequences: as encoded alone, and after a space where that is
     another word token of the same length (vLLM's rule). InvalidRequestError for a
-    word that encodes to nothing, or past MAX_BAD_WORD_SEQUENCES sequences."""
+    word that encodes to nothing or to a token outside the model's vocabulary, or
+    past MAX_BAD_WORD_SEQUENCES sequences."""
     sequences: list[list[int]] = []
-    for word in words:
+    for word in dict.fromkeys(words):
         for prefix in ("", " "):
             ids = list(tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False))
             if not ids:
@@ -26,8 +27,12 @@ def tokenize_bad_words(tokenizer, words: list[str]) -> list[list[int]]:
                     raise InvalidRequestError(f"bad_words entry {word!r} encodes to no token; remove it",
                                               "bad_words")
                 continue
-            if not prefix or (ids[0] != sequences[-1][0] and len(ids) == len(sequences[-1])):
-                sequences.append(ids)
+            if prefix and (ids[0] == sequences[-1][0] or len(ids) != len(sequences[-1])):
+                continue
+            if any(not 0 <= t < vocab_size for t in ids):
+                raise InvalidRequestError(f"bad_words entry {word!r} encodes to token ids {ids}, outside the "
+                                          f"model's vocabulary [0, {vocab_size}); remove it", "bad_words")
+            sequences.append(ids)
     if len(sequences) > MAX_BAD_WORD_SEQUENCES:
         raise InvalidRequestError(f"bad_words encode to {len(sequences)} token sequences, more than the "
                                   f"{MAX_BAD_WORD_SEQUENCES} this server takes; send fewer words", "bad_words")

@@ -227,7 +227,8 @@ class LLMEngine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        bad_words = tokenize_bad_words(self.tokenizer, params.bad_words) if params.bad_words else []
+        bad_words = tokenize_bad_words(self.tokenizer, params.bad_words, self.model_config.vocab_size) \
+            if params.bad_words else []
         return Sequence(request_id=request_id, token_ids=token_ids, num_prompt_tokens=len(token_ids),
                         params=params, eos_token_ids=self.eos_token_ids, generator=generator,
                         prompt_logprobs=None if params.prompt_logprobs is None else [None],

@@ -256,7 +256,7 @@ class _Server:
         self._check_request_limits(body)
         arrived = self._check_before_tokenizing()
         try:
-            prompt_ids, params = await self._prompt_and_params(body, chat)
+            prompt_ids, params, cut = await self._prompt_and_params(body, chat)
             choice_params = [params_of_choice(params, i) for i in range(body.choices)]
         except BaseException:    # a 400 (or a client gone while tokenizing): no demand on the workers
             if arrived is not None:
@@ -264,7 +264,7 @@ class _Server:
             raise
 
         token_ids = prompt_ids if body.return_token_ids else None
-        echo = self._echo(body, prompt_ids)
+        echo = self._echo(body, prompt_ids, cut)
         as_ids = bool(body.return_tokens_as_token_ids)
         fmt = ChatResponses(self.token_texts, token_ids, echo, as_ids) if chat else \
             CompletionResponses(self.token_texts, token_ids, echo, as_ids)
@@ -312,24 +312,27 @@ class _Server:
         return JSONResponse({**header, "choices": entries, "usage": usage(len(prompt_ids), *finals),
                              **fmt.response_fields(), **scored})
 
-    def _echo(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int]) -> Echo | None:
-        """What `echo` puts before each choice's text: the prompt (its own text, or the text of
-        its token ids), or in a chat the last message when it is the assistant's."""
+    def _echo(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
+              cut: bool) -> Echo | None:
+        """What `echo` puts before each choice's text: the prompt (its own text, the text of its
+        token ids, or when it was `cut` the text of the tokens kept), or in a chat the last message
+        when it is the assistant's."""
         if not body.echo:
             return None
         if isinstance(body, ChatCompletionRequest):
             last = body.messages[-1] if body.messages else None
             return Echo(last.content or "", prompt_ids) if last is not None and last.role == "assistant" else None
-        # the prompt's own text, unless it is token ids or was cut (truncate_prompt_tokens): the ids' text
-        text = body.prompt if isinstance(body.prompt, str) and body.truncate_prompt_tokens is None else \
-            self.tokenizer.decode(prompt_ids)
-        return Echo(text, prompt_ids)
+        if cut:
+            return Echo(self.tokenizer.decode(prompt_ids, skip_special_tokens=True), prompt_ids)
+        return Echo(body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(prompt_ids), prompt_ids)
 
     async def _prompt_and_params(self, body: CompletionRequest | ChatCompletionRequest,
-                                 chat: bool) -> tuple[list[int], SamplingParams]:
-        """The prompt's token ids and the sampling parameters, each checked (400s)."""
+                                 chat: bool) -> tuple[list[int], SamplingParams, bool]:
+        """The prompt's token ids and the sampling parameters, each checked (400s), and
+        whether the prompt was cut (truncate_prompt_tokens)."""
         prompt_param = "messages" if chat else "prompt"
-        prompt_ids = self._truncated(body, await self._tokenize(body, prompt_param))
+        tokenized = await self._tokenize(body, prompt_param)
+        prompt_ids = self._truncated(body, tokenized)
         self._check_prompt(prompt_ids, prompt_param)
         # chat: the rest of the context; completions: 16 as OpenAI's and vLLM's (or min_tokens, if more)
         default_max = self.info.max_model_len - len(prompt_ids)
@@ -340,22 +343,31 @@ class _Server:
         params = body.to_sampling_params(default_max, self.info.sampling_defaults)
         self._check_context(len(prompt_ids), params, body.max_tokens_param, prompt_param)
         if params.bad_words:     # the workers encode them again; a word they could not take is a 400 here
-            tokenize_bad_words(self.tokenizer, params.bad_words)
-        return prompt_ids, params
+            tokenize_bad_words(self.tokenizer, params.bad_words, self.info.vocab_size)
+        return prompt_ids, params, len(prompt_ids) < len(tokenized)
 
-    def _truncated(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int]) -> list[int]:
-        """The prompt cut to vLLM's `truncate_prompt_tokens` (-1: the context less one token
-        for the output), from `truncation_side` (left, the default: the last tokens stay)."""
+    def _tokens_to_keep(self, body: CompletionRequest | ChatCompletionRequest) -> int | None:
+        """vLLM's `truncate_prompt_tokens` resolved (None: no truncation); -1: as many as fit
+        beside the requested output (one token if it asks for none) and max_prompt_tokens."""
         keep = body.truncate_prompt_tokens
         if keep is None:
-            return prompt_ids
+            return None
         limit = self.info.max_model_len
-        if keep > limit:
-            raise InvalidRequestError(f"truncate_prompt_tokens is {keep}, more than this model's context "
-                                      f"({limit} tokens); send at most {limit - 1}, or -1.",
-                                      param="truncate_prompt_tokens")
-        keep = limit - 1 if keep == -1 else keep
-        if len(prompt_ids) <= keep:
+        if keep >= limit:
+            raise InvalidRequestError(f"truncate_prompt_tokens is {keep}, but this model's context is {limit} "
+                                      f"tokens and the completion needs one at least; send at most {limit - 1}, "
+                                      "or -1.", param="truncate_prompt_tokens")
+        if keep == -1:
+            keep = max(1, limit - max(1, body.requested_max_tokens or 1))
+            if self.limits.max_prompt_tokens is not None:
+                keep = min(keep, self.limits.max_prompt_tokens)
+        return keep
+
+    def _truncated(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int]) -> list[int]:
+        """The prompt cut to `_tokens_to_keep`, from `truncation_side` (left, the default:
+        the last tokens stay)."""
+        keep = self._tokens_to_keep(body)
+        if keep is None or len(prompt_ids) <= keep:
             return prompt_ids
         return prompt_ids[:keep] if body.truncation_side == "right" else prompt_ids[-keep:]
 
@@ -376,8 +388,17 @@ class _Server:
         context); a long text is tokenized off the event loop, which every stream of
         this router shares."""
         text_chars = body.text_length()
-        if getattr(body, "truncate_prompt_tokens", None) is None:   # a prompt cut to fit may be any length
+        keep = self._tokens_to_keep(body) if isinstance(body, CompletionRequest | ChatCompletionRequest) else None
+        if keep is None:
             self._check_text_length(text_chars, param)
+        elif isinstance(body, CompletionRequest) and isinstance(body.prompt, str):
+            # text to be cut: only as much of its kept side as could spell the tokens kept (a chat's
+            # messages go through the template whole)
+            most = _TEXT_MARGIN * keep * self.max_token_chars
+            if text_chars > most:
+                kept = body.prompt[:most] if body.truncation_side == "right" else body.prompt[-most:]
+                body = body.model_copy(update={"prompt": kept})
+                text_chars = most
         if isinstance(body, CompletionRequest) and not isinstance(body.prompt, str):
             return list(body.prompt)
         # many short messages cost a template little text each but still its rendering: counted as

@@ -28,7 +28,7 @@ def test_a_word_is_encoded_alone_and_after_a_space(tokenizer):
     word = "Hello"
     alone = tokenizer.encode(word, add_special_tokens=False)
     spaced = tokenizer.encode(" " + word, add_special_tokens=False)
-    seqs = tokenize_bad_words(tokenizer, [word])
+    seqs = tokenize_bad_words(tokenizer, [word, word], len(tokenizer))      # a repeated word counts once
     assert seqs[0] == alone
     # vLLM's rule: the spaced form too, where it starts with another token and is as long
     assert (spaced in seqs) == (spaced[0] != alone[0] and len(spaced) == len(alone))
@@ -36,8 +36,12 @@ def test_a_word_is_encoded_alone_and_after_a_space(tokenizer):
         SamplingParams(bad_words=[" "])
 
 
-def test_the_engine_never_completes_a_bad_word_and_the_prompt_may_hold_it(model_dirs):
-    engine = LLMEngine(EngineConfig(model=str(model_dirs["tiny"]), max_model_len=256))
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_engine_never_completes_a_bad_word_and_the_prompt_may_hold_it(model_dirs, async_scheduling):
+    """With async scheduling too: a step whose rows ban bad words is never left pending on
+    the device, or the next step's ban would miss the token it sampled."""
+    engine = LLMEngine(EngineConfig(model=str(model_dirs["tiny"]), max_model_len=256,
+                                    async_scheduling=async_scheduling))
     tok = engine.tokenizer
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     chosen = None
@@ -45,7 +49,7 @@ def test_the_engine_never_completes_a_bad_word_and_the_prompt_may_hold_it(model_
         engine.add_request("free", prompt, params)
         (free,) = engine.run_to_completion()
         for word in tok.decode(free.token_ids).split():
-            seqs = tokenize_bad_words(tok, [word])
+            seqs = tokenize_bad_words(tok, [word], engine.model_config.vocab_size)
             if any(len(s) > 1 and _contains(free.token_ids, s) for s in seqs):
                 chosen = (prompt, free, word, seqs)
                 break
@@ -60,7 +64,8 @@ def test_the_engine_never_completes_a_bad_word_and_the_prompt_may_hold_it(model_
     # greedy up to the first token that would have completed the word
     engine.add_request("again", prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
                                                        bad_words=[word]))
-    (again,) = engine.run_to_completion()
+    engine.add_request("beside", prompt[::-1], params)        # a request without bad words in the same batch
+    again = next(o for o in engine.run_to_completion() if o.request_id == "again")
     cut = next(i for i in range(len(free.token_ids))
                if any(s[-1] == free.token_ids[i] and free.token_ids[i - len(s) + 1:i] == s[:-1]
                       for s in seqs if i - len(s) + 1 >= 0))
@@ -68,8 +73,11 @@ def test_the_engine_never_completes_a_bad_word_and_the_prompt_may_hold_it(model_
     assert not any(_contains(again.token_ids, s) for s in seqs)
 
 
-def test_a_word_that_encodes_to_nothing_is_refused(model_dirs, monkeypatch):
+def test_a_word_that_encodes_to_nothing_or_past_the_vocabulary_is_refused(model_dirs, monkeypatch):
     engine = LLMEngine(EngineConfig(model=str(model_dirs["tiny"]), max_model_len=128))
-    monkeypatch.setattr(engine.tokenizer, "encode", lambda text, add_special_tokens=True: [])
-    with pytest.raises(InvalidRequestError, match="encodes to no token"):
-        engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=2, bad_words=["zzz"]))
+    vocab = engine.model_config.vocab_size
+    for encoded, fragment in (([], "encodes to no token"), ([5, vocab], "outside the model's vocabulary")):
+        monkeypatch.setattr(engine.tokenizer, "encode", lambda text, add_special_tokens=True, ids=encoded: ids)
+        with pytest.raises(InvalidRequestError, match=fragment):
+            engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=2, bad_words=["zzz"]))
+    assert not engine.has_unfinished_requests()

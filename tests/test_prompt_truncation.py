@@ -43,10 +43,16 @@ def test_a_prompt_is_cut_to_the_tokens_asked_for_from_its_side(client, backend, 
     assert r.json()["usage"]["prompt_tokens"] == 20
 
 
-def test_minus_one_keeps_the_context_less_one_token_and_a_short_prompt_is_left_alone(client, backend):
+def test_minus_one_keeps_what_fits_beside_the_output_and_a_short_prompt_is_left_alone(client, backend):
     r = client.post(COMPLETIONS, json={"prompt": LONG, "max_tokens": 1, "truncate_prompt_tokens": -1})
     assert r.status_code == 200, r.text
     assert backend.calls[-1][1] == LONG[-(MAX_MODEL_LEN - 1):]
+    r = client.post(COMPLETIONS, json={"prompt": LONG, "max_tokens": 10, "truncate_prompt_tokens": -1})
+    assert r.status_code == 200, r.text
+    assert backend.calls[-1][1] == LONG[-(MAX_MODEL_LEN - 10):]
+    r = client.post(CHAT, json={"messages": [{"role": "user", "content": "go " * 200}], "truncate_prompt_tokens": -1})
+    assert r.status_code == 200, r.text           # no max_tokens: the prompt leaves one token, the reply has it
+    assert len(backend.calls[-1][1]) == MAX_MODEL_LEN - 1
     r = client.post(COMPLETIONS, json={"prompt": LONG[:5], "max_tokens": 2, "truncate_prompt_tokens": 20})
     assert r.status_code == 200 and backend.calls[-1][1] == LONG[:5]
 
@@ -60,6 +66,9 @@ def test_text_far_longer_than_the_context_is_taken_when_it_is_to_be_cut(client, 
     kept = tokenizer.encode(text)[-16:]
     assert backend.calls[-1][1] == kept
     assert r.json()["choices"][0]["text"].startswith(tokenizer.decode(kept))   # the echo is what ran
+    r = client.post(COMPLETIONS, json={"prompt": "Hello there", "max_tokens": 2, "truncate_prompt_tokens": 16,
+                                       "echo": True})
+    assert r.json()["choices"][0]["text"].startswith("Hello there")     # nothing cut: the prompt's own text
 
 
 def test_a_chat_is_cut_after_its_template(client, backend, tokenizer):
@@ -74,7 +83,8 @@ def test_a_chat_is_cut_after_its_template(client, backend, tokenizer):
 @pytest.mark.parametrize("body, fragment", [
     ({"truncate_prompt_tokens": 0}, "at least 1"),
     ({"truncate_prompt_tokens": -2}, "at least 1"),
-    ({"truncate_prompt_tokens": MAX_MODEL_LEN + 1}, "more than this model's context"),
+    ({"truncate_prompt_tokens": MAX_MODEL_LEN + 1}, f"this model's context is {MAX_MODEL_LEN}"),
+    ({"truncate_prompt_tokens": MAX_MODEL_LEN}, "send at most"),
     ({"truncate_prompt_tokens": 8, "truncation_side": "middle"}, "'left' or 'right'"),
 ])
 def test_bad_truncation_settings_get_400s_naming_the_field(client, backend, body, fragment):
