@@ -21,6 +21,8 @@ import torch
 from engine.model.attention_metadata import to_device
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
+# logits scored per block on a CPU (score_tokens): 1 MiB of float32, which stays in cache
+SCORE_BLOCK_ELEMENTS = 1 << 18
 # top_p is compared against float32 cumulative sums whose rounding error is ~1e-7;
 # the slack makes "mass above this token already reaches top_p" hold when the two
 # are equal in exact arithmetic (0.5 + 0.3 vs top_p=0.8).
@@ -466,17 +468,30 @@ class TokenScores:
 
 def score_tokens(logits: torch.Tensor, token_ids: torch.Tensor, top_n: int) -> TokenScores:
     """The log-probability and rank of token_ids[i] under the raw logits of row i,
-    and each row's `top_n` best tokens (read back to the host)."""
+    and each row's `top_n` best tokens (read back to the host). On a CPU the rows
+    go SCORE_BLOCK_ELEMENTS at a time: each block's passes (softmax, ranks, best
+    tokens) then read it from cache, not memory (2-3x faster at 8k-128k vocabularies)."""
     # logits: [R, vocab_size] any float dtype; token_ids: [R] int64 on the same device
+    rows = logits.shape[0]
+    block = max(1, SCORE_BLOCK_ELEMENTS // logits.shape[1]) if logits.device.type == "cpu" else max(rows, 1)
+    scores = TokenScores([], [], [], [], [])
+    for start in range(0, rows, block):
+        scores.extend(_score_block(logits[start:start + block], token_ids[start:start + block], top_n))
+    return scores
+
+
+def _score_block(logits: torch.Tensor, token_ids: torch.Tensor, top_n: int) -> TokenScores:
     raw = logits.float()
     logprobs = raw.log_softmax(dim=-1)
     chosen = token_ids.unsqueeze(1)                                     # [R, 1]
     chosen_logprob = logprobs.gather(1, chosen).squeeze(1)
-    # Rank by raw logit so tokens tied in logit share a rank, whatever log_softmax rounds to.
-    rank = (raw > raw.gather(1, chosen)).sum(dim=-1) + 1
+    # Rank by raw logit so tokens tied in logit share a rank, whatever log_softmax rounds to
+    # (an int32 sum: an int64 one is twice as slow on a CPU).
+    rank = (raw > raw.gather(1, chosen)).sum(dim=-1, dtype=torch.int32) + 1
     top_ids: list[list[int]] = [[] for _ in range(raw.shape[0])]
     top_values: list[list[float]] = [[] for _ in range(raw.shape[0])]
     if top_n:
-        top = logprobs.topk(min(top_n, logprobs.shape[-1]), dim=-1)
-        top_values, top_ids = top.values.tolist(), top.indices.tolist()
+        best = logprobs.max(dim=-1, keepdim=True) if top_n == 1 else \
+            logprobs.topk(min(top_n, logprobs.shape[-1]), dim=-1)
+        top_values, top_ids = best.values.tolist(), best.indices.tolist()
     return TokenScores(token_ids.tolist(), chosen_logprob.tolist(), rank.tolist(), top_ids, top_values)

@@ -465,3 +465,26 @@ def test_logprobs_from_half_precision_logits():
     expected = raw.float().log_softmax(-1)[0]
     assert result.logprobs[0].top == [(1, pytest.approx(expected[1].item(), abs=1e-6)),
                                       (0, pytest.approx(expected[0].item(), abs=1e-6))]
+
+
+@pytest.mark.parametrize("top_n", [0, 1, 4])
+def test_scores_over_many_cache_sized_blocks_equal_one_pass_over_all_rows(top_n):
+    """score_tokens goes SCORE_BLOCK_ELEMENTS at a time on a CPU: 300 rows of a 5,000-token
+    vocabulary are 6 blocks; every row's logprob, rank and best tokens are those of the whole."""
+    from engine.sampler import SCORE_BLOCK_ELEMENTS, score_tokens
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(300, 5000, generator=gen) * 4
+    tokens = torch.randint(0, 5000, (300,), generator=gen)
+    assert SCORE_BLOCK_ELEMENTS // 5000 < 300 // 5
+    scores = score_tokens(logits, tokens, top_n)
+    logprobs = logits.log_softmax(dim=-1)
+    assert scores.token_ids == tokens.tolist()
+    assert scores.logprobs == pytest.approx(logprobs.gather(1, tokens[:, None]).squeeze(1).tolist(), abs=1e-6)
+    assert scores.ranks == ((logits > logits.gather(1, tokens[:, None])).sum(-1) + 1).tolist()
+    if top_n:
+        best = logprobs.topk(top_n, dim=-1)
+        assert scores.top_ids == best.indices.tolist()
+        assert [v for row in scores.top_logprobs for v in row] == \
+            pytest.approx(best.values.flatten().tolist(), abs=1e-6)
+    else:
+        assert scores.top_ids == [[]] * 300
