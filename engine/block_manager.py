@@ -134,6 +134,16 @@ class BlockManager:
             prev_hash, prev_content = h, block.identity
         return len(block_table) * bs
 
+    def block_hashes(self, token_ids: list[int], num_blocks: int) -> list[int]:
+        """The chained hashes of the first `num_blocks` full blocks of `token_ids`, as
+        match_prefix looks them up and cache_full_blocks registers them."""
+        bs = self.block_size
+        hashes, prev = [], None
+        for i in range(num_blocks):
+            prev = hash((prev, tuple(token_ids[i * bs:(i + 1) * bs])))
+            hashes.append(prev)
+        return hashes
+
     def cache_full_blocks(self, token_ids: list[int], block_table: list[int], num_computed: int,
                           num_already_cached: int) -> int:
         """Registers the blocks of `block_table` that are now full of computed tokens

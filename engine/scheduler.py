@@ -161,15 +161,27 @@ class Scheduler:
 
         # 2. admit waiting sequences, unless this step already had to preempt. A
         #    decode-only step still readmits preempted sequences (they have output
-        #    tokens): recomputing their KV is the only way they can go on.
+        #    tokens): recomputing their KV is the only way they can go on. One whose
+        #    next prompt block a running prompt is computing waits for it (set aside,
+        #    keeping its place): then it reads that block from the prefix cache
+        #    instead of computing it again (n choices of one prompt, a shared
+        #    system prompt arriving in a burst).
+        set_aside: list[Sequence] = []
+        in_flight: set[int] | None = None
         while (not step.preempted and self.waiting and budget > 0
                and self.num_seqs_in_batch < self.max_num_seqs):
             seq = self.waiting[0]
             if not prefill and seq.num_output_tokens == 0:
                 break
             # a request scoring its prompt runs all of it: a cached block's tokens would go unscored
-            cached = 0 if seq.prompt_logprobs is not None else \
-                self.block_manager.match_prefix(seq.token_ids, seq.block_table)
+            reads_cache = seq.prompt_logprobs is None and self.block_manager.enable_prefix_caching
+            cached = self.block_manager.match_prefix(seq.token_ids, seq.block_table) if reads_cache else 0
+            if reads_cache:
+                in_flight = self._blocks_in_flight() if in_flight is None else in_flight
+                if self._next_block_in_flight(seq, cached, in_flight):
+                    self._undo_admission(seq)
+                    set_aside.append(self.waiting.popleft())
+                    continue
             seq.num_computed_tokens = cached
             if seq.num_preemptions == 0:
                 seq.num_cached_prompt_tokens = min(cached, seq.num_prompt_tokens)
@@ -184,7 +196,10 @@ class Scheduler:
             self.running.append(seq)
             prefills.append((seq, n))
             budget -= n
+            if in_flight is not None:      # its prompt blocks are being computed from now on
+                in_flight.update(self._uncomputed_prompt_blocks(seq))
 
+        self.waiting.extendleft(reversed(set_aside))
         step.num_decode_seqs = len(decodes)
         for seq, n in decodes + prefills:
             step.seqs.append(seq)
@@ -216,6 +231,36 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def _uncomputed_prompt_blocks(self, seq: Sequence) -> list[int]:
+        """Hashes of the full prompt blocks `seq` has yet to compute (match_prefix's reach:
+        a prompt's last token is always computed)."""
+        bs = self.block_manager.block_size
+        reach = (seq.num_prompt_tokens - 1) // bs
+        done = seq.num_computed_tokens // bs
+        if done >= reach:
+            return []
+        if seq.prompt_block_hashes is None:
+            seq.prompt_block_hashes = self.block_manager.block_hashes(seq.token_ids, reach)
+        return seq.prompt_block_hashes[done:reach]
+
+    def _blocks_in_flight(self) -> set[int]:
+        """Prompt blocks that running sequences are computing (chunk by chunk) and will
+        register in the prefix cache."""
+        return {h for seq in self.running for h in self._uncomputed_prompt_blocks(seq)}
+
+    def _next_block_in_flight(self, seq: Sequence, cached: int, in_flight: set[int]) -> bool:
+        """Whether the block after `seq`'s cached prefix is one a running prompt computes."""
+        if not in_flight:
+            return False
+        bs = self.block_manager.block_size
+        index = cached // bs
+        if index >= (seq.num_prompt_tokens - 1) // bs:
+            return False
+        if seq.prompt_block_hashes is None:
+            seq.prompt_block_hashes = self.block_manager.block_hashes(seq.token_ids,
+                                                                      (seq.num_prompt_tokens - 1) // bs)
+        return seq.prompt_block_hashes[index] in in_flight
 
     def _undo_admission(self, seq: Sequence) -> None:
         self.block_manager.free(seq.block_table)

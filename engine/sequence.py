@@ -60,6 +60,7 @@ class Sequence:
     # filled chunk by chunk as the prompt runs. None: not asked for, or computed by another engine
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     bad_words_token_ids: list[list[int]] = field(default_factory=list)   # params.bad_words, tokenized
+    prompt_block_hashes: list[int] | None = None   # of the prompt's full blocks, once the scheduler needs them
 
     @property
     def num_tokens(self) -> int:

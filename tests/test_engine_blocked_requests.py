@@ -41,7 +41,7 @@ def test_offline_run_to_completion_says_what_blocks_the_waiting_requests(model):
 def test_the_engine_thread_polls_while_requests_wait_for_held_blocks(model):
     def fill(engine: LLMEngine) -> None:
         for i in range(2):
-            engine.add_request(f"held{i}", list(range(3, 33)), GREEDY, hold_kv=True)
+            engine.add_request(f"held{i}", list(range(3 + i, 33 + i)), GREEDY, hold_kv=True)   # 4 blocks each
         while engine.has_unfinished_requests():
             engine.step(decode=False)
         engine.add_request("waiting", list(range(40, 60)), GREEDY, hold_kv=True)
