@@ -249,33 +249,6 @@ def test_receive_buffers_in_flight_stay_within_the_staging_budget(model_dirs, re
         assert out.token_ids == reference("tiny").greedy(tuple(prompt), 10)
 
 
-def test_prompt_logprobs_come_from_the_prefill_worker_and_stay_off_the_hand_off(model_dirs, reference):
-    """The prefill worker scores the prompt; the scores reach the client with the first
-    token, and the request handed to the decode worker carries none of them."""
-    async def main():
-        pair = await Pair(model_dirs["tiny"], FakeTransportHub()).start()
-        handed = []
-        generate = pair.decode_pool.generate
-
-        async def recording(request, avoid_replica=None):
-            handed.append(request)
-            return await generate(request, avoid_replica)
-        pair.decode_pool.generate = recording
-        try:
-            return await pair.run("s", PROMPTS[1], dataclasses.replace(GREEDY, prompt_logprobs=2)), handed
-        finally:
-            await pair.shutdown()
-    out, handed = run(main())
-    alone = LLMEngine(EngineConfig(model=str(model_dirs["tiny"]), max_model_len=128, block_size=8,
-                                   dtype="float32"))
-    alone.add_request("s", PROMPTS[1], dataclasses.replace(GREEDY, max_tokens=1, prompt_logprobs=2))
-    (expected,) = alone.run_to_completion()
-    assert out.prompt_logprobs == expected.prompt_logprobs
-    assert out.token_ids == reference("tiny").greedy(tuple(PROMPTS[1]), 10)
-    (request,) = handed
-    assert request.prefill is not None and request.prefill.first.prompt_logprobs is None
-
-
 @pytest.mark.parametrize("budget_blocks, most_in_flight", [(None, 4), (2, 2), (0.5, 1)])
 def test_packed_sends_in_flight_stay_within_the_prefill_staging_budget(model_dirs, reference, monkeypatch,
                                                                        budget_blocks, most_in_flight):
