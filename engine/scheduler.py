@@ -232,17 +232,20 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _uncomputed_prompt_blocks(self, seq: Sequence) -> list[int]:
-        """Hashes of the full prompt blocks `seq` has yet to compute (match_prefix's reach:
-        a prompt's last token is always computed)."""
-        bs = self.block_manager.block_size
-        reach = (seq.num_prompt_tokens - 1) // bs
-        done = seq.num_computed_tokens // bs
-        if done >= reach:
-            return []
+    def _prompt_block_hashes(self, seq: Sequence) -> list[int]:
+        """Hashes of the prompt's full blocks that match_prefix may match (all but a
+        block holding the last prompt token, which always runs), computed once."""
         if seq.prompt_block_hashes is None:
+            reach = (seq.num_prompt_tokens - 1) // self.block_manager.block_size
             seq.prompt_block_hashes = self.block_manager.block_hashes(seq.token_ids, reach)
-        return seq.prompt_block_hashes[done:reach]
+        return seq.prompt_block_hashes
+
+    def _uncomputed_prompt_blocks(self, seq: Sequence) -> list[int]:
+        """Hashes of those blocks `seq` has yet to compute."""
+        done = seq.num_computed_tokens // self.block_manager.block_size
+        if done >= (seq.num_prompt_tokens - 1) // self.block_manager.block_size:
+            return []          # (a decoding sequence: nothing to hash)
+        return self._prompt_block_hashes(seq)[done:]
 
     def _blocks_in_flight(self) -> set[int]:
         """Prompt blocks that running sequences are computing (chunk by chunk) and will
@@ -253,14 +256,9 @@ class Scheduler:
         """Whether the block after `seq`'s cached prefix is one a running prompt computes."""
         if not in_flight:
             return False
-        bs = self.block_manager.block_size
-        index = cached // bs
-        if index >= (seq.num_prompt_tokens - 1) // bs:
-            return False
-        if seq.prompt_block_hashes is None:
-            seq.prompt_block_hashes = self.block_manager.block_hashes(seq.token_ids,
-                                                                      (seq.num_prompt_tokens - 1) // bs)
-        return seq.prompt_block_hashes[index] in in_flight
+        hashes = self._prompt_block_hashes(seq)
+        index = cached // self.block_manager.block_size
+        return index < len(hashes) and hashes[index] in in_flight
 
     def _undo_admission(self, seq: Sequence) -> None:
         self.block_manager.free(seq.block_table)
