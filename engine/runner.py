@@ -100,6 +100,14 @@ class ModelRunner:
         pending: list[tuple[int, Sequence]] = []
         score_rows: list[np.ndarray] = []
         spans: list[ScoreSpan] = []
+
+        def score(seq: Sequence, start: int, end: int, token_start: int) -> None:
+            """Scores the prompt tokens a chunk over positions [start, end), whose first
+            token is row `token_start`, predicts (the row of position p predicts p + 1)."""
+            if seq.prompt_logprobs is not None and (span := _score_span(seq, start, end)) is not None:
+                first_row = token_start + span.first - 1 - start
+                score_rows.append(np.arange(first_row, first_row + span.count))
+                spans.append(span)
         for seq, n in decodes:
             p = seq.num_computed_tokens
             if seq.num_pending_tokens:
@@ -110,10 +118,7 @@ class ModelRunner:
             decode_positions.append(p)
             decode_slots.append(seq.block_table[p // bs] * bs + p % bs)
             decode_tables.append(seq.block_table.ids[:p // bs + 1])
-            # a prompt chunked down to one token (mid-prompt) scores the token after it
-            if seq.prompt_logprobs is not None and (span := _score_span(seq, p, p + 1)) is not None:
-                score_rows.append(np.array([len(ids) - 1]))
-                spans.append(span)
+            score(seq, p, p + 1, len(ids) - 1)    # a prompt chunked down to one token (mid-prompt)
             if p + 1 == seq.num_tokens:       # else the last token of a prompt chunked down to one
                 sample_rows.append(len(ids) - 1)
                 sampled.append(seq)
@@ -134,10 +139,7 @@ class ModelRunner:
             prefix_table = used if start > 0 and not self.paged else used[:0]
             chunks.append(PrefillChunk(token_start, n, end, torch.from_numpy(prefix_table.astype(np.int64))))
             prefill_tables.append(used)
-            if seq.prompt_logprobs is not None and (span := _score_span(seq, start, end)) is not None:
-                # the row of position p predicts token p + 1
-                score_rows.append(np.arange(span.first - 1 - start, span.first - 1 - start + span.count) + token_start)
-                spans.append(span)
+            score(seq, start, end, token_start)
             if end == seq.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 sampled.append(seq)

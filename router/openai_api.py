@@ -331,8 +331,9 @@ class _Server:
         """The prompt's token ids and the sampling parameters, each checked (400s), and
         whether the prompt was cut (truncate_prompt_tokens)."""
         prompt_param = "messages" if chat else "prompt"
-        tokenized = await self._tokenize(body, prompt_param)
-        prompt_ids = self._truncated(body, tokenized)
+        keep = self._tokens_to_keep(body)
+        tokenized = await self._tokenize(body, prompt_param, keep)
+        prompt_ids = self._truncated(tokenized, keep, body.truncation_side)
         self._check_prompt(prompt_ids, prompt_param)
         # chat: the rest of the context; completions: 16 as OpenAI's and vLLM's (or min_tokens, if more)
         default_max = self.info.max_model_len - len(prompt_ids)
@@ -363,13 +364,13 @@ class _Server:
                 keep = min(keep, self.limits.max_prompt_tokens)
         return keep
 
-    def _truncated(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int]) -> list[int]:
-        """The prompt cut to `_tokens_to_keep`, from `truncation_side` (left, the default:
-        the last tokens stay)."""
-        keep = self._tokens_to_keep(body)
+    @staticmethod
+    def _truncated(prompt_ids: list[int], keep: int | None, side: str | None) -> list[int]:
+        """The prompt cut to `keep` tokens (`_tokens_to_keep`; None: not cut), from `side`
+        (left, the default: the last tokens stay)."""
         if keep is None or len(prompt_ids) <= keep:
             return prompt_ids
-        return prompt_ids[:keep] if body.truncation_side == "right" else prompt_ids[-keep:]
+        return prompt_ids[:keep] if side == "right" else prompt_ids[-keep:]
 
     def _check_text_length(self, chars: int, param: str) -> None:
         """Refuses, before tokenizing, text of `chars` characters that cannot fit the
@@ -383,12 +384,11 @@ class _Server:
                 f"the {param}.", param=param)
 
     async def _tokenize(self, body: CompletionRequest | ChatCompletionRequest | TokenizeChatRequest |
-                        TokenizeCompletionRequest, param: str) -> list[int]:
+                        TokenizeCompletionRequest, param: str, keep: int | None = None) -> list[int]:
         """The prompt's token ids (a 400 naming `param` for text that cannot fit the
-        context); a long text is tokenized off the event loop, which every stream of
-        this router shares."""
+        context, unless it is to be cut to `keep` tokens); a long text is tokenized off
+        the event loop, which every stream of this router shares."""
         text_chars = body.text_length()
-        keep = self._tokens_to_keep(body) if isinstance(body, CompletionRequest | ChatCompletionRequest) else None
         if keep is None:
             self._check_text_length(text_chars, param)
         elif isinstance(body, CompletionRequest) and isinstance(body.prompt, str):
