@@ -39,6 +39,21 @@ def tokenize_bad_words(tokenizer, words: list[str], vocab_size: int) -> list[lis
     return sequences
 
 
+def bad_word_sequences(tokenizer, params, vocab_size: int) -> list[list[int]]:
+    """`params.bad_words` as token sequences (tokenize_bad_words), checked against
+    `params.allowed_token_ids`: InvalidRequestError when the words ban every allowed
+    token, as nothing could then be sampled."""
+    if not params.bad_words:
+        return []
+    sequences = tokenize_bad_words(tokenizer, params.bad_words, vocab_size)
+    always_banned = {ids[0] for ids in sequences if len(ids) == 1}
+    if params.allowed_token_ids is not None and set(params.allowed_token_ids) <= always_banned:
+        raise InvalidRequestError(f"bad_words ban every token allowed_token_ids allows "
+                                  f"({sorted(set(params.allowed_token_ids))}), so nothing could be sampled: "
+                                  "allow other tokens, or drop those words", "bad_words")
+    return sequences
+
+
 def banned_next(sequences: list[list[int]], output_token_ids: list[int]) -> list[int]:
     """The tokens that would complete a bad word after `output_token_ids`."""
     banned = []

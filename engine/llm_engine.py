@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.bad_words import tokenize_bad_words
+from engine.bad_words import bad_word_sequences
 from engine.block_manager import BlockManager
 from engine.engine_config import EngineConfig
 from engine.errors import InvalidRequestError
@@ -227,8 +227,7 @@ class LLMEngine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        bad_words = tokenize_bad_words(self.tokenizer, params.bad_words, self.model_config.vocab_size) \
-            if params.bad_words else []
+        bad_words = bad_word_sequences(self.tokenizer, params, self.model_config.vocab_size)
         return Sequence(request_id=request_id, token_ids=token_ids, num_prompt_tokens=len(token_ids),
                         params=params, eos_token_ids=self.eos_token_ids, generator=generator,
                         prompt_logprobs=None if params.prompt_logprobs is None else [None],

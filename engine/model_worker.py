@@ -45,8 +45,8 @@ from engine.sampler import Sampler, TokenScores, heaviest_rows, score_tokens
 
 log = logging.getLogger(__name__)
 
-# prompt rows scored per pass (SamplingParams.prompt_logprobs), at most max_num_seqs: their logits and the
-# softmax over them take no more than sampling a full batch, which the activation reserve measures
+# prompt rows scored per pass (SamplingParams.prompt_logprobs); on CUDA at most max_num_seqs: their logits
+# and the softmax over them take no more than sampling a full batch, which the activation reserve measures
 SCORE_ROWS_PER_PASS = 256
 
 
@@ -274,11 +274,13 @@ class ModelWorker:
         return ForwardResult(self.model.compute_logits(hidden[inputs.sample_indices]), scores)
 
     def _score(self, hidden: torch.Tensor, inputs: ModelInputs) -> TokenScores | None:
-        """The score rows' prompt tokens scored, SCORE_ROWS_PER_PASS (at most max_num_seqs) rows
-        of logits at a time so that a long prompt chunk never holds [chunk, vocab] logits at once
-        (every rank joins each pass's logits gather; rank 0 gets the scores)."""
+        """The score rows' prompt tokens scored, SCORE_ROWS_PER_PASS rows of logits at a time so
+        that a long prompt chunk never holds [chunk, vocab] logits at once (every rank joins each
+        pass's logits gather; rank 0 gets the scores). On CUDA at most max_num_seqs rows, the
+        sampling the activation reserve was measured for; each pass reads the whole lm_head."""
         scores = None
-        per_pass = min(SCORE_ROWS_PER_PASS, self.config.max_num_seqs)
+        per_pass = SCORE_ROWS_PER_PASS if self.device.type == "cpu" else \
+            min(SCORE_ROWS_PER_PASS, self.config.max_num_seqs)
         for start in range(0, inputs.score_rows.numel(), per_pass):
             rows = inputs.score_rows[start:start + per_pass]
             logits = self.model.compute_logits(hidden[rows])

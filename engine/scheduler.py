@@ -165,11 +165,13 @@ class Scheduler:
         #    next prompt block a running prompt is computing waits for it (set aside,
         #    keeping its place): then it reads that block from the prefix cache
         #    instead of computing it again (n choices of one prompt, a shared
-        #    system prompt arriving in a burst).
+        #    system prompt arriving in a burst). Its seat and the blocks its prompt
+        #    needs stay free for it: requests behind it do not take them.
         set_aside: list[Sequence] = []
+        set_aside_blocks = 0
         in_flight: set[int] | None = None
         while (not step.preempted and self.waiting and budget > 0
-               and self.num_seqs_in_batch < self.max_num_seqs):
+               and self.num_seqs_in_batch + len(set_aside) < self.max_num_seqs):
             seq = self.waiting[0]
             if not prefill and seq.num_output_tokens == 0:
                 break
@@ -179,6 +181,7 @@ class Scheduler:
             if reads_cache:
                 in_flight = self._blocks_in_flight() if in_flight is None else in_flight
                 if self._next_block_in_flight(seq, cached, in_flight):
+                    set_aside_blocks += self._blocks_once_shared(seq, in_flight)
                     self._undo_admission(seq)
                     set_aside.append(self.waiting.popleft())
                     continue
@@ -187,7 +190,9 @@ class Scheduler:
                 seq.num_cached_prompt_tokens = min(cached, seq.num_prompt_tokens)
             remaining = seq.num_uncomputed_tokens
             n = min(remaining, budget)
+            need = self.block_manager.blocks_needed(seq.block_table, seq.num_computed_tokens + n)
             if (n < remaining and not self.enable_chunked_prefill) or \
+                    need + set_aside_blocks > self.block_manager.num_free_blocks or \
                     not self.block_manager.allocate(seq.block_table, seq.num_computed_tokens + n):
                 self._undo_admission(seq)
                 break
@@ -259,6 +264,15 @@ class Scheduler:
         hashes = self._prompt_block_hashes(seq)
         index = cached // self.block_manager.block_size
         return index < len(hashes) and hashes[index] in in_flight
+
+    def _blocks_once_shared(self, seq: Sequence, in_flight: set[int]) -> int:
+        """Blocks `seq`'s prompt will take besides those it matched in the cache and the ones
+        in flight that it will read from there once they are computed."""
+        hashes = self._prompt_block_hashes(seq)
+        matched = shared = len(seq.block_table)
+        while shared < len(hashes) and hashes[shared] in in_flight:
+            shared += 1
+        return self.block_manager.blocks_needed(seq.block_table, seq.num_prompt_tokens) - (shared - matched)
 
     def _undo_admission(self, seq: Sequence) -> None:
         self.block_manager.free(seq.block_table)

@@ -42,7 +42,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
-from engine.bad_words import tokenize_bad_words
+from engine.bad_words import MAX_BAD_WORD_SEQUENCES, bad_word_sequences
 from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams, SamplingParamsError
@@ -211,6 +211,7 @@ class _Server:
         self.created = int(time.time())
         self.max_token_chars = _longest_token_chars(tokenizer)
         self.token_texts = TokenTexts(tokenizer)
+        self.added_special_ids = list(tokenizer.encode("", add_special_tokens=True))   # e.g. [BOS]
 
     def models(self) -> dict[str, Any]:
         name = self.info.served_model_name
@@ -333,7 +334,7 @@ class _Server:
         prompt_param = "messages" if chat else "prompt"
         keep = self._tokens_to_keep(body)
         tokenized = await self._tokenize(body, prompt_param, keep)
-        prompt_ids = self._truncated(tokenized, keep, body.truncation_side)
+        prompt_ids = self._truncated(body, tokenized, keep)
         self._check_prompt(prompt_ids, prompt_param)
         # chat: the rest of the context; completions: 16 as OpenAI's and vLLM's (or min_tokens, if more)
         default_max = self.info.max_model_len - len(prompt_ids)
@@ -343,13 +344,15 @@ class _Server:
             default_max = min(default_max, self.limits.max_tokens)
         params = body.to_sampling_params(default_max, self.info.sampling_defaults)
         self._check_context(len(prompt_ids), params, body.max_tokens_param, prompt_param)
-        if params.bad_words:     # the workers encode them again; a word they could not take is a 400 here
-            tokenize_bad_words(self.tokenizer, params.bad_words, self.info.vocab_size)
-        return prompt_ids, params, len(prompt_ids) < len(tokenized)
+        bad_word_sequences(self.tokenizer, params, self.info.vocab_size)   # the workers' check, as a 400 here
+        text_cut = keep is not None and isinstance(body, CompletionRequest) and \
+            self._text_to_tokenize(body, keep) is not None
+        return prompt_ids, params, text_cut or len(prompt_ids) < len(tokenized)
 
     def _tokens_to_keep(self, body: CompletionRequest | ChatCompletionRequest) -> int | None:
         """vLLM's `truncate_prompt_tokens` resolved (None: no truncation); -1: as many as fit
-        beside the requested output (one token if it asks for none) and max_prompt_tokens."""
+        beside the requested output (unset: a completion's default 16 tokens, a chat's one)
+        and max_prompt_tokens."""
         keep = body.truncate_prompt_tokens
         if keep is None:
             return None
@@ -359,18 +362,45 @@ class _Server:
                                       f"tokens and the completion needs one at least; send at most {limit - 1}, "
                                       "or -1.", param="truncate_prompt_tokens")
         if keep == -1:
-            keep = max(1, limit - max(1, body.requested_max_tokens or 1))
+            wanted = body.requested_max_tokens
+            if wanted is None:      # completions' default output (16), else one token at least
+                wanted = max(COMPLETION_DEFAULT_MAX_TOKENS, body.min_tokens or 0) \
+                    if isinstance(body, CompletionRequest) else 1
+            keep = max(1, limit - max(1, wanted))
             if self.limits.max_prompt_tokens is not None:
                 keep = min(keep, self.limits.max_prompt_tokens)
         return keep
 
-    @staticmethod
-    def _truncated(prompt_ids: list[int], keep: int | None, side: str | None) -> list[int]:
-        """The prompt cut to `keep` tokens (`_tokens_to_keep`; None: not cut), from `side`
-        (left, the default: the last tokens stay)."""
+    def _truncated(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
+                   keep: int | None) -> list[int]:
+        """The prompt cut to `keep` tokens (`_tokens_to_keep`; None: not cut) from
+        `body.truncation_side` (left, the default: the last tokens stay). The special tokens
+        the tokenizer added around a text prompt (BOS) stay where they are, as when vLLM's
+        tokenizer truncates, unless `keep` leaves no room beside them."""
         if keep is None or len(prompt_ids) <= keep:
             return prompt_ids
-        return prompt_ids[:keep] if side == "right" else prompt_ids[-keep:]
+        head, tail = self._added_special_tokens(body, prompt_ids)
+        if head + tail >= keep:
+            head = tail = 0
+        own = prompt_ids[head:len(prompt_ids) - tail]
+        room = keep - head - tail
+        kept = own[:room] if body.truncation_side == "right" else own[-room:]
+        return prompt_ids[:head] + kept + prompt_ids[len(prompt_ids) - tail:]
+
+    def _added_special_tokens(self, body: CompletionRequest | ChatCompletionRequest,
+                              prompt_ids: list[int]) -> tuple[int, int]:
+        """How many of `prompt_ids`' first and last tokens the tokenizer added to a text
+        completion prompt ((0, 0) for token ids, a chat, or add_special_tokens false)."""
+        if not (isinstance(body, CompletionRequest) and isinstance(body.prompt, str) and body.add_special_tokens):
+            return 0, 0
+        added = self.added_special_ids
+        head = 0
+        while head < min(len(added), len(prompt_ids)) and prompt_ids[head] == added[head]:
+            head += 1
+        tail = len(added) - head
+        if tail and prompt_ids[-tail:] != added[head:]:
+            tail = 0
+        return head, tail
 
     def _check_text_length(self, chars: int, param: str) -> None:
         """Refuses, before tokenizing, text of `chars` characters that cannot fit the
@@ -383,22 +413,24 @@ class _Server:
                 f"{chars} characters, far more than {limit} tokens can hold. Please reduce the length of "
                 f"the {param}.", param=param)
 
+    def _text_to_tokenize(self, body: CompletionRequest, keep: int) -> int | None:
+        """How many characters of a completion's text prompt, to be cut to `keep` tokens, are worth
+        tokenizing: as many as could spell the tokens kept (None: all of it)."""
+        most = _TEXT_MARGIN * keep * self.max_token_chars
+        return most if isinstance(body.prompt, str) and body.text_length() > most else None
+
     async def _tokenize(self, body: CompletionRequest | ChatCompletionRequest | TokenizeChatRequest |
                         TokenizeCompletionRequest, param: str, keep: int | None = None) -> list[int]:
         """The prompt's token ids (a 400 naming `param` for text that cannot fit the
-        context, unless it is to be cut to `keep` tokens); a long text is tokenized off
-        the event loop, which every stream of this router shares."""
+        context, unless it is a completion's prompt to be cut to `keep` tokens); a long
+        text is tokenized off the event loop, which every stream of this router shares."""
         text_chars = body.text_length()
-        if keep is None:
+        if keep is None or not isinstance(body, CompletionRequest):  # a chat's messages are rendered whole
             self._check_text_length(text_chars, param)
-        elif isinstance(body, CompletionRequest) and isinstance(body.prompt, str):
-            # text to be cut: only as much of its kept side as could spell the tokens kept (a chat's
-            # messages go through the template whole)
-            most = _TEXT_MARGIN * keep * self.max_token_chars
-            if text_chars > most:
-                kept = body.prompt[:most] if body.truncation_side == "right" else body.prompt[-most:]
-                body = body.model_copy(update={"prompt": kept})
-                text_chars = most
+        elif (most := self._text_to_tokenize(body, keep)) is not None:
+            kept = body.prompt[:most] if body.truncation_side == "right" else body.prompt[-most:]
+            body = body.model_copy(update={"prompt": kept})
+            text_chars = most
         if isinstance(body, CompletionRequest) and not isinstance(body.prompt, str):
             return list(body.prompt)
         # many short messages cost a template little text each but still its rendering: counted as
@@ -490,6 +522,20 @@ class _Server:
             if ids is not None and len(ids) > most:
                 raise InvalidRequestError(f"{name} has {len(ids)} ids; this server allows at most {most}.",
                                           param=name)
+        self._check_bad_words_size(body.bad_words or [])
+
+    def _check_bad_words_size(self, words: list[str]) -> None:
+        """Refuses, before tokenizing them, more bad_words than the workers take and words longer
+        than any output could spell (each word is tokenized on the router and on every worker)."""
+        if len(words) > MAX_BAD_WORD_SEQUENCES:
+            raise InvalidRequestError(f"bad_words has {len(words)} words; this server takes at most "
+                                      f"{MAX_BAD_WORD_SEQUENCES}.", param="bad_words")
+        longest = _TEXT_MARGIN * self.info.max_model_len * self.max_token_chars
+        for word in words:
+            if len(word) > longest:
+                raise InvalidRequestError(f"a bad_words entry has {len(word)} characters, more than an output "
+                                          f"of this model's {self.info.max_model_len}-token context could "
+                                          "contain; shorten it.", param="bad_words")
 
     def _check_prompt(self, ids: list[int], param: str) -> None:
         if self.limits.max_prompt_tokens is not None and len(ids) > self.limits.max_prompt_tokens:

@@ -173,7 +173,7 @@ class _GenerationRequest(BaseModel):
         _log_ignored_fields(cls, data)
         return data
 
-    @field_validator("model", "user", "stop", "request_id")
+    @field_validator("model", "user", "stop", "request_id", "bad_words")
     @classmethod
     def _shared_text(cls, value: object) -> object:
         return _valid_text(value)

@@ -81,3 +81,19 @@ def test_a_word_that_encodes_to_nothing_or_past_the_vocabulary_is_refused(model_
         with pytest.raises(InvalidRequestError, match=fragment):
             engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=2, bad_words=["zzz"]))
     assert not engine.has_unfinished_requests()
+
+
+def test_words_that_ban_every_allowed_token_are_refused_by_the_engine_and_the_api(model_dirs, tokenizer):
+    engine = LLMEngine(EngineConfig(model=str(model_dirs["tiny"]), max_model_len=128))
+    word = next(w for w in ("a", "b", "x", "the") if len(tokenizer.encode(w, add_special_tokens=False)) == 1)
+    only = tokenizer.encode(word, add_special_tokens=False)
+    with pytest.raises(InvalidRequestError, match="ban every token allowed_token_ids allows"):
+        engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=2, allowed_token_ids=only, bad_words=[word]))
+    assert not engine.has_unfinished_requests()
+    # one allowed token the words leave: it runs, and samples that token only
+    out = engine.add_request("s", [5, 6, 7], SamplingParams(max_tokens=3, allowed_token_ids=only + [11],
+                                                            bad_words=[word], ignore_eos=True))
+    tokens = []
+    while engine.has_unfinished_requests():
+        tokens = next((o.token_ids for o in engine.step() if o.request_id == out), tokens)
+    assert tokens == [11, 11, 11]

@@ -596,6 +596,13 @@ LONG = list(range(3, 3 + MAX_MODEL_LEN))
     (COMPLETIONS, {"prompt": "Hi", "bad_words": ["w"] * 129}, 400, "bad_words", "at most 128"),
     (COMPLETIONS, {"prompt": "Hi", "bad_words": [f"w{i}" for i in range(100)]}, 400, "bad_words",
      "token sequences"),
+    (COMPLETIONS, {"prompt": "Hi", "bad_words": ["ok", "a\ud800"]}, 400, "bad_words", "lone UTF-16 surrogate"),
+    (COMPLETIONS, {"prompt": "Hi", "allowed_token_ids": [67, 259], "bad_words": ["a"]}, 400, "bad_words",
+     "ban every token allowed_token_ids allows ([67, 259])"),     # "a" and " a" are those two tokens
+    (COMPLETIONS, {"prompt": "Hi", "bad_words": ["x" * 1_000_000]}, 400, "bad_words",
+     "has 1000000 characters, more than an output of this model's 64-token context could contain"),
+    (CHAT, {"messages": [{"role": "user", "content": "x" * 1_000_000}], "truncate_prompt_tokens": 8}, 400,
+     "messages", "your messages has 1000000 characters"),     # a chat is rendered whole, cut or not
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "messages[0].content", "only text content parts"),
     (CHAT, {"messages": []}, 400, "messages", "messages: no messages"),

@@ -53,6 +53,9 @@ def test_minus_one_keeps_what_fits_beside_the_output_and_a_short_prompt_is_left_
     r = client.post(CHAT, json={"messages": [{"role": "user", "content": "go " * 200}], "truncate_prompt_tokens": -1})
     assert r.status_code == 200, r.text           # no max_tokens: the prompt leaves one token, the reply has it
     assert len(backend.calls[-1][1]) == MAX_MODEL_LEN - 1
+    r = client.post(COMPLETIONS, json={"prompt": LONG, "truncate_prompt_tokens": -1})
+    assert r.status_code == 200, r.text           # no max_tokens: room for a completion's default 16
+    assert len(backend.calls[-1][1]) == MAX_MODEL_LEN - 16 and backend.calls[-1][2].max_tokens == 16
     r = client.post(COMPLETIONS, json={"prompt": LONG[:5], "max_tokens": 2, "truncate_prompt_tokens": 20})
     assert r.status_code == 200 and backend.calls[-1][1] == LONG[:5]
 
@@ -63,12 +66,28 @@ def test_text_far_longer_than_the_context_is_taken_when_it_is_to_be_cut(client, 
     r = client.post(COMPLETIONS, json={"prompt": text, "max_tokens": 2, "truncate_prompt_tokens": 16,
                                        "echo": True})
     assert r.status_code == 200, r.text
-    kept = tokenizer.encode(text)[-16:]
-    assert backend.calls[-1][1] == kept
-    assert r.json()["choices"][0]["text"].startswith(tokenizer.decode(kept))   # the echo is what ran
+    kept = [tokenizer.bos_token_id] + tokenizer.encode(text, add_special_tokens=False)[-15:]
+    assert backend.calls[-1][1] == kept           # the BOS the tokenizer adds stays in front of what is kept
+    assert r.json()["choices"][0]["text"].startswith(tokenizer.decode(kept, skip_special_tokens=True))  # what ran
     r = client.post(COMPLETIONS, json={"prompt": "Hello there", "max_tokens": 2, "truncate_prompt_tokens": 16,
                                        "echo": True})
     assert r.json()["choices"][0]["text"].startswith("Hello there")     # nothing cut: the prompt's own text
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_a_text_prompt_keeps_its_bos_whichever_side_is_cut(client, backend, tokenizer, side):
+    text = " ".join(f"w{i}" for i in range(200))
+    own = tokenizer.encode(text, add_special_tokens=False)
+    r = client.post(COMPLETIONS, json={"prompt": text, "max_tokens": 2, "truncate_prompt_tokens": 10,
+                                       "truncation_side": side})
+    assert r.status_code == 200, r.text
+    assert backend.calls[-1][1] == [tokenizer.bos_token_id] + (own[:9] if side == "right" else own[-9:])
+    r = client.post(COMPLETIONS, json={"prompt": text, "max_tokens": 2, "truncate_prompt_tokens": 10,
+                                       "truncation_side": side, "add_special_tokens": False})
+    assert backend.calls[-1][1] == (own[:10] if side == "right" else own[-10:])     # no BOS asked for
+    r = client.post(COMPLETIONS, json={"prompt": [tokenizer.bos_token_id] + own, "max_tokens": 2,
+                                       "truncate_prompt_tokens": 10})
+    assert backend.calls[-1][1] == own[-10:]      # token ids are the client's own: cut as sent
 
 
 def test_a_chat_is_cut_after_its_template(client, backend, tokenizer):

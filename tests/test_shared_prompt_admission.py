@@ -12,7 +12,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
 def _engine(model_dirs, **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model_dirs["tiny"]), max_model_len=512, block_size=8, **kw))
+    return LLMEngine(EngineConfig(model=str(model_dirs["tiny"]), **{"max_model_len": 512, "block_size": 8, **kw}))
 
 
 def _run(engine: LLMEngine) -> tuple[dict, int]:
@@ -52,6 +52,24 @@ def test_a_request_behind_them_that_shares_nothing_is_admitted_at_once(model_dir
     assert [seq.request_id for seq in engine.scheduler.waiting] == ["s1", "s2", "s3"]
     done, _ = _run(engine)
     assert len(done) == 5
+
+
+def test_a_request_set_aside_keeps_its_seat_and_its_blocks_from_those_behind_it(model_dirs):
+    """s1 waits one step for s0's blocks; `other`, behind it, may not take the last seat
+    (max_num_seqs 2) nor the blocks s1 will need (60-token prompts of 8 blocks, 16 in
+    all): else s1 would wait for `other` to finish."""
+    for options in ({"max_num_seqs": 2}, {"num_kv_blocks": 16, "max_model_len": 128}):
+        engine = _engine(model_dirs, **options)
+        shared, other = _prompts(engine.tokenizer, 2, seed=36, min_len=60, max_len=60)
+        engine.add_request("s0", shared, GREEDY)
+        engine.add_request("s1", shared, GREEDY)
+        engine.add_request("other", other, GREEDY)
+        engine.step()
+        assert [seq.request_id for seq in engine.scheduler.running] == ["s0"], options
+        engine.step()
+        assert [seq.request_id for seq in engine.scheduler.running][:2] == ["s0", "s1"], options
+        done, _ = _run(engine)
+        assert done["s1"].num_cached_tokens == 56 and len(done) == 3
 
 
 def test_a_prompt_sharing_only_a_prefix_waits_one_step_and_computes_its_own_part(model_dirs, reference):
