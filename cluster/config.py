@@ -336,6 +336,14 @@ class DeploymentConfig(_Strict):
                 raise ValueError(f"{role}.replicas ({pool.replicas}) is outside the autoscaler's bounds for "
                                  f"{role}, {low} to {high} (autoscaling.min_replicas / max_replicas): start "
                                  "within them")
+        if len(settings.splits()) < 2:
+            floor = " + ".join(f"{role} {settings.min_for(role)}" for role in settings.roles)
+            room = "min_replicas.prefill: 0 (the decode replicas then prefill themselves), or " \
+                if self.mode is Mode.disaggregated and settings.min_for("prefill") > 0 else ""
+            raise ValueError(f"autoscaling could never change a replica count: the minimum replicas ({floor}) "
+                             f"already fill the budget of {settings.budget} ranks"
+                             f"{'' if a.budget else ' (by default, the ranks the pools start with)'}; give it "
+                             f"room: {room}a larger budget (autoscaling.budget; pdserve serve --max-replicas N)")
         return self
 
     def api_key_sha256(self) -> str | None:

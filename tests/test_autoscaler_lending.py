@@ -127,7 +127,7 @@ def test_lending_is_set_for_cpu_deployments_that_lend_only():
 
 def _autoscaled(device: str, lend: bool) -> dict:
     return {"device": device, "resources": {"lend_idle_cores": lend}, "slo": {"ttft_ms": 1000, "tpot_ms": 100},
-            "autoscaling": {"enabled": True}}
+            "autoscaling": {"enabled": True, "budget": 3}}
 
 
 @pytest.mark.parametrize("split_margin, targets", [(0.2, {"prefill": 2, "decode": 1}),

@@ -120,6 +120,12 @@ def test_autoscaling_section_is_checked_where_it_is_wrong():
      r"for prefill, 2 to 4"),
     ({"budget": 4, "max_replicas": {"decode": 2}}, {"decode": {"replicas": 3}}, r"decode.replicas \(3\) is outside"),
     ({"budget": 4, "min_replicas": {"decode": 0}}, {}, r"autoscaling.min_replicas.decode must be at least 1"),
+    # nothing could move: the default budget is the 2 ranks the pools start with, each role's floor 1
+    ({}, {}, r"autoscaling could never change a replica count: the minimum replicas \(prefill 1 \+ decode 1\) "
+     r"already fill the budget of 2 ranks \(by default, the ranks the pools start with\); give it room: "
+     r"min_replicas.prefill: 0 .*or a larger budget"),
+    ({"budget": 3, "min_replicas": {"prefill": 2}}, {"prefill": {"replicas": 2}}, r"the minimum replicas "
+     r"\(prefill 2 \+ decode 1\) already fill the budget of 3 ranks; give it room"),
 ])
 def test_autoscaled_pools_start_within_the_budget_and_bounds(autoscaling, pools, match):
     data = {"slo": {"ttft_ms": 1000, "tpot_ms": 100}, "autoscaling": {"enabled": True, **autoscaling}, **pools}
@@ -175,11 +181,11 @@ def test_autoscaling_thresholds_in_the_file_reach_the_policy():
                   "warmup_steps": 7, "refusal_pressure": 0.25, "pressure_window_s": 45.0,
                   "length_finish_share": 0.8}
     c = DeploymentConfig.model_validate({"slo": {"ttft_ms": 1000, "tpot_ms": 50},
-                                         "autoscaling": {"enabled": True, **thresholds}})
+                                         "autoscaling": {"enabled": True, "budget": 3, **thresholds}})
     s = c.autoscaling_settings()
     assert {name: getattr(s, name) for name in thresholds} == thresholds
     defaults = DeploymentConfig.model_validate({"slo": {"ttft_ms": 1000, "tpot_ms": 50},
-                                                "autoscaling": {"enabled": True}}).autoscaling_settings()
+                                                "autoscaling": {"enabled": True, "budget": 3}}).autoscaling_settings()
     policy_defaults = type(s)(ttft_slo_s=1.0, tpot_slo_s=0.05)
     assert {n: getattr(defaults, n) for n in thresholds} == {n: getattr(policy_defaults, n) for n in thresholds}
     with pytest.raises(ValidationError, match="autoscaling.refusal_pressure"):

@@ -76,7 +76,7 @@ def test_an_autoscaled_deployment_ships_the_api_keys_digest_not_its_variable(mon
     monkeypatch.setenv("MY_PDSERVE_KEY", "s3cret")
     config = DeploymentConfig.model_validate({"http": {"api_key_env": "MY_PDSERVE_KEY"},
                                               "slo": {"ttft_ms": 1000, "tpot_ms": 100},
-                                              "autoscaling": {"enabled": True}})
+                                              "autoscaling": {"enabled": True, "budget": 3}})
     shipped = autoscaled_application(config)["args"]["config_json"]
     monkeypatch.delenv("MY_PDSERVE_KEY")   # the cluster's processes need not have it
     assert shipped["http"]["api_key_env"] is None
@@ -87,7 +87,7 @@ def test_an_autoscaled_deployment_ships_a_relative_checkpoint_path_as_the_absolu
     """The app is built in the cluster, whose working directory is not this one."""
     (tmp_path / "ckpt").mkdir()
     monkeypatch.chdir(tmp_path)
-    autoscaled = {"slo": {"ttft_ms": 1000, "tpot_ms": 100}, "autoscaling": {"enabled": True}}
+    autoscaled = {"slo": {"ttft_ms": 1000, "tpot_ms": 100}, "autoscaling": {"enabled": True, "budget": 3}}
 
     def shipped_path(path):
         config = DeploymentConfig.model_validate({**autoscaled, "model": {"path": path}})
@@ -104,7 +104,7 @@ def test_an_autoscaled_deployment_ships_the_kv_secret_in_its_runtime_environment
     monkeypatch.setenv("MY_KV_SECRET", "kv-s3cret")
     config = DeploymentConfig.model_validate({"kv_transfer": {"secret_env": "MY_KV_SECRET"},
                                               "slo": {"ttft_ms": 1000, "tpot_ms": 100},
-                                              "autoscaling": {"enabled": True}})
+                                              "autoscaling": {"enabled": True, "budget": 3}})
     application = autoscaled_application(config)
     assert application["runtime_env"] == {"env_vars": {"MY_KV_SECRET": "kv-s3cret"}}
     assert application["args"]["config_json"]["kv_transfer"]["secret_env"] == "MY_KV_SECRET"
@@ -155,7 +155,7 @@ def test_settings_the_engines_would_refuse_are_found_before_deploying(tmp_path, 
     resolve_model(with_overrides(DeploymentConfig(), {"decode.tensor_parallel_size": 2}))   # fine
     # the autoscaling profile, read where the path means what the user gave (before: by the
     # router once the workers had loaded, ending the deployment with a traceback)
-    autoscaled = {"autoscaling.enabled": True, "slo.ttft_ms": 1000, "slo.tpot_ms": 100}
+    autoscaled = {"autoscaling.enabled": True, "autoscaling.budget": 3, "slo.ttft_ms": 1000, "slo.tpot_ms": 100}
     assert f"autoscaling.profile {tmp_path / 'none.json'}: cannot read it (No such file or directory)" in \
         problems(**autoscaled, **{"autoscaling.profile": str(tmp_path / "none.json")})
     import json
@@ -523,7 +523,7 @@ def test_an_autoscaled_deployment_ships_its_profile_as_data(tmp_path, monkeypatc
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(profile))
     config = DeploymentConfig.model_validate({"slo": {"ttft_ms": 1000, "tpot_ms": 100},
-                                              "autoscaling": {"enabled": True, "profile": str(path)}})
+                                              "autoscaling": {"enabled": True, "budget": 3, "profile": str(path)}})
     args = autoscaled_application(config, profile)["args"]
     assert args["autoscaling_profile"] == profile
     path.unlink()                          # not there where the cluster builds it

@@ -132,6 +132,9 @@ def test_pdserve_simulate_autoscale(tmp_path, capsys):
             "--save-result", "--result-dir", str(tmp_path), "--result-file", "r.json"]
     assert main(args + ["--autoscale"]) == 2                      # the file has no SLOs
     assert "--autoscale needs the SLOs" in capsys.readouterr().err
+    # the file's own budget (the 2 ranks it starts with) leaves nothing to move: refused, as `pdserve serve` does
+    assert main(args + ["--autoscale", "--slo", "ttft:400", "tpot:50"]) == 2
+    assert "autoscaling could never change a replica count" in capsys.readouterr().err
     deploy = tmp_path / "deploy.yaml"
     deploy.write_text(Path("configs/tiny-cpu.yaml").read_text() + "\nautoscaling: {budget: 3}\n")
     args[2] = str(deploy)

@@ -69,6 +69,7 @@ load past the budget too (step 3's best split).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -134,7 +135,9 @@ class AutoscaleSettings:
             raise ValueError("length_finish_share must be > 0 (above 1: max_tokens is never taken as the length)")
         floor = sum(self.min_for(r) * self.tp(r) for r in self.roles)
         if floor > self.budget:
-            raise ValueError(f"the minimum replicas need {floor} ranks, more than the budget of {self.budget}")
+            raise ValueError(f"the minimum replicas need {floor} ranks, more than the budget of {self.budget}: "
+                             "raise the budget (autoscaling.budget; pdserve serve --max-replicas N) or lower "
+                             "autoscaling.min_replicas")
         for role in self.roles:
             if self.max_for(role) < self.min_for(role):
                 raise ValueError(f"{role}: max_replicas {self.max_for(role)} < min_replicas {self.min_for(role)}")
@@ -151,6 +154,12 @@ class AutoscaleSettings:
 
     def max_for(self, role: str) -> int:
         return self.max_replicas.get(role, self.budget // self.tp(role))
+
+    def splits(self) -> list[dict[str, int]]:
+        """Every replica count per role within the bounds and the budget."""
+        ranges = [range(self.min_for(r), self.max_for(r) + 1) for r in self.roles]
+        splits = (dict(zip(self.roles, counts)) for counts in itertools.product(*ranges))
+        return [split for split in splits if sum(n * self.tp(r) for r, n in split.items()) <= self.budget]
 
 
 @dataclass(frozen=True)

@@ -152,6 +152,9 @@ def _autoscaler(config, args, spec):
     if config.slo.ttft_ms is None or config.slo.tpot_ms is None:
         raise ValueError("--autoscale needs the SLOs: --slo ttft:MS tpot:MS, or slo.ttft_ms and slo.tpot_ms in "
                          "the deployment file")
+    if not config.autoscaling.enabled:     # --autoscale: the checks a file that enables it gets
+        enabled = {**config.autoscaling.model_dump(), "enabled": True}
+        config = type(config).model_validate({**config.model_dump(), "autoscaling": enabled})
     settings = config.autoscaling.settings(config.mode.value, config.pools(), config.slo,
                                            lend_idle_cores=config.lends_idle_cores())
     replicas = {"prefill": spec.prefill, "decode": spec.decode, "colocated": spec.decode}
