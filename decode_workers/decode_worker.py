@@ -45,7 +45,7 @@ from cluster.transport.kv_transport import KVReceiver, PeerAddress, TransferStat
 from decode_workers.delta_outbox import DeltaOutbox
 from engine.async_engine import AsyncEngine, settle_from_thread
 from engine.engine_config import EngineConfig
-from engine.errors import EngineStoppedError, InvalidRequestError
+from engine.errors import EngineStoppedError, InvalidRequestError, RequestIdInUse
 from engine.llm_engine import LLMEngine, StepStats
 from engine.outputs import OutputKind, RequestOutput, ResumedOutput
 from engine.sampler import advanced_generator_state
@@ -152,7 +152,7 @@ class DecodeWorker:
         resume = await self._advanced(request.resume, request.params)
         subscriber = self._subscriber(request.subscriber)
         if rid in subscriber.request_ids:
-            raise InvalidRequestError(f"request id {rid!r} is already in use on {self.name}", "request_id")
+            raise RequestIdInUse(f"request id {rid!r} is already in use on {self.name}", self.replica_id)
         self._engine.attach(rid, subscriber.outbox)
         subscriber.request_ids.add(rid)
         try:
@@ -343,7 +343,7 @@ class DecodeWorker:
     def _reserve(self, engine: LLMEngine, request: DecodeRequest, future: asyncio.Future) -> None:
         rid = request.request_id
         if rid in self._handoffs:
-            raise InvalidRequestError(f"request id {rid!r} is already in use on {self.name}", "request_id")
+            raise RequestIdInUse(f"request id {rid!r} is already in use on {self.name}", self.replica_id)
         handoff = _HandOff(request, Phase.RESERVING, future, time.monotonic() + self.reserve_timeout_s)
         self._handoffs[rid] = handoff
         self._try_reserve(engine, handoff)

@@ -21,3 +21,17 @@ class EngineStoppedError(RuntimeError):
 
     def __reduce__(self):   # keeps replica_id across Ray's pickling
         return EngineStoppedError, (str(self), self.replica_id)
+
+
+class RequestIdInUse(InvalidRequestError):
+    """A request id the engine or worker already runs. On a decode replica a KV
+    hand-off retried after a call that may have executed there (Ray's "actor
+    unavailable") can meet its own earlier attempt: the router then tries
+    elsewhere. `replica_id`: the replica that refused it, where a worker knows it."""
+
+    def __init__(self, message: str, replica_id: str = ""):
+        super().__init__(message, "request_id")
+        self.replica_id = replica_id
+
+    def __reduce__(self):   # keeps replica_id across Ray's pickling
+        return RequestIdInUse, (str(self), self.replica_id)

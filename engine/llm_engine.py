@@ -37,7 +37,7 @@ import torch.distributed as dist
 from engine.bad_words import bad_word_sequences
 from engine.block_manager import BlockManager
 from engine.engine_config import EngineConfig
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, RequestIdInUse
 from engine.model.model_config import ModelConfig
 from engine.model.parallel import SINGLE_PROCESS, TensorParallel
 from engine.model_worker import KV_READ, KV_WRITE, RPC, ModelWorker, RankCallError, run_rank_call
@@ -211,7 +211,7 @@ class LLMEngine:
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self._states or request_id in self._held:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+            raise RequestIdInUse(f"request id {request_id!r} is already in use")
         token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids)
         try:

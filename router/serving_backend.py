@@ -53,6 +53,7 @@ from cluster.serving.messages import (
     PrefillResult,
     TokenDelta,
 )
+from engine.errors import RequestIdInUse
 from engine.outputs import RequestOutput, ResumedOutput
 from engine.sampling_params import SamplingParams
 from router.backend import BackendUnavailableError, GenerationBackend, ModelInfo
@@ -298,7 +299,8 @@ class ServingBackend(GenerationBackend):
         """A decode replica takes the request and its KV (it releases the
         prefill hold on success); retried once elsewhere on failure, except when
         the prefill replica lost the KV (BackendUnavailableError: the request is
-        prefilled again)."""
+        prefilled again). Past the last try, BackendUnavailableError: the
+        request moves (migration)."""
         avoid = None
         admitted = False
         try:
@@ -315,7 +317,9 @@ class ServingBackend(GenerationBackend):
                 except KVHolderLost as exc:
                     # no decode replica can take KV that is gone: the request is prefilled again
                     raise BackendUnavailableError(str(exc)) from None
-                except (KVTransferFailed, BackendUnavailableError, TimeoutError) as exc:
+                except (KVTransferFailed, BackendUnavailableError, TimeoutError, RequestIdInUse) as exc:
+                    # RequestIdInUse: a retry met the attempt before it, which the router could not
+                    # tell had reached that replica
                     if attempt == self.max_transfer_attempts:
                         raise BackendUnavailableError(str(exc), getattr(exc, "replica_id", "")) from None
                     avoid = getattr(exc, "replica_id", None) or None

@@ -184,6 +184,42 @@ def test_a_hand_off_that_keeps_failing_continues_on_the_decode_worker(model_dirs
     assert local == 1                                              # the one local prefill: the migration
 
 
+def test_a_hand_off_retried_onto_the_replica_that_took_the_first_try_moves_the_request(model_dirs, reference):
+    """The first hand-off call reaches the decode worker but fails at the router (Ray's
+    "actor unavailable": it may have executed); the retry lands on the same worker, which
+    runs the first try under that id: the retry fails there as a transfer would, and the
+    request moves (before: a 400 after the client had its first token)."""
+    from cluster.transport.fake_transport import FakeTransportHub
+    from tests.test_handoff_workers import Pair
+
+    async def main():
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub(), max_migrations=1).start()
+        generate, tries = pair.decode_pool.generate, []
+
+        async def reached_but_unanswered(request, avoid_replica=None):
+            if request.prefill is not None and request.request_id == "r" and not tries:
+                tries.append(asyncio.ensure_future(generate(request)))
+                await asyncio.sleep(0)          # it runs on the worker up to its first wait
+                raise BackendUnavailableError("the decode worker is unavailable: actor unavailable")
+            return await generate(request, avoid_replica)
+
+        pair.decode_pool.generate = reached_but_unanswered
+        try:
+            await pair.run("warm", PROMPTS[0])
+            outs = [out async for out in pair.backend.generate("r", PROMPTS[1], GREEDY)]
+            await asyncio.gather(*tries, return_exceptions=True)
+            await pair.wait_idle()
+            return outs, pair.decode_pool.local
+        finally:
+            await pair.shutdown()
+
+    outs, local = run(main())
+    assert joined(outs).token_ids == reference("tiny").greedy(tuple(PROMPTS[1]), TOKENS)
+    assert [out.num_output_tokens for out in outs] == \
+        list(itertools.accumulate(len(out.delta_token_ids) for out in outs))
+    assert local == 1                                              # the move: prefilled on the decode worker
+
+
 def test_a_prefill_worker_that_dies_before_the_first_token(model_dirs, reference):
     """The prefill call fails (its replica died): the request is prefilled on a decode worker."""
     from cluster.transport.fake_transport import FakeTransportHub
