@@ -224,7 +224,9 @@ class AsyncEngine:
             for ticker in self._tickers:
                 try:
                     busy |= bool(ticker(engine))
-                except Exception:  # noqa: BLE001 - one bad poll must not stop every request
+                except Exception:  # noqa: BLE001 - one bad poll must not stop every request ...
+                    if problem := engine.rank_problem():     # ... but no rank call can work again
+                        raise EngineStoppedError(f"a tensor-parallel rank cannot serve: {problem}") from None
                     log.exception("ticker %s failed", getattr(ticker, "__qualname__", ticker))
                     busy = True
             if engine.has_unfinished_requests():

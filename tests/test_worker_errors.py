@@ -57,3 +57,40 @@ def test_a_call_queued_as_the_engine_stops_is_answered(model_dirs):
 
     with pytest.raises(EngineStoppedError):
         asyncio.run(main())
+
+
+def test_a_ticker_failing_on_a_dead_rank_stops_the_engine_and_fails_its_waiters(model_dirs):
+    """Between steps only tickers reach the TP ranks (a decode worker with nothing but
+    hand-offs in flight): when a rank is gone and a ticker fails on it, the loop ends
+    and its stop hooks fail what waits, as a failed step would. Before, the loop polled
+    and logged the failure every few milliseconds while the hand-offs waited on."""
+    import asyncio
+
+    from engine import EngineConfig, LLMEngine
+    from engine.async_engine import AsyncEngine
+
+    config = EngineConfig(model=str(model_dirs["tiny"]), max_model_len=64, cpu_threads=1)
+    stopped: list[BaseException] = []
+    calls = []
+
+    def ticker(engine):
+        calls.append(1)
+        engine._broken = "rank 1 exited (code -9)"          # as LLMEngine marks a dead rank
+        raise RuntimeError(engine._broken)
+
+    async def main():
+        engine = AsyncEngine(lambda: LLMEngine(config), name="dead-rank-test")
+        await engine.ready()
+        engine.add_stop_hook(stopped.append)
+        engine.add_ticker(ticker)
+        for _ in range(200):
+            if stopped:
+                break
+            await asyncio.sleep(0.01)
+        with pytest.raises(EngineStoppedError, match="rank 1 exited"):
+            engine.check_alive()
+        engine.shutdown()
+
+    asyncio.run(main())
+    assert len(stopped) == 1 and "rank 1 exited" in str(stopped[0])
+    assert len(calls) == 1                                    # the loop ended at the first failure
