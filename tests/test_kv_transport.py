@@ -456,6 +456,35 @@ def test_malformed_joins_and_a_flood_of_unproven_ones_leave_the_receiver_accepti
         honest.close()
 
 
+def test_a_late_join_of_an_older_epoch_does_not_displace_the_senders_newer_pair(spawn_agent):
+    """A sender whose join of epoch 1 timed out joins again as epoch 2 and is admitted;
+    then epoch 1's proof arrives: it is refused, and the newer pair stays."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from cluster.transport.pair_group_common import JOIN_HINT, challenge_key, join_key, proof_key, prove, verdict_key
+    agent = spawn_agent("receiver", timeout_s=SHORT_S, secret="deployment-secret")
+    address = agent.identity()
+    store = dist.TCPStore(address.host, address.port, None, False, timeout=datetime.timedelta(seconds=10),
+                          wait_for_workers=False)
+
+    def join(slot: int, epoch: int, answer: bool = True) -> None:
+        text = f"{epoch} slow-sender"
+        assert store.compare_set(join_key(slot), "", text).decode() == text
+        store.add(JOIN_HINT, 1)
+        if answer:
+            challenge = store.get(challenge_key(slot)).decode()
+            store.set(proof_key(slot), prove("deployment-secret", challenge, epoch, "slow-sender", address.name))
+
+    join(0, 1, answer=False)                 # epoch 1 claims its slot; its proof is late
+    join(1, 2)
+    assert store.get(verdict_key(1)).decode() == ""                       # epoch 2 admitted
+    challenge = store.get(challenge_key(0)).decode()
+    store.set(proof_key(0), prove("deployment-secret", challenge, 1, "slow-sender", address.name))
+    assert store.get(verdict_key(0)).decode() == "refused: slow-sender has a newer pair (epoch 2)"
+
+
 def test_a_seal_holds_only_for_its_pair_kind_and_place():
     from cluster.transport.pair_group_common import pair_key, seal, unseal
     key = pair_key("secret", "challenge", 3, "S", "R")

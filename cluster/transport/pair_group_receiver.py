@@ -109,7 +109,8 @@ class _RecvPair:
 
     def _admit(self, store: dist.TCPStore) -> bool:
         """Checks the sender's proof of the secret and answers the verdict; an
-        admitted pair replaces the sender's previous one."""
+        admitted pair replaces the sender's previous one, unless that one is of a
+        later epoch (this join was slow, and its sender has moved on)."""
         owner = self.owner
         try:
             proof = store.get(proof_key(self.slot)).decode("utf-8", errors="replace")   # waits up to timeout_s
@@ -125,7 +126,13 @@ class _RecvPair:
             if owner._closed:
                 return False
             old = owner._pairs.get(self.sender)
-            owner._pairs[self.sender] = self
+            late = old is not None and old.epoch > self.epoch
+            if not late:
+                owner._pairs[self.sender] = self
+        if late:   # the sender gave up on this one and already paired again: the newer pair stays
+            owner._refuse(store, self.slot, f"refused: {self.sender} has a newer pair (epoch {old.epoch})",
+                          proof_read=True)
+            return False
         if old is not None:   # a sender only joins again after dropping its side
             old.drop(f"failed: {self.sender} started a new pair")
         store.set(verdict_key(self.slot), "")
