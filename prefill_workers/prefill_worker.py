@@ -249,7 +249,8 @@ class PrefillWorker:
 
     def _note_send(self, engine: LLMEngine, request_id: str, transfer_id: str | None) -> None:
         """Records a send started off the engine thread (one rank; None: it failed to
-        start), and carries out a drop asked for while it was packed."""
+        start), and carries out a drop asked for while it was packed (a release
+        asked for then waits for the send to end)."""
         with self._sends_to_note_lock:
             self._sends_to_note.discard(request_id)
         hold = self._holds.get(request_id)
@@ -260,7 +261,8 @@ class PrefillWorker:
         if transfer_id is not None:
             hold.transfer_id, hold.transfer_state = transfer_id, TransferState.PENDING
             self._renew(engine, request_id)
-        if hold.drop_requested:
+        # a release waits for the send it met (its end frees the hold: _tick); an abort does not
+        if hold.drop_requested or (hold.release_requested and transfer_id is None):
             self._drop(engine, request_id)
 
     def _abandon_send(self, engine: LLMEngine, request_id: str, transfer_id: str) -> None:
@@ -305,7 +307,9 @@ class PrefillWorker:
         if hold is None:
             return False
         hold.release_requested = True
-        if hold.transfer_state is None or hold.transfer_state.is_final:
+        with self._sends_to_note_lock:
+            packing = request_id in self._sends_to_note      # a send is being packed: _note_send decides
+        if not packing and (hold.transfer_state is None or hold.transfer_state.is_final):
             self._drop(engine, request_id)
         return True
 

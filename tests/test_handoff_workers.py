@@ -852,6 +852,47 @@ def test_a_hold_packed_off_the_engine_thread_is_not_freed_while_it_packs(model_d
     run(main())
 
 
+def test_a_release_that_arrives_while_a_send_is_packed_waits_for_that_send(model_dirs, monkeypatch):
+    """A release (say, a decode worker's from an earlier try) reaches the prefill worker
+    while its one rank packs the next send: the send still goes out whole, and the
+    blocks are freed when it ends (before, the release acted as an abort: the send was
+    forgotten and its decode worker waited out the transfer timeout)."""
+    async def main():
+        hub = FakeTransportHub(delay_s=0.5)      # the bytes move for 0.5 s once the send is posted
+        pair = await Pair(model_dirs["tiny"], hub).start()
+        prefill = pair.prefill
+        try:
+            await prefill.prefill("r", PROMPTS[1], GREEDY)
+            held = await prefill._engine.call(
+                lambda e: e.read_kv_shards(list(e.held_sequence("r").block_table))[0])
+            kv_cache = prefill._engine.engine.worker.kv_cache
+            read_blocks = kv_cache.read_blocks
+
+            def slow_read(block_ids, heads=None):
+                time.sleep(1.0)
+                return read_blocks(block_ids, heads)
+
+            monkeypatch.setattr(kv_cache, "read_blocks", slow_read)
+            receiver, received = hub.receiver("decode-x"), torch.zeros(held.numel() * held.element_size(),
+                                                                         dtype=torch.uint8)
+            receiver.expect("t-r/0", "p0", received)
+            prefill._engine.submit(lambda engine: time.sleep(0.5))     # a step: the release queues behind it
+            release = asyncio.create_task(prefill.release("r"))
+            await asyncio.sleep(0)
+            await prefill.send_kv("r", "t-r", [receiver.address])     # packs for 1 s: the release runs meanwhile
+            assert await release
+            monkeypatch.setattr(kv_cache, "read_blocks", read_blocks)
+            deadline = time.monotonic() + 5
+            while receiver.poll("t-r/0", "p0") is not TransferState.DONE:
+                assert time.monotonic() < deadline, receiver.poll("t-r/0", "p0")
+                await asyncio.sleep(0.05)
+            assert torch.equal(received.view(held.dtype), held.flatten())
+            await pair.wait_idle()                         # and the release frees the hold after the send
+        finally:
+            await pair.shutdown()
+    run(main())
+
+
 async def _nothing_left_on_the_wire(pair: Pair, release: str | None = None) -> None:
     """No send is tracked nor counted by the staging budget; the holds then free
     (after releasing `release`'s, when given)."""
