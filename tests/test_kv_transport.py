@@ -485,6 +485,16 @@ def test_a_late_join_of_an_older_epoch_does_not_displace_the_senders_newer_pair(
     assert store.get(verdict_key(0)).decode() == "refused: slow-sender has a newer pair (epoch 2)"
 
 
+def test_a_pairs_process_group_meets_under_a_name_only_its_two_sides_can_derive():
+    from cluster.transport.pair_group_common import group_prefix, pair_key
+    key = pair_key("deployment-secret", "challenge", 3, "prefill-0", "decode-0")
+    prefix = group_prefix(key)
+    assert prefix.startswith("pg/") and len(prefix) == 35 and group_prefix(key) == prefix   # both sides agree
+    others = {group_prefix(pair_key(secret, "challenge", epoch, "prefill-0", "decode-0"))
+              for secret, epoch in (("another-secret", 3), ("deployment-secret", 4))}
+    assert prefix not in others and len(others) == 2     # another secret or pair: another name
+
+
 def test_a_seal_holds_only_for_its_pair_kind_and_place():
     from cluster.transport.pair_group_common import pair_key, seal, unseal
     key = pair_key("secret", "challenge", 3, "S", "R")

@@ -61,10 +61,12 @@ can derive, bound to the message's kind and sequence number, so a header or
 ack written by anyone else (which could steer a sender's bytes into another
 transfer's blocks, or free a sender's KV before it arrived) breaks the pair
 instead of being obeyed; the secret keeps strangers from writing into, or
-reading from, the KV caches through a pair. What stays open to anyone who
-reaches the store: deleting or overwriting keys, which fails transfers (they
-time out and are retried), and the process group's own rendezvous keys under
-"pg", which gloo and NCCL read as they find them.
+reading from, the KV caches through a pair. The process group's own
+rendezvous keys, which gloo and NCCL read as they find them, are under a name
+derived from the pair's key (`group_prefix`), so a stranger cannot find them
+to race the sides to them. What stays open to anyone who reaches the store:
+deleting or overwriting keys, which fails transfers (they time out and are
+retried).
 
 Caveats: close() does not wait for a thread blocked on a hung peer (it ends within
 timeout_s by itself). CUDA buffers: NCCL orders a send after the work queued on the
@@ -99,7 +101,6 @@ log = logging.getLogger(__name__)
 ABORT_TAG = 2**31 - 1          # a tag no data op uses: see abort_group
 TAG_MASK = 2**30 - 1
 JOIN_HINT = "kvpair/joins"     # count of claimed join slots (a hint: slots are claimed with compare_set)
-GROUP_PREFIX = "pg"            # under a pair's prefix: the store of its process group
 JOIN_GRACE_S = 1.0             # how long close() waits for its threads before leaving them
 
 
@@ -157,6 +158,12 @@ def unseal(key: bytes, kind: str, seq: int, sealed: str) -> str | None:
 def epoch_key(sender: str) -> str:
     """The counter of `sender`'s pairs with one receiver: each new pair takes the next epoch."""
     return f"kvpair/{sender}/epoch"
+
+
+def group_prefix(key: bytes) -> str:
+    """Under a pair's prefix: the keys of its process group's rendezvous, named from the
+    pair's key so that only its two sides know where they are."""
+    return "pg/" + hmac.new(key, b"group", hashlib.sha256).hexdigest()[:32]
 
 
 def pair_prefix(sender: str, epoch: int) -> str:

@@ -35,7 +35,6 @@ from cluster.transport.kv_transport import (
     TransferState,
 )
 from cluster.transport.pair_group_common import (
-    GROUP_PREFIX,
     TAG_MASK,
     Settings,
     Transfer,
@@ -46,6 +45,7 @@ from cluster.transport.pair_group_common import (
     connect_store,
     default_name,
     describe,
+    group_prefix,
     hdr_key,
     host_store,
     join_key,
@@ -152,7 +152,7 @@ class _RecvPair:
             if not self._admit(store):
                 return
             msgs = dist.PrefixStore(pair_prefix(self.sender, self.epoch), store)
-            group = make_group(dist.PrefixStore(GROUP_PREFIX, msgs), 1, cfg.backend, cfg.device, cfg.timeout_s)
+            group = make_group(dist.PrefixStore(group_prefix(self.key), msgs), 1, cfg.backend, cfg.device, cfg.timeout_s)
         except Exception as exc:  # noqa: BLE001 - the sender died or never joined: nothing to fail yet
             self.drop(f"failed: pair with {self.sender} not set up: {describe(exc)}", wake=False)
             return

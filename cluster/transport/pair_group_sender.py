@@ -32,7 +32,6 @@ from cluster.transport.kv_transport import (
     TransferState,
 )
 from cluster.transport.pair_group_common import (
-    GROUP_PREFIX,
     JOIN_HINT,
     TAG_MASK,
     Settings,
@@ -45,6 +44,7 @@ from cluster.transport.pair_group_common import (
     default_name,
     describe,
     epoch_key,
+    group_prefix,
     hdr_key,
     join_key,
     join_threads,
@@ -150,7 +150,7 @@ class _SendPair:
             raise KVTransportError(f"{self.peer.name} {verdict}")
         self.key = pair_key(self.cfg.secret, challenge, epoch, self.cfg.name, self.peer.name)
         msgs = dist.PrefixStore(pair_prefix(self.cfg.name, epoch), store)
-        group = make_group(dist.PrefixStore(GROUP_PREFIX, msgs), 0, self.cfg.backend, self.cfg.device,
+        group = make_group(dist.PrefixStore(group_prefix(self.key), msgs), 0, self.cfg.backend, self.cfg.device,
                            time_left(self.connect_deadline).total_seconds())
         store.set_timeout(datetime.timedelta(seconds=self.cfg.timeout_s))
         with self.lock:
