@@ -63,13 +63,23 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     from cluster.serving.placement import placed_config, resolve_cpus_per_rank
 
     args = dict(args or {})
-    path = args.pop("config", None)
+    path = _deployment_file(args.pop("config", None))
     whole = args.pop("config_json", None)      # a whole deployment, as `pdserve serve --autoscale` sends it
     profile = args.pop("autoscaling_profile", None)
     config = with_overrides(DeploymentConfig.model_validate(whole), args) if whole else load_config(path, args)
     # `serve run` connects before it builds: check against the real cluster
     config = placed_config(config) if ray.is_initialized() else resolve_cpus_per_rank(config, usable_cpus())
     return build_application(config, resolve_model(config, profile))
+
+
+def _deployment_file(path: str | None) -> str | None:
+    """A relative `config:` names a file in the working directory, else one that pdserve
+    ships (configs/...): `serve deploy` builds the application in a Ray worker, whose
+    working directory need not be the one the Serve file was written for."""
+    if path is None or Path(path).is_absolute() or Path(path).exists():
+        return path
+    shipped = Path(__file__).resolve().parent.parent / path
+    return str(shipped) if shipped.exists() else path
 
 
 class ResolvedModel(NamedTuple):

@@ -175,6 +175,17 @@ class LimitsSection(_Strict):
     max_allowed_token_ids: int = Field(1024, ge=0, description="token ids one request's allowed_token_ids may name")
 
 
+def _known_gpu_type(name: str | None) -> str | None:
+    """A GPU type the memory planner and the roofline model know, by its canonical name."""
+    if name is None:
+        return None
+    from engine.memory_planner import resolve_gpu_type
+    try:
+        return resolve_gpu_type(name).name
+    except ValueError as exc:
+        raise ValueError(str(exc).removeprefix("--gpu-type: ")) from None
+
+
 class Resources(_Strict):
     cpus_per_rank: float | None = Field(None, gt=0, le=1024, description="CPUs each rank's bundle reserves; null: "
                                         "on CPU, the node's cores shared equally among all ranks of the "
@@ -182,7 +193,9 @@ class Resources(_Strict):
     lend_idle_cores: bool = Field(True, description="CPU: an idle one-rank engine lends its cores to busy ones "
                                   "on the same machine (decode and colocated engines borrow, prefill engines "
                                   "only lend); engine/core_lending.py")
-    gpu_type: str | None = Field(None, description="H100-SXM, H200 or A100-80GB: for `pdserve plan` checks")
+    gpu_type: Annotated[str | None, AfterValidator(_known_gpu_type)] = Field(
+        None, description="H100-SXM, H200 or A100-80GB (or h100, h200, a100): the GPUs `pdserve simulate` "
+        "models for this deployment")
     gpu_memory_gib: float | None = Field(None, gt=0)
 
 

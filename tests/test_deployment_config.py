@@ -77,6 +77,8 @@ def test_gpu_files_fit_by_the_planner(name, model):
     ({"model": {"dtype": "int8"}}, r"model.dtype"),
     ({"prefil": {}}, r"prefil\n.*Extra inputs are not permitted"),
     ({"http": {"stream_interval_ms": -5}}, r"http.stream_interval_ms\n.*greater than or equal to 0"),
+    ({"resources": {"gpu_type": "V100"}}, r"resources.gpu_type\n.*unknown GPU type 'V100'; choose one of H100-SXM "
+     r"\(h100\), H200 \(h200\), A100-80GB \(a100\)"),
 ])
 def test_mistakes_name_the_field(tmp_path, data, match):
     import yaml
@@ -84,6 +86,11 @@ def test_mistakes_name_the_field(tmp_path, data, match):
     f.write_text(yaml.safe_dump(data))
     with pytest.raises(ConfigFileError, match=match):
         load_config(f)
+
+
+def test_a_gpu_type_is_taken_by_any_of_its_names_and_kept_by_its_own():
+    for name in ("H100-SXM", "h100", "H100"):
+        assert DeploymentConfig.model_validate({"resources": {"gpu_type": name}}).resources.gpu_type == "H100-SXM"
 
 
 def test_unreadable_file(tmp_path):

@@ -65,6 +65,7 @@ class FakeOpenAIServer:
         self.in_flight = 0
         self.max_in_flight = 0
         self.received = 0
+        self.paths: list[str] = []          # each generation request's path, in arrival order
         self._lock = threading.Lock()
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -114,6 +115,7 @@ class FakeOpenAIServer:
             return refused
         with self._lock:
             self.received += 1
+            self.paths.append(request.path)
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
@@ -666,6 +668,26 @@ def test_cli_unreachable_server_and_bad_arguments_exit_2(server, capsys):
     with pytest.raises(SystemExit):
         main(["loadtest", "--request-timeout", "inf"])
     assert "finite" in capsys.readouterr().err
+
+
+def test_cli_takes_a_vllm_bench_serve_command_line(server, tokenizer_dir, tmp_path, capsys):
+    port = server.base_url.rsplit(":", 1)[1]
+    before = len(server.paths)
+    rc = main(["loadtest", "--backend", "openai-chat", "--host", "127.0.0.1", "--port", port,
+               "--tokenizer", str(tokenizer_dir), "--dataset-name", "prefix_repetition",
+               "--prefix-repetition-prefix-len", "16", "--prefix-repetition-suffix-len", "4",
+               "--prefix-repetition-num-prefixes", "2", "--prefix-repetition-output-len", "3",
+               "--num-prompts", "4", "--request-rate", "50", "--disable-tqdm", "--save-result",
+               "--result-dir", str(tmp_path), "--result-file", "vllm.json"])
+    assert rc == 0, capsys.readouterr().err
+    assert server.paths[before:] == ["/v1/chat/completions"] * 4
+    saved = json.loads((tmp_path / "vllm.json").read_text())
+    assert saved["completed"] == 4 and saved["dataset_name"] == "prefix" and saved["input_lens"] == [20] * 4
+    for flags, message in ((["--backend", "openai-chat", "--endpoint", "/v1/completions"],
+                            "--backend openai-chat sends to /v1/chat/completions, and --endpoint is"),
+                           (["--base-url", server.base_url, "--port", port], "either --base-url or --host/--port")):
+        assert main(["loadtest", *flags]) == 2
+        assert message in capsys.readouterr().err
 
 
 def test_cli_refuses_before_the_run_what_it_would_ignore_or_fail_on(server, tmp_path, capsys):

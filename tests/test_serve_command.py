@@ -217,12 +217,13 @@ def test_serve_config_files_name_the_app_builder():
             assert app["autoscaling_policy"]["policy_function"] == "cluster.autoscaler.serve_policy:router_targets"
 
 
-def test_app_builder_builds_from_the_tiny_serve_config(monkeypatch):
+def test_app_builder_builds_from_the_tiny_serve_config(monkeypatch, tmp_path):
     """The Serve file's builder reads the deployment file it names: its pools and
-    its engine settings reach the workers."""
-    monkeypatch.chdir(REPO)
+    its engine settings reach the workers. Its relative path is found from any working
+    directory (`serve deploy` builds in a Ray worker), a file of that name there first."""
+    monkeypatch.chdir(tmp_path)
     spec = yaml.safe_load((REPO / "configs/serve/tiny-cpu.yaml").read_text())
-    app = build_app(spec["applications"][0]["args"])
+    app = build_app(dict(spec["applications"][0]["args"]))
     router = app._bound_deployment
     workers = {name: router.init_kwargs[name]._bound_deployment for name in ("prefill", "decode")}
     assert (router.name, router.init_args[0].served_model_name) == ("Router", "tiny")
@@ -231,6 +232,12 @@ def test_app_builder_builds_from_the_tiny_serve_config(monkeypatch):
         engine = worker.init_args[0]
         # tiny-cpu.yaml's engine section, not the defaults (2048 tokens a step, 1 GiB of KV)
         assert (engine.max_num_batched_tokens, engine.kv_cache_memory_gib, engine.block_size) == (512, 0.25, 16)
+    own = tmp_path / spec["applications"][0]["args"]["config"]
+    own.parent.mkdir(parents=True)
+    own.write_text((REPO / "configs/tiny-cpu.yaml").read_text().replace("max_num_batched_tokens: 512",
+                                                                        "max_num_batched_tokens: 256"))
+    decode = build_app(dict(spec["applications"][0]["args"]))._bound_deployment.init_kwargs["decode"]
+    assert decode._bound_deployment.init_args[0].max_num_batched_tokens == 256      # the working directory's
 
 
 def check_loadtest_against(base_url: str, out_dir: Path) -> None:

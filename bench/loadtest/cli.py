@@ -1,17 +1,22 @@
 """`pdserve loadtest`: load-test an OpenAI-compatible server, `vllm bench serve` style.
 
-    pdserve loadtest [--base-url URL] [--endpoint /v1/completions|/v1/chat/completions]
+    pdserve loadtest [--base-url URL | --host H --port P] [--endpoint /v1/completions|/v1/chat/completions]
                      [--model NAME|DIR] [--tokenizer DIR] [--api-key KEY] [--num-prompts N]
                      [--dataset-name random|sharegpt|prefix] [--dataset-path FILE]
                      [--request-rate R | --sweep-rates R1,R2,...] [--burstiness B]
                      [--max-concurrency C] [--goodput ttft:MS tpot:MS e2el:MS]
                      [--save-result] [--result-dir DIR] [--result-file NAME] [--plot DIR] ...
 
-Flags are vLLM's wherever the concept is the same. Defaults differ from vLLM's
-where the built-in tiny model (a 1024-token context, CPU serving) needs it:
---num-prompts 100 (vLLM 1000), --random-input-len 128 (1024),
---random-output-len 32 (128), --prefix-repetition-output-len 32 (128); and
-every latency (ttft, tpot, itl, e2el) with p90 and p99 is shown by default.
+Flags are vLLM's wherever the concept is the same, and `vllm bench serve`'s
+--host/--port, --backend (openai, vllm: completions; openai-chat: chat) and
+--dataset-name prefix_repetition are taken as they are. Defaults differ from
+vLLM's where the built-in tiny model (a 1024-token context, CPU serving) needs
+it: --num-prompts 100 (vLLM 1000), --random-input-len 128 (1024),
+--random-output-len 32 (128), --prefix-repetition-suffix-len 32 (256),
+--prefix-repetition-output-len 32 (128); a run stops after --max-duration 600 s
+and a request after --request-timeout 300 s (vLLM: no limit, 6 hours);
+--temperature 0 is sent (vLLM leaves it to the server); and every latency
+(ttft, tpot, itl, e2el) with p90 and p99 is shown by default.
 
 Where the pieces come from:
 - the model: --model, else the first model GET /v1/models lists; a --model that
@@ -38,7 +43,9 @@ from typing import Any
 
 from bench.loadtest.metrics import METRICS, SLO_METRICS
 
-_DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+BACKEND_ENDPOINTS = {"openai": "/v1/completions", "vllm": "/v1/completions",
+                      "openai-chat": "/v1/chat/completions"}     # `vllm bench serve --backend` values
 
 
 # ------------------------------------------------------------------ argument types
@@ -118,9 +125,14 @@ def add_loadtest_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
         description="Stream requests to an OpenAI-compatible server on an arrival schedule and report "
                     "TTFT, TPOT, ITL, end-to-end latency, throughput, goodput and SLO attainment.")
     server = p.add_argument_group("server")
-    server.add_argument("--base-url", default=_DEFAULT_BASE_URL, help=f"server root (default {_DEFAULT_BASE_URL})")
-    server.add_argument("--endpoint", default="/v1/completions",
+    server.add_argument("--base-url", default=None, help=f"server root (default {DEFAULT_BASE_URL})")
+    server.add_argument("--host", default=None, help="vLLM's: the server's host, instead of --base-url")
+    server.add_argument("--port", type=_positive(int), default=None,
+                        help="vLLM's: the server's port, instead of --base-url")
+    server.add_argument("--endpoint", default=None,
                         help="/v1/completions (default) or /v1/chat/completions")
+    server.add_argument("--backend", default=None, choices=list(BACKEND_ENDPOINTS),
+                        help="vLLM's: openai or vllm (the completions endpoint), openai-chat (chat)")
     server.add_argument("--model", default=None,
                         help="model name to request, or its checkpoint directory (default: the first "
                              "model GET /v1/models lists)")
@@ -149,7 +161,9 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> tuple[Any, Any, Any]:
     """The dataset, load and results flags `pdserve loadtest` and `pdserve simulate`
     share; returns the three argument groups, for a caller's own flags."""
     data = p.add_argument_group("dataset")
-    data.add_argument("--dataset-name", default="random", choices=["random", "sharegpt", "prefix"])
+    data.add_argument("--dataset-name", default="random", choices=["random", "sharegpt", "prefix"],
+                      type=lambda name: "prefix" if name == "prefix_repetition" else name,
+                      help="random, sharegpt, or prefix (vLLM's prefix_repetition, either name)")
     data.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file (for sharegpt)")
     data.add_argument("--num-prompts", type=_positive(int), default=100, help="requests to send (default 100)")
     data.add_argument("--random-input-len", type=_positive(int), default=128, help="prompt tokens (default 128)")

@@ -30,6 +30,7 @@ from typing import Any
 
 import aiohttp
 
+from bench.loadtest.cli import BACKEND_ENDPOINTS, DEFAULT_BASE_URL
 from bench.loadtest.client import Unauthorized, fetch_models
 from bench.loadtest.datasets import (
     DatasetError,
@@ -101,7 +102,23 @@ def _loadtest(args: argparse.Namespace) -> int:
     return _single(args, datasets[0], config, tokenizer, meta)
 
 
+def resolve_server_flags(args: argparse.Namespace) -> None:
+    """--base-url and --endpoint from vLLM's --host/--port and --backend where those
+    are given; a contradiction is an error (LoadtestError)."""
+    if args.host is not None or args.port is not None:
+        if args.base_url is not None:
+            raise LoadtestError("give either --base-url or --host/--port, not both")
+        args.base_url = f"http://{args.host or '127.0.0.1'}:{args.port or 8000}"
+    args.base_url = args.base_url or DEFAULT_BASE_URL
+    implied = BACKEND_ENDPOINTS.get(args.backend)
+    if implied and args.endpoint and args.endpoint.rstrip("/") != implied:
+        raise LoadtestError(f"--backend {args.backend} sends to {implied}, and --endpoint is {args.endpoint}; "
+                            "drop one of them")
+    args.endpoint = args.endpoint or implied or "/v1/completions"
+
+
 def _check_combinations(args: argparse.Namespace) -> None:
+    resolve_server_flags(args)
     if args.sweep_rates and args.request_rate is not None:
         raise LoadtestError("give either --request-rate or --sweep-rates, not both")
     if args.plot and not args.sweep_rates:
