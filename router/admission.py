@@ -168,13 +168,44 @@ class AdmissionControl:
         self._check_slo(num_prompt_tokens)
         ticket = Admitted(num_prompt_tokens, self._prefill_tokens_per_step(num_prompt_tokens, max_tokens))
         self._check_tpot(ticket.prefill_tokens_per_step)
+        self._count(ticket)
+        return ticket
+
+    def admit_choices(self, num_prompt_tokens: int, max_tokens: int | None, choices: int) -> list[Admitted]:
+        """admit() for a request of `choices` choices of one prompt, all or none: the
+        prompt is checked and counted once (the choices after the first read it from the
+        prefix cache), each choice is a sequence that waits for its first token and runs.
+        Raises Overloaded (and counts nothing) when any must be refused."""
+        tickets = [self.admit(num_prompt_tokens, max_tokens)]
+        try:
+            for _ in range(choices - 1):
+                sibling = Admitted(0, 0.0)
+                self._check_tpot(sibling.prefill_tokens_per_step)
+                self._count(sibling)
+                tickets.append(sibling)
+        except Overloaded:
+            for ticket in tickets:
+                self._uncount(ticket)
+            raise
+        return tickets
+
+    def _count(self, ticket: Admitted) -> None:
         if not self.waiting_requests:
             self._head_since = self.clock()
         self.waiting_requests += 1
-        self.waiting_tokens += num_prompt_tokens
+        self.waiting_tokens += ticket.prompt_tokens
         self.running += 1
         self.prefill_tokens_per_step += ticket.prefill_tokens_per_step
-        return ticket
+
+    def _uncount(self, ticket: Admitted) -> None:
+        """Undoes _count for a request refused after all (the head of the queue keeps its progress)."""
+        self.waiting_requests = max(0, self.waiting_requests - 1)
+        self.waiting_tokens = max(0, self.waiting_tokens - ticket.prompt_tokens)
+        self.running = max(0, self.running - 1)
+        self.prefill_tokens_per_step = max(0.0, self.prefill_tokens_per_step - ticket.prefill_tokens_per_step) \
+            if self.running else 0.0
+        if not self.waiting_requests:
+            self._head_since = None
 
     def first_token(self, ticket: Admitted) -> None:
         """An admitted request got its first token, or ended without one (once per request)."""

@@ -114,9 +114,12 @@ class Choices:
                     await asyncio.wait({task})
                 except asyncio.CancelledError:    # this close itself: finish it, then pass the cancel on
                     cancelled = True
-        for index, gen in enumerate(self.generations):
+        for index, gen in enumerate(self.generations):    # every one, even when this close is cancelled
             ended = index in self._finished and gen.last is not None
-            await gen.close(gen.last.finish_reason if ended else finish_reason)
+            try:
+                await gen.close(gen.last.finish_reason if ended else finish_reason)
+            except asyncio.CancelledError:
+                cancelled = True
         if cancelled:
             raise asyncio.CancelledError
 

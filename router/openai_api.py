@@ -471,22 +471,13 @@ class _Server:
             return self.admission.check_before_tokenizing()
 
     def _admit(self, num_prompt_tokens: int, max_tokens: int | None, choices: int) -> list[Admitted | None]:
-        """Admission control's checks with the prompt's length and output bound, once per
-        choice (each runs as a request of its own); an admitted choice counts as waiting and
-        running (a ticket each, with admission control on). All or none are admitted."""
+        """Admission control's checks with the prompt's length and output bound: the prompt
+        once, each choice as a sequence of its own (a ticket each, with admission control
+        on). All or none are admitted."""
         if self.admission is None:
             return [None] * choices
-        tickets: list[Admitted | None] = []
-        try:
-            with self._counting_refusals(num_prompt_tokens, max_tokens):
-                for _ in range(choices):
-                    tickets.append(self.admission.admit(num_prompt_tokens, max_tokens))
-        except Overloaded:
-            for ticket in tickets:
-                self.admission.first_token(ticket)
-                self.admission.finished(ticket)
-            raise
-        return tickets
+        with self._counting_refusals(num_prompt_tokens, max_tokens):
+            return list(self.admission.admit_choices(num_prompt_tokens, max_tokens, choices))
 
     @contextmanager
     def _counting_refusals(self, num_prompt_tokens: int | None, max_tokens: int | None) -> Iterator[None]:

@@ -516,3 +516,104 @@ def test_the_deployment_file_sets_the_overload_wait_bound():
     off = DeploymentConfig.model_validate({"admission": {"overload_wait_factor": None}})
     assert off.admission.settings(off.slo).overload_wait_factor is None
     assert DeploymentConfig().admission.settings(DeploymentConfig().slo).overload_wait_factor == 0.25
+
+
+def test_the_choices_of_one_prompt_are_admitted_as_one_prompt_on_an_idle_server():
+    """n choices share one prompt: its prefill is checked once, so an idle server admits
+    them whatever the TTFT or overload rules say of a second copy of the prompt (each
+    choice checked on its own refused the second on every retry, for ever)."""
+    clock = _Clock()
+    a = AdmissionControl(AdmissionSettings(ttft_slo_s=1.0, max_waiting_prompt_tokens=1000), clock=clock)
+    a.observe_workers("prefill", [{"prefill_s_per_token": 2e-3}])      # 600 tokens: 1.2 s, alone
+    tickets = a.admit_choices(600, 16, 4)
+    assert [t.prompt_tokens for t in tickets] == [600, 0, 0, 0]
+    assert (a.waiting_requests, a.waiting_tokens, a.running) == (4, 600, 4)
+    with pytest.raises(Overloaded) as exc:
+        a.admit_choices(100, 16, 2)                 # behind them: 1.4 s predicted
+    assert exc.value.reason == "ttft_slo" and (a.waiting_requests, a.running) == (4, 4)
+    for t in tickets:
+        a.first_token(t)
+        a.finished(t, 16)
+    assert (a.waiting_requests, a.waiting_tokens, a.running) == (0, 0, 0)
+
+
+def test_choices_refused_on_the_tpot_bound_count_nothing_and_keep_the_queue_heads_progress():
+    clock = _Clock()
+    a = AdmissionControl(AdmissionSettings(ttft_slo_s=10.0, tpot_slo_s=0.1, tpot_headroom=1.0), clock=clock)
+    a.observe_workers("prefill", [{"prefill_s_per_token": 1e-3}])
+    a.observe_workers("decode", [{"decode_step_fixed_s": 0.02, "decode_s_per_seq": 0.02}])
+    head = a.admit(500)
+    clock.now += 0.3                                 # the head has had 0.3 s of its 0.5 s prefill
+    assert a.predicted_wait_s() == pytest.approx(0.2)
+    with pytest.raises(Overloaded) as exc:
+        a.admit_choices(100, 16, 4)                 # 5 running: 0.02 + 5 x 0.02 = 0.12 s > 0.1 s
+    assert exc.value.reason == "tpot_slo"
+    assert (a.waiting_requests, a.waiting_tokens, a.running) == (1, 500, 1)
+    assert a.predicted_wait_s() == pytest.approx(0.2)             # the head's progress is kept
+    a.first_token(head)
+
+
+def test_an_idle_server_answers_a_request_of_several_choices():
+    from engine.tiny_model import ensure_default_model
+    from engine.tokenizer import load_tokenizer
+    tokenizer = load_tokenizer(ensure_default_model())
+    admission = AdmissionControl(AdmissionSettings(ttft_slo_s=1.0))
+    admission.observe_workers("prefill", [{"prefill_s_per_token": 0.03}])   # 20 tokens: 0.6 s, alone
+    app = build_openai_app(FakeBackend(tokenizer, len(tokenizer)), tokenizer, ServingMetrics(),
+                           admission=admission)
+    body = {"model": MODEL, "prompt": list(range(10, 30)), "max_tokens": 3, "n": 3}
+    with TestClient(app, raise_server_exceptions=False) as client:
+        for _ in range(2):
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text         # before: 429 every time (1.2 s for a second copy)
+            assert len(r.json()["choices"]) == 3
+    assert (admission.waiting_requests, admission.running) == (0, 0)
+
+
+def test_a_close_cancelled_while_it_aborts_one_choice_still_closes_the_others():
+    """Serve cancels the handler of a client that left while the router aborts its first
+    choice: the other choices are closed all the same, their admission tickets returned
+    (before, they stayed counted as waiting and running for good)."""
+    from engine.sampling_params import SamplingParams
+    from router.choices import Choices, Generation
+
+    closed = []
+
+    class Stream:
+        def __init__(self, request_id):
+            self.request_id = request_id
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            await asyncio.Event().wait()
+
+        async def aclose(self):
+            closed.append(self.request_id)
+            if self.request_id.endswith("-0"):
+                await asyncio.sleep(30)         # a remote abort that takes its time
+
+    class Backend:
+        def generate(self, request_id, prompt_ids, params):
+            return Stream(request_id)
+
+        def phase_timings(self, request_id):
+            return None
+
+    admission = AdmissionControl(AdmissionSettings())
+
+    async def main():
+        tickets = admission.admit_choices(5, 3, 3)
+        choices = Choices([Generation(Backend(), ServingMetrics(), admission, f"r-{i}", [1, 2, 3, 4, 5],
+                                      SamplingParams(max_tokens=3), time.monotonic(), tickets[i])
+                           for i in range(3)])
+        closing = asyncio.create_task(choices.close("abort"))
+        await asyncio.sleep(0.05)               # in the first choice's abort
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+
+    asyncio.run(main())
+    assert closed == ["r-0", "r-1", "r-2"]
+    assert (admission.waiting_requests, admission.running) == (0, 0)
