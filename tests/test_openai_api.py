@@ -794,17 +794,19 @@ def test_continuous_usage_of_n_choices_is_each_chunks_own_choices(client):
 
 def test_n_choices_are_admitted_together_or_not_at_all(backend, tokenizer, metrics):
     from router.admission import AdmissionControl, AdmissionSettings
-    admission = AdmissionControl(AdmissionSettings(max_waiting_requests=10, max_waiting_prompt_tokens=20))
+    admission = AdmissionControl(AdmissionSettings(tpot_slo_s=0.1, tpot_headroom=1.0))
+    # a decode step of 1 / 2 / 3 sequences: 50 / 80 / 110 ms: a third choice would miss the TPOT SLO
+    admission.observe_workers("decode", [{"decode_step_fixed_s": 0.02, "decode_s_per_seq": 0.03}])
     n_client = TestClient(build_openai_app(backend, tokenizer, metrics, admission=admission))
-    prompt = tokenizer.encode("Hi there")          # each choice's prompt counts: 3 of them do not fit
-    refused = n_client.post(COMPLETIONS, json={"prompt": prompt * 3, "n": 3, "max_tokens": 1})
-    assert refused.status_code == 429 and backend.calls == []
+    prompt = tokenizer.encode("Hi there")
+    refused = n_client.post(COMPLETIONS, json={"prompt": prompt, "n": 3, "max_tokens": 1})
+    assert refused.status_code == 429 and "TPOT SLO" in refused.json()["error"]["message"] and backend.calls == []
     assert (admission.waiting_requests, admission.waiting_tokens, admission.running) == (0, 0, 0)
     too_far = n_client.post(COMPLETIONS, json={"prompt": prompt, "n": 2, "seed": 2**63 - 1, "max_tokens": 1})
     assert too_far.status_code == 400 and backend.calls == []
     assert (admission.waiting_requests, admission.waiting_tokens, admission.running) == (0, 0, 0)
-    assert n_client.post(COMPLETIONS, json={"prompt": prompt, "n": 3, "max_tokens": 2}).status_code == 200
-    assert len(backend.calls) == 3 and (admission.waiting_requests, admission.running) == (0, 0)
+    assert n_client.post(COMPLETIONS, json={"prompt": prompt, "n": 2, "max_tokens": 2}).status_code == 200
+    assert len(backend.calls) == 2 and (admission.waiting_requests, admission.running) == (0, 0)
 
 
 # --- client disconnects ----------------------------------------------------------
