@@ -129,26 +129,32 @@ class Scheduler:
         decodes: list[tuple[Sequence, int]] = []
         prefills: list[tuple[Sequence, int]] = []
 
-        # 1. running sequences, oldest first; preempt the newest when blocks run out
+        # 1. running sequences, oldest first; preempt the newest when blocks run out. A running
+        #    prefill (a chunked prompt, a preempted sequence's recompute, which a decode worker
+        #    readmits behind the hand-offs it took since) leaves a token for each decode after it.
+        decodes_ahead = sum(self._decodes_now(seq) for seq in self.running) if decode else 0
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            is_decode = self._decodes_now(seq)
+            decodes_ahead -= decode and is_decode
             if seq.num_pending_tokens and not self._continues_after_pending(seq):
                 i += 1
                 continue
             remaining = seq.num_uncomputed_tokens
-            is_decode = remaining == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
             # a decode-only step still runs the recompute of a preempted sequence (it has output
             # tokens: see 2.), whose later chunks come here as a running prefill
             if (is_decode and not decode) or (not is_decode and not prefill and seq.num_output_tokens == 0):
                 i += 1
                 continue
-            n = min(remaining, budget)
-            if n < remaining and not self.enable_chunked_prefill:
+            n = min(remaining, budget if is_decode else budget - decodes_ahead)
+            if n <= 0 or (n < remaining and not self.enable_chunked_prefill):
                 i += 1
                 continue
             while not self.block_manager.allocate(seq.block_table, seq.num_computed_tokens + n):
                 victim = self._preemption_victim()
+                if victim is not seq:      # (newer than seq: not yet visited)
+                    decodes_ahead -= decode and self._decodes_now(victim)
                 self._preempt(victim)
                 step.preempted.append(victim)
                 if victim is seq:
@@ -210,6 +216,11 @@ class Scheduler:
             step.seqs.append(seq)
             step.num_new_tokens.append(n)
         return step
+
+    @staticmethod
+    def _decodes_now(seq: Sequence) -> bool:
+        """Whether a running sequence's next step is a decode (one token after its whole prompt)."""
+        return seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
 
     def _preemption_victim(self) -> Sequence:
         """The newest running sequence that goes on after its pending token. One

@@ -201,3 +201,29 @@ def test_a_sequence_whose_pending_token_is_its_last_is_never_preempted():
     step = scheduler.schedule()
     assert step.preempted == [decoding] and step.seqs == []
     assert held.status is SequenceStatus.RUNNING and len(held.block_table) == 2
+
+
+def test_a_running_prefill_ahead_of_decodes_leaves_each_of_them_a_token():
+    """A decode worker readmits a preempted sequence behind nothing: its recompute is a
+    running prefill ahead of the hand-offs admitted since. Its chunk leaves the budget's
+    last tokens to the decodes after it, which would otherwise stall until it is done."""
+    from engine.block_manager import BlockManager
+    from engine.scheduler import Scheduler
+    from engine.sequence import Sequence, SequenceStatus
+
+    blocks = BlockManager(num_blocks=64, block_size=4)
+    scheduler = Scheduler(blocks, max_num_seqs=8, max_num_batched_tokens=16)
+    recompute = Sequence("recompute", list(range(3, 43)), 30, SamplingParams(max_tokens=20))   # 30 + 10 output
+    decoding = [Sequence(f"d{i}", list(range(50, 59)), 8, SamplingParams(max_tokens=8)) for i in range(3)]
+    for seq in decoding:       # 8 prompt tokens and 1 output computed but the last: one token to run
+        assert blocks.allocate(seq.block_table, 8)
+        seq.num_computed_tokens, seq.status = 8, SequenceStatus.RUNNING
+    recompute.status = SequenceStatus.RUNNING
+    scheduler.running.extend([recompute, *decoding])
+    step = scheduler.schedule()
+    assert [s.request_id for s in step.seqs] == ["d0", "d1", "d2", "recompute"]
+    assert step.num_new_tokens == [1, 1, 1, 13]                    # 16 tokens: 3 decodes + a 13-token chunk
+    # a prefill-only step (a prefill worker's) keeps the whole budget for the chunk
+    scheduler.after_step(step)
+    only_prefill = scheduler.schedule(decode=False)
+    assert [(s.request_id, n) for s, n in zip(only_prefill.seqs, only_prefill.num_new_tokens)] == [("recompute", 16)]
