@@ -433,12 +433,16 @@ class LLMEngine:
                 skip_draws(seq.generator, 1, self.model_config.vocab_size)
         if not self.scheduler.reserve(seq, seq.num_prompt_tokens):
             return None
-        state = RequestTextState(seq, self.tokenizer, self.max_model_len, output_kind)
+        try:
+            state = RequestTextState(seq, self.tokenizer, self.max_model_len, output_kind)
+            seq.first_scheduled_time = seq.first_token_time = seq.arrival_time
+            state.append(first_token_id, first_logprobs)
+            if first_token_emitted:
+                state.make_output(False)   # the prefill side streamed it: outputs start after it
+        except BaseException:
+            self.scheduler.finish(seq)     # nothing of it stays reserved
+            raise
         self._states[request_id] = state
-        seq.first_scheduled_time = seq.first_token_time = seq.arrival_time
-        state.append(first_token_id, first_logprobs)
-        if first_token_emitted:
-            state.make_output(False)   # the prefill side streamed it: outputs start after it
         return list(seq.block_table)
 
     def commit_prefilled(self, request_id: str) -> RequestOutput | None:

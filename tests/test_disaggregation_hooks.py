@@ -123,6 +123,18 @@ def test_bad_handoff_input_is_refused(model_dirs):
     with pytest.raises(InvalidRequestError, match="pass the first token's first_logprobs"):
         decode.reserve_prefilled("b", [5, 6, 7], 8, SamplingParams(logprobs=1))
     assert untouched()
+    from engine import output_processor
+    real_append = output_processor.RequestTextState.append
+
+    def failing_append(self, *args, **kwargs):
+        raise RuntimeError("detokenizing failed")
+    output_processor.RequestTextState.append = failing_append    # a failure after the blocks were reserved
+    try:
+        with pytest.raises(RuntimeError, match="detokenizing failed"):
+            decode.reserve_prefilled("c", [5, 6, 7], 8, params)
+    finally:
+        output_processor.RequestTextState.append = real_append
+    assert untouched()                                   # before: "c" kept its reserved blocks and seat
     with pytest.raises(InvalidRequestError, match="has no reserved blocks"):
         decode.commit_prefilled("never")
     with pytest.raises(ValueError, match=r"outside the KV cache's blocks"):
