@@ -163,9 +163,13 @@ class BlockManager:
                 block.token_ids = chunk
                 block.parent_content_id = parent.identity if parent else 0
                 # first writer wins: an identical block computed again stays private, with the
-                # registered block's identity (its children then match through the registered one)
+                # registered block's identity (its children then match through the registered one).
+                # A registered block that no longer verifies (its parent's content was evicted and
+                # computed again since) gives the hash to this one, or the chain breaks there for good.
                 registered = self.blocks[self._by_hash.setdefault(block.hash, block.block_id)]
-                if registered is not block and registered.token_ids == chunk and \
-                        registered.parent_content_id == block.parent_content_id:
-                    block.identity = registered.identity
+                if registered is not block:
+                    if registered.token_ids == chunk and registered.parent_content_id == block.parent_content_id:
+                        block.identity = registered.identity
+                    else:
+                        self._by_hash[block.hash] = block.block_id
         return max(num_full, num_already_cached)

@@ -152,6 +152,32 @@ def test_a_prefix_computed_twice_keeps_the_later_blocks_findable():
     assert follow_up == a[:2] + [b[2]]
 
 
+def test_a_registered_block_whose_parent_was_recomputed_gives_its_hash_to_the_new_chain():
+    """S2 computed S1's one-block prompt X again (a private copy) and then its output Y,
+    registered under X's first identity; X's registered block is evicted; S3 computes X
+    and Y afresh. Y's old registration no longer verifies (its parent is gone): S3's Y
+    takes the hash over, so that S4 finds X and Y (before: only X, while S2 lived)."""
+    bm = BlockManager(num_blocks=6, block_size=BS)
+    x, y = [1, 2, 3, 4], [5, 6, 7, 8]
+    s1: list[int] = []
+    bm.allocate(s1, 4)
+    bm.cache_full_blocks(x, s1, 4, 0)
+    s2: list[int] = []
+    assert bm.match_prefix(x, s2) == 0             # a whole-prompt hit leaves its block to compute
+    bm.allocate(s2, 8)
+    bm.cache_full_blocks(x + y, s2, 8, 0)          # s2[1] (Y) registered under s1[0]'s identity
+    bm.free(s1)
+    taken: list[int] = []
+    assert bm.allocate(taken, 4 * bm.num_free_blocks)   # every free block, s1[0] (X) last: evicted
+    bm.free(taken)
+    s3: list[int] = []
+    assert bm.match_prefix(x + y + [0], s3) == 0
+    bm.allocate(s3, 9)
+    bm.cache_full_blocks(x + y + [0], s3, 9, 0)
+    s4: list[int] = []
+    assert bm.match_prefix(x + y + [9], s4) == 8 and s4 == s3[:2]
+
+
 def test_free_blocks_nobody_can_find_are_handed_out_before_cached_ones():
     bm = BlockManager(num_blocks=3, block_size=BS)
     prompt = [1, 2, 3, 4, 5]
