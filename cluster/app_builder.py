@@ -111,6 +111,7 @@ def resolve_model(config: DeploymentConfig, profile: dict | None = None) -> Reso
     max_len = resolve_max_model_len(EngineConfig(model=path, max_model_len=config.model.max_model_len), mc)
     problems = [f"{role}: {problem}" for role in config.pools()
                 for problem in preflight(config.engine_config(role, path), mc, max_len)]
+    problems += _gpu_fit_problems(config, mc, max_len)
     if problems:
         raise ValueError("the workers' engines would refuse this deployment:\n  " + "\n  ".join(problems))
     profile = _autoscaling_profile(config, mc, profile) \
@@ -118,6 +119,25 @@ def resolve_model(config: DeploymentConfig, profile: dict | None = None) -> Reso
     name = config.model.served_model_name or Path(path).name
     return ResolvedModel(path, ModelInfo(served_model_name=name, max_model_len=max_len, vocab_size=mc.vocab_size,
                                          sampling_defaults=generation_sampling_defaults(path)), profile)
+
+
+def _gpu_fit_problems(config: DeploymentConfig, mc, max_len: int) -> list[str]:
+    """Where a CUDA deployment names its GPUs (resources.gpu_type or gpu_memory_gib): each
+    pool whose replica the memory planner finds would not start there (weights past the
+    memory, or a KV cache short of one max_model_len sequence), as the simulator sizes it."""
+    if config.device != "cuda" or not (config.resources.gpu_type or config.resources.gpu_memory_gib):
+        return []
+    from cluster.simulator.from_config import kv_blocks
+    from engine.memory_planner import resolve_dtype
+    dtype = resolve_dtype(mc, config.model.dtype)
+    problems = []
+    for role, pool in config.pools().items():
+        try:
+            kv_blocks(config, pool, mc, dtype, max_len)
+        except ValueError as exc:
+            problems.append(f"{role}: {exc}; raise {role}.tensor_parallel_size (a shorter model.max_model_len "
+                            "helps only a KV cache that is short)")
+    return problems
 
 
 def _autoscaling_profile(config: DeploymentConfig, mc, read: dict | None = None) -> dict:

@@ -167,6 +167,31 @@ def test_settings_the_engines_would_refuse_are_found_before_deploying(tmp_path, 
         "at another degree" in problems(**autoscaled, **{"autoscaling.profile": str(at_tp2)})
 
 
+def test_a_gpu_deployment_that_does_not_fit_its_named_gpus_is_refused_before_deploying(tmp_path):
+    """Llama-3-70B's config.json (the weights are not needed to plan) on H100s: one GPU per
+    replica cannot hold its 131 GiB of weights; four can."""
+    import shutil
+
+    from cluster.app_builder import resolve_model
+    shutil.copy(REPO / "configs/models/llama-3-70b/config.json", tmp_path / "config.json")
+    for f in Path(checkpoint_dir_of("tiny")).iterdir():       # a tokenizer: the router loads one
+        if "token" in f.name:
+            shutil.copy(f, tmp_path / f.name)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+
+    def deployment(tp: int, gpu: dict) -> DeploymentConfig:
+        return with_overrides(DeploymentConfig(), {"device": "cuda", "model.path": str(tmp_path), **gpu,
+                                                   "prefill.tensor_parallel_size": tp,
+                                                   "decode.tensor_parallel_size": tp})
+    with pytest.raises(ValueError) as info:
+        resolve_model(deployment(1, {"resources.gpu_type": "H100-SXM"}))
+    for role in ("prefill", "decode"):
+        assert f"{role}: a TP-1 replica does not fit on H100-SXM: weights need 131.4 GiB per rank" in str(info.value)
+        assert f"raise {role}.tensor_parallel_size" in str(info.value)
+    assert resolve_model(deployment(4, {"resources.gpu_type": "H100-SXM"})).info.vocab_size == 128256
+    assert resolve_model(deployment(1, {})).info.max_model_len == 8192      # GPUs not named: not checked here
+
+
 def checkpoint_dir_of(name: str) -> str:
     from engine.tiny_model import checkpoint_dir
     return checkpoint_dir(name)
