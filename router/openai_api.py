@@ -267,7 +267,7 @@ class _Server:
         token_ids = prompt_ids if body.return_token_ids else None
         echo = self._echo(body, prompt_ids, cut)
         as_ids = bool(body.return_tokens_as_token_ids)
-        fmt = ChatResponses(self.token_texts, token_ids, echo, as_ids) if chat else \
+        fmt = ChatResponses(self.token_texts, token_ids, echo, as_ids, body.reply_role) if chat else \
             CompletionResponses(self.token_texts, token_ids, echo, as_ids)
         request_id = f"{'chat' if chat else ''}{self.prefix}-{uuid.uuid4().hex}"
         n = len(choice_params)
@@ -317,12 +317,13 @@ class _Server:
               cut: bool) -> Echo | None:
         """What `echo` puts before each choice's text: the prompt (its own text, the text of its
         token ids, or when it was `cut` the text of the tokens kept), or in a chat the last message
-        when it is the assistant's."""
+        when it has the reply's role (vLLM's: the assistant's; with add_generation_prompt false,
+        whichever it is)."""
         if not body.echo:
             return None
         if isinstance(body, ChatCompletionRequest):
-            last = body.messages[-1] if body.messages else None
-            return Echo(last.content or "", prompt_ids) if last is not None and last.role == "assistant" else None
+            last = body.messages[-1]
+            return Echo(last.content or "", prompt_ids) if last.role == body.reply_role else None
         if cut:
             return Echo(self.tokenizer.decode(prompt_ids, skip_special_tokens=True), prompt_ids)
         return Echo(body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(prompt_ids), prompt_ids)

@@ -439,6 +439,12 @@ class _ChatPrompt(BaseModel):
             raise _shape_error("no messages; send at least one")
         return value
 
+    @property
+    def reply_role(self) -> str:
+        """The reply's role: the assistant's, or with add_generation_prompt false the last
+        message's, which the reply continues (vLLM's)."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
     def text_length(self) -> int:
         """The messages' text and every string the template may render besides
         (names, chat_template_kwargs: a template can print any of them)."""

@@ -227,18 +227,25 @@ class CompletionResponses(ResponseBuilder):
 
 
 class ChatResponses(ResponseBuilder):
+    """`role`: the reply's (the assistant's, or with add_generation_prompt false the last
+    message's, whose continuation it is: vLLM's)."""
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
+    def __init__(self, token_text: TokenTexts, prompt_token_ids: list[int] | None = None,
+                 echo: Echo | None = None, tokens_as_ids: bool = False, role: str = "assistant"):
+        super().__init__(token_text, prompt_token_ids, echo, tokens_as_ids)
+        self.role = role
+
     def opening_choices(self, n: int) -> list[dict[str, Any]]:
-        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        return [{"index": i, "delta": {"role": self.role, "content": ""}, "logprobs": None,
                  "finish_reason": None, "stop_reason": None} for i in range(n)]
 
     def response_fields(self) -> dict[str, Any]:
         return {"prompt_token_ids": self.prompt_token_ids} if self.prompt_token_ids is not None else {}
 
     def choice(self, index: int, text: str, logprobs: dict | None, out: RequestOutput) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": text},
+        return {"index": index, "message": {"role": self.role, "content": text},
                 "logprobs": logprobs, "finish_reason": out.finish_reason,
                 "stop_reason": out.stop_reason, **self._output_ids(out.token_ids)}
 

@@ -157,6 +157,16 @@ def test_chat_prompt_logprobs_are_the_responses_and_echo_repeats_an_assistant_me
     chunks = [json.loads(e) for e in sse_events(r) if e != "[DONE]"]
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text == backend.tokenizer.decode(backend.reply_ids[:2])    # the last message is the user's: no echo
+    # without a generation prompt the reply continues the last message, whatever its role: it has that
+    # role, and an echo repeats that message (vLLM's)
+    r = client.post(CHAT, json={"messages": messages[:1], "max_tokens": 2, "echo": True,
+                                "add_generation_prompt": False})
+    message = r.json()["choices"][0]["message"]
+    assert message == {"role": "user", "content": "Tell me" + backend.tokenizer.decode(backend.reply_ids[:2])}
+    r = client.post(CHAT, json={"messages": messages[:1], "max_tokens": 2, "stream": True,
+                                "add_generation_prompt": False})
+    opening = json.loads(sse_events(r)[0])
+    assert opening["choices"][0]["delta"]["role"] == "user"
 
 
 
