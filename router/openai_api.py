@@ -259,6 +259,9 @@ class _Server:
         try:
             prompt_ids, params, cut = await self._prompt_and_params(body, chat)
             choice_params = [params_of_choice(params, i) for i in range(body.choices)]
+            if not body.stream and params.prompt_logprobs is not None:
+                # the first choice scores the prompt for all; the others read it from the prefix cache
+                choice_params[1:] = [dataclasses.replace(p, prompt_logprobs=None) for p in choice_params[1:]]
         except BaseException:    # a 400 (or a client gone while tokenizing): no demand on the workers
             if arrived is not None:
                 self.admission.withdraw(arrived)
@@ -301,6 +304,9 @@ class _Server:
             await choices.close(None)
             raise
         await choices.close(None)      # each ran to its end: closed with its own finish reason
+        if finals[0].prompt_logprobs is not None:    # scored once (above): every choice carries them
+            finals = [finals[0]] + [dataclasses.replace(f, prompt_logprobs=finals[0].prompt_logprobs)
+                                    for f in finals[1:]]
         if body.echo_only:
             finals = [_prompt_only(final) for final in finals]
         entries = []

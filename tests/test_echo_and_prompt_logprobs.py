@@ -138,6 +138,23 @@ def test_prompt_logprobs_are_listed_per_token_as_vllm_lists_them(client, backend
     assert choice["logprobs"] is None
 
 
+def test_n_choices_score_the_prompt_once_and_each_carries_the_scores(client, backend, tokenizer):
+    for body in ({"prompt_logprobs": 1}, {"echo": True, "logprobs": 1}):
+        r = client.post(COMPLETIONS, json={"prompt": PROMPT, "max_tokens": 2, "n": 3, **body})
+        assert r.status_code == 200, r.text
+        assert [call[2].prompt_logprobs for call in backend.calls[-3:]] == [1, None, None]   # the first scores
+        choices = r.json()["choices"]
+        if "prompt_logprobs" in body:
+            assert choices[0]["prompt_logprobs"] is not None
+            assert all(c["prompt_logprobs"] == choices[0]["prompt_logprobs"] for c in choices)
+        else:                    # each echo leads with the prompt's tokens and their logprobs
+            n = len(_prompt_ids(tokenizer))
+            assert all(c["logprobs"]["token_logprobs"][:n] == choices[0]["logprobs"]["token_logprobs"][:n]
+                       for c in choices)
+            last = choices[2]["logprobs"]
+            assert last["token_logprobs"][0] is None and len(last["tokens"]) == n + 2
+
+
 def test_chat_prompt_logprobs_are_the_responses_and_echo_repeats_an_assistant_message(client, backend):
     messages = [{"role": "user", "content": "Tell me"}, {"role": "assistant", "content": "Well,"}]
     r = client.post(CHAT, json={"messages": messages, "max_tokens": 2, "prompt_logprobs": 0, "echo": True})

@@ -152,7 +152,8 @@ class _RecvPair:
             if not self._admit(store):
                 return
             msgs = dist.PrefixStore(pair_prefix(self.sender, self.epoch), store)
-            group = make_group(dist.PrefixStore(group_prefix(self.key), msgs), 1, cfg.backend, cfg.device, cfg.timeout_s)
+            group = make_group(dist.PrefixStore(group_prefix(self.key), msgs), 1, cfg.backend, cfg.device,
+                               cfg.timeout_s)
         except Exception as exc:  # noqa: BLE001 - the sender died or never joined: nothing to fail yet
             self.drop(f"failed: pair with {self.sender} not set up: {describe(exc)}", wake=False)
             return
