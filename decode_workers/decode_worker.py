@@ -313,8 +313,12 @@ class DecodeWorker:
         return self._subscribers[subscriber_id]
 
     def check_health(self) -> None:
-        """Raises when the engine loop has stopped (a step failed, or a TP rank died)."""
+        """Raises when the engine loop has stopped (a step failed, or a TP rank died), or
+        rank 0's KV receiver can take no new prefill worker (Serve then replaces the replica)."""
         self._engine.check_alive()
+        engine = self._engine.engine
+        if engine is not None and (problem := kv_handoff.receiver_problem(engine.worker)):
+            raise EngineStoppedError(f"{self.name}: {problem}", self.replica_id)
 
     def step_samples(self) -> list[tuple[int, StepStats]]:
         """The engine steps run since the last call, numbered from the engine's first."""

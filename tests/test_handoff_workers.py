@@ -893,6 +893,23 @@ def test_a_release_that_arrives_while_a_send_is_packed_waits_for_that_send(model
     run(main())
 
 
+def test_a_decode_worker_whose_kv_receiver_gave_up_fails_its_health_check(model_dirs):
+    from cluster.transport.kv_handoff import RECEIVER
+
+    async def main():
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub()).start()
+        try:
+            pair.decode.check_health()                                       # healthy
+            receiver = pair.decode._engine.engine.worker.attachments[RECEIVER]
+            receiver.problem = lambda: "KV receiver d0 stopped accepting pairs: its store failed"
+            with pytest.raises(EngineStoppedError, match="stopped accepting pairs") as info:
+                pair.decode.check_health()
+            assert info.value.replica_id == "D"
+        finally:
+            await pair.shutdown()
+    run(main())
+
+
 async def _nothing_left_on_the_wire(pair: Pair, release: str | None = None) -> None:
     """No send is tracked nor counted by the staging budget; the holds then free
     (after releasing `release`'s, when given)."""

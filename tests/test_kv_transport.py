@@ -485,6 +485,27 @@ def test_a_late_join_of_an_older_epoch_does_not_displace_the_senders_newer_pair(
     assert store.get(verdict_key(0)).decode() == "refused: slow-sender has a newer pair (epoch 2)"
 
 
+def test_a_receiver_whose_store_keeps_failing_says_so(monkeypatch):
+    """Its acceptor gives up after _MAX_STORE_FAILURES failures in a row: the receiver
+    then reports why, which fails its decode replica's health check (before: it stayed
+    healthy and every hand-off to it timed out)."""
+    from cluster.transport import pair_group_receiver
+
+    def broken(slot: int) -> str:
+        raise RuntimeError("store down")
+    monkeypatch.setattr(pair_group_receiver, "challenge_key", broken)
+    monkeypatch.setattr(pair_group_receiver, "_MAX_STORE_FAILURES", 2)
+    receiver = PairGroupReceiver(timeout_s=SHORT_S)
+    try:
+        deadline = time.monotonic() + 5
+        while receiver.problem() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "stopped accepting pairs: its store failed 2 times in a row (store down" in receiver.problem()
+    finally:
+        receiver.close()
+    assert FakeTransportHub().receiver("d").problem() is None      # the interface's default
+
+
 def test_a_pairs_process_group_meets_under_a_name_only_its_two_sides_can_derive():
     from cluster.transport.pair_group_common import group_prefix, pair_key
     key = pair_key("deployment-secret", "challenge", 3, "prefill-0", "decode-0")

@@ -58,6 +58,12 @@ def attach_receiver(worker, make_receiver: Callable[[int, torch.device], KVRecei
     return receiver.address
 
 
+def receiver_problem(worker) -> str | None:
+    """Why this rank's receiver can take no new sender (None: it can, or there is none)."""
+    receiver = worker.attachments.get(RECEIVER)
+    return receiver.problem() if receiver is not None else None
+
+
 def close_transport(worker) -> None:
     for key in (SENDER, RECEIVER):
         transport = worker.attachments.pop(key, None)

@@ -105,6 +105,10 @@ class KVReceiver(ABC):
     def close(self) -> None:
         """Stops accepting, tears down every pair; pending transfers turn FAILED."""
 
+    def problem(self) -> str | None:
+        """Why this receiver can take no new sender any more (None while it can)."""
+        return None
+
 
 class KVTransportError(RuntimeError):
     """A transfer that cannot be started (bad buffer, closed transport)."""

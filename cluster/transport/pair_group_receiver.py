@@ -240,6 +240,7 @@ class PairGroupReceiver(KVReceiver):
         self._activity: dict[str, float] = {}                        # sender -> last data or join
         self._pairs: dict[str, _RecvPair] = {}
         self._closed = False
+        self._accept_failure: str | None = None     # why the acceptor gave up (problem())
         self._slot = 0
         self._verifying = threading.BoundedSemaphore(_MAX_VERIFYING)
         self._acceptor = threading.Thread(target=self._accept, name=f"kv-accept-{name}", daemon=True)
@@ -296,6 +297,9 @@ class PairGroupReceiver(KVReceiver):
             t = self._expected.pop(key)
             t.finish(TransferState.FAILED, f"{t.label} was forgotten")
 
+    def problem(self) -> str | None:
+        return self._accept_failure
+
     def close(self) -> None:
         with self._lock:
             if self._closed:
@@ -333,8 +337,9 @@ class PairGroupReceiver(KVReceiver):
                 failures += 1
                 if self._closed or failures >= _MAX_STORE_FAILURES:
                     if not self._closed:
-                        log.error("KV receiver %s stops accepting pairs: its store failed %d times in a row (%s)",
-                                  self.address.name, failures, describe(exc))
+                        self._accept_failure = (f"KV receiver {self.address.name} stopped accepting pairs: its "
+                                                f"store failed {failures} times in a row ({describe(exc)})")
+                        log.error("%s", self._accept_failure)
                     return
                 time.sleep(0.1)
                 continue
