@@ -181,10 +181,14 @@ class Scheduler:
             seq = self.waiting[0]
             if not prefill and seq.num_output_tokens == 0:
                 break
-            # a request scoring its prompt runs all of it: a cached block's tokens would go unscored
-            reads_cache = seq.prompt_logprobs is None and self.block_manager.enable_prefix_caching
-            cached = self.block_manager.match_prefix(seq.token_ids, seq.block_table) if reads_cache else 0
-            if reads_cache:
+            # a request scoring its prompt reads from the cache only the tokens it has scored (a
+            # preempted one's; match_prefix leaves the last of them to run): any other cached
+            # token would go unscored
+            scoring = seq.prompt_logprobs is not None
+            readable = seq.token_ids[:len(seq.prompt_logprobs)] if scoring else seq.token_ids
+            reads_cache = self.block_manager.enable_prefix_caching
+            cached = self.block_manager.match_prefix(readable, seq.block_table) if reads_cache else 0
+            if reads_cache and not scoring:
                 in_flight = self._blocks_in_flight() if in_flight is None else in_flight
                 if self._next_block_in_flight(seq, cached, in_flight):
                     set_aside_blocks += self._blocks_once_shared(seq, in_flight)

@@ -133,11 +133,13 @@ def test_a_cached_prefix_is_scored_anyway_and_stays_cached_for_others(model_dirs
     assert scored.token_ids == first.token_ids == again.token_ids
 
 
-def test_prompt_logprobs_survive_preemption_once_each(model_dirs):
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_prompt_logprobs_survive_preemption_once_each(model_dirs, prefix_caching):
     # 12 blocks of 8 tokens: the batch does not fit, so sequences are preempted and their prompts run again
+    # (with the prefix cache, a recompute reads back the blocks of the tokens it scored already)
     model_dir = str(model_dirs["tiny"])
     engine = LLMEngine(EngineConfig(model=model_dir, max_model_len=96, block_size=8, num_kv_blocks=12,
-                                    max_num_batched_tokens=16, enable_prefix_caching=False))
+                                    max_num_batched_tokens=16, enable_prefix_caching=prefix_caching))
     prompts = _prompts(engine.tokenizer, 8, seed=14, min_len=10, max_len=40)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, prompt_logprobs=TOP)
     done = _run(engine, [(p, params) for p in prompts], per_step=8)

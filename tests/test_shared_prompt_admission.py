@@ -108,3 +108,29 @@ def test_without_prefix_caching_nothing_waits(model_dirs):
         engine.add_request(str(i), prompt, GREEDY)
     engine.step()
     assert len(engine.scheduler.running) == 3
+
+
+def test_a_preempted_request_scoring_its_prompt_reads_back_only_what_it_scored(model_dirs):
+    """Recomputed after a preemption, a scoring request takes from the prefix cache the
+    blocks of the tokens it has scored (all but the last, whose logits score the next
+    one); a fresh one takes none, as a cached token would go unscored."""
+    from engine.block_manager import BlockManager
+    from engine.scheduler import Scheduler
+    from engine.sequence import Sequence
+
+    blocks = BlockManager(num_blocks=32, block_size=4)
+    prompt = list(range(10, 30))                       # 20 tokens, all 5 blocks computed and cached before
+    earlier: list[int] = []
+    blocks.allocate(earlier, 20)
+    blocks.cache_full_blocks(prompt, earlier, 20, 0)
+    blocks.free(earlier)
+    scheduler = Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=64)
+    scored = SamplingParams(max_tokens=2, prompt_logprobs=0)
+    preempted = Sequence("preempted", list(prompt), 20, scored, prompt_logprobs=[None] + [object()] * 9)
+    fresh = Sequence("fresh", list(prompt), 20, scored, prompt_logprobs=[None])
+    preempted.num_preemptions = 1
+    scheduler.waiting.extend([preempted, fresh])
+    step = scheduler.schedule()
+    # tokens 1-9 scored: blocks [0, 8) read back; the chunk runs from 8, and token 10 on is scored
+    assert [(s.request_id, s.num_computed_tokens, n) for s, n in zip(step.seqs, step.num_new_tokens)] == \
+        [("preempted", 8, 12), ("fresh", 0, 20)]
