@@ -812,6 +812,22 @@ def test_a_send_waiting_for_the_prefill_staging_budget_keeps_its_hold(model_dirs
         assert out.token_ids == reference("tiny").greedy(tuple(prompt), 10)
 
 
+async def _packing_slowly(prefill, request_id: str, seconds: float, monkeypatch):
+    """The KV `request_id` holds, as it will arrive; from now on packing a send takes
+    `seconds` longer. Returns (that KV, the cache, its own read_blocks to restore)."""
+    held = await prefill._engine.call(
+        lambda e: e.read_kv_shards(list(e.held_sequence(request_id).block_table))[0])
+    kv_cache = prefill._engine.engine.worker.kv_cache
+    read_blocks = kv_cache.read_blocks
+
+    def slow_read(block_ids, heads=None):
+        time.sleep(seconds)
+        return read_blocks(block_ids, heads)
+
+    monkeypatch.setattr(kv_cache, "read_blocks", slow_read)
+    return held, kv_cache, read_blocks
+
+
 def test_a_hold_packed_off_the_engine_thread_is_not_freed_while_it_packs(model_dirs, monkeypatch):
     """One rank packs on the caller's thread while the engine thread runs on. A
     lease that runs out during a slow pack must not free the blocks being read
@@ -823,16 +839,8 @@ def test_a_hold_packed_off_the_engine_thread_is_not_freed_while_it_packs(model_d
         prefill = pair.prefill
         try:
             await prefill.prefill("slow", PROMPTS[1], GREEDY)
-            held = await prefill._engine.call(
-                lambda e: e.read_kv_shards(list(e.held_sequence("slow").block_table))[0])
-            kv_cache = prefill._engine.engine.worker.kv_cache
-            read_blocks = kv_cache.read_blocks
-
-            def slow_read(block_ids, heads=None):
-                time.sleep(1.6)                 # past the lease (1.2 s, of which > 1 s was left when it began)
-                return read_blocks(block_ids, heads)
-
-            monkeypatch.setattr(kv_cache, "read_blocks", slow_read)
+            # past the lease (1.2 s, of which > 1 s was left when it began)
+            held, kv_cache, read_blocks = await _packing_slowly(prefill, "slow", 1.6, monkeypatch)
             receiver, received = hub.receiver("decode-x"), torch.zeros(held.numel() * held.element_size(),
                                                                          dtype=torch.uint8)
             receiver.expect("t-slow/0", "p0", received)
@@ -863,16 +871,7 @@ def test_a_release_that_arrives_while_a_send_is_packed_waits_for_that_send(model
         prefill = pair.prefill
         try:
             await prefill.prefill("r", PROMPTS[1], GREEDY)
-            held = await prefill._engine.call(
-                lambda e: e.read_kv_shards(list(e.held_sequence("r").block_table))[0])
-            kv_cache = prefill._engine.engine.worker.kv_cache
-            read_blocks = kv_cache.read_blocks
-
-            def slow_read(block_ids, heads=None):
-                time.sleep(1.0)
-                return read_blocks(block_ids, heads)
-
-            monkeypatch.setattr(kv_cache, "read_blocks", slow_read)
+            held, kv_cache, read_blocks = await _packing_slowly(prefill, "r", 1.0, monkeypatch)
             receiver, received = hub.receiver("decode-x"), torch.zeros(held.numel() * held.element_size(),
                                                                          dtype=torch.uint8)
             receiver.expect("t-r/0", "p0", received)

@@ -160,6 +160,15 @@ def test_with_migration_off_the_error_says_so(model_dirs):
         run(main())
 
 
+def _one_stream_moved_once(outs, local: int, reference) -> None:
+    """PROMPTS[1]'s outputs: one stream of transformers' greedy tokens, moved once (its one
+    prefill on the decode worker: the migration)."""
+    assert joined(outs).token_ids == reference("tiny").greedy(tuple(PROMPTS[1]), TOKENS)
+    assert [out.num_output_tokens for out in outs] == \
+        list(itertools.accumulate(len(out.delta_token_ids) for out in outs))
+    assert local == 1
+
+
 def test_a_hand_off_that_keeps_failing_continues_on_the_decode_worker(model_dirs, reference):
     """The first token came from the prefill worker; both tries to move its KV fail; the
     request continues on the decode worker from prompt + first token."""
@@ -177,11 +186,7 @@ def test_a_hand_off_that_keeps_failing_continues_on_the_decode_worker(model_dirs
         finally:
             await pair.shutdown()
 
-    outs, local = run(main())
-    assert joined(outs).token_ids == reference("tiny").greedy(tuple(PROMPTS[1]), TOKENS)
-    assert [out.num_output_tokens for out in outs] == \
-        list(itertools.accumulate(len(out.delta_token_ids) for out in outs))
-    assert local == 1                                              # the one local prefill: the migration
+    _one_stream_moved_once(*run(main()), reference)
 
 
 def test_a_hand_off_retried_onto_the_replica_that_took_the_first_try_moves_the_request(model_dirs, reference):
@@ -213,11 +218,7 @@ def test_a_hand_off_retried_onto_the_replica_that_took_the_first_try_moves_the_r
         finally:
             await pair.shutdown()
 
-    outs, local = run(main())
-    assert joined(outs).token_ids == reference("tiny").greedy(tuple(PROMPTS[1]), TOKENS)
-    assert [out.num_output_tokens for out in outs] == \
-        list(itertools.accumulate(len(out.delta_token_ids) for out in outs))
-    assert local == 1                                              # the move: prefilled on the decode worker
+    _one_stream_moved_once(*run(main()), reference)
 
 
 def test_a_prefill_worker_that_dies_before_the_first_token(model_dirs, reference):
