@@ -111,8 +111,8 @@ def run_engine(engine: str, spec: dict, args) -> dict:
 
 
 def build_prompts(model_dir: str, args) -> tuple[list[list[int]], list[list[int]]]:
-    """(prompts, warm-up prompts) as token ids, what a server would see for the texts."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    """(prompts, warm-up prompts) as token ids, what a server would see for the texts
+    (main has put this project on sys.path)."""
     from transformers import AutoTokenizer
 
     from bench.loadtest.datasets import random_dataset
@@ -203,7 +203,7 @@ def main(argv=None) -> int:
                 r[engine].pop("outputs")
         Path(args.json).write_text(json.dumps({
             "machine": {"processor": platform.processor(), "cpus": os.cpu_count()},
-            "args": {k: v for k, v in vars(args).items()}, "prompt_tokens": sum(map(len, prompts)),
+            "args": vars(args), "prompt_tokens": sum(map(len, prompts)),
             "rounds": rounds, "summary": summary}, indent=2))
     return 0
 

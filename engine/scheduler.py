@@ -27,6 +27,7 @@ sequence's row of the next step; the engine drops the row's sample.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -132,29 +133,25 @@ class Scheduler:
         # 1. running sequences, oldest first; preempt the newest when blocks run out. A running
         #    prefill (a chunked prompt, a preempted sequence's recompute, which a decode worker
         #    readmits behind the hand-offs it took since) leaves a token for each decode after it.
-        decodes_ahead = sum(self._decodes_now(seq) for seq in self.running) if decode else 0
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            is_decode = self._decodes_now(seq)
-            decodes_ahead -= decode and is_decode
             if seq.num_pending_tokens and not self._continues_after_pending(seq):
                 i += 1
                 continue
             remaining = seq.num_uncomputed_tokens
+            is_decode = self._decodes_now(seq)
             # a decode-only step still runs the recompute of a preempted sequence (it has output
             # tokens: see 2.), whose later chunks come here as a running prefill
             if (is_decode and not decode) or (not is_decode and not prefill and seq.num_output_tokens == 0):
                 i += 1
                 continue
-            n = min(remaining, budget if is_decode else budget - decodes_ahead)
+            n = min(remaining, budget if is_decode else budget - self._decodes_after(i, decode))
             if n <= 0 or (n < remaining and not self.enable_chunked_prefill):
                 i += 1
                 continue
             while not self.block_manager.allocate(seq.block_table, seq.num_computed_tokens + n):
                 victim = self._preemption_victim()
-                if victim is not seq:      # (newer than seq: not yet visited)
-                    decodes_ahead -= decode and self._decodes_now(victim)
                 self._preempt(victim)
                 step.preempted.append(victim)
                 if victim is seq:
@@ -225,6 +222,13 @@ class Scheduler:
     def _decodes_now(seq: Sequence) -> bool:
         """Whether a running sequence's next step is a decode (one token after its whole prompt)."""
         return seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
+
+    def _decodes_after(self, index: int, decode: bool) -> int:
+        """The running sequences after `index` that decode in this step (none in a prefill-only
+        one). Counted only at a running prefill, which is rare before the last few."""
+        if not decode:
+            return 0
+        return sum(self._decodes_now(seq) for seq in itertools.islice(self.running, index + 1, None))
 
     def _preemption_victim(self) -> Sequence:
         """The newest running sequence that goes on after its pending token. One

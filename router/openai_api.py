@@ -42,7 +42,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
-from engine.bad_words import MAX_BAD_WORD_SEQUENCES, bad_word_sequences
+from engine.bad_words import bad_word_sequences
 from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams, SamplingParamsError
@@ -484,7 +484,7 @@ class _Server:
         if self.admission is None:
             return [None] * choices
         with self._counting_refusals(num_prompt_tokens, max_tokens):
-            return list(self.admission.admit_choices(num_prompt_tokens, max_tokens, choices))
+            return self.admission.admit_choices(num_prompt_tokens, max_tokens, choices)
 
     @contextmanager
     def _counting_refusals(self, num_prompt_tokens: int | None, max_tokens: int | None) -> Iterator[None]:
@@ -523,11 +523,8 @@ class _Server:
         self._check_bad_words_size(body.bad_words or [])
 
     def _check_bad_words_size(self, words: list[str]) -> None:
-        """Refuses, before tokenizing them, more bad_words than the workers take and words longer
-        than any output could spell (each word is tokenized on the router and on every worker)."""
-        if len(words) > MAX_BAD_WORD_SEQUENCES:
-            raise InvalidRequestError(f"bad_words has {len(words)} words; this server takes at most "
-                                      f"{MAX_BAD_WORD_SEQUENCES}.", param="bad_words")
+        """Refuses, before tokenizing them, bad_words longer than any output could spell (each word
+        is tokenized on the router and on every worker; SamplingParams bounds how many there are)."""
         longest = _TEXT_MARGIN * self.info.max_model_len * self.max_token_chars
         for word in words:
             if len(word) > longest:

@@ -828,6 +828,24 @@ async def _packing_slowly(prefill, request_id: str, seconds: float, monkeypatch)
     return held, kv_cache, read_blocks
 
 
+def _expecting(hub: FakeTransportHub, held: torch.Tensor, piece_id: str):
+    """A receiver expecting `held`'s bytes from the prefill worker's rank ("p0") as `piece_id`:
+    (the receiver, the buffer they arrive in)."""
+    receiver = hub.receiver("decode-x")
+    received = torch.zeros(held.numel() * held.element_size(), dtype=torch.uint8)
+    receiver.expect(piece_id, "p0", received)
+    return receiver, received
+
+
+async def _arrives_whole(receiver, piece_id: str, received: torch.Tensor, held: torch.Tensor) -> None:
+    """Within 5 s the piece is DONE, and the buffer holds `held`'s bytes."""
+    deadline = time.monotonic() + 5
+    while (state := receiver.poll(piece_id, "p0")) is not TransferState.DONE:
+        assert time.monotonic() < deadline, state
+        await asyncio.sleep(0.05)
+    assert torch.equal(received.view(held.dtype), held.flatten())
+
+
 def test_a_hold_packed_off_the_engine_thread_is_not_freed_while_it_packs(model_dirs, monkeypatch):
     """One rank packs on the caller's thread while the engine thread runs on. A
     lease that runs out during a slow pack must not free the blocks being read
@@ -841,18 +859,12 @@ def test_a_hold_packed_off_the_engine_thread_is_not_freed_while_it_packs(model_d
             await prefill.prefill("slow", PROMPTS[1], GREEDY)
             # past the lease (1.2 s, of which > 1 s was left when it began)
             held, kv_cache, read_blocks = await _packing_slowly(prefill, "slow", 1.6, monkeypatch)
-            receiver, received = hub.receiver("decode-x"), torch.zeros(held.numel() * held.element_size(),
-                                                                         dtype=torch.uint8)
-            receiver.expect("t-slow/0", "p0", received)
+            receiver, received = _expecting(hub, held, "t-slow/0")
             await prefill.send_kv("slow", "t-slow", [receiver.address])
             monkeypatch.setattr(kv_cache, "read_blocks", read_blocks)
             await asyncio.sleep(0.3)            # the engine thread notes the send
             assert prefill.stats()["num_held"] == 1
-            deadline = time.monotonic() + 5
-            while receiver.poll("t-slow/0", "p0") is not TransferState.DONE:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.05)
-            assert torch.equal(received.view(held.dtype), held.flatten())
+            await _arrives_whole(receiver, "t-slow/0", received, held)
             assert await prefill.release("slow")
             await pair.wait_idle()
         finally:
@@ -872,20 +884,14 @@ def test_a_release_that_arrives_while_a_send_is_packed_waits_for_that_send(model
         try:
             await prefill.prefill("r", PROMPTS[1], GREEDY)
             held, kv_cache, read_blocks = await _packing_slowly(prefill, "r", 1.0, monkeypatch)
-            receiver, received = hub.receiver("decode-x"), torch.zeros(held.numel() * held.element_size(),
-                                                                         dtype=torch.uint8)
-            receiver.expect("t-r/0", "p0", received)
+            receiver, received = _expecting(hub, held, "t-r/0")
             prefill._engine.submit(lambda engine: time.sleep(0.5))     # a step: the release queues behind it
             release = asyncio.create_task(prefill.release("r"))
             await asyncio.sleep(0)
             await prefill.send_kv("r", "t-r", [receiver.address])     # packs for 1 s: the release runs meanwhile
             assert await release
             monkeypatch.setattr(kv_cache, "read_blocks", read_blocks)
-            deadline = time.monotonic() + 5
-            while receiver.poll("t-r/0", "p0") is not TransferState.DONE:
-                assert time.monotonic() < deadline, receiver.poll("t-r/0", "p0")
-                await asyncio.sleep(0.05)
-            assert torch.equal(received.view(held.dtype), held.flatten())
+            await _arrives_whole(receiver, "t-r/0", received, held)
             await pair.wait_idle()                         # and the release frees the hold after the send
         finally:
             await pair.shutdown()
