@@ -13,7 +13,7 @@ copy and read ceilings measured in the same run.
    in one CUDA graph, cuBLAS against the best configurations of step 2: the time
    a decode step spends in matmuls, launch gaps included.
 
-Prints the best configuration per (N, K, rows) as a CONFIGS literal for gemv.py.
+Prints the best configuration per (N, K, rows) as a table for gemv.py's CONFIGS_BY_GPU.
 """
 
 from __future__ import annotations

@@ -69,3 +69,18 @@ def test_linear_layers_route_only_batches_up_to_the_row_limit():
         expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
         torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-4)
     assert calls == [1]
+
+
+def test_tile_table_follows_the_gpu_name(monkeypatch):
+    from engine.kernels import gemv
+    names = {0: "NVIDIA H200", 1: "NVIDIA H100 80GB HBM3", 2: "NVIDIA A100-SXM4-80GB"}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: names[device.index])
+    gemv.tile_configs.cache_clear()
+    try:
+        h200, h100, a100 = (gemv.tile_configs(torch.device("cuda", i)) for i in range(3))
+    finally:
+        gemv.tile_configs.cache_clear()
+    assert h200 is gemv.CONFIGS_BY_GPU["H200"] and h100 is gemv.CONFIGS_BY_GPU["H100"]
+    assert a100 is gemv.CONFIGS_BY_GPU["H100"]            # no table of its own: the H100's
+    assert h200[(4096, 14336, 1)] != h100[(4096, 14336, 1)]
+    assert gemv.tile_configs(torch.device("cpu")) is gemv.CONFIGS_BY_GPU["H100"]

@@ -58,6 +58,26 @@ def test_greedy_matches_with_prefix_cache_hits(model_dirs, reference):
     _check(reference, "tiny-mqa", prompts, [6] * len(prompts), got)
 
 
+def test_lone_fresh_prompt_takes_sdpa_only_from_the_threshold(model_dirs, reference, monkeypatch):
+    import engine.runner as runner_module
+    monkeypatch.setattr(runner_module, "SDPA_FRESH_PREFILL_MIN_TOKENS", 24)
+    engine = _engine(model_dirs["tiny"], max_model_len=256, block_size=8)
+    built = engine.runner._paged_batch
+    lone_fresh: list[tuple[int, bool]] = []     # (prompt tokens, took SDPA) of each step with one fresh prompt
+
+    def recording(tables, decode_lens, chunks):
+        batch = built(tables, decode_lens, chunks)
+        if not decode_lens and len(chunks) == 1 and not chunks[0].has_cached_prefix:
+            lone_fresh.append((chunks[0].num_tokens, batch.single_fresh_prefill))
+        return batch
+    monkeypatch.setattr(engine.runner, "_paged_batch", recording)
+    prompts = _prompts(engine.tokenizer, 2, seed=15, min_len=10, max_len=10) + \
+        _prompts(engine.tokenizer, 1, seed=16, min_len=30, max_len=30)
+    got = {i: _run_staggered(engine, [p], [5])[0] for i, p in enumerate(prompts)}
+    assert sorted(lone_fresh) == [(10, False), (10, False), (30, True)]
+    _check(reference, "tiny", prompts, [5] * len(prompts), got)
+
+
 def test_unknown_attention_backend_is_rejected(model_dirs):
     with pytest.raises(ValueError, match="attention_backend must be auto, torch, triton or cpp"):
         EngineConfig(model=str(model_dirs["tiny"]), attention_backend="flash")

@@ -50,7 +50,7 @@ class PagedBatch:
     prefill_query_start: torch.Tensor  # [num_prefills + 1] int32: chunk offsets after the decode tokens
     max_prefill_query_len: int
     decode_splits: int                # programs each decode context is split over
-    # one fresh prompt and no decodes: the contiguous causal kernel (SDPA) is the fastest
+    # one long fresh prompt and no decodes: the contiguous causal kernel (SDPA) is the fastest
     single_fresh_prefill: bool = False
 
     def to(self, device: torch.device) -> "PagedBatch":
