@@ -100,6 +100,28 @@ def test_profiler_grid_covers_prefill_decode_and_mixed_steps(model_dirs):
     assert all(t > 0 for t in rec.seconds) and not engine.has_unfinished_requests()
 
 
+def test_profiler_warm_up_pass_drives_the_grid_once_unrecorded(model_dirs):
+    from cluster.perf_model.profiler import ProfileGrid, profile_engine
+    from engine import EngineConfig, LLMEngine
+    grid = ProfileGrid(prompt_lens=(8, 40), batch_sizes=(1, 3), contexts=(20,), chunk_len=16, decode_steps=2)
+    recorded = {}
+    for warm in (False, True):
+        engine = LLMEngine(EngineConfig(model=str(model_dirs["tiny"]), max_model_len=512, max_num_seqs=8))
+        steps = 0
+        original = engine.step
+
+        def counting_step():
+            nonlocal steps
+            steps += 1
+            return original()
+        engine.step = counting_step
+        rec = profile_engine(engine, grid, warm_up_grid=warm)
+        recorded[warm] = (steps, sorted(zip(rec.kinds, ((s.prefill_tokens, s.decode_seqs) for s in rec.shapes))))
+    (cold_steps, cold_shapes), (warm_steps, warm_shapes) = recorded[False], recorded[True]
+    assert warm_shapes == cold_shapes           # the recorded pass is the same grid
+    assert warm_steps - cold_steps == len(cold_shapes)   # plus one unrecorded pass of it
+
+
 def test_roofline_decode_at_batch_one_is_the_weights_over_bandwidth():
     from engine.model.model_config import ModelConfig
     config = ModelConfig.from_pretrained("configs/models/llama-3-8b")
@@ -115,6 +137,12 @@ def test_roofline_decode_at_batch_one_is_the_weights_over_bandwidth():
     # long prefill is compute-bound: doubling the tokens roughly doubles the time
     t1, t2 = (model.step_time(StepShape.build([(0, n)])) for n in (4096, 8192))
     assert 1.9 < t2 / t1 < 2.3
+    # a short prompt's step runs eagerly: bound by the host's launches, layers * eager_per_layer_s
+    short = StepShape.build([(0, 16)])
+    assert model.step_time(short) == pytest.approx(e.host_fixed_s + 32 * e.eager_per_layer_s, rel=1e-6)
+    unfloored = model.with_efficiencies(eager_per_layer_s=0.0)
+    assert unfloored.step_time(short) < 0.5 * model.step_time(short)
+    assert unfloored.step_time(StepShape.build([], [512])) == t     # decode-only steps replay graphs: no floor
     # TP 2 halves the bytes per rank and adds two all-reduces per layer
     tp2 = RooflineStepModel.for_model(config, gpu="H100-SXM", tp=2)
     assert tp2.cost.weight_bytes < 0.55 * model.cost.weight_bytes

@@ -70,9 +70,14 @@ def shape_of(step) -> StepShape:
     return StepShape.build(chunks, decodes)
 
 
-def profile_engine(engine, grid: ProfileGrid, *, seed: int = 0,
+def profile_engine(engine, grid: ProfileGrid, *, seed: int = 0, warm_up_grid: bool = False,
                    progress: Callable[[str], None] | None = None) -> StepRecorder:
-    """Drives `engine` (an idle LLMEngine) through the grid; returns the recorded steps."""
+    """Drives `engine` (an idle LLMEngine) through the grid; returns the recorded steps.
+
+    warm_up_grid: drive the whole grid once unrecorded first. On CUDA the first
+    step of each new token count pays for loading the kernels cuBLAS picks for
+    it (~100 ms for an 8B model on an H200), which would otherwise be fitted as
+    step time."""
     from engine import SamplingParams
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
@@ -105,31 +110,37 @@ def profile_engine(engine, grid: ProfileGrid, *, seed: int = 0,
     for n in (min(prompt_lens), max(prompt_lens)):
         engine.add_request(None, prompt(n), params(4))
         drain("warm-up")
-    recorder = StepRecorder(engine)
 
-    # prefill-only: one fresh prompt per step; then a chunk after that prompt's cached blocks
-    for n in prompt_lens:
-        engine.add_request(None, prompt(n), params(1))
-        drain("prefill")
-    chunk = min(grid.chunk_len, longest // 2)
-    shared = prompt(min(limit - chunk, max(grid.prompt_lens)))
-    for tail in (chunk, chunk // 2):
-        engine.add_request(None, shared + prompt(tail), params(1))
-        drain("prefill")
-    # decode-only, then mixed: B sequences at context C, then one chunk arrives beside them
-    for batch in (b for b in grid.batch_sizes if b <= max_seqs - 1):
-        for context in contexts:
-            if progress:
-                progress(f"batch {batch}, context {context}")
-            ids = [engine.add_request(None, prompt(context), params(grid.decode_steps + 3)) for _ in range(batch)]
-            started: set[str] = set()
-            while len(started) < len(ids):
-                started.update(o.request_id for o in recorder.step("prefill"))
-            for _ in range(grid.decode_steps):
-                recorder.step("decode")
-            engine.add_request(None, prompt(min(chunk, budget - batch)), params(1))
-            recorder.step("mixed")
-            drain("decode")
+    def drive_grid(label: str) -> None:
+        # prefill-only: one fresh prompt per step; then a chunk after that prompt's cached blocks
+        for n in prompt_lens:
+            engine.add_request(None, prompt(n), params(1))
+            drain("prefill")
+        chunk = min(grid.chunk_len, longest // 2)
+        shared = prompt(min(limit - chunk, max(grid.prompt_lens)))
+        for tail in (chunk, chunk // 2):
+            engine.add_request(None, shared + prompt(tail), params(1))
+            drain("prefill")
+        # decode-only, then mixed: B sequences at context C, then one chunk arrives beside them
+        for batch in (b for b in grid.batch_sizes if b <= max_seqs - 1):
+            for context in contexts:
+                if progress:
+                    progress(f"{label}batch {batch}, context {context}")
+                ids = [engine.add_request(None, prompt(context), params(grid.decode_steps + 3))
+                       for _ in range(batch)]
+                started: set[str] = set()
+                while len(started) < len(ids):
+                    started.update(o.request_id for o in recorder.step("prefill"))
+                for _ in range(grid.decode_steps):
+                    recorder.step("decode")
+                engine.add_request(None, prompt(min(chunk, budget - batch)), params(1))
+                recorder.step("mixed")
+                drain("decode")
+
+    if warm_up_grid:
+        drive_grid("warm-up pass: ")
+    recorder = StepRecorder(engine)
+    drive_grid("")
     return recorder
 
 
@@ -144,12 +155,13 @@ def run_profile(model: str, *, tp: int = 1, device: str = "auto", dtype: str = "
     engine = LLMEngine(EngineConfig(model=model, tensor_parallel_size=tp, device=device, dtype=dtype, **options))
     try:
         engine.step()     # nothing queued: a no-op, but fails early on a broken engine
-        recorder = profile_engine(engine, grid, progress=progress)
+        on_gpu = engine.worker.device.type == "cuda"
+        recorder = profile_engine(engine, grid, warm_up_grid=on_gpu, progress=progress)
         meta = {"model": str(model), "model_shape": model_shape(engine.model_config), "tp": tp,
                 "device": str(engine.worker.device),
                 "dtype": str(engine.worker.dtype).removeprefix("torch."),
                 "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
-                "threads": getattr(engine.worker, "num_threads", None)}
+                "threads": getattr(engine.worker, "num_threads", None), "warm_up_grid": on_gpu}
         fitted = LinearStepModel.fit(recorder.shapes, recorder.seconds, meta)
     finally:
         engine.shutdown()

@@ -6,8 +6,12 @@ the two at the device's rates times an efficiency, plus two all-reduces per
 layer across the TP gang, plus the host's fixed and per-sequence costs:
 
     t = host_fixed + host_per_seq * decode_seqs
-        + max(flops / (peak_flops * mfu), bytes / (hbm * mbu))
+        + max(flops / (peak_flops * mfu), bytes / (hbm * mbu), eager floor)
         + 2 * layers * (allreduce_latency + allreduce_bytes / (link * link_eff))
+
+The eager floor applies to steps with prompt tokens: they run eagerly (only
+decode-only steps replay CUDA graphs), and the host's launches bound them at
+layers * eager_per_layer however little the device has to do.
 
 Peak rates are datasheet figures. The efficiencies are this project's own
 measurements on an H100 (README "GPU engine", bench/results/gpu_engine.json,
@@ -21,7 +25,10 @@ Llama-2-7B latencies on H100 at TP 2 / 4 / 8 (NeMo Framework user guide,
 153.8 / 128.6 / 107.4 / 97.6 ms at TP 1 / 2 / 4 / 8). With 10 us the roofline
 came out 1.7-2.5x faster than those figures at TP >= 2; each extra TP call costs
 about 40-45 us more than the bytes explain. The bandwidth term (70% of the
-per-direction NVLink rate) is an assumption.
+per-direction NVLink rate) is an assumption. The eager floor, 0.45 ms a layer,
+is pdserve's own on an H200 machine's host (bench/gpu_prefill_paths.py, 2026-11:
+an 8B prompt of 16 to 512 tokens alone in a step took 14.3-15.0 ms for 32 layers,
+with 5-12 ms of kernels); a faster host lowers it, another host there gave twice it.
 """
 
 from __future__ import annotations
@@ -65,6 +72,7 @@ class Efficiencies:
     host_fixed_s: float = 0.65e-3        # per step
     host_per_seq_s: float = 50e-6        # per decoding sequence
     allreduce_latency_s: float = 50e-6   # per call, fitted to published TP latencies (module docstring)
+    eager_per_layer_s: float = 0.45e-3   # host launches of a step with prompt tokens, per layer
 
 
 @dataclass(frozen=True)
@@ -119,7 +127,8 @@ class RooflineStepModel:
         flops = (2 * c.matmul_params * rows + 2 * c.lm_head_params * sampled
                  + c.attention_flops_per_pair * (shape.prefill_attention + shape.decode_context))
         moved = c.weight_bytes + c.kv_bytes_per_token * (shape.decode_context + shape.prefill_tokens)
-        device = max(flops / (g.bf16_flops * e.mfu), moved / (g.hbm_bytes_per_s * e.mbu))
+        eager_floor = c.num_layers * e.eager_per_layer_s if shape.prefill_tokens else 0.0
+        device = max(flops / (g.bf16_flops * e.mfu), moved / (g.hbm_bytes_per_s * e.mbu), eager_floor)
         allreduce = 0.0
         if c.tp > 1:
             payload = 2 * (c.tp - 1) / c.tp * rows * c.hidden_size * c.activation_bytes
@@ -140,7 +149,8 @@ class RooflineStepModel:
                  "gpu.link_bytes_per_s": gpu.link_bytes_per_s, "efficiencies.mfu": eff.mfu,
                  "efficiencies.mbu": eff.mbu, "efficiencies.link": eff.link}
         costs = {"efficiencies.host_fixed_s": eff.host_fixed_s, "efficiencies.host_per_seq_s": eff.host_per_seq_s,
-                 "efficiencies.allreduce_latency_s": eff.allreduce_latency_s}
+                 "efficiencies.allreduce_latency_s": eff.allreduce_latency_s,
+                 "efficiencies.eager_per_layer_s": eff.eager_per_layer_s}
         bad = [k for k, v in rates.items() if not (math.isfinite(v) and v > 0)] + \
             [k for k, v in costs.items() if not (math.isfinite(v) and v >= 0)]
         if bad:
