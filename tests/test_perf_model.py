@@ -46,6 +46,32 @@ def test_fit_recovers_a_synthetic_engine():
     model = LinearStepModel.fit(shapes, [_synthetic(s) for s in shapes])
     assert model.coefficients == pytest.approx(TRUE, rel=1e-6)
     assert model.error.max_abs_rel < 1e-9 and model.error.num_points == len(shapes)
+    assert model.eager_floor_s == 0.0      # no floor to find
+
+
+def test_fit_finds_the_floor_of_steps_with_prompt_tokens():
+    # a GPU engine whose eager steps (any prompt tokens) take at least 25 ms, decode-only steps less
+    floor = 25e-3
+    shapes = _random_shapes(random.Random(3), 300)
+
+    def measured(s):
+        t = _synthetic(s)
+        return max(t, floor) if s.prefill_tokens else t
+    times = [measured(s) for s in shapes]
+    assert sum(s.prefill_tokens > 0 and _synthetic(s) < floor for s in shapes) > 50   # the floor binds often
+    model = LinearStepModel.fit(shapes, times)
+    assert model.eager_floor_s == pytest.approx(floor, rel=0.02)
+    assert model.error.mean_abs_rel < 0.01
+    short = StepShape.build([(0, 8)], [100])
+    assert model.step_time(short) == pytest.approx(floor, rel=0.02)            # floored
+    decodes = StepShape.build([], [100] * 4)
+    assert model.step_time(decodes) == pytest.approx(_synthetic(decodes), rel=0.02)   # decode-only: not
+    unfloored = LinearStepModel(model.coefficients)
+    assert unfloored.step_time(short) < 0.5 * floor
+    loaded = load_step_model(model.to_json())
+    assert loaded.eager_floor_s == model.eager_floor_s and loaded.step_time(short) == model.step_time(short)
+    with pytest.raises(ValueError, match="eager_floor_s"):
+        load_step_model({**model.to_json(), "eager_floor_s": -1.0})
 
 
 def test_fit_with_noise_stays_close_and_reports_its_error():

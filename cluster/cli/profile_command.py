@@ -74,6 +74,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
           f"max {err['max_abs_rel']:.1%}")
     for name, value in result["coefficients"].items():
         print(f"  {name:26s} {value:.3e}")
+    if result["eager_floor_s"]:
+        print(f"  {'eager_floor_s':26s} {result['eager_floor_s']:.3e}  (the least a step with prompt tokens takes)")
     print(f"wrote {args.output}")
     return 0
 

@@ -11,6 +11,13 @@ one model covers our mixed steps (chunked prefill next to decodes).
 
 The fit minimises relative error (every point counts alike, a 2 ms decode
 step as much as a 2 s prefill) with non-negative coefficients.
+
+On a GPU a step with prompt tokens runs eagerly, and the host's launches bound
+it however little it computes (an 8B model on an H200: ~30 ms for any prompt
+under ~1,000 tokens, where decode-only steps replayed from CUDA graphs took
+5-12 ms). No linear term has that shape, so the fit also tries a floor under
+such steps, t = max(linear, eager_floor_s), and keeps it when it lowers the
+mean error by at least FLOOR_MIN_GAIN (on a CPU there is none to find).
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from cluster.perf_model.step_shape import StepShape
 
 COEFFICIENTS = ("fixed_s", "per_prefill_token_s", "per_prefill_attention_s", "per_decode_seq_s",
                 "per_decode_context_s")
+FLOOR_MIN_GAIN = 0.01        # mean relative error a floor must remove to be kept
+FLOOR_CANDIDATES = 32        # floors tried: quantiles of the prompt-carrying steps' times
 
 
 @dataclass(frozen=True)
@@ -40,11 +49,13 @@ class LinearStepModel:
     coefficients: tuple[float, ...]              # in COEFFICIENTS order, seconds per unit
     error: FitError | None = None
     meta: dict[str, Any] = field(default_factory=dict)   # model, device, dtype, tp, ...
+    eager_floor_s: float = 0.0                   # the least a step with prompt tokens takes
 
     def step_time(self, shape: StepShape) -> float:
         if shape.is_empty:
             return 0.0
-        return float(np.dot(self.coefficients, shape.features()))
+        linear = float(np.dot(self.coefficients, shape.features()))
+        return max(linear, self.eager_floor_s) if shape.prefill_tokens else linear
 
     @classmethod
     def fit(cls, shapes: list[StepShape], seconds: list[float], meta: dict[str, Any] | None = None
@@ -58,13 +69,14 @@ class LinearStepModel:
             raise ValueError("measured step times must be > 0")
         x = np.array([s.features() for s in shapes], dtype=np.float64)
         y = np.array(seconds, dtype=np.float64)
-        coef = _nnls_relative(x, y)
-        rel = np.abs(x @ coef - y) / y
+        prompted = np.array([s.prefill_tokens > 0 for s in shapes])
+        coef, floor, rel = _fit_with_floor(x, y, prompted)
         return cls(tuple(float(c) for c in coef), FitError(float(rel.mean()), float(rel.max()), len(y)),
-                   dict(meta or {}))
+                   dict(meta or {}), floor)
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "linear", "coefficients": dict(zip(COEFFICIENTS, self.coefficients)),
+                "eager_floor_s": self.eager_floor_s,
                 "fit_error": None if self.error is None else vars(self.error), "meta": self.meta}
 
     @classmethod
@@ -78,8 +90,41 @@ class LinearStepModel:
         if bad:
             raise ValueError(f"profile coefficients {bad} must be finite and >= 0 (a step never takes "
                              "negative time)")
+        floor = float(data.get("eager_floor_s", 0.0))
+        if not (math.isfinite(floor) and floor >= 0):
+            raise ValueError(f"profile eager_floor_s must be finite and >= 0, got {data.get('eager_floor_s')!r}")
         error = data.get("fit_error")
-        return cls(values, None if error is None else FitError(**error), dict(data.get("meta") or {}))
+        return cls(values, None if error is None else FitError(**error), dict(data.get("meta") or {}), floor)
+
+
+def _fit_with_floor(x: np.ndarray, y: np.ndarray, prompted: np.ndarray) -> tuple[np.ndarray, float, np.ndarray]:
+    """(coefficients, eager floor, relative error per point). For each candidate
+    floor F the linear part is fitted to the points F cannot explain (decode-only
+    steps, and prompt-carrying steps measured above 1.2 F); the floor whose
+    max(linear, F) has the least mean error wins, and 0 unless it gains
+    FLOOR_MIN_GAIN over no floor."""
+    def errors(coef: np.ndarray, floor: float) -> np.ndarray:
+        predicted = x @ coef
+        predicted = np.where(prompted, np.maximum(predicted, floor), predicted)
+        return np.abs(predicted - y) / y
+
+    best_coef = _nnls_relative(x, y)
+    best_floor, best_rel = 0.0, errors(best_coef, 0.0)
+    no_floor_mean = best_rel.mean()
+    if prompted.any():
+        candidates = np.unique(np.quantile(y[prompted], np.linspace(0.0, 1.0, FLOOR_CANDIDATES)))
+        for floor in candidates:
+            above = ~prompted | (y > 1.2 * floor)
+            if above.sum() < x.shape[1]:
+                continue
+            coef = _nnls_relative(x[above], y[above])
+            rel = errors(coef, float(floor))
+            if rel.mean() < best_rel.mean():
+                best_coef, best_floor, best_rel = coef, float(floor), rel
+    if best_floor and no_floor_mean - best_rel.mean() < FLOOR_MIN_GAIN:
+        best_coef = _nnls_relative(x, y)
+        best_floor, best_rel = 0.0, errors(best_coef, 0.0)
+    return best_coef, best_floor, best_rel
 
 
 def _nnls_relative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
