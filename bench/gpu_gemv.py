@@ -153,7 +153,7 @@ def main() -> int:
     out["elapsed_s"] = time.monotonic() - started
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
-    print("CONFIGS = {")
+    print(f"CONFIGS_BY_GPU[...] for {out['device']} = {{")
     for (n, k, bm), c in sorted(best.items()):
         print(f"    ({n}, {k}, {bm}): {c},")
     print("}")

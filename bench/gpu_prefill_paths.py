@@ -4,7 +4,7 @@ SDPA's contiguous causal kernel, per prompt length, alternated in one run.
     python3 bench/gpu_prefill_paths.py [--model-dir /tmp/llama3-8b-random] [--out FILE]
 
 The engine sends a lone fresh prompt shorter than SDPA_FRESH_PREFILL_MIN_TOKENS
-(engine/runner.py) through the paged kernel, longer ones through SDPA; "sdpa"
+(engine/model/attention_metadata.py) through the paged kernel, longer ones through SDPA; "sdpa"
 here sets the threshold to 0 (every lone fresh prompt through SDPA, the engine's
 behaviour before the threshold). Each figure is the median of 5 warm steps
 (`LLMEngine.step()` of one prompt and its first token, synchronous), after every
@@ -35,7 +35,7 @@ def main() -> int:
 
     import torch
 
-    import engine.runner as runner_module
+    import engine.model.attention_metadata as attention_metadata
     from bench.gpu_engine import write_random_llama
     from engine import EngineConfig, LLMEngine, SamplingParams
     write_random_llama(args.model_dir, "llama3-8b")
@@ -53,9 +53,9 @@ def main() -> int:
         torch.cuda.synchronize()
         return (time.perf_counter() - started) * 1e3
 
-    thresholds = {"paged": runner_module.SDPA_FRESH_PREFILL_MIN_TOKENS, "sdpa": 0}
+    thresholds = {"paged": attention_metadata.SDPA_FRESH_PREFILL_MIN_TOKENS, "sdpa": 0}
     for threshold in thresholds.values():         # warm both paths at every length
-        runner_module.SDPA_FRESH_PREFILL_MIN_TOKENS = threshold
+        attention_metadata.SDPA_FRESH_PREFILL_MIN_TOKENS = threshold
         for n in PROMPT_LENS:
             prefill_ms(n)
             prefill_ms(n)
@@ -65,7 +65,7 @@ def main() -> int:
         samples: dict[str, list[float]] = {path: [] for path in thresholds}
         for _ in range(5):
             for path, threshold in thresholds.items():
-                runner_module.SDPA_FRESH_PREFILL_MIN_TOKENS = threshold
+                attention_metadata.SDPA_FRESH_PREFILL_MIN_TOKENS = threshold
                 samples[path].append(prefill_ms(n))
         paged, sdpa = (statistics.median(samples[p]) for p in thresholds)
         result["ms"]["paged"][n], result["ms"]["sdpa"][n] = paged, sdpa

@@ -29,6 +29,7 @@ from engine.model.attention_metadata import (
     AttentionMetadata,
     PagedBatch,
     PrefillChunk,
+    lone_fresh_prompt_takes_sdpa,
     to_device,
 )
 from engine.model.cpu_gemm import pack_linear_weights, packing_supported, use_skinny_gemm
@@ -233,7 +234,8 @@ class ModelWorker:
             if prefill:
                 paged = PagedBatch(0, torch.arange(blocks, dtype=torch.int32)[None],
                                    torch.tensor([num_tokens], dtype=torch.int32),
-                                   torch.tensor([0, num_tokens], dtype=torch.int32), num_tokens, 1, True)
+                                   torch.tensor([0, num_tokens], dtype=torch.int32), num_tokens, 1,
+                                   lone_fresh_prompt_takes_sdpa(num_tokens))
             else:
                 paged = PagedBatch(num_tokens, torch.zeros(num_tokens, 1, dtype=torch.int32),
                                    torch.ones(num_tokens, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),

@@ -25,19 +25,13 @@ from engine.model.attention_metadata import (
     DecodeGroup,
     PagedBatch,
     PrefillChunk,
+    lone_fresh_prompt_takes_sdpa,
     to_device,
 )
 from engine.model_worker import STEP, ModelInputs, ModelWorker, TokenFill
 from engine.sampler import Sampler, SampleResult, SamplingRow, TokenLogprobs
 from engine.scheduler import ScheduledStep
 from engine.sequence import Sequence
-
-# A lone fresh prompt this long or longer takes SDPA's contiguous causal kernel (faster on the
-# device: 214-220 against the paged kernel's 171-177 TFLOP/s on an H100). A shorter one takes the
-# paged prefill kernel: its step is bound by the host's launches (an 8B prompt of 16 to 1024
-# tokens took 32-36 ms on an H200 with 5-25 ms of kernels), and SDPA adds ~8 launches and
-# cuDNN's set-up per layer where the paged kernel is one launch.
-SDPA_FRESH_PREFILL_MIN_TOKENS = 1024
 
 
 @dataclass(slots=True)
@@ -191,7 +185,7 @@ class ModelRunner:
             max_prefill_query_len=max((c.num_tokens for c in chunks), default=0),
             decode_splits=self.worker.decode_splits(num_decodes, max(decode_lens, default=1)),
             single_fresh_prefill=(num_decodes == 0 and len(chunks) == 1 and not chunks[0].has_cached_prefix
-                                  and chunks[0].num_tokens >= SDPA_FRESH_PREFILL_MIN_TOKENS))
+                                  and lone_fresh_prompt_takes_sdpa(chunks[0].num_tokens)))
 
     def _decode_groups(self, tables: list[np.ndarray], lens: list[int]) -> list[DecodeGroup]:
         """Splits decodes (sorted by length) where padding to the group's longest

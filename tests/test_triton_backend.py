@@ -59,8 +59,8 @@ def test_greedy_matches_with_prefix_cache_hits(model_dirs, reference):
 
 
 def test_lone_fresh_prompt_takes_sdpa_only_from_the_threshold(model_dirs, reference, monkeypatch):
-    import engine.runner as runner_module
-    monkeypatch.setattr(runner_module, "SDPA_FRESH_PREFILL_MIN_TOKENS", 24)
+    import engine.model.attention_metadata as attention_metadata
+    monkeypatch.setattr(attention_metadata, "SDPA_FRESH_PREFILL_MIN_TOKENS", 24)
     engine = _engine(model_dirs["tiny"], max_model_len=256, block_size=8)
     built = engine.runner._paged_batch
     lone_fresh: list[tuple[int, bool]] = []     # (prompt tokens, took SDPA) of each step with one fresh prompt

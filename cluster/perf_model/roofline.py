@@ -27,8 +27,9 @@ came out 1.7-2.5x faster than those figures at TP >= 2; each extra TP call costs
 about 40-45 us more than the bytes explain. The bandwidth term (70% of the
 per-direction NVLink rate) is an assumption. The eager floor, 0.45 ms a layer,
 is pdserve's own on an H200 machine's host (bench/gpu_prefill_paths.py, 2026-11:
-an 8B prompt of 16 to 512 tokens alone in a step took 14.3-15.0 ms for 32 layers,
-with 5-12 ms of kernels); a faster host lowers it, another host there gave twice it.
+an 8B prompt of 16, 64 or 512 tokens alone in a step took 14.3-15.0 ms for 32
+layers, with 5-12 ms of kernels; 128 and 256 tokens ~24 ms, unexplained); a
+faster host lowers it, another host there gave twice it.
 """
 
 from __future__ import annotations

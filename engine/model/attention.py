@@ -110,7 +110,8 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGrou
 def _paged_kernels_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                              meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """The Triton backend: one decode launch for every decode token, one prefill
-    launch for every chunk; a lone fresh prompt takes SDPA's causal kernel."""
+    launch for every chunk; a lone fresh prompt of SDPA_FRESH_PREFILL_MIN_TOKENS
+    or more (engine/model/attention_metadata.py) takes SDPA's causal kernel."""
     from engine.kernels import paged_attention as kernels  # Triton is only needed here
 
     paged = meta.paged
