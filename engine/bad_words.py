@@ -8,6 +8,8 @@ contain the words)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from engine.errors import InvalidRequestError
 
 MAX_BAD_WORD_SEQUENCES = 128     # token sequences after tokenizing (vLLM's VLLM_MAX_NUM_BAD_WORDS)
@@ -39,18 +41,28 @@ def tokenize_bad_words(tokenizer, words: list[str], vocab_size: int) -> list[lis
     return sequences
 
 
-def bad_word_sequences(tokenizer, params, vocab_size: int) -> list[list[int]]:
+def bad_word_sequences(tokenizer, params, vocab_size: int, ending_ids: Iterable[int] = ()) -> list[list[int]]:
     """`params.bad_words` as token sequences (tokenize_bad_words), checked against
     `params.allowed_token_ids`: InvalidRequestError when the words ban every allowed
-    token, as nothing could then be sampled."""
+    token, as nothing could then be sampled; with `params.min_tokens`, also when
+    they ban every allowed token but those of `ending_ids` (EOS and stop_token_ids),
+    which min_tokens bans for the first tokens."""
     if not params.bad_words:
         return []
     sequences = tokenize_bad_words(tokenizer, params.bad_words, vocab_size)
     always_banned = {ids[0] for ids in sequences if len(ids) == 1}
-    if params.allowed_token_ids is not None and set(params.allowed_token_ids) <= always_banned:
+    if params.allowed_token_ids is None:
+        return sequences
+    allowed = set(params.allowed_token_ids)
+    if allowed <= always_banned:
         raise InvalidRequestError(f"bad_words ban every token allowed_token_ids allows "
-                                  f"({sorted(set(params.allowed_token_ids))}), so nothing could be sampled: "
+                                  f"({sorted(allowed)}), so nothing could be sampled: "
                                   "allow other tokens, or drop those words", "bad_words")
+    if params.min_tokens and allowed <= always_banned | set(ending_ids):
+        raise InvalidRequestError(f"bad_words ban every token allowed_token_ids allows ({sorted(allowed)}) but "
+                                  f"those that end the output, which min_tokens={params.min_tokens} forbids until "
+                                  "then, so nothing could be sampled: allow other tokens, or drop those words or "
+                                  "min_tokens", "bad_words")
     return sequences
 
 

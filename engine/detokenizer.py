@@ -15,7 +15,7 @@ window is only ever cut where the decoder is between characters, so after
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 _REPLACEMENT = "\ufffd"
 # Prompt tokens used as initial decoding context (vLLM uses the same number).
@@ -29,15 +29,21 @@ _LOOKBACK_TOKENS = 4
 _COMPACT_AFTER = 64
 
 
-def _fast_decoder(tokenizer: Any) -> Any:
-    """The Rust `tokenizers.Tokenizer` behind a transformers fast tokenizer when
-    decoding through it gives the same text (no clean-up of tokenization
-    spaces): it skips the Python wrapper, most of the cost of decoding a
-    window of a few tokens. Otherwise `tokenizer` itself."""
+def _window_decoder(tokenizer: Any) -> Callable[[list[int], bool], str]:
+    """decode(ids, skip_special_tokens) for windows of a few tokens: the Rust
+    `tokenizers.Tokenizer` behind a transformers fast tokenizer where there is one
+    (it skips the Python wrapper, most of the cost of decoding a window), else the
+    tokenizer's own decode. Never with the clean-up of tokenization spaces (" ." ->
+    "."; set by some Hub configs, Llama 3's among them): applied window by window,
+    it shortens a window against its prefix and the stream loses characters
+    (" '" then "social" came out as "ocial"). vLLM's detokenizers never apply it
+    either."""
     backend = getattr(tokenizer, "_tokenizer", None)
-    if backend is None or not hasattr(backend, "decode") or getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        return tokenizer
-    return backend
+    if backend is not None and hasattr(backend, "decode"):
+        return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
+    if hasattr(tokenizer, "clean_up_tokenization_spaces"):       # a transformers tokenizer
+        return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+    return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
 
 
 class IncrementalDetokenizer:
@@ -55,14 +61,15 @@ class IncrementalDetokenizer:
       (a word starting it keeps its leading space), unless the prompt ends inside
       a character;
     - ``flush()`` emits whatever is held back, decoded as the full decode would;
-      afterwards ``text == tokenizer.decode(output_ids, skip_special_tokens=...)``
-      for byte-level tokenizers. No tokens may be added after ``flush()``.
+      afterwards ``text == tokenizer.decode(output_ids, skip_special_tokens=...,
+      clean_up_tokenization_spaces=False)`` for byte-level tokenizers. No tokens
+      may be added after ``flush()``.
 
     Cost per token is two decodes of a window of a few tokens.
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True):
-        self._tokenizer = _fast_decoder(tokenizer)
+        self._window_decode = _window_decoder(tokenizer)
         self._skip_special_tokens = skip_special_tokens
         context = [int(t) for t in prompt_token_ids[-_CONTEXT_TOKENS:]]
         # The context's decode must end in a character. Where the context starts inside
@@ -140,7 +147,7 @@ class IncrementalDetokenizer:
     # ------------------------------------------------------------------ internals
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+        return self._window_decode(ids, self._skip_special_tokens)
 
     def _window_prefix_len(self) -> int:
         if self._prefix_len is None:

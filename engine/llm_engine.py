@@ -227,7 +227,7 @@ class LLMEngine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        bad_words = bad_word_sequences(self.tokenizer, params, self.model_config.vocab_size)
+        bad_words = bad_word_sequences(self.tokenizer, params, self.model_config.vocab_size, ending)
         return Sequence(request_id=request_id, token_ids=token_ids, num_prompt_tokens=len(token_ids),
                         params=params, eos_token_ids=self.eos_token_ids, generator=generator,
                         prompt_logprobs=None if params.prompt_logprobs is None else [None],

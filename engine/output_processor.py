@@ -70,15 +70,17 @@ class RequestTextState:
             self.logprobs.append(logprobs)
         n_out = index + 1 - seq.num_prompt_tokens
         past_min = n_out >= params.min_tokens
-        if past_min and not params.ignore_eos and token_id in seq.eos_token_ids:
-            self._finish("stop", None)
-            return
-        if past_min and token_id in params.stop_token_ids:
-            self._finish("stop", token_id)
+        ends = past_min and ((not params.ignore_eos and token_id in seq.eos_token_ids)
+                             or token_id in params.stop_token_ids)
+        if ends:
+            if self.keep_stop:      # as vLLM: the ending token's text too (none for a skipped special token)
+                self.text.append(self.detokenizer.add_token(token_id))
+            self._finish("stop", None if token_id in seq.eos_token_ids and not params.ignore_eos else token_id)
             return
         prev_len = len(self.text)
         self.text.append(self.detokenizer.add_token(token_id))
-        if past_min and self.stop_strings and self._check_stop_strings(prev_len):
+        # as vLLM: stop strings count only once the output is past min_tokens (not at it)
+        if n_out > params.min_tokens and self.stop_strings and self._check_stop_strings(prev_len):
             return
         if n_out >= params.max_tokens or index + 1 >= self.max_model_len:
             self._finish("length", None)

@@ -36,7 +36,11 @@ def _check_float(name: str, value: object, allowed: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise SamplingParamsError(
             f"{name} must be a number {allowed}, got {value!r} ({type(value).__name__})")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:      # an int past float's range (JSON allows any number of digits)
+        raise SamplingParamsError(f"{name} must be a finite number {allowed}, got an int of "
+                                  f"{int(value).bit_length()} bits") from None
     if not math.isfinite(value):
         raise SamplingParamsError(f"{name} must be a finite number {allowed}, got {value!r}")
     return value
@@ -180,9 +184,14 @@ class SamplingParams:
             raise _out_of_range("logit_bias", bias, allowed)
         out: dict[int, float] = {}
         for key, value in bias.items():
-            token = int(key) if isinstance(key, str) and key.isascii() and key.isdecimal() else key
+            shown = f"{key[:20]!r}... ({len(key)} characters)" if isinstance(key, str) and len(key) > 40 \
+                else repr(key)
+            decimal = isinstance(key, str) and key.isascii() and key.isdecimal()
+            if decimal and len(key) >= 20:      # past any vocabulary (and int() refuses 4,300 digits)
+                raise SamplingParamsError(f"logit_bias token id {shown} is past any vocabulary")
+            token = int(key) if decimal else key
             if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0:
-                raise SamplingParamsError(f"logit_bias must be {allowed}, got key {key!r}")
+                raise SamplingParamsError(f"logit_bias must be {allowed}, got key {shown}")
             value = _check_float("logit_bias", value, f"in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
             if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
                 raise SamplingParamsError(f"logit_bias must be {allowed}, got {value!r} for token {key!r}")

@@ -72,14 +72,18 @@ class TokenTexts:
         self._texts: dict[int, str] = {}
         anchor = tokenizer.encode("a", add_special_tokens=False)
         self._anchor = anchor[-1:]                     # a context token, [] where "a" has none
-        self._anchor_text = tokenizer.decode(self._anchor)
+        self._anchor_text = self._decode(self._anchor)
+
+    def _decode(self, ids: list[int]) -> str:
+        # without the clean-up of tokenization spaces, as the streamed text (engine/detokenizer.py)
+        return self.tokenizer.decode(ids, clean_up_tokenization_spaces=False)
 
     def __call__(self, token_id: int) -> str:
         text = self._texts.get(token_id)
         if text is None:
-            after = self.tokenizer.decode(self._anchor + [token_id])
+            after = self._decode(self._anchor + [token_id])
             text = after[len(self._anchor_text):] if after.startswith(self._anchor_text) else \
-                self.tokenizer.decode([token_id])
+                self._decode([token_id])
             self._texts[token_id] = text
         return text
 

@@ -97,3 +97,22 @@ def test_words_that_ban_every_allowed_token_are_refused_by_the_engine_and_the_ap
     while engine.has_unfinished_requests():
         tokens = next((o.token_ids for o in engine.step() if o.request_id == out), tokens)
     assert tokens == [11, 11, 11]
+
+
+def test_words_and_min_tokens_that_together_ban_every_allowed_token_are_refused(model_dirs, tokenizer):
+    engine = LLMEngine(EngineConfig(model=str(model_dirs["tiny"]), max_model_len=128))
+    word = next(w for w in ("a", "b", "x", "the") if len(tokenizer.encode(w, add_special_tokens=False)) == 1)
+    banned = tokenizer.encode(word, add_special_tokens=False)
+    eos = engine.eos_token_ids[0]
+    # the word bans one allowed token, min_tokens the other (EOS) for the first token: nothing to sample
+    with pytest.raises(InvalidRequestError, match="but those that end the output, which min_tokens=1"):
+        engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=2, min_tokens=1, bad_words=[word],
+                                                          allowed_token_ids=banned + [eos]))
+    assert not engine.has_unfinished_requests()
+    # without min_tokens EOS may come first: it runs and ends on EOS
+    out = engine.add_request("s", [5, 6, 7], SamplingParams(max_tokens=2, bad_words=[word],
+                                                            allowed_token_ids=banned + [eos]))
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.request_id == out and o.finished]
+    assert finished[0].finish_reason == "stop" and finished[0].token_ids == [eos]

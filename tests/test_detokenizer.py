@@ -248,3 +248,32 @@ def test_the_first_word_after_a_prompt_ending_in_byte_fallback_characters_keeps_
     before = tok.decode(prompt, skip_special_tokens=True)
     assert before.endswith(prompt_text)
     assert text == tok.decode(prompt + output, skip_special_tokens=True)[len(before):] == " quick brown"
+
+
+class _CleaningTokenizer:
+    """A transformers-style tokenizer whose decode cleans up tokenization spaces
+    (" ." -> ".", " '" -> "'", ...) unless told not to, as Hub configs with
+    clean_up_tokenization_spaces=true make older transformers do; no Rust backend."""
+
+    clean_up_tokenization_spaces = True
+
+    def __init__(self, tokenizer):
+        self._inner = tokenizer
+
+    def decode(self, ids, skip_special_tokens=False, clean_up_tokenization_spaces=None):
+        text = self._inner.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+        if clean_up_tokenization_spaces is False:
+            return text
+        for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" '", "'"), (" n't", "n't")):
+            text = text.replace(before, after)
+        return text
+
+
+def test_streamed_text_is_never_cleaned_up_window_by_window(tokenizer):
+    # cleaned a window at a time, " '" then "social" came out as "ocial" and a lone " ." vanished
+    cleaning = _CleaningTokenizer(tokenizer)
+    ids = tokenizer.encode("the word 'social' ends here . ok", add_special_tokens=False)
+    detok = IncrementalDetokenizer(cleaning, tokenizer.encode("Say", add_special_tokens=False))
+    streamed = "".join(detok.add_token(t) for t in ids) + detok.flush()
+    assert streamed == tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+    assert streamed.endswith("the word 'social' ends here . ok")

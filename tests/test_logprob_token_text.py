@@ -44,3 +44,24 @@ def test_byte_level_tokens_are_their_own_text():
     logprobs, _ = CompletionResponses(TokenTexts(tokenizer)).logprobs(entries(ids), 0)
     assert logprobs["tokens"] == [tokenizer.decode([i]) for i in ids]
     assert "".join(logprobs["tokens"]) == "hello world foo"
+
+
+class _CleaningTokenizer:
+    """Tokens that start with a space before punctuation (" .", " 's", as Llama 3's
+    vocabulary has), decoded with the clean-up of tokenization spaces (" ." -> ".")
+    unless told not to, as older transformers do for Hub configs that ask for it."""
+
+    PIECES = {0: "a", 1: "end", 2: " .", 3: " 's"}
+
+    def encode(self, text, add_special_tokens=True):
+        return [next(i for i, piece in self.PIECES.items() if piece == text)]
+
+    def decode(self, ids, clean_up_tokenization_spaces=None, **kwargs):
+        text = "".join(self.PIECES[i] for i in ids)
+        return text if clean_up_tokenization_spaces is False else text.replace(" .", ".").replace(" 's", "'s")
+
+
+def test_token_strings_are_not_cleaned_up_as_the_streamed_text_is_not():
+    texts = TokenTexts(_CleaningTokenizer())
+    # each token's string is its text in the stream: " ." keeps its space (cleaned up, it lost it)
+    assert [texts(t) for t in (1, 3, 2)] == ["end", " 's", " ."]

@@ -551,6 +551,9 @@ LONG = list(range(3, 3 + MAX_MODEL_LEN))
     (COMPLETIONS, {"prompt": "Hi", "suffix": "end"}, 400, "suffix", "suffix"),
     (COMPLETIONS, {"prompt": "Hi", "logit_bias": {"5": 101}}, 400, "logit_bias", "got 101.0 for token '5'"),
     (CHAT, {"messages": USER, "logit_bias": {"600": 1}}, 400, "logit_bias", "contains 600, must be in [0, 512)"),
+    # JSON numbers past float's range and keys past int()'s digit limit: 400s (they were 500s)
+    (CHAT, {"messages": USER, "logit_bias": {"5": 10 ** 400}}, 400, "logit_bias", "an int of 1329 bits"),
+    (COMPLETIONS, {"prompt": "Hi", "logit_bias": {"1" * 5000: 1}}, 400, "logit_bias", "past any vocabulary"),
     (COMPLETIONS, {"prompt": "Hi", "allowed_token_ids": []}, 400, "allowed_token_ids", "non-empty list"),
     (COMPLETIONS, {"prompt": "Hi", "allowed_token_ids": [3, 600]}, 400, "allowed_token_ids", "contains 600"),
     (COMPLETIONS, {"prompt": "Hi", "allowed_token_ids": [3] * 1025}, 400, "allowed_token_ids",

@@ -178,6 +178,15 @@ def test_logit_bias_takes_token_ids_as_ints_or_their_strings_and_checks_each_bia
                           ({"5": float("nan")}, "finite")):
         with pytest.raises(SamplingParamsError, match=rf"^logit_bias must be .*{re.escape(fragment)}"):
             SamplingParams(logit_bias=bad)
+    # JSON numbers of any size: a 400, never a float overflow or int()'s digit limit
+    with pytest.raises(SamplingParamsError, match=r"^logit_bias must be a finite number .*an int of 1329 bits"):
+        SamplingParams(logit_bias={"5": 10 ** 400})
+    for key in ("9" * 20, "1" * 5000):
+        with pytest.raises(SamplingParamsError, match=r"^logit_bias token id '\d{20}'(\.\.\. \(\d+ characters\))? "
+                                                      r"is past any vocabulary"):
+            SamplingParams(logit_bias={key: 1})
+    # 19 digits: an id, checked against the vocabulary later
+    assert SamplingParams(logit_bias={"9" * 19: 1}).logit_bias == {int("9" * 19): 1.0}
 
 
 def test_allowed_token_ids_must_name_some_tokens():

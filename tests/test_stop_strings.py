@@ -1,5 +1,7 @@
 """Stop strings end a request where a new match completes: a match completed
-before min_tokens never ends it later, whatever the other stop strings."""
+before the output is past min_tokens never ends it later, whatever the other
+stop strings. A stop token's text is in the output only with
+include_stop_str_in_output, as vLLM does."""
 
 from __future__ import annotations
 
@@ -36,8 +38,24 @@ def test_a_match_completed_before_min_tokens_is_not_a_stop(other_stops):
     assert (text, reason, stop, count) == (tokenizer.decode(ids), "length", None, len(ids))
 
 
-def test_a_match_completed_at_min_tokens_or_later_stops():
+def test_a_match_completes_a_stop_only_after_min_tokens():
+    # as vLLM: stop strings count once the output holds more than min_tokens tokens
     tokenizer = load_tokenizer(ensure_default_model())
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
-    text, reason, stop, _ = run(tokenizer, ids, stop=["mat", "zzzzzzzz"], min_tokens=2, max_tokens=len(ids))
-    assert (text, reason, stop) == ("the cat sat on the ", "stop", "mat")
+    at = next(n for n in range(1, len(ids) + 1) if "mat" in tokenizer.decode(ids[:n]))
+    text, reason, stop, count = run(tokenizer, ids, stop=["mat", "zzzzzzzz"], min_tokens=at, max_tokens=len(ids))
+    assert (text, reason, stop, count) == (tokenizer.decode(ids), "length", None, len(ids))
+    text, reason, stop, count = run(tokenizer, ids, stop=["mat", "zzzzzzzz"], min_tokens=at - 1,
+                                    max_tokens=len(ids))
+    assert (text, reason, stop, count) == ("the cat sat on the ", "stop", "mat", at)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_stop_token_id_shows_its_text_only_when_the_request_keeps_stops(keep):
+    tokenizer = load_tokenizer(ensure_default_model())
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    stop_id = ids[3]
+    text, reason, stop, count = run(tokenizer, ids, stop_token_ids=[stop_id], include_stop_str_in_output=keep,
+                                    max_tokens=len(ids))
+    assert (reason, stop, count) == ("stop", stop_id, 4)
+    assert text == tokenizer.decode(ids[:4] if keep else ids[:3])
