@@ -420,6 +420,16 @@ class _Server:
                 f"{chars} characters, far more than {limit} tokens can hold. Please reduce the length of "
                 f"the {param}.", param=param)
 
+    def _check_message_count(self, count: int, param: str) -> None:
+        """Refuses, before rendering, more messages than the context could hold if
+        each took no more than a token of the template's (a body of hundreds of
+        thousands of empty messages would otherwise be rendered and tokenized)."""
+        limit = self.info.max_model_len
+        if count > _TEXT_MARGIN * limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens. However, your {param} has {count} "
+                f"messages, far more than {limit} tokens can hold. Please send fewer messages.", param=param)
+
     def _text_to_tokenize(self, body: CompletionRequest, keep: int) -> int | None:
         """How many characters of a completion's text prompt, to be cut to `keep` tokens, are worth
         tokenizing: as many as could spell the tokens kept (None: all of it)."""
@@ -432,8 +442,10 @@ class _Server:
         context, unless it is a completion's prompt to be cut to `keep` tokens); a long
         text is tokenized off the event loop, which every stream of this router shares."""
         text_chars = body.text_length()
+        num_messages = len(getattr(body, "messages", ()))
         if keep is None or not isinstance(body, CompletionRequest):  # a chat's messages are rendered whole
             self._check_text_length(text_chars, param)
+            self._check_message_count(num_messages, param)
         elif (most := self._text_to_tokenize(body, keep)) is not None:
             kept = body.prompt[:most] if body.truncation_side == "right" else body.prompt[-most:]
             body = body.model_copy(update={"prompt": kept})
@@ -442,7 +454,7 @@ class _Server:
             return list(body.prompt)
         # many short messages cost a template little text each but still its rendering: counted as
         # a long token's text apiece towards rendering them off the loop
-        render_chars = text_chars + self.max_token_chars * len(getattr(body, "messages", ()))
+        render_chars = text_chars + self.max_token_chars * num_messages
         if render_chars <= _INLINE_TOKENIZE_CHARS:
             return self._tokenize_text(body)
         return await anyio.to_thread.run_sync(self._tokenize_text, body)

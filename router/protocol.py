@@ -57,14 +57,20 @@ def _is_token_ids(value: object) -> bool:
 
 
 def _string_chars(value: object) -> int:
-    """Characters in every string within `value` (nested lists and dicts, keys too)."""
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, dict):
-        return sum(_string_chars(k) + _string_chars(v) for k, v in value.items())
-    if isinstance(value, list | tuple):
-        return sum(_string_chars(v) for v in value)
-    return 0
+    """Characters in every string within `value` (nested lists and dicts, keys too).
+    Walked with a stack, not recursion: JSON nested a thousand levels deep parses,
+    and must not overflow Python's stack here."""
+    chars, pending = 0, [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            chars += len(item)
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list | tuple):
+            pending.extend(item)
+    return chars
 
 
 class StreamOptions(BaseModel):

@@ -232,3 +232,43 @@ def test_a_checkpoint_larger_than_its_config_says_is_refused(model_dirs, tmp_pat
     with pytest.raises(CheckpointError, match=r"mlp\..*expected \(%d, %d\)" % (cfg["intermediate_size"] // 2,
                                                                               cfg["hidden_size"])):
         LLM(str(d))
+
+
+def _rewrite_tensors(src, dst, rename):
+    """A copy of checkpoint `src` whose tensors are renamed by `rename(name)`."""
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    for path in dst.glob("*.safetensors"):
+        tensors = load_file(str(path))
+        save_file({rename(k): v for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+    return dst
+
+
+def test_a_config_without_architectures_runs_by_its_model_type(model_dirs, tmp_path):
+    # as a bare LlamaConfig().save_pretrained() writes it; transformers picks the class from model_type
+    d = _with_config(model_dirs["tiny"], tmp_path / "no-arch", architectures=None)
+    prompts = _prompts(2)
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    expected = [o.token_ids for o in LLM(str(model_dirs["tiny"]), max_model_len=128).generate(prompts, params)]
+    assert [o.token_ids for o in LLM(str(d), max_model_len=128).generate(prompts, params)] == expected
+
+
+def test_weights_saved_without_the_model_prefix_load(model_dirs, tmp_path):
+    # a base model's state dict ("layers.0...", "embed_tokens.weight"), as transformers loads it too
+    d = _rewrite_tensors(model_dirs["tiny"], tmp_path / "bare", lambda k: k.removeprefix("model."))
+    prompts = _prompts(2)
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    expected = [o.token_ids for o in LLM(str(model_dirs["tiny"]), max_model_len=128).generate(prompts, params)]
+    assert [o.token_ids for o in LLM(str(d), max_model_len=128).generate(prompts, params)] == expected
+
+
+def test_fused_projections_and_a_broken_index_are_checkpoint_errors(model_dirs, tmp_path):
+    from engine.model import CheckpointError
+    fused = _rewrite_tensors(model_dirs["tiny"], tmp_path / "fused",
+                             lambda k: k.replace("self_attn.q_proj", "self_attn.qkv_proj"))
+    with pytest.raises(CheckpointError, match=r"qkv_proj.* a fused projection"):
+        LLM(str(fused))
+    broken = shutil.copytree(model_dirs["tiny"], tmp_path / "broken-index")
+    (broken / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with pytest.raises(CheckpointError, match=r"is not a safetensors index .*KeyError"):
+        LLM(str(broken))

@@ -537,6 +537,30 @@ def test_json_result_has_vllm_keys_and_per_request_records(server):
     assert len(out["requests"]) == 2 and {"ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"} <= set(out["requests"][0])
 
 
+def test_json_peaks_zeros_for_metrics_without_values_and_failed_lengths_as_vllm_writes_them():
+    from bench.loadtest.metrics import peaks
+    from bench.loadtest.runner import RunConfig, RunResult
+    # two successful requests sent at 0.0 and 0.5, one failed one whose stream carried usage
+    a = record(0, send=0.0, chunks=[0.2, 0.4, 0.9, 1.2], end=1.3)
+    b = record(1, send=0.5, chunks=[0.7], end=0.8, tokens=1)
+    failed = record(2, send=0.6, chunks=[0.65, 0.7], end=0.9, tokens=7, ok=False, error="stream cut")
+    # second 0: 4 chunks (a: 3, b: 1), second 1: 1; in flight in second 0: a and b
+    assert peaks([a, b, failed]) == (4.0, 2)
+    assert peaks([failed]) == (0.0, 0)
+    config = RunConfig(base_url="http://x", model=MODEL)
+    one_token = RunResult(config=config, records=[b], num_requests=1, start_time=0.5, duration=0.3, interrupted=None)
+    s = summarize([b], num_requests=1, duration=0.3)
+    out = json.loads(json.dumps(build_result(one_token, s)))
+    # a one-token output has no TPOT and no ITL: 0.0, as vLLM writes them, and named
+    assert out["metrics_without_values"] == ["tpot", "itl"]
+    assert (out["mean_tpot_ms"], out["p99_itl_ms"], out["median_ttft_ms"]) == (0.0, 0.0, pytest.approx(200.0))
+    assert (out["max_output_tokens_per_s"], out["max_concurrent_requests"]) == (1.0, 1)
+    mixed = RunResult(config=config, records=[a, failed], num_requests=2, start_time=0.0, duration=1.3,
+                      interrupted=None)
+    out = build_result(mixed, summarize([a, failed], num_requests=2, duration=1.3))
+    assert out["output_lens"] == [4, 0]          # the failed request's usage is not an output
+
+
 def sweep_result(rate: float, scale: float) -> dict:
     return {"request_rate": rate, "completed": 10, "failed": 0, "request_throughput": min(rate, 3.0),
             "request_goodput": min(rate, 2.0), "output_throughput": 30.0 * min(rate, 3.0),

@@ -621,6 +621,9 @@ LONG = list(range(3, 3 + MAX_MODEL_LEN))
      "than 64 tokens can hold"),
     (CHAT, {"messages": USER, "chat_template_kwargs": {"bos_token": "ab " * 1_000_000}}, 400, "messages",
      "your messages has 3000011 characters, far more than 64 tokens can hold"),   # the key too
+    # empty messages by the thousand: refused before the template renders them
+    (CHAT, {"messages": [{"role": "user", "content": ""}] * 257}, 400, "messages",
+     "your messages has 257 messages, far more than 64 tokens can hold"),
     (COMPLETIONS, {"prompt": "Hi", "stop_token_ids": list(range(300))}, 400, "stop_token_ids",
      "has 300 ids; this server allows at most 256"),
     (CHAT, {"messages": USER, "echo": "yes"}, 400, "echo", "valid boolean"),
@@ -661,6 +664,18 @@ def test_a_token_id_list_with_many_bad_items_gets_one_short_error(client, backen
                                 "prompt: must be a string, a list of token ids")
     assert len(error["message"]) < 300, error["message"][:400]
     assert backend.calls == []
+
+
+def test_chat_template_kwargs_nested_deeper_than_pythons_recursion_limit_are_not_a_500(client, backend):
+    # 700 levels parse as JSON; counting their characters recursively overflowed the stack (a 500);
+    # the template cannot render them either: a 400
+    deep = "[" * 700 + "]" * 700
+    body = '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "chat_template_kwargs": {"x": ' + \
+        deep + "}}"
+    sent = client.post(CHAT, content=body, headers={"content-type": "application/json"})
+    assert_openai_error(sent, 400, "messages", "The chat template cannot render these messages")
+    assert backend.calls == []
+    assert client.post(CHAT, json={"messages": USER, "max_tokens": 1}).status_code == 200
 
 
 def test_malformed_json_and_wrong_routes(client):

@@ -1,9 +1,11 @@
 """When each request is sent: Poisson, gamma (bursty) or all at once.
 
-As in `vllm bench serve`: the first request goes at time 0 and the gaps
-between requests are gamma-distributed with shape = burstiness and scale =
-1 / (rate * burstiness), so the mean gap is 1 / rate whatever the burstiness
-and the squared coefficient of variation of the gaps is 1 / burstiness.
+The gaps between requests are gamma-distributed with shape = burstiness and
+scale = 1 / (rate * burstiness), as in `vllm bench serve`, so the mean gap is
+1 / rate whatever the burstiness and the squared coefficient of variation of
+the gaps is 1 / burstiness. Unlike vLLM 0.32, the first request goes at time 0
+and the sum of the gaps is not rescaled to exactly N / rate: the schedule is a
+plain renewal process, the one the simulator and the planner replay.
 burstiness 1 is a Poisson process; below 1 the arrivals are burstier, above 1
 more regular. rate = inf sends everything at time 0.
 

@@ -39,7 +39,7 @@ from bench.loadtest.datasets import (
     random_dataset,
     sharegpt_dataset,
 )
-from bench.loadtest.metrics import summarize
+from bench.loadtest.metrics import peaks, summarize
 from bench.loadtest.report import JSON_PERCENTILES, build_result, format_table
 from bench.loadtest.runner import RunConfig, RunResult, run_benchmark, run_cancellable
 from bench.loadtest.sweep import format_sweep_table, run_sweep, write_plots
@@ -96,7 +96,10 @@ def _loadtest(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise LoadtestError(str(exc)) from None
     meta = {"tokenizer": tokenizer_source, "prompt_lengths": prompt_lengths, "dataset_name": args.dataset_name,
-            "dataset_path": args.dataset_path, "max_duration": args.max_duration}
+            "dataset_path": args.dataset_path,
+            # JSON has no infinity: "inf", as request_rate
+            "max_duration": "inf" if args.max_duration is not None and math.isinf(args.max_duration)
+            else args.max_duration}
     if args.sweep_rates:
         return _sweep(args, datasets, config, tokenizer, meta)
     return _single(args, datasets[0], config, tokenizer, meta)
@@ -256,7 +259,7 @@ def _summarize(args: argparse.Namespace, run: RunResult, meta: dict, title: str)
     summary = summarize(run.records, num_requests=run.num_requests, duration=run.duration,
                         slos_ms=_slos(args), percentiles=_percentiles(args))
     print(format_table(summary, metrics=args.percentile_metrics, percentiles=args.metric_percentiles,
-                       title=title, interrupted=run.interrupted), flush=True)
+                       title=title, interrupted=run.interrupted, peak=peaks(run.records)), flush=True)
     return build_result(run, summary, meta=meta)
 
 

@@ -13,10 +13,12 @@ scripts written for vLLM's result files read these too:
   off in flight), not_sent, total_input_tokens, total_output_tokens,
   request_throughput, output_throughput, total_token_throughput (per second),
   request_goodput (good requests/s), slo_attainment (good / (completed + failed)),
-  good_requests, slos_ms, token_count_methods, error_counts;
+  good_requests, slos_ms, token_count_methods, error_counts,
+  max_output_tokens_per_s and max_concurrent_requests (vLLM's peaks per second);
 - latency, in ms, for each of ttft, tpot, itl, e2el: mean_X_ms, median_X_ms,
   std_X_ms and pN_X_ms for each percentile N (always 90 and 99, plus
-  --metric-percentiles);
+  --metric-percentiles); 0.0 for a metric with no values, as vLLM writes it,
+  and metrics_without_values names those;
 - per request, in send order (vLLM's lists): input_lens, output_lens, ttfts (s),
   itls (s, a list per request), generated_texts, errors; plus `requests`, one
   record per request with its times in ms (see `request_record`).
@@ -31,7 +33,7 @@ from types import MappingProxyType
 from typing import Any
 
 from bench.loadtest.client import RequestRecord
-from bench.loadtest.metrics import METRICS, Summary, e2el, itls, tpot, ttft
+from bench.loadtest.metrics import METRICS, Summary, e2el, itls, peaks, tpot, ttft
 from bench.loadtest.runner import RunResult
 
 # Always in the JSON, whatever --metric-percentiles says (the issue's p90 and p99).
@@ -115,17 +117,21 @@ def build_result(run: RunResult, summary: Summary, *, meta: Mapping[str, Any] | 
         "token_count_methods": dict(summary.token_count_methods),
         "error_counts": dict(summary.error_counts),
     }
+    records = run.records
+    result["max_output_tokens_per_s"], result["max_concurrent_requests"] = peaks(records)
+    # a metric with no values (TPOT when every output is one token, all when every request failed)
+    # is 0.0, as vLLM writes it, so scripts reading floats do not break; this key names them
+    result["metrics_without_values"] = [name for name in METRICS if summary.latency[name].mean is None]
     for name in METRICS:
         stats = summary.latency[name]
-        result[f"mean_{name}_ms"] = stats.mean
-        result[f"median_{name}_ms"] = stats.median
-        result[f"std_{name}_ms"] = stats.std
+        result[f"mean_{name}_ms"] = stats.mean or 0.0
+        result[f"median_{name}_ms"] = stats.median or 0.0
+        result[f"std_{name}_ms"] = stats.std or 0.0
         for p, value in stats.percentiles.items():
-            result[f"{percentile_name(p)}_{name}_ms"] = value
-    records = run.records
+            result[f"{percentile_name(p)}_{name}_ms"] = value or 0.0
     result.update({
         "input_lens": [r.prompt_len for r in records],
-        "output_lens": [r.output_tokens or 0 for r in records],
+        "output_lens": [(r.output_tokens or 0) if r.succeeded else 0 for r in records],   # as vLLM: 0 if failed
         "ttfts": [ttft(r) or 0.0 for r in records],
         "itls": [itls(r) for r in records],
         "generated_texts": [r.text for r in records],
@@ -145,9 +151,10 @@ def _fmt(value: float | int | None, digits: int = 2) -> str:
 
 def format_table(summary: Summary, *, metrics: Sequence[str] = METRICS,
                  percentiles: Sequence[float] = JSON_PERCENTILES, title: str = "Serving Benchmark Result",
-                 interrupted: str | None = None) -> str:
+                 interrupted: str | None = None, peak: tuple[float, int] | None = None) -> str:
     """vLLM's result table for `summary`: the selected latency metrics, each with mean,
-    median and the selected percentiles (which must be among those summarized)."""
+    median and the selected percentiles (which must be among those summarized); `peak`:
+    metrics.peaks of the run."""
     lines = [f"{' ' + title + ' ':=^{_WIDTH}}"]
 
     def row(label: str, value: str) -> None:
@@ -171,6 +178,9 @@ def format_table(summary: Summary, *, metrics: Sequence[str] = METRICS,
         attainment = None if summary.slo_attainment is None else summary.slo_attainment * 100.0
         row("SLO attainment (%):", _fmt(attainment, 1))
     row("Output token throughput (tok/s):", _fmt(summary.output_throughput))
+    if peak is not None:
+        row("Peak output token throughput (tok/s):", _fmt(peak[0]))
+        row("Peak concurrent requests:", str(peak[1]))
     row("Total token throughput (tok/s):", _fmt(summary.total_token_throughput))
     methods = ", ".join(f"{_METHODS.get(m, m)} ({n})" for m, n in summary.token_count_methods.items()) or "n/a"
     row("Output tokens counted by:", methods)

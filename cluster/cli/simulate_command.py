@@ -27,7 +27,7 @@ from cluster.cli.plan_goodput import parse_slo
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from bench.loadtest.arrivals import arrival_offsets
     from bench.loadtest.command import LoadtestError, _build_dataset, check_dataset_flags
-    from bench.loadtest.metrics import summarize
+    from bench.loadtest.metrics import peaks, summarize
     from bench.loadtest.report import JSON_PERCENTILES, build_result, format_table
     from bench.loadtest.runner import RunConfig, RunResult
     from cluster.config import ConfigFileError, load_config
@@ -93,7 +93,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     summary = summarize(records, num_requests=len(requests), duration=duration, slos_ms=dict(args.goodput or []),
                         percentiles=sorted(set(JSON_PERCENTILES) | set(args.metric_percentiles)))
     print(format_table(summary, metrics=args.percentile_metrics, percentiles=args.metric_percentiles,
-                       title="Simulated Serving Benchmark Result", interrupted=result.interrupted), flush=True)
+                       title="Simulated Serving Benchmark Result", interrupted=result.interrupted,
+                       peak=peaks(records)), flush=True)
     print(f"simulated {len(requests)} requests in {wall:.2f} s: {result.num_steps} replica steps, "
           f"{result.num_preemptions} preemptions, {result.num_local_prefills} prompts prefilled on a decode worker, "
           f"{result.cached_prompt_tokens} prompt tokens from prefix caches, "

@@ -41,8 +41,12 @@ class LazyTensor:
 def checkpoint_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({model_dir / name for name in weight_map.values()})
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted({model_dir / name for name in weight_map.values()})
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{index} is not a safetensors index (a JSON object whose weight_map maps "
+                                  f"tensor names to files): {type(exc).__name__}: {exc}") from None
     else:
         files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -61,11 +65,18 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     packed = getattr(model, "packed_modules", {})
     tied = getattr(model.config, "tie_word_embeddings", False)
     loaded: set[str] = set()
+    fused = {f".{our_part}." for our_part, _ in packed.values()}
+    expected = _expected(params, packed)
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                if "rotary_emb.inv_freq" in name:
+            for stored in f.keys():
+                if "rotary_emb.inv_freq" in stored:
                     continue
+                # weights saved from the base model (no "model." prefix), as transformers loads them
+                name = f"model.{stored}" if stored not in expected and f"model.{stored}" in expected else stored
+                if any(part in name for part in fused):
+                    raise CheckpointError(f"{stored} in {path.name}: a fused projection; pdserve loads q/k/v_proj "
+                                          "and gate/up_proj as separate tensors, as transformers saves them")
                 target, shard_id = name, None
                 for ckpt_part, (our_part, sid) in packed.items():
                     if f".{ckpt_part}." in name:
@@ -76,14 +87,24 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
                 param = params.get(target)
                 if param is None:
                     continue  # tensors we do not use (e.g. a tied copy)
-                tensor = LazyTensor(f.get_slice(name))
+                tensor = LazyTensor(f.get_slice(stored))
                 weight_loader = getattr(param, "weight_loader", _copy)
                 try:
                     weight_loader(param, tensor, shard_id)
                 except ValueError as exc:
-                    raise CheckpointError(f"{name} in {path.name}: {exc}") from None
+                    raise CheckpointError(f"{stored} in {path.name}: {exc}") from None
                 loaded.add(f"{target}:{shard_id}")
     _check_complete(params, packed, loaded, tied)
+
+
+def _expected(params: dict[str, nn.Parameter], packed: dict) -> set[str]:
+    """Every checkpoint tensor name the model takes (its fused parameters by their parts' names)."""
+    names = set(params)
+    for name in params:
+        for ckpt_part, (our_part, _) in packed.items():
+            if f".{our_part}." in name:
+                names.add(name.replace(our_part, ckpt_part))
+    return names
 
 
 def _copy(param: nn.Parameter, tensor: LazyTensor, shard_id: object = None) -> None:

@@ -15,6 +15,10 @@ from typing import Any
 
 # architecture name in config.json -> the flags that distinguish it from Llama
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# a config without `architectures` (as a bare `LlamaConfig().save_pretrained()` writes) names its
+# model by model_type, from which transformers' AutoModelForCausalLM picks the class
+ARCHITECTURE_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                              "qwen2": "Qwen2ForCausalLM"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 CONTEXT_SCALING_ROPE_TYPES = ("linear", "dynamic")    # their factor stretches the context past the trained one
 
@@ -112,6 +116,8 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, hf: Any) -> "ModelConfig":
         architectures = list(getattr(hf, "architectures", None) or [])
+        if not architectures and getattr(hf, "model_type", None) in ARCHITECTURE_BY_MODEL_TYPE:
+            architectures = [ARCHITECTURE_BY_MODEL_TYPE[hf.model_type]]
         arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ModelConfigError(
