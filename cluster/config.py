@@ -455,6 +455,8 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             data = yaml.load(path.read_text(), Loader=_unique_key_loader()) or {}  # noqa: S506 - a SafeLoader
         except (OSError, yaml.YAMLError) as exc:
             raise ConfigFileError(f"cannot read deployment file {path}: {exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigFileError(f"cannot read deployment file {path}: it is not UTF-8 text ({exc})") from None
         if not isinstance(data, dict):
             raise ConfigFileError(f"{path} is not a valid pdserve deployment file: it holds a "
                                   f"{type(data).__name__}, not a mapping of sections")

@@ -1,9 +1,12 @@
 """The HTTP port check of `pdserve serve`: a port something listens on is
 reported by number before anything deploys; one blocked only by a stopped
-server's connections in TIME_WAIT is waited for."""
+server's connections in TIME_WAIT is waited for. Also the cluster it joins or
+starts (a dead RAY_ADDRESS, a dead cluster left by `ray start`), and serving
+until the application is lost."""
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import time
@@ -144,3 +147,99 @@ def test_a_host_that_can_never_be_bound_is_reported_at_once(host, expected):
     problem = wait_for_port(host, 8000, listener_grace_s=30, time_wait_s=30, notify=lambda m: None)
     assert problem is not None and expected in problem
     assert time.monotonic() - started < 5
+
+
+def _closed_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_a_dead_ray_address_in_the_environment_is_a_clear_error_at_once(monkeypatch):
+    import time
+    import ray
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{_closed_port()}")
+    monkeypatch.setattr(ray, "init", lambda **k: pytest.fail("ray.init retries a dead address for minutes"))
+    started = time.monotonic()
+    with pytest.raises(ConnectionError, match=r"RAY_ADDRESS=127\.0\.0\.1:\d+: nothing answers.*unset it"):
+        serve_command._connect(None, 2, {}, False)
+    assert time.monotonic() - started < 5
+
+
+def test_a_dead_cluster_left_by_ray_start_is_replaced_by_a_new_local_one(monkeypatch, capsys):
+    import ray
+    import ray._private.services as services
+    from cluster.serving import local_cluster
+    dead = f"127.0.0.1:{_closed_port()}"
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: dead)
+    monkeypatch.setattr(ray, "init", lambda **k: pytest.fail("ray.init retries a dead address for minutes"))
+    started = []
+    monkeypatch.setattr(local_cluster, "start_local_cluster", lambda *a, **k: started.append(a))
+    assert serve_command._connect(None, 2, {}, False) is True
+    assert started == [(2, {})]
+    assert f"({dead}) does not answer; starting a new one" in capsys.readouterr().out
+
+
+def test_a_port_that_answers_but_is_no_ray_cluster_is_a_connection_error(monkeypatch):
+    import ray
+
+    def not_gcs(**kwargs):
+        raise RuntimeError("Failed to connect to GCS")
+    monkeypatch.setattr(ray, "init", not_gcs)
+    with pytest.raises(ConnectionError, match="RuntimeError: Failed to connect to GCS"):
+        serve_command._init_ray("127.0.0.1:8265")
+
+
+class _Statuses:
+    """serve.status() answering each call with the next application status (None: no application)."""
+
+    def __init__(self, statuses):
+        self.statuses = list(statuses)
+
+    def __call__(self):
+        from types import SimpleNamespace
+        status = self.statuses.pop(0) if len(self.statuses) > 1 else self.statuses[0]
+        apps = {} if status is None else {"pdserve": SimpleNamespace(status=status, message="replica died")}
+        return SimpleNamespace(applications=apps)
+
+
+@pytest.mark.parametrize("statuses, says", [
+    (["RUNNING", "RUNNING", None], r"application is gone \(deleted"),
+    (["RUNNING", "UNHEALTHY"], r"has been UNHEALTHY for 3\d s: replica died"),
+])
+def test_serving_ends_with_a_reason_when_the_application_is_lost(monkeypatch, statuses, says):
+    from ray import serve
+    from cluster.cli.stop_signal import StopSignal
+    now = [0.0]
+
+    def clock():
+        now[0] += 1.0       # every look at the clock: a second
+        return now[0]
+    monkeypatch.setattr(serve, "status", _Statuses(statuses))
+    monkeypatch.setattr(serve_command.time, "sleep", lambda s: None)
+    reason = serve_command._watch_application("pdserve", StopSignal(), poll_s=2.0, unhealthy_limit_s=30.0,
+                                              clock=clock)
+    assert re.search(says, reason), reason
+
+
+def test_serving_a_healthy_application_runs_until_stopped(monkeypatch):
+    from ray import serve
+    from cluster.cli.stop_signal import StopSignal
+    stop, polls = StopSignal(), []
+
+    def status():
+        polls.append(1)
+        if len(polls) == 5:
+            stop.requested = True           # a Ctrl-C after the fifth look
+        return _Statuses(["UNHEALTHY" if len(polls) == 2 else "RUNNING"])()
+    monkeypatch.setattr(serve, "status", status)
+    monkeypatch.setattr(serve_command.time, "sleep", lambda s: None)
+    now = [0.0]
+
+    def clock():
+        now[0] += 1.0
+        return now[0]
+    assert serve_command._watch_application("pdserve", stop, poll_s=2.0, unhealthy_limit_s=30.0, clock=clock) is None
+    assert len(polls) == 5

@@ -477,6 +477,24 @@ def test_an_empty_api_key_is_refused_not_taken_for_no_key():
         config_from_args(build_parser().parse_args(["serve", "--api-key", "  "]))
 
 
+def test_an_empty_api_key_variable_is_refused_not_taken_for_no_key(monkeypatch):
+    # set but empty, as an environment file with an unset value leaves it: it served without a key
+    for empty in ("", " "):
+        monkeypatch.setenv("PDSERVE_API_KEY", empty)
+        with pytest.raises(ValueError, match="PDSERVE_API_KEY is set but empty"):
+            config_from_args(build_parser().parse_args(["serve"]))
+    # a key given on the command line is the key: the variable is not read
+    config = config_from_args(build_parser().parse_args(["serve", "--api-key", "flag"]))
+    assert config.api_key_sha256() is not None
+
+
+def test_a_deployment_file_that_is_not_text_is_a_clear_error(tmp_path):
+    binary = tmp_path / "model.safetensors"
+    binary.write_bytes(b"\x80\x81\xfe\xff" * 16)
+    with pytest.raises(ValueError, match=r"cannot read deployment file .*model\.safetensors: it is not UTF-8"):
+        config_from_args(build_parser().parse_args(["serve", "--config", str(binary)]))
+
+
 def test_an_address_where_nothing_answers_is_refused_at_once(monkeypatch):
     import socket
 

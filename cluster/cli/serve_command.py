@@ -108,8 +108,12 @@ def config_from_args(args: argparse.Namespace):
                               "leave the flag out to serve without one")
     if key:
         overrides["http.api_key_sha256"] = api_key_digest(key)   # wins over the file's key settings
+    from_env = os.environ.get(API_KEY_ENV)
+    if not key and from_env is not None and not from_env.strip():
+        raise ConfigFileError(f"{API_KEY_ENV} is set but empty (an unset value in an environment file?): give the "
+                              "key, or unset the variable to serve without one")
     config = load_config(args.config, overrides)
-    if not key and os.environ.get(API_KEY_ENV) and not (config.http.api_key_env or config.http.api_key_sha256):
+    if not key and from_env and not (config.http.api_key_env or config.http.api_key_sha256):
         # the variable is the default key: a file that names its own key keeps it
         overrides["http.api_key_sha256"] = api_key_digest(os.environ[API_KEY_ENV])
         config = load_config(args.config, overrides)
@@ -209,8 +213,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             print("stopped before the deployment was running; cleaning up ...", flush=True)
             return 128 + (stop.signum or 2)
         print(f"pdserve is serving {config.mode.value} at http://{host}:{port}/v1 (Ctrl-C stops it)", flush=True)
-        while not stop.requested:
-            time.sleep(0.2)
+        lost = _watch_application(APP_NAME, stop)
+        if lost:
+            print(f"error: {lost}; cleaning up ...", file=sys.stderr, flush=True)
+            return 1
         print("stopping pdserve ...", flush=True)
     except (RuntimeError, TimeoutError, ConnectionError, ValueError, RayError, RayServeException) as exc:
         # a failed deploy, a route another application holds, a controller or cluster lost
@@ -342,7 +348,11 @@ def _wait_running(name: str, stop: StopSignal, notify: Callable[[str], None], ev
         if status == "RUNNING":
             return True
         if status == "DEPLOY_FAILED":      # (UNHEALTHY while deploying: Serve replaces the replica)
-            raise RuntimeError(f"the application did not deploy: {app.message}")
+            # the application's message names the deployments; theirs hold the replicas' errors
+            causes = [f"{d}: {ds.message}" for d, ds in app.deployments.items() if ds.message]
+            raise RuntimeError(f"the application did not deploy: {app.message}"
+                               f"{''.join(chr(10) + '  ' + c for c in causes)}\n(the replicas' logs: logs/serve/ "
+                               "in the Ray session's folder, /tmp/ray/session_latest on the head node)")
         if time.monotonic() - last_told >= every_s:
             last_told = time.monotonic()
             waiting = [f"{d}: {getattr(ds.status, 'value', ds.status)}{f' ({ds.message})' if ds.message else ''}"
@@ -353,24 +363,87 @@ def _wait_running(name: str, stop: StopSignal, notify: Callable[[str], None], ev
     return False
 
 
+def _watch_application(name: str, stop: StopSignal, *, poll_s: float = 5.0, unhealthy_limit_s: float = 120.0,
+                       clock: Callable[[], float] = time.monotonic) -> str | None:
+    """Serves until a stop is asked for (None), or until the application is gone
+    (deleted, Serve shut down, its controller lost) or has been UNHEALTHY for
+    `unhealthy_limit_s`: then why, so the command exits non-zero and a supervisor
+    restarts it, as vLLM exits when its engine dies."""
+    from ray import serve
+
+    unhealthy_since = None
+    next_poll = clock() + poll_s
+    while not stop.requested:
+        if clock() < next_poll:
+            time.sleep(0.2)
+            continue
+        next_poll = clock() + poll_s
+        try:
+            app = serve.status().applications.get(name)
+        except Exception as exc:      # the controller or the cluster lost
+            return f"Serve does not answer ({type(exc).__name__}: {exc})"
+        status = getattr(app, "status", None)
+        if app is None or status in ("DELETING", "NOT_STARTED"):
+            return f"the {name!r} application is gone ({status or 'deleted'}: by `serve delete` or `serve shutdown`?)"
+        if status in ("UNHEALTHY", "DEPLOY_FAILED"):
+            unhealthy_since = unhealthy_since or clock()
+            if clock() - unhealthy_since >= unhealthy_limit_s:
+                return (f"the {name!r} application has been {status} for {clock() - unhealthy_since:.0f} s: "
+                        f"{app.message}")
+        else:
+            unhealthy_since = None
+    return None
+
+
 def _connect(address: str | None, local_cpus: int, local_env: dict[str, str], dashboard: bool) -> bool:
     """Joins `address`, or a running local cluster, or starts one declaring
     `local_cpus` CPUs with `local_env` in its processes' environment (and the
     Ray dashboard if `dashboard`); True when this process started it (and must
-    stop it)."""
-    import ray
-
+    stop it). A RAY_ADDRESS where nothing answers is a ConnectionError at once; the
+    cluster `ray start` last started here, dead without `ray stop`, is replaced by a
+    new local one (ray.init would retry it for minutes, then fail)."""
     from cluster.serving.local_cluster import start_local_cluster
     if address == "local":
         start_local_cluster(local_cpus, local_env, dashboard=dashboard)
         return True
     if address:
         _check_answers(address)   # ray.init retries an address where nothing listens for minutes
-        ray.init(address=address)
+        _init_ray(address)
         return False
+    from_env = os.environ.get("RAY_ADDRESS")
+    if from_env:
+        try:
+            _check_answers(from_env)
+        except ConnectionError as exc:
+            raise ConnectionError(f"RAY_ADDRESS={from_env}: {exc}; unset it to start a local cluster") from None
+    else:
+        from ray._private.services import find_bootstrap_address
+        last = find_bootstrap_address(None)      # the cluster `ray start` last started on this machine
+        if last:
+            try:
+                _check_answers(last, timeout_s=2.0)
+            except ConnectionError:
+                # it died without `ray stop` (killed, out of memory, a restart): ray.init would retry it
+                # for minutes, then fail
+                print(f"pdserve: the Ray cluster last started on this machine ({last}) does not answer; "
+                      "starting a new one", flush=True)
+                start_local_cluster(local_cpus, local_env, dashboard=dashboard)
+                return True
     try:
-        ray.init(address="auto")
+        _init_ray("auto")
         return False
     except ConnectionError:
+        if from_env:
+            raise
         start_local_cluster(local_cpus, local_env, dashboard=dashboard)
         return True
+
+
+def _init_ray(address: str) -> None:
+    """ray.init(address), its failures to reach a cluster as ConnectionError (Ray raises
+    RuntimeError for a port that answers but is no Ray cluster, or a version mismatch)."""
+    import ray
+    try:
+        ray.init(address=address)
+    except RuntimeError as exc:
+        raise ConnectionError(f"{type(exc).__name__}: {exc}") from None
