@@ -35,3 +35,9 @@ class RequestIdInUse(InvalidRequestError):
 
     def __reduce__(self):   # keeps replica_id across Ray's pickling
         return RequestIdInUse, (str(self), self.replica_id)
+
+
+class RequestAbortedError(RuntimeError):
+    """The request was aborted on this worker (by `abort`) before it produced what
+    its caller waits for. Not a CancelledError: a caller must not take it for its
+    own client leaving."""

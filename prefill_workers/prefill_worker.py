@@ -42,6 +42,7 @@ from cluster.transport import kv_handoff
 from cluster.transport.kv_transport import KVSender, PeerAddress, TransferState
 from engine.async_engine import AsyncEngine, EngineStoppedError, settle_from_thread
 from engine.engine_config import EngineConfig
+from engine.errors import RequestAbortedError
 from engine.llm_engine import LLMEngine, StepStats
 from engine.outputs import OutputKind, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -322,7 +323,11 @@ class PrefillWorker:
             self._holds.pop(request_id, None)
         if hold is not None and hold.transfer_id is not None:
             self._forget_send(engine, hold.transfer_id)
-        engine.abort_request(request_id)
+        if engine.abort_request(request_id) and hold is None:
+            # aborted before its first token: its prefill() call still waits for one (an abort that
+            # overtook the caller's own cancellation, which Serve cancels on a best-effort basis)
+            self._engine.deliver([RequestOutput(request_id=request_id, prompt_token_ids=[], text="", token_ids=[],
+                                                finished=True, finish_reason="abort")])
 
     def _forget_send(self, engine: LLMEngine, transfer_id: str) -> None:
         engine.collective_rpc(kv_handoff.forget_transfer, transfer_id)
@@ -366,6 +371,10 @@ class _HoldOnFirstToken:
 
     def put(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
+            if out.finish_reason == "abort" and not out.token_ids:
+                settle_from_thread(self.future, exc=RequestAbortedError(
+                    f"request {out.request_id} was aborted on {self.worker.name} before its first token"))
+                continue
             try:
                 settle_from_thread(self.future, self.worker._hold(out))
             except Exception as exc:  # noqa: BLE001 - handed to the caller

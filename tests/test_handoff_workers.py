@@ -752,6 +752,36 @@ def test_a_hand_off_aborted_on_the_decode_side_fails_as_a_transfer_not_as_a_canc
     run(main())
 
 
+def test_an_abort_that_lands_before_the_first_token_ends_the_prefill_call(model_dirs):
+    """Serve cancels a call on a best-effort basis: the router's broadcast abort can
+    reach a prefill replica whose call still runs, after its prompt was added and
+    before its first token. The call used to wait for that token for ever."""
+    import threading
+
+    from engine.errors import RequestAbortedError
+
+    async def main():
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub()).start()
+        gate = threading.Event()
+        blocker = asyncio.ensure_future(pair.prefill._engine.call(lambda engine: gate.wait(5)))
+        await asyncio.sleep(0.05)
+        # queued behind the blocker, in this order: the prompt's add, then the abort (no step between)
+        call = asyncio.ensure_future(pair.prefill.prefill("r", PROMPTS[0], GREEDY))
+        await asyncio.sleep(0.05)
+        abort = asyncio.ensure_future(pair.prefill.abort("r"))
+        await asyncio.sleep(0.05)
+        gate.set()
+        await blocker
+        await asyncio.wait_for(abort, 5.0)
+        with pytest.raises(RequestAbortedError, match="aborted on .* before its first token"):
+            await asyncio.wait_for(call, 5.0)
+        assert pair.prefill.stats()["queued_prefill_tokens"] == 0
+        await pair.wait_idle()
+        pair.prefill.shutdown()
+        pair.decode.shutdown()
+    run(main())
+
+
 def test_a_worker_whose_engine_stopped_reports_no_room_to_the_router():
     from cluster.serving.worker_deployment import WorkerDeployment
 
