@@ -43,7 +43,7 @@ class HttpGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self.digest is not None and self._needs_key(scope["path"]) and not self._authorized(scope):
+        if self.digest is not None and self._needs_key(_app_path(scope)) and not self._authorized(scope):
             await self._refuse(scope, receive, send, 401, "Incorrect API key provided: send it as 'Authorization: "
                                "Bearer KEY'.", "invalid_api_key", {"www-authenticate": "Bearer"})
             return
@@ -89,6 +89,7 @@ class HttpGuard:
         await response(scope, receive, send)
 
     def _needs_key(self, path: str) -> bool:
+        """`path`: within the application (its route prefix left out)."""
         if path in OPEN_PATHS:
             return False
         return self.protect_metrics or path != "/metrics"
@@ -110,3 +111,13 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 def _too_large(limit: int) -> str:
     return f"The request body is larger than this server accepts ({limit} bytes)."
+
+
+def _app_path(scope: Scope) -> str:
+    """The request's path within the application: Serve's proxy keeps the full path
+    and puts an application's route prefix (`serve deploy` with route_prefix /llm)
+    in root_path, so /llm/health is the application's /health."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and root != "/" and path.startswith(root):
+        return path[len(root):] or "/"
+    return path

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import contextmanager
 
@@ -40,9 +41,19 @@ HEALTH_TIMEOUT_S = 5.0
 async def replica_replies(handle, method: str, timeout_s: float) -> list:
     """Each running replica's answer to `method` (a Serve broadcast), within
     `timeout_s` in all. A replica whose call failed (it died, or is being replaced)
-    is left out, not the others with it; raises what the broadcast itself raises
-    (TimeoutError, no replica running)."""
-    replies = await asyncio.wait_for(handle.broadcast(method).results_async(return_exceptions=True), timeout_s)
+    or that has not answered by then (cut off, its loop blocked) is left out, not
+    the others with it; raises what the broadcast itself raises (TimeoutError
+    before any replica was reached, no replica running)."""
+    response = handle.broadcast(method)
+    started = time.monotonic()
+    fetch = getattr(response, "_fetch_replica_results_async", None)   # Serve's per-replica results
+    if fetch is None:      # (another Serve version: one timeout for all of them)
+        replies = await asyncio.wait_for(response.results_async(return_exceptions=True), timeout_s)
+    else:
+        results = await asyncio.wait_for(fetch(), timeout_s)
+        left = max(0.0, timeout_s - (time.monotonic() - started))
+        replies = await asyncio.gather(*(asyncio.wait_for(r.get_async(), left) for r in results),
+                                       return_exceptions=True)
     failed = [r for r in replies if isinstance(r, BaseException)]
     if failed:
         log.debug("%d of %d replicas did not answer %s: %s", len(failed), len(replies), method, failed[0])

@@ -678,6 +678,25 @@ def test_a_replica_that_fails_to_answer_leaves_the_others_replies():
                     return replies
             return _Result()
     assert asyncio.run(replica_replies(_OneDying(), "step_samples", 1.0)) == [{"steps": []}] * 2
+
+    class _OneHanging:
+        """Serve's per-replica results: one replica never answers (cut off, its loop blocked)."""
+        def broadcast(self, method):
+            class _Reply:
+                def __init__(self, value):
+                    self.value = value
+
+                async def get_async(self):
+                    if self.value is None:
+                        await asyncio.sleep(3600)
+                    return self.value
+
+            class _Response:
+                async def _fetch_replica_results_async(self):
+                    return [_Reply({"steps": [1]}), _Reply(None), _Reply({"steps": [2]})]
+            return _Response()
+    # before: one timeout for the whole broadcast, so the two that answered were lost with it
+    assert asyncio.run(replica_replies(_OneHanging(), "step_samples", 0.3)) == [{"steps": [1]}, {"steps": [2]}]
     loop = _live_loop({"prefill": 1}, {"prefill": 1, "decode": 3})
     loop.workers["decode"] = _OneDying()
     observed = asyncio.run(loop._observe_role("decode"))

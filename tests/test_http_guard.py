@@ -207,3 +207,15 @@ def test_the_application_passes_the_cors_settings_to_the_router():
     assert app._bound_deployment.init_kwargs["cors"] == CorsSettings((PAGE,), False)
     assert build_app({"mode": "colocated"})._bound_deployment.init_kwargs["cors"] is None
 
+
+
+def test_the_open_routes_stay_open_under_a_route_prefix(tokenizer):
+    # `serve deploy` with route_prefix /llm: Serve's proxy keeps the full path and sets root_path
+    backend = FakeBackend(tokenizer, len(tokenizer))
+    app = build_openai_app(backend, tokenizer, ServingMetrics(), api_key_sha256=api_key_digest(KEY),
+                           protect_metrics=False)
+    client = TestClient(app, raise_server_exceptions=False, root_path="/llm")
+    assert client.get("/llm/health").status_code == 200
+    assert client.get("/llm/metrics").status_code == 200
+    assert client.get("/llm/v1/models").status_code == 401
+    assert client.get("/llm/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
