@@ -677,3 +677,35 @@ def test_a_receive_that_fails_to_post_a_piece_forgets_the_pieces_posted_before()
         kv_handoff.start_receive(worker, "t1", num_blocks=2, sender_names=["p0", "p1"], num_kv_heads=2)
     assert receiver.expected == receiver.forgotten == ["t1/0"]
     assert worker.attachments[kv_handoff.RECEIVES] == {}
+
+
+def test_a_sealed_message_with_foreign_bytes_is_refused_not_a_crash():
+    # a store anyone can reach may hold any bytes where a header goes: compare_digest on a str
+    # with non-ASCII characters raised TypeError in the receiving thread, which died without cleanup
+    from cluster.transport.pair_group_common import seal, unseal
+    key = b"k" * 32
+    assert unseal(key, "hdr", 3, seal(key, "hdr", 3, "t-1 4096")) == "t-1 4096"
+    assert unseal(key, "hdr", 3, b"\xff\xfe|abc".decode("utf-8", "replace")) is None
+    assert unseal(key, "hdr", 3, "t-1 4096|" + "é" * 32) is None
+    assert unseal(key, "hdr", 4, seal(key, "hdr", 3, "t-1 4096")) is None       # moved from another message
+
+
+def test_each_side_of_a_pair_listens_on_its_address_towards_the_peer(monkeypatch):
+    # gloo's own default is wherever the hostname resolves, which need not be where the store listens
+    import threading
+
+    import cluster.transport.pair_group_common as common
+    assert common.local_address_towards(PeerAddress("r", "127.0.0.1", 29500)) == "127.0.0.1"
+    made, real = [], common.dist.ProcessGroupGloo.create_device
+    monkeypatch.setattr(common.dist.ProcessGroupGloo, "create_device",
+                        staticmethod(lambda hostname: made.append(hostname) or real(hostname=hostname)))
+    store, groups = torch.distributed.HashStore(), {}
+
+    def join(rank: int) -> None:
+        groups[rank] = common.make_group(store, rank, "gloo", torch.device("cpu"), 10.0, "127.0.0.1")
+    threads = [threading.Thread(target=join, args=(rank,)) for rank in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert made == ["127.0.0.1", "127.0.0.1"] and set(groups) == {0, 1}

@@ -152,7 +152,10 @@ def unseal(key: bytes, kind: str, seq: int, sealed: str) -> str | None:
     """The text `seal` sealed for this place, or None when the MAC does not hold
     (written by someone without the pair's key, or moved from another message)."""
     text, _, _ = sealed.rpartition("|")
-    return text if hmac.compare_digest(seal(key, kind, seq, text), sealed) else None
+    # as bytes: compare_digest refuses a str with non-ASCII characters (TypeError), and a store
+    # anyone can reach may hold any bytes there
+    expected = seal(key, kind, seq, text).encode("utf-8", "surrogatepass")
+    return text if hmac.compare_digest(expected, sealed.encode("utf-8", "surrogatepass")) else None
 
 
 def epoch_key(sender: str) -> str:
@@ -242,15 +245,30 @@ def host_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
 
 
 def make_group(store: dist.Store, rank: int, backend: str, device: torch.device,
-               timeout_s: float) -> dist.Backend:
-    """Rank `rank` of a 2-rank group on `store`; blocks until both ranks joined (gloo)."""
+               timeout_s: float, bind_host: str) -> dist.Backend:
+    """Rank `rank` of a 2-rank group on `store`; blocks until both ranks joined (gloo).
+    `bind_host`: the address gloo's sockets listen on, this node's address towards
+    the peer (by default gloo listens where the machine's hostname resolves, which
+    can be an interface the store does not listen on)."""
     if backend == "nccl":
         torch.cuda.set_device(device)
         opts = dist.ProcessGroupNCCL.Options()
         # Our own deadline aborts a late op first: NCCL's watchdog, on timeout, may end the process.
         opts._timeout = datetime.timedelta(seconds=10 * timeout_s)
         return dist.ProcessGroupNCCL(store, rank, 2, opts)   # NCCL connects on the first op
-    return dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=timeout_s))
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
+    opts._timeout = datetime.timedelta(seconds=timeout_s)
+    return dist.ProcessGroupGloo(store, rank, 2, opts)
+
+
+def local_address_towards(peer: PeerAddress) -> str:
+    """This node's address on the route to `peer` (127.0.0.1 for a peer on this
+    machine's loopback): where this side of a pair listens."""
+    family = socket.AF_INET6 if ":" in peer.host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((peer.host, peer.port or 9))   # a datagram socket sends nothing on connect
+        return probe.getsockname()[0]
 
 
 def wait_work(work: dist.Work, backend: str, deadline: float) -> None:

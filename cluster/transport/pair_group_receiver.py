@@ -153,7 +153,7 @@ class _RecvPair:
                 return
             msgs = dist.PrefixStore(pair_prefix(self.sender, self.epoch), store)
             group = make_group(dist.PrefixStore(group_prefix(self.key), msgs), 1, cfg.backend, cfg.device,
-                               cfg.timeout_s)
+                               cfg.timeout_s, self.owner.address.host)   # where the store listens
         except Exception as exc:  # noqa: BLE001 - the sender died or never joined: nothing to fail yet
             self.drop(f"failed: pair with {self.sender} not set up: {describe(exc)}", wake=False)
             return

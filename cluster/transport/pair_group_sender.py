@@ -48,6 +48,7 @@ from cluster.transport.pair_group_common import (
     hdr_key,
     join_key,
     join_threads,
+    local_address_towards,
     make_group,
     pair_key,
     pair_prefix,
@@ -151,7 +152,7 @@ class _SendPair:
         self.key = pair_key(self.cfg.secret, challenge, epoch, self.cfg.name, self.peer.name)
         msgs = dist.PrefixStore(pair_prefix(self.cfg.name, epoch), store)
         group = make_group(dist.PrefixStore(group_prefix(self.key), msgs), 0, self.cfg.backend, self.cfg.device,
-                           time_left(self.connect_deadline).total_seconds())
+                           time_left(self.connect_deadline).total_seconds(), local_address_towards(self.peer))
         store.set_timeout(datetime.timedelta(seconds=self.cfg.timeout_s))
         with self.lock:
             self.store, self.msgs, self.group, self.connected = store, msgs, group, True
