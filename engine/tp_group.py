@@ -76,11 +76,22 @@ def create_group(rank: int, size: int, host: str, port: int, backend: str, devic
         group = dist.ProcessGroupNCCL(store, rank, size, opts)
         comm_device = str(device)
     else:
-        group = dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
+        group = _gloo_group(store, rank, size, COLLECTIVE_TIMEOUT, host)
         comm_device = "cpu"
-    control = dist.ProcessGroupGloo(dist.PrefixStore("control/", store), rank, size, CONTROL_TIMEOUT)
+    control = _gloo_group(dist.PrefixStore("control/", store), rank, size, CONTROL_TIMEOUT, host)
     return TensorParallel(rank=rank, size=size, group=group, comm_device=comm_device, store=store,
                           control=control)
+
+
+def _gloo_group(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
+                host: str) -> dist.ProcessGroupGloo:
+    """A gloo group whose sockets listen on `host`, where the ranks' store is (the
+    loopback for a gang's local processes), not where the machine's hostname
+    resolves: the control group carries pickled messages."""
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    opts._timeout = timeout
+    return dist.ProcessGroupGloo(store, rank, size, opts)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -63,3 +63,14 @@ def test_commands_and_results_cross_the_control_group():
     gathered = _on_every_rank(groups, lambda tp: tp.gather_objects_to_first(["x" * (10 ** tp.rank), tp.rank]))
     assert gathered[0] == [["x", 0], ["x" * 10, 1], ["x" * 100, 2]]
     assert gathered[1] is None and gathered[2] is None
+
+
+def test_the_gangs_gloo_sockets_listen_where_its_store_is(monkeypatch):
+    # not where the machine's hostname resolves (an interface others reach): the control group
+    # carries pickled messages
+    import torch.distributed as dist
+    made, real = [], dist.ProcessGroupGloo.create_device
+    monkeypatch.setattr(dist.ProcessGroupGloo, "create_device",
+                        staticmethod(lambda hostname: made.append(hostname) or real(hostname=hostname)))
+    _gang(2)
+    assert made == ["127.0.0.1"] * 4       # two ranks, each a tensor group and a control group
