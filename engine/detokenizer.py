@@ -10,7 +10,8 @@ SentencePiece dropping the leading space of the first token) see it.
 For byte-level BPE tokenizers (all of ``engine.tiny_model``'s, GPT-2/Llama-3/Qwen
 style) decoding concatenates token bytes and decodes them as lossy UTF-8, and the
 window is only ever cut where the decoder is between characters, so after
-``flush()`` the emitted text equals ``tokenizer.decode(output_ids)`` exactly.
+``flush()`` the emitted text equals ``tokenizer.decode(output_ids)`` exactly (without
+the clean-up of tokenization spaces, which no window is given).
 """
 
 from __future__ import annotations

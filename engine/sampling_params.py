@@ -187,7 +187,8 @@ class SamplingParams:
             shown = f"{key[:20]!r}... ({len(key)} characters)" if isinstance(key, str) and len(key) > 40 \
                 else repr(key)
             decimal = isinstance(key, str) and key.isascii() and key.isdecimal()
-            if decimal and len(key) >= 20:      # past any vocabulary (and int() refuses 4,300 digits)
+            # past any vocabulary (int() also refuses 4,300 digits, leading zeros included)
+            if decimal and (len(key.lstrip("0")) >= 20 or len(key) > 64):
                 raise SamplingParamsError(f"logit_bias token id {shown} is past any vocabulary")
             token = int(key) if decimal else key
             if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0:

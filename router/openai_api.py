@@ -351,7 +351,8 @@ class _Server:
             default_max = min(default_max, self.limits.max_tokens)
         params = body.to_sampling_params(default_max, self.info.sampling_defaults)
         self._check_context(len(prompt_ids), params, body.max_tokens_param, prompt_param)
-        bad_word_sequences(self.tokenizer, params, self.info.vocab_size)   # the workers' check, as a 400 here
+        # the workers' bad_words check, as a 400 here (its min_tokens part needs the EOS ids: the engine's)
+        bad_word_sequences(self.tokenizer, params, self.info.vocab_size)
         text_cut = keep is not None and isinstance(body, CompletionRequest) and \
             self._text_to_tokenize(body, keep) is not None
         return prompt_ids, params, text_cut or len(prompt_ids) < len(tokenized)

@@ -58,7 +58,7 @@ def _is_token_ids(value: object) -> bool:
 
 def _string_chars(value: object) -> int:
     """Characters in every string within `value` (nested lists and dicts, keys too).
-    Walked with a stack, not recursion: JSON nested a thousand levels deep parses,
+    Walked with a stack, not recursion: JSON nested hundreds of levels deep parses,
     and must not overflow Python's stack here."""
     chars, pending = 0, [value]
     while pending:

@@ -208,7 +208,6 @@ def test_the_application_passes_the_cors_settings_to_the_router():
     assert build_app({"mode": "colocated"})._bound_deployment.init_kwargs["cors"] is None
 
 
-
 def test_the_open_routes_stay_open_under_a_route_prefix(tokenizer):
     # `serve deploy` with route_prefix /llm: Serve's proxy keeps the full path and sets root_path
     backend = FakeBackend(tokenizer, len(tokenizer))

@@ -42,7 +42,7 @@ from bench.loadtest.datasets import (
     sharegpt_dataset,
 )
 from bench.loadtest.metrics import meets_slos, percentile, summarize, tpot, ttft
-from bench.loadtest.report import build_result, format_table
+from bench.loadtest.report import build_result, format_table, vllm_json
 from bench.loadtest.runner import RunConfig, run_benchmark, run_cancellable
 from bench.loadtest.sweep import format_sweep_table, write_plots
 from cluster.cli.main import main
@@ -550,8 +550,10 @@ def test_json_peaks_zeros_for_metrics_without_values_and_failed_lengths_as_vllm_
     config = RunConfig(base_url="http://x", model=MODEL)
     one_token = RunResult(config=config, records=[b], num_requests=1, start_time=0.5, duration=0.3, interrupted=None)
     s = summarize([b], num_requests=1, duration=0.3)
-    out = json.loads(json.dumps(build_result(one_token, s)))
-    # a one-token output has no TPOT and no ITL: 0.0, as vLLM writes them, and named
+    result = build_result(one_token, s)
+    assert result["mean_tpot_ms"] is None           # for this project's tables and plots: no value
+    out = json.loads(json.dumps(vllm_json({"runs": [result]})))["runs"][0]
+    # a one-token output has no TPOT and no ITL: in the file 0.0, as vLLM writes them, and named
     assert out["metrics_without_values"] == ["tpot", "itl"]
     assert (out["mean_tpot_ms"], out["p99_itl_ms"], out["median_ttft_ms"]) == (0.0, 0.0, pytest.approx(200.0))
     assert (out["max_output_tokens_per_s"], out["max_concurrent_requests"]) == (1.0, 1)

@@ -162,7 +162,7 @@ def test_a_dead_ray_address_in_the_environment_is_a_clear_error_at_once(monkeypa
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{_closed_port()}")
     monkeypatch.setattr(ray, "init", lambda **k: pytest.fail("ray.init retries a dead address for minutes"))
     started = time.monotonic()
-    with pytest.raises(ConnectionError, match=r"RAY_ADDRESS=127\.0\.0\.1:\d+: nothing answers.*unset it"):
+    with pytest.raises(ConnectionError, match=r"RAY_ADDRESS=127\.0\.0\.1:\d+: nothing answers.*unset RAY_ADDRESS"):
         serve_command._connect(None, 2, {}, False)
     assert time.monotonic() - started < 5
 
@@ -206,7 +206,7 @@ class _Statuses:
 
 
 @pytest.mark.parametrize("statuses, says", [
-    (["RUNNING", "RUNNING", None], r"application is gone \(deleted"),
+    (["RUNNING", None, "RUNNING", None, None], r"application is gone \(deleted"),   # twice in a row
     (["RUNNING", "UNHEALTHY"], r"has been UNHEALTHY for 3\d s: replica died"),
 ])
 def test_serving_ends_with_a_reason_when_the_application_is_lost(monkeypatch, statuses, says):
@@ -217,11 +217,34 @@ def test_serving_ends_with_a_reason_when_the_application_is_lost(monkeypatch, st
     def clock():
         now[0] += 1.0       # every look at the clock: a second
         return now[0]
-    monkeypatch.setattr(serve, "status", _Statuses(statuses))
+    statuses_seen = _Statuses(statuses)
+    monkeypatch.setattr(serve, "status", statuses_seen)
     monkeypatch.setattr(serve_command.time, "sleep", lambda s: None)
     reason = serve_command._watch_application("pdserve", StopSignal(), poll_s=2.0, unhealthy_limit_s=30.0,
                                               clock=clock)
     assert re.search(says, reason), reason
+    assert len(statuses_seen.statuses) == 1     # every status was read: one missing status alone is not gone
+
+
+def test_serve_not_answering_a_few_polls_is_not_a_loss_but_many_are(monkeypatch):
+    from ray import serve
+    from cluster.cli.stop_signal import StopSignal
+    answers = [RuntimeError("controller restarting")] * 3 + ["RUNNING"] + [RuntimeError("GCS lost")] * 4
+
+    def status():
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return _Statuses([answer])()
+    monkeypatch.setattr(serve, "status", status)
+    monkeypatch.setattr(serve_command.time, "sleep", lambda s: None)
+    now = [0.0]
+
+    def clock():
+        now[0] += 1.0
+        return now[0]
+    reason = serve_command._watch_application("pdserve", StopSignal(), poll_s=2.0, clock=clock)
+    assert reason.startswith("Serve has not answered for 4 polls (RuntimeError: GCS lost)") and answers == []
 
 
 def test_serving_a_healthy_application_runs_until_stopped(monkeypatch):
@@ -243,3 +266,19 @@ def test_serving_a_healthy_application_runs_until_stopped(monkeypatch):
         return now[0]
     assert serve_command._watch_application("pdserve", stop, poll_s=2.0, unhealthy_limit_s=30.0, clock=clock) is None
     assert len(polls) == 5
+
+
+def test_a_local_cluster_that_answers_but_cannot_be_joined_is_reported_not_replaced(monkeypatch):
+    # a Ray version mismatch, say: starting a second local cluster beside it would hide the problem
+    import ray
+    import ray._private.services as services
+    from cluster.serving import local_cluster
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: None)
+
+    def mismatch(**kwargs):
+        raise RuntimeError("Version mismatch: the cluster runs Ray 2.59")
+    monkeypatch.setattr(ray, "init", mismatch)
+    monkeypatch.setattr(local_cluster, "start_local_cluster", lambda *a, **k: pytest.fail("a second cluster"))
+    with pytest.raises(ConnectionError, match="Version mismatch"):
+        serve_command._connect(None, 2, {}, False)

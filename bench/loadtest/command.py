@@ -40,7 +40,7 @@ from bench.loadtest.datasets import (
     sharegpt_dataset,
 )
 from bench.loadtest.metrics import peaks, summarize
-from bench.loadtest.report import JSON_PERCENTILES, build_result, format_table
+from bench.loadtest.report import JSON_PERCENTILES, build_result, format_table, vllm_json
 from bench.loadtest.runner import RunConfig, RunResult, run_benchmark, run_cancellable
 from bench.loadtest.sweep import format_sweep_table, run_sweep, write_plots
 from engine.tiny_model import PRESETS, ensure_default_model, ensure_preset_model
@@ -304,7 +304,7 @@ def _safe(name: str) -> str:
 def _save(args: argparse.Namespace, result: dict, stem: str) -> None:
     name = args.result_file or f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path = Path(args.result_dir or ".") / name
-    text = json.dumps(result, indent=2) + "\n"
+    text = json.dumps(vllm_json(result), indent=2) + "\n"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)

@@ -17,8 +17,8 @@ scripts written for vLLM's result files read these too:
   max_output_tokens_per_s and max_concurrent_requests (vLLM's peaks per second);
 - latency, in ms, for each of ttft, tpot, itl, e2el: mean_X_ms, median_X_ms,
   std_X_ms and pN_X_ms for each percentile N (always 90 and 99, plus
-  --metric-percentiles); 0.0 for a metric with no values, as vLLM writes it,
-  and metrics_without_values names those;
+  --metric-percentiles); in the file (vllm_json) 0.0 for a metric with no
+  values, as vLLM writes it, and metrics_without_values names those;
 - per request, in send order (vLLM's lists): input_lens, output_lens, ttfts (s),
   itls (s, a list per request), generated_texts, errors; plus `requests`, one
   record per request with its times in ms (see `request_record`).
@@ -119,16 +119,16 @@ def build_result(run: RunResult, summary: Summary, *, meta: Mapping[str, Any] | 
     }
     records = run.records
     result["max_output_tokens_per_s"], result["max_concurrent_requests"] = peaks(records)
-    # a metric with no values (TPOT when every output is one token, all when every request failed)
-    # is 0.0, as vLLM writes it, so scripts reading floats do not break; this key names them
+    # a metric with no values (TPOT when every output is one token, all when every request failed):
+    # None here, for this project's own tables and plots; vllm_json() writes 0.0 for the file
     result["metrics_without_values"] = [name for name in METRICS if summary.latency[name].mean is None]
     for name in METRICS:
         stats = summary.latency[name]
-        result[f"mean_{name}_ms"] = stats.mean or 0.0
-        result[f"median_{name}_ms"] = stats.median or 0.0
-        result[f"std_{name}_ms"] = stats.std or 0.0
+        result[f"mean_{name}_ms"] = stats.mean
+        result[f"median_{name}_ms"] = stats.median
+        result[f"std_{name}_ms"] = stats.std
         for p, value in stats.percentiles.items():
-            result[f"{percentile_name(p)}_{name}_ms"] = value or 0.0
+            result[f"{percentile_name(p)}_{name}_ms"] = value
     result.update({
         "input_lens": [r.prompt_len for r in records],
         "output_lens": [(r.output_tokens or 0) if r.succeeded else 0 for r in records],   # as vLLM: 0 if failed
@@ -139,6 +139,16 @@ def build_result(run: RunResult, summary: Summary, *, meta: Mapping[str, Any] | 
         "requests": [request_record(r, run.start_time) for r in records],
     })
     return result
+
+
+def vllm_json(result: dict[str, Any]) -> dict[str, Any]:
+    """`result` (build_result's, or {"runs": [...]} of them) as the file is written: a
+    latency with no values as 0.0, as vLLM writes it, so scripts that read floats
+    do not break (metrics_without_values names them)."""
+    if "runs" in result:
+        return {**result, "runs": [vllm_json(run) for run in result["runs"]]}
+    latency = [k for k in result if k.endswith("_ms") and k.split("_")[-2] in METRICS and result[k] is None]
+    return {**result, **{k: 0.0 for k in latency}}
 
 
 def _fmt(value: float | int | None, digits: int = 2) -> str:

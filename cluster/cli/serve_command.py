@@ -109,11 +109,12 @@ def config_from_args(args: argparse.Namespace):
     if key:
         overrides["http.api_key_sha256"] = api_key_digest(key)   # wins over the file's key settings
     from_env = os.environ.get(API_KEY_ENV)
-    if not key and from_env is not None and not from_env.strip():
+    config = load_config(args.config, overrides)
+    names_own_key = bool(config.http.api_key_env or config.http.api_key_sha256)
+    if not key and not names_own_key and from_env is not None and not from_env.strip():
         raise ConfigFileError(f"{API_KEY_ENV} is set but empty (an unset value in an environment file?): give the "
                               "key, or unset the variable to serve without one")
-    config = load_config(args.config, overrides)
-    if not key and from_env and not (config.http.api_key_env or config.http.api_key_sha256):
+    if not key and from_env and not names_own_key:
         # the variable is the default key: a file that names its own key keeps it
         overrides["http.api_key_sha256"] = api_key_digest(os.environ[API_KEY_ENV])
         config = load_config(args.config, overrides)
@@ -162,8 +163,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         started_ray = _connect(args.address, local_cluster_cpus(config, machine_cpus), local_env, args.ray_dashboard)
     except ConnectionError as exc:
-        print(f"error: cannot join the Ray cluster ({exc}): check --address, or leave it out to start a local "
-              "cluster", file=sys.stderr)
+        hint = "check --address, or leave it out" if args.address else "give --address local"
+        print(f"error: cannot join the Ray cluster ({exc}): {hint} to start a local cluster", file=sys.stderr)
         return 2
     if args.ray_dashboard and not started_ray:
         print("error: --ray-dashboard starts the dashboard with a cluster pdserve starts, and this one joined a "
@@ -363,15 +364,17 @@ def _wait_running(name: str, stop: StopSignal, notify: Callable[[str], None], ev
     return False
 
 
-def _watch_application(name: str, stop: StopSignal, *, poll_s: float = 5.0, unhealthy_limit_s: float = 120.0,
-                       clock: Callable[[], float] = time.monotonic) -> str | None:
+def _watch_application(name: str, stop: StopSignal, *, poll_s: float = 5.0, unhealthy_limit_s: float = 600.0,
+                       misses_allowed: int = 3, clock: Callable[[], float] = time.monotonic) -> str | None:
     """Serves until a stop is asked for (None), or until the application is gone
-    (deleted, Serve shut down, its controller lost) or has been UNHEALTHY for
-    `unhealthy_limit_s`: then why, so the command exits non-zero and a supervisor
-    restarts it, as vLLM exits when its engine dies."""
+    (deleted, Serve shut down) or Serve has not answered `misses_allowed` polls in
+    a row, or it has been UNHEALTHY for `unhealthy_limit_s` (Serve replacing a
+    replica of a large model takes minutes): then why, so the command exits
+    non-zero and a supervisor restarts it, as vLLM exits when its engine dies."""
     from ray import serve
 
     unhealthy_since = None
+    misses = gone = 0
     next_poll = clock() + poll_s
     while not stop.requested:
         if clock() < next_poll:
@@ -380,11 +383,20 @@ def _watch_application(name: str, stop: StopSignal, *, poll_s: float = 5.0, unhe
         next_poll = clock() + poll_s
         try:
             app = serve.status().applications.get(name)
-        except Exception as exc:      # the controller or the cluster lost
-            return f"Serve does not answer ({type(exc).__name__}: {exc})"
+            misses = 0
+        except Exception as exc:      # the controller restarting, or lost with the cluster
+            misses += 1
+            if misses > misses_allowed:
+                return f"Serve has not answered for {misses} polls ({type(exc).__name__}: {exc})"
+            continue
         status = getattr(app, "status", None)
         if app is None or status in ("DELETING", "NOT_STARTED"):
-            return f"the {name!r} application is gone ({status or 'deleted'}: by `serve delete` or `serve shutdown`?)"
+            gone += 1
+            if gone >= 2:     # seen twice in a row, not a status read mid-update
+                return f"the {name!r} application is gone ({status or 'deleted'}: by `serve delete` or " \
+                       "`serve shutdown`?)"
+            continue
+        gone = 0
         if status in ("UNHEALTHY", "DEPLOY_FAILED"):
             unhealthy_since = unhealthy_since or clock()
             if clock() - unhealthy_since >= unhealthy_limit_s:
@@ -415,7 +427,8 @@ def _connect(address: str | None, local_cpus: int, local_env: dict[str, str], da
         try:
             _check_answers(from_env)
         except ConnectionError as exc:
-            raise ConnectionError(f"RAY_ADDRESS={from_env}: {exc}; unset it to start a local cluster") from None
+            raise ConnectionError(f"RAY_ADDRESS={from_env}: {exc}; unset RAY_ADDRESS to start a local cluster") \
+                from None
     else:
         from ray._private.services import find_bootstrap_address
         last = find_bootstrap_address(None)      # the cluster `ray start` last started on this machine
@@ -432,18 +445,24 @@ def _connect(address: str | None, local_cpus: int, local_env: dict[str, str], da
     try:
         _init_ray("auto")
         return False
-    except ConnectionError:
+    except ClusterJoinError:      # a cluster is there, and joining it failed: say so
+        raise
+    except ConnectionError:       # none runs here
         if from_env:
             raise
         start_local_cluster(local_cpus, local_env, dashboard=dashboard)
         return True
 
 
+class ClusterJoinError(ConnectionError):
+    """A cluster answered, and joining it failed (not a Ray cluster, a version mismatch)."""
+
+
 def _init_ray(address: str) -> None:
-    """ray.init(address), its failures to reach a cluster as ConnectionError (Ray raises
-    RuntimeError for a port that answers but is no Ray cluster, or a version mismatch)."""
+    """ray.init(address); Ray's RuntimeError for a port that answers but is no Ray
+    cluster, or a version mismatch, as ClusterJoinError."""
     import ray
     try:
         ray.init(address=address)
     except RuntimeError as exc:
-        raise ConnectionError(f"{type(exc).__name__}: {exc}") from None
+        raise ClusterJoinError(f"{type(exc).__name__}: {exc}") from None

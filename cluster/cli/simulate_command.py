@@ -28,7 +28,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from bench.loadtest.arrivals import arrival_offsets
     from bench.loadtest.command import LoadtestError, _build_dataset, check_dataset_flags
     from bench.loadtest.metrics import peaks, summarize
-    from bench.loadtest.report import JSON_PERCENTILES, build_result, format_table
+    from bench.loadtest.report import JSON_PERCENTILES, build_result, format_table, vllm_json
     from bench.loadtest.runner import RunConfig, RunResult
     from cluster.config import ConfigFileError, load_config
     from cluster.perf_model import load_step_model
@@ -117,7 +117,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         name = args.result_file or f"simulate-{time.strftime('%Y%m%d-%H%M%S')}.json"
         path = Path(args.result_dir or ".") / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(payload, indent=2) + "\n")
+        path.write_text(json.dumps(vllm_json(payload), indent=2) + "\n")
         print(f"saved the result to {path}")
     return 0
 

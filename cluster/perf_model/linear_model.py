@@ -13,9 +13,9 @@ The fit minimises relative error (every point counts alike, a 2 ms decode
 step as much as a 2 s prefill) with non-negative coefficients.
 
 On a GPU a step with prompt tokens runs eagerly, and the host's launches bound
-it however little it computes (an 8B model on an H200: ~30 ms for any prompt
-under ~1,000 tokens, where decode-only steps replayed from CUDA graphs took
-5-12 ms). No linear term has that shape, so the fit also tries a floor under
+it however little it computes (an 8B model on an H200, that profile's host: ~30
+ms for any prompt under ~1,000 tokens, where decode-only steps replayed from
+CUDA graphs took 5-12 ms). No linear term has that shape, so the fit also tries a floor under
 such steps, t = max(linear, eager_floor_s), and keeps it when it lowers the
 mean error by at least FLOOR_MIN_GAIN (on a CPU there is none to find).
 """

@@ -43,7 +43,7 @@ class DecodeGroup:
 # A lone fresh prompt this long or longer takes SDPA's contiguous causal kernel (faster on the
 # device: 214-220 against the paged kernel's 171-177 TFLOP/s on an H100). A shorter one takes the
 # paged prefill kernel: its step is bound by the host's launches (an 8B prompt of 16 to 1,024
-# tokens took 22-37 ms on an H200 with 5 ms of kernels at 16 tokens and 12 at 512), and SDPA adds
+# tokens took 22-37 ms on one H200 machine, with 5 ms of kernels at 16 tokens and 12 at 512), and SDPA adds
 # ~8 launches and cuDNN's set-up per layer where the paged kernel is one launch
 # (bench/gpu_prefill_paths.py: 1.21-1.28x faster steps from 16 to 512 tokens).
 SDPA_FRESH_PREFILL_MIN_TOKENS = 1024
