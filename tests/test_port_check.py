@@ -192,6 +192,17 @@ def test_a_port_that_answers_but_is_no_ray_cluster_is_a_connection_error(monkeyp
         serve_command._init_ray("127.0.0.1:8265")
 
 
+def _ticking_clock(monkeypatch):
+    """A clock that moves a second at every look, and sleeps that return at once."""
+    monkeypatch.setattr(serve_command.time, "sleep", lambda s: None)
+    now = [0.0]
+
+    def clock():
+        now[0] += 1.0
+        return now[0]
+    return clock
+
+
 class _Statuses:
     """serve.status() answering each call with the next application status (None: no application)."""
 
@@ -212,14 +223,9 @@ class _Statuses:
 def test_serving_ends_with_a_reason_when_the_application_is_lost(monkeypatch, statuses, says):
     from ray import serve
     from cluster.cli.stop_signal import StopSignal
-    now = [0.0]
-
-    def clock():
-        now[0] += 1.0       # every look at the clock: a second
-        return now[0]
+    clock = _ticking_clock(monkeypatch)
     statuses_seen = _Statuses(statuses)
     monkeypatch.setattr(serve, "status", statuses_seen)
-    monkeypatch.setattr(serve_command.time, "sleep", lambda s: None)
     reason = serve_command._watch_application("pdserve", StopSignal(), poll_s=2.0, unhealthy_limit_s=30.0,
                                               clock=clock)
     assert re.search(says, reason), reason
@@ -237,12 +243,7 @@ def test_serve_not_answering_a_few_polls_is_not_a_loss_but_many_are(monkeypatch)
             raise answer
         return _Statuses([answer])()
     monkeypatch.setattr(serve, "status", status)
-    monkeypatch.setattr(serve_command.time, "sleep", lambda s: None)
-    now = [0.0]
-
-    def clock():
-        now[0] += 1.0
-        return now[0]
+    clock = _ticking_clock(monkeypatch)
     reason = serve_command._watch_application("pdserve", StopSignal(), poll_s=2.0, clock=clock)
     assert reason.startswith("Serve has not answered for 4 polls (RuntimeError: GCS lost)") and answers == []
 
@@ -258,12 +259,7 @@ def test_serving_a_healthy_application_runs_until_stopped(monkeypatch):
             stop.requested = True           # a Ctrl-C after the fifth look
         return _Statuses(["UNHEALTHY" if len(polls) == 2 else "RUNNING"])()
     monkeypatch.setattr(serve, "status", status)
-    monkeypatch.setattr(serve_command.time, "sleep", lambda s: None)
-    now = [0.0]
-
-    def clock():
-        now[0] += 1.0
-        return now[0]
+    clock = _ticking_clock(monkeypatch)
     assert serve_command._watch_application("pdserve", stop, poll_s=2.0, unhealthy_limit_s=30.0, clock=clock) is None
     assert len(polls) == 5
 
