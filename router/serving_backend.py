@@ -259,11 +259,15 @@ class ServingBackend(GenerationBackend):
                 yield acc.add(item)
         finally:
             local_prefill.close()
-            self._fanout.forget(attempt_id)
+            aborting = replica is not None and not finished
+            self._fanout.forget(attempt_id, aborting_on=replica if aborting else None)
             if held is not None:
                 self._prefill.release(held)
-            if replica is not None and not finished:
-                await _shielded(self._decode.abort(replica, attempt_id), f"abort of {attempt_id}")
+            if aborting:
+                try:
+                    await _shielded(self._decode.abort(replica, attempt_id), f"abort of {attempt_id}")
+                finally:
+                    self._fanout.abort_done(replica, attempt_id)
 
     async def _prefill_remotely(self, request_id: str, prompt_token_ids: list[int],
                                 params: SamplingParams) -> PrefillResult | None:

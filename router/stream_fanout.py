@@ -117,11 +117,20 @@ class StreamFanout:
         if key not in self._readers:
             self._readers[key] = _own_task(self._read(key))
 
-    def forget(self, request_id: str) -> None:
+    def forget(self, request_id: str, *, aborting_on: str | None = None) -> None:
+        """Stops routing `request_id`'s deltas. `aborting_on`: the caller aborts it on
+        that replica itself (then `abort_done`), so the deltas of the step in flight
+        there are not answered with an abort of their own."""
         self._queues.pop(request_id, None)
         self._bound_to.pop(request_id, None)
         self._submitted_as.pop(request_id, None)
         self._early.pop(request_id, None)
+        if aborting_on is not None:
+            self._aborting.add((aborting_on, request_id))
+
+    def abort_done(self, replica_id: str, request_id: str) -> None:
+        """The caller's own abort of a forgotten request (forget's `aborting_on`) ended."""
+        self._aborting.discard((replica_id, request_id))
 
     async def close(self) -> None:
         """Stops every reader; the requests bound to one hear that their stream ended

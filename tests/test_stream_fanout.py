@@ -64,6 +64,31 @@ def test_deltas_reach_their_request_and_an_orphan_is_aborted():
     asyncio.run(run())
 
 
+def test_a_request_its_caller_aborts_itself_is_not_aborted_again_by_the_backstop():
+    # the step in flight when the client left still streams the request's delta: forgotten with
+    # aborting_on, that delta is not answered with a second abort (the caller's own is under way)
+    async def run():
+        replicas = FakeReplicas()
+        fanout = StreamFanout(replicas.open_stream, replicas.abort)
+        fanout.expect("a")
+        fanout.bind("a", "R")
+        keep = fanout.expect("keep")
+        fanout.bind("keep", "R")
+        fanout.forget("a", aborting_on="R")
+        replicas.send("R", _delta("a", 1), _delta("keep", 2))
+        assert (await _next(keep)).token_ids == [2]
+        await asyncio.sleep(0.05)
+        assert replicas.aborted == []
+        fanout.abort_done("R", "a")
+        replicas.send("R", _delta("a", 3), _delta("keep", 4))       # after the caller's abort: the backstop again
+        assert (await _next(keep)).token_ids == [4]
+        await asyncio.sleep(0.05)
+        assert replicas.aborted == [("R", "a")]
+        await fanout.close()
+
+    asyncio.run(run())
+
+
 def test_a_copy_left_on_a_replica_the_request_moved_from_is_aborted_not_interleaved():
     # a hand-off retried on S after the router saw R's call fail, though R admitted it after all:
     # R's tokens for the request must not reach its client beside S's
