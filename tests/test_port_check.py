@@ -278,3 +278,18 @@ def test_a_local_cluster_that_answers_but_cannot_be_joined_is_reported_not_repla
     monkeypatch.setattr(local_cluster, "start_local_cluster", lambda *a, **k: pytest.fail("a second cluster"))
     with pytest.raises(ConnectionError, match="Version mismatch"):
         serve_command._connect(None, 2, {}, False)
+
+
+def test_a_sigterm_before_serve_takes_its_own_signals_exits_143(monkeypatch):
+    # ray.init's handler runs sys.exit(15) until pdserve installs its own: 143, as once deployed
+    import signal
+
+    from cluster.cli import main as cli_main
+
+    def terminated(*args, **kwargs):
+        raise SystemExit(signal.SIGTERM)
+    monkeypatch.setattr(serve_command, "_connect", terminated)
+    assert cli_main.main(["serve", "--port", "8765"]) == 143
+    monkeypatch.setattr(serve_command, "_connect", lambda *a, **k: (_ for _ in ()).throw(SystemExit(3)))
+    with pytest.raises(SystemExit):          # any other exit is left alone
+        cli_main.main(["serve", "--port", "8765"])

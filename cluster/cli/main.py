@@ -14,6 +14,7 @@ environment; it hands plain values to the engine.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 
@@ -127,6 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KeyboardInterrupt:
         return 130
+    except SystemExit as exc:
+        # ray.init's SIGTERM handler exits with the signal's number (15); a shell's and a
+        # supervisor's convention, and `pdserve serve`'s own once it deploys, is 128 + it
+        if exc.code == signal.SIGTERM:
+            return 128 + signal.SIGTERM
+        raise
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
