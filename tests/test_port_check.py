@@ -293,3 +293,18 @@ def test_a_sigterm_before_serve_takes_its_own_signals_exits_143(monkeypatch):
     monkeypatch.setattr(serve_command, "_connect", lambda *a, **k: (_ for _ in ()).throw(SystemExit(3)))
     with pytest.raises(SystemExit):          # any other exit is left alone
         cli_main.main(["serve", "--port", "8765"])
+
+
+def test_a_second_signal_during_the_clean_up_quits_at_once(monkeypatch):
+    import signal
+
+    from cluster.cli import stop_signal
+    exits = []
+    monkeypatch.setattr(stop_signal.os, "_exit", exits.append)
+    stop = stop_signal.StopSignal()
+    stop._handle(signal.SIGINT, None)
+    stop._handle(signal.SIGINT, None)        # while serving or deploying: still only a stop request
+    assert exits == [] and stop.requested
+    stop.force_on_next()                     # the clean-up begins
+    stop._handle(signal.SIGTERM, None)
+    assert exits == [128 + signal.SIGTERM]

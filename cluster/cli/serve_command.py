@@ -224,6 +224,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:
+        stop.force_on_next()
+        if stop.requested:
+            print("(press Ctrl-C again to quit at once, leaving the clean-up undone)", flush=True)
         _clean_up(started_ray, deployed)
     return 0
 

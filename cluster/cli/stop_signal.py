@@ -11,15 +11,18 @@ problem (a buffered stream's lock).
 
 from __future__ import annotations
 
+import os
 import signal
 
 
 class StopSignal:
-    """`install()` makes SIGINT and SIGTERM set `requested`; nothing else runs in the handler."""
+    """`install()` makes SIGINT and SIGTERM set `requested`; nothing else runs in the
+    handler, but for os._exit on a further signal once `force_on_next()` was called."""
 
     def __init__(self) -> None:
         self.requested = False
         self.signum: int | None = None      # the last signal received
+        self._force = False                 # force_on_next() was called
 
     def install(self) -> "StopSignal":
         """Main thread only (Python's rule for signal handlers)."""
@@ -27,6 +30,14 @@ class StopSignal:
             signal.signal(sig, self._handle)
         return self
 
+    def force_on_next(self) -> None:
+        """From now on a signal after the first ends the process at once (128 + its
+        number), as uvicorn and vLLM do on a second Ctrl-C: for a clean-up that waits
+        on the cluster. os._exit takes no lock, so it is safe in a handler."""
+        self._force = True
+
     def _handle(self, signum: int, frame) -> None:
+        if self._force and self.requested:
+            os._exit(128 + signum)
         self.requested = True
         self.signum = signum
