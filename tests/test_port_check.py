@@ -308,3 +308,8 @@ def test_a_second_signal_during_the_clean_up_quits_at_once(monkeypatch):
     stop.force_on_next()                     # the clean-up begins
     stop._handle(signal.SIGTERM, None)
     assert exits == [128 + signal.SIGTERM]
+
+
+def test_the_ready_line_brackets_an_ipv6_host():
+    assert serve_command.base_url("::", 8000) == "http://[::]:8000"
+    assert serve_command.base_url("127.0.0.1", 8000) == "http://127.0.0.1:8000"

@@ -213,7 +213,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if not _wait_running(APP_NAME, stop, notify=lambda m: print(m, flush=True)):
             print("stopped before the deployment was running; cleaning up ...", flush=True)
             return 128 + (stop.signum or 2)
-        print(f"pdserve is serving {config.mode.value} at http://{host}:{port}/v1 (Ctrl-C stops it)", flush=True)
+        print(f"pdserve is serving {config.mode.value} at {base_url(host, port)}/v1 (Ctrl-C stops it)", flush=True)
         lost = _watch_application(APP_NAME, stop)
         if lost:
             print(f"error: {lost}; cleaning up ...", file=sys.stderr, flush=True)
@@ -365,6 +365,11 @@ def _wait_running(name: str, stop: StopSignal, notify: Callable[[str], None], ev
                    f"{'; '.join(waiting) or (app.message if app else 'waiting for Serve')}")
         time.sleep(0.5)
     return False
+
+
+def base_url(host: str, port: int) -> str:
+    """http://host:port, an IPv6 address in brackets."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _watch_application(name: str, stop: StopSignal, *, poll_s: float = 5.0, unhealthy_limit_s: float = 600.0,
