@@ -794,10 +794,15 @@ def test_a_worker_whose_engine_stopped_reports_no_room_to_the_router():
 
         def shutdown(self):                             # the replica's __del__ stops its worker
             pass
+        def step_samples(self):
+            return []
     replica = WorkerDeployment.__new__(WorkerDeployment)
     replica.worker = Stopped()
     stats = replica.record_routing_stats()
     assert stats["free_kv_blocks"] == 0.0 and stats["queued_prefill_tokens"] >= 1e18
+    # nor is it a replica serving to the autoscaler (it counted one until Serve replaced it)
+    with pytest.raises(EngineStoppedError):
+        replica.step_samples()
 
 
 def test_a_send_retried_before_the_first_was_noted_forgets_the_first(model_dirs):

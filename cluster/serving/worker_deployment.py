@@ -43,7 +43,10 @@ class WorkerDeployment:
         return {"replica": self.replica_id, **self.worker.stats()}
 
     def step_samples(self) -> dict:
-        """This replica's engine steps since the last call (for the autoscaler)."""
+        """This replica's engine steps since the last call (for the autoscaler); raises
+        EngineStoppedError where its engine stopped, as `stats` does, so that the
+        autoscaler does not count it as a replica serving."""
+        self.worker.check_health()
         return {"replica": self.replica_id, "steps": self.worker.step_samples()}
 
     def record_routing_stats(self) -> dict[str, float]:
