@@ -496,16 +496,19 @@ class _Server:
         on). All or none are admitted."""
         if self.admission is None:
             return [None] * choices
-        with self._counting_refusals(num_prompt_tokens, max_tokens):
+        with self._counting_refusals(num_prompt_tokens, max_tokens, choices):
             return self.admission.admit_choices(num_prompt_tokens, max_tokens, choices)
 
     @contextmanager
-    def _counting_refusals(self, num_prompt_tokens: int | None, max_tokens: int | None) -> Iterator[None]:
+    def _counting_refusals(self, num_prompt_tokens: int | None, max_tokens: int | None,
+                           choices: int = 1) -> Iterator[None]:
         try:
             yield
         except Overloaded as exc:
             self.metrics.observe_rejection(exc.reason)
-            self.metrics.observe_arrival(num_prompt_tokens, max_tokens)    # refused, but demand all the same
+            # refused, but demand all the same: one arrival per choice, as admitted ones count
+            for _ in range(choices):
+                self.metrics.observe_arrival(num_prompt_tokens, max_tokens)
             raise
 
     def _check_request_limits(self, body: CompletionRequest | ChatCompletionRequest) -> None:

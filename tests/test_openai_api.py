@@ -11,6 +11,7 @@ import asyncio
 import copy
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -815,10 +816,14 @@ def test_n_choices_are_admitted_together_or_not_at_all(backend, tokenizer, metri
     admission = AdmissionControl(AdmissionSettings(tpot_slo_s=0.1, tpot_headroom=1.0))
     # a decode step of 1 / 2 / 3 sequences: 50 / 80 / 110 ms: a third choice would miss the TPOT SLO
     admission.observe_workers("decode", [{"decode_step_fixed_s": 0.02, "decode_s_per_seq": 0.03}])
+    arrivals = []
+    metrics.add_listener(SimpleNamespace(on_arrival=lambda prompt, max_tokens: arrivals.append(prompt),
+                                         on_refusal=lambda reason: None, on_request=lambda timings: None))
     n_client = TestClient(build_openai_app(backend, tokenizer, metrics, admission=admission))
     prompt = tokenizer.encode("Hi there")
     refused = n_client.post(COMPLETIONS, json={"prompt": prompt, "n": 3, "max_tokens": 1})
     assert refused.status_code == 429 and "TPOT SLO" in refused.json()["error"]["message"] and backend.calls == []
+    assert arrivals == [len(prompt)] * 3        # demand of three sequences, as admitted choices count
     assert (admission.waiting_requests, admission.waiting_tokens, admission.running) == (0, 0, 0)
     too_far = n_client.post(COMPLETIONS, json={"prompt": prompt, "n": 2, "seed": 2**63 - 1, "max_tokens": 1})
     assert too_far.status_code == 400 and backend.calls == []
