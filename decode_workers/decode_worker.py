@@ -47,7 +47,7 @@ from engine.async_engine import AsyncEngine, settle_from_thread
 from engine.engine_config import EngineConfig
 from engine.errors import EngineStoppedError, InvalidRequestError, RequestIdInUse
 from engine.llm_engine import LLMEngine, StepStats
-from engine.outputs import OutputKind, RequestOutput, ResumedOutput
+from engine.outputs import OutputKind, ResumedOutput, aborted_output
 from engine.sampler import advanced_generator_state
 from engine.sampling_params import SamplingParams
 
@@ -418,7 +418,7 @@ class DecodeWorker:
             settle_from_thread(handoff.future, exc=KVTransferFailed(
                 f"request {rid} was aborted on {self.name} while it waited for its KV", self.replica_id))
         if engine.abort_request(rid):
-            self._engine.deliver([_aborted(rid)])
+            self._engine.deliver([aborted_output(rid)])
 
     def _fail_handoffs(self, reason: BaseException) -> None:
         """The engine loop ended (engine thread): the requests waiting for blocks or
@@ -483,9 +483,4 @@ def _receiving_bytes(handoffs: Iterable[_HandOff]) -> int:
     """Bytes of receive buffers the hand-offs have posted on each rank (failed
     transfers' too, until their abort)."""
     return sum(h.staging_bytes for h in handoffs if h.phase is Phase.RECEIVING)
-
-
-def _aborted(request_id: str) -> RequestOutput:
-    return RequestOutput(request_id=request_id, prompt_token_ids=[], text="", token_ids=[], finished=True,
-                         finish_reason="abort")
 

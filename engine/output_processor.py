@@ -70,12 +70,11 @@ class RequestTextState:
             self.logprobs.append(logprobs)
         n_out = index + 1 - seq.num_prompt_tokens
         past_min = n_out >= params.min_tokens
-        ends = past_min and ((not params.ignore_eos and token_id in seq.eos_token_ids)
-                             or token_id in params.stop_token_ids)
-        if ends:
+        eos = not params.ignore_eos and token_id in seq.eos_token_ids
+        if past_min and (eos or token_id in params.stop_token_ids):
             if self.keep_stop:      # as vLLM: the ending token's text too (none for a skipped special token)
                 self.text.append(self.detokenizer.add_token(token_id))
-            self._finish("stop", None if token_id in seq.eos_token_ids and not params.ignore_eos else token_id)
+            self._finish("stop", None if eos else token_id)
             return
         prev_len = len(self.text)
         self.text.append(self.detokenizer.add_token(token_id))

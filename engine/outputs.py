@@ -47,6 +47,12 @@ class RequestOutput:
             self.num_output_tokens = len(self.token_ids)
 
 
+def aborted_output(request_id: str) -> RequestOutput:
+    """The last output of a request a worker aborted, for whoever waits on its outputs."""
+    return RequestOutput(request_id=request_id, prompt_token_ids=[], text="", token_ids=[], finished=True,
+                         finish_reason="abort")
+
+
 def joined(deltas: list[RequestOutput]) -> RequestOutput:
     """The cumulative output of a request whose DELTA outputs are `deltas`, in
     order (the last one's status): what its last CUMULATIVE output would be."""

@@ -76,18 +76,19 @@ def create_group(rank: int, size: int, host: str, port: int, backend: str, devic
         group = dist.ProcessGroupNCCL(store, rank, size, opts)
         comm_device = str(device)
     else:
-        group = _gloo_group(store, rank, size, COLLECTIVE_TIMEOUT, host)
+        group = bound_gloo_group(store, rank, size, COLLECTIVE_TIMEOUT, host)
         comm_device = "cpu"
-    control = _gloo_group(dist.PrefixStore("control/", store), rank, size, CONTROL_TIMEOUT, host)
+    control = bound_gloo_group(dist.PrefixStore("control/", store), rank, size, CONTROL_TIMEOUT, host)
     return TensorParallel(rank=rank, size=size, group=group, comm_device=comm_device, store=store,
                           control=control)
 
 
-def _gloo_group(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
-                host: str) -> dist.ProcessGroupGloo:
-    """A gloo group whose sockets listen on `host`, where the ranks' store is (the
-    loopback for a gang's local processes), not where the machine's hostname
-    resolves: the control group carries pickled messages."""
+def bound_gloo_group(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
+                     host: str) -> dist.ProcessGroupGloo:
+    """A gloo group whose sockets listen on `host` (for a gang: the loopback, where its
+    store is), not where the machine's hostname resolves, which can be an interface
+    the store does not listen on: a gang's control group carries pickled messages,
+    a KV pair's group the cache."""
     opts = dist.ProcessGroupGloo._Options()
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     opts._timeout = timeout

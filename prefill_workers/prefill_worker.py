@@ -44,7 +44,7 @@ from engine.async_engine import AsyncEngine, EngineStoppedError, settle_from_thr
 from engine.engine_config import EngineConfig
 from engine.errors import RequestAbortedError
 from engine.llm_engine import LLMEngine, StepStats
-from engine.outputs import OutputKind, RequestOutput
+from engine.outputs import OutputKind, RequestOutput, aborted_output
 from engine.sampling_params import SamplingParams
 from prefill_workers.send_budget import SendBudget
 
@@ -326,8 +326,7 @@ class PrefillWorker:
         if engine.abort_request(request_id) and hold is None:
             # aborted before its first token: its prefill() call still waits for one (an abort that
             # overtook the caller's own cancellation, which Serve cancels on a best-effort basis)
-            self._engine.deliver([RequestOutput(request_id=request_id, prompt_token_ids=[], text="", token_ids=[],
-                                                finished=True, finish_reason="abort")])
+            self._engine.deliver([aborted_output(request_id)])
 
     def _forget_send(self, engine: LLMEngine, transfer_id: str) -> None:
         engine.collective_rpc(kv_handoff.forget_transfer, transfer_id)

@@ -39,7 +39,7 @@ from bench.loadtest.datasets import (
     random_dataset,
     sharegpt_dataset,
 )
-from bench.loadtest.metrics import peaks, summarize
+from bench.loadtest.metrics import summarize
 from bench.loadtest.report import JSON_PERCENTILES, build_result, format_table, vllm_json
 from bench.loadtest.runner import RunConfig, RunResult, run_benchmark, run_cancellable
 from bench.loadtest.sweep import format_sweep_table, run_sweep, write_plots
@@ -258,9 +258,11 @@ def _summarize(args: argparse.Namespace, run: RunResult, meta: dict, title: str)
     """Print one run's table; return its JSON result."""
     summary = summarize(run.records, num_requests=run.num_requests, duration=run.duration,
                         slos_ms=_slos(args), percentiles=_percentiles(args))
+    result = build_result(run, summary, meta=meta)
+    peak = (result["max_output_tokens_per_s"], result["max_concurrent_requests"])
     print(format_table(summary, metrics=args.percentile_metrics, percentiles=args.metric_percentiles,
-                       title=title, interrupted=run.interrupted, peak=peaks(run.records)), flush=True)
-    return build_result(run, summary, meta=meta)
+                       title=title, interrupted=run.interrupted, peak=peak), flush=True)
+    return result
 
 
 def _single(args: argparse.Namespace, requests: list[SampleRequest], config: RunConfig, tokenizer: Any,

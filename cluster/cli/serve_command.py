@@ -116,7 +116,7 @@ def config_from_args(args: argparse.Namespace):
                               "key, or unset the variable to serve without one")
     if not key and from_env and not names_own_key:
         # the variable is the default key: a file that names its own key keeps it
-        overrides["http.api_key_sha256"] = api_key_digest(os.environ[API_KEY_ENV])
+        overrides["http.api_key_sha256"] = api_key_digest(from_env)
         config = load_config(args.config, overrides)
         print(f"pdserve: requiring the API key in {API_KEY_ENV}", file=sys.stderr)
     not_run = set(_POOLS) - set(config.pools())

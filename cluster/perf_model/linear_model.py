@@ -108,9 +108,9 @@ def _fit_with_floor(x: np.ndarray, y: np.ndarray, prompted: np.ndarray) -> tuple
         predicted = np.where(prompted, np.maximum(predicted, floor), predicted)
         return np.abs(predicted - y) / y
 
-    best_coef = _nnls_relative(x, y)
-    best_floor, best_rel = 0.0, errors(best_coef, 0.0)
-    no_floor_mean = best_rel.mean()
+    plain = _nnls_relative(x, y)
+    no_floor = (plain, 0.0, errors(plain, 0.0))
+    best = no_floor
     if prompted.any():
         candidates = np.unique(np.quantile(y[prompted], np.linspace(0.0, 1.0, FLOOR_CANDIDATES)))
         for floor in candidates:
@@ -119,12 +119,9 @@ def _fit_with_floor(x: np.ndarray, y: np.ndarray, prompted: np.ndarray) -> tuple
                 continue
             coef = _nnls_relative(x[above], y[above])
             rel = errors(coef, float(floor))
-            if rel.mean() < best_rel.mean():
-                best_coef, best_floor, best_rel = coef, float(floor), rel
-    if best_floor and no_floor_mean - best_rel.mean() < FLOOR_MIN_GAIN:
-        best_coef = _nnls_relative(x, y)
-        best_floor, best_rel = 0.0, errors(best_coef, 0.0)
-    return best_coef, best_floor, best_rel
+            if rel.mean() < best[2].mean():
+                best = (coef, float(floor), rel)
+    return best if no_floor[2].mean() - best[2].mean() >= FLOOR_MIN_GAIN else no_floor
 
 
 def _nnls_relative(x: np.ndarray, y: np.ndarray) -> np.ndarray:

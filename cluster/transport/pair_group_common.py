@@ -95,6 +95,7 @@ import torch.distributed as dist
 
 from cluster.transport.kv_transport import KVTransportError, PeerAddress, TransferState
 from engine.tcp_store import listening_store
+from engine.tp_group import bound_gloo_group
 
 log = logging.getLogger(__name__)
 
@@ -248,18 +249,14 @@ def make_group(store: dist.Store, rank: int, backend: str, device: torch.device,
                timeout_s: float, bind_host: str) -> dist.Backend:
     """Rank `rank` of a 2-rank group on `store`; blocks until both ranks joined (gloo).
     `bind_host`: the address gloo's sockets listen on, this node's address towards
-    the peer (by default gloo listens where the machine's hostname resolves, which
-    can be an interface the store does not listen on)."""
+    the peer (engine/tp_group.py's bound_gloo_group)."""
     if backend == "nccl":
         torch.cuda.set_device(device)
         opts = dist.ProcessGroupNCCL.Options()
         # Our own deadline aborts a late op first: NCCL's watchdog, on timeout, may end the process.
         opts._timeout = datetime.timedelta(seconds=10 * timeout_s)
         return dist.ProcessGroupNCCL(store, rank, 2, opts)   # NCCL connects on the first op
-    opts = dist.ProcessGroupGloo._Options()
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
-    opts._timeout = datetime.timedelta(seconds=timeout_s)
-    return dist.ProcessGroupGloo(store, rank, 2, opts)
+    return bound_gloo_group(store, rank, 2, datetime.timedelta(seconds=timeout_s), bind_host)
 
 
 def local_address_towards(peer: PeerAddress) -> str:
