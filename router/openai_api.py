@@ -330,9 +330,11 @@ class _Server:
         if isinstance(body, ChatCompletionRequest):
             last = body.messages[-1]
             return Echo(last.content or "", prompt_ids) if last.role == body.reply_role else None
-        if cut:
+        if not isinstance(body.prompt, str):      # token ids, cut or not: the text of every id, special ones too
+            return Echo(self.tokenizer.decode(prompt_ids), prompt_ids)
+        if cut:         # text: the special tokens the tokenizer added are not the client's text
             return Echo(self.tokenizer.decode(prompt_ids, skip_special_tokens=True), prompt_ids)
-        return Echo(body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(prompt_ids), prompt_ids)
+        return Echo(body.prompt, prompt_ids)
 
     async def _prompt_and_params(self, body: CompletionRequest | ChatCompletionRequest,
                                  chat: bool) -> tuple[list[int], SamplingParams, bool]:
@@ -476,7 +478,11 @@ class _Server:
             raise InvalidRequestError(f"The chat template cannot render these messages: {exc}",
                                       param="messages") from None
         if body.add_special_tokens:      # the rendered text, with the tokenizer's own special tokens added
-            return list(self.tokenizer.encode(rendered, add_special_tokens=True))
+            try:
+                return list(self.tokenizer.encode(rendered, add_special_tokens=True))
+            except (TypeError, ValueError) as exc:   # e.g. a chat_template_kwargs string that is not text
+                raise InvalidRequestError(f"The rendered chat cannot be tokenized: {exc}",
+                                          param="chat_template_kwargs") from None
         # transformers 5 returns a BatchEncoding (a Mapping); older versions a list.
         if isinstance(rendered, Mapping):
             rendered = rendered["input_ids"]

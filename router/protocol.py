@@ -496,11 +496,11 @@ class ChatCompletionRequest(_ChatPrompt, _GenerationRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.top_logprobs and not self.logprobs:     # 0 asks for nothing (vLLM takes it too)
-            raise InvalidRequestError("top_logprobs requires logprobs=true.", param="top_logprobs")
         if self.top_logprobs is not None and self.top_logprobs < 0:
             raise InvalidRequestError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}.",
                                       param="top_logprobs")
+        if self.top_logprobs and not self.logprobs:     # 0 asks for nothing (vLLM takes it too)
+            raise InvalidRequestError("top_logprobs requires logprobs=true.", param="top_logprobs")
         if self.documents:
             raise InvalidRequestError("documents is not supported: this server does not pass documents to the "
                                       "chat template. Put them in the messages, or remove documents.",

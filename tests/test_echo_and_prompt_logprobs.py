@@ -99,6 +99,20 @@ def test_echo_of_token_ids_is_their_text(client, backend, tokenizer):
     assert texts == [tokenizer.decode(ids) + reply] * 2
 
 
+def test_echo_of_cut_token_ids_keeps_the_text_of_their_special_tokens(client, backend, tokenizer):
+    # the text of every id kept, as uncut: the echoed logprobs' tokens then spell the echoed text
+    ids = tokenizer.encode("a quiet harbour")          # [BOS, ...]
+    assert ids[0] == tokenizer.bos_token_id
+    for cut in (None, len(ids)):                       # [5, 6] cut off the front
+        prompt = ids if cut is None else [5, 6] + ids
+        body = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1, "truncate_prompt_tokens": cut}
+        r = client.post(COMPLETIONS, json={k: v for k, v in body.items() if v is not None})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["text"] == tokenizer.decode(ids) and choice["text"].startswith(tokenizer.bos_token), cut
+        assert "".join(choice["logprobs"]["tokens"]) == choice["text"], cut
+
+
 def test_a_streamed_echo_opens_each_choice_with_the_prompt(client, backend, tokenizer):
     r = client.post(COMPLETIONS, json={"prompt": PROMPT, "max_tokens": 5, "echo": True, "logprobs": 0,
                                        "stream": True, "n": 2})

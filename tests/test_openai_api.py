@@ -637,6 +637,10 @@ LONG = list(range(3, 3 + MAX_MODEL_LEN))
      "valid boolean"),
     (CHAT, {"messages": USER, "chat_template_kwargs": {"tokenize": False}}, 400, "chat_template_kwargs",
      "may not set tokenize"),
+    # rendered to text, then tokenized with the special tokens: a kwarg the template prints that is not text
+    (CHAT, {"messages": USER, "add_special_tokens": True, "chat_template_kwargs": {"bos_token": "\ud800"}}, 400,
+     "chat_template_kwargs", "The rendered chat cannot be tokenized"),
+    (CHAT, {"messages": USER, "top_logprobs": -1}, 400, "top_logprobs", "must be in [0, 20], got -1"),
     (CHAT, {"messages": USER + [{"role": "assistant", "content": "The"}], "continue_final_message": True}, 400,
      "continue_final_message", "set add_generation_prompt to false"),
     (CHAT, {"messages": USER, "continue_final_message": True, "add_generation_prompt": False}, 400,
