@@ -381,10 +381,11 @@ class DecodeWorker:
             handoff.room_seen = self._room(engine)
             if time.monotonic() > handoff.deadline:
                 del self._handoffs[r.request_id]
-                settle_from_thread(handoff.future, exc=TimeoutError(
+                # naming this replica: the router's retry goes to another, not back to this full one
+                settle_from_thread(handoff.future, exc=KVTransferFailed(
                     f"{self.name} had no room for request {r.request_id} (free KV blocks, a place among "
                     f"its max_num_seqs {engine.scheduler.max_num_seqs}, and receive buffers within "
-                    f"kv_transfer.staging_mib) for {self.reserve_timeout_s:.0f} s"))
+                    f"kv_transfer.staging_mib) for {self.reserve_timeout_s:g} s", self.replica_id))
             return
         reserved = handoff.future
         handoff.phase, handoff.block_ids = Phase.RECEIVING, blocks

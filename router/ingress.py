@@ -17,6 +17,7 @@ from cluster.autoscaler.capacity import ReplicaLimits
 from cluster.autoscaler.policy import AutoscaleSettings
 from cluster.perf_model.step_shape import load_step_model
 from cluster.serving.process_priority import normal_priority
+from engine.tiny_model import ensure_built_in_checkpoint
 from engine.tokenizer import load_tokenizer
 from router.admission import AdmissionControl, AdmissionSettings
 from router.autoscale_loop import AutoscaleLoop
@@ -50,6 +51,7 @@ class Router:
             if admission is not None else None
         self._http = {"limits": limits, "api_key_sha256": api_key_sha256, "protect_metrics": protect_metrics,
                       "admission": self.admission, "cors": cors}
+        ensure_built_in_checkpoint(tokenizer_path)    # a built-in model resolved on another node
         self.tokenizer = load_tokenizer(tokenizer_path)
         self.metrics = ServingMetrics()
         replica = serve.get_replica_context().replica_id.unique_id
@@ -102,6 +104,8 @@ class Router:
                 except DeploymentUnavailableError:   # not one replica runs (they died; none replaced yet)
                     replies = []
                 except Exception as exc:  # noqa: BLE001 - metrics must never take the router down
+                    # (NoReplicaAnswered included: replicas that are slow to answer are not a pool of none,
+                    # which would send every waiting prompt elsewhere and refuse new ones)
                     log.debug("no %s stats: %s", role, exc)
                     current |= {label for label in seen if label.startswith(f"{role}-")}   # kept as they were
                     continue

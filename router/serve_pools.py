@@ -38,12 +38,18 @@ log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 5.0
 
 
+class NoReplicaAnswered(Exception):
+    """A broadcast reached replicas and not one of them answered in time: what the
+    pool holds is unknown, which is not the same as a pool with no replica."""
+
+
 async def replica_replies(handle, method: str, timeout_s: float) -> list:
     """Each running replica's answer to `method` (a Serve broadcast), within
     `timeout_s` in all. A replica whose call failed (it died, or is being replaced)
     or that has not answered by then (cut off, its loop blocked) is left out, not
-    the others with it; raises what the broadcast itself raises (TimeoutError
-    before any replica was reached, no replica running)."""
+    the others with it; raises NoReplicaAnswered when that leaves none, and what
+    the broadcast itself raises (TimeoutError before any replica was reached, no
+    replica running)."""
     response = handle.broadcast(method)
     started = time.monotonic()
     fetch = getattr(response, "_fetch_replica_results_async", None)   # Serve's per-replica results
@@ -57,6 +63,8 @@ async def replica_replies(handle, method: str, timeout_s: float) -> list:
     failed = [r for r in replies if isinstance(r, BaseException)]
     if failed:
         log.debug("%d of %d replicas did not answer %s: %s", len(failed), len(replies), method, failed[0])
+        if len(failed) == len(replies):
+            raise NoReplicaAnswered(f"none of {len(replies)} replicas answered {method}: {failed[0]!r}")
     return [r for r in replies if not isinstance(r, BaseException)]
 
 

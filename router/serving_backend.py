@@ -63,6 +63,10 @@ from router.timings import PhaseTimings
 
 log = logging.getLogger(__name__)
 
+# how long a request's end waits for the abort of its copy on a replica (the abort goes on past it)
+ABORT_WAIT_S = 5.0
+
+
 class PrefillPool(Protocol):
     async def prefill(self, request_id: str, prompt_token_ids: list[int],
                       params: SamplingParams) -> PrefillResult: ...
@@ -264,10 +268,10 @@ class ServingBackend(GenerationBackend):
             if held is not None:
                 self._prefill.release(held)
             if aborting:
-                try:
-                    await _shielded(self._decode.abort(replica, attempt_id), f"abort of {attempt_id}")
-                finally:
-                    self._fanout.abort_done(replica, attempt_id)
+                abort = asyncio.ensure_future(self._decode.abort(replica, attempt_id))
+                abort.add_done_callback(lambda _: self._fanout.abort_done(replica, attempt_id))
+                # bounded: a migration must not wait on a replica that is unreachable but not yet declared dead
+                await _shielded(abort, f"abort of {attempt_id}", ABORT_WAIT_S)
 
     async def _prefill_remotely(self, request_id: str, prompt_token_ids: list[int],
                                 params: SamplingParams) -> PrefillResult | None:
@@ -334,9 +338,13 @@ class ServingBackend(GenerationBackend):
                 self._prefill.release(result)
 
 
-async def _shielded(work, what: str) -> None:
-    """Clean-up that runs to the end even when the caller is being cancelled."""
+async def _shielded(work: asyncio.Future, what: str, timeout_s: float) -> None:
+    """Clean-up that runs to the end even when the caller is being cancelled or
+    stops waiting for it (after `timeout_s`: then it ends in the background)."""
+    work.add_done_callback(lambda done: done.cancelled() or done.exception())   # retrieved, even if late
     try:
-        await asyncio.shield(work)
+        await asyncio.wait_for(asyncio.shield(work), timeout_s)
+    except asyncio.TimeoutError:
+        log.warning("%s is still running after %.0f s; not waited for", what, timeout_s)
     except Exception as exc:  # noqa: BLE001 - the response is decided by now
         log.debug("%s failed: %s", what, exc)

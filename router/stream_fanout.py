@@ -161,7 +161,8 @@ class StreamFanout:
                         self._abort_soon(replica_id, rid)
         except asyncio.CancelledError as exc:
             task = asyncio.current_task()
-            if task is None or getattr(task, "cancelling", lambda: 1)():
+            # close() cancels the readers, and only it (Python 3.10's tasks cannot say who cancelled them)
+            if task is None or (task.cancelling() if hasattr(task, "cancelling") else self.closed):
                 raise                 # close(): this reader itself is being cancelled
             reason = f"the stream was cancelled ({exc or 'by the replica or Serve'})"
             log.warning("the output stream of decode replica %s was cancelled", replica_id)

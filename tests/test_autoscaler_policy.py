@@ -666,7 +666,7 @@ def test_a_restarted_router_does_not_count_replicas_given_back_as_starting():
 
 def test_a_replica_that_fails_to_answer_leaves_the_others_replies():
     import asyncio
-    from router.serve_pools import replica_replies
+    from router.serve_pools import NoReplicaAnswered, replica_replies
 
     class _OneDying:
         def broadcast(self, method):
@@ -678,6 +678,22 @@ def test_a_replica_that_fails_to_answer_leaves_the_others_replies():
                     return replies
             return _Result()
     assert asyncio.run(replica_replies(_OneDying(), "step_samples", 1.0)) == [{"steps": []}] * 2
+
+    class _Replies:
+        def __init__(self, *replies):
+            self.replies = replies
+
+        def broadcast(self, method):
+            replies = self.replies
+
+            class _Result:
+                async def results_async(self, return_exceptions=False):
+                    return list(replies)
+            return _Result()
+    # reached, and not one answered: unknown, not a pool of none (the router keeps its figures)
+    with pytest.raises(NoReplicaAnswered, match="none of 2 replicas answered stats"):
+        asyncio.run(replica_replies(_Replies(TimeoutError(), RuntimeError("died")), "stats", 1.0))
+    assert asyncio.run(replica_replies(_Replies(), "stats", 1.0)) == []    # no replica runs
 
     class _OneHanging:
         """Serve's per-replica results: one replica never answers (cut off, its loop blocked)."""

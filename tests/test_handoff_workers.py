@@ -625,6 +625,28 @@ def test_a_hand_off_waiting_for_blocks_gives_up_once_the_prefill_worker_lost_the
     run(main())
 
 
+def test_a_hand_off_that_finds_no_room_in_time_names_the_full_replica(model_dirs):
+    """Past reserve_timeout_s without room, the hand-off fails naming its decode
+    replica, so that the router's retry goes to another one instead of waiting out
+    the same full replica again; the prefill side keeps its hold for that retry."""
+    async def main():
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub()).start()
+        pair.decode.reserve_timeout_s = 0.2
+        pair.decode._engine.engine.reserve_prefilled = lambda *a, **kw: None     # no room: it waits
+        try:
+            first = await pair.prefill.prefill("h", PROMPTS[0], GREEDY)
+            with pytest.raises(KVTransferFailed, match="decode had no room for request h .* for 0.2 s") as info:
+                await asyncio.wait_for(pair.decode.generate(
+                    DecodeRequest("h", PROMPTS[0], GREEDY, "sub", first, "h#1")), 5.0)
+            assert info.value.replica_id == "D"
+            assert pair.decode.stats()["num_waiting"] == 0 and pair.prefill.stats()["num_held"] == 1
+            await pair.prefill.abort("h")
+            await pair.wait_idle(timeout_s=2)
+        finally:
+            await pair.shutdown()
+    run(main())
+
+
 def test_a_gone_prefill_replica_reads_as_a_lost_hold_to_the_decode_side():
     """ServePrefillPeer: a call to a prefill replica that is gone (or that holds
     nothing for the request) is KVHolderLost for send_kv and False for renew;

@@ -711,3 +711,38 @@ def test_a_router_that_closes_does_not_move_its_requests_elsewhere(model_dirs):
             for w in workers.values():
                 w.shutdown()
     run(main())
+
+
+def test_a_migration_does_not_wait_on_the_abort_of_an_unreachable_replica(model_dirs, reference, monkeypatch):
+    """The failed replica's copy is aborted on the way out of the attempt; a replica
+    that is unreachable but not yet declared dead never answers that abort, and the
+    request must not wait for it to continue elsewhere."""
+    from router import serving_backend
+    monkeypatch.setattr(serving_backend, "ABORT_WAIT_S", 0.2)
+
+    class UnreachablePool(TwoWorkerPool):
+        async def abort(self, replica_id, request_id):
+            if replica_id in self.dead:
+                await asyncio.sleep(3600)         # no answer, no error
+            await super().abort(replica_id, request_id)
+
+    async def main():
+        workers = await _started_workers(model_dirs)
+        pool = UnreachablePool(workers)
+        backend = ServingBackend(ModelInfo("tiny", 128, 512), pool, subscriber="router-0")
+        outs = []
+        try:
+            async def stream():
+                async for out in backend.generate("r", PROMPTS[0], GREEDY):
+                    outs.append(out)
+                    if out.num_output_tokens >= 4 and "A" not in pool.dead:
+                        await asyncio.to_thread(pool.kill, "A")
+            await asyncio.wait_for(stream(), 60)
+            return outs, pool.placed
+        finally:
+            await backend.close()
+            workers["B"].shutdown()
+
+    outs, placed = run(main())
+    assert [replica for _, replica in placed] == ["A", "B"]
+    assert joined(outs).token_ids == reference("tiny").greedy(tuple(PROMPTS[0]), TOKENS)
