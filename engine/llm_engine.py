@@ -305,7 +305,8 @@ class LLMEngine:
         self._check_ranks()
         previous, self._in_flight = self._in_flight, None
         step = self.scheduler.schedule(prefill=prefill, decode=decode)
-        self.last_step_empty = step.is_empty and previous is None
+        # a step that only preempted freed blocks: the next one can run what waits
+        self.last_step_empty = step.is_empty and not step.preempted and previous is None
         try:
             launched = self._launch(step, previous) if not step.is_empty else None
         except BaseException:

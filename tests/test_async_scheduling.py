@@ -227,3 +227,21 @@ def test_a_running_prefill_ahead_of_decodes_leaves_each_of_them_a_token():
     scheduler.after_step(step)
     only_prefill = scheduler.schedule(decode=False)
     assert [(s.request_id, n) for s, n in zip(only_prefill.seqs, only_prefill.num_new_tokens)] == [("recompute", 16)]
+
+
+def test_a_step_that_only_preempted_is_not_a_blocked_engine(model_dirs, monkeypatch):
+    """A decode that finds no block and no younger victim preempts itself and runs
+    nothing this step (as in the test above); the blocks it freed let the next
+    step run, so a loop that only steps must not be told the engine is stuck."""
+    from engine.scheduler import ScheduledStep
+    engine = _engine(model_dirs["tiny"], False)
+    engine.add_request("r", list(range(3, 12)), SamplingParams(temperature=0.0, max_tokens=4))
+    schedule = engine.scheduler.schedule
+    victim = engine.scheduler.waiting[0]
+    monkeypatch.setattr(engine.scheduler, "schedule", lambda **kw: ScheduledStep(preempted=[victim]))
+    assert engine.step() == [] and not engine.last_step_empty
+    engine.raise_if_blocked()                      # (raised "1 requests wait for KV blocks ...")
+    monkeypatch.setattr(engine.scheduler, "schedule", schedule)
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.raise_if_blocked()
