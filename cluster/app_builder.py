@@ -18,6 +18,7 @@ GPUs). On CPU each rank runs torch with as many threads as its bundle has CPUs.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -30,6 +31,8 @@ from cluster.transport.transport_factory import TransportSettings
 from engine.cpu_count import usable_cpus
 from router.backend import ModelInfo
 from router.cors import CorsSettings
+
+log = logging.getLogger(__name__)
 
 ROUTING_STATS_PERIOD_S = 0.5
 # Worker replicas log no access line per call: their calls are the router's internal RPCs
@@ -67,8 +70,18 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     whole = args.pop("config_json", None)      # a whole deployment, as `pdserve serve --autoscale` sends it
     profile = args.pop("autoscaling_profile", None)
     config = with_overrides(DeploymentConfig.model_validate(whole), args) if whole else load_config(path, args)
-    # `serve run` connects before it builds: check against the real cluster
-    config = placed_config(config) if ray.is_initialized() else resolve_cpus_per_rank(config, usable_cpus())
+    if ray.is_initialized():   # a Serve config file's application is built in the cluster: check against it
+        config = placed_config(config)
+    else:
+        # `serve run module:build_app ...` builds before it connects to any cluster
+        if config.autoscaling.enabled:
+            raise ValueError("an autoscaled deployment needs Serve's application-level autoscaling_policy, which "
+                             "only a Serve config file carries: deploy it with a Serve config file (as "
+                             "configs/serve/tiny-cpu-autoscale.yaml) or with pdserve serve --config")
+        log.warning("the deployment's placement is not checked against the cluster: this application is built "
+                    "before Ray is connected (serve run with an import path); a Serve config file, or pdserve "
+                    "serve, checks it before deploying")
+        config = resolve_cpus_per_rank(config, usable_cpus())
     return build_application(config, resolve_model(config, profile))
 
 

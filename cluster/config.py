@@ -460,6 +460,8 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         if not isinstance(data, dict):
             raise ConfigFileError(f"{path} is not a valid pdserve deployment file: it holds a "
                                   f"{type(data).__name__}, not a mapping of sections")
+        # a section whose settings are all commented out reads as null: its defaults, as if left out
+        data = {key: {} if value is None and _is_section(key) else value for key, value in data.items()}
     try:
         return DeploymentConfig.model_validate(_with_dotted(data, overrides or {}))
     except ValidationError as exc:
@@ -520,6 +522,12 @@ def _with_dotted(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, A
             raise ValueError(f"unknown setting {key!r}")
         node[leaf] = value
     return data
+
+
+def _is_section(key: str) -> bool:
+    """Whether `key` names a section of the deployment file (a mapping of settings)."""
+    field = DeploymentConfig.model_fields.get(key)
+    return field is not None and isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
 
 
 def _named_variable(setting: str, name: str, instead: str) -> str:

@@ -43,6 +43,7 @@ from engine.preflight import (
     tensor_parallel_problem,
 )
 from engine.sampler import Sampler, TokenScores, heaviest_rows, score_tokens
+from engine.tiny_model import ensure_built_in_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,7 @@ class ModelWorker:
             # whatever OMP_NUM_THREADS says (Ray sets it from an actor's num_cpus)
             torch.set_num_threads(cpu_threads_per_rank(config))
         self.num_threads = torch.get_num_threads()   # this thread's intra-op threads: the forward runs here
+        ensure_built_in_checkpoint(config.model)    # a built-in model resolved on another node
         self.model_config = ModelConfig.from_pretrained(config.model)
         mc = self.model_config
         self.max_model_len = resolve_max_model_len(config, mc)

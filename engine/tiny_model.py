@@ -569,6 +569,17 @@ def ensure_preset_model(preset: str) -> Path:
     return target
 
 
+def ensure_built_in_checkpoint(path: str | Path) -> None:
+    """Where `path` is a preset's cache directory here (as checkpoint_dir named it
+    on the node that resolved the deployment) and that preset is missing or stale,
+    builds it there: each node of a cluster builds its own copy of a built-in
+    model, and every copy is the same (seeded). Any other path is left alone."""
+    for preset in PRESETS:
+        if Path(path) == preset_model_dir(preset):
+            ensure_preset_model(preset)
+            return
+
+
 def names_built_in_model(model: str) -> bool:
     """`model` is the name of a preset, and no checkpoint directory of that name is here."""
     return model in PRESETS and not (Path(model) / "config.json").is_file()
@@ -584,6 +595,7 @@ def checkpoint_dir(model: str | None) -> str:
     to give, for anything else."""
     if model is None:
         return str(ensure_default_model())
+    model = os.path.expanduser(model)      # a deployment file's "~/models/x" (a shell expands only a flag's)
     if names_built_in_model(model):
         return str(ensure_preset_model(model))
     if not (Path(model) / "config.json").is_file():

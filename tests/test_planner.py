@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import math
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +27,8 @@ from cluster.simulator import ClusterSpec
 from cluster.simulator.cluster_sim import ReplicaSpec
 
 search_module = importlib.import_module("cluster.planner.search")   # the package's `search` is the function
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_candidates_stay_within_the_gpu_budget():
@@ -192,11 +195,12 @@ def test_a_faster_decode_pool_wins(tmp_path):
     assert (best.candidate.prefill_replicas, best.candidate.decode_replicas) == (1, 2)
 
 
-def test_pdserve_plan_slo_writes_a_valid_deployment(tmp_path, capsys):
+def test_pdserve_plan_slo_writes_a_valid_deployment(tmp_path, capsys, monkeypatch):
     from cluster.cli.main import main
     from cluster.config import load_config
     out = tmp_path / "best.yaml"
-    code = main(["plan", "--model", "llama-3-8b", "--slo", "ttft:1000", "tpot:50", "--gpus", "2",
+    monkeypatch.chdir(REPO)
+    code = main(["plan", "--model", "configs/models/llama-3-8b", "--slo", "ttft:1000", "tpot:50", "--gpus", "2",
                  "--num-prompts", "60", "--max-prompts", "240", "--random-input-len", "512",
                  "--random-output-len", "32", "--write-config", str(out)])
     assert code == 0
@@ -204,6 +208,8 @@ def test_pdserve_plan_slo_writes_a_valid_deployment(tmp_path, capsys):
     used = sum(p.replicas * p.tensor_parallel_size for p in config.pools().values())
     assert config.device == "cuda" and used <= 2
     assert (config.slo.ttft_ms, config.slo.tpot_ms) == (1000, 50)     # the SLOs it was chosen for
+    # the directory itself, wherever the file is read from (serve deploy builds in a Ray worker)
+    assert config.model.path == str(REPO / "configs" / "models" / "llama-3-8b")
     out_text = capsys.readouterr().out
     assert "best colocated" in out_text and "| 60: " in out_text and " -> 120: " in out_text
 

@@ -583,7 +583,49 @@ def test_an_autoscaled_deployment_ships_its_profile_as_data(tmp_path, monkeypatc
     args = autoscaled_application(config, profile)["args"]
     assert args["autoscaling_profile"] == profile
     path.unlink()                          # not there where the cluster builds it
+    # built in the cluster, Ray connected (the placement check's cluster stood in for)
+    import ray
+
+    from cluster.serving import placement
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(placement, "placed_config", lambda c: placement.resolve_cpus_per_rank(c, 3))
     router = build_app(args)._bound_deployment
     assert router.init_kwargs["autoscaling_profile"] == profile
     with pytest.raises(ValueError, match="cannot read it"):
         build_app({"config_json": args["config_json"]})
+
+
+def test_an_unset_kv_transfer_secret_is_refused_before_a_cluster_starts(monkeypatch, tmp_path, capsys):
+    from cluster.cli import serve_command
+    connects = []
+    monkeypatch.setattr(serve_command, "_connect", lambda *a, **k: connects.append(a) or True)
+    monkeypatch.delenv("KV_PAIR_SECRET", raising=False)
+    named = tmp_path / "secret.yaml"
+    named.write_text(yaml.safe_dump({"kv_transfer": {"secret_env": "KV_PAIR_SECRET"}}))
+    args = build_parser().parse_args(["serve", "--config", str(named)])
+    assert serve_command._cmd_serve(args) == 2
+    assert "kv_transfer.secret_env names KV_PAIR_SECRET, which is not set here" in capsys.readouterr().err
+    assert connects == []                  # refused before any cluster was started or joined
+
+
+def test_a_section_whose_settings_are_all_commented_out_takes_its_defaults(tmp_path):
+    from cluster.config import DeploymentConfig, load_config
+    path = tmp_path / "commented.yaml"
+    path.write_text("mode: colocated\nengine:\n  # max_num_seqs: 64\nhttp:\n")
+    config = load_config(path)
+    assert config.mode.value == "colocated"
+    assert (config.engine, config.http) == (DeploymentConfig().engine, DeploymentConfig().http)
+    assert load_config(path, {"http.port": 8001}).http.port == 8001
+    path.write_text("model: 3\n")                    # not a section of settings: still refused
+    with pytest.raises(ValueError, match="model"):
+        load_config(path)
+
+
+def test_serve_run_with_an_import_path_refuses_an_autoscaled_deployment():
+    """`serve run cluster.app_builder:build_app config=...` builds before Ray is
+    connected, and without a Serve config file no application-level policy would
+    apply the autoscaler's targets (Serve's own policy would scale the workers)."""
+    from cluster.app_builder import build_app
+    with pytest.raises(ValueError, match="only a Serve config file carries"):
+        build_app({"config": str(REPO / "configs" / "tiny-cpu-autoscale.yaml")})
+    assert build_app({"config": str(REPO / "configs" / "tiny-cpu.yaml")}) is not None    # not autoscaled: built

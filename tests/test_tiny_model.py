@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import unicodedata
@@ -22,7 +23,9 @@ from transformers import (
 
 from engine.tiny_model import (
     PRESETS,
+    checkpoint_dir,
     default_model_dir,
+    ensure_built_in_checkpoint,
     ensure_default_model,
     make_tiny_model,
 )
@@ -276,6 +279,24 @@ def test_default_model_dir_honours_pdserve_home(monkeypatch, tmp_path):
     monkeypatch.delenv("PDSERVE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "user"))
     assert default_model_dir() == tmp_path / "user" / ".cache" / "pdserve" / "models" / "tiny"
+
+
+def test_a_checkpoint_path_under_the_home_directory_is_found(monkeypatch, tmp_path, model_dir):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(model_dir("tiny"), tmp_path / "models" / "mine")
+    assert checkpoint_dir("~/models/mine") == str(tmp_path / "models" / "mine")
+
+
+def test_a_node_builds_a_built_in_model_another_node_resolved(monkeypatch, tmp_path, model_dir):
+    # the path the resolving node named, on a node whose cache has no model yet
+    monkeypatch.setenv("PDSERVE_HOME", str(tmp_path))
+    path = tmp_path / "models" / "tiny"
+    ensure_built_in_checkpoint(str(path))
+    assert _file_bytes(path) == _file_bytes(model_dir("tiny"))
+    other = tmp_path / "elsewhere" / "tiny"          # not a preset's cache directory: left alone
+    ensure_built_in_checkpoint(other)
+    assert not other.exists()
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["tiny"]
 
 
 def test_ensure_default_model_builds_once_and_replaces_stale(monkeypatch, tmp_path, model_dir):

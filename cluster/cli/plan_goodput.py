@@ -179,8 +179,9 @@ def deployment_yaml(cand, model_dir, dtype: str, max_len: int, gpu: str, args: a
              if cand.mode == "colocated" else
              {"prefill": {"replicas": cand.prefill_replicas, "tensor_parallel_size": cand.prefill_tp},
               "decode": {"replicas": cand.decode_replicas, "tensor_parallel_size": cand.decode_tp}})
-    data = {"model": {"path": str(model_dir), "dtype": dtype, "max_model_len": max_len}, "mode": cand.mode,
-            "device": "cuda", **pools,
+    # absolute: the file is read from other working directories (serve deploy builds it in a Ray worker)
+    data = {"model": {"path": str(Path(model_dir).absolute()), "dtype": dtype, "max_model_len": max_len},
+            "mode": cand.mode, "device": "cuda", **pools,
             "engine": {"max_num_batched_tokens": args.max_num_batched_tokens,
                        "gpu_memory_utilization": args.gpu_memory_utilization},
             "resources": {"gpu_type": gpu},

@@ -140,6 +140,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         config = config_from_args(args)
         resolved = resolve_model(config)   # a wrong path, settings the engines would refuse: before a cluster starts
         config.api_key_sha256()   # http.api_key_env names a variable that is not set
+        if config.mode.value == "disaggregated" and config.kv_transfer.secret_env:
+            config.kv_transfer_secret()   # kv_transfer.secret_env names a variable that is not set
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
