@@ -631,6 +631,29 @@ def test_sharegpt_dataset_reads_the_public_format(tokenizer):
         sharegpt_dataset(tokenizer, SHAREGPT.with_name("missing.json"), num_prompts=1)
 
 
+def test_sharegpt_dataset_skips_what_vllm_skips(tokenizer, tmp_path):
+    """vLLM's caps: a prompt over 1,024 tokens, or a prompt and answer over 2,048, is
+    skipped whatever the server's context, so a seed picks the same requests."""
+    def turn(words: int) -> str:
+        return " ".join(f"w{i}" for i in range(words))
+
+    def tokens(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+    long_prompt, long_answer = turn(1200), turn(2200)
+    assert tokens(long_prompt) > 1024 and tokens(long_answer) > 2048
+    pairs = [(long_prompt, turn(10)), (turn(10), long_answer), (turn(10), turn(12))]
+    data = [{"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]} for q, a in pairs]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    requests = sharegpt_dataset(tokenizer, path, num_prompts=3, max_model_len=32768)
+    assert {r.prompt for r in requests} == {turn(10)}
+    assert {r.expected_output_len for r in requests} == {tokens(turn(12))}
+    # a fixed output length counts towards the 2,048 too
+    assert sharegpt_dataset(tokenizer, path, num_prompts=1, output_len=100)[0].prompt == turn(10)
+    with pytest.raises(DatasetError, match="a prompt of at most 1024"):
+        sharegpt_dataset(tokenizer, path, num_prompts=1, output_len=2040)
+
+
 # ----------------------------------------------------------------------- the CLI
 
 

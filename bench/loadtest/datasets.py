@@ -18,8 +18,10 @@ private random generator, never the global one.
   read from a local file: the first turn is the prompt, the second turn's
   token count the output length (unless fixed). Entries are shuffled with the
   seed; conversations with fewer than two turns, prompts or answers shorter
-  than 4 tokens, and pairs that do not fit the context window are skipped (as
-  vLLM does); the rest are reused in order when fewer than asked for remain.
+  than 4 tokens, prompts over 1,024 tokens, pairs over 2,048 (vLLM's caps, so
+  a seed picks the requests `vllm bench serve` picks) and pairs that do not fit
+  the context window are skipped; the rest are reused in order when fewer than
+  asked for remain.
 - prefix: `num_prefixes` long random prefixes shared by many prompts, each
   followed by a short random suffix (vLLM's "prefix_repetition"); it
   exercises prefix caching.
@@ -39,6 +41,9 @@ from typing import Any
 _MAX_ROUND_TRIPS = 10
 # vLLM's ShareGPT filter: shorter prompts or answers make no meaningful request.
 _MIN_SHAREGPT_TOKENS = 4
+# vLLM's ShareGPT caps (its is_valid_sequence): a longer prompt, or a longer prompt + answer, is skipped
+_MAX_SHAREGPT_PROMPT_TOKENS = 1024
+_MAX_SHAREGPT_TOTAL_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -165,6 +170,8 @@ def sharegpt_dataset(tokenizer: Any, path: str | Path, *, num_prompts: int, outp
         out_len = output_len if output_len is not None else len(_encode(tokenizer, answer))
         if prompt_len < _MIN_SHAREGPT_TOKENS or (output_len is None and out_len < _MIN_SHAREGPT_TOKENS):
             continue
+        if prompt_len > _MAX_SHAREGPT_PROMPT_TOKENS or prompt_len + out_len > _MAX_SHAREGPT_TOTAL_TOKENS:
+            continue
         if max_model_len is not None and prompt_len + out_len + 1 > max_model_len:   # +1: a BOS the server adds
             continue
         usable.append(SampleRequest(prompt, prompt_len, out_len))
@@ -172,7 +179,8 @@ def sharegpt_dataset(tokenizer: Any, path: str | Path, *, num_prompts: int, outp
             break
     if not usable:
         raise DatasetError(f"{path}: no usable conversation (each needs two turns of at least "
-                           f"{_MIN_SHAREGPT_TOKENS} tokens that fit the context window)")
+                           f"{_MIN_SHAREGPT_TOKENS} tokens, a prompt of at most {_MAX_SHAREGPT_PROMPT_TOKENS} and "
+                           f"at most {_MAX_SHAREGPT_TOTAL_TOKENS} in all, that fit the context window)")
     return [usable[i % len(usable)] for i in range(num_prompts)]
 
 
