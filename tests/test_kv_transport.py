@@ -463,26 +463,85 @@ def test_a_late_join_of_an_older_epoch_does_not_displace_the_senders_newer_pair(
 
     import torch.distributed as dist
 
-    from cluster.transport.pair_group_common import JOIN_HINT, challenge_key, join_key, proof_key, prove, verdict_key
+    from cluster.transport.pair_group_common import (
+        JOIN_HINT,
+        admitted_verdict,
+        challenge_key,
+        join_key,
+        proof_key,
+        prove,
+        verdict_key,
+    )
     agent = spawn_agent("receiver", timeout_s=SHORT_S, secret="deployment-secret")
     address = agent.identity()
     store = dist.TCPStore(address.host, address.port, None, False, timeout=datetime.timedelta(seconds=10),
                           wait_for_workers=False)
 
-    def join(slot: int, epoch: int, answer: bool = True) -> None:
+    def join(slot: int, epoch: int, answer: bool = True) -> str:
         text = f"{epoch} slow-sender"
         assert store.compare_set(join_key(slot), "", text).decode() == text
         store.add(JOIN_HINT, 1)
+        challenge = store.get(challenge_key(slot)).decode()
         if answer:
-            challenge = store.get(challenge_key(slot)).decode()
             store.set(proof_key(slot), prove("deployment-secret", challenge, epoch, "slow-sender", address.name))
+        return challenge
 
     join(0, 1, answer=False)                 # epoch 1 claims its slot; its proof is late
-    join(1, 2)
-    assert store.get(verdict_key(1)).decode() == ""                       # epoch 2 admitted
+    second = join(1, 2)
+    assert store.get(verdict_key(1)).decode() == \
+        admitted_verdict("deployment-secret", second, 2, "slow-sender", address.name)   # epoch 2 admitted
     challenge = store.get(challenge_key(0)).decode()
     store.set(proof_key(0), prove("deployment-secret", challenge, 1, "slow-sender", address.name))
     assert store.get(verdict_key(0)).decode() == "refused: slow-sender has a newer pair (epoch 2)"
+
+
+def test_no_mac_a_sender_writes_is_another_purposes_mac():
+    """Proofs, verdicts and pair keys are MACs of one secret: with the purposes and
+    fields told apart, a proof a sender writes for a challenge someone chose (a
+    store anyone can write) is never the key of a pair nor a verdict."""
+    from cluster.transport.pair_group_common import admitted_verdict, pair_key, prove
+    secret, challenge = "deployment-secret", "0123456789abcdef0123456789abcdef"
+    key = pair_key(secret, challenge, 3, "s", "r")
+    assert prove(secret, "pair|" + challenge, 3, "s", "r") != key.hex()    # (was equal: the key leaked)
+    assert prove(secret, challenge, 3, "s", "r") not in (key.hex(), admitted_verdict(secret, challenge, 3, "s", "r"))
+    assert prove(secret, challenge, 3, "s|x", "r") != prove(secret, challenge, 3, "s", "x|r")   # fields apart
+
+
+@pytest.mark.parametrize("challenge, verdict, says", [
+    ("pair|0123456789abcdef0123456789abcdef", None, "holds no valid challenge"),
+    ("0123456789abcdef0123456789abcdef", "", "refused: its verdict is not the receiver's"),
+    ("0123456789abcdef0123456789abcdef", "admitted 00", "refused: its verdict is not the receiver's"),
+])
+def test_a_sender_takes_no_challenge_or_verdict_but_the_receivers(challenge, verdict, says):
+    """A store that is not a real receiver's (or one a stranger wrote into): the sender
+    proves nothing for a challenge a receiver would not make, and pairs on no verdict
+    but one made with the secret, so no one without it can have a pair with it."""
+    import datetime
+    import threading
+
+    from cluster.transport.kv_transport import PeerAddress
+    from cluster.transport.pair_group_common import challenge_key, proof_key, verdict_key
+    from engine.tcp_store import listening_store
+    store = listening_store("127.0.0.1", 0, None, datetime.timedelta(seconds=10))
+    address = PeerAddress("not-a-receiver", "127.0.0.1", store.port)
+    proofs = []
+
+    def forge() -> None:
+        store.set(challenge_key(0), challenge)
+        if verdict is not None:
+            proofs.append(store.get(proof_key(0)).decode())
+            store.set(verdict_key(0), verdict)
+    forger = threading.Thread(target=forge, daemon=True)
+    forger.start()
+    sender = PairGroupSender(timeout_s=SHORT_S, secret="deployment-secret")
+    try:
+        sender.send("f/1", address, payload(64, torch.uint8, seed=1))
+        assert wait_final(sender.poll, "f/1") is TransferState.FAILED
+        assert says in sender.error("f/1")
+        assert len(proofs) == (verdict is not None)          # a proof only for a well-formed challenge
+    finally:
+        sender.close()
+        forger.join(timeout=5)
 
 
 def test_a_receiver_whose_store_keeps_failing_says_so(monkeypatch):

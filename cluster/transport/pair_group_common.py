@@ -14,12 +14,13 @@ Life cycle of a pair (S: a PairGroupSender, R: a PairGroupReceiver):
     R  acceptor posts a fresh random challenge for slot n, then waits on join slot n
     S  first send() to R ─▶ S's pair thread: connect to R's store,
            epoch = add("kvpair/S/epoch", 1), claim the next free join slot,
-           post proof = HMAC-SHA256(secret, challenge | epoch | S | R), wait for R's verdict
-    R  acceptor sees the slot ─▶ R's pair thread: checks the proof, answers the verdict;
-           a wrong proof ends there (the sender's connect fails with "refused")
+           post proof = HMAC-SHA256(secret, "kv-join-proof", challenge, epoch, S, R), wait for R's verdict
+    R  acceptor sees the slot ─▶ R's pair thread: checks the proof, answers the verdict: admitted, with
+           HMAC(secret, "kv-join-admitted", ...), which S checks; a wrong proof ends there (the sender's
+           connect fails with "refused")
     S, R  rank 0 (S) and rank 1 (R) of a group on PrefixStore("kvpair/S/<epoch>/pg")
     S, R  one thread per pair side moves that pair's transfers in `send` order
-    S, R  key = HMAC(secret, challenge | epoch | S | R): every header and ack below
+    S, R  key = HMAC(secret, "kv-pair-key", challenge, epoch, S, R): every header and ack below
            is sealed with it (`seal`), and one that is not breaks the pair
 
 One transfer, message seq k of the pair (keys under "kvpair/S/<epoch>/"):
@@ -103,6 +104,7 @@ ABORT_TAG = 2**31 - 1          # a tag no data op uses: see abort_group
 TAG_MASK = 2**30 - 1
 JOIN_HINT = "kvpair/joins"     # count of claimed join slots (a hint: slots are claimed with compare_set)
 JOIN_GRACE_S = 1.0             # how long close() waits for its threads before leaving them
+CHALLENGE_BYTES = 16           # random bytes in a receiver's join challenge
 
 
 def join_key(slot: int) -> str:
@@ -121,25 +123,44 @@ def proof_key(slot: int) -> str:
 
 
 def verdict_key(slot: int) -> str:
-    """The receiver's verdict on the proof of `slot`: "" = admitted, else why not."""
+    """The receiver's verdict on the proof of `slot`: `admitted_verdict`, else why not."""
     return f"kvpair/verdict/{slot}"
+
+
+def _mac(secret: str, purpose: str, *fields: object) -> bytes:
+    """HMAC-SHA256 under `secret` of `purpose` and `fields`, each prefixed with its
+    length: a MAC made for one purpose (or one split of the fields) is never the
+    MAC of another, so a proof a sender writes for any challenge, however chosen,
+    reveals no pair key and answers no other question."""
+    message = b"".join(len(part).to_bytes(4, "big") + part
+                       for part in (str(f).encode("utf-8", "surrogatepass") for f in (purpose, *fields)))
+    return hmac.new(secret.encode(), message, hashlib.sha256).digest()
+
+
+def is_challenge(text: str) -> bool:
+    """Whether `text` has the form of a receiver's challenge (CHALLENGE_BYTES random bytes, in hex)."""
+    return len(text) == 2 * CHALLENGE_BYTES and all(c in "0123456789abcdef" for c in text)
 
 
 def prove(secret: str, challenge: str, epoch: int, sender: str, receiver: str) -> str:
     """The proof that a sender joining as (`sender`, `epoch`) holds `secret`."""
-    message = f"{challenge}|{epoch}|{sender}|{receiver}".encode()
-    return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
+    return _mac(secret, "kv-join-proof", challenge, epoch, sender, receiver).hex()
 
 
 def proof_holds(proof: str, secret: str, challenge: str, epoch: int, sender: str, receiver: str) -> bool:
     return hmac.compare_digest(proof.encode(), prove(secret, challenge, epoch, sender, receiver).encode())
 
 
+def admitted_verdict(secret: str, challenge: str, epoch: int, sender: str, receiver: str) -> str:
+    """The receiver's verdict that admits a join: a MAC only a holder of the secret can
+    write, so a sender never takes a verdict someone else put in the store for one."""
+    return "admitted " + _mac(secret, "kv-join-admitted", challenge, epoch, sender, receiver).hex()
+
+
 def pair_key(secret: str, challenge: str, epoch: int, sender: str, receiver: str) -> bytes:
     """The key that seals one pair's headers and acks: only the two sides know it
     (it needs the secret and the challenge of the pair's join)."""
-    message = f"pair|{challenge}|{epoch}|{sender}|{receiver}".encode()
-    return hmac.new(secret.encode(), message, hashlib.sha256).digest()
+    return _mac(secret, "kv-pair-key", challenge, epoch, sender, receiver)
 
 
 def seal(key: bytes, kind: str, seq: int, text: str) -> str:

@@ -35,11 +35,13 @@ from cluster.transport.kv_transport import (
     TransferState,
 )
 from cluster.transport.pair_group_common import (
+    CHALLENGE_BYTES,
     TAG_MASK,
     Settings,
     Transfer,
     abort_group,
     ack_key,
+    admitted_verdict,
     as_bytes,
     challenge_key,
     connect_store,
@@ -135,7 +137,8 @@ class _RecvPair:
             return False
         if old is not None:   # a sender only joins again after dropping its side
             old.drop(f"failed: {self.sender} started a new pair")
-        store.set(verdict_key(self.slot), "")
+        store.set(verdict_key(self.slot), admitted_verdict(owner._cfg.secret, self.challenge, self.epoch,
+                                                           self.sender, owner.address.name))
         for key in (challenge_key(self.slot), proof_key(self.slot)):
             store.delete_key(key)
         return True
@@ -327,7 +330,7 @@ class PairGroupReceiver(KVReceiver):
             return
         failures = 0
         while True:
-            slot, challenge = self._slot, secrets.token_hex(16)
+            slot, challenge = self._slot, secrets.token_hex(CHALLENGE_BYTES)
             key = join_key(slot)
             try:
                 store.set(challenge_key(slot), challenge)

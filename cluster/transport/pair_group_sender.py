@@ -17,6 +17,7 @@ All state is guarded by the sender's one lock, which its pair threads share.
 from __future__ import annotations
 
 import datetime
+import hmac
 import logging
 import threading
 import time
@@ -38,6 +39,7 @@ from cluster.transport.pair_group_common import (
     Transfer,
     abort_group,
     ack_key,
+    admitted_verdict,
     as_bytes,
     challenge_key,
     connect_store,
@@ -46,6 +48,7 @@ from cluster.transport.pair_group_common import (
     epoch_key,
     group_prefix,
     hdr_key,
+    is_challenge,
     join_key,
     join_threads,
     local_address_towards,
@@ -143,12 +146,17 @@ class _SendPair:
         while store.compare_set(join_key(slot), "", payload) != payload.encode():
             slot += 1
         store.add(JOIN_HINT, 1)
-        challenge = store.get(challenge_key(slot)).decode()   # the receiver posts it before the slot opens
+        challenge = store.get(challenge_key(slot)).decode("utf-8", "replace")   # posted before the slot opens
+        if not is_challenge(challenge):    # not the receiver's: proofs are made for its challenges only
+            raise KVTransportError(f"{self.peer.name}'s store holds no valid challenge for join slot {slot}")
         store.set(proof_key(slot), prove(self.cfg.secret, challenge, epoch, self.cfg.name, self.peer.name))
-        verdict = store.get(verdict_key(slot)).decode()
+        verdict = store.get(verdict_key(slot)).decode("utf-8", "replace")
         store.delete_key(verdict_key(slot))
-        if verdict:
-            raise KVTransportError(f"{self.peer.name} {verdict}")
+        admitted = admitted_verdict(self.cfg.secret, challenge, epoch, self.cfg.name, self.peer.name)
+        if not hmac.compare_digest(verdict.encode(), admitted.encode()):
+            # a refusal says why; an "admitted" without the receiver's MAC was not written by it
+            why = verdict[:200] if verdict.startswith("refused") else "refused: its verdict is not the receiver's"
+            raise KVTransportError(f"{self.peer.name} {why}")
         self.key = pair_key(self.cfg.secret, challenge, epoch, self.cfg.name, self.peer.name)
         msgs = dist.PrefixStore(pair_prefix(self.cfg.name, epoch), store)
         group = make_group(dist.PrefixStore(group_prefix(self.key), msgs), 0, self.cfg.backend, self.cfg.device,
