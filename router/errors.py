@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 INTERNAL_ERROR_MESSAGE = "The server had an internal error while processing the request."
 # Long values are echoed back in validation messages only up to this many characters.
 _MAX_ECHO_CHARS = 80
+_MAX_DESCRIBED_ERRORS = 10    # a body with thousands of bad items gets a message of ten, and a count
 
 
 def error_type(status: int) -> str:
@@ -86,12 +87,14 @@ def from_exception(exc: BaseException) -> OpenAIError:
 
 
 def validation_error(errors: list[dict[str, Any]]) -> OpenAIError:
-    """A 400 naming each invalid field of the request body and what is wrong with it."""
-    messages = [_describe(e) for e in errors] or ["Invalid request body."]
+    """A 400 naming each invalid field of the request body (the first
+    _MAX_DESCRIBED_ERRORS of them) and what is wrong with it."""
+    messages = [_describe(e) for e in errors[:_MAX_DESCRIBED_ERRORS]] or ["Invalid request body."]
+    if len(errors) > _MAX_DESCRIBED_ERRORS:
+        messages.append(f"and {len(errors) - _MAX_DESCRIBED_ERRORS} more errors")
     # A JSON syntax error's loc holds a character position, not a field.
-    params = [_field_path(e.get("loc", ())) for e in errors if e.get("type") != "json_invalid"]
-    return OpenAIError(400, "; ".join(dict.fromkeys(messages)),
-                       param=next((p for p in params if p), None))
+    params = (_field_path(e.get("loc", ())) for e in errors if e.get("type") != "json_invalid")
+    return OpenAIError(400, "; ".join(dict.fromkeys(messages)), param=next((p for p in params if p), None))
 
 
 def _field_path(loc: tuple | list) -> str:

@@ -43,7 +43,8 @@ class HttpGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self.digest is not None and self._needs_key(_app_path(scope)) and not self._authorized(scope):
+        if self.digest is not None and self._needs_key(scope["method"], _app_path(scope)) and \
+                not self._authorized(scope):
             await self._refuse(scope, receive, send, 401, "Incorrect API key provided: send it as 'Authorization: "
                                "Bearer KEY'.", "invalid_api_key", {"www-authenticate": "Bearer"})
             return
@@ -69,6 +70,7 @@ class HttpGuard:
                 await self._refuse(scope, receive, send, 413, _too_large(limit), "request_too_large")
                 return
         body = b"".join(chunks)
+        del chunks        # held for the whole request otherwise (a stream's too), beside the body
         replayed = False
 
         async def replay() -> Message:
@@ -88,9 +90,9 @@ class HttpGuard:
         response.headers.update(headers or {})
         await response(scope, receive, send)
 
-    def _needs_key(self, path: str) -> bool:
+    def _needs_key(self, method: str, path: str) -> bool:
         """`path`: within the application (its route prefix left out)."""
-        if path in OPEN_PATHS:
+        if path in OPEN_PATHS and method in ("GET", "HEAD"):    # a probe; any other method is no probe
             return False
         return self.protect_metrics or path != "/metrics"
 

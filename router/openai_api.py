@@ -56,6 +56,7 @@ from router.errors import (
     from_exception,
     install_error_handlers,
 )
+from router.health import SharedHealthCheck
 from router.http_guard import HttpGuard
 from router.metrics import ServingMetrics
 from router.protocol import (
@@ -168,13 +169,13 @@ def build_openai_app(backend: GenerationBackend, tokenizer: Any, metrics: Servin
     async def version() -> dict[str, Any]:
         return {"version": _VERSION}
 
+    check_health = SharedHealthCheck(backend.check_health)
+
     @app.api_route("/health", methods=["GET", "HEAD"])     # (load balancers' probes send HEAD too)
     async def health() -> Response:
-        try:
-            await backend.check_health()
-        except Exception as exc:  # noqa: BLE001 - any failure means unhealthy
+        if (reason := await check_health()) is not None:
             # Answered here rather than raised: a failing probe is not a request error.
-            return error_response(503, f"The server cannot serve requests: {exc}")
+            return error_response(503, f"The server cannot serve requests: {reason}")
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -222,7 +223,8 @@ class _Server:
     def check_model(self, name: str | None) -> None:
         """404 unless `name` is the served model's (None: the served model)."""
         if name is not None and name != self.info.served_model_name:
-            raise OpenAIError(404, f"The model `{name}` does not exist; this server serves "
+            shown = name if len(name) <= 80 else name[:80] + "..."
+            raise OpenAIError(404, f"The model `{shown}` does not exist; this server serves "
                               f"`{self.info.served_model_name}`.", param="model", code="model_not_found")
 
     async def tokenize(self, body: TokenizeChatRequest | TokenizeCompletionRequest) -> dict[str, Any]:

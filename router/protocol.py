@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -56,6 +56,15 @@ def _is_token_ids(value: object) -> bool:
     return isinstance(value, list) and set(map(type, value)) <= {int}
 
 
+def _whole_list(value: object, fits: Callable[[list], bool], what: str) -> object:
+    """`value` unchanged, or one error for the whole list when `fits` refuses it:
+    pydantic's own checks would give one error per bad item, and a body of millions
+    of them held the router's loop for seconds and gigabytes of error records."""
+    if isinstance(value, list) and not fits(value):
+        raise _shape_error(f"must be {what}")
+    return value
+
+
 def _string_chars(value: object) -> int:
     """Characters in every string within `value` (nested lists and dicts, keys too).
     Walked with a stack, not recursion: JSON nested hundreds of levels deep parses,
@@ -91,6 +100,7 @@ _TEMPLATE_ARGUMENTS = frozenset({"conversation", "tools", "documents", "chat_tem
 
 _ignored_fields_logged: set[tuple[str, str]] = set()     # (request model, field)
 _MAX_IGNORED_FIELDS_LOGGED = 256      # then no more: clients inventing names must not grow the set for ever
+_MAX_LOGGED_NAME_CHARS = 64
 
 
 def _log_ignored_fields(model: type[BaseModel], data: object) -> None:
@@ -98,8 +108,9 @@ def _log_ignored_fields(model: type[BaseModel], data: object) -> None:
     room = _MAX_IGNORED_FIELDS_LOGGED - len(_ignored_fields_logged)
     if not isinstance(data, dict) or room <= 0:
         return
-    new = sorted(str(k) for k in data if k not in model.model_fields
-                 and (model.__name__, str(k)) not in _ignored_fields_logged)[:room]
+    # names as the log shows them: cut short and quoted (a client's key may be megabytes, or hold newlines)
+    new = sorted({repr(str(k)[:_MAX_LOGGED_NAME_CHARS]) for k in data if k not in model.model_fields}
+                 - {f for m, f in _ignored_fields_logged if m == model.__name__})[:room]
     if new:
         _ignored_fields_logged.update((model.__name__, k) for k in new)
         log.warning("%s: ignoring request field(s) this server does not know: %s (logged once each)",
@@ -107,6 +118,8 @@ def _log_ignored_fields(model: type[BaseModel], data: object) -> None:
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+# messages in one chat: far past what any context holds (each renders to several tokens)
+MAX_MESSAGES = 16384
 
 
 def _valid_text(value: object) -> object:
@@ -148,7 +161,8 @@ class _GenerationRequest(BaseModel):
     allowed_token_ids: list[StrictInt] | None = None   # vLLM's: only these may be sampled
     include_stop_str_in_output: StrictBool | None = None   # vLLM's: the stop string that ended it, kept
     user: StrictStr | None = None            # accepted and ignored
-    request_id: StrictStr | None = None      # vLLM's: the response's id (`{prefix}-{request_id}`)
+    # vLLM's: the response's id (`{prefix}-{request_id}`), which every chunk of a stream repeats
+    request_id: Annotated[str, Field(strict=True, max_length=256)] | None = None
     return_token_ids: StrictBool | None = None   # vLLM's: the prompt's and the output's token ids too
     priority: Int64 | None = None            # vLLM's priority scheduling: only 0 (there is none)
     spaces_between_special_tokens: StrictBool | None = None   # vLLM's; only true (the tokenizer's own)
@@ -183,6 +197,16 @@ class _GenerationRequest(BaseModel):
     @classmethod
     def _shared_text(cls, value: object) -> object:
         return _valid_text(value)
+
+    @field_validator("stop_token_ids", "allowed_token_ids", mode="before")
+    @classmethod
+    def _token_id_list(cls, value: object) -> object:
+        return _whole_list(value, _is_token_ids, "a list of token ids (integers)")
+
+    @field_validator("bad_words", mode="before")
+    @classmethod
+    def _word_list(cls, value: object) -> object:
+        return _whole_list(value, lambda words: all(isinstance(w, str) for w in words), "a list of strings")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -438,6 +462,15 @@ class _ChatPrompt(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None   # vLLM: extra variables for the template
     add_special_tokens: StrictBool = False   # vLLM: BOS etc. on top of what the template adds
 
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _few_enough_messages(cls, value: object) -> object:
+        # before each message is checked: one error for a list past any context, not one per message
+        if isinstance(value, list) and len(value) > MAX_MESSAGES:
+            raise _shape_error(f"has {len(value)} messages; this server takes at most {MAX_MESSAGES}")
+        return _whole_list(value, lambda items: all(isinstance(m, dict) for m in items),
+                           "a list of message objects")
+
     @field_validator("messages")
     @classmethod
     def _not_empty(cls, value: list[ChatMessage]) -> list[ChatMessage]:
@@ -561,3 +594,8 @@ class DetokenizeRequest(BaseModel):
 
     model: StrictStr | None = None
     tokens: list[StrictInt]
+
+    @field_validator("tokens", mode="before")
+    @classmethod
+    def _token_id_list(cls, value: object) -> object:
+        return _whole_list(value, _is_token_ids, "a list of token ids (integers)")

@@ -49,6 +49,8 @@ def test_every_route_but_health_needs_the_key(tokenizer):
     assert client.get("/v1/models").status_code == 401
     assert client.get("/metrics").status_code == 401
     assert client.get("/health").status_code == 200
+    assert client.head("/health").status_code == 200
+    assert client.post("/health").status_code == 401           # a probe's methods only (was: 405, unkeyed)
     assert completion(client, good).status_code == 200
     assert client.get("/metrics", headers=good).status_code == 200
     r = client.post("/v1/chat/completions", headers=good,

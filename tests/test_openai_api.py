@@ -396,6 +396,8 @@ def test_tokenize_and_detokenize_as_vllms(client, backend, tokenizer):
     assert_openai_error(client.post("/detokenize", json={"tokens": [5, len(tokenizer)]}), 400, "tokens",
                         f"{len(tokenizer)}, outside the model's vocabulary")
     assert_openai_error(client.post("/detokenize", json={"tokens": [5] * 65}), 400, "tokens", "65 ids")
+    assert_openai_error(client.post("/detokenize", json={"tokens": ["a"] * 100_000}), 400, "tokens",
+                        "tokens: must be a list of token ids (integers)")
     assert_openai_error(client.post("/detokenize", json={"tokens": [5], "model": "gpt-4"}), 404, "model", "serves")
     assert len(backend.calls) == 1                     # none of these generates
     version = client.get("/version").json()["version"]
@@ -479,7 +481,28 @@ def test_a_field_the_server_does_not_know_is_logged_once(client, caplog):
     assert len(protocol._ignored_fields_logged) <= protocol._MAX_IGNORED_FIELDS_LOGGED
 
 
-def test_health_reports_the_backend(client, backend):
+def test_an_unknown_field_name_is_logged_short_and_quoted(client, caplog, monkeypatch):
+    from router import protocol
+    monkeypatch.setattr(protocol, "_ignored_fields_logged", set())
+    name = "x" * 1_000_000 + "\nforged log line"
+    with caplog.at_level("WARNING", logger="router.protocol"):
+        assert client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 1, name: 1}).status_code == 200
+    (said,) = [r.getMessage() for r in caplog.records if "does not know" in r.getMessage()]
+    assert said.endswith(repr("x" * 64) + " (logged once each)") and "\n" not in said
+    assert protocol._ignored_fields_logged == {("CompletionRequest", repr("x" * 64))}
+
+
+def test_what_a_response_repeats_of_the_request_is_bounded(client):
+    assert_openai_error(client.post(COMPLETIONS, json={"prompt": "Hi", "request_id": "r" * 257}), 400,
+                        "request_id", "at most 256 characters")
+    error = assert_openai_error(client.post(COMPLETIONS, json={"prompt": "Hi", "model": "m" * 100_000}), 404,
+                                "model", "does not exist")
+    assert len(error["message"]) < 300
+
+
+def test_health_reports_the_backend(client, backend, monkeypatch):
+    from router import health
+    monkeypatch.setattr(health, "HEALTH_TTL_S", 0.0)
     assert client.get("/health").status_code == 200
     backend.healthy = False
     assert_openai_error(client.get("/health"), 503, None, "no decode replica is alive")
@@ -487,6 +510,31 @@ def test_health_reports_the_backend(client, backend):
     backend.healthy = True
     assert client.get("/health").status_code == 200
     assert client.head("/health").status_code == 200
+
+
+def test_probes_close_together_share_one_check():
+    """/health is open to anyone: a flood of probes must not be a flood of checks
+    on the workers. One runs at a time, and its answer serves for HEALTH_TTL_S."""
+    from router.health import SharedHealthCheck
+    checks = []
+
+    async def probe():
+        checks.append(1)
+        await asyncio.sleep(0.05)
+        if len(checks) > 1:
+            raise BackendUnavailableError("no decode worker answered")
+
+    async def main():
+        shared = SharedHealthCheck(probe, ttl_s=0.3)
+        first = await asyncio.gather(*(shared() for _ in range(50)))      # at once: one check
+        again = await shared()                                             # within the TTL: its answer
+        await asyncio.sleep(0.35)
+        late = await asyncio.gather(*(shared() for _ in range(5)))
+        return first, again, late
+
+    first, again, late = asyncio.run(main())
+    assert first == [None] * 50 and again is None and len(checks) == 2
+    assert late == ["no decode worker answered"] * 5
 
 
 def test_metrics_after_requests(client, metrics, tokenizer):
@@ -641,6 +689,15 @@ LONG = list(range(3, 3 + MAX_MODEL_LEN))
     (CHAT, {"messages": USER, "add_special_tokens": True, "chat_template_kwargs": {"bos_token": "\ud800"}}, 400,
      "chat_template_kwargs", "The rendered chat cannot be tokenized"),
     (CHAT, {"messages": USER, "top_logprobs": -1}, 400, "top_logprobs", "must be in [0, 20], got -1"),
+    # lists of many bad items: one error for the list, before pydantic makes one per item
+    (COMPLETIONS, {"prompt": "Hi", "stop_token_ids": [{}] * 100_000}, 400, "stop_token_ids",
+     "stop_token_ids: must be a list of token ids (integers)"),
+    (COMPLETIONS, {"prompt": "Hi", "allowed_token_ids": [1, True]}, 400, "allowed_token_ids",
+     "must be a list of token ids"),
+    (COMPLETIONS, {"prompt": "Hi", "bad_words": [1] * 100_000}, 400, "bad_words", "must be a list of strings"),
+    (CHAT, {"messages": [{}] * 20_000}, 400, "messages", "has 20000 messages; this server takes at most 16384"),
+    (CHAT, {"messages": ["hi"] * 100}, 400, "messages", "messages: must be a list of message objects"),
+    (CHAT, {"messages": [{}] * 50}, 400, "messages[0].role", "; and 40 more errors"),
     (CHAT, {"messages": USER + [{"role": "assistant", "content": "The"}], "continue_final_message": True}, 400,
      "continue_final_message", "set add_generation_prompt to false"),
     (CHAT, {"messages": USER, "continue_final_message": True, "add_generation_prompt": False}, 400,
