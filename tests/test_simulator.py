@@ -69,6 +69,20 @@ def test_the_hand_off_adds_exactly_its_modelled_time():
     assert result.num_local_prefills == 0
 
 
+def test_a_prefill_pool_emptied_between_the_routers_looks_sends_prompts_to_the_decode_replicas():
+    """With autoscaling.min_replicas.prefill 0, the last prefill replica can retire
+    between two stats refreshes: the router has not seen the pool empty yet, and a
+    prompt arriving then is prefilled on a decode replica (it raised ValueError)."""
+    from cluster.simulator.cluster_sim import _Simulation
+    replica = ReplicaSpec(FIXED, 1000)
+    spec = ClusterSpec("disaggregated", prefill=replica, decode=replica, prefill_replicas=1, decode_replicas=1,
+                       policy="always")
+    sim = _Simulation(spec, None, float("inf"))
+    sim.at(0.1, sim.prefill_pool.clear)            # after the refresh at 0, before the one at 1 s
+    result = sim.run([(100, 3)], [0.2])
+    assert result.num_local_prefills == 1 and _times(result, 0) == pytest.approx([0.2 + T, 0.2 + 2 * T, 0.2 + 3 * T])
+
+
 def test_conditional_policy_prefills_short_prompts_on_the_decode_worker():
     replica = ReplicaSpec(FIXED, 1000)
     spec = ClusterSpec("disaggregated", prefill=replica, decode=replica, prefill_replicas=1, decode_replicas=1,

@@ -362,7 +362,9 @@ class _Simulation:
         seq = SimSequence(log.index, log.prompt_len, log.output_len)
         if self.block_hashes is not None:
             seq.block_hashes = self.block_hashes[log.index]
-        local = self.policy is None or self.policy.prefill_locally(seq.prompt_len)
+        # an empty prefill pool (the autoscaler retired its last replica since the router's last look):
+        # the decode replicas prefill, as the live router does once it sees none running
+        local = self.policy is None or self.policy.prefill_locally(seq.prompt_len) or not self.prefill_pool
         if self.policy is not None:
             self.policy.started(local, seq.prompt_len)
             self.prefilling[seq.index] = (local, seq.prompt_len)
