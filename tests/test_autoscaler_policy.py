@@ -832,3 +832,15 @@ def test_an_idle_start_gives_back_no_replica_when_traffic_comes():
         return targets
     assert decode_targets(0.0) == [2] * 6
     assert decode_targets(200.0) == [2] * 6     # before: 1 at first, then 2 (a start-up lost)
+
+
+def test_a_re_split_frees_the_ranks_of_one_replica_of_a_role_with_a_larger_tp():
+    """Decode replicas of TP 2 beside prefill replicas of TP 1, at the budget: a rank
+    moved to decode is no replica there. The givers give two at once, so decode grows
+    in the same interval (it stalled, one rank idle, until the next scale-down)."""
+    p = policy(budget=8, tensor_parallel={"prefill": 1, "decode": 2}, downscale_cooldown_s=0.0,
+               downscale_window_s=600.0, split_margin=0.0)
+    current = {"prefill": 4, "decode": 2}
+    d = p.decide(observe(20.0, 20.0, 50, 2000, current, mean_inflight_output_tokens=2000))
+    assert d.targets["decode"] == 3 and d.targets["prefill"] == 2, (d.targets, d.reasons)
+    assert sum(n * {"prefill": 1, "decode": 2}[r] for r, n in d.targets.items()) <= 8

@@ -624,9 +624,14 @@ class GoodputPolicy:
                 when = "now" if resplit or keep == holding[r] else f"within the last {s.downscale_window_s:.0f} s"
                 reasons[r] = (f"holds {current[r]}: {current[r] - 1} would not hold the load {when} "
                               f"with {1 - s.downscale_headroom:.0%} to spare")
+            elif resplit and (give := self._replicas_to_give(r, targets, current, needed)) > current[r] - want:
+                # the rank alone would not make room for a replica of the role that needs it (a larger TP)
+                reasons[r] = (f"holds {current[r]}: a replica another role needs takes {give} of its replicas' "
+                              f"ranks, and it may give up {current[r] - want}")
             else:
-                targets[r] = current[r] - 1
-                reasons[r] = "scale down by one: " + reasons[r]
+                give = self._replicas_to_give(r, targets, current, needed) if resplit else 1
+                targets[r] = current[r] - give
+                reasons[r] = f"scale down by {'one' if give == 1 else give}: " + reasons[r]
         for r in s.roles:
             want = max(s.min_for(r), min(s.max_for(r), needed[r]))
             if want <= current[r]:
@@ -641,6 +646,15 @@ class GoodputPolicy:
             targets[r] = current[r] + min(room, want - current[r])
             reasons[r] = "scale up: " + reasons[r]
         return targets
+
+    def _replicas_to_give(self, role: str, targets: dict[str, int], current: dict[str, int],
+                          needed: dict[str, int]) -> int:
+        """How many of `role`'s replicas free the ranks for one more replica of a role
+        that needs one (the one that takes the fewest), beside `targets` as they stand."""
+        s = self.settings
+        short = min(self._ranks(targets) + s.tp(o) - s.budget for o in s.roles
+                    if o != role and needed[o] > current[o])
+        return max(1, math.ceil(short / s.tp(role)))
 
     def _rank_wanted_elsewhere(self, role: str, current: dict[str, int], needed: dict[str, int]) -> bool:
         """Whether another role needs a replica the budget has no room for unless `role` gives one up."""
