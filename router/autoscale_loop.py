@@ -44,12 +44,13 @@ from cluster.perf_model.linear_model import LinearStepModel
 from cluster.perf_model.online import OnlineCorrection
 from cluster.perf_model.step_shape import StepShape, StepTimeModel
 from engine.cpu_count import usable_cpus
-from router.serve_pools import replica_replies
+from router.serve_pools import replica_answers
 from router.timings import RequestTimings
 
 log = logging.getLogger("ray.serve")   # shown in the replica log and the driver
 
 FIT_WINDOW = 400          # recent steps a learned model is fitted to, per role
+STEP_SAMPLES_TIMEOUT_S = 5.0    # a replica's answer with its steps, before it counts as slow this interval
 MIN_FIT_STEPS = 12
 
 
@@ -158,11 +159,13 @@ class AutoscaleLoop:
     async def _observe_role(self, role: str) -> RoleObservation:
         handle = self.workers[role]
         try:
-            replies = await replica_replies(handle, "step_samples", 5.0)
+            replies, slow, _ = await replica_answers(handle, "step_samples", STEP_SAMPLES_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - count it as no replica answering this time
             log.debug("autoscaler: no %s replies: %s", role, exc)
-            replies = []
-        running = len(replies)
+            replies, slow = [], 0
+        # a replica that answered too late still runs (busy, its loop blocked): not one starting, which
+        # would hold back every scale-down and the latency evidence; one whose call failed is gone
+        running = len(replies) + slow
         asked = self._asked.get(role, running)
         steps = []
         for reply in replies:

@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import contextmanager
+from typing import NamedTuple
 
 from ray import exceptions as ray_exceptions
 from ray.serve.exceptions import RayServeException, RequestCancelledError
@@ -43,13 +44,20 @@ class NoReplicaAnswered(Exception):
     pool holds is unknown, which is not the same as a pool with no replica."""
 
 
-async def replica_replies(handle, method: str, timeout_s: float) -> list:
+class ReplicaAnswers(NamedTuple):
+    """What a broadcast got back: the answers, and how many replicas it reached that
+    gave none in time (alive but slow, their loops blocked) or whose call failed
+    (dead, or being replaced)."""
+    answers: list
+    slow: int
+    failed: int
+
+
+async def replica_answers(handle, method: str, timeout_s: float) -> ReplicaAnswers:
     """Each running replica's answer to `method` (a Serve broadcast), within
-    `timeout_s` in all. A replica whose call failed (it died, or is being replaced)
-    or that has not answered by then (cut off, its loop blocked) is left out, not
-    the others with it; raises NoReplicaAnswered when that leaves none, and what
-    the broadcast itself raises (TimeoutError before any replica was reached, no
-    replica running)."""
+    `timeout_s` in all: one replica that fails or does not answer in time is
+    counted apart, not the others with it. Raises what the broadcast itself
+    raises (TimeoutError before any replica was reached, no replica running)."""
     response = handle.broadcast(method)
     started = time.monotonic()
     fetch = getattr(response, "_fetch_replica_results_async", None)   # Serve's per-replica results
@@ -60,12 +68,21 @@ async def replica_replies(handle, method: str, timeout_s: float) -> list:
         left = max(0.0, timeout_s - (time.monotonic() - started))
         replies = await asyncio.gather(*(asyncio.wait_for(r.get_async(), left) for r in results),
                                        return_exceptions=True)
-    failed = [r for r in replies if isinstance(r, BaseException)]
-    if failed:
-        log.debug("%d of %d replicas did not answer %s: %s", len(failed), len(replies), method, failed[0])
-        if len(failed) == len(replies):
-            raise NoReplicaAnswered(f"none of {len(replies)} replicas answered {method}: {failed[0]!r}")
-    return [r for r in replies if not isinstance(r, BaseException)]
+    errors = [r for r in replies if isinstance(r, BaseException)]
+    if errors:
+        log.debug("%d of %d replicas did not answer %s: %s", len(errors), len(replies), method, errors[0])
+    slow = sum(isinstance(e, (TimeoutError, asyncio.TimeoutError)) for e in errors)
+    return ReplicaAnswers([r for r in replies if not isinstance(r, BaseException)], slow, len(errors) - slow)
+
+
+async def replica_replies(handle, method: str, timeout_s: float) -> list:
+    """The answers of replica_answers; raises NoReplicaAnswered when replicas were
+    reached and not one answered, and what the broadcast itself raises."""
+    answers, slow, failed = await replica_answers(handle, method, timeout_s)
+    if not answers and slow + failed:
+        raise NoReplicaAnswered(f"none of {slow + failed} replicas answered {method} ({slow} not in time, "
+                                f"{failed} failed)")
+    return answers
 
 
 async def check_replicas(handle, what: str) -> None:

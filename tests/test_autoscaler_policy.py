@@ -717,6 +717,30 @@ def test_a_replica_that_fails_to_answer_leaves_the_others_replies():
     loop.workers["decode"] = _OneDying()
     observed = asyncio.run(loop._observe_role("decode"))
     assert (observed.running, observed.starting) == (2, 1)     # before: 0 running, 3 starting
+    # one alive but too slow to answer (its loop busy): running, not starting (which held back every
+    # scale-down and the latency evidence), its steps left for the next interval
+    from router import autoscale_loop
+
+    class _OneSlow(_OneHanging):
+        def broadcast(self, method):
+            response = super().broadcast(method)
+            fetch = response._fetch_replica_results_async
+
+            async def without_steps():
+                replies = await fetch()
+                for reply in replies:
+                    if reply.value is not None:
+                        reply.value = {"steps": []}
+                return replies
+            response._fetch_replica_results_async = without_steps
+            return response
+    loop.workers["decode"] = _OneSlow()
+    autoscale_loop.STEP_SAMPLES_TIMEOUT_S = 0.3
+    try:
+        observed = asyncio.run(asyncio.wait_for(loop._observe_role("decode"), 10))
+    finally:
+        autoscale_loop.STEP_SAMPLES_TIMEOUT_S = 5.0
+    assert (observed.running, observed.starting) == (3, 0)
 
 
 def test_running_requests_raise_the_output_length_only_past_their_sampling_by_length():
