@@ -868,3 +868,29 @@ def test_a_re_split_frees_the_ranks_of_one_replica_of_a_role_with_a_larger_tp():
     d = p.decide(observe(20.0, 20.0, 50, 2000, current, mean_inflight_output_tokens=2000))
     assert d.targets["decode"] == 3 and d.targets["prefill"] == 2, (d.targets, d.reasons)
     assert sum(n * {"prefill": 1, "decode": 2}[r] for r, n in d.targets.items()) <= 8
+
+
+def test_serves_policy_applies_the_targets_the_router_reported_last():
+    """Serve's aggregate is a mean over its look-back: mid-move (prefill 4 -> 3, decode
+    3 -> 4) both means are 3.5 and round to 4, past the budget. The latest values are
+    the router's decision."""
+    from types import SimpleNamespace
+
+    from ray.serve._private.common import TimeStampedValue
+
+    from cluster.autoscaler.serve_policy import router_targets
+    from typing import NamedTuple
+
+    class DeploymentID(NamedTuple):
+        name: str
+    ids = {name: DeploymentID(name) for name in ("Router", "PrefillServer", "DecodeServer")}
+
+    def series(*values):
+        return {"router-replica": [TimeStampedValue(t, v) for t, v in enumerate(values)]}
+    router = SimpleNamespace(raw_metrics={"target_prefill": series(4, 3), "target_decode": series(3, 4)},
+                             aggregated_metrics={"target_prefill": {"r": 3.5}, "target_decode": {"r": 3.5}})
+    contexts = {ids["Router"]: router, ids["PrefillServer"]: SimpleNamespace(), ids["DecodeServer"]: SimpleNamespace()}
+    assert router_targets(contexts) == ({ids["PrefillServer"]: 3, ids["DecodeServer"]: 4}, None)
+    router.raw_metrics = None                      # no raw series: the aggregate, as before
+    router.aggregated_metrics = {"target_prefill": {"r": 2.0}}
+    assert router_targets(contexts) == ({ids["PrefillServer"]: 2}, None)

@@ -30,12 +30,27 @@ def router_targets(contexts: dict) -> tuple[dict, None]:
         if router is None:
             return {}, None
         decisions = {}
-        for metric, per_replica in (router.aggregated_metrics or {}).items():
-            role = metric.removeprefix("target_")
-            dep = by_name.get(ROLE_DEPLOYMENTS.get(role, ""))
-            if dep is not None and per_replica:
-                decisions[dep] = int(round(max(per_replica.values())))
+        for metric, value in _latest_targets(router).items():
+            dep = by_name.get(ROLE_DEPLOYMENTS.get(metric.removeprefix("target_"), ""))
+            if dep is not None:
+                decisions[dep] = int(round(value))
         return decisions, None
     except Exception:  # noqa: BLE001 - see the module docstring
         log.exception("pdserve autoscaling policy failed; replica targets unchanged")
         return {}, None
+
+
+def _latest_targets(router) -> dict[str, float]:
+    """metric -> the value the router reported last. Not Serve's aggregate, a mean
+    over its look-back: while the router moves a rank from one role to another
+    (prefill 4 -> 3, decode 3 -> 4), both means pass 3.5 and round to 4, past the
+    budget, for about a second."""
+    latest = {}
+    for metric, per_replica in (getattr(router, "raw_metrics", None) or {}).items():
+        points = [p for series in per_replica.values() for p in series]
+        if points:
+            latest[metric] = max(points, key=lambda p: p.timestamp).value
+    if latest:
+        return latest
+    return {metric: max(per_replica.values()) for metric, per_replica in (router.aggregated_metrics or {}).items()
+            if per_replica}
