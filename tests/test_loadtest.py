@@ -276,7 +276,8 @@ def test_per_request_metrics_are_exact():
     s = summarize([r], num_requests=1, duration=2.0)
     assert s.latency["itl"].mean == pytest.approx(100 / 3)
     assert s.latency["itl"].median == pytest.approx(30.0)
-    assert s.latency["e2el"].mean == pytest.approx(250.0)
+    # E2EL to the last output chunk (vLLM's), not to the stream's close at 1.25 (usage, [DONE])
+    assert s.latency["e2el"].mean == pytest.approx(200.0)
     assert tpot(record(chunks=[10.5], tokens=1)) is None
 
 
@@ -302,10 +303,10 @@ def test_summary_throughput_and_percentiles():
 def test_goodput_counts_exactly_the_requests_meeting_every_slo():
     # Binary fractions, so "equal to the limit" is exact in floating point.
     slos = {"ttft": 125.0, "tpot": 15.625, "e2el": 250.0}
-    good = record(0, send=0.0, chunks=[0.125, 0.140625, 0.15625], end=0.25)  # every limit met exactly
+    good = record(0, send=0.0, chunks=[0.125 + i * 0.015625 for i in range(9)], end=0.3)  # each limit exactly
     slow_first = record(1, send=0.0, chunks=[0.126, 0.13], end=0.2)
     slow_decode = record(2, send=0.0, chunks=[0.0625, 0.0785], end=0.1)
-    slow_total = record(3, send=0.0, chunks=[0.0625, 0.0675], end=0.251)
+    slow_total = record(3, send=0.0, chunks=[0.125 + i * 0.014 for i in range(10)], end=0.26)   # last at 0.251
     one_token = record(4, send=0.0, chunks=[0.0625], end=0.07)               # no decode: meets any TPOT
     failed = record(5, send=0.0, chunks=[0.01], ok=False, error="x")
     records = [good, slow_first, slow_decode, slow_total, one_token, failed]
@@ -519,6 +520,12 @@ def test_a_model_list_that_is_not_a_list_is_a_clear_error(server, capsys, monkey
 # --------------------------------------------------------------- report, plots
 
 
+def test_percentile_keys_are_spelt_as_vllms():
+    from bench.loadtest.report import percentile_name
+    assert [percentile_name(p) for p in (99, 99.0, 99.9, 12.3456789, 99.99999)] == \
+        ["p99", "p99", "p99.9", "p12.3456789", "p99.99999"]      # (the last was p100, a real p100's key)
+
+
 def test_json_result_has_vllm_keys_and_per_request_records(server):
     result = run([fake(n=3), fake(fail=500)], server.base_url)
     s = summarize(result.records, num_requests=2, duration=result.duration, slos_ms={"ttft": 1000.0},
@@ -727,9 +734,10 @@ def test_cli_takes_a_vllm_bench_serve_command_line(server, tokenizer_dir, tmp_pa
                "--prefix-repetition-prefix-len", "16", "--prefix-repetition-suffix-len", "4",
                "--prefix-repetition-num-prefixes", "2", "--prefix-repetition-output-len", "3",
                "--num-prompts", "4", "--request-rate", "50", "--disable-tqdm", "--save-result",
-               "--result-dir", str(tmp_path), "--result-file", "vllm.json"])
+               "--result-dir", str(tmp_path), "--result-file", "vllm.json", "--num-warmups", "2",
+               "--ready-check-timeout-sec", "30"])
     assert rc == 0, capsys.readouterr().err
-    assert server.paths[before:] == ["/v1/chat/completions"] * 4
+    assert server.paths[before:] == ["/v1/chat/completions"] * 7     # the ready check, 2 warm-ups, the run
     saved = json.loads((tmp_path / "vllm.json").read_text())
     assert saved["completed"] == 4 and saved["dataset_name"] == "prefix" and saved["input_lens"] == [20] * 4
     for flags, message in ((["--backend", "openai-chat", "--endpoint", "/v1/completions"],
@@ -770,3 +778,41 @@ def test_cli_sends_the_api_key_and_says_when_one_is_needed(tmp_path, capsys, mon
         assert rc == 0, capsys.readouterr().err
     saved = json.loads((tmp_path / "keyed.json").read_text())
     assert (saved["completed"], saved["failed"]) == (2, 0)
+
+
+def test_a_hub_model_id_finds_its_tokenizer_in_the_local_huggingface_cache(tmp_path, monkeypatch, model_dirs):
+    """`--model org/name` with no --tokenizer: the tokenizer of that id in the local
+    HuggingFace cache, as vLLM's benchmark loads it (it sized prompts with the
+    built-in tiny tokenizer instead)."""
+    import argparse
+    import shutil
+
+    from bench.loadtest.command import _resolve_tokenizer
+    from engine.tokenizer import load_tokenizer
+    snapshot = tmp_path / "hub" / "models--acme--chat-model" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (model_dirs["tiny"] / name).exists():
+            shutil.copy(model_dirs["tiny"] / name, snapshot / name)
+    (tmp_path / "hub" / "models--acme--chat-model" / "refs").mkdir()
+    (tmp_path / "hub" / "models--acme--chat-model" / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    args = argparse.Namespace(tokenizer=None, model="acme/chat-model")
+    tokenizer, source = _resolve_tokenizer(args, "chat-model")
+    assert source == "acme/chat-model (the local HuggingFace cache)"
+    assert tokenizer.encode("a quiet harbour") == load_tokenizer(model_dirs["tiny"]).encode("a quiet harbour")
+    assert _resolve_tokenizer(argparse.Namespace(tokenizer=None, model="acme/not-cached"), "x") == (None, None)
+
+
+def test_a_ready_check_that_never_succeeds_stops_the_run_with_its_error(monkeypatch):
+    """vLLM's ready check (--ready-check-timeout-sec): a server that cannot answer (here:
+    nothing listens) is tried every READY_RETRY_S, then fails one untimed request with
+    its error, not every request of the run."""
+    from bench.loadtest import command
+    monkeypatch.setattr(command, "READY_RETRY_S", 0.1)
+    config = RunConfig(base_url=f"http://127.0.0.1:{closed_port()}", model=MODEL, disable_tqdm=True)
+    start = time.monotonic()
+    with pytest.raises(command.LoadtestError, match="the ready check's request failed: ClientConnectorError"):
+        command._ready_check_and_warm_up(fake(n=2), config, None, 0.5, num_warmups=0)
+    assert 0.4 < time.monotonic() - start < 5

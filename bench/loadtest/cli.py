@@ -106,6 +106,20 @@ def _positive(kind: type) -> Any:
     return parse
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
 def _positive_finite(kind: type) -> Any:
     positive = _positive(kind)
 
@@ -194,6 +208,13 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> tuple[Any, Any, Any]:
                       help="seconds one run may take; then requests in flight are cut off and what was "
                            "measured is reported (default 600)")
     load.add_argument("--seed", type=int, default=0, help="seed of the dataset and the arrivals (default 0)")
+    load.add_argument("--ready-check-timeout-sec", type=_non_negative_float, default=0.0,
+                      help="before the run, send the first prompt (untimed) until it succeeds, every 5 s for "
+                           "up to this long, and stop with its error if it never does; 0 skips it (default, "
+                           "as vLLM's)")
+    load.add_argument("--num-warmups", type=_non_negative_int, default=0,
+                      help="requests (copies of the first prompt) sent before the timed run, within "
+                           "--max-concurrency, as vLLM's benchmark does; left out of the results (default 0)")
 
     out = p.add_argument_group("results")
     out.add_argument("--goodput", nargs="+", type=_goodput_item, default=None, metavar="KEY:MS",

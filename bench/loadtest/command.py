@@ -25,6 +25,7 @@ import re
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,9 @@ from bench.loadtest.runner import RunConfig, RunResult, run_benchmark, run_cance
 from bench.loadtest.sweep import format_sweep_table, run_sweep, write_plots
 from engine.tiny_model import PRESETS, ensure_default_model, ensure_preset_model
 from engine.tokenizer import load_tokenizer
+
+
+READY_RETRY_S = 5.0     # between the ready check's tries, as vLLM's
 
 
 class LoadtestError(Exception):
@@ -95,6 +99,7 @@ def _loadtest(args: argparse.Namespace) -> int:
                            disable_tqdm=args.disable_tqdm, api_key=args.api_key)
     except ValueError as exc:
         raise LoadtestError(str(exc)) from None
+    _ready_check_and_warm_up(datasets[0][0], config, tokenizer, args.ready_check_timeout_sec, args.num_warmups)
     meta = {"tokenizer": tokenizer_source, "prompt_lengths": prompt_lengths, "dataset_name": args.dataset_name,
             "dataset_path": args.dataset_path,
             # JSON has no infinity: "inf", as request_rate
@@ -103,6 +108,31 @@ def _loadtest(args: argparse.Namespace) -> int:
     if args.sweep_rates:
         return _sweep(args, datasets, config, tokenizer, meta)
     return _single(args, datasets[0], config, tokenizer, meta)
+
+
+def _ready_check_and_warm_up(first: SampleRequest, config: RunConfig, tokenizer: Any, ready_check_s: float,
+                             num_warmups: int) -> None:
+    """As vLLM's benchmark (0.32) before its run: with `ready_check_s` > 0, the first
+    prompt, untimed, every READY_RETRY_S until it succeeds (LoadtestError once that
+    long has passed without: a wrong endpoint, model or key fails here, not in
+    every request of the run); then `num_warmups` copies of it within
+    --max-concurrency. Neither counts in the results."""
+    quiet = replace(config, disable_tqdm=True)
+    if ready_check_s > 0:
+        print(f"ready check: the first prompt, for up to {ready_check_s:g} s ...", file=sys.stderr)
+        deadline = time.monotonic() + ready_check_s
+        while True:
+            record = run_cancellable(run_benchmark([first], quiet, tokenizer=tokenizer, offsets=[0.0])).records[0]
+            if record.succeeded:
+                break
+            if time.monotonic() + READY_RETRY_S > deadline:
+                raise LoadtestError(f"the ready check's request failed: {record.error}; check --base-url, "
+                                    "--endpoint, --model and the server's log")
+            time.sleep(READY_RETRY_S)
+    if num_warmups:
+        print(f"warming up: {num_warmups} requests ...", file=sys.stderr)
+        warm = replace(quiet, request_rate=math.inf)
+        run_cancellable(run_benchmark([first] * num_warmups, warm, tokenizer=tokenizer))
 
 
 def resolve_server_flags(args: argparse.Namespace) -> None:
@@ -215,6 +245,11 @@ def _resolve_tokenizer(args: argparse.Namespace, model: str) -> tuple[Any, str |
     if model in PRESETS:
         path = ensure_preset_model(model)
         return load_tokenizer(path), f"{path} (built-in {model} checkpoint)"
+    for name in dict.fromkeys(n for n in (args.model, model) if n):
+        try:   # a hub id whose tokenizer is in the local HuggingFace cache, as vLLM's benchmark loads it
+            return load_tokenizer(name), f"{name} (the local HuggingFace cache)"
+        except ValueError:
+            pass
     return None, None
 
 

@@ -61,9 +61,14 @@ def itls(record: RequestRecord) -> list[float]:
 
 
 def e2el(record: RequestRecord) -> float | None:
-    if record.send_time is None or record.end_time is None:
+    """From the send to the last output chunk, as vLLM's benchmark times it: not to
+    the stream's close (a usage chunk and [DONE] later, or a server that holds the
+    connection open after its finish_reason until --request-timeout)."""
+    if record.send_time is None:
         return None
-    return record.end_time - record.send_time
+    if record.chunk_times:
+        return record.chunk_times[-1] - record.send_time
+    return None if record.end_time is None else record.end_time - record.send_time
 
 
 def peaks(records: Sequence[RequestRecord]) -> tuple[float, int]:

@@ -48,7 +48,7 @@ _SHOWN_ERRORS = 10
 
 def percentile_name(p: float) -> str:
     """vLLM's spelling of a percentile in key names: 99 -> "p99", 99.9 -> "p99.9"."""
-    return f"p{int(p)}" if float(p).is_integer() else f"p{p:g}"
+    return f"p{int(p)}" if float(p).is_integer() else f"p{p}"       # str(p), every digit: p99.99999
 
 
 def _ms(seconds: float | None) -> float | None:
