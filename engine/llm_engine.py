@@ -28,6 +28,7 @@ from __future__ import annotations
 import itertools
 import logging
 import pickle
+import secrets
 import time
 from dataclasses import dataclass
 
@@ -131,9 +132,12 @@ class LLMEngine:
         device = config.resolved_device()
         backend = resolve_backend(config.tp_backend, device)
         store = host_store(size)
-        self._ranks = RankProcesses(size, store.port, (config, backend))
+        # the gang's keys in the store under a name only its processes know: any local user can reach
+        # a loopback store, and the control group carries pickled commands
+        prefix = f"tp-{secrets.token_hex(16)}"
+        self._ranks = RankProcesses(size, store.port, (config, backend, prefix))
         tp = self._ranks.join_group(lambda: create_group(0, size, "127.0.0.1", store.port, backend, device,
-                                                         store=store))
+                                                         prefix=prefix, store=store))
         self._ranks.attach(tp)
         return tp
 

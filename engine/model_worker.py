@@ -397,8 +397,8 @@ class RankCallError(Exception):
 
 
 def follower_main(rank: int, size: int, port: int, parent_pid: int, config: EngineConfig,
-                  backend: str) -> None:
-    """Entry point of a spawned rank process."""
+                  backend: str, prefix: str) -> None:
+    """Entry point of a spawned rank process; `prefix`: the gang's keys in rank 0's store."""
     from engine.tp_group import create_group, exit_when_parent_dies
     # Ctrl-C in a terminal reaches the whole process group: rank 0 decides what it means (an
     # idle follower that took it died at rank 0's next command, ending the engine for good)
@@ -407,7 +407,7 @@ def follower_main(rank: int, size: int, port: int, parent_pid: int, config: Engi
     exit_when_parent_dies(parent_pid)
     device = config.resolved_device()
     try:
-        tp = create_group(rank, size, "127.0.0.1", port, backend, device)
+        tp = create_group(rank, size, "127.0.0.1", port, backend, device, prefix=prefix)
         follow(ModelWorker(config, tp))
     except Exception:
         log.exception("tensor-parallel rank %d failed", rank)

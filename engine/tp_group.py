@@ -59,7 +59,9 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 def host_store(size: int) -> dist.TCPStore:
     """Rank 0's store, on a loopback port the kernel picks as it binds (the ranks
-    are local processes; nothing else can reach it); its `port` goes to the ranks."""
+    are local processes); its `port` goes to the ranks. Any local user can reach a
+    loopback port: the gang's keys go under a prefix only its processes know
+    (create_group's `prefix`), so nobody else can find them to race the ranks."""
     return listening_store("127.0.0.1", 0, size, CONNECT_TIMEOUT)
 
 
