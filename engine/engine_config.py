@@ -13,7 +13,7 @@ class EngineConfig:
     tokenizer: str | None = None                # defaults to `model`
     dtype: str = "auto"                         # auto: float32 on CPU, the checkpoint's 16-bit type on CUDA
     device: str = "auto"                        # auto: cuda if available, else cpu
-    max_model_len: int | None = None            # default: the model's max_position_embeddings
+    max_model_len: int | None = None            # default: the model's context (ModelConfig.default_context)
     block_size: int = 16
     num_kv_blocks: int | None = None            # fixed pool size; overrides the memory budget
     kv_cache_memory_gib: float = 1.0            # CPU: KV budget
