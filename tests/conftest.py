@@ -19,6 +19,15 @@ if not torch.cuda.is_available():
 PARITY_PRESETS = ("tiny", "tiny-mqa", "tiny-qwen2", "tiny-mistral", "tiny-llama3-rope")
 
 
+def cpp_toolchain_present() -> bool:
+    """A C++ compiler and ninja, which torch needs to build pdserve's CPU kernels: where
+    they are, the kernels' tests must run (a build error is a failure, not a skip)."""
+    import shutil
+
+    from torch.utils.cpp_extension import is_ninja_available
+    return bool(shutil.which("c++") or shutil.which("g++")) and is_ninja_available()
+
+
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
     """preset name -> checkpoint directory (built lazily, once per session)."""

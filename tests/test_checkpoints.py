@@ -43,6 +43,24 @@ def test_rope_scaling_variants_match_transformers(rope, model_dirs, tmp_path):
         assert o.token_ids == ref.greedy(tuple(p), 16)
 
 
+def test_dynamic_rope_past_the_original_context_has_transformers_frequencies_at_that_length(model_dirs, tmp_path):
+    """The greedy comparison above runs within max_position_embeddings, where dynamic
+    NTK is the plain RoPE: this checks its scaled frequencies, fixed for an engine of
+    2,048 positions, against transformers' at a 2,048-token sequence."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from engine.model import ModelConfig
+    from engine.model.rotary import inverse_frequencies
+    d = _with_rope(model_dirs["tiny"], tmp_path / "dyn", {"rope_type": "dynamic", "factor": 2.0})
+    config = ModelConfig.from_pretrained(d)
+    ours = inverse_frequencies(config, 2048)
+    theirs, scaling = ROPE_INIT_FUNCTIONS["dynamic"](AutoConfig.from_pretrained(d), "cpu", seq_len=2048)
+    torch.testing.assert_close(ours, theirs.float(), rtol=1e-6, atol=0)
+    assert scaling == 1.0
+    assert not torch.allclose(ours, inverse_frequencies(config, 1024))     # scaled: not the plain frequencies
+
+
 def test_linear_and_dynamic_rope_scalings_reach_past_max_position_embeddings(model_dirs, tmp_path):
     # how such checkpoints extend their context (vLLM takes max_position_embeddings x factor);
     # they were refused past max_position_embeddings, and the dynamic-NTK code never ran

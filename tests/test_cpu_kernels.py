@@ -8,8 +8,13 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.kernels import cpu_kernels
+from tests.conftest import cpp_toolchain_present
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the C++ extension cannot be built here")
+pytestmark = pytest.mark.skipif(not cpp_toolchain_present(), reason="no C++ compiler or ninja to build it here")
+
+
+def test_the_extension_builds():
+    assert cpu_kernels.available(), "the C++ CPU kernels failed to build: see the log above"
 
 
 def _reference(q, kv_cache, tables, lens, scale):

@@ -126,7 +126,7 @@ def test_flush_emits_incomplete_tail_as_full_decode_does(tokenizer, byte_ids):
     assert tail == tokenizer.decode(output, skip_special_tokens=True)[2:]
     assert tail.startswith(REPLACEMENT)
     assert detok.flush() == ""
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match=r"add_token\(\) after flush\(\)"):
         detok.add_token(byte_ids[0xA5])
 
 

@@ -196,7 +196,7 @@ def test_fused_add_rms_norm_preallocated_and_in_place(monkeypatch, dtype, looped
 
 def test_fused_add_rms_norm_rejects_shared_outputs():
     x = randn(2, 80, dtype=torch.float32, seed=17)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="out and residual_out must be different tensors"):
         fused_add_rms_norm(x, x.clone(), torch.ones(80, device=DEVICE), 1e-6,
                            out=x, residual_out=x)
 

@@ -1123,7 +1123,7 @@ def test_kv_arrives_bit_for_bit_between_tp_gangs(model_dirs, reference, prefill_
         decode.collective_rpc(kv_handoff.finish_receive, "t", dst_blocks)
         sent = remap_kv_shards(prefill.read_kv_shards(src_blocks), heads, decode_tp)
         got = decode.read_kv_shards(dst_blocks)
-        assert all(torch.equal(s, g) for s, g in zip(sent, got))
+        assert len(sent) == len(got) and all(torch.equal(s, g) for s, g in zip(sent, got))
         assert any(s.abs().sum() > 0 for s in sent)   # real KV, not two zero caches
         decode.commit_prefilled("r")
         (out,) = decode.run_to_completion()

@@ -51,6 +51,13 @@ def test_every_route_but_health_needs_the_key(tokenizer):
     assert client.get("/health").status_code == 200
     assert client.head("/health").status_code == 200
     assert client.post("/health").status_code == 401           # a probe's methods only (was: 405, unkeyed)
+    # every route the app has, every method, the key's: only a probe of /health goes without
+    for route in client.app.routes:
+        for method in sorted(getattr(route, "methods", None) or ()):
+            path = route.path.replace("{model:path}", MODEL)
+            if path == "/health" and method in ("GET", "HEAD"):
+                continue
+            assert client.request(method, path).status_code == 401, (method, path)
     assert completion(client, good).status_code == 200
     assert client.get("/metrics", headers=good).status_code == 200
     r = client.post("/v1/chat/completions", headers=good,

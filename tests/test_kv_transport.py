@@ -538,7 +538,8 @@ def test_a_sender_takes_no_challenge_or_verdict_but_the_receivers(challenge, ver
         sender.send("f/1", address, payload(64, torch.uint8, seed=1))
         assert wait_final(sender.poll, "f/1") is TransferState.FAILED
         assert says in sender.error("f/1")
-        assert len(proofs) == (verdict is not None)          # a proof only for a well-formed challenge
+        assert len(proofs) == (verdict is not None)
+        assert store.check([proof_key(0)]) == (verdict is not None)   # a proof only for a well-formed challenge
     finally:
         sender.close()
         forger.join(timeout=5)

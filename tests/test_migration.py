@@ -50,6 +50,11 @@ class TwoWorkerPool:
     def stream(self, replica_id, subscriber):
         return self.workers[replica_id].stream(subscriber)
 
+    def stall(self, name: str, seconds: float = 0.5) -> None:
+        """The worker's engine takes no step for a while (from its next step boundary):
+        what runs there stays unfinished until a kill that follows lands."""
+        self.workers[name]._engine.submit(lambda engine: time.sleep(seconds))
+
     def kill(self, name: str) -> None:
         """The worker's engine stops: its streams fail, as when its process dies."""
         self.dead.add(name)
@@ -85,6 +90,7 @@ def _kill_a_worker_midstream(model_dirs, params: SamplingParams):
                 # at least: a busy reader gets several steps' tokens in one output
                 if i == 0 and out.num_output_tokens >= 6 and not killed.is_set():
                     killed.set()
+                    pool.stall("A")         # none of its requests ends there before the kill lands
                     await asyncio.to_thread(pool.kill, "A")
             return outs
 
@@ -151,6 +157,7 @@ def test_with_migration_off_the_error_says_so(model_dirs):
             async for out in backend.generate("r0", PROMPTS[0], GREEDY):
                 # at least: a busy reader gets several steps' tokens in one output
                 if out.num_output_tokens >= 3 and "A" not in pool.dead:
+                    pool.stall("A")
                     await asyncio.to_thread(pool.kill, "A")
         finally:
             await backend.close()

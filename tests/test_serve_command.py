@@ -478,6 +478,7 @@ def test_an_empty_api_key_is_refused_not_taken_for_no_key():
 
 
 def test_an_empty_api_key_variable_is_refused_not_taken_for_no_key(monkeypatch, tmp_path):
+    from router.http_guard import api_key_digest
     # set but empty, as an environment file with an unset value leaves it: it served without a key
     for empty in ("", " "):
         monkeypatch.setenv("PDSERVE_API_KEY", empty)
@@ -485,13 +486,13 @@ def test_an_empty_api_key_variable_is_refused_not_taken_for_no_key(monkeypatch, 
             config_from_args(build_parser().parse_args(["serve"]))
     # a key given on the command line is the key: the variable is not read
     config = config_from_args(build_parser().parse_args(["serve", "--api-key", "flag"]))
-    assert config.api_key_sha256() is not None
+    assert config.api_key_sha256() == api_key_digest("flag")
     # nor where the deployment file names its own key's variable
     named = tmp_path / "named.yaml"
     named.write_text(yaml.safe_dump({"http": {"api_key_env": "PROD_KEY"}}))
     monkeypatch.setenv("PROD_KEY", "from-the-file")
     config = config_from_args(build_parser().parse_args(["serve", "--config", str(named)]))
-    assert config.api_key_sha256() is not None
+    assert config.api_key_sha256() == api_key_digest("from-the-file")
 
 
 def test_a_deployment_file_that_is_not_text_is_a_clear_error(tmp_path):

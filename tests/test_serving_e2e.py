@@ -258,16 +258,24 @@ def test_one_prefill_two_decoders_and_bad_input(ray_cluster, model_dirs, referen
         check_completions(base, reference, tokenizer)  # still serving
         check_n_choices(base, reference, tokenizer)    # (handed off or not, concurrent calls of one request)
         # a client that goes away mid-stream: its blocks are freed on both sides
+        aborted = 'pdserve_requests_total{finish_reason="abort"}'
+        before = counter(base, aborted)
         stream = c.completions.create(model="tiny", prompt="abandoned", max_tokens=200, temperature=0,
                                       stream=True, extra_body={"ignore_eos": True})
         next(iter(stream))
         stream.close()
         _wait_kv_idle(base)
+        assert counter(base, aborted) == before + 1      # cut off, not run to its 200 tokens
     finally:
         serve.delete("pd12")
 
 
 def _wait_kv_idle(base: str, timeout_s: float = 30) -> None:
+    """Until every worker's KV cache usage reads 0, in figures the router refreshed
+    after this call (it reads the workers every STATS_PERIOD_S: a figure from
+    before the work being checked would pass without looking)."""
+    from router.ingress import STATS_PERIOD_S
+    time.sleep(2 * STATS_PERIOD_S)
     deadline = time.monotonic() + timeout_s
     while True:
         usage = [line for line in metrics_text(base).splitlines()
