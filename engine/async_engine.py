@@ -24,6 +24,7 @@ outbox, or one request's first-token handler).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -87,7 +88,8 @@ class AsyncEngine:
         self._ready = self._loop.create_future()
         self.engine: LLMEngine | None = None
         self.stuck_step_s = stuck_step_s
-        self._step_started: float | None = None     # monotonic start of the step running now
+        # (monotonic start, what) of the engine thread's work now: a step, a call, a ticker
+        self._working: tuple[float, str] | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -99,17 +101,18 @@ class AsyncEngine:
         """Raises EngineStoppedError when the engine thread is gone, a
         tensor-parallel rank process of its engine died (the engine thread may
         then wait in a collective for good), or its current step has run for
-        longer than `stuck_step_s` (a rank that is alive but hung holds the
-        others in a collective, whose timeout is days)."""
+        longer than `stuck_step_s`, and so has a call or a ticker, which run
+        collectives and transport calls too (a rank that is alive but hung holds
+        the others in a collective, whose timeout is days)."""
         if self._failure is not None or self._stop.is_set() or not self._thread.is_alive():
             raise EngineStoppedError(f"the engine is not running: {self._failure or 'shut down'}")
         if self.engine is not None and (problem := self.engine.rank_problem()):
             raise EngineStoppedError(f"the engine is not running: {problem}")
-        started = self._step_started
-        if started is not None and (running := time.monotonic() - started) > self.stuck_step_s:
-            raise EngineStoppedError(f"the engine is stuck: its current step has run for {running:.0f} s "
-                                     f"(more than {self.stuck_step_s:g} s); a tensor-parallel rank or a kernel "
-                                     "hangs")
+        working = self._working
+        if working is not None and (running := time.monotonic() - working[0]) > self.stuck_step_s:
+            raise EngineStoppedError(f"the engine is stuck: its current {working[1]} has run for {running:.0f} s "
+                                     f"(more than {self.stuck_step_s:g} s); a tensor-parallel rank, a kernel or "
+                                     "a transfer hangs")
 
     # ---- asyncio side -------------------------------------------------------------------------
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -223,7 +226,8 @@ class AsyncEngine:
             busy = False
             for ticker in self._tickers:
                 try:
-                    busy |= bool(ticker(engine))
+                    with self._at_work(f"poll {getattr(ticker, '__qualname__', 'ticker')}"):
+                        busy |= bool(ticker(engine))
                 except Exception:  # noqa: BLE001 - one bad poll must not stop every request ...
                     if problem := engine.rank_problem():     # ... but no rank call can work again
                         raise EngineStoppedError(f"a tensor-parallel rank cannot serve: {problem}") from None
@@ -231,11 +235,8 @@ class AsyncEngine:
                     busy = True
             if engine.has_unfinished_requests():
                 self._cores.at_work()
-                self._step_started = time.monotonic()
-                try:
+                with self._at_work("step"):
                     outputs = engine.step(**self._step_kwargs)
-                finally:
-                    self._step_started = None
                 self.deliver(outputs)
                 self._measure(engine)
                 if not engine.last_step_empty:
@@ -246,6 +247,15 @@ class AsyncEngine:
             self._wake.wait(_BUSY_POLL_S if busy else _IDLE_WAIT_S)
             self._wake.clear()
 
+    @contextlib.contextmanager
+    def _at_work(self, what: str):
+        """Engine thread: marks `what` as running, for check_alive's stuck check."""
+        self._working = (time.monotonic(), what)
+        try:
+            yield
+        finally:
+            self._working = None
+
     def _run_calls(self, engine: LLMEngine) -> None:
         while True:
             try:
@@ -253,7 +263,8 @@ class AsyncEngine:
             except queue.Empty:
                 return
             try:
-                result = fn(engine, *args)
+                with self._at_work(f"call {getattr(fn, '__qualname__', 'call')}"):
+                    result = fn(engine, *args)
             except BaseException as exc:  # noqa: BLE001 - raised in the caller
                 if future is None:
                     log.exception("engine call %s failed", getattr(fn, "__qualname__", fn))

@@ -94,3 +94,33 @@ def test_a_ticker_failing_on_a_dead_rank_stops_the_engine_and_fails_its_waiters(
     asyncio.run(main())
     assert len(stopped) == 1 and "rank 1 exited" in str(stopped[0])
     assert len(calls) == 1                                    # the loop ended at the first failure
+
+
+def test_a_call_or_a_poll_that_hangs_reads_as_a_stuck_engine(model_dirs):
+    """Calls and tickers run on the engine thread between steps, and run collectives
+    and transport calls too: one that hangs holds the engine as a hung step does, and
+    the health check says so (it only watched steps: the replica kept reporting healthy)."""
+    import asyncio
+    import time
+
+    from engine import EngineConfig, LLMEngine
+    from engine.async_engine import AsyncEngine
+
+    async def main():
+        config = EngineConfig(model=str(model_dirs["tiny"]), max_model_len=128)
+        engine = AsyncEngine(lambda: LLMEngine(config), name="stuck-call", cost_warmup_steps=0, stuck_step_s=0.5)
+        await engine.ready()
+        try:
+            def hang_for_a_while(e):
+                time.sleep(1.5)
+            engine.submit(hang_for_a_while)
+            await asyncio.sleep(0.2)
+            engine.check_alive()                       # at work, not yet for long
+            await asyncio.sleep(0.6)
+            with pytest.raises(EngineStoppedError, match="stuck: its current call .*hang_for_a_while has run"):
+                engine.check_alive()
+            await asyncio.sleep(1.0)
+            engine.check_alive()                       # it returned: the engine serves again
+        finally:
+            engine.shutdown()
+    asyncio.run(asyncio.wait_for(main(), 60))
