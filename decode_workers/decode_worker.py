@@ -404,8 +404,11 @@ class DecodeWorker:
             out = engine.commit_prefilled(rid)
         except Exception as exc:  # noqa: BLE001 - handed to the waiting request
             log.exception("admitting request %s after its KV arrived failed", rid)
-            engine.collective_rpc(kv_handoff.forget_transfer, handoff.request.transfer_id)
-            engine.abort_request(rid)
+            try:
+                engine.collective_rpc(kv_handoff.forget_transfer, handoff.request.transfer_id)
+                engine.abort_request(rid)
+            except Exception:  # noqa: BLE001 - a rank is gone (the engine stops): the waiter still hears
+                log.exception("cleaning up request %s after its admission failed", rid)
             return f"admitting it after its KV arrived failed: {exc}"
         if out.finished:   # ended on its first token after all: its subscriber still hears so
             self._engine.deliver([out])
@@ -414,10 +417,11 @@ class DecodeWorker:
     def _abort(self, engine: LLMEngine, rid: str) -> None:
         handoff = self._handoffs.pop(rid, None)
         if handoff is not None:
-            engine.collective_rpc(kv_handoff.forget_transfer, handoff.request.transfer_id)
+            # answered first: the collective below fails when a rank is gone, and nothing else would
             # (not a CancelledError: the router must not take it for its own client leaving)
             settle_from_thread(handoff.future, exc=KVTransferFailed(
                 f"request {rid} was aborted on {self.name} while it waited for its KV", self.replica_id))
+            engine.collective_rpc(kv_handoff.forget_transfer, handoff.request.transfer_id)
         if engine.abort_request(rid):
             self._engine.deliver([aborted_output(rid)])
 

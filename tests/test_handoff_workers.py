@@ -1132,3 +1132,31 @@ def test_kv_arrives_bit_for_bit_between_tp_gangs(model_dirs, reference, prefill_
         for engine in (prefill, decode):
             engine.collective_rpc(kv_handoff.close_transport)
             engine.shutdown()
+
+
+def test_a_hand_off_whose_admission_and_clean_up_both_fail_is_answered(model_dirs):
+    """A rank that dies as the KV is scattered in fails the admission, and the
+    clean-up's collective after it: the waiting request still hears why (it waited
+    for ever: the hand-off had left the table that a stopping engine fails)."""
+    async def main():
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub()).start()
+        engine = pair.decode._engine.engine
+        rpc = engine.collective_rpc
+
+        def rank_gone(*args):
+            raise RuntimeError("a tensor-parallel rank died")
+
+        def without_forget(fn, *args):
+            return rank_gone() if fn is kv_handoff.forget_transfer else rpc(fn, *args)
+        engine.commit_prefilled = rank_gone
+        engine.collective_rpc = without_forget
+        try:
+            first = await pair.prefill.prefill("h", PROMPTS[0], GREEDY)
+            with pytest.raises(KVTransferFailed, match="admitting it after its KV arrived failed: a tensor-parallel"):
+                await asyncio.wait_for(pair.decode.generate(
+                    DecodeRequest("h", PROMPTS[0], GREEDY, "sub", first, "h#1")), 10.0)
+        finally:
+            engine.collective_rpc = rpc
+            await pair.prefill.abort("h")
+            await pair.shutdown()
+    run(main())
