@@ -54,6 +54,9 @@ from engine.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 STREAM_IDLE_CLOSE_S = 5.0
+# a subscriber whose admitted requests no stream has read for this long has no reader (its router
+# died between a request's admission and its stream): its requests are aborted, its outbox dropped
+ORPHAN_S = 60.0
 
 
 class PrefillPeer(Protocol):
@@ -97,6 +100,7 @@ class _Subscriber:
     outbox: DeltaOutbox
     request_ids: set[str] = field(default_factory=set)
     streaming: bool = False
+    unread_since: float | None = None    # monotonic: a request was admitted with no stream open
 
 
 class DecodeWorker:
@@ -123,9 +127,11 @@ class DecodeWorker:
         self._subscribers: dict[str, _Subscriber] = {}  # event loop only
         self._queued_prompt_tokens: dict[str, int] = {}  # prefilled here, first token not yet out
         self.receivers: list[PeerAddress] = []
+        self._orphan_check: asyncio.Future | None = None
 
     async def start(self) -> None:
         await self._engine.ready()
+        self._orphan_check = asyncio.ensure_future(self._abort_orphans())
         if self._make_receiver is not None:
             self.receivers = await self._engine.call(LLMEngine.collective_rpc, kv_handoff.attach_receiver,
                                                      self._make_receiver)
@@ -134,14 +140,18 @@ class DecodeWorker:
     # ---- requests ------------------------------------------------------------------------------
     async def generate(self, request: DecodeRequest) -> Admitted:
         """Takes the request into the batch; its outputs then stream to
-        `request.subscriber`. Raises KVTransferFailed (KVHolderLost when the prefill
-        replica no longer holds the KV), InvalidRequestError,
-        TimeoutError when no blocks free up in time, or EngineStoppedError naming
-        this replica; nothing is left behind then."""
+        `request.subscriber` (a stream must read them within ORPHAN_S). Raises
+        KVTransferFailed (KVHolderLost when the prefill replica no longer holds
+        the KV), InvalidRequestError, TimeoutError when no blocks free up in time,
+        or EngineStoppedError naming this replica; nothing is left behind then."""
         try:
-            return await self._generate(request)
+            admitted = await self._generate(request)
         except EngineStoppedError as exc:
             raise EngineStoppedError(f"{self.name}: {exc}", self.replica_id) from None
+        subscriber = self._subscribers.get(request.subscriber)
+        if subscriber is not None and not subscriber.streaming and subscriber.unread_since is None:
+            subscriber.unread_since = time.monotonic()
+        return admitted
 
     async def _generate(self, request: DecodeRequest) -> Admitted:
         rid = request.request_id
@@ -272,7 +282,7 @@ class DecodeWorker:
         subscriber = self._subscriber(subscriber_id)
         if subscriber.streaming:
             raise InvalidRequestError(f"subscriber {subscriber_id!r} already streams from {self.name}")
-        subscriber.streaming = True
+        subscriber.streaming, subscriber.unread_since = True, None
         subscriber.outbox.min_interval_s = min_interval_s
         try:
             while True:
@@ -298,6 +308,26 @@ class DecodeWorker:
                 self._engine.detach(rid)
                 self._queued_prompt_tokens.pop(rid, None)
                 await self._engine.call_for_cleanup(self._abort, rid)
+
+    async def _abort_orphans(self) -> None:
+        """Every ORPHAN_S / 4: the requests of subscribers that no stream has read since
+        one was admitted, ORPHAN_S ago or more, are aborted (they would decode to their
+        max_tokens for nobody), and the subscribers dropped with their outboxes."""
+        while True:
+            await asyncio.sleep(ORPHAN_S / 4)
+            now = time.monotonic()
+            for name, subscriber in list(self._subscribers.items()):
+                if subscriber.streaming or subscriber.unread_since is None or \
+                        now - subscriber.unread_since < ORPHAN_S or self._subscribers.get(name) is not subscriber:
+                    continue
+                log.warning("%s: subscriber %s has not read its %d requests for %.0f s (its router is gone?): "
+                            "aborting them", self.name, name, len(subscriber.request_ids),
+                            now - subscriber.unread_since)
+                del self._subscribers[name]
+                for rid in list(subscriber.request_ids):
+                    self._engine.detach(rid)
+                    self._queued_prompt_tokens.pop(rid, None)
+                    await self._engine.call_for_cleanup(self._abort, rid)
 
     def _leave(self, name: str, subscriber: _Subscriber, request_id: str) -> None:
         """The request no longer streams to `subscriber`; one left with no request
@@ -339,6 +369,11 @@ class DecodeWorker:
     def shutdown(self) -> None:
         """Stops the engine and closes this rank's KV receiver (its peers hear at once;
         the other ranks' close with their processes)."""
+        if self._orphan_check is not None:    # (shutdown may come from another thread)
+            try:
+                self._orphan_check.get_loop().call_soon_threadsafe(self._orphan_check.cancel)
+            except RuntimeError:      # its loop is closed: the task went with it
+                pass
         self._engine.shutdown()
         if self._engine.engine is not None:
             kv_handoff.close_transport(self._engine.engine.worker)

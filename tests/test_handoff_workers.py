@@ -1160,3 +1160,37 @@ def test_a_hand_off_whose_admission_and_clean_up_both_fail_is_answered(model_dir
             await pair.prefill.abort("h")
             await pair.shutdown()
     run(main())
+
+
+def test_requests_no_stream_ever_reads_are_aborted(model_dirs, monkeypatch):
+    """A router that dies between a request's admission and its stream leaves the
+    request decoding to its max_tokens for nobody, and its subscriber's outbox for
+    ever: past ORPHAN_S unread, the worker aborts them. A subscriber that streams
+    keeps its requests."""
+    from decode_workers import decode_worker
+    monkeypatch.setattr(decode_worker, "ORPHAN_S", 0.4)
+    config = EngineConfig(model=str(model_dirs["tiny"]), max_model_len=128, block_size=8, dtype="float32")
+    params = dataclasses.replace(GREEDY, max_tokens=100, ignore_eos=True)
+
+    async def main():
+        worker = decode_worker.DecodeWorker(config, replica_id="D")
+        await worker.start()
+        try:
+            await worker.generate(DecodeRequest("orphan", PROMPTS[0], params, "gone-router"))
+            await worker.generate(DecodeRequest("read", PROMPTS[1], params, "live-router"))
+            read = []
+
+            async def reader():
+                async for batch in worker.stream("live-router"):
+                    read.extend(d for d in batch if d.request_id == "read")
+                    await asyncio.sleep(0.3)         # slow, but reading
+            streaming = asyncio.ensure_future(reader())
+            await asyncio.sleep(1.5)
+            stats = worker.stats()
+            assert "gone-router" not in worker._subscribers and "live-router" in worker._subscribers
+            assert stats["num_running"] + stats["num_waiting"] <= 1      # the orphan is gone
+            assert read and not any(d.finish_reason == "abort" for d in read)
+            streaming.cancel()
+        finally:
+            worker.shutdown()
+    run(main())
