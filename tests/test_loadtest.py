@@ -554,6 +554,9 @@ def test_json_peaks_zeros_for_metrics_without_values_and_failed_lengths_as_vllm_
     # second 0: 4 chunks (a: 3, b: 1), second 1: 1; in flight in second 0: a and b
     assert peaks([a, b, failed]) == (4.0, 2)
     assert peaks([failed]) == (0.0, 0)
+    # a server that streams several tokens a chunk: each chunk counts its request's tokens / chunks
+    batched = record(3, send=0.0, chunks=[0.3, 0.6, 1.5], end=1.6, tokens=12)
+    assert peaks([batched]) == (8.0, 1)          # (counted by chunks: 2)
     config = RunConfig(base_url="http://x", model=MODEL)
     one_token = RunResult(config=config, records=[b], num_requests=1, start_time=0.5, duration=0.3, interrupted=None)
     s = summarize([b], num_requests=1, duration=0.3)
