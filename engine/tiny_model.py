@@ -480,22 +480,44 @@ def make_tiny_model(
 ) -> Path:
     """Write a checkpoint for ``preset`` into ``out_dir`` and return its path.
 
-    ``out_dir`` may not exist or must be empty unless ``overwrite`` is set, in which
-    case it is replaced. ``dtype`` is one of "float32", "bfloat16", "float16".
-    Raises KeyError for an unknown preset, ValueError for an unknown dtype and
-    FileExistsError for a non-empty ``out_dir`` without ``overwrite``.
+    ``out_dir`` may not exist or must be empty, unless ``overwrite`` is set and it
+    holds a checkpoint made here before (its recipe file): then it is replaced. The
+    checkpoint is written beside it and renamed into place, so an interrupted run
+    leaves no half-written checkpoint. ``dtype`` is one of "float32", "bfloat16",
+    "float16". Raises KeyError for an unknown preset, ValueError for an unknown
+    dtype and FileExistsError for an ``out_dir`` it will not write into.
     """
     if preset not in PRESETS:
         raise KeyError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose from {_DTYPES}")
-    out = Path(out_dir)
+    out = Path(out_dir).absolute()
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} exists and is not a directory")
     if out.exists() and any(out.iterdir()):
         if not overwrite:
-            raise FileExistsError(f"{out} is not empty (pass overwrite=True to replace it)")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+            raise FileExistsError(f"{out} is not empty (--overwrite / overwrite=True replaces a checkpoint "
+                                  "made here before)")
+        if not (out / RECIPE_FILE).is_file():
+            raise FileExistsError(f"{out} is not empty and holds no checkpoint made here (no {RECIPE_FILE}): "
+                                  "not replaced; choose a new or empty directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-build-", dir=out.parent))
+    try:
+        _write_checkpoint(staging, preset, seed, dtype)
+        if out.exists():
+            if any(out.iterdir()):
+                _discard(out)
+            else:
+                out.rmdir()
+        os.rename(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
 
+
+def _write_checkpoint(out: Path, preset: str, seed: int, dtype: str) -> None:
+    """The preset's checkpoint (weights, config, tokenizer, recipe) into the empty directory `out`."""
     spec = PRESETS[preset]
     tokenizer = _train_tokenizer(spec.vocab_size, spec.max_position_embeddings, spec.architecture)
     config = _build_config(spec, tokenizer, dtype)
@@ -508,7 +530,6 @@ def make_tiny_model(
     tokenizer.save_pretrained(out)
     recipe = {"version": RECIPE_VERSION, "preset": preset, "seed": seed, "dtype": dtype}
     (out / RECIPE_FILE).write_text(json.dumps(recipe, sort_keys=True) + "\n")
-    return out
 
 
 def preset_model_dir(preset: str) -> Path:

@@ -763,6 +763,9 @@ def test_cli_refuses_before_the_run_what_it_would_ignore_or_fail_on(server, tmp_
     assert main(["loadtest", "--base-url", server.base_url, "--num-prompts", "2", "--sweep-rates", "5,10",
                  "--plot", str(a_file / "plots")]) == 2
     assert f"--plot {a_file / 'plots'}: cannot make the directory" in capsys.readouterr().err
+    for temperature in ("nan", "inf", "-1"):     # (NaN went out in every body: all refused, exit 0)
+        assert main(["loadtest", "--base-url", server.base_url, "--temperature", temperature]) == 2
+        assert "--temperature must be a finite number >= 0" in capsys.readouterr().err
     assert server.received == 0
 
 

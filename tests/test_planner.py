@@ -298,9 +298,16 @@ def test_pdserve_plan_refuses_flags_its_mode_would_ignore(tmp_path, capsys):
             (["--tp", "1", "--attainment", "0.5"], "--attainment set the goodput search"),
             ([*slo, "--tp", "4", "--role", "decode"], "--tp, --role plan one given replica; with --slo the search"),
             ([*slo, "--gpu-memory-gib", "0"], "--gpu-memory-gib must be > 0"),
-            ([*slo, "--write-config", str(tmp_path / "missing" / "x.yaml")], "its directory does not exist")):
+            ([*slo, "--write-config", str(tmp_path / "missing" / "x.yaml")], "its directory does not exist"),
+            # refused before the search (a traceback after it, the result lost)
+            ([*slo, "--write-config", str(tmp_path)], "it is a directory; name a file"),
+            ([*slo, "--max-model-len", "0"], "--max-model-len must be >= 1, got 0")):
         assert main(["plan", "--model", "llama-3-8b", *argv]) == 2, argv
         assert says in capsys.readouterr().err, argv
+    for flag, value in (("--gpu-memory-gib", "inf"), ("--overhead-gib", "nan")):   # (inf: an OverflowError)
+        with pytest.raises(SystemExit) as exited:
+            main(["plan", "--model", "llama-3-8b", "--tp", "1", flag, value])
+        assert exited.value.code == 2 and f"must be a finite number, got {value}" in capsys.readouterr().err
     assert not (tmp_path / "x.yaml").exists()
     assert main(["plan", "--model", "llama-3-8b", "--tp", "1"]) == 0
 

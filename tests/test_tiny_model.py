@@ -188,18 +188,33 @@ def test_dtype_is_stored(tmp_path):
     assert json.loads((path / "config.json").read_text())["dtype"] == "bfloat16"
 
 
-def test_refuses_to_overwrite_unless_asked(tmp_path, model_dir):
+def test_refuses_to_overwrite_unless_asked_and_only_a_checkpoint_made_here(tmp_path, model_dir):
     target = tmp_path / "existing"
     target.mkdir()
     (target / "keep.txt").write_text("x")
-    with pytest.raises(FileExistsError):
+    with pytest.raises(FileExistsError, match="is not empty"):
         make_tiny_model(target, "tiny")
-    assert (target / "keep.txt").exists()
-    make_tiny_model(target, "tiny", overwrite=True)
-    assert not (target / "keep.txt").exists()
-    assert _file_bytes(target) == _file_bytes(model_dir("tiny"))
+    # not a checkpoint made here: not deleted even when asked (it deleted any directory given)
+    with pytest.raises(FileExistsError, match="holds no checkpoint made here"):
+        make_tiny_model(target, "tiny", overwrite=True)
+    assert (target / "keep.txt").read_text() == "x"
+    made = make_tiny_model(tmp_path / "made", "tiny-mqa")
+    (made / "keep.txt").write_text("x")
+    assert make_tiny_model(made, "tiny", overwrite=True) == made
+    assert not (made / "keep.txt").exists()
+    assert _file_bytes(made) == _file_bytes(model_dir("tiny"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["existing", "made"]     # no staging left over
+    with pytest.raises(FileExistsError, match="is not a directory"):
+        make_tiny_model(target / "keep.txt", "tiny")
     with pytest.raises(KeyError):
         make_tiny_model(tmp_path / "nope", "no-such-preset")
+
+
+def test_the_cli_says_why_it_will_not_write_a_checkpoint(tmp_path, capsys):
+    from cluster.cli.main import main
+    (tmp_path / "keep.txt").write_text("x")
+    assert main(["make-tiny-model", str(tmp_path)]) == 2          # (a traceback, exit 1)
+    assert "is not empty (--overwrite" in capsys.readouterr().err
 
 
 @settings(max_examples=150, deadline=None)

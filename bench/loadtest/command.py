@@ -122,7 +122,10 @@ def _ready_check_and_warm_up(first: SampleRequest, config: RunConfig, tokenizer:
         print(f"ready check: the first prompt, for up to {ready_check_s:g} s ...", file=sys.stderr)
         deadline = time.monotonic() + ready_check_s
         while True:
-            record = run_cancellable(run_benchmark([first], quiet, tokenizer=tokenizer, offsets=[0.0])).records[0]
+            test = run_cancellable(run_benchmark([first], quiet, tokenizer=tokenizer, offsets=[0.0]))
+            if test.cancelled:            # Ctrl-C: no run after it
+                raise KeyboardInterrupt
+            record = test.records[0]
             if record.succeeded:
                 break
             if time.monotonic() + READY_RETRY_S > deadline:
@@ -132,7 +135,8 @@ def _ready_check_and_warm_up(first: SampleRequest, config: RunConfig, tokenizer:
     if num_warmups:
         print(f"warming up: {num_warmups} requests ...", file=sys.stderr)
         warm = replace(quiet, request_rate=math.inf)
-        run_cancellable(run_benchmark([first] * num_warmups, warm, tokenizer=tokenizer))
+        if run_cancellable(run_benchmark([first] * num_warmups, warm, tokenizer=tokenizer)).cancelled:
+            raise KeyboardInterrupt
 
 
 def resolve_server_flags(args: argparse.Namespace) -> None:
@@ -160,8 +164,8 @@ def _check_combinations(args: argparse.Namespace) -> None:
     if args.base_url.rstrip("/").endswith("/v1"):
         raise LoadtestError("--base-url is the server root (e.g. http://127.0.0.1:8000), without /v1; --endpoint "
                             "adds the path")
-    if args.temperature < 0:
-        raise LoadtestError(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0 <= args.temperature < math.inf:     # (NaN too: every request would be refused)
+        raise LoadtestError(f"--temperature must be a finite number >= 0, got {args.temperature}")
     if not args.endpoint.rstrip("/").endswith("completions"):
         raise LoadtestError(f"--endpoint must be /v1/completions or /v1/chat/completions, got {args.endpoint}")
     if args.save_result:

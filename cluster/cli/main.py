@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="tiny")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a checkpoint this command made in DIR before (a directory with other files is refused)")
     p.set_defaults(func=_cmd_make_tiny_model)
 
     p = sub.add_parser("generate", help="offline generation with the engine")
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         if exc.code == signal.SIGTERM:
             return 128 + signal.SIGTERM
         raise
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:    # a bad value, or a path it cannot read or write: said, not a traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

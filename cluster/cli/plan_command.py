@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -106,6 +107,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0 if result.fits else 1
 
 
+def finite_float(text: str) -> float:
+    """An argparse type: a float that is a number (not inf or nan, which no size or share is)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Registers `plan` on a `pdserve` subparsers object; returns its parser."""
     p = subparsers.add_parser("plan", help="weights, KV cache capacity and decode floor per GPU, from config.json")
@@ -113,21 +122,21 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
                    help="checkpoint directory with a config.json, or a name under configs/models/ "
                         "(llama-3-8b, llama-3-70b)")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (GPUs) per replica")
-    p.add_argument("--gpu-memory-gib", type=float, default=None,
+    p.add_argument("--gpu-memory-gib", type=finite_float, default=None,
                    help="memory per GPU in GiB (default: the --gpu-type's)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+    p.add_argument("--gpu-memory-utilization", type=finite_float, default=0.9,
                    help="fraction of GPU memory the engine may use (default 0.9)")
     p.add_argument("--dtype", default="auto",
                    help="auto (the checkpoint's; float32 runs as bfloat16), float32, float16, bfloat16")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest sequence in tokens (default: the model's max_position_embeddings)")
     p.add_argument("--gpu-type", default="H100-SXM", help="H100-SXM (h100), H200 (h200) or A100-80GB (a100)")
-    p.add_argument("--overhead-gib", type=float, default=1.0,
+    p.add_argument("--overhead-gib", type=finite_float, default=1.0,
                    help="per-GPU memory for activations, CUDA context and workspace (default 1.0)")
     p.add_argument("--role", choices=("colocated", "prefill", "decode"), default="colocated",
                    help="the replica's role: a prefill or decode replica leaves --kv-transfer-staging-mib free "
                         "per rank for KV hand-off buffers (default colocated)")
-    p.add_argument("--kv-transfer-staging-mib", type=float, default=1024.0,
+    p.add_argument("--kv-transfer-staging-mib", type=finite_float, default=1024.0,
                    help="per rank, with --role prefill or decode (the deployment's kv_transfer.staging_mib; "
                         "default 1024)")
     p.add_argument("--json", action="store_true", help="print every number of the plan as JSON")

@@ -64,8 +64,8 @@ def run_goodput_plan(args: argparse.Namespace, model_dir, model) -> int:
     if args.gpu_memory_gib is not None and not args.gpu_memory_gib > 0 or not 0 < args.gpu_memory_utilization <= 1:
         print("error: --gpu-memory-gib must be > 0 and --gpu-memory-utilization in (0, 1]", file=sys.stderr)
         return 2
-    if args.write_config and not Path(args.write_config).resolve().parent.is_dir():
-        print(f"error: --write-config {args.write_config}: its directory does not exist", file=sys.stderr)
+    if args.write_config and (problem := _unwritable(Path(args.write_config))):   # before the search, not after
+        print(f"error: --write-config {args.write_config}: {problem}", file=sys.stderr)
         return 2
     if args.num_prompts < 1 or args.refine_top < 0 or not 0 < args.rate_tolerance < 1 or args.jobs < 1:
         print("error: --num-prompts and --jobs must be >= 1, --refine-top >= 0 and --rate-tolerance in (0, 1)",
@@ -88,6 +88,9 @@ def run_goodput_plan(args: argparse.Namespace, model_dir, model) -> int:
             print(f"error: --profile {args.profile}: {problem}", file=sys.stderr)
             return 2
         models, tps = {tp: profile}, [tp]
+    if args.max_model_len is not None and args.max_model_len < 1:
+        print(f"error: --max-model-len must be >= 1, got {args.max_model_len}", file=sys.stderr)
+        return 2
     max_len = args.max_model_len or model.default_context     # the engine's default
     if not 0 < args.attainment <= 1 or args.max_num_batched_tokens < 1:
         print("error: --attainment must be in (0, 1] and --max-num-batched-tokens >= 1", file=sys.stderr)
@@ -172,6 +175,17 @@ def format_report(report: dict) -> str:
     if report["skipped"]:
         lines.append(f"{len(report['skipped'])} configurations do not fit memory (--json lists them)")
     return "\n".join(lines)
+
+
+def _unwritable(path: Path) -> str | None:
+    """Why a file cannot be written at `path`, or None."""
+    if path.is_dir():
+        return "it is a directory; name a file"
+    if not path.resolve().parent.is_dir():
+        return "its directory does not exist"
+    if not os.access(path.resolve().parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        return "it cannot be written (permissions)"
+    return None
 
 
 def deployment_yaml(cand, model_dir, dtype: str, max_len: int, gpu: str, args: argparse.Namespace) -> str:
