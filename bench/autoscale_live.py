@@ -169,10 +169,15 @@ def attainment_bins(records, slos_ms: dict, duration_s: float) -> list[dict]:
 
 
 def autoscaled_replica_seconds(samples: list[dict], deployed: int, duration_s: float) -> float:
-    """The mean replicas serving over the samples (about one a second) times the
-    run's duration; a sample from before the autoscaler's first decision (no
-    figures in /metrics yet) counts the pools as deployed."""
-    counts = [sum(s["running"].values()) or deployed for s in samples]
+    """The mean replicas held over the samples (about one a second) times the run's
+    duration: per role the more of those serving and those asked for, so a replica
+    still starting (asked for, not yet serving) and one draining (serving, no
+    longer asked for) count, as a static split's replicas count all the time (only
+    those serving: every re-split came out a start-up's worth cheaper). A sample
+    from before the autoscaler's first decision (no figures in /metrics yet)
+    counts the pools as deployed."""
+    counts = [sum(max(s["running"].get(r, 0.0), s["targets"].get(r, 0.0))
+                  for r in set(s["running"]) | set(s["targets"])) or deployed for s in samples]
     return (sum(counts) / len(counts) if counts else deployed) * duration_s
 
 
