@@ -409,7 +409,7 @@ def record_deployment(name: str, args, base_url: str, datasets: dict, tokenizer,
         dep["loads"][load] = phase(datasets["loads"][load], rate, args.seed)
         if load == REPEATED_LOAD:
             dep["loads"][load]["measured_again"] = measured(base_url, model, datasets["repeat"], rate,
-                                                            args.seed + 50, tokenizer)
+                                                            args.seed, tokenizer)
         meas = dep["loads"][load]["measured"]
         print(f"  {load} ({rate:.2f} req/s) measured: "
               + ", ".join(f"{k} {_fmt(meas[k])}" for k in FIGURES), flush=True)
@@ -486,16 +486,21 @@ def record_live(args, model_dir: str, model_config) -> dict:
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
-    def dataset(num_prompts: int, seed: int) -> list:
+    def dataset(num_prompts: int, seed: int, lengths_seed: int | None = None) -> list:
         return random_dataset(tokenizer, num_prompts=num_prompts, input_len=args.input_len,
-                              output_len=args.output_len, range_ratio=0.25, prefix_len=0, seed=seed)
+                              output_len=args.output_len, range_ratio=0.25, prefix_len=0, seed=seed,
+                              lengths_seed=lengths_seed)
 
     # Every phase gets prompts no other phase sent: a repeated prompt would be a prefix-cache
     # hit on the live server (its prefill nearly free) that the simulator does not model.
     datasets = {"model_dir": model_dir, "sizing": dataset(args.num_prompts, args.seed), "warmup": dataset(8, args.seed + 99),
                 "busy": dataset(args.calibration_prompts, args.seed + 98), "trickle": dataset(20, args.seed + 97),
-                "loads": {load: dataset(args.num_prompts, args.seed + 1 + i) for i, load in enumerate(LOAD_FACTORS)},
-                "repeat": dataset(args.num_prompts, args.seed + 50)}   # the near-capacity load again: the live noise
+                # lengths from a seed of their own, so that the repeat below can draw the same ones
+                "loads": {load: dataset(args.num_prompts, args.seed + 1 + i, lengths_seed=args.seed + 1 + i)
+                          for i, load in enumerate(LOAD_FACTORS)},
+                # the near-capacity load again, other prompts of its lengths (at its arrival times): the live noise
+                "repeat": dataset(args.num_prompts, args.seed + 50,
+                                  lengths_seed=args.seed + 1 + list(LOAD_FACTORS).index(REPEATED_LOAD))}
     cores = os.cpu_count() or 1
     record = {"cores": cores, "slos_ms": SLOS_MS, "num_prompts": args.num_prompts, "input_len": args.input_len,
               "output_len": args.output_len, "seed": args.seed, "profiles": {}, "deployments": {}}
