@@ -144,14 +144,17 @@ def print_row(row: dict) -> None:
 
 
 def step_figures(records: list, slos_ms: dict, step_s: float) -> dict:
+    """One step's figures. Admitted: every request not refused (429), a failure after
+    admission included: it counts against the admitted requests' attainment, as a
+    request that missed its SLOs (its TTFT, where it had one, in the percentiles)."""
     refused = [r for r in records if r.status == 429]
-    admitted = [r for r in records if r.succeeded]
-    good = sum(meets_slos(r, slos_ms) for r in admitted)
-    ttfts = sorted(ttft(r) for r in admitted)
+    admitted = [r for r in records if r.status != 429]
+    good = sum(r.succeeded and meets_slos(r, slos_ms) for r in admitted)
+    ttfts = sorted(t for r in admitted if (t := ttft(r)) is not None)
     refusal_s = sorted(e2el(r) for r in refused if e2el(r) is not None)
     return {"sent": len(records), "admitted": len(admitted), "refused_share": len(refused) / max(1, len(records)),
             "refusal_p99_ms": percentile(refusal_s, 99) * 1000 if refusal_s else None,
-            "failed_other": len(records) - len(admitted) - len(refused), "goodput": good / step_s,
+            "failed_other": sum(not r.succeeded for r in admitted), "goodput": good / step_s,
             "attainment_admitted": good / max(1, len(admitted)),
             "ttft_p50_ms": percentile(ttfts, 50) * 1000 if ttfts else None,
             "ttft_p99_ms": percentile(ttfts, 99) * 1000 if ttfts else None,

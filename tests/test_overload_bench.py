@@ -36,3 +36,20 @@ def test_the_summary_survives_a_ramp_without_goodput():
             {"step": 10.0, "goodput": 0.0, "ttft_p99_ms": 800.0, "admitted": 3}]
     line = summary(ramp, 100.0, None)
     assert "n/a (no goodput at any step)" in line and "(3 admitted) is 8.0x the unloaded TTFT p99" in line
+
+
+def test_an_admitted_request_that_fails_counts_against_the_admitted():
+    """Admitted means not refused (429): one that fails afterwards missed its SLOs
+    (it left the attainment's denominator, and the README's 100% could hide it)."""
+    from bench.loadtest.client import RequestRecord
+    from bench.overload import step_figures
+
+    def rec(i, *, status=200, ok=True, first=0.1):
+        return RequestRecord(i, prompt_len=5, expected_output_len=2, send_time=0.0, chunk_times=[first, first + 0.01],
+                             end_time=first + 0.02, output_tokens=2, succeeded=ok, status=status)
+    records = [rec(0), rec(1), rec(2, ok=False, first=0.5), rec(3, status=429, ok=False)]
+    records[3].chunk_times = []
+    figures = step_figures(records, {"ttft": 1000.0}, step_s=1.0)
+    assert (figures["admitted"], figures["failed_other"], figures["goodput"]) == (3, 1, 2.0)
+    assert figures["attainment_admitted"] == 2 / 3 and figures["refused_share"] == 1 / 4
+    assert figures["ttft_max_ms"] == 500.0          # the failed one's first token is in the percentiles
