@@ -199,7 +199,10 @@ def main() -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     config = {"model": {"path": model_dir, "served_model_name": "tiny"}, "mode": "disaggregated",
               "prefill": {"replicas": 1}, "decode": {"replicas": 2}, "resources": {"cpus_per_rank": 0.5},
-              "kv_transfer": {"timeout_s": 10}}
+              "kv_transfer": {"timeout_s": 10},
+              # the chaos run sends the baseline's prompts again (their outputs are compared): with the
+              # prefix cache on, its first requests would skip their prefill and look faster than the baseline
+              "engine": {"enable_prefix_caching": False}}
     log_dir = Path(tempfile.mkdtemp(prefix="chaos-"))
     (log_dir / "chaos.yaml").write_text(yaml.safe_dump(config))
     results: dict = {"args": vars(args)}
