@@ -320,6 +320,15 @@ def test_pdserve_simulate_refuses_what_it_would_ignore_or_could_not_start(tmp_pa
         assert "every number finite" in capsys.readouterr().err
     assert main([*base, "--shared-cores", "2", "--threads-per-rank", "0"]) == 2
     assert "--threads-per-rank must be >= 1, got 0" in capsys.readouterr().err
+    assert main([*base, "--result-dir", str(tmp_path)]) == 2          # (ignored without --save-result)
+    assert "--result-dir and --result-file name the file --save-result writes" in capsys.readouterr().err
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    assert main([*base, "--save-result", "--result-dir", str(a_file)]) == 2   # before the simulation
+    assert f"--result-dir {a_file}: cannot make the directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit):                                   # loadtest's flags, not simulate's
+        main([*base, "--num-warmups", "2"])
+    capsys.readouterr()
     on_gpu = tmp_path / "gpu.yaml"
     on_gpu.write_text(open("configs/tiny-cpu.yaml").read().replace("device: cpu", "device: cuda"))
     assert main([*base[:2], str(on_gpu), *base[3:], "--shared-cores", "2"]) == 2

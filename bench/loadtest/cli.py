@@ -165,6 +165,13 @@ def add_loadtest_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
                       help="seconds one request may take (default 300)")
     load.add_argument("--ignore-eos", action="store_true", help="ask the server to ignore EOS (vLLM extension)")
     load.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0)")
+    load.add_argument("--ready-check-timeout-sec", type=_non_negative_float, default=0.0,
+                      help="before the run, send the first prompt (untimed) until it succeeds, every 5 s for "
+                           "up to this long, and stop with its error if it never does; 0 skips it (default, "
+                           "as vLLM's)")
+    load.add_argument("--num-warmups", type=_non_negative_int, default=0,
+                      help="requests (copies of the first prompt) sent before the timed run, within "
+                           "--max-concurrency, as vLLM's benchmark does; left out of the results (default 0)")
     out.add_argument("--plot", default=None, metavar="DIR", help="with --sweep-rates: write PNG plots into DIR")
     out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_loadtest)
@@ -208,13 +215,6 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> tuple[Any, Any, Any]:
                       help="seconds one run may take; then requests in flight are cut off and what was "
                            "measured is reported (default 600)")
     load.add_argument("--seed", type=int, default=0, help="seed of the dataset and the arrivals (default 0)")
-    load.add_argument("--ready-check-timeout-sec", type=_non_negative_float, default=0.0,
-                      help="before the run, send the first prompt (untimed) until it succeeds, every 5 s for "
-                           "up to this long, and stop with its error if it never does; 0 skips it (default, "
-                           "as vLLM's)")
-    load.add_argument("--num-warmups", type=_non_negative_int, default=0,
-                      help="requests (copies of the first prompt) sent before the timed run, within "
-                           "--max-concurrency, as vLLM's benchmark does; left out of the results (default 0)")
 
     out = p.add_argument_group("results")
     out.add_argument("--goodput", nargs="+", type=_goodput_item, default=None, metavar="KEY:MS",

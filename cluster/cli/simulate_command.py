@@ -26,7 +26,7 @@ from cluster.cli.plan_goodput import parse_slo
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from bench.loadtest.arrivals import arrival_offsets
-    from bench.loadtest.command import LoadtestError, _build_dataset, check_dataset_flags
+    from bench.loadtest.command import LoadtestError, _build_dataset, _check_writable_dir, check_dataset_flags
     from bench.loadtest.metrics import peaks, summarize
     from bench.loadtest.report import JSON_PERCENTILES, build_result, format_table, vllm_json
     from bench.loadtest.runner import RunConfig, RunResult
@@ -42,6 +42,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     try:
         check_dataset_flags(args)
         _check_flags(args)
+        if args.save_result:     # before the simulation, not after it (its result lost to a traceback)
+            _check_writable_dir(Path(args.result_dir or "."), "--result-dir")
         config = load_config(args.config, {f"slo.{name}_ms": ms for name, ms in args.slo or []})
         if args.lend_profile and not config.lends_idle_cores():
             raise ValueError("--lend-profile applies to a CPU deployment whose resources.lend_idle_cores is true; "
@@ -109,7 +111,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     if args.save_result:
         payload = build_result(run, summary, meta={
             "tokenizer": str(args.tokenizer or model_dir), "prompt_lengths": "the model's tokenizer",
-            "dataset_name": args.dataset_name, "dataset_path": args.dataset_path, "max_duration": args.max_duration,
+            "dataset_name": args.dataset_name, "dataset_path": args.dataset_path,
+            "max_duration": "inf" if math.isinf(args.max_duration) else args.max_duration,   # (JSON has no inf)
             "simulated": True, "profile": str(args.profile), "config": str(args.config), "num_steps": result.num_steps,
             "num_preemptions": result.num_preemptions, "num_local_prefills": result.num_local_prefills,
             "cached_prompt_tokens": result.cached_prompt_tokens, "refusals": result.refusals,
@@ -134,6 +137,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ValueError("--shared-cores must be > 0 and --serving-cores-per-stream >= 0")
     if args.threads_per_rank is not None and args.threads_per_rank < 1:
         raise ValueError(f"--threads-per-rank must be >= 1, got {args.threads_per_rank}")
+    if not args.save_result and (args.result_dir or args.result_file):
+        raise ValueError("--result-dir and --result-file name the file --save-result writes; add --save-result")
     if args.shared_cores is None:
         given = [flag for flag, value in (("--threads-per-rank", args.threads_per_rank),
                                           ("--serving-cores-per-stream", args.serving_cores_per_stream or None),
