@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--overwrite", action="store_true",
-                   help="replace a checkpoint this command made in DIR before (a directory with other files is refused)")
+                   help="replace a checkpoint this command made in DIR before (other directories are refused)")
     p.set_defaults(func=_cmd_make_tiny_model)
 
     p = sub.add_parser("generate", help="offline generation with the engine")
