@@ -341,3 +341,17 @@ def test_prefill_and_decode_replicas_leave_the_kv_staging_budget_free():
     assert simulated({}) == disaggregated.decode.num_kv_blocks
     assert simulated({"kv_transfer.staging_mib": 512}) == half.decode.num_kv_blocks
     assert simulated({"mode": "colocated", "colocated.tensor_parallel_size": 4}) == colocated.decode.num_kv_blocks
+
+
+def test_a_hand_off_between_tensor_parallel_replicas_moves_its_shards_over_a_link_each():
+    # each prefill rank sends its KV heads to its decode rank(s) at once: min(TPs) links, not one
+    from cluster.perf_model.roofline import GPU_SPECS
+    from cluster.planner.search import Candidate, roofline_spec_builder
+    from engine.model.model_config import ModelConfig
+    model = ModelConfig.from_pretrained("configs/models/llama-3-70b")
+    build = roofline_spec_builder(model, gpu="H100-SXM", dtype="bfloat16", max_model_len=8192)
+    link = GPU_SPECS["H100-SXM"].link_bytes_per_s * 0.7
+    for (ptp, dtp), links in {(4, 4): 4, (2, 4): 2, (8, 4): 4}.items():
+        spec, why = build(Candidate("disaggregated", 1, ptp, 1, dtp))
+        assert spec is not None, why
+        assert spec.kv_bandwidth_bytes_per_s == pytest.approx(links * link), (ptp, dtp)

@@ -333,8 +333,9 @@ def roofline_spec_builder(model_config, *, gpu: str, dtype: str, max_model_len: 
     replicas leave `kv_transfer_staging_gib` more free for hand-off buffers,
     as the engines do: kv_transfer.staging_mib), step times from
     `models[tp]` when given (a profile), else the roofline; hand-offs over
-    NVLink at `link_efficiency` of its per-direction rate; the router's 400
-    past `max_model_len`."""
+    NVLink at `link_efficiency` of its per-direction rate, one link per rank
+    pair (a TP-t prefill replica's ranks send their KV shards at once, over
+    min(prefill TP, decode TP) links); the router's 400 past `max_model_len`."""
     from cluster.perf_model.roofline import GPU_SPECS, RooflineStepModel
     from engine.memory_planner import kv_bytes_per_token, plan
 
@@ -375,6 +376,7 @@ def roofline_spec_builder(model_config, *, gpu: str, dtype: str, max_model_len: 
             return None, f"TP {cand.prefill_tp}: {why}"
         return ClusterSpec("disaggregated", prefill=prefill, decode=decode, prefill_replicas=cand.prefill_replicas,
                            decode_replicas=cand.decode_replicas, policy=policy, kv_bytes_per_token=kv_per_token,
-                           kv_bandwidth_bytes_per_s=gpu_spec.link_bytes_per_s * link_efficiency,
+                           kv_bandwidth_bytes_per_s=gpu_spec.link_bytes_per_s * link_efficiency
+                           * min(cand.prefill_tp, cand.decode_tp),
                            kv_latency_s=kv_latency_s, max_model_len=max_model_len), ""
     return build
