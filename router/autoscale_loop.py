@@ -217,7 +217,9 @@ class AutoscaleLoop:
     def _observation(self, now: float, window: float, roles: dict[str, RoleObservation], counts: tuple) -> Observation:
         arrivals, sized, prompt, limited, max_tokens, refused, ended = counts
         ttfts = [(t.first_token_time, t.time_to_first_token) for t in ended if t.time_to_first_token is not None]
-        tpots = [t.time_per_output_token for t in ended if t.time_per_output_token is not None]
+        tpot_samples = [(t.first_token_time, t.time_per_output_token) for t in ended
+                        if t.time_per_output_token is not None and t.first_token_time is not None]
+        tpots = [tpot for _, tpot in tpot_samples]
         return Observation(
             now=now, window_s=window, arrivals=arrivals,
             mean_prompt_tokens=prompt / sized if sized else None,
@@ -227,7 +229,7 @@ class AutoscaleLoop:
             mean_max_tokens=max_tokens / limited if limited else None,
             mean_inflight_output_tokens=self.running_output_tokens(),
             ttft_p90_s=p90([ttft for _, ttft in ttfts]), tpot_p90_s=p90(tpots), ttft_samples=ttfts,
-            roles=roles, refused=refused)
+            tpot_samples=tpot_samples, roles=roles, refused=refused)
 
     # ---- the step-time model ------------------------------------------------------------
     def _make_policy(self) -> GoodputPolicy | None:

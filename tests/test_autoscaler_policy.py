@@ -894,3 +894,20 @@ def test_serves_policy_applies_the_targets_the_router_reported_last():
     router.raw_metrics = None                      # no raw series: the aggregate, as before
     router.aggregated_metrics = {"target_prefill": {"r": 2.0}}
     assert router_targets(contexts) == ({ids["PrefillServer"]: 2}, None)
+
+
+def test_tpot_evidence_counts_the_requests_that_began_decoding_after_the_new_replica_served():
+    """A long answer that decoded mostly before the decode replica asked for served
+    says nothing about the pool with it: TPOT counts, like TTFT, only the requests
+    whose first token came after it (counted, it asked for one decode replica too many)."""
+    p = policy(downscale_cooldown_s=0.0, upscale_cooldown_s=0.0, startup_s=10.0)
+    current = {"prefill": 1, "decode": 1}
+    d = p.decide(observe(10.0, 0.5, 200, 50, current, tpot_p90_s=0.2))     # TPOT p90 4x the SLO
+    assert d.targets == {"prefill": 1, "decode": 2}
+    current = d.targets                                                      # serving from 20 s
+    before = [(15.0, 0.2)] * 10                                              # (first token, TPOT)
+    d = p.decide(observe(40.0, 0.5, 200, 50, current, tpot_p90_s=0.2, tpot_samples=before))
+    assert d.targets["decode"] == 2, d.reasons
+    after = [(35.0, 0.2)] * 10                                               # with it, and still missing
+    d = p.decide(observe(50.0, 0.5, 200, 50, current, tpot_p90_s=0.2, tpot_samples=after))
+    assert d.targets["decode"] == 3 and "observed TPOT" in d.reasons["decode"]

@@ -202,6 +202,8 @@ class Observation:
     # ... their (first-token time, TTFT), where known: evidence about a pool counts only from
     # first tokens after the replica it last asked for served
     ttft_samples: list[tuple[float, float]] | None = None
+    # ... and their (first-token time, TPOT), the same way: a request decodes from its first token on
+    tpot_samples: list[tuple[float, float]] | None = None
     roles: dict[str, RoleObservation] = field(default_factory=dict)
     refused: dict[str, int] = field(default_factory=dict)   # of the arrivals, refused on each role's account
 
@@ -569,8 +571,9 @@ class GoodputPolicy:
         per interval meanwhile would overshoot)."""
         s = self.settings
         prefill_role = "prefill" if s.mode == "disaggregated" else "colocated"
+        decode_role = "decode" if s.mode == "disaggregated" else "colocated"
         checks = (("ttft", self._ttft_p90(obs, prefill_role), s.ttft_slo_s, prefill_role),
-                  ("tpot", obs.tpot_p90_s, s.tpot_slo_s, "decode" if s.mode == "disaggregated" else "colocated"))
+                  ("tpot", self._tpot_p90(obs, decode_role), s.tpot_slo_s, decode_role))
         for name, observed, slo, role in checks:
             if observed is None or observed <= slo or needed[role] > current[role] or self._coming(obs, role):
                 continue
@@ -671,9 +674,9 @@ class GoodputPolicy:
         """(observed p90, SLO) of the latency `role` answers for: TTFT for prefill,
         TPOT for decode, the worse ratio of the two for colocated."""
         s = self.settings
-        ttft = self._ttft_p90(obs, role)
-        pairs = {"prefill": [(ttft, s.ttft_slo_s)], "decode": [(obs.tpot_p90_s, s.tpot_slo_s)],
-                 "colocated": [(ttft, s.ttft_slo_s), (obs.tpot_p90_s, s.tpot_slo_s)]}[role]
+        ttft, tpot = self._ttft_p90(obs, role), self._tpot_p90(obs, role)
+        pairs = {"prefill": [(ttft, s.ttft_slo_s)], "decode": [(tpot, s.tpot_slo_s)],
+                 "colocated": [(ttft, s.ttft_slo_s), (tpot, s.tpot_slo_s)]}[role]
         pairs = [(v, slo) for v, slo in pairs if v is not None]
         return max(pairs, key=lambda p: p[0] / p[1]) if pairs else None
 
@@ -687,6 +690,16 @@ class GoodputPolicy:
             return obs.ttft_p90_s
         since = self._serving_since(role)
         return p90([ttft for first_token, ttft in obs.ttft_samples if first_token > since])
+
+    def _tpot_p90(self, obs: Observation, role: str) -> float | None:
+        """The p90 TPOT of the window's finished requests that began decoding (their
+        first token) after the replica `role` last asked for served: a 1k-token
+        answer that decoded mostly on the pool before it says nothing about the
+        pool with it (counted, it asked for a decode replica more again)."""
+        if obs.tpot_samples is None:
+            return obs.tpot_p90_s
+        since = self._serving_since(role)
+        return p90([tpot for first_token, tpot in obs.tpot_samples if first_token > since])
 
     def _predicted_latency(self, rate: float, targets: dict[str, int]) -> tuple[float | None, float | None]:
         """Mean TTFT (M/D/1 on the prefill pool) and TPOT (the decode step at the

@@ -116,7 +116,9 @@ class SimAutoscaler:
                                  (r.end_time - r.token_times[0]) / (len(r.token_times) - 1)
                                  if len(r.token_times) > 1 else None) for r in finished]
         ttfts = [(r.token_times[0], r.token_times[0] - r.send_time) for r in finished]   # (first token, TTFT)
-        tpots = [tpot for _, tpot in self._last_latencies if tpot is not None]
+        tpot_samples = [(r.token_times[0], tpot) for r, (_, tpot) in zip(finished, self._last_latencies)
+                        if tpot is not None]                                             # (first token, TPOT)
+        tpots = [tpot for _, tpot in tpot_samples]
         roles = {}
         for role in s.roles:
             live = [r for r in sim.pool(role) if not r.draining]
@@ -137,7 +139,7 @@ class SimAutoscaler:
             mean_inflight_output_tokens=_mean([len(r.token_times) for r in sim.logs
                                                if r.send_time is not None and r.end_time is None]),
             ttft_p90_s=p90([ttft for _, ttft in ttfts]), tpot_p90_s=p90(tpots), ttft_samples=ttfts,
-            roles=roles, refused=dict(refused))
+            tpot_samples=tpot_samples, roles=roles, refused=dict(refused))
 
 
 def _mean(values: list[float]) -> float | None:
