@@ -53,6 +53,8 @@ def test_fit_finds_the_floor_of_steps_with_prompt_tokens():
     # a GPU engine whose eager steps (any prompt tokens) take at least 25 ms, decode-only steps less
     floor = 25e-3
     shapes = _random_shapes(random.Random(3), 300)
+    # and long prompts, past the floor: the prompt tokens' cost is fitted on them (a profile's long end)
+    shapes += [StepShape.build([(0, n)], []) for n in (1500, 2000, 2500, 3000)]
 
     def measured(s):
         t = _synthetic(s)
@@ -61,6 +63,7 @@ def test_fit_finds_the_floor_of_steps_with_prompt_tokens():
     assert sum(s.prefill_tokens > 0 and _synthetic(s) < floor for s in shapes) > 50   # the floor binds often
     model = LinearStepModel.fit(shapes, times)
     assert model.eager_floor_s == pytest.approx(floor, rel=0.02)
+    assert model.coefficients[1] == pytest.approx(TRUE[1], rel=0.05)       # the prompt tokens' cost
     assert model.error.mean_abs_rel < 0.01
     short = StepShape.build([(0, 8)], [100])
     assert model.step_time(short) == pytest.approx(floor, rel=0.02)            # floored
@@ -210,3 +213,35 @@ def test_online_correction_adds_a_fixed_serving_cost_per_step():
     # the overhead is added after the factor, not scaled by it
     slower = OnlineCorrection(base, factor=2.0, overhead_s=0.004)
     assert slower.step_time(probe) == pytest.approx(2 * base.step_time(probe) + 0.004)
+
+
+def test_a_floor_above_every_prompt_step_is_not_taken_for_one():
+    """A grid whose prompt steps all run at the host's floor (a GPU engine, prompts of
+    up to 1k tokens): a floor above them all leaves only decode-only steps for the
+    linear part, which then prices prompt tokens at 0 and every prompt, however
+    long, at the floor. The fit keeps a prompt slope instead."""
+    floor, rng = 30e-3, random.Random(5)
+    shapes = [StepShape.build([(0, n)], []) for n in (16, 64, 128, 256, 512) for _ in range(4)]
+    shapes += [StepShape.build([], [rng.randint(32, 2000) for _ in range(b)]) for b in (1, 4, 16, 64) for _ in range(10)]
+
+    def measured(s):
+        t = _synthetic(s)
+        return max(t, floor) * rng.uniform(0.97, 1.03) if s.prefill_tokens else t
+    model = LinearStepModel.fit(shapes, [measured(s) for s in shapes])
+    assert all(_synthetic(s) < floor for s in shapes if s.prefill_tokens)       # every prompt step floored
+    long_prompt = StepShape.build([(0, 8192)], [])
+    assert model.coefficients[1] > 0                                             # prompt tokens cost something
+    assert model.step_time(long_prompt) > 2 * floor, model                       # (was: the floor, 30 ms)
+
+
+def test_the_profiler_says_which_grid_points_it_cannot_run(model_dirs, caplog):
+    from cluster.perf_model.profiler import ProfileGrid, profile_engine
+    from engine import EngineConfig, LLMEngine
+    engine = LLMEngine(EngineConfig(model=str(model_dirs["tiny"]), max_model_len=128, max_num_seqs=8))
+    grid = ProfileGrid(prompt_lens=(8, 40, 4096), batch_sizes=(1,), contexts=(20, 2000), chunk_len=16,
+                       decode_steps=2)
+    with caplog.at_level("WARNING", logger="cluster.perf_model.profiler"):
+        rec = profile_engine(engine, grid)
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert "prompt lengths [4096] (past 127 tokens" in said and "contexts [2000]" in said
+    assert rec.shapes and not engine.has_unfinished_requests()                      # the rest was measured

@@ -35,6 +35,9 @@ COEFFICIENTS = ("fixed_s", "per_prefill_token_s", "per_prefill_attention_s", "pe
                 "per_decode_context_s")
 FLOOR_MIN_GAIN = 0.01        # mean relative error a floor must remove to be kept
 FLOOR_CANDIDATES = 32        # floors tried: quantiles of the prompt-carrying steps' times
+# prompt-carrying steps a floor must leave above it (1.2x) to fit the prompt tokens' cost on: with none,
+# the linear part is fitted to decode-only steps, prices prompt tokens at 0, and every prompt at the floor
+FLOOR_MIN_PROMPT_STEPS = 3
 
 
 @dataclass(frozen=True)
@@ -100,9 +103,9 @@ class LinearStepModel:
 def _fit_with_floor(x: np.ndarray, y: np.ndarray, prompted: np.ndarray) -> tuple[np.ndarray, float, np.ndarray]:
     """(coefficients, eager floor, relative error per point). For each candidate
     floor F the linear part is fitted to the points F cannot explain (decode-only
-    steps, and prompt-carrying steps measured above 1.2 F); the floor whose
-    max(linear, F) has the least mean error wins, and 0 unless it gains
-    FLOOR_MIN_GAIN over no floor."""
+    steps, and prompt-carrying steps measured above 1.2 F, at least
+    FLOOR_MIN_PROMPT_STEPS of them); the floor whose max(linear, F) has the least
+    mean error wins, and 0 unless it gains FLOOR_MIN_GAIN over no floor."""
     def errors(coef: np.ndarray, floor: float) -> np.ndarray:
         predicted = x @ coef
         predicted = np.where(prompted, np.maximum(predicted, floor), predicted)
@@ -115,7 +118,7 @@ def _fit_with_floor(x: np.ndarray, y: np.ndarray, prompted: np.ndarray) -> tuple
         candidates = np.unique(np.quantile(y[prompted], np.linspace(0.0, 1.0, FLOOR_CANDIDATES)))
         for floor in candidates:
             above = ~prompted | (y > 1.2 * floor)
-            if above.sum() < x.shape[1]:
+            if above.sum() < x.shape[1] or (prompted & above).sum() < FLOOR_MIN_PROMPT_STEPS:
                 continue
             coef = _nnls_relative(x[above], y[above])
             rel = errors(coef, float(floor))

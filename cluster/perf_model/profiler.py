@@ -13,6 +13,7 @@ shape is read off the scheduled step, its time is the whole `LLMEngine.step`
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from typing import Any, Callable
 
 from cluster.perf_model.linear_model import LinearStepModel
 from cluster.perf_model.step_shape import StepShape, model_shape
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,14 @@ def profile_engine(engine, grid: ProfileGrid, *, seed: int = 0, warm_up_grid: bo
     longest = min(limit, budget)             # a prompt prefilled in one step
     prompt_lens = [p for p in grid.prompt_lens if p <= longest]
     contexts = [c for c in grid.contexts if c + grid.decode_steps + 2 <= limit]
+    dropped = [f"prompt lengths {sorted(set(grid.prompt_lens) - set(prompt_lens))} (past {longest} tokens: the "
+               "context less one, or the step budget)"] if len(prompt_lens) < len(grid.prompt_lens) else []
+    if len(contexts) < len(grid.contexts):
+        dropped.append(f"contexts {sorted(set(grid.contexts) - set(contexts))} (past "
+                       f"{limit - grid.decode_steps - 2}: the context less the decode steps)")
+    if dropped and prompt_lens and contexts:
+        log.warning("profile: the grid's %s cannot run here and are left out; the fit extrapolates past what "
+                    "it measured", " and ".join(dropped))
     if not prompt_lens or not contexts:
         raise ValueError(
             f"the grid has no {'prompt length' if not prompt_lens else 'context'} that fits: prompts must be "
