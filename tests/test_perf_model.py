@@ -202,6 +202,15 @@ def test_online_correction_follows_a_slower_worker():
     for ratio in (2.0, 1.0, 1.0, 1.0, 1.0, 1.0):
         varying.observe(probe, ratio * base.step_time(probe))
     assert varying.factor == pytest.approx(1.16, rel=1e-9)
+    # one step 50x its prediction (a stall) moves it as a 4x one would, not by itself
+    stalled = OnlineCorrection(base, weight=0.05)
+    for _ in range(20):
+        stalled.observe(probe, base.step_time(probe))
+    stalled.observe(probe, 50 * base.step_time(probe))
+    assert stalled.factor == pytest.approx(1 + 0.05 * 3, rel=1e-9)          # (was 1 + 0.05 * 49 = 3.45)
+    for _ in range(200):                                                     # and it still follows a real change
+        stalled.observe(probe, 6 * base.step_time(probe))
+    assert stalled.factor == pytest.approx(6, rel=0.01)
 
 
 def test_online_correction_adds_a_fixed_serving_cost_per_step():

@@ -16,6 +16,10 @@ from typing import Any
 from cluster.perf_model.step_shape import StepShape, StepTimeModel
 
 
+# how far one measured step may stand from the running factor (measured / predicted) when it moves it
+MAX_STEP_RATIO = 4.0
+
+
 @dataclass
 class OnlineCorrection:
     base: StepTimeModel
@@ -34,6 +38,11 @@ class OnlineCorrection:
         if predicted <= 0 or seconds <= 0:
             return
         ratio = seconds / predicted
+        if self.num_observed:
+            # one step far off the rest (a GC pause, a kernel's first use, a stalled rank) moves the
+            # factor as one MAX_STEP_RATIO x off would, not by itself (a 500 ms stall on a 10 ms
+            # prediction took a factor of 1 to 3.5 at weight 0.05)
+            ratio = min(max(ratio, self.factor / MAX_STEP_RATIO), self.factor * MAX_STEP_RATIO)
         # the first measurements move the factor at once rather than from 1.0
         w = max(self.weight, 1.0 / (self.num_observed + 1))
         self.factor += w * (ratio - self.factor)
