@@ -57,8 +57,9 @@ class LLM:
                 # only the finished outputs are wanted: no output per step
                 ids.append(self.engine.add_request(None, _prompt_value(prompt), params,
                                                    output_kind=OutputKind.FINAL_ONLY))
+            mine = set(ids)      # only this call's: other requests in the engine finish on their own
             while len(finished) < len(ids):
-                finished.update((o.request_id, o) for o in self._step() if o.finished)
+                finished.update((o.request_id, o) for o in self._step() if o.finished and o.request_id in mine)
         except BaseException:
             for request_id in ids:  # all or nothing: none of this call's prompts stays queued
                 if request_id not in finished:
@@ -82,6 +83,9 @@ class LLM:
         `output_kind=OutputKind.DELTA`: each output holds only what is new, at a
         cost per token that does not grow with the output. Abandoning the
         iterator aborts the request."""
+        if not isinstance(output_kind, OutputKind):    # (a string was taken for CUMULATIVE: `is` comparisons)
+            raise ValueError(f"output_kind must be an OutputKind ({', '.join(k.name for k in OutputKind)}), "
+                             f"got {output_kind!r}")
         request_id = self.engine.add_request(None, _prompt_value(prompt), sampling_params, output_kind=output_kind)
         outputs = self._streams[request_id] = deque()
         finished = False

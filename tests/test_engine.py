@@ -183,6 +183,22 @@ def test_streams_and_generate_may_interleave_on_one_llm(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_generate_waits_for_its_own_requests_not_for_others_in_the_engine(llm):
+    """A request added on the engine directly (or left by another caller) that finishes
+    first is not counted as one of this call's (it raised KeyError, and aborted the
+    call's own prompts)."""
+    from engine.outputs import OutputKind
+    other = llm.engine.add_request(None, "x", _greedy(max_tokens=1))
+    outs = llm.generate(["Hello", PROMPT], [_greedy(max_tokens=2), _greedy(max_tokens=8)])
+    assert other not in [o.request_id for o in outs]
+    assert [(o.finished, len(o.token_ids)) for o in outs] == [(True, 2), (True, 8)]
+    while llm.engine.has_unfinished_requests():                 # the other one ran beside them
+        llm.engine.step()
+    with pytest.raises(ValueError, match="output_kind must be an OutputKind"):
+        next(llm.stream("Hello", _greedy(max_tokens=2), output_kind="delta"))
+    assert OutputKind.DELTA.name == "DELTA"
+
+
 def test_an_interrupted_generate_leaves_nothing_queued(llm, monkeypatch):
     steps = 0
     real_step = llm.engine.step
