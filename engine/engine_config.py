@@ -57,6 +57,18 @@ class EngineConfig:
         for name in ("max_model_len", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
                      "tensor_parallel_size", "cpu_threads", "max_cuda_graph_batch_size"):
             positive(name)
+        # (the string "false" is true: a flag read from a file or a command line must arrive as a bool)
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "cpu_weight_prepack", "enforce_eager",
+                     "fused_ops", "skinny_gemm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not -2**63 <= self.seed < 2**64:
+            raise ValueError(f"seed must be an integer within 64 bits, got {self.seed!r}")
+        for name in ("gpu_memory_utilization", "kv_cache_memory_gib", "kv_transfer_staging_gib"):
+            if not isinstance(getattr(self, name), int | float) or isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
+        if not isinstance(self.device, str):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory_gib <= 0:
