@@ -86,6 +86,7 @@ class LLM:
         if not isinstance(output_kind, OutputKind):    # (a string was taken for CUMULATIVE: `is` comparisons)
             raise ValueError(f"output_kind must be an OutputKind ({', '.join(k.name for k in OutputKind)}), "
                              f"got {output_kind!r}")
+        (prompt,) = _as_prompt_list([prompt])
         request_id = self.engine.add_request(None, _prompt_value(prompt), sampling_params, output_kind=output_kind)
         outputs = self._streams[request_id] = deque()
         finished = False
@@ -120,13 +121,32 @@ class LLM:
         return others
 
 
+_PROMPT_FORMS = "a str, a list of int token ids, or {'prompt': str} / {'prompt_token_ids': [int, ...]}"
+
+
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """The prompts as a list, one per request; ValueError naming the first one (and
+    its index) that has none of the prompt forms."""
     if isinstance(prompts, (str, dict)):
         return [prompts]
+    if not isinstance(prompts, Sequence):      # (a numpy array or a tensor: not taken for a list of prompts)
+        raise ValueError(f"prompts must be one prompt or a list of them, each {_PROMPT_FORMS}; "
+                         f"got {type(prompts).__name__}")
     prompts = list(prompts)
-    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+    if prompts and all(_is_token_id(t) for t in prompts):
         return [prompts]  # a single token-id prompt
+    for i, prompt in enumerate(prompts):
+        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt
+        if isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt" in prompt and ids is None):
+            continue
+        if not (isinstance(ids, list | tuple) and all(_is_token_id(t) for t in ids)):
+            raise ValueError(f"prompt {i} must be {_PROMPT_FORMS}; got {type(prompt).__name__}"
+                             + (f" holding {type(ids).__name__}" if isinstance(prompt, dict) else ""))
     return prompts
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _prompt_value(prompt: Prompt) -> str | list[int]:

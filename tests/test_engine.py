@@ -296,6 +296,18 @@ def test_bad_stop_token_and_duplicate_id(llm):
     engine.run_to_completion()
 
 
+def test_a_prompt_of_no_prompt_form_is_named_with_its_index(llm):
+    import numpy as np
+    import torch
+    for prompts, says in ((np.array([1, 2, 3]), "got ndarray"), (torch.tensor([1, 2]), "got Tensor"),
+                          (["a", [1, True]], "prompt 1 must be a str, a list of int token ids"),
+                          (["a", {"prompt_token_ids": np.array([1, 2])}], "prompt 1 must be .* holding ndarray")):
+        with pytest.raises(ValueError, match=says):        # (a TypeError from deep inside, or "outside the vocabulary")
+            llm.generate(prompts, _greedy(max_tokens=1))
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.generate([{"prompt_token_ids": (5, 6, 7)}], _greedy(max_tokens=1))[0].finished     # a tuple is fine
+
+
 def test_generate_validates_every_prompt_before_running(llm):
     with pytest.raises(InvalidRequestError, match="prompt is empty"):
         llm.generate(["fine", ""], _greedy())
