@@ -132,13 +132,15 @@ class Killer(threading.Thread):
             if not pids:
                 self.skipped += 1
                 continue
+            victim = self.rng.choice(pids)
             now = self._migrations()
+            if subprocess.run(["kill", "-9", str(victim)], check=False, capture_output=True).returncode != 0:
+                self.skipped += 1          # it was gone already (Serve replacing it): no kill of ours
+                continue
+            self.killed_pids.add(victim)
             if before is not None:
                 self.migrations_per_kill.append(now - before)
             before = now
-            victim = self.rng.choice(pids)
-            self.killed_pids.add(victim)
-            subprocess.run(["kill", "-9", str(victim)], check=False)
             self.kills.append((time.perf_counter(), deployment))
             print(f"  killed a {deployment} replica at {time.strftime('%X')}", flush=True)
         if before is not None:

@@ -17,9 +17,11 @@ def test_a_count_below_one_is_refused_by_the_parser(flag, tmp_path, capsys):
 @pytest.mark.parametrize(("flags", "expected"), [
     (["--max-num-batched-tokens", "16", "--batch-sizes", "1,16"], "must exceed the largest of --batch-sizes (16)"),
     (["--output", "{tmp}"], "is a directory"),
+    (["--output", "{tmp}/a_file/p.json"], "a_file is a file, not a directory"),    # (after the profile, a traceback)
 ])
 def test_flags_that_cannot_be_measured_with_are_refused_before_the_engine_starts(flags, expected, tmp_path,
                                                                                  capsys):
+    (tmp_path / "a_file").write_text("")
     flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]
     output = [] if "--output" in flags else ["--output", str(tmp_path / "p.json")]
     assert main(["profile", *output, *flags]) == 2

@@ -41,6 +41,8 @@ def _grid_problem(args: argparse.Namespace) -> str | None:
     if output.is_dir():
         return f"--output {output} is a directory: give a file name"
     folder = next((p for p in (output.parent, *output.parent.parents) if p.exists()), Path("."))
+    if not folder.is_dir():       # (a file where a directory of the path must go: found after the profile)
+        return f"--output {output} cannot be written ({folder} is a file, not a directory)"
     if not os.access(folder, os.W_OK):
         return f"--output {output} cannot be written ({folder} is not writable)"
     return None
