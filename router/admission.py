@@ -268,19 +268,21 @@ class AdmissionControl:
                     return True     # (no time between them, as a simulated burst: an unbounded rate)
         return False
 
-    def observe_workers(self, role: str, stats: Iterable[Mapping[str, float]]) -> None:
-        """The latest stats of every replica of `role`: prefill costs from the prefill roles,
-        decode costs from the decode ones (decode, colocated)."""
+    def observe_workers(self, role: str, stats: Iterable[Mapping[str, float]], replicas: int | None = None) -> None:
+        """The latest stats of the replicas of `role` that answered (of `replicas` running;
+        default: as many as answered): prefill costs from the prefill roles, decode
+        costs from the decode ones (decode, colocated)."""
         stats = list(stats)
+        replicas = max(1, len(stats) if replicas is None else replicas)
         if role in ("decode", "colocated"):
-            self.decode_replicas = max(1, len(stats))
+            self.decode_replicas = replicas
             fitted = [s for s in stats if "decode_s_per_seq" in s and "decode_step_fixed_s" in s]
             costs = fitted or [s for s in stats if "decode_s_per_seq" in s]
             if costs:
                 self.decode_costs = [StepCost.from_stats(s) for s in costs]
         if role not in self.prefill_roles:
             return
-        self.replicas = max(1, len(stats))
+        self.replicas = replicas
         costs = [s["prefill_s_per_token"] for s in stats if "prefill_s_per_token" in s]
         if costs:
             self.s_per_token = sum(costs) / len(costs)

@@ -115,15 +115,17 @@ class DisaggregationPolicy:
     def observe_handoff(self, seconds: float) -> None:
         self.handoff_s = seconds if self.handoff_s == 0.0 else (1 - _EWMA) * self.handoff_s + _EWMA * seconds
 
-    def observe_workers(self, role: str, stats: Iterable[Mapping[str, float]]) -> None:
-        """The latest stats of every replica of `role` ("prefill" or "decode")."""
+    def observe_workers(self, role: str, stats: Iterable[Mapping[str, float]], replicas: int | None = None) -> None:
+        """The latest stats of the replicas of `role` ("prefill" or "decode") that
+        answered, of `replicas` running (default: as many as answered)."""
         stats = list(stats)
+        replicas = len(stats) if replicas is None else replicas
         pool = self._remote if role == "prefill" else self._local
-        if role == "prefill" and stats:
+        if role == "prefill" and replicas:
             self._prefill_pool_empty.clear()
         elif role == "prefill":
             self._prefill_pool_empty.set()
-        pool.replicas = max(1, len(stats))
+        pool.replicas = max(1, replicas)
         costs = [s["prefill_s_per_token"] for s in stats if "prefill_s_per_token" in s]
         if costs:
             pool.s_per_token = sum(costs) / len(costs)

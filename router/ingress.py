@@ -26,7 +26,7 @@ from router.cors import CorsSettings
 from router.disaggregation_policy import DisaggregationPolicy, DisaggregationSettings
 from router.metrics import ServingMetrics
 from router.openai_api import RequestLimits, build_openai_app
-from router.serve_pools import ServeDecodePool, ServePrefillPool, replica_replies
+from router.serve_pools import NoReplicaAnswered, ServeDecodePool, ServePrefillPool, replica_answers
 from router.serving_backend import ServingBackend
 
 log = logging.getLogger(__name__)
@@ -100,20 +100,23 @@ class Router:
             for role, handle in self._workers.items():
                 try:
                     # bounded: one replica that does not answer must not stop every figure the router keeps
-                    replies = await replica_replies(handle, "stats", STATS_TIMEOUT_S)
+                    replies, slow, failed = await replica_answers(handle, "stats", STATS_TIMEOUT_S)
+                    if not replies and slow + failed:
+                        # replicas that are slow to answer are not a pool of none, which would send every
+                        # waiting prompt elsewhere and refuse new ones
+                        raise NoReplicaAnswered(f"none of {slow + failed} replicas answered")
                 except DeploymentUnavailableError:   # not one replica runs (they died; none replaced yet)
-                    replies = []
+                    replies, slow = [], 0
                 except Exception as exc:  # noqa: BLE001 - metrics must never take the router down
-                    # (NoReplicaAnswered included: replicas that are slow to answer are not a pool of none,
-                    # which would send every waiting prompt elsewhere and refuse new ones)
                     log.debug("no %s stats: %s", role, exc)
                     current |= {label for label in seen if label.startswith(f"{role}-")}   # kept as they were
                     continue
                 replies = sorted(replies, key=lambda s: s.get("replica", ""))
+                running = len(replies) + slow      # a replica too slow to answer this time still runs
                 if self.policy is not None:
-                    self.policy.observe_workers(role, replies)
+                    self.policy.observe_workers(role, replies, running)
                 if self.admission is not None:
-                    self.admission.observe_workers(role, replies)
+                    self.admission.observe_workers(role, replies, running)
                 if self.autoscaler is not None:
                     self.autoscaler.observe_workers(role, replies)
                 for i, stats in enumerate(replies):

@@ -617,3 +617,21 @@ def test_a_close_cancelled_while_it_aborts_one_choice_still_closes_the_others():
     asyncio.run(main())
     assert closed == ["r-0", "r-1", "r-2"]
     assert (admission.waiting_requests, admission.running) == (0, 0)
+
+
+def test_a_replica_too_slow_to_answer_its_stats_still_counts_as_running():
+    """The router refreshes the replicas' figures with a bounded wait: one that did not
+    answer in time is still running, and its pool's capacity is not cut to those that
+    answered (admission then predicted waits for a pool of one and refused)."""
+    from router.disaggregation_policy import DisaggregationPolicy, DisaggregationSettings
+    a = AdmissionControl(AdmissionSettings(), clock=_Clock())
+    a.observe_workers("prefill", [{"prefill_s_per_token": 0.004}], replicas=3)
+    a.observe_workers("decode", [{"decode_s_per_seq": 1e-3, "decode_step_fixed_s": 5e-3}], replicas=2)
+    assert (a.replicas, a.decode_replicas) == (3, 2)
+    a.observe_workers("prefill", [{"prefill_s_per_token": 0.004}])          # as many as answered, by default
+    assert a.replicas == 1
+    policy = DisaggregationPolicy(DisaggregationSettings("always", 0, 1.0))
+    policy.observe_workers("prefill", [], replicas=2)                        # none answered in time, two run
+    assert not policy.prefill_pool_empty
+    policy.observe_workers("prefill", [], replicas=0)
+    assert policy.prefill_pool_empty
