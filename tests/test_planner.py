@@ -355,3 +355,14 @@ def test_a_hand_off_between_tensor_parallel_replicas_moves_its_shards_over_a_lin
         spec, why = build(Candidate("disaggregated", 1, ptp, 1, dtp))
         assert spec is not None, why
         assert spec.kv_bandwidth_bytes_per_s == pytest.approx(links * link), (ptp, dtp)
+
+
+def _sigint_handler_name(_: int) -> str:
+    import signal
+    return "ignored" if signal.getsignal(signal.SIGINT) is signal.SIG_IGN else "default"
+
+
+def test_the_searchs_worker_processes_leave_ctrl_c_to_the_parent():
+    # a worker that took it printed a KeyboardInterrupt traceback each, and the parent waited for the queue
+    with search_module._pool(2) as pool:
+        assert list(pool.map(_sigint_handler_name, range(2))) == ["ignored", "ignored"]

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import yaml
 
+from engine.cpu_count import usable_cpus
+
 
 def parse_slo(text: str) -> tuple[str, float]:
     key, sep, value = text.partition(":")
@@ -237,7 +239,7 @@ def add_goodput_arguments(p: argparse.ArgumentParser) -> None:
                    help="leaders of each mode refined on 2x, 4x, ... the requests (default 2; 0: none)")
     g.add_argument("--rate-tolerance", type=float, default=0.03,
                    help="refinement stops when three successive rates agree within this fraction (default 0.03)")
-    g.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+    g.add_argument("--jobs", type=int, default=usable_cpus(),
                    help="candidates simulated at once, in worker processes (default: every core)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--write-config", default=None, metavar="FILE", help="write a deployment file for the winner")

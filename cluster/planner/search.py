@@ -24,6 +24,7 @@ refined figure.
 from __future__ import annotations
 
 import random
+import signal
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -317,8 +318,21 @@ class _InProcess:
         return list(map(fn, *iterables))
 
 
+def ignore_interrupts() -> None:
+    """A pool worker's initializer: Ctrl-C is the parent's to act on (it stops the
+    search); a worker that took it too printed a KeyboardInterrupt traceback each."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+class _Pool(ProcessPoolExecutor):
+    def __exit__(self, exc_type, *rest) -> bool:
+        # interrupted or failed: the candidates still queued are dropped, not simulated first
+        self.shutdown(wait=exc_type is None, cancel_futures=exc_type is not None)
+        return False
+
+
 def _pool(jobs: int):
-    return ProcessPoolExecutor(max_workers=jobs) if jobs > 1 else _InProcess()
+    return _Pool(max_workers=jobs, initializer=ignore_interrupts) if jobs > 1 else _InProcess()
 
 
 def roofline_spec_builder(model_config, *, gpu: str, dtype: str, max_model_len: int, block_size: int = 16,
