@@ -461,7 +461,8 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             raise ConfigFileError(f"{path} is not a valid pdserve deployment file: it holds a "
                                   f"{type(data).__name__}, not a mapping of sections")
         # a section whose settings are all commented out reads as null: its defaults, as if left out
-        data = {key: {} if value is None and _is_section(key) else value for key, value in data.items()}
+        data = {key: {} if value is None and _section_model(DeploymentConfig, key) else value
+                for key, value in data.items()}
     try:
         return DeploymentConfig.model_validate(_with_dotted(data, overrides or {}))
     except ValidationError as exc:
@@ -508,10 +509,10 @@ def _with_dotted(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, A
         model: type[BaseModel] = DeploymentConfig
         node = data
         for depth, part in enumerate(sections, 1):
-            field = model.model_fields.get(part)
-            if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            section = _section_model(model, part)
+            if section is None:
                 raise ValueError(f"unknown setting {key!r}")
-            model = field.annotation
+            model = section
             if node.get(part) is None:             # missing, or an empty section in the file
                 node[part] = {}
             elif not isinstance(node[part], dict):
@@ -524,10 +525,12 @@ def _with_dotted(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, A
     return data
 
 
-def _is_section(key: str) -> bool:
-    """Whether `key` names a section of the deployment file (a mapping of settings)."""
-    field = DeploymentConfig.model_fields.get(key)
-    return field is not None and isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+def _section_model(model: type[BaseModel], name: str) -> type[BaseModel] | None:
+    """The model of `model`'s section `name` (a mapping of settings), or None when
+    `name` is a plain setting or no setting at all."""
+    field = model.model_fields.get(name)
+    annotation = field.annotation if field is not None else None
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
 
 
 def _named_variable(setting: str, name: str, instead: str) -> str:

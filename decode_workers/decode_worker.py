@@ -304,10 +304,7 @@ class DecodeWorker:
                 yield batch
         finally:
             del self._subscribers[subscriber_id]
-            for rid in list(subscriber.request_ids):   # an abort below wakes generate(), which discards its id
-                self._engine.detach(rid)
-                self._queued_prompt_tokens.pop(rid, None)
-                await self._engine.call_for_cleanup(self._abort, rid)
+            await self._abort_requests_of(subscriber)
 
     async def _abort_orphans(self) -> None:
         """Every ORPHAN_S / 4: the requests of subscribers that no stream has read since
@@ -324,10 +321,14 @@ class DecodeWorker:
                             "aborting them", self.name, name, len(subscriber.request_ids),
                             now - subscriber.unread_since)
                 del self._subscribers[name]
-                for rid in list(subscriber.request_ids):
-                    self._engine.detach(rid)
-                    self._queued_prompt_tokens.pop(rid, None)
-                    await self._engine.call_for_cleanup(self._abort, rid)
+                await self._abort_requests_of(subscriber)
+
+    async def _abort_requests_of(self, subscriber: _Subscriber) -> None:
+        """Aborts every request of a subscriber that was just dropped (no stream will read them)."""
+        for rid in list(subscriber.request_ids):   # an abort below wakes generate(), which discards its id
+            self._engine.detach(rid)
+            self._queued_prompt_tokens.pop(rid, None)
+            await self._engine.call_for_cleanup(self._abort, rid)
 
     def _leave(self, name: str, subscriber: _Subscriber, request_id: str) -> None:
         """The request no longer streams to `subscriber`; one left with no request

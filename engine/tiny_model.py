@@ -573,7 +573,7 @@ def ensure_preset_model(preset: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{preset}-build-", dir=target.parent))
     try:
-        make_tiny_model(staging, preset, seed=0, dtype="float32", overwrite=True)
+        _write_checkpoint(staging, preset, 0, "float32")    # (make_tiny_model would stage it once more)
         try:
             os.rename(staging, target)
         except OSError:  # target exists and is not empty

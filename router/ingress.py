@@ -26,7 +26,7 @@ from router.cors import CorsSettings
 from router.disaggregation_policy import DisaggregationPolicy, DisaggregationSettings
 from router.metrics import ServingMetrics
 from router.openai_api import RequestLimits, build_openai_app
-from router.serve_pools import NoReplicaAnswered, ServeDecodePool, ServePrefillPool, replica_answers
+from router.serve_pools import ServeDecodePool, ServePrefillPool, replica_answers
 from router.serving_backend import ServingBackend
 
 log = logging.getLogger(__name__)
@@ -100,11 +100,9 @@ class Router:
             for role, handle in self._workers.items():
                 try:
                     # bounded: one replica that does not answer must not stop every figure the router keeps
-                    replies, slow, failed = await replica_answers(handle, "stats", STATS_TIMEOUT_S)
-                    if not replies and slow + failed:
-                        # replicas that are slow to answer are not a pool of none, which would send every
-                        # waiting prompt elsewhere and refuse new ones
-                        raise NoReplicaAnswered(f"none of {slow + failed} replicas answered")
+                    # (none answering, NoReplicaAnswered: replicas slow to answer are not a pool of none,
+                    # which would send every waiting prompt elsewhere and refuse new ones)
+                    replies, slow, _ = (await replica_answers(handle, "stats", STATS_TIMEOUT_S)).some("stats")
                 except DeploymentUnavailableError:   # not one replica runs (they died; none replaced yet)
                     replies, slow = [], 0
                 except Exception as exc:  # noqa: BLE001 - metrics must never take the router down

@@ -52,6 +52,13 @@ class ReplicaAnswers(NamedTuple):
     slow: int
     failed: int
 
+    def some(self, method: str) -> "ReplicaAnswers":
+        """These answers; NoReplicaAnswered when replicas were reached and not one answered."""
+        if not self.answers and self.slow + self.failed:
+            raise NoReplicaAnswered(f"none of {self.slow + self.failed} replicas answered {method} ({self.slow} "
+                                    f"not in time, {self.failed} failed)")
+        return self
+
 
 async def replica_answers(handle, method: str, timeout_s: float) -> ReplicaAnswers:
     """Each running replica's answer to `method` (a Serve broadcast), within
@@ -78,11 +85,7 @@ async def replica_answers(handle, method: str, timeout_s: float) -> ReplicaAnswe
 async def replica_replies(handle, method: str, timeout_s: float) -> list:
     """The answers of replica_answers; raises NoReplicaAnswered when replicas were
     reached and not one answered, and what the broadcast itself raises."""
-    answers, slow, failed = await replica_answers(handle, method, timeout_s)
-    if not answers and slow + failed:
-        raise NoReplicaAnswered(f"none of {slow + failed} replicas answered {method} ({slow} not in time, "
-                                f"{failed} failed)")
-    return answers
+    return (await replica_answers(handle, method, timeout_s)).some(method).answers
 
 
 async def check_replicas(handle, what: str) -> None:

@@ -603,6 +603,7 @@ class GoodputPolicy:
             if want >= current[r]:
                 continue
             resplit = self._rank_wanted_elsewhere(r, current, needed)
+            give = self._replicas_to_give(r, targets, current, needed) if resplit else 1
             # a re-split's giver need only serve the load at its capacity (which the SLOs already bound),
             # not with the headroom of a plain scale-down: the rank serves the role that is short
             keep = needed[r] if resplit else window_holding[r]
@@ -627,12 +628,11 @@ class GoodputPolicy:
                 when = "now" if resplit or keep == holding[r] else f"within the last {s.downscale_window_s:.0f} s"
                 reasons[r] = (f"holds {current[r]}: {current[r] - 1} would not hold the load {when} "
                               f"with {1 - s.downscale_headroom:.0%} to spare")
-            elif resplit and (give := self._replicas_to_give(r, targets, current, needed)) > current[r] - want:
+            elif give > current[r] - want:
                 # the rank alone would not make room for a replica of the role that needs it (a larger TP)
                 reasons[r] = (f"holds {current[r]}: a replica another role needs takes {give} of its replicas' "
                               f"ranks, and it may give up {current[r] - want}")
             else:
-                give = self._replicas_to_give(r, targets, current, needed) if resplit else 1
                 targets[r] = current[r] - give
                 reasons[r] = f"scale down by {'one' if give == 1 else give}: " + reasons[r]
         for r in s.roles:
@@ -686,20 +686,23 @@ class GoodputPolicy:
         first token (a 1k-token answer, tens of seconds), and one that waited
         before that replica served says nothing about the pool with it (counted,
         it asked for one more replica again)."""
-        if obs.ttft_samples is None:
-            return obs.ttft_p90_s
-        since = self._serving_since(role)
-        return p90([ttft for first_token, ttft in obs.ttft_samples if first_token > since])
+        return self._p90_since_served(obs.ttft_samples, obs.ttft_p90_s, role)
 
     def _tpot_p90(self, obs: Observation, role: str) -> float | None:
         """The p90 TPOT of the window's finished requests that began decoding (their
         first token) after the replica `role` last asked for served: a 1k-token
         answer that decoded mostly on the pool before it says nothing about the
         pool with it (counted, it asked for a decode replica more again)."""
-        if obs.tpot_samples is None:
-            return obs.tpot_p90_s
+        return self._p90_since_served(obs.tpot_samples, obs.tpot_p90_s, role)
+
+    def _p90_since_served(self, samples: list[tuple[float, float]] | None, p90_all: float | None,
+                          role: str) -> float | None:
+        """p90 of the (first-token time, latency) samples whose first token came after the
+        replica `role` last asked for served; `p90_all` where no samples are given."""
+        if samples is None:
+            return p90_all
         since = self._serving_since(role)
-        return p90([tpot for first_token, tpot in obs.tpot_samples if first_token > since])
+        return p90([latency for first_token, latency in samples if first_token > since])
 
     def _predicted_latency(self, rate: float, targets: dict[str, int]) -> tuple[float | None, float | None]:
         """Mean TTFT (M/D/1 on the prefill pool) and TPOT (the decode step at the
