@@ -290,3 +290,62 @@ def test_fused_projections_and_a_broken_index_are_checkpoint_errors(model_dirs, 
     (broken / "model.safetensors.index.json").write_text('{"metadata": {}}')
     with pytest.raises(CheckpointError, match=r"is not a safetensors index .*KeyError"):
         LLM(str(broken))
+
+
+def _greedy_ids(model_dir, prompts, max_tokens=8):
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.token_ids for o in LLM(str(model_dir), max_model_len=128).generate(prompts, params)]
+
+
+def test_a_tied_config_whose_checkpoint_stores_a_trained_head_runs_that_head(model_dirs, tmp_path):
+    # a fine-tune of a tied model that trained lm_head but kept tie_word_embeddings: transformers
+    # keeps the stored head (they differ), where the engine used to drop it for the embedding
+    from safetensors.torch import load_file, save_file
+    d = tmp_path / "trained-head"
+    shutil.copytree(model_dirs["tiny-mqa"], d)
+    [path] = d.glob("*.safetensors")
+    tensors = load_file(str(path))
+    assert "lm_head.weight" not in tensors          # a tied model is saved with the embedding alone
+    generator = torch.Generator().manual_seed(5)
+    embedding = tensors["model.embed_tokens.weight"]
+    tensors["lm_head.weight"] = torch.randn(embedding.shape, generator=generator) * embedding.std()
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    prompts = _prompts(3)
+    got = _greedy_ids(d, prompts)
+    reference = Reference(d)
+    assert got == [reference.greedy(tuple(p), 8, ignore_eos=True) for p in prompts]
+    assert got != _greedy_ids(model_dirs["tiny-mqa"], prompts)   # the head changed the output
+
+
+def test_a_tied_checkpoint_that_stores_only_the_head_loads_it_as_the_embedding(model_dirs, tmp_path):
+    # transformers ties to whichever of the pair the checkpoint has
+    d = _rewrite_tensors(model_dirs["tiny-mqa"], tmp_path / "head-only",
+                         lambda k: "lm_head.weight" if k == "model.embed_tokens.weight" else k)
+    prompts = _prompts(2)
+    reference = Reference(d)
+    assert _greedy_ids(d, prompts) == [reference.greedy(tuple(p), 8, ignore_eos=True) for p in prompts]
+    assert _greedy_ids(d, prompts) == _greedy_ids(model_dirs["tiny-mqa"], prompts)
+
+
+def test_the_model_class_follows_model_type_as_transformers_picks_it(model_dirs, tmp_path):
+    # a Qwen2 config listing LlamaForCausalLM still runs as Qwen2 (q/k/v biases) in transformers
+    d = _with_config(model_dirs["tiny-qwen2"], tmp_path / "qwen2-as-llama", architectures=["LlamaForCausalLM"])
+    prompts = _prompts(2)
+    reference = Reference(d)
+    assert type(reference.model).__name__ == "Qwen2ForCausalLM"
+    assert _greedy_ids(d, prompts) == [reference.greedy(tuple(p), 8, ignore_eos=True) for p in prompts]
+
+
+def test_bias_flags_apply_only_where_transformers_reads_them(model_dirs):
+    # Mistral's and Qwen2's projections fix their biases; only Llama reads attention_bias / mlp_bias
+    from types import SimpleNamespace
+
+    from engine.model import ModelConfig
+    base = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=10000.0,
+                attention_bias=True, mlp_bias=True)
+    flags = {}
+    for model_type in ("llama", "mistral", "qwen2"):
+        config = ModelConfig.from_hf_config(SimpleNamespace(model_type=model_type, **base))
+        flags[model_type] = (config.qkv_bias, config.o_bias, config.mlp_bias)
+    assert flags == {"llama": (True, True, True), "mistral": (False, False, False), "qwen2": (True, False, False)}

@@ -318,9 +318,9 @@ def test_unknown_architecture_is_named(model_dirs, tmp_path):
     d = tmp_path / "m"
     shutil.copytree(model_dirs["tiny"], d)
     cfg = json.loads((d / "config.json").read_text())
-    cfg["architectures"] = ["GPT2LMHeadModel"]
+    cfg["architectures"], cfg["model_type"] = ["GPT2LMHeadModel"], "gpt2"
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelConfigError, match=r"unsupported architecture.*GPT2LMHeadModel.*LlamaForCausalLM"):
+    with pytest.raises(ModelConfigError, match=r"unsupported model_type 'gpt2'.*GPT2LMHeadModel.*LlamaForCausalLM"):
         LLM(str(d))
 
 

@@ -57,6 +57,30 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def stored_tensor_names(model_dir: str | Path) -> set[str]:
+    """The names of the tensors the checkpoint in `model_dir` stores (read from the files' headers,
+    no tensor data). Raises CheckpointError as `checkpoint_files` does."""
+    names: set[str] = set()
+    for path in checkpoint_files(Path(model_dir)):
+        with safe_open(str(path), framework="pt") as f:
+            names.update(f.keys())
+    return names
+
+
+def stores_separate_head(model_dir: str | Path) -> bool:
+    """Whether the checkpoint stores `lm_head.weight` beside the input embedding: for a config that
+    ties them, transformers then keeps the stored head (a fine-tune of a tied model that trained its
+    head) unless the two are equal, when it ties them, which gives the same logits."""
+    try:
+        names = stored_tensor_names(model_dir)
+    except CheckpointError:
+        return False   # no weights to decide by (a config-only directory); loading says what is missing
+    return "lm_head.weight" in names and bool(names & _EMBEDDING_NAMES)
+
+
+_EMBEDDING_NAMES = {"model.embed_tokens.weight", "embed_tokens.weight"}
+
+
 def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     """Fills every parameter of `model` from the checkpoint in `model_dir`.
     Raises CheckpointError naming any parameter the checkpoint does not provide."""
@@ -67,6 +91,8 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     loaded: set[str] = set()
     fused = {f".{our_part}." for our_part, _ in packed.values()}
     expected = _expected(params, packed)
+    # tied, with the head stored alone: the head's tensor is the shared weight (transformers ties to it)
+    head_is_embedding = tied and not (stored_tensor_names(model_dir) & _EMBEDDING_NAMES)
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for stored in f.keys():
@@ -83,7 +109,9 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
                         target, shard_id = name.replace(ckpt_part, our_part), sid
                         break
                 if tied and name == "lm_head.weight":
-                    continue  # tied: the embedding's weight is the head's
+                    if not head_is_embedding:
+                        continue  # tied: the embedding's weight is the head's
+                    target = "model.embed_tokens.weight"
                 param = params.get(target)
                 if param is None:
                     continue  # tensors we do not use (e.g. a tied copy)

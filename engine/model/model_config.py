@@ -9,9 +9,12 @@ message, rather than deep inside a forward pass.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 # architecture name in config.json -> the flags that distinguish it from Llama
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -108,6 +111,12 @@ class ModelConfig:
         except Exception as exc:  # noqa: BLE001 - transformers' checks raise anything (TypeError, ZeroDivision...)
             raise ModelConfigError(f"cannot read {path / 'config.json'}: {type(exc).__name__}: {exc}") from None
         config = cls.from_hf_config(hf_config)
+        from engine.model.loader import stores_separate_head
+        if config.tie_word_embeddings and stores_separate_head(path):
+            logger.warning("%s ties its word embeddings but its checkpoint stores lm_head.weight too: the "
+                           "stored head is loaded as its own weight, as transformers does when the two differ",
+                           path)
+            config = replace(config, tie_word_embeddings=False)
         generation_eos = _generation_eos_token_ids(path)
         if generation_eos:
             config = replace(config, eos_token_ids=tuple(dict.fromkeys([*config.eos_token_ids, *generation_eos])))
@@ -115,14 +124,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, hf: Any) -> "ModelConfig":
-        architectures = list(getattr(hf, "architectures", None) or [])
-        if not architectures and getattr(hf, "model_type", None) in ARCHITECTURE_BY_MODEL_TYPE:
-            architectures = [ARCHITECTURE_BY_MODEL_TYPE[hf.model_type]]
-        arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ModelConfigError(
-                f"unsupported architecture {architectures or getattr(hf, 'model_type', '?')}; "
-                f"pdserve runs: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        arch = _architecture(hf)
         quantization = getattr(hf, "quantization_config", None)
         if quantization:
             method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else \
@@ -138,7 +140,8 @@ class ModelConfig:
         rope = _rope_parameters(hf)
         eos_ids = _token_ids(getattr(hf, "eos_token_id", None))
         is_qwen2 = arch == "Qwen2ForCausalLM"
-        attention_bias = bool(getattr(hf, "attention_bias", False))
+        # only Llama reads attention_bias / mlp_bias; Mistral's and Qwen2's projections fix theirs
+        attention_bias = arch == "LlamaForCausalLM" and bool(getattr(hf, "attention_bias", False))
         dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or "float32"
         return cls(
             architecture=arch,
@@ -155,14 +158,30 @@ class ModelConfig:
             rope_type=rope.pop("rope_type"),
             rope_params=rope,
             qkv_bias=is_qwen2 or attention_bias,
-            o_bias=attention_bias and not is_qwen2,
-            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            o_bias=attention_bias,
+            mlp_bias=arch == "LlamaForCausalLM" and bool(getattr(hf, "mlp_bias", False)),
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=eos_ids,
             torch_dtype=str(dtype).removeprefix("torch."),
             sliding_window=_sliding_window(hf, arch),
         )
+
+
+def _architecture(hf: Any) -> str:
+    """The model class a transformers config runs as. transformers' AutoModelForCausalLM picks it by
+    the config's model_type (its config class), whatever `architectures` lists: a model_type of ours
+    decides; an unknown one is refused; `architectures` decides only for a config without model_type."""
+    model_type = getattr(hf, "model_type", None)
+    if model_type in ARCHITECTURE_BY_MODEL_TYPE:
+        return ARCHITECTURE_BY_MODEL_TYPE[model_type]
+    architectures = list(getattr(hf, "architectures", None) or [])
+    arch = None if model_type else next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ModelConfigError(
+            f"unsupported model_type {model_type!r} (architectures {architectures}); pdserve runs model_type "
+            + ", ".join(f"{t!r} ({a})" for t, a in ARCHITECTURE_BY_MODEL_TYPE.items()))
+    return arch
 
 
 # sizes a checkpoint's config.json must give: transformers would fill a missing one with its
