@@ -182,12 +182,16 @@ class Generation:
             ran_to_end = self.last is not None and self.last.finished and finish_reason in ("stop", "length")
             self._admission.finished(self._admitted, generated if ran_to_end else None)
         aclose = getattr(self.outputs, "aclose", None)
-        if aclose is not None:
-            try:
+        try:
+            if aclose is not None:
                 await aclose()
-            except Exception:
-                # The response is decided by now; a failed abort must not turn it into an error.
-                log.exception("closing the backend stream of %s failed", self.request_id)
+        except Exception:
+            # The response is decided by now; a failed abort must not turn it into an error.
+            log.exception("closing the backend stream of %s failed", self.request_id)
+        finally:   # a close cancelled while it aborts still counts the request and drops its phases
+            self._record(generated, finish_reason)
+
+    def _record(self, generated: int, finish_reason: str | None) -> None:
         t = self.timings
         if t.finished_time is None:
             t.finished_time = time.monotonic()

@@ -96,32 +96,41 @@ class Router:
     async def _refresh_worker_stats(self) -> None:
         seen: set[str] = set()
         while True:
-            current: set[str] = set()
-            for role, handle in self._workers.items():
-                try:
-                    # bounded: one replica that does not answer must not stop every figure the router keeps
-                    # (none answering, NoReplicaAnswered: replicas slow to answer are not a pool of none,
-                    # which would send every waiting prompt elsewhere and refuse new ones)
-                    replies, slow, _ = (await replica_answers(handle, "stats", STATS_TIMEOUT_S)).some("stats")
-                except DeploymentUnavailableError:   # not one replica runs (they died; none replaced yet)
-                    replies, slow = [], 0
-                except Exception as exc:  # noqa: BLE001 - metrics must never take the router down
-                    log.debug("no %s stats: %s", role, exc)
-                    current |= {label for label in seen if label.startswith(f"{role}-")}   # kept as they were
-                    continue
-                replies = sorted(replies, key=lambda s: s.get("replica", ""))
-                running = len(replies) + slow      # a replica too slow to answer this time still runs
-                if self.policy is not None:
-                    self.policy.observe_workers(role, replies, running)
-                if self.admission is not None:
-                    self.admission.observe_workers(role, replies, running)
-                if self.autoscaler is not None:
-                    self.autoscaler.observe_workers(role, replies)
-                for i, stats in enumerate(replies):
-                    label = f"{role}-{stats.get('replica') or i}"     # the replica's own series, not a position
-                    current.add(label)
-                    self.metrics.set_worker_stats(label, {k: v for k, v in stats.items() if k != "replica"})
-            for gone in seen - current:
-                self.metrics.remove_worker(gone)
-            seen = current
+            seen = await self._refresh_worker_stats_once(seen)
             await asyncio.sleep(STATS_PERIOD_S)
+
+    async def _refresh_worker_stats_once(self, seen: set[str]) -> set[str]:
+        """Asks every worker replica for its stats and hands them to /metrics, the policy, admission
+        and the autoscaler. `seen`: the replica series /metrics kept before; returns those it keeps now
+        (a replica that did not answer in time keeps its series as it was; one gone loses it)."""
+        current: set[str] = set()
+        for role, handle in self._workers.items():
+            previous = {label for label in seen if label.startswith(f"{role}-")}
+            try:
+                # bounded: one replica that does not answer must not stop every figure the router keeps
+                # (none answering, NoReplicaAnswered: replicas slow to answer are not a pool of none,
+                # which would send every waiting prompt elsewhere and refuse new ones)
+                replies, slow, _ = (await replica_answers(handle, "stats", STATS_TIMEOUT_S)).some("stats")
+            except DeploymentUnavailableError:   # not one replica runs (they died; none replaced yet)
+                replies, slow = [], 0
+            except Exception as exc:  # noqa: BLE001 - metrics must never take the router down
+                log.debug("no %s stats: %s", role, exc)
+                current |= previous   # kept as they were
+                continue
+            replies = sorted(replies, key=lambda s: s.get("replica", ""))
+            running = len(replies) + slow      # a replica too slow to answer this time still runs
+            if self.policy is not None:
+                self.policy.observe_workers(role, replies, running)
+            if self.admission is not None:
+                self.admission.observe_workers(role, replies, running)
+            if self.autoscaler is not None:
+                self.autoscaler.observe_workers(role, replies)
+            if slow:   # which replicas were slow is not known: none of the role's series is dropped
+                current |= previous
+            for i, stats in enumerate(replies):
+                label = f"{role}-{stats.get('replica') or i}"     # the replica's own series, not a position
+                current.add(label)
+                self.metrics.set_worker_stats(label, {k: v for k, v in stats.items() if k != "replica"})
+        for gone in seen - current:
+            self.metrics.remove_worker(gone)
+        return current

@@ -599,13 +599,16 @@ def test_a_close_cancelled_while_it_aborts_one_choice_still_closes_the_others():
             return Stream(request_id)
 
         def phase_timings(self, request_id):
+            phases_taken.append(request_id)     # the real backend drops the request's phases here
             return None
 
     admission = AdmissionControl(AdmissionSettings())
+    metrics = ServingMetrics()
+    phases_taken = []
 
     async def main():
         tickets = admission.admit_choices(5, 3, 3)
-        choices = Choices([Generation(Backend(), ServingMetrics(), admission, f"r-{i}", [1, 2, 3, 4, 5],
+        choices = Choices([Generation(Backend(), metrics, admission, f"r-{i}", [1, 2, 3, 4, 5],
                                       SamplingParams(max_tokens=3), time.monotonic(), tickets[i])
                            for i in range(3)])
         closing = asyncio.create_task(choices.close("abort"))
@@ -616,6 +619,9 @@ def test_a_close_cancelled_while_it_aborts_one_choice_still_closes_the_others():
 
     asyncio.run(main())
     assert closed == ["r-0", "r-1", "r-2"]
+    # every choice is counted as ended and its phase record dropped, the cancelled one's too
+    assert sorted(phases_taken) == ["r-0", "r-1", "r-2"]
+    assert 'pdserve_requests_total{finish_reason="abort"} 3.0' in metrics.render()[0].decode()
     assert (admission.waiting_requests, admission.running) == (0, 0)
 
 
@@ -635,3 +641,41 @@ def test_a_replica_too_slow_to_answer_its_stats_still_counts_as_running():
     assert not policy.prefill_pool_empty
     policy.observe_workers("prefill", [], replicas=0)
     assert policy.prefill_pool_empty
+
+
+def test_a_replica_slow_to_answer_its_stats_keeps_its_metrics_series(monkeypatch):
+    """/metrics keeps the series of a replica that did not answer in time (before, they
+    vanished for a second whenever a loaded replica was slow, and came back after); a
+    replica gone from the pool loses them."""
+    import router.ingress as ingress
+    from router.serve_pools import ReplicaAnswers
+
+    rounds = iter([ReplicaAnswers([{"replica": "a", "num_running": 3},
+                                   {"replica": "b", "num_running": 4}], 0, 0),
+                   ReplicaAnswers([{"replica": "a", "num_running": 5}], 1, 0),   # b is slow
+                   ReplicaAnswers([{"replica": "a", "num_running": 6}], 0, 0)])  # b is gone
+
+    async def answers(handle, method, timeout_s):
+        return next(rounds)
+
+    monkeypatch.setattr(ingress, "replica_answers", answers)
+    router = object.__new__(ingress.Router.func_or_class)
+    router._workers = {"decode": object()}
+    router.policy = router.admission = router.autoscaler = None
+    router.metrics = ServingMetrics()
+
+    def series():
+        text = router.metrics.render()[0].decode()
+        return sorted(line for line in text.splitlines() if line.startswith("pdserve_num_requests_running"))
+
+    async def main():
+        seen = await router._refresh_worker_stats_once(set())
+        assert series() == ['pdserve_num_requests_running{worker="decode-a"} 3.0',
+                            'pdserve_num_requests_running{worker="decode-b"} 4.0']
+        seen = await router._refresh_worker_stats_once(seen)
+        assert series() == ['pdserve_num_requests_running{worker="decode-a"} 5.0',
+                            'pdserve_num_requests_running{worker="decode-b"} 4.0']
+        await router._refresh_worker_stats_once(seen)
+        assert series() == ['pdserve_num_requests_running{worker="decode-a"} 6.0']
+
+    asyncio.run(main())
