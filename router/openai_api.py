@@ -332,10 +332,12 @@ class _Server:
         if isinstance(body, ChatCompletionRequest):
             last = body.messages[-1]
             return Echo(last.content or "", prompt_ids) if last.role == body.reply_role else None
+        # decoded without the clean-up of tokenization spaces (" ." kept), as the streamed text and token strings
         if not isinstance(body.prompt, str):      # token ids, cut or not: the text of every id, special ones too
-            return Echo(self.tokenizer.decode(prompt_ids), prompt_ids)
+            return Echo(self.tokenizer.decode(prompt_ids, clean_up_tokenization_spaces=False), prompt_ids)
         if cut:         # text: the special tokens the tokenizer added are not the client's text
-            return Echo(self.tokenizer.decode(prompt_ids, skip_special_tokens=True), prompt_ids)
+            return Echo(self.tokenizer.decode(prompt_ids, skip_special_tokens=True,
+                                              clean_up_tokenization_spaces=False), prompt_ids)
         return Echo(body.prompt, prompt_ids)
 
     async def _prompt_and_params(self, body: CompletionRequest | ChatCompletionRequest,
@@ -640,9 +642,11 @@ class _Server:
 
 
 def _prompt_only(out: RequestOutput) -> RequestOutput:
-    """`out` without what the request generated (an echo alone: its one token ran only to score the prompt)."""
+    """`out` without what the request generated (an echo alone: its one token ran only to score the prompt),
+    finished, if it is, on its length of 0 tokens (OpenAI's), not on what ended the discarded token."""
+    finish = {"finish_reason": "length", "stop_reason": None} if out.finished else {}
     return dataclasses.replace(out, text="", token_ids=[], delta_text="", delta_token_ids=[],
-                               logprobs=None if out.logprobs is None else [], num_output_tokens=0)
+                               logprobs=None if out.logprobs is None else [], num_output_tokens=0, **finish)
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:

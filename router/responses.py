@@ -22,8 +22,9 @@ rank and decoded text, for the prompt's token and the best alternatives.
 Token strings in logprobs are each token's text after a fixed one-token context
 (decoded alone, a SentencePiece tokenizer drops a word's leading space, and the
 strings would not spell the completion nor `text_offset` point into it);
-`bytes` is that string's UTF-8 (a token that ends mid-character shows U+FFFD,
-as in vLLM). `text_offset` is the running sum of the strings' lengths (vLLM's):
+`bytes` is that string's UTF-8, but for a token that holds part of a character
+(its string shows U+FFFD, as in vLLM) the bytes its vocabulary entry stands for,
+so that a client can join them into the character (OpenAI's purpose for it). `text_offset` is the running sum of the strings' lengths (vLLM's):
 past a special token the completion skips, or a character split across tokens,
 it no longer points exactly into the text. Logprobs are floored at -9999
 because JSON has no -inf.
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +72,7 @@ class TokenTexts:
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self._texts: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
         anchor = tokenizer.encode("a", add_special_tokens=False)
         self._anchor = anchor[-1:]                     # a context token, [] where "a" has none
         self._anchor_text = self._decode(self._anchor)
@@ -86,6 +89,35 @@ class TokenTexts:
                 self._decode([token_id])
             self._texts[token_id] = text
         return text
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The token's bytes (chat logprobs' `bytes`, from which a client rebuilds a character split
+        across tokens): its text's UTF-8, but for a token that holds part of a character (its text
+        shows U+FFFD) the bytes its vocabulary entry stands for: a SentencePiece byte-fallback
+        piece `<0xNN>`, or a byte-level BPE piece (each character one byte)."""
+        found = self._bytes.get(token_id)
+        if found is None:
+            text = self(token_id)
+            found = list(text.encode("utf-8"))
+            if "\ufffd" in text:
+                piece = self.tokenizer.convert_ids_to_tokens(token_id)
+                if isinstance(piece, str) and (byte := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)):
+                    found = [int(byte[1], 16)]
+                elif isinstance(piece, str) and piece and all(c in _BYTE_OF_CHAR for c in piece):
+                    found = [_BYTE_OF_CHAR[c] for c in piece]
+            self._bytes[token_id] = found
+        return found
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Character -> byte of the alphabet byte-level BPE vocabularies (GPT-2's, Llama 3's, Qwen's)
+    are written in: printable bytes stand for themselves, the others for 256 + their rank."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +147,7 @@ class ResponseBuilder(ABC):
         self.prompt_token_ids = prompt_token_ids
         self.echo = echo
         self.token_label = token_id_label if tokens_as_ids else token_text
+        self.tokens_as_ids = tokens_as_ids
 
     def content(self, text: str, out: RequestOutput, text_offset: int,
                 opening: bool) -> tuple[str, dict | None, int]:
@@ -208,8 +241,11 @@ class CompletionResponses(ResponseBuilder):
                 token_logprobs.append(None)
                 top.append(None)
             else:
-                alternatives = {self.token_label(t): _finite(lp) for t, lp in entry.top}
-                alternatives.setdefault(text, _finite(entry.logprob))  # the sampled one is always listed
+                # the sampled token's own logprob under its text, then the best first: tokens whose texts
+                # coincide (bytes of one character, all U+FFFD) keep the better one, not the last one
+                alternatives = {text: _finite(entry.logprob)}
+                for t, lp in entry.top:
+                    alternatives.setdefault(self.token_label(t), _finite(lp))
                 token_logprobs.append(_finite(entry.logprob))
                 top.append(alternatives)
             tokens.append(text)
@@ -260,7 +296,8 @@ class ChatResponses(ResponseBuilder):
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.token_label(token_id)
-        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+        raw = list(text.encode("utf-8")) if self.tokens_as_ids else self.token_text.token_bytes(token_id)
+        return {"token": text, "logprob": _finite(logprob), "bytes": raw}
 
     def logprobs(self, entries: list[TokenLogprobs], text_offset: int) -> tuple[dict, int]:
         content = [{**self._entry(e.token_id, e.logprob),

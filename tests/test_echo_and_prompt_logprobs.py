@@ -217,3 +217,35 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client, backend, 
     content = r.json()["choices"][0]["logprobs"]["content"]
     assert [e["token"] for e in content] == [f"token_id:{t}" for t in backend.reply_ids[:2]]
     assert content[0]["bytes"] == list(f"token_id:{backend.reply_ids[0]}".encode())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_echo_with_max_tokens_0_finishes_on_length_whatever_ended_the_scoring_token(client, backend, stream):
+    # the one token run to score the prompt ends the reply ("stop"): it is not returned, so neither
+    # is why it ended; OpenAI answers max_tokens 0 with "length"
+    backend.reply_ids = backend.reply_ids[:1]
+    r = client.post(COMPLETIONS, json={"prompt": PROMPT, "max_tokens": 0, "echo": True, "stream": stream})
+    assert r.status_code == 200, r.text
+    if stream:
+        chunks = [json.loads(e) for e in sse_events(r) if e != "[DONE]"]
+        finishes = [c["finish_reason"] for chunk in chunks for c in chunk["choices"] if c["finish_reason"]]
+        assert finishes == ["length"]
+    else:
+        (choice,) = r.json()["choices"]
+        assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (PROMPT, "length", None)
+
+
+def test_echo_of_token_ids_keeps_spaces_before_punctuation(client, backend, tokenizer, monkeypatch):
+    # decoded as the stream and token strings are, without the clean-up of tokenization spaces
+    ids = tokenizer.encode("wait . it 's here", add_special_tokens=False)
+    real_decode = type(tokenizer).decode
+
+    def cleaning_decode(self, token_ids, *args, clean_up_tokenization_spaces=True, **kwargs):
+        # a checkpoint whose tokenizer_config asks for the clean-up, as Llama 3's does
+        text = real_decode(self, token_ids, *args, **kwargs)
+        return text.replace(" .", ".").replace(" 's", "'s") if clean_up_tokenization_spaces else text
+
+    monkeypatch.setattr(type(tokenizer), "decode", cleaning_decode)
+    r = client.post(COMPLETIONS, json={"prompt": ids, "max_tokens": 0, "echo": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == "wait . it 's here"

@@ -65,3 +65,38 @@ def test_token_strings_are_not_cleaned_up_as_the_streamed_text_is_not():
     texts = TokenTexts(_CleaningTokenizer())
     # each token's string is its text in the stream: " ." keeps its space (cleaned up, it lost it)
     assert [texts(t) for t in (1, 3, 2)] == ["end", " 's", " ."]
+
+
+def _split_character_ids(tokenizer) -> tuple[str, list[int]]:
+    """A character of 3 UTF-8 bytes and the tiny vocabulary's single-byte tokens spelling it."""
+    from tests.test_detokenizer import _gpt2_byte_chars
+    table = _gpt2_byte_chars()
+    character = "中"
+    return character, [tokenizer.convert_tokens_to_ids(table[b]) for b in character.encode()]
+
+
+def test_chat_bytes_of_tokens_that_split_a_character_join_into_it():
+    # each token's text is U+FFFD; its bytes are the vocabulary's (before: U+FFFD's own UTF-8, 3 per token)
+    tokenizer = load_tokenizer(ensure_default_model())
+    character, ids = _split_character_ids(tokenizer)
+    assert tokenizer.decode(ids) == character
+    chat, _ = ChatResponses(TokenTexts(tokenizer)).logprobs(entries(ids), 0)
+    assert [entry["token"] for entry in chat["content"]] == ["\ufffd"] * 3
+    assert bytes(b for entry in chat["content"] for b in entry["bytes"]).decode() == character
+    whole = tokenizer.encode("hello world", add_special_tokens=False)
+    chat, _ = ChatResponses(TokenTexts(tokenizer)).logprobs(entries(whole), 0)
+    assert bytes(b for entry in chat["content"] for b in entry["bytes"]).decode() == "hello world"
+
+
+def test_top_logprobs_of_tokens_with_the_same_text_keep_the_better_and_the_sampled_ones():
+    # two byte tokens both read U+FFFD: the dict, keyed by text, kept the last (worst) value,
+    # and the sampled token's own logprob then disagreed with token_logprobs
+    tokenizer = load_tokenizer(ensure_default_model())
+    _, (first, second, third) = _split_character_ids(tokenizer)
+    entry = TokenLogprobs(first, -0.1, 1, [(first, -0.1), (second, -2.0), (third, -3.0)])
+    logprobs, _ = CompletionResponses(TokenTexts(tokenizer)).logprobs([entry], 0)
+    assert logprobs["token_logprobs"] == [-0.1]
+    assert logprobs["top_logprobs"] == [{"\ufffd": -0.1}]
+    entry = TokenLogprobs(third, -3.0, 3, [(first, -0.1), (second, -2.0)])    # sampled outside the best two
+    logprobs, _ = CompletionResponses(TokenTexts(tokenizer)).logprobs([entry], 0)
+    assert logprobs["top_logprobs"] == [{"\ufffd": -3.0}]
