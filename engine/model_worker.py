@@ -189,10 +189,18 @@ class ModelWorker:
         del scratch, layers
         torch.cuda.empty_cache()
         sampling_peak = self._sampling_peak(self.config.max_num_seqs)
-        reserve = decode_peak + max(prefill_peak, sampling_peak)
-        log.info("activation reserve %.0f MiB (peaks: prefill %.0f, decode %.0f, sampling %.0f MiB)",
-                 reserve / 2**20, prefill_peak / 2**20, decode_peak / 2**20, sampling_peak / 2**20)
+        reserve = decode_peak + self._graph_logits_bytes() + max(prefill_peak, sampling_peak)
+        log.info("activation reserve %.0f MiB (peaks: prefill %.0f, decode %.0f, sampling %.0f MiB; the smaller "
+                 "graphs' logits %.0f MiB)", reserve / 2**20, prefill_peak / 2**20, decode_peak / 2**20,
+                 sampling_peak / 2**20, self._graph_logits_bytes() / 2**20)
         return reserve
+
+    def _graph_logits_bytes(self) -> int:
+        """What the captured decode graphs keep beside the largest one's peak: each graph's
+        output, float32 logits [B, vocab rows of every rank], stays allocated in the shared pool."""
+        sizes = self.graph_sizes
+        vocab_rows = -(-self.model_config.vocab_size // self.tp.size) * self.tp.size
+        return 4 * vocab_rows * (sum(sizes) - max(sizes, default=0))
 
     def _forward_peak(self, inputs: ModelInputs | None, layers: list, baseline: int) -> int:
         """Peak CUDA bytes above `baseline` of one forward pass and its logits (0 for None)."""

@@ -197,7 +197,10 @@ class Scheduler:
                 seq.num_cached_prompt_tokens = min(cached, seq.num_prompt_tokens)
             remaining = seq.num_uncomputed_tokens
             n = min(remaining, budget)
-            need = self.block_manager.blocks_needed(seq.block_table, seq.num_computed_tokens + n)
+            # the blocks of its whole prompt, not only of this chunk: a prompt admitted on its first
+            # chunk's blocks that cannot get its later ones preempts itself (the newest) and, readmitted,
+            # starts over, step after step while what fills the cache stays (held or reserved blocks)
+            need = self.block_manager.blocks_needed(seq.block_table, seq.num_computed_tokens + remaining)
             if (n < remaining and not self.enable_chunked_prefill) or \
                     need + set_aside_blocks > self.block_manager.num_free_blocks or \
                     not self.block_manager.allocate(seq.block_table, seq.num_computed_tokens + n):

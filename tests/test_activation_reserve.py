@@ -1,5 +1,6 @@
-"""What the GPU's KV sizing keeps free for a step: the decode graph pool plus the
-larger of the largest prefill's and the sampler's peaks, the sampler measured on
+"""What the GPU's KV sizing keeps free for a step: the decode graph pool (the largest
+graph's peak and every smaller graph's logits) plus the larger of the largest prefill's
+and the sampler's peaks, the sampler measured on
 rows that take every path that allocates. The CUDA memory counters are replaced
 by fakes so the bookkeeping runs here on the real model and sampler."""
 
@@ -50,9 +51,11 @@ def test_the_reserve_is_the_graph_pool_plus_the_larger_of_prefill_and_sampling(m
     peaks = {"prefill": 300, "decode": 50}
     monkeypatch.setattr(worker, "_forward_peak",
                         lambda inputs, layers, baseline: peaks["prefill" if inputs.meta.prefills else "decode"])
+    # the graphs of 1 and 2 keep their float32 logits beside the largest's peak
+    kept_logits = 4 * worker.model_config.vocab_size * (1 + 2)
     for sampling, expected in ((200, 350), (700, 750)):
         monkeypatch.setattr(worker, "_sampling_peak", lambda rows, _p=sampling: _p)
-        assert worker._activation_reserve(spec) == expected
+        assert worker._activation_reserve(spec) == expected + kept_logits
 
 
 def test_the_kv_cache_on_a_gpu_leaves_the_staging_budget_free(model_dirs, monkeypatch):

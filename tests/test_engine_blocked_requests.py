@@ -38,6 +38,25 @@ def test_offline_run_to_completion_says_what_blocks_the_waiting_requests(model):
     assert [o.request_id for o in engine.run_to_completion()] == ["2"]      # now it fits
 
 
+def test_a_chunked_prompt_whose_later_blocks_are_held_waits_instead_of_preempting_itself_forever(model):
+    # 4 of 8 blocks held; a 40-token prompt (5 blocks) in chunks of 16 tokens: its first two chunks
+    # fitted, the third preempted the prompt itself, and without the prefix cache it started over,
+    # a step that was never empty, for ever
+    engine = _small_pool(model, max_num_batched_tokens=16, enable_prefix_caching=False, async_scheduling=False)
+    engine.add_request("held", list(range(3, 33)), GREEDY, hold_kv=True)          # 4 blocks
+    while engine.has_unfinished_requests():
+        engine.step(decode=False)
+    engine.add_request("long", list(range(40, 80)), GREEDY)
+    for _ in range(20):
+        engine.step()
+    assert engine.scheduler.num_preemptions == 0
+    with pytest.raises(RuntimeError, match="1 requests wait for KV blocks or sequence slots that 1 held"):
+        engine.run_to_completion()
+    engine.release_kv("held")
+    [out] = engine.run_to_completion()
+    assert (out.request_id, len(out.token_ids)) == ("long", 4)
+
+
 def test_the_engine_thread_polls_while_requests_wait_for_held_blocks(model):
     def fill(engine: LLMEngine) -> None:
         for i in range(2):
