@@ -5,8 +5,9 @@ Mirrors engine/scheduler.py: running sequences first, oldest first (a
 decode costs one token of the step's budget, a prompt chunk as many tokens as
 fit); a sequence that needs a block when none is free preempts the newest
 running one, which loses its KV and is recomputed later (prompt and output so
-far); waiting sequences are admitted while blocks, the budget and
-max_num_seqs allow, and not in a step that had to preempt. With a prefix
+far); waiting sequences are admitted while the blocks of their whole prompt
+are free and the budget and max_num_seqs allow, and not in a step that had to
+preempt. With a prefix
 cache (cluster/simulator/prefix_cache.py), a sequence that starts with no KV
 here starts after the prompt blocks the replica has cached.
 """
@@ -166,7 +167,8 @@ class SimReplica:
             cached = self._cached_tokens(seq)
             remaining = seq.num_tokens - seq.computed - cached
             n = min(remaining, budget)
-            if (n < remaining and not self.enable_chunked_prefill) or \
+            whole = self.blocks_for(seq.num_tokens) - self.blocks_for(seq.computed)   # admitted only if all fit
+            if (n < remaining and not self.enable_chunked_prefill) or whole > self.free_blocks or \
                     not self._allocate(seq, seq.computed + cached + n):
                 break
             self.waiting.popleft()
