@@ -317,6 +317,37 @@ def test_a_receive_forgotten_on_the_wire_leaves_the_pair_up(spawn_agent):
         receiver.close()
 
 
+def test_a_pair_the_receiver_dropped_is_rebuilt_by_the_sender_before_its_next_send(spawn_agent):
+    """An idle sender paused past the timeout (GC, swap, a stopped VM): the receiver drops the pair.
+    Resumed, the sender finds that out at its next heartbeat and sends the next transfer over a
+    new pair (before, the transfer went into the dropped pair and failed)."""
+    receiver = PairGroupReceiver(timeout_s=SHORT_S)
+    try:
+        agent = spawn_agent("sender", timeout_s=SHORT_S)
+        name = agent.identity()
+        receiver.expect("p/warm", name, torch.empty(1024))
+        agent.call("send", "p/warm", receiver.address, 4096, torch.float32, 1)
+        assert wait_final(receiver.poll, "p/warm", name) is TransferState.DONE, receiver.error("p/warm", name)
+        first = receiver._pairs[name]
+        os.kill(agent.proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + SHORT_S + SLACK_S
+        while first.broken is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert first.broken is not None and "no word from" in first.broken
+        os.kill(agent.proc.pid, signal.SIGCONT)
+        time.sleep(SHORT_S / 4 + 1.0)       # the sender's next heartbeat
+        after = torch.empty(1024)
+        receiver.expect("p/after", name, after)
+        agent.call("send", "p/after", receiver.address, 4096, torch.float32, 2)
+        assert wait_final(receiver.poll, "p/after", name) is TransferState.DONE, receiver.error("p/after", name)
+        state, error, _ = agent.result("p/after")
+        assert state is TransferState.DONE, error
+        assert receiver._pairs[name] is not first
+        assert digest(after) == digest(payload(4096, torch.float32, 2))
+    finally:
+        receiver.close()
+
+
 def test_unknown_id_or_wrong_size_fails_on_both_sides(sender, remote_receiver):
     sender.send("e/nobody", remote_receiver.identity(), torch.ones(10))
     assert wait_final(sender.poll, "e/nobody") is TransferState.FAILED

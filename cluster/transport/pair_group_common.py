@@ -42,7 +42,9 @@ Epochs: a pair that breaks (timeout, peer gone, close, a receiver's forget while
 on the wire) is dropped for good; the sender's next send to that peer builds a new pair
 with the next epoch, so nothing of a broken pair is ever reused. A receiver drops
 its side when the same sender joins again, when the sender says stop, or when it
-hears nothing (not even the idle heartbeat, "B", every timeout_s / 4) for timeout_s.
+hears nothing (not even the idle heartbeat, "B", every timeout_s / 4) for timeout_s;
+dropping it on its own, it sets "closed" (sealed) under the pair's prefix, which
+the sender reads before its next heartbeat and drops its side too.
 
 Timeouts (timeout_s): connecting a pair; each transfer from the moment its header
 is posted to its ack; on the receiver, an expected transfer that sees no activity
@@ -164,7 +166,7 @@ def pair_key(secret: str, challenge: str, epoch: int, sender: str, receiver: str
 
 
 def seal(key: bytes, kind: str, seq: int, text: str) -> str:
-    """`text` as message `seq` of `kind` ("hdr" or "ack") of the pair keyed `key`,
+    """`text` as message `seq` of `kind` ("hdr", "ack" or "closed") of the pair keyed `key`,
     with a MAC that binds it to that place: "<text>|<mac>"."""
     mac = hmac.new(key, f"{kind}/{seq}/{text}".encode(), hashlib.sha256).hexdigest()[:32]
     return f"{text}|{mac}"
@@ -204,6 +206,11 @@ def hdr_key(seq: int) -> str:
 def ack_key(seq: int) -> str:
     """The receiver's verdict on message `seq` ("" = ok; under the pair's prefix)."""
     return f"ack/{seq}"
+
+
+# under a pair's prefix: written by a receiver that dropped the pair on its side (no word from the
+# sender in time, a transfer that failed there), read by the sender before each heartbeat
+CLOSED_KEY = "closed"
 
 
 def default_name(role: str) -> str:

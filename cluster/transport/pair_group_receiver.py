@@ -36,6 +36,7 @@ from cluster.transport.kv_transport import (
 )
 from cluster.transport.pair_group_common import (
     CHALLENGE_BYTES,
+    CLOSED_KEY,
     TAG_MASK,
     Settings,
     Transfer,
@@ -167,6 +168,7 @@ class _RecvPair:
         if dropped:   # while connecting: the loop below will not run
             abort_group(group, cfg.backend, peer_rank=0)
         msgs.set_timeout(datetime.timedelta(seconds=cfg.timeout_s))   # idle pairs hear a heartbeat sooner
+        said_stop = False
         while self.broken is None:
             try:
                 sealed = msgs.get(hdr_key(self.seq)).decode("utf-8", errors="replace")   # until the sender writes it
@@ -184,6 +186,7 @@ class _RecvPair:
                 break
             with lock:
                 if self.broken is not None or text == "S":
+                    said_stop = text == "S"
                     break
                 seq, self.seq = self.seq, self.seq + 1
             try:
@@ -199,8 +202,18 @@ class _RecvPair:
                 self.drop(f"timed out after {cfg.timeout_s} s" if late
                           else f"failed: {describe(exc)} (is {self.sender} alive?)", wake=False)
         self.drop(f"failed: {self.sender} closed the pair", wake=False)   # no-op unless it said stop
+        if not said_stop:
+            self._tell_sender_closed(msgs)
         with lock:
             self.group = None
+
+    def _tell_sender_closed(self, msgs: dist.PrefixStore) -> None:
+        """Tells the sender that this side dropped the pair, so that it makes a new one for its next
+        transfer instead of sending into this one (and its heartbeats pile up unread here)."""
+        try:
+            msgs.set(CLOSED_KEY, seal(self.key, "closed", 0, self.broken or "closed"))
+        except Exception:  # noqa: BLE001 - the store is gone: the sender finds out on its next call
+            log.debug("could not tell %s that the pair closed", self.sender, exc_info=True)
 
     def _move(self, seq: int, header: str, group: dist.Backend) -> str:
         """Receives one transfer; returns the verdict for the sender ("" = ok)."""

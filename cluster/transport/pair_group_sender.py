@@ -8,7 +8,8 @@ on the first send to its receiver); a transfer is DONE only once the receiver ha
 acknowledged its bytes, and FAILED with the receiver's verdict if it refused them;
 poll() fails a transfer on time even when its pair thread is stuck in a call that
 cannot be interrupted; a transfer that fails while on the wire aborts its pair's
-group, and the next send to that receiver makes a new pair; one that is
+group, and the next send to that receiver makes a new pair, as does a pair the
+receiver dropped on its side (seen at the next heartbeat); one that is
 forgotten while on the wire finishes its send (the sender owns its buffer, a
 private packed copy), so the transfers queued behind it are not failed with it.
 All state is guarded by the sender's one lock, which its pair threads share.
@@ -33,6 +34,7 @@ from cluster.transport.kv_transport import (
     TransferState,
 )
 from cluster.transport.pair_group_common import (
+    CLOSED_KEY,
     JOIN_HINT,
     TAG_MASK,
     Settings,
@@ -80,6 +82,7 @@ class _SendPair:
         self.connect_deadline = time.monotonic() + cfg.timeout_s
         self.connected = False
         self.broken: str | None = None
+        self.closed_by_peer = False  # the receiver dropped the pair on its side (it reads nothing more)
         self.store: dist.TCPStore | None = None
         self.msgs: dist.PrefixStore | None = None
         self.group: dist.Backend | None = None
@@ -123,7 +126,7 @@ class _SendPair:
                     self.current, data = t, t.data
             try:
                 if t is None:
-                    self._header("B")      # heartbeat: the receiver drops pairs that go silent
+                    self._heartbeat()
                 else:
                     self._move(t, data)
             except Exception as exc:  # noqa: BLE001 - reported in the transfers' errors
@@ -170,6 +173,18 @@ class _SendPair:
         if broken is not None:   # dropped (timed out, closed) while connecting
             abort_group(group, self.cfg.backend, peer_rank=1)
 
+    def _heartbeat(self) -> None:
+        """Keeps an idle pair alive (the receiver drops pairs that go silent), unless the receiver
+        has dropped it already (this process was paused past the timeout, say): then this side
+        breaks too, and the next send makes a new pair instead of failing on this one."""
+        if self.msgs.check([CLOSED_KEY]):
+            notice = unseal(self.key, "closed", 0, self.msgs.get(CLOSED_KEY).decode("utf-8", "replace"))
+            if notice is not None:
+                self.closed_by_peer = True
+                self.drop(f"closed by {self.peer.name}: {notice}")
+                return
+        self._header("B")
+
     def _header(self, text: str) -> int:
         seq, self.seq = self.seq, self.seq + 1
         self.msgs.set(hdr_key(seq), seal(self.key, "hdr", seq, text))
@@ -195,7 +210,7 @@ class _SendPair:
                 t.finish(TransferState.DONE)
 
     def _teardown(self) -> None:
-        if self.msgs is not None:
+        if self.msgs is not None and not self.closed_by_peer:
             try:
                 self._header("S")   # lets the receiver drop its side now rather than after timeout_s
             except Exception:  # the receiver is gone already
