@@ -447,6 +447,7 @@ def test_only_a_sender_holding_the_secret_gets_a_pair(spawn_agent):
             impostor.send(f"s/forged{i}", address, payload(4096, torch.uint8, seed=i))
             assert wait_final(impostor.poll, f"s/forged{i}") is TransferState.FAILED
             assert "refused: the secret does not match" in impostor.error(f"s/forged{i}")
+            assert "within" not in impostor.error(f"s/forged{i}")     # an answer, not a timeout
             state, error, received = agent.result(f"s/forged{i}", impostor.name, limit_s=SHORT_S + SLACK_S)
             assert state is TransferState.FAILED and "no data" in error
             assert received == digest(torch.full((4096,), 7, dtype=torch.uint8))   # untouched

@@ -6,8 +6,9 @@ per decode rank process, a poll-able state per transfer.
 
 A transfer moves one contiguous buffer from one sending process to one
 receiving process (a "pair"). A request's KV usually takes several transfers
-(one per pair of prefill rank and decode rank that share KV heads), all with
-the same transfer id. Contracts:
+(one per pair of prefill rank and decode rank that share KV heads), each with
+its own id, the request's transfer id and the piece's index
+(cluster/transport/kv_handoff.py: "<transfer id>/<k>"). Contracts:
 
 - `expect` is called before the matching `send` starts (the decode side
   reserves and posts its receive, then the prefill side is told to send); data

@@ -10,8 +10,9 @@ buffer, or refused: not expected, wrong size, already final) is authoritative an
 goes back to the sender in the ack. Data nobody expects is discarded and kept as
 a FAILED record (at most MAX_ORPHANS of them). poll() fails a transfer on time
 even when its pair thread is stuck in a call that cannot be interrupted; a
-transfer that fails or is forgotten while on the wire aborts its pair's group,
-so its buffer is not written again. All state is guarded by the receiver's one
+transfer that fails while on the wire aborts its pair's group, so its buffer is
+not written again; one forgotten while on the wire finishes into its buffer,
+unread (forget), and the pair goes on. All state is guarded by the receiver's one
 lock, which its acceptor and pair threads share.
 """
 

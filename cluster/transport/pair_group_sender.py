@@ -109,6 +109,8 @@ class _SendPair:
     def _run(self) -> None:
         try:
             self._connect()
+        except KVTransportError as exc:   # the receiver answered: it refused the pair (and says why)
+            self.drop(f"failed: no pair with {self.peer.name} at {self.peer.host}:{self.peer.port}: {exc}")
         except Exception as exc:  # noqa: BLE001 - any failure to connect fails the queued transfers
             self.drop(f"failed: could not connect to {self.peer.name} at {self.peer.host}:{self.peer.port} "
                       f"within {self.cfg.timeout_s} s: {describe(exc)}")
