@@ -14,6 +14,8 @@ Contracts:
 
 from __future__ import annotations
 
+import inspect
+
 import logging
 import re
 from collections.abc import Callable, Mapping
@@ -91,11 +93,22 @@ class StreamOptions(BaseModel):
 _UNSUPPORTED_EXTENSIONS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
                            "logits_processors",
                            "use_beam_search", "cache_salt", "structural_tag")
-# apply_chat_template's own arguments: not for a request's chat_template_kwargs to set
-_TEMPLATE_ARGUMENTS = frozenset({"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
-                                 "continue_final_message", "tokenize", "padding", "truncation", "max_length",
-                                 "return_tensors", "return_dict", "return_assistant_tokens_mask",
-                                 "tokenizer_kwargs"})
+
+
+def _template_arguments() -> frozenset[str]:
+    """apply_chat_template's own arguments, not for a request's chat_template_kwargs to set: those
+    this code knows of, and whatever the installed transformers adds (5.x's sanitize_control_tokens
+    switches the tokenizer's shared encoder state)."""
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    known = {"conversation", "conversations", "tools", "documents", "chat_template", "add_generation_prompt",
+             "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation",
+             "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+    parameters = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+    return frozenset(known | {name for name, p in parameters.items()
+                              if name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD})
+
+
+_TEMPLATE_ARGUMENTS = _template_arguments()
 
 
 _ignored_fields_logged: set[tuple[str, str]] = set()     # (request model, field)
@@ -461,6 +474,12 @@ class _ChatPrompt(BaseModel):
     continue_final_message: StrictBool = False   # vLLM: the reply continues the last (assistant) message
     chat_template_kwargs: dict[str, Any] | None = None   # vLLM: extra variables for the template
     add_special_tokens: StrictBool = False   # vLLM: BOS etc. on top of what the template adds
+    # what vLLM passes to the template and this server does not render: refused (check_rendering), so that
+    # /tokenize does not count a prompt without them that the chat endpoint would refuse
+    tools: Any = None
+    tool_choice: Any = None
+    documents: Any = None                    # vLLM's documents for the chat template (RAG)
+    chat_template: Any = None                # a template of its own
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -492,6 +511,18 @@ class _ChatPrompt(BaseModel):
 
     def check_rendering(self) -> None:
         """Raise InvalidRequestError for settings the template cannot render."""
+        if self.tools:
+            raise InvalidRequestError("tools (tool calling) is not supported; remove it.", param="tools")
+        if self.tool_choice not in (None, "none"):
+            raise InvalidRequestError("tool_choice is not supported (no tool calling); remove it.",
+                                      param="tool_choice")
+        if self.documents:
+            raise InvalidRequestError("documents is not supported: this server does not pass documents to the "
+                                      "chat template. Put them in the messages, or remove documents.",
+                                      param="documents")
+        if self.chat_template is not None:
+            raise InvalidRequestError("chat_template is not supported: this server renders every conversation "
+                                      "with the model's own template. Remove it.", param="chat_template")
         if self.continue_final_message:
             if self.add_generation_prompt:
                 raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true: "
@@ -523,9 +554,7 @@ class ChatCompletionRequest(_ChatPrompt, _GenerationRequest):
     logprobs: StrictBool | None = False
     top_logprobs: Int64 | None = None
     echo: StrictBool | None = False          # vLLM's: the reply starts with the last message, if it is the assistant's
-    documents: Any = None                    # vLLM's documents for the chat template (RAG): refused
-    chat_template: Any = None                # a template of its own, best_of > 1: refused
-    best_of: Any = None
+    best_of: Any = None                      # > 1: refused
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -534,13 +563,6 @@ class ChatCompletionRequest(_ChatPrompt, _GenerationRequest):
                                       param="top_logprobs")
         if self.top_logprobs and not self.logprobs:     # 0 asks for nothing (vLLM takes it too)
             raise InvalidRequestError("top_logprobs requires logprobs=true.", param="top_logprobs")
-        if self.documents:
-            raise InvalidRequestError("documents is not supported: this server does not pass documents to the "
-                                      "chat template. Put them in the messages, or remove documents.",
-                                      param="documents")
-        if self.chat_template is not None:
-            raise InvalidRequestError("chat_template is not supported: this server renders every conversation "
-                                      "with the model's own template. Remove it.", param="chat_template")
         if self.best_of not in (None, 1):
             raise InvalidRequestError("best_of > 1 is not supported; send one request per candidate.",
                                       param="best_of")

@@ -391,6 +391,12 @@ def test_tokenize_and_detokenize_as_vllms(client, backend, tokenizer):
     assert_openai_error(client.post("/tokenize", json={}), 400, "prompt", "prompt is required")
     assert_openai_error(client.post("/tokenize", json={"messages": USER, "continue_final_message": True}), 400,
                         "continue_final_message", "set add_generation_prompt to false")
+    # what the chat endpoint refuses to render, /tokenize does not count without
+    tool = {"type": "function", "function": {"name": "f"}}
+    for field, value, says in (("tools", [tool], "tool calling"), ("tool_choice", "auto", "no tool calling"),
+                               ("documents", [{"text": "a"}], "documents is not supported"),
+                               ("chat_template", "{{ 1 }}", "chat_template is not supported")):
+        assert_openai_error(client.post("/tokenize", json={"messages": USER, field: value}), 400, field, says)
     assert_openai_error(client.post("/tokenize", json={"prompt": "x" * 1_000_000}), 400, "prompt",
                         "far more than 64 tokens can hold")
     assert_openai_error(client.post("/detokenize", json={"tokens": [5, len(tokenizer)]}), 400, "tokens",
@@ -685,6 +691,9 @@ LONG = list(range(3, 3 + MAX_MODEL_LEN))
      "valid boolean"),
     (CHAT, {"messages": USER, "chat_template_kwargs": {"tokenize": False}}, 400, "chat_template_kwargs",
      "may not set tokenize"),
+    # transformers 5's own argument: it switches the shared tokenizer's special-token splitting
+    (CHAT, {"messages": USER, "chat_template_kwargs": {"sanitize_control_tokens": True}}, 400,
+     "chat_template_kwargs", "may not set sanitize_control_tokens"),
     # rendered to text, then tokenized with the special tokens: a kwarg the template prints that is not text
     (CHAT, {"messages": USER, "add_special_tokens": True, "chat_template_kwargs": {"bos_token": "\ud800"}}, 400,
      "chat_template_kwargs", "The rendered chat cannot be tokenized"),
