@@ -213,6 +213,9 @@ class _Server:
         self.max_token_chars = _longest_token_chars(tokenizer)
         self.token_texts = TokenTexts(tokenizer)
         self.added_special_ids = list(tokenizer.encode("", add_special_tokens=True))   # e.g. [BOS]
+        if getattr(tokenizer, "chat_template", None) is None:
+            log.warning("the model's tokenizer has no chat template: /v1/chat/completions answers 400; "
+                        "/v1/completions serves prompts as text")
 
     def models(self) -> dict[str, Any]:
         name = self.info.served_model_name
@@ -473,6 +476,9 @@ class _Server:
                 return list(self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
             except (TypeError, ValueError) as exc:   # e.g. text the tokenizer cannot take
                 raise InvalidRequestError(f"The prompt cannot be tokenized: {exc}", param="prompt") from None
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise InvalidRequestError("This model's tokenizer has no chat template, so it cannot run a "
+                                      "conversation: send the prompt text to /v1/completions instead.")
         try:
             rendered = self.tokenizer.apply_chat_template(
                 body.chat_messages(), add_generation_prompt=body.add_generation_prompt,

@@ -1105,3 +1105,18 @@ def test_a_stream_that_ends_before_any_output_is_an_http_error_not_a_200(client,
     response = client.post(CHAT, json={"messages": USER, "stream": True})
     assert response.status_code == 503
     assert "ended before its first output" in response.json()["error"]["message"]
+
+
+def test_a_model_without_a_chat_template_says_so_instead_of_blaming_the_messages(tokenizer):
+    import copy
+    bare = copy.deepcopy(tokenizer)
+    bare.chat_template = None
+    app = build_openai_app(FakeBackend(bare, len(bare)), bare, ServingMetrics())
+    with TestClient(app, raise_server_exceptions=False) as client:
+        r = client.post(CHAT, json={"model": MODEL, "messages": USER, "max_tokens": 2})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert "has no chat template" in error["message"] and "/v1/completions" in error["message"]
+        assert error["param"] is None
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 200, r.text
