@@ -129,7 +129,8 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     its index) that has none of the prompt forms."""
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    if not isinstance(prompts, Sequence):      # (a numpy array or a tensor: not taken for a list of prompts)
+    # (a numpy array or a tensor: not taken for a list of prompts; bytes are not token ids)
+    if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
         raise ValueError(f"prompts must be one prompt or a list of them, each {_PROMPT_FORMS}; "
                          f"got {type(prompts).__name__}")
     prompts = list(prompts)
@@ -137,7 +138,8 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         return [prompts]  # a single token-id prompt
     for i, prompt in enumerate(prompts):
         ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt
-        if isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt" in prompt and ids is None):
+        if isinstance(prompt, str) or (isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str)
+                                       and ids is None):
             continue
         if not (isinstance(ids, list | tuple) and all(_is_token_id(t) for t in ids)):
             raise ValueError(f"prompt {i} must be {_PROMPT_FORMS}; got {type(prompt).__name__}"
@@ -151,7 +153,7 @@ def _is_token_id(value: object) -> bool:
 
 def _prompt_value(prompt: Prompt) -> str | list[int]:
     if isinstance(prompt, dict):
-        if "prompt_token_ids" in prompt:
+        if prompt.get("prompt_token_ids") is not None:
             return list(prompt["prompt_token_ids"])
         if "prompt" in prompt:
             return prompt["prompt"]

@@ -192,6 +192,9 @@ class LLMEngine:
             if not prompt:
                 raise InvalidRequestError("prompt is empty; send at least one token", "prompt")
             return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)):     # bytes would pass for token ids
+            raise InvalidRequestError(f"prompt must be text or a list of token ids; got {type(prompt).__name__}",
+                                      "prompt")
         return list(prompt)
 
     def validate_prompt(self, token_ids: list[int]) -> None:

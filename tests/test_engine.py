@@ -301,11 +301,19 @@ def test_a_prompt_of_no_prompt_form_is_named_with_its_index(llm):
     import torch
     for prompts, says in ((np.array([1, 2, 3]), "got ndarray"), (torch.tensor([1, 2]), "got Tensor"),
                           (["a", [1, True]], "prompt 1 must be a str, a list of int token ids"),
-                          (["a", {"prompt_token_ids": np.array([1, 2])}], "prompt 1 must be .* holding ndarray")):
+                          (["a", {"prompt_token_ids": np.array([1, 2])}], "prompt 1 must be .* holding ndarray"),
+                          # bytes are a sequence of ints: they ran as token ids
+                          (b"Hello", "got bytes"), ([{"prompt": b"Hello"}], "prompt 0 must be"),
+                          ([{"prompt": 123}], "prompt 0 must be"), ([{"prompt": None}], "prompt 0 must be")):
         with pytest.raises(ValueError, match=says):        # (a TypeError from deep inside, or "outside the vocabulary")
             llm.generate(prompts, _greedy(max_tokens=1))
     assert not llm.engine.has_unfinished_requests()
     assert llm.generate([{"prompt_token_ids": (5, 6, 7)}], _greedy(max_tokens=1))[0].finished     # a tuple is fine
+    # a prompt_token_ids of None leaves the text to decide (it was list(None), a TypeError)
+    assert llm.generate([{"prompt": "fine", "prompt_token_ids": None}], _greedy(max_tokens=1))[0].finished
+    with pytest.raises(InvalidRequestError, match="prompt must be text or a list of token ids; got bytes"):
+        llm.engine.add_request("raw-bytes", b"Hello", _greedy(max_tokens=1))
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_generate_validates_every_prompt_before_running(llm):
