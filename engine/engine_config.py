@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -65,8 +66,9 @@ class EngineConfig:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not -2**63 <= self.seed < 2**64:
             raise ValueError(f"seed must be an integer within 64 bits, got {self.seed!r}")
         for name in ("gpu_memory_utilization", "kv_cache_memory_gib", "kv_transfer_staging_gib"):
-            if not isinstance(getattr(self, name), int | float) or isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         if not isinstance(self.device, str):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -82,7 +84,8 @@ class EngineConfig:
                              "tensor_parallel_size > 1 (rank r uses cuda:r)")
         if self.attention_backend not in ("auto", "torch", "triton", "cpp"):
             raise ValueError(f"attention_backend must be auto, torch, triton or cpp, got {self.attention_backend!r}")
-        if self.async_scheduling not in ("auto", True, False):
+        # (1 == True: an int would pass `in` and then miss the `is True` below)
+        if not (isinstance(self.async_scheduling, bool) or self.async_scheduling == "auto"):
             raise ValueError(f"async_scheduling must be auto, true or false, got {self.async_scheduling!r}")
         if self.async_scheduling is True and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling needs tensor_parallel_size 1 (the other ranks would need each "

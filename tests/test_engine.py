@@ -358,7 +358,11 @@ def test_missing_config_and_bad_options(tmp_path, model_dirs):
     for bad, says in (({"enable_prefix_caching": "false"}, "enable_prefix_caching must be true or false"),
                       ({"seed": None}, "seed must be an integer within 64 bits"),
                       ({"seed": 2**70}, "seed must be an integer within 64 bits"),
-                      ({"gpu_memory_utilization": "0.9"}, "gpu_memory_utilization must be a number"),
+                      ({"gpu_memory_utilization": "0.9"}, "gpu_memory_utilization must be a finite number"),
+                      ({"kv_cache_memory_gib": float("nan")}, "kv_cache_memory_gib must be a finite number"),
+                      ({"kv_transfer_staging_gib": float("inf")}, "kv_transfer_staging_gib must be a finite"),
+                      # 1 == True passed the choice and missed the TP check: -1 placeholders on other ranks
+                      ({"async_scheduling": 1, "tensor_parallel_size": 2}, "async_scheduling must be auto"),
                       ({"device": None}, "device must be auto, cpu or cuda")):
         with pytest.raises(ValueError, match=says):
             EngineConfig(model="x", **bad)
