@@ -430,7 +430,8 @@ class DeploymentConfig(_Strict):
             max_num_seqs=e.max_num_seqs, max_num_batched_tokens=self.tokens_per_step(),
             enable_chunked_prefill=e.enable_chunked_prefill, enable_prefix_caching=e.enable_prefix_caching,
             tensor_parallel_size=pool.tensor_parallel_size, attention_backend=e.attention_backend,
-            enforce_eager=e.enforce_eager, max_cuda_graph_batch_size=e.max_cuda_graph_batch_size,
+            # a prefill worker never runs a decode step: no decode graphs to capture and reserve memory for
+            enforce_eager=e.enforce_eager or role == "prefill", max_cuda_graph_batch_size=e.max_cuda_graph_batch_size,
             cpu_weight_prepack=e.cpu_weight_prepack, skinny_gemm=e.skinny_gemm,
             async_scheduling=e.async_scheduling if pool.tensor_parallel_size == 1 else False,
             cpu_threads=max(1, int(cpus)) if self.device == "cpu" and cpus is not None else None,

@@ -222,3 +222,11 @@ def test_a_setting_given_twice_in_a_section_is_refused(tmp_path):
     path.write_text("base: &b {max_num_seqs: 4}\nengine:\n  <<: *b\n  max_num_seqs: 8\n")   # a merge is not a repeat
     with pytest.raises(ConfigFileError, match="base"):           # (an unknown section, refused as such)
         load_config(path)
+
+
+def test_prefill_workers_capture_no_decode_graphs_on_a_gpu():
+    # a prefill engine never runs a decode step: its decode CUDA graphs took start-up time and a
+    # reserve of GPU memory (the largest batch's peak, every graph's logits) from its KV cache
+    config = load_config(CONFIGS / "llama-3-70b-8xh100.yaml")
+    prefill, decode = (config.engine_config(role, "/models/llama") for role in ("prefill", "decode"))
+    assert (prefill.uses_cuda_graphs(), decode.uses_cuda_graphs()) == (False, True)

@@ -801,3 +801,26 @@ def test_each_side_of_a_pair_listens_on_its_address_towards_the_peer(monkeypatch
     for t in threads:
         t.join(30)
     assert made == ["127.0.0.1", "127.0.0.1"] and set(groups) == {0, 1}
+
+
+def test_an_nccl_pair_group_keeps_its_process_when_the_peer_fails(monkeypatch):
+    # torch's default error handling (3) ends the process on an error in a pending NCCL op: a
+    # prefill worker dying mid-transfer would take its decode worker down too
+    import cluster.transport.pair_group_common as common
+
+    seen = []
+
+    class FakeNCCL:
+        Options = type("Options", (), {})
+
+        def __init__(self, store, rank, size, opts):
+            seen.append((os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"), rank, size))
+
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    monkeypatch.setattr(common.dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
+    monkeypatch.setattr(common.torch.cuda, "set_device", lambda device: None)
+    common.make_group(object(), 1, "nccl", torch.device("cuda:0"), 30.0, "127.0.0.1")
+    assert seen == [("2", 1, 2)]
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")      # the user's own setting stays
+    common.make_group(object(), 0, "nccl", torch.device("cuda:0"), 30.0, "127.0.0.1")
+    assert seen[-1] == ("1", 0, 2)

@@ -280,6 +280,11 @@ def make_group(store: dist.Store, rank: int, backend: str, device: torch.device,
     the peer (engine/tp_group.py's bound_gloo_group)."""
     if backend == "nccl":
         torch.cuda.set_device(device)
+        # torch's default (3) ends the process on any error its watchdog sees on a pending op: a peer
+        # that dies mid-transfer (across nodes NCCL reports it soon) would take this worker down with
+        # it. 2 aborts the pair's communicator and keeps the process; the transfer fails, as it should.
+        # Read by each group's constructor; a setting of the user's own is kept.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         opts = dist.ProcessGroupNCCL.Options()
         # Our own deadline aborts a late op first: NCCL's watchdog, on timeout, may end the process.
         opts._timeout = datetime.timedelta(seconds=10 * timeout_s)
