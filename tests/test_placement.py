@@ -168,3 +168,16 @@ def test_pdserve_serve_refuses_the_dashboard_flag_on_a_cluster_it_joins(ray_2cpu
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120, check=False)
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
     assert "error: --ray-dashboard starts the dashboard with a cluster pdserve starts" in done.stderr
+
+
+def test_a_cluster_that_adds_nodes_on_demand_can_be_deployed_to_with_the_check_off(monkeypatch, caplog):
+    # GPU workers scaled to zero: the check refused, though Ray's autoscaler would start them
+    import cluster.serving.placement as placement
+    monkeypatch.setattr(placement, "cluster_resources", lambda: CPU_ONLY_BIG)
+    with pytest.raises(PlacementError, match="device is cuda but the cluster has no GPUs"):
+        placement.placed_config(config(device="cuda"))
+    with caplog.at_level("WARNING", logger="cluster.serving.placement"):
+        placed = placement.placed_config(config(device="cuda", **{"resources.check_placement": False}))
+    assert placed.resources.cpus_per_rank == 1.0
+    assert "deploying although the cluster cannot place every gang now" in caplog.text
+    assert "device is cuda but the cluster has no GPUs" in caplog.text

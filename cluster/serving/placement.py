@@ -18,11 +18,14 @@ Only `cluster_resources` imports Ray.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from cluster.config import DeploymentConfig
+
+log = logging.getLogger(__name__)
 
 _EPS = 1e-9
 
@@ -286,9 +289,16 @@ def _num(x: float) -> str:
 def placed_config(config: DeploymentConfig, node_cpus: float | None = None) -> DeploymentConfig:
     """`config` with cpus_per_rank resolved against `node_cpus` (default: the
     connected cluster's largest node) and checked against the connected Ray
-    cluster; raises PlacementError when it can never be placed there."""
+    cluster; raises PlacementError when it can never be placed there, unless
+    resources.check_placement is false (a cluster that adds nodes on demand)."""
     cluster = cluster_resources()
     config = resolve_cpus_per_rank(config, node_cpus if node_cpus is not None else cluster.largest_node_cpus)
-    check_placement(config, cluster)
+    try:
+        check_placement(config, cluster)
+    except PlacementError as exc:
+        if config.resources.check_placement:
+            raise
+        log.warning("deploying although the cluster cannot place every gang now (resources.check_placement "
+                    "is false; Serve waits until nodes come):\n%s", exc)
     return config
 
