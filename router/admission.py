@@ -108,6 +108,7 @@ class AdmissionControl:
         self.mean_prompt_tokens: float | None = None  # of the requests checked with their prompt, running mean
         self.waiting_requests = 0
         self.waiting_tokens = 0
+        self.waiting_prompts = 0     # of the waiting requests, those that bring a prompt (not n's later choices)
         self._head_since: float | None = None        # when the prompts at the queue's head started (about)
         self.replicas = 1
         self.s_per_token: float | None = None      # the prefill replicas' measured cost, mean
@@ -175,12 +176,16 @@ class AdmissionControl:
         """admit() for a request of `choices` choices of one prompt, all or none: the
         prompt is checked and counted once (the choices after the first read it from the
         prefix cache), each choice is a sequence that waits for its first token and runs.
-        Raises Overloaded (and counts nothing) when any must be refused."""
+        Raises Overloaded (and counts nothing) when any must be refused. The TPOT bound's
+        exemption (a decode replica without a request) is judged on what ran before this
+        request: an idle server admits all its choices, however many (checked one by one,
+        the later ones were refused behind the first, on every retry)."""
+        running_before = self.running
         tickets = [self.admit(num_prompt_tokens, max_tokens)]
         try:
             for _ in range(choices - 1):
                 sibling = Admitted(0, 0.0)
-                self._check_tpot(sibling.prefill_tokens_per_step)
+                self._check_tpot(sibling.prefill_tokens_per_step, running_before)
                 self._count(sibling)
                 tickets.append(sibling)
         except Overloaded:
@@ -194,6 +199,7 @@ class AdmissionControl:
             self._head_since = self.clock()
         self.waiting_requests += 1
         self.waiting_tokens += ticket.prompt_tokens
+        self.waiting_prompts += ticket.prompt_tokens > 0
         self.running += 1
         self.prefill_tokens_per_step += ticket.prefill_tokens_per_step
 
@@ -201,6 +207,7 @@ class AdmissionControl:
         """Undoes _count for a request refused after all (the head of the queue keeps its progress)."""
         self.waiting_requests = max(0, self.waiting_requests - 1)
         self.waiting_tokens = max(0, self.waiting_tokens - ticket.prompt_tokens)
+        self.waiting_prompts = max(0, self.waiting_prompts - (ticket.prompt_tokens > 0))
         self.running = max(0, self.running - 1)
         self.prefill_tokens_per_step = max(0.0, self.prefill_tokens_per_step - ticket.prefill_tokens_per_step) \
             if self.running else 0.0
@@ -211,6 +218,7 @@ class AdmissionControl:
         """An admitted request got its first token, or ended without one (once per request)."""
         self.waiting_requests = max(0, self.waiting_requests - 1)
         self.waiting_tokens = max(0, self.waiting_tokens - ticket.prompt_tokens)
+        self.waiting_prompts = max(0, self.waiting_prompts - (ticket.prompt_tokens > 0))
         self._head_since = self.clock() if self.waiting_requests else None
 
     def finished(self, ticket: Admitted, output_tokens: int | None = None) -> None:
@@ -235,11 +243,12 @@ class AdmissionControl:
         """Until what waits now has had its first token (0 before any cost is measured):
         its prompts' prefill, less what the prompts at the head of the queue have
         had since they started (since the latest first token, or their admission
-        into an empty queue; at most a mean prompt's prefill each)."""
+        into an empty queue; at most a mean prompt's prefill each; n's later
+        choices bring no prompt and are no head)."""
         if not self.s_per_token or not self.waiting_requests:
             return 0.0
         work = self.waiting_tokens * self.s_per_token
-        heads = min(self.replicas, self.waiting_requests)
+        heads = min(self.replicas, self.waiting_prompts)
         per_head = (self.mean_prompt_tokens or 0.0) * self.s_per_token
         done = heads * min(self.clock() - self._head_since, per_head) if self._head_since is not None else 0.0
         return max(0.0, work - done) / self.replicas
@@ -309,12 +318,12 @@ class AdmissionControl:
                                f"only while at most {s.overload_wait_factor:g}x its own prefill "
                                f"({own * 1000:.0f} ms) waits ahead")
 
-    def _check_tpot(self, prefill_tokens_per_step: float) -> None:
+    def _check_tpot(self, prefill_tokens_per_step: float, running: int | None = None) -> None:
         """Refuses a request that would push the decode steps past the TPOT budget, while
-        every decode replica has at least one request (so that a load past the budget
-        still drains, one request per replica at a time)."""
+        every decode replica has at least one request (`running`, default: all that run
+        now; so that a load past the budget still drains, one request per replica at a time)."""
         s = self.settings
-        if s.tpot_slo_s is None or self.running < self.decode_replicas:
+        if s.tpot_slo_s is None or (self.running if running is None else running) < self.decode_replicas:
             return
         step = self.predicted_step_s(prefill_tokens_per_step, extra_seqs=1)
         budget = s.tpot_slo_s * s.tpot_headroom

@@ -553,6 +553,29 @@ def test_choices_refused_on_the_tpot_bound_count_nothing_and_keep_the_queue_head
     a.first_token(head)
 
 
+def test_an_idle_server_admits_every_choice_of_a_request_past_the_tpot_bound():
+    # 6 sequences on one decode replica: 0.02 + 6 x 0.02 = 0.14 s > 0.1 s; refused (and on every
+    # retry) though nothing else ran, where one request alone is always admitted
+    a = AdmissionControl(AdmissionSettings(tpot_slo_s=0.1, tpot_headroom=1.0), clock=_Clock())
+    a.observe_workers("decode", [{"decode_step_fixed_s": 0.02, "decode_s_per_seq": 0.02}])
+    tickets = a.admit_choices(100, 16, 6)
+    assert len(tickets) == 6 and a.running == 6
+    with pytest.raises(Overloaded) as exc:
+        a.admit_choices(100, 16, 2)                 # behind them: the bound holds
+    assert exc.value.reason == "tpot_slo" and a.running == 6
+
+
+def test_the_later_choices_of_a_prompt_are_no_queue_heads_in_the_predicted_wait():
+    # 4 prefill replicas, one 2,000-token prompt of 4 choices: one prefill runs, not four; its
+    # choices counted as heads drained the queue 4x as fast as it drains
+    clock = _Clock()
+    a = AdmissionControl(AdmissionSettings(), clock=clock)
+    a.observe_workers("prefill", [{"prefill_s_per_token": 1e-3}] * 4)
+    a.admit_choices(2000, 16, 4)
+    clock.now += 0.5
+    assert a.predicted_wait_s() == pytest.approx((2.0 - 0.5) / 4)
+
+
 def test_an_idle_server_answers_a_request_of_several_choices():
     from engine.tiny_model import ensure_default_model
     from engine.tokenizer import load_tokenizer
