@@ -37,6 +37,9 @@ from router.backend import BackendUnavailableError
 log = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 5.0
+# how long a background abort broadcast is awaited: a replica whose loop hangs must not keep one
+# task per client that left alive here (the replica is failed by its health check meanwhile)
+ABORT_BROADCAST_TIMEOUT_S = 30.0
 
 
 class NoReplicaAnswered(Exception):
@@ -152,7 +155,8 @@ class _AbortEverywhere:
     def __call__(self, request_id: str) -> Callable[[], None]:
         def abort() -> None:
             broadcast = detached(lambda: self._handle.broadcast("abort", request_id, **{TARGET_REPLICA: ""}))
-            task = asyncio.ensure_future(broadcast.results_async())   # a broadcast is sent once awaited
+            # a broadcast is sent once awaited
+            task = asyncio.ensure_future(asyncio.wait_for(broadcast.results_async(), ABORT_BROADCAST_TIMEOUT_S))
             self._cleanups.add(task)
             task.add_done_callback(_forget_cleanup(self._cleanups))
         return abort

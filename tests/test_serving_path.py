@@ -247,3 +247,30 @@ def test_colocated_backend_matches_transformers(model_dirs, reference):
     for prompt, out in zip(PROMPTS, outs):
         assert out.token_ids == reference("tiny").greedy(tuple(prompt), 10) and out.finish_reason == "length"
     assert phases.prefill_time > 0 and phases.transfer_time is None
+
+
+def test_a_background_abort_broadcast_a_hung_replica_never_answers_is_given_up(monkeypatch):
+    # one task per client that left, kept until every replica answered: a replica whose loop hung
+    # (until its health check fails it, minutes) kept them all
+    import router.serve_pools as pools
+
+    class HungBroadcast:
+        async def results_async(self):
+            await asyncio.Event().wait()
+
+    class Handle:
+        def broadcast(self, method, *args, **kwargs):
+            return HungBroadcast()
+
+    monkeypatch.setattr(pools, "ABORT_BROADCAST_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(pools, "detached", lambda call: call())
+    abort_everywhere = pools._AbortEverywhere(Handle())
+
+    async def main():
+        for i in range(20):
+            abort_everywhere(f"left-{i}")()
+        assert len(abort_everywhere._cleanups) == 20
+        await asyncio.sleep(0.3)
+        return len(abort_everywhere._cleanups)
+
+    assert asyncio.run(main()) == 0
