@@ -50,6 +50,14 @@ from cluster.cli.main import main
 SHAREGPT = Path(__file__).parent / "data" / "sharegpt_small.json"
 MODEL = "fake-model"
 TOL_S = 0.015
+# a measured latency is never under the injected one (less a clock's jitter), and over it by what a
+# busy 2-core machine's scheduler adds: a stall of tens of ms must not fail a test, a latency taken
+# from the wrong chunk (the opening one's ~0 ms, the last one's) must
+LATE_S = 0.04
+
+
+def near(got: float, want: float, late: float = LATE_S) -> bool:
+    return want - 0.002 <= got <= want + late
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -254,7 +262,7 @@ def test_pacing_follows_the_schedule():
         return [time.perf_counter() - start async for _ in paced(offsets, start)]
 
     seen = asyncio.run(go())
-    assert all(-0.002 < got - want < TOL_S for got, want in zip(seen, offsets, strict=True))
+    assert all(near(got, want) for got, want in zip(seen, offsets, strict=True))
 
 
 # ---------------------------------------------------------- metrics, exactly
@@ -328,9 +336,9 @@ def test_streamed_timings_match_the_injected_latencies(server, endpoint):
     for r in result.records:
         assert r.succeeded and r.error is None and r.status == 200
         assert (r.output_tokens, r.token_count_method, len(r.chunk_times)) == (8, "usage", 8)
-        assert ttft(r) == pytest.approx(0.050, abs=TOL_S)
-        assert tpot(r) == pytest.approx(0.010, abs=0.004)
-        assert r.end_time - r.send_time == pytest.approx(0.050 + 7 * 0.010, abs=TOL_S + 0.005)
+        assert near(ttft(r), 0.050)
+        assert near(tpot(r), 0.010, late=0.006)
+        assert near(r.end_time - r.send_time, 0.050 + 7 * 0.010)
         assert r.text == "".join(f" t{i}" for i in range(8))
     s = summarize(result.records, num_requests=4, duration=result.duration)
     assert s.latency["itl"].median == pytest.approx(10.0, abs=4.0)
@@ -382,9 +390,9 @@ def test_an_output_ending_with_eos_is_timed_to_its_last_step(server, endpoint):
     ended, eos_first = sorted(result.records, key=lambda r: r.index)
     assert ended.succeeded and (ended.output_tokens, len(ended.chunk_times)) == (4, 4)
     assert ended.finish_reason == "stop" and ended.text == " t0 t1 t2"
-    assert tpot(ended) == pytest.approx(0.030, abs=0.006)    # the text chunks alone: 60 ms / 3 = 20 ms
+    assert near(tpot(ended), 0.030, late=0.008)    # the text chunks alone: 60 ms / 3 = 20 ms
     assert eos_first.succeeded and eos_first.output_tokens == 1 and eos_first.text == ""
-    assert ttft(eos_first) == pytest.approx(0.040, abs=TOL_S)
+    assert near(ttft(eos_first), 0.040)
 
 def test_a_request_the_server_aborted_is_a_failure_not_a_short_output(server):
     result = run([fake(n=4, finish="abort"), fake(n=4, finish="length"), fake(n=4, finish="error")],
@@ -419,7 +427,7 @@ def test_chat_ttft_skips_an_opening_chunk_with_empty_fields(server):
     result = run([fake(ttft=150, itl=5, n=4, refusal="null")], server.base_url, endpoint="/v1/chat/completions")
     (record,) = result.records
     assert record.succeeded and len(record.chunk_times) == 4
-    assert ttft(record) == pytest.approx(0.150, abs=TOL_S)    # before: the opening chunk's ~0 ms
+    assert near(ttft(record), 0.150)    # before: the opening chunk's ~0 ms
 
 
 def test_an_unreachable_server_fails_every_request_without_crashing():
@@ -465,14 +473,14 @@ def test_max_duration_ends_the_run_with_partial_results(server):
 
 
 def test_cancelling_the_run_returns_what_was_measured(server):
-    # the seed-0 Poisson schedule at 4 req/s sends at 0, 0.47, 0.82, ... s: at the cancel (0.6 s)
+    # the seed-0 Poisson schedule at 4 req/s sends at 0, 0.47, 0.82, ... s: at the cancel (0.7 s)
     # the first request (5 s long) is mid-stream and the second, short one is done
     requests = [fake(ttft=10, itl=100, n=50), fake(ttft=10, n=2), fake(n=2), fake(n=2)]
     config = RunConfig(base_url=server.base_url, model=MODEL, disable_tqdm=True, request_rate=4.0, seed=0)
 
     async def go():
         task = asyncio.ensure_future(run_benchmark(requests, config))
-        await asyncio.sleep(0.6)
+        await asyncio.sleep(0.7)
         task.cancel()
         return await task
 
