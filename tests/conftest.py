@@ -73,11 +73,13 @@ def ray_cluster():
     from engine.tp_group import free_port
     ray.init(address="local", num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    yield port
-    serve.shutdown()
-    ray.shutdown()
+    try:       # a failed start must not leave Ray up for every later module's ray.init
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield port
+        serve.shutdown()
+    finally:
+        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

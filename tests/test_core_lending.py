@@ -9,6 +9,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -136,7 +137,10 @@ def test_an_engine_borrows_an_idle_engines_core_while_it_steps(model_dirs, ledge
         params = SamplingParams(max_tokens=1 if not decode else 6, temperature=0.0, ignore_eos=True)
         engine.submit(lambda e: e.add_request("r", [1, 5, 9, 13], params))
         await asyncio.wait_for(sink.finished, 60)
-        await asyncio.sleep(0.05)         # the loop goes idle
+        deadline = time.monotonic() + 10  # the loop goes idle, its last step measured
+        while (engine.costs.num_steps < len(sink.threads) or engine.load_stats()["cpu_cores_borrowed"]) \
+                and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
         borrowed_after = engine.load_stats()["cpu_cores_borrowed"]
         samples, prefill_cost = engine.take_step_samples(), engine.costs.prefill_s_per_token
         engine.shutdown()

@@ -7,6 +7,7 @@ reports the prefill cost it calibrated at start-up."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.async_engine import AsyncEngine
@@ -39,7 +40,9 @@ def test_the_first_steps_stay_out_of_the_cost_estimates(model_dirs):
             params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
             engine.submit(lambda e, rid=f"r{i}": e.add_request(rid, [1, 5, 9, 13, 2 + i], params))
             await asyncio.wait_for(sink.done, 60)
-            await asyncio.sleep(0.05)      # the step is measured after its outputs go out
+            deadline = time.monotonic() + 30       # the step is measured after its outputs go out
+            while engine.costs.num_steps < i + 1 and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
             costs.append(engine.load_stats().get("prefill_s_per_token"))
         steps = [index for index, _ in engine.take_step_samples()]
         engine.shutdown()

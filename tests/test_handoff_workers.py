@@ -476,12 +476,12 @@ def test_kv_nobody_picks_up_is_freed_when_its_lease_expires(model_dirs):
 
 def test_a_renewed_hold_outlives_its_lease_and_then_expires(model_dirs):
     async def main():
-        pair = await Pair(model_dirs["tiny"], FakeTransportHub(), lease_s=0.4).start()
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub(), lease_s=1.0).start()
         try:
             result = await pair.prefill.prefill("waiting", PROMPTS[1], GREEDY)
-            assert result.lease_s == 0.4
-            for _ in range(4):                              # 0.8 s: twice the lease
-                await asyncio.sleep(0.2)
+            assert result.lease_s == 1.0
+            for _ in range(4):                              # 2 s: twice the lease (renewed at half of it)
+                await asyncio.sleep(0.5)
                 assert await pair.prefill.renew("waiting") is True
             assert pair.prefill.stats()["num_held"] == 1
             await pair.wait_idle(timeout_s=5)               # no more renewals: it expires
@@ -547,7 +547,7 @@ def test_a_send_that_never_ends_keeps_its_hold_one_more_lease_at_most(model_dirs
 
     async def main():
         hub = FakeTransportHub(delay_s=600.0)                # a transport that never finishes it
-        pair = await Pair(model_dirs["tiny"], hub, lease_s=0.4).start()
+        pair = await Pair(model_dirs["tiny"], hub, lease_s=1.0).start()
         try:
             await pair.prefill.prefill("probe", PROMPTS[1], GREEDY)
             nbytes = await pair.prefill.send_kv("probe", "t-probe", [PeerAddress("nobody", "fake", 0)])
@@ -556,7 +556,7 @@ def test_a_send_that_never_ends_keeps_its_hold_one_more_lease_at_most(model_dirs
             await pair.prefill.prefill("stuck", PROMPTS[1], GREEDY)
             receiver.expect("t-stuck/0", "p0", torch.zeros(nbytes, dtype=torch.uint8))
             await pair.prefill.send_kv("stuck", "t-stuck", [receiver.address])
-            await asyncio.sleep(0.6)                          # past the lease, within the second
+            await asyncio.sleep(1.5)                          # past the lease, within the second
             assert pair.prefill.stats()["num_held"] == 1
             await pair.wait_idle(timeout_s=5)                 # then freed all the same
         finally:

@@ -21,7 +21,7 @@ from tests.test_serving_e2e import _wait_kv_idle, counter, deploy  # noqa: E402
 
 CONCURRENT = 160           # well past the 64 calls Serve used to let into a worker replica
 MAX_TOKENS = 16
-LEASE_S = 3                # short: a hold whose send_kv is held back expires within the test
+LEASE_S = 6                # short: a hold whose send_kv is held back expires within the test
 MIGRATIONS = "pdserve_request_migrations_total"
 ERRORS_SAMPLE = "pdserve_request_errors_total"
 

@@ -239,7 +239,7 @@ def test_the_health_check_sees_a_rank_that_is_alive_but_stuck(model_dirs):
 
     async def main():
         config = EngineConfig(model=str(model_dirs["tiny"]), max_model_len=128, tensor_parallel_size=2)
-        engine = AsyncEngine(lambda: LLMEngine(config), name="tp-stuck", cost_warmup_steps=0, stuck_step_s=1.0)
+        engine = AsyncEngine(lambda: LLMEngine(config), name="tp-stuck", cost_warmup_steps=0, stuck_step_s=3.0)
         await engine.ready()
         (pid,) = engine.engine.rank_pids
         try:
@@ -247,9 +247,11 @@ def test_the_health_check_sees_a_rank_that_is_alive_but_stuck(model_dirs):
             await engine.call(lambda e: e.add_request("r", [5, 6, 7], SamplingParams(max_tokens=4)))
             await asyncio.sleep(0.5)
             engine.check_alive()                   # in its step, not yet for long
-            await asyncio.sleep(1.0)
             with pytest.raises(EngineStoppedError, match="stuck: its current step has run for"):
-                engine.check_alive()
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    engine.check_alive()
+                    await asyncio.sleep(0.05)
         finally:
             os.kill(pid, signal.SIGKILL)           # rank 0's collective fails; the engine thread ends
             engine.shutdown()

@@ -108,18 +108,20 @@ def test_a_call_or_a_poll_that_hangs_reads_as_a_stuck_engine(model_dirs):
 
     async def main():
         config = EngineConfig(model=str(model_dirs["tiny"]), max_model_len=128)
-        engine = AsyncEngine(lambda: LLMEngine(config), name="stuck-call", cost_warmup_steps=0, stuck_step_s=0.5)
+        engine = AsyncEngine(lambda: LLMEngine(config), name="stuck-call", cost_warmup_steps=0, stuck_step_s=2.0)
         await engine.ready()
         try:
             def hang_for_a_while(e):
-                time.sleep(1.5)
+                time.sleep(5.0)
+            submitted = time.monotonic()
             engine.submit(hang_for_a_while)
             await asyncio.sleep(0.2)
             engine.check_alive()                       # at work, not yet for long
-            await asyncio.sleep(0.6)
             with pytest.raises(EngineStoppedError, match="stuck: its current call .*hang_for_a_while has run"):
-                engine.check_alive()
-            await asyncio.sleep(1.0)
+                while time.monotonic() - submitted < 4.5:   # past stuck_step_s, before the call returns
+                    engine.check_alive()
+                    await asyncio.sleep(0.05)
+            await asyncio.sleep(max(0.0, submitted + 6.5 - time.monotonic()))
             engine.check_alive()                       # it returned: the engine serves again
         finally:
             engine.shutdown()
