@@ -116,13 +116,15 @@ def test_a_rank_that_fails_to_start_fails_the_engine_fast(model_dirs):
 def test_a_killed_rank_is_an_error_not_a_hang(model_dirs):
     llm = LLM(str(model_dirs["tiny"]), max_model_len=256, tensor_parallel_size=2)
     (pid,) = llm.engine.rank_pids
-    os.kill(pid, signal.SIGKILL)
-    time.sleep(0.5)
-    start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"\['pdserve-tp-rank1'\] exited \(exit codes \[-9\]\)"):
-        llm.generate(_prompts(2), GREEDY)
-    assert time.monotonic() - start < 60
-    llm.shutdown()
+    try:
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"\['pdserve-tp-rank1'\] exited \(exit codes \[-9\]\)"):
+            llm.generate(_prompts(2), GREEDY)
+        assert time.monotonic() - start < 60
+    finally:
+        llm.shutdown()
     assert not _alive(pid)
 
 
@@ -187,14 +189,16 @@ def test_an_interrupt_mid_step_breaks_the_engine_instead_of_hanging_it(model_dir
     def interrupted(*args):
         raise KeyboardInterrupt
 
-    llm.engine.worker.execute = interrupted
-    with pytest.raises(KeyboardInterrupt):
-        llm.generate([[5, 6, 7]], GREEDY)
-    llm.engine.worker.execute = execute
-    start = time.monotonic()
-    with pytest.raises(RuntimeError, match="stopped after an error on a tensor-parallel rank"):
-        llm.generate([[5, 6, 7]], GREEDY)
-    llm.shutdown()
+    try:
+        llm.engine.worker.execute = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([[5, 6, 7]], GREEDY)
+        llm.engine.worker.execute = execute
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="stopped after an error on a tensor-parallel rank"):
+            llm.generate([[5, 6, 7]], GREEDY)
+    finally:
+        llm.shutdown()
     assert time.monotonic() - start < 15 and not _alive(pid)
 
 
