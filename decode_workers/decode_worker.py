@@ -161,7 +161,9 @@ class DecodeWorker:
         # what the engine has already taken
         resume = await self._advanced(request.resume, request.params)
         subscriber = self._subscriber(request.subscriber)
-        if rid in subscriber.request_ids:
+        # under any subscriber: a retry under a router's new stream must neither take over the output of
+        # the attempt before it (attach) nor, failing, abort that attempt and leave its id behind there
+        if any(rid in other.request_ids for other in self._subscribers.values()):
             raise RequestIdInUse(f"request id {rid!r} is already in use on {self.name}", self.replica_id)
         self._engine.attach(rid, subscriber.outbox)
         subscriber.request_ids.add(rid)

@@ -228,6 +228,49 @@ def test_a_hand_off_retried_onto_the_replica_that_took_the_first_try_moves_the_r
     _one_stream_moved_once(*run(main()), reference)
 
 
+def test_a_retry_under_the_routers_next_stream_leaves_the_running_first_try_alone(model_dirs):
+    """A request the decode worker runs under a router's stream, and a retry of it (the router
+    heard nothing back) under the router's next stream: the retry took over the first try's
+    output, failed, aborted it, and left its id on the first stream for good (which then never
+    went idle). Now the retry is refused before it touches the first try."""
+    from cluster.serving.messages import DecodeRequest
+    from cluster.transport.fake_transport import FakeTransportHub
+    from engine.errors import RequestIdInUse
+    from tests.test_handoff_workers import Pair
+
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    async def main():
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub()).start()
+        try:
+            first = pair.decode.stream("router-a")
+            got = asyncio.ensure_future(_drain(first))
+            await pair.decode.generate(DecodeRequest("r", PROMPTS[1], params, "router-a"))
+            with pytest.raises(RequestIdInUse):
+                await pair.decode.generate(DecodeRequest("r", PROMPTS[1], params, "router-a/1"))
+            tokens, finish = await asyncio.wait_for(got, 30)
+            left = {name: set(s.request_ids) for name, s in pair.decode._subscribers.items() if s.request_ids}
+            return tokens, finish, left
+        finally:
+            await pair.shutdown()
+
+    tokens, finish, left = run(main())
+    assert (tokens, finish) == (24, "length")     # the first try ran to its end on its own stream
+    assert left == {}
+
+
+async def _drain(stream) -> tuple[int, str | None]:
+    """Tokens streamed until request r finished, and how it finished."""
+    count = 0
+    async for batch in stream:
+        for delta in batch:
+            count += len(delta.token_ids)
+            if delta.finished:
+                await stream.aclose()
+                return count, delta.finish_reason
+    return count, None
+
+
 def test_a_prefill_worker_that_dies_before_the_first_token(model_dirs, reference):
     """The prefill call fails (its replica died): the request is prefilled on a decode worker."""
     from cluster.transport.fake_transport import FakeTransportHub
