@@ -178,7 +178,8 @@ class ModelWorker:
         stays allocated, plus the larger of the largest prefill step's peak and
         that of sampling the most rows a step can sample (max_num_seqs) with
         every option that allocates; a step samples after its forward pass."""
-        tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        # a step's whole budget: chunked prefill fills it from several prompts when one is shorter
+        tokens = self.config.max_num_batched_tokens
         blocks = -(-tokens // spec.block_size)
         scratch = KVCache(spec, blocks, self.device)
         layers = scratch.layer_views()
@@ -231,12 +232,14 @@ class ModelWorker:
         return peak
 
     def _profile_inputs(self, num_tokens: int, prefill: bool) -> ModelInputs | None:
-        """A dummy step for `_activation_reserve`: one prompt of `num_tokens`, or
+        """A dummy step for `_activation_reserve`: one prompt of `num_tokens` (positions
+        wrapping at max_model_len: a step's budget may hold several prompts), or
         `num_tokens` decodes of one key each, all in block 0 onwards."""
         if num_tokens == 0:
             return None
         bs = self.config.block_size
-        positions = torch.arange(num_tokens) if prefill else torch.zeros(num_tokens, dtype=torch.long)
+        positions = torch.arange(num_tokens) % self.max_model_len if prefill else \
+            torch.zeros(num_tokens, dtype=torch.long)
         slots = torch.arange(num_tokens) if prefill else torch.zeros(num_tokens, dtype=torch.long)
         blocks = -(-num_tokens // bs)
         paged = None

@@ -74,3 +74,27 @@ def test_the_kv_cache_on_a_gpu_leaves_the_staging_budget_free(model_dirs, monkey
     worker.config.kv_transfer_staging_gib = 2.0
     assert without == 9 * 2**30 // spec.bytes_per_block
     assert worker._num_kv_blocks(spec) == 7 * 2**30 // spec.bytes_per_block
+
+
+def test_the_prefill_peak_is_profiled_over_a_steps_whole_budget(model_dirs, monkeypatch):
+    # max_model_len 128 and a budget of 2,048 tokens: chunked prefill fills a step from 16 prompts,
+    # whose activations the reserve measured for one prompt of 128 tokens
+    llm = LLM(str(model_dirs["tiny"]), max_model_len=128, max_num_batched_tokens=2048, dtype="float32")
+    worker = llm.engine.worker
+    for name in ("reset_peak_memory_stats", "synchronize", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
+    monkeypatch.setattr(worker, "_sampling_peak", lambda rows: 0)
+    profiled = []
+    monkeypatch.setattr(worker, "_forward_peak",
+                        lambda inputs, layers, baseline: profiled.append(inputs.input_ids.shape[0]
+                                                                         if inputs is not None else 0) or 0)
+    worker._activation_reserve(worker.kv_cache.spec)
+    assert profiled[0] == 2048
+    # the dummy step runs on the model: its positions stay within the rotary tables
+    inputs = worker._profile_inputs(2048, prefill=True)
+    assert int(inputs.positions.max()) == 127
+    scratch = type(worker.kv_cache)(worker.kv_cache.spec, 2048 // worker.kv_cache.spec.block_size, worker.device)
+    with torch.inference_mode():
+        hidden = worker.model(inputs.input_ids, inputs.positions, scratch.layer_views(), inputs.meta)
+    assert hidden.shape[0] == 2048 and torch.isfinite(hidden).all()
