@@ -160,11 +160,12 @@ class DecodeWorker:
         # before the request joins its subscriber: a stream closed during this wait aborts only
         # what the engine has already taken
         resume = await self._advanced(request.resume, request.params)
-        subscriber = self._subscriber(request.subscriber)
         # under any subscriber: a retry under a router's new stream must neither take over the output of
-        # the attempt before it (attach) nor, failing, abort that attempt and leave its id behind there
+        # the attempt before it (attach) nor, failing, abort that attempt and leave its id behind there;
+        # checked before the subscriber is made, which a refused request must not leave behind
         if any(rid in other.request_ids for other in self._subscribers.values()):
             raise RequestIdInUse(f"request id {rid!r} is already in use on {self.name}", self.replica_id)
+        subscriber = self._subscriber(request.subscriber)
         self._engine.attach(rid, subscriber.outbox)
         subscriber.request_ids.add(rid)
         try:

@@ -349,3 +349,24 @@ def test_bias_flags_apply_only_where_transformers_reads_them(model_dirs):
         config = ModelConfig.from_hf_config(SimpleNamespace(model_type=model_type, **base))
         flags[model_type] = (config.qkv_bias, config.o_bias, config.mlp_bias)
     assert flags == {"llama": (True, True, True), "mistral": (False, False, False), "qwen2": (True, False, False)}
+
+
+def test_a_classifier_of_a_supported_family_is_refused_not_served_as_a_generator(model_dirs, tmp_path):
+    # model_type picks the class, but a checkpoint whose architectures are all heads of another kind
+    # (a reward model, a classifier) has no language-model head to generate with
+    from engine.model import ModelConfig, ModelConfigError
+    for arch in ("LlamaForSequenceClassification", "Qwen2ForRewardModel"):
+        d = _with_config(model_dirs["tiny"], tmp_path / arch, architectures=[arch])
+        with pytest.raises(ModelConfigError, match=f"{arch} is not a causal language model"):
+            ModelConfig.from_pretrained(d)
+
+
+def test_a_tied_config_beside_unreadable_weight_files_still_reads(model_dirs, tmp_path):
+    # `pdserve plan` and the deploy step need config.json alone: weight files that are LFS pointers
+    # (or a truncated download) made the tied-head check raise a SafetensorError traceback
+    from engine.model import ModelConfig
+    d = tmp_path / "pointers"
+    shutil.copytree(model_dirs["tiny-mqa"], d)
+    for path in d.glob("*.safetensors"):
+        path.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 1\n")
+    assert ModelConfig.from_pretrained(d).tie_word_embeddings is True

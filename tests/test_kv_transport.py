@@ -348,6 +348,38 @@ def test_a_pair_the_receiver_dropped_is_rebuilt_by_the_sender_before_its_next_se
         receiver.close()
 
 
+def test_a_transfer_after_silence_finds_a_pair_the_receiver_dropped_before_sending(monkeypatch):
+    """A sender silent past the timeout (no heartbeat: paused) whose next transfer comes before
+    any heartbeat: it reads the receiver's "closed" first and fails at once, saying so, rather
+    than going into the dropped pair (over NCCL, a wait until its deadline); the send after it
+    makes a new pair."""
+    receiver = PairGroupReceiver(timeout_s=SHORT_S)
+    sender = PairGroupSender(timeout_s=SHORT_S)
+    try:
+        warm = torch.empty(1024)
+        receiver.expect("q/warm", sender.name, warm)
+        sender.send("q/warm", receiver.address, payload(4096, torch.float32, 1))
+        assert wait_final(sender.poll, "q/warm") is TransferState.DONE, sender.error("q/warm")
+        monkeypatch.setattr(sender._pairs[receiver.address], "_heartbeat", lambda: None)   # goes silent
+        first = receiver._pairs[sender.name]
+        deadline = time.monotonic() + SHORT_S + SLACK_S
+        while first.broken is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert first.broken is not None
+        time.sleep(0.5)                     # the receiver's "closed" is written as its pair thread ends
+        sender.send("q/late", receiver.address, payload(4096, torch.float32, 2))
+        assert wait_final(sender.poll, "q/late", limit_s=SHORT_S + SLACK_S) is TransferState.FAILED
+        assert "closed the pair on its side" in sender.error("q/late")
+        after = torch.empty(1024)
+        receiver.expect("q/after", sender.name, after)
+        sender.send("q/after", receiver.address, payload(4096, torch.float32, 3))
+        assert wait_final(sender.poll, "q/after") is TransferState.DONE, sender.error("q/after")
+        assert digest(after) == digest(payload(4096, torch.float32, 3))
+    finally:
+        sender.close()
+        receiver.close()
+
+
 def test_unknown_id_or_wrong_size_fails_on_both_sides(sender, remote_receiver):
     sender.send("e/nobody", remote_receiver.identity(), torch.ones(10))
     assert wait_final(sender.poll, "e/nobody") is TransferState.FAILED

@@ -248,6 +248,7 @@ def test_a_retry_under_the_routers_next_stream_leaves_the_running_first_try_alon
             await pair.decode.generate(DecodeRequest("r", PROMPTS[1], params, "router-a"))
             with pytest.raises(RequestIdInUse):
                 await pair.decode.generate(DecodeRequest("r", PROMPTS[1], params, "router-a/1"))
+            assert "router-a/1" not in pair.decode._subscribers      # a refused request leaves no subscriber
             tokens, finish = await asyncio.wait_for(got, 30)
             left = {name: set(s.request_ids) for name, s in pair.decode._subscribers.items() if s.request_ids}
             return tokens, finish, left

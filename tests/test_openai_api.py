@@ -891,15 +891,22 @@ def test_n_choices_are_admitted_together_or_not_at_all(backend, tokenizer, metri
                                          on_refusal=lambda reason: None, on_request=lambda timings: None))
     n_client = TestClient(build_openai_app(backend, tokenizer, metrics, admission=admission))
     prompt = tokenizer.encode("Hi there")
+    occupying = admission.admit(5, 1)          # another request runs: the bound holds for this one's choices
     refused = n_client.post(COMPLETIONS, json={"prompt": prompt, "n": 3, "max_tokens": 1})
     assert refused.status_code == 429 and "TPOT SLO" in refused.json()["error"]["message"] and backend.calls == []
     assert arrivals == [len(prompt)] * 3        # demand of three sequences, as admitted choices count
+    assert (admission.waiting_requests, admission.waiting_tokens, admission.running) == (1, 5, 1)
+    admission.first_token(occupying)
+    admission.finished(occupying)
     assert (admission.waiting_requests, admission.waiting_tokens, admission.running) == (0, 0, 0)
     too_far = n_client.post(COMPLETIONS, json={"prompt": prompt, "n": 2, "seed": 2**63 - 1, "max_tokens": 1})
     assert too_far.status_code == 400 and backend.calls == []
     assert (admission.waiting_requests, admission.waiting_tokens, admission.running) == (0, 0, 0)
     assert n_client.post(COMPLETIONS, json={"prompt": prompt, "n": 2, "max_tokens": 2}).status_code == 200
     assert len(backend.calls) == 2 and (admission.waiting_requests, admission.running) == (0, 0)
+    # alone on the server, all three choices are admitted (refused, no retry could ever do better)
+    assert n_client.post(COMPLETIONS, json={"prompt": prompt, "n": 3, "max_tokens": 1}).status_code == 200
+    assert len(backend.calls) == 5 and (admission.waiting_requests, admission.running) == (0, 0)
 
 
 # --- client disconnects ----------------------------------------------------------

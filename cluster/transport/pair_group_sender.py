@@ -83,6 +83,7 @@ class _SendPair:
         self.connected = False
         self.broken: str | None = None
         self.closed_by_peer = False  # the receiver dropped the pair on its side (it reads nothing more)
+        self.last_word = time.monotonic()   # when this side last wrote a header (a transfer's or a heartbeat)
         self.store: dist.TCPStore | None = None
         self.msgs: dist.PrefixStore | None = None
         self.group: dist.Backend | None = None
@@ -129,7 +130,9 @@ class _SendPair:
             try:
                 if t is None:
                     self._heartbeat()
-                else:
+                # after a heartbeat's interval of silence, a pair the receiver dropped fails the transfer
+                # now (the next send makes a new pair), not at the transfer's deadline
+                elif not (time.monotonic() - self.last_word > self.cfg.timeout_s / 4 and self._closed_by_peer()):
                     self._move(t, data)
             except Exception as exc:  # noqa: BLE001 - reported in the transfers' errors
                 if t is None:
@@ -179,17 +182,26 @@ class _SendPair:
         """Keeps an idle pair alive (the receiver drops pairs that go silent), unless the receiver
         has dropped it already (this process was paused past the timeout, say): then this side
         breaks too, and the next send makes a new pair instead of failing on this one."""
-        if self.msgs.check([CLOSED_KEY]):
-            notice = unseal(self.key, "closed", 0, self.msgs.get(CLOSED_KEY).decode("utf-8", "replace"))
-            if notice is not None:
-                self.closed_by_peer = True
-                self.drop(f"closed by {self.peer.name}: {notice}")
-                return
-        self._header("B")
+        if not self._closed_by_peer():
+            self._header("B")
+
+    def _closed_by_peer(self) -> bool:
+        """Whether the receiver dropped this pair on its side (its sealed "closed" key): then this
+        side is dropped too, failing what it holds (one store round trip)."""
+        if not self.msgs.check([CLOSED_KEY]):
+            return False
+        notice = unseal(self.key, "closed", 0, self.msgs.get(CLOSED_KEY).decode("utf-8", "replace"))
+        if notice is None:
+            return False
+        self.closed_by_peer = True
+        self.drop(f"failed: {self.peer.name} closed the pair on its side ({notice}); the next send makes a "
+                  "new one")
+        return True
 
     def _header(self, text: str) -> int:
         seq, self.seq = self.seq, self.seq + 1
         self.msgs.set(hdr_key(seq), seal(self.key, "hdr", seq, text))
+        self.last_word = time.monotonic()
         return seq
 
     def _move(self, t: Transfer, data: torch.Tensor) -> None:

@@ -58,10 +58,15 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def stored_tensor_names(model_dir: str | Path) -> set[str]:
-    """The names of the tensors the checkpoint in `model_dir` stores (read from the files' headers,
-    no tensor data). Raises CheckpointError as `checkpoint_files` does."""
+    """The names of the tensors the checkpoint in `model_dir` stores: its index's weight map, else
+    the files' headers (no tensor data). Raises CheckpointError as `checkpoint_files` does."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        checkpoint_files(model_dir)      # (the index checked)
+        return set(json.loads(index.read_text())["weight_map"])
     names: set[str] = set()
-    for path in checkpoint_files(Path(model_dir)):
+    for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             names.update(f.keys())
     return names
@@ -73,8 +78,8 @@ def stores_separate_head(model_dir: str | Path) -> bool:
     head) unless the two are equal, when it ties them, which gives the same logits."""
     try:
         names = stored_tensor_names(model_dir)
-    except CheckpointError:
-        return False   # no weights to decide by (a config-only directory); loading says what is missing
+    except Exception:  # noqa: BLE001 - no weights to decide by (a config-only directory, LFS pointers, a
+        return False   # truncated file): loading, where there is any, says what is wrong with them
     return "lm_head.weight" in names and bool(names & _EMBEDDING_NAMES)
 
 

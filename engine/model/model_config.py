@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
+_WARNED_SEPARATE_HEAD: set[str] = set()     # checkpoints whose stored head was reported (once each)
 
 # architecture name in config.json -> the flags that distinguish it from Llama
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -113,9 +114,11 @@ class ModelConfig:
         config = cls.from_hf_config(hf_config)
         from engine.model.loader import stores_separate_head
         if config.tie_word_embeddings and stores_separate_head(path):
-            logger.warning("%s ties its word embeddings but its checkpoint stores lm_head.weight too: the "
-                           "stored head is loaded as its own weight, as transformers does when the two differ",
-                           path)
+            if str(path) not in _WARNED_SEPARATE_HEAD:
+                _WARNED_SEPARATE_HEAD.add(str(path))
+                logger.warning("%s ties its word embeddings but its checkpoint stores lm_head.weight too: the "
+                               "stored head is loaded as its own weight, as transformers does when the two "
+                               "differ", path)
             config = replace(config, tie_word_embeddings=False)
         generation_eos = _generation_eos_token_ids(path)
         if generation_eos:
@@ -173,9 +176,13 @@ def _architecture(hf: Any) -> str:
     the config's model_type (its config class), whatever `architectures` lists: a model_type of ours
     decides; an unknown one is refused; `architectures` decides only for a config without model_type."""
     model_type = getattr(hf, "model_type", None)
+    architectures = list(getattr(hf, "architectures", None) or [])
+    if architectures and not any(str(a).endswith("ForCausalLM") for a in architectures):
+        # a classifier or reward model of a supported family: its head is no language-model head
+        raise ModelConfigError(f"{', '.join(map(str, architectures))} is not a causal language model; pdserve "
+                               "generates text with *ForCausalLM checkpoints")
     if model_type in ARCHITECTURE_BY_MODEL_TYPE:
         return ARCHITECTURE_BY_MODEL_TYPE[model_type]
-    architectures = list(getattr(hf, "architectures", None) or [])
     arch = None if model_type else next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise ModelConfigError(
