@@ -189,11 +189,16 @@ class AsyncEngine:
         self._wake.set()
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Stops the thread and the engine (its TP ranks). Idempotent."""
+        """Stops the thread and the engine (its TP ranks). Idempotent. A thread that does not
+        stop within `timeout_s` (stuck in a step) has the TP ranks terminated under it."""
         self._stop.set()
         self._wake.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
+            if self._thread.is_alive() and self.engine is not None:
+                log.warning("%s: the engine thread did not stop within %.0f s; terminating its tensor-parallel "
+                            "ranks", self._thread.name, timeout_s)
+                self.engine.kill_ranks()
 
     # ---- engine thread ------------------------------------------------------------------------
     def _run(self) -> None:

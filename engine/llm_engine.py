@@ -154,6 +154,14 @@ class LLMEngine:
             self._ranks = None
             self._broken = self._broken or "the engine was shut down"
 
+    def kill_ranks(self) -> None:
+        """Terminates the other ranks at once, from any thread: for a shutdown whose engine
+        thread is stuck (in a collective with them), which would never stop them itself."""
+        ranks = self._ranks
+        if ranks is not None:
+            self._broken = self._broken or "the engine's ranks were terminated"
+            ranks.kill()
+
     def _dead_rank(self, wait_s: float = 1.0) -> str | None:
         """Why a rank process ended, if one did (within `wait_s`: its peers see its
         sockets close a moment before it exits)."""

@@ -132,10 +132,16 @@ class RankProcesses:
         self.procs = [ctx.Process(target=follower_main, args=(rank, size, port, os.getpid(), *follower_args),
                                   name=f"pdserve-tp-rank{rank}", daemon=True)
                       for rank in range(1, size)]
-        for p in self.procs:
-            p.start()
         self._state = _GroupState()
+        # before the first start: a start that fails (or a Ctrl-C) midway stops the ranks started so far
         self._finalizer = weakref.finalize(self, _shutdown, self.procs, self._state)
+        try:
+            for p in self.procs:
+                p.start()
+        except BaseException:
+            self._state.healthy = False
+            self._finalizer()
+            raise
 
     def attach(self, tp: TensorParallel) -> None:
         """The group every rank joined; `stop` sends it the STOP command."""
@@ -144,6 +150,12 @@ class RankProcesses:
     def mark_broken(self) -> None:
         """The ranks may be stuck in a collective: `stop` terminates them outright."""
         self._state.healthy = False
+
+    def kill(self) -> None:
+        """Terminates the ranks without a word to them, from any thread (rank 0's may be stuck
+        in a collective with them, where a STOP broadcast from here would interleave)."""
+        self.mark_broken()
+        self.stop()
 
     @property
     def pids(self) -> list[int]:
@@ -200,6 +212,7 @@ def _shutdown(procs: list, state: _GroupState) -> None:
 
 
 def _stop_processes(procs: list, grace_s: float = 10.0) -> None:
+    procs = [p for p in procs if p.pid is not None]     # (a start that failed midway left the rest unstarted)
     deadline = time.monotonic() + grace_s
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))

@@ -406,6 +406,27 @@ def test_waiting_for_the_deployment_stops_on_ctrl_c_and_says_what_it_waits_for(m
     assert serve_command._wait_running("pdserve", StopSignal(), told.append) is True
 
 
+def test_a_deploy_whose_replicas_keep_failing_to_start_after_one_started_fails(monkeypatch):
+    # Serve retries them for ever (DEPLOY_FAILED only while none has started): the command waited
+    # for ever where the README promises an error and exit 2
+    from types import SimpleNamespace
+
+    from ray import serve
+
+    from cluster.cli import serve_command
+    from cluster.cli.stop_signal import StopSignal
+    clock = [0.0]
+    failing = {"DecodeServer": SimpleNamespace(status="UPDATING", message="A replica failed to start with "
+                                               "exception. Retrying. Error: no config.json in /models/x")}
+    monkeypatch.setattr(serve, "status", lambda: _Status("DEPLOYING", deployments=failing))
+    monkeypatch.setattr(serve_command.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(serve_command.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    with pytest.raises(RuntimeError, match=r"replicas of DecodeServer kept failing to start for 180 s"
+                                           r"(.|\n)*no config.json in /models/x"):
+        serve_command._wait_running("pdserve", StopSignal(), lambda _: None)
+    assert 180 <= clock[0] <= 181
+
+
 def test_serve_running_elsewhere_on_a_joined_cluster_is_refused_not_misreported(monkeypatch):
     """Serve keeps the HTTP address it was started with: pdserve must not say it
     serves on another one."""

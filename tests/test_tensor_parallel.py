@@ -279,3 +279,30 @@ def test_a_model_that_cannot_be_split_so_is_refused_before_any_rank_starts(model
     with pytest.raises(ValueError, match=r"num_attention_heads \(4\) is not divisible by tensor_parallel_size \(3\)"):
         LLMEngine(EngineConfig(model=str(model_dirs["tiny"]), max_model_len=128, tensor_parallel_size=3))
     assert started == []
+
+
+def test_shutting_down_an_engine_stuck_in_a_step_terminates_its_ranks(model_dirs):
+    # a stopped rank holds rank 0's step in a collective; shutdown waited for the engine thread,
+    # gave up, and returned with the rank processes still there (until the process exited)
+    import asyncio
+
+    from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine.async_engine import AsyncEngine
+
+    async def main():
+        config = EngineConfig(model=str(model_dirs["tiny"]), max_model_len=128, tensor_parallel_size=2)
+        engine = AsyncEngine(lambda: LLMEngine(config), name="tp-stuck-shutdown", cost_warmup_steps=0)
+        await engine.ready()
+        (pid,) = engine.engine.rank_pids
+        os.kill(pid, signal.SIGSTOP)
+        await engine.call(lambda e: e.add_request("r", [5, 6, 7], SamplingParams(max_tokens=4)))
+        await asyncio.sleep(0.3)                   # the step is in its collective with the stopped rank
+        engine.shutdown(timeout_s=1.0)
+        return pid
+
+    pid = asyncio.run(asyncio.wait_for(main(), 120))
+    try:
+        assert not _alive(pid)
+    finally:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)

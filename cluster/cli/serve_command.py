@@ -342,23 +342,40 @@ def _path_for_the_cluster(model: str | None) -> str | None:
     return model if model is None or names_built_in_model(model) else os.path.abspath(model)
 
 
-def _wait_running(name: str, stop: StopSignal, notify: Callable[[str], None], every_s: float = 30.0) -> bool:
+# Serve retries a replica that fails to start for ever once another replica of its deployment has
+# started (DEPLOY_FAILED only while none has): a deploy that keeps failing so for this long is one
+REPLICA_START_FAILING_LIMIT_S = 180.0
+
+
+def _wait_running(name: str, stop: StopSignal, notify: Callable[[str], None], every_s: float = 30.0,
+                  failing_limit_s: float = REPLICA_START_FAILING_LIMIT_S) -> bool:
     """True once the application is RUNNING, False when a stop was asked for first;
-    raises RuntimeError when it fails to deploy. Says every `every_s` what it waits for."""
+    raises RuntimeError when it fails to deploy, or when a deployment's replicas have
+    kept failing to start for `failing_limit_s`. Says every `every_s` what it waits for."""
     from ray import serve
 
     started = last_told = time.monotonic()
+    failing_since: dict[str, float] = {}     # deployment -> when its replicas began failing to start
     while not stop.requested:
         app = serve.status().applications.get(name)
         status = getattr(app, "status", None)
         if status == "RUNNING":
             return True
-        if status == "DEPLOY_FAILED":      # (UNHEALTHY while deploying: Serve replaces the replica)
+        now = time.monotonic()
+        for d, ds in (app.deployments.items() if app else []):
+            if "failed to start" in (ds.message or ""):
+                failing_since.setdefault(d, now)
+            else:
+                failing_since.pop(d, None)
+        failing = {d for d, since in failing_since.items() if now - since >= failing_limit_s}
+        if status == "DEPLOY_FAILED" or failing:      # (UNHEALTHY while deploying: Serve replaces the replica)
             # the application's message names the deployments; theirs hold the replicas' errors
             causes = [f"{d}: {ds.message}" for d, ds in app.deployments.items() if ds.message]
-            raise RuntimeError(f"the application did not deploy: {app.message}"
+            why = app.message if status == "DEPLOY_FAILED" else \
+                f"replicas of {', '.join(sorted(failing))} kept failing to start for {failing_limit_s:.0f} s"
+            raise RuntimeError(f"the application did not deploy: {why}"
                                f"{''.join(chr(10) + '  ' + c for c in causes)}\n(the replicas' logs: logs/serve/ "
-                               "in the Ray session's folder, /tmp/ray/session_latest on the head node)")
+                               "in the Ray session's folder, /tmp/ray/session_latest on the node that ran them)")
         if time.monotonic() - last_told >= every_s:
             last_told = time.monotonic()
             waiting = [f"{d}: {getattr(ds.status, 'value', ds.status)}{f' ({ds.message})' if ds.message else ''}"

@@ -177,11 +177,11 @@ def _architecture(hf: Any) -> str:
     decides; an unknown one is refused; `architectures` decides only for a config without model_type."""
     model_type = getattr(hf, "model_type", None)
     architectures = list(getattr(hf, "architectures", None) or [])
-    if architectures and not any(str(a).endswith("ForCausalLM") for a in architectures):
-        # a classifier or reward model of a supported family: its head is no language-model head
-        raise ModelConfigError(f"{', '.join(map(str, architectures))} is not a causal language model; pdserve "
-                               "generates text with *ForCausalLM checkpoints")
     if model_type in ARCHITECTURE_BY_MODEL_TYPE:
+        if architectures and not any(str(a).endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
+            # a classifier or reward model of a supported family: its head is no language-model head
+            raise ModelConfigError(f"{', '.join(map(str, architectures))} is not a causal language model; "
+                                   "pdserve generates text with *ForCausalLM checkpoints")
         return ARCHITECTURE_BY_MODEL_TYPE[model_type]
     arch = None if model_type else next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
