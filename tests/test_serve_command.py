@@ -449,6 +449,29 @@ def test_serve_running_elsewhere_on_a_joined_cluster_is_refused_not_misreported(
         serve_command._start_serve("127.0.0.1", 9000, direct_ingress=False)
 
 
+def test_on_a_joined_cluster_the_serve_it_started_is_stopped_with_its_application(monkeypatch):
+    # its proxies kept holding the port after Ctrl-C: the next `pdserve serve --port N` was refused
+    import ray
+
+    from ray import serve
+
+    from cluster.cli import serve_command
+    calls, apps = [], {}
+    monkeypatch.setattr(serve, "delete", lambda name: (calls.append(("delete", name)), apps.pop(name, None)))
+    monkeypatch.setattr(serve, "shutdown", lambda: calls.append(("shutdown",)))
+    monkeypatch.setattr(serve, "status", lambda: type("S", (), {"applications": dict(apps)})())
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append(("disconnect",)))
+    for started_serve, others, expected in (
+            (True, {}, [("delete", "pdserve"), ("shutdown",), ("disconnect",)]),
+            (True, {"theirs": 1}, [("delete", "pdserve"), ("disconnect",)]),      # another app uses it
+            (False, {}, [("delete", "pdserve"), ("disconnect",)])):              # it ran before: theirs
+        calls.clear()
+        apps.clear()
+        apps.update({"pdserve": 1, **others})
+        serve_command._clean_up(started_ray=False, deployed=True, started_serve=started_serve)
+        assert calls == expected, (started_serve, others)
+
+
 def test_an_autoscaled_deploy_keeps_the_clusters_other_declarative_applications(monkeypatch):
     """Serve's declarative API deletes every application a config leaves out."""
     import ray.serve._private.api as serve_api

@@ -201,9 +201,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         ray.shutdown()
         raise
     stop = StopSignal().install()    # from here on Ctrl-C / SIGTERM stop the deploy too, and clean up
-    deployed = False
+    deployed = started_serve = False
     try:
-        _start_serve(host, port, direct_ingress)
+        started_serve = _start_serve(host, port, direct_ingress)
         if not started_ray:
             _refuse_a_second_pdserve()
         deployed = True
@@ -229,18 +229,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         stop.force_on_next()
         if stop.requested:
             print("(press Ctrl-C again to quit at once, leaving the clean-up undone)", flush=True)
-        _clean_up(started_ray, deployed)
+        _clean_up(started_ray, deployed, started_serve)
     return 0
 
 
-def _start_serve(host: str, port: int, direct_ingress: bool) -> None:
+def _start_serve(host: str, port: int, direct_ingress: bool) -> bool:
     """Starts Serve (a no-op where it runs) with its HTTP proxy on host:port, or on
-    a free port where the router answers on host:port itself. Raises RuntimeError
-    when Serve already runs on this cluster with another address: it keeps its
-    own, and pdserve would not answer where it says."""
+    a free port where the router answers on host:port itself; True when this call
+    started it. Raises RuntimeError when Serve already runs on this cluster with
+    another address: it keeps its own, and pdserve would not answer where it says."""
     from ray.serve._private.api import serve_start
 
     from engine.tp_group import free_port
+    was_running = _serve_runs()
     proxy_port = free_port(host) if direct_ingress else port
     http = serve_start(http_options={"host": host, "port": proxy_port}).http_config
     if not direct_ingress and (http.host, http.port) != (host, port):
@@ -250,6 +251,20 @@ def _start_serve(host: str, port: int, direct_ingress: bool) -> None:
                            f"http.host / http.port in the deployment file), or stop Serve first (`serve shutdown`); "
                            "to run another pdserve beside one this machine already runs, give it a cluster of its "
                            "own (--address local)")
+    return not was_running
+
+
+def _serve_runs() -> bool:
+    """Whether Serve's controller runs on the connected cluster."""
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+    if not ray.is_initialized():
+        return False
+    try:
+        ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    except ValueError:
+        return False
+    return True
 
 
 def _check_answers(address: str, timeout_s: float = 10.0) -> None:
@@ -277,9 +292,10 @@ def _refuse_a_second_pdserve() -> None:
                            f"{APP_NAME}`), or give this one a cluster of its own (--address local)")
 
 
-def _clean_up(started_ray: bool, deployed: bool) -> None:
+def _clean_up(started_ray: bool, deployed: bool, started_serve: bool = False) -> None:
     """Stops what this command started: the whole local cluster, or on a joined
-    cluster only its application."""
+    cluster its application, and Serve too where this command started it and no
+    other application runs on it now (its proxies would keep holding the port)."""
     import ray
     from ray import serve
 
@@ -288,6 +304,8 @@ def _clean_up(started_ray: bool, deployed: bool) -> None:
             serve.shutdown()
         elif deployed:
             serve.delete(APP_NAME)
+            if started_serve and not serve.status().applications:
+                serve.shutdown()
     except Exception as exc:  # noqa: BLE001 - the error that brought us here is the one to report
         print(f"pdserve: cleaning up failed: {exc}", file=sys.stderr)
     finally:
