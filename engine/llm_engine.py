@@ -120,6 +120,9 @@ class LLMEngine:
         self.last_step: StepStats | None = None   # the latest non-empty step
         self.async_scheduling = config.uses_async_scheduling()
         self._in_flight: _InFlight | None = None    # launched by the previous step() call, not read back
+        # launched steps whose read-back was interrupted (an exception while waiting for their samples),
+        # oldest first: the next step() call reads them back before it schedules anything
+        self._unresolved: list[_InFlight] = []
         self.last_step_empty = False                 # the latest step() had nothing to run or read back
         self._last_resolved = time.monotonic()
 
@@ -307,7 +310,8 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """True while a step() call has work: requests to run, or samples to read back."""
-        return self.scheduler.num_unfinished > len(self.scheduler.reserved) or self._in_flight is not None
+        return self.scheduler.num_unfinished > len(self.scheduler.reserved) or self._in_flight is not None \
+            or bool(self._unresolved)
 
     # ---- the step -----------------------------------------------------------------------
     def step(self, *, prefill: bool = True, decode: bool = True) -> list[RequestOutput]:
@@ -318,6 +322,13 @@ class LLMEngine:
         requests waiting cannot start until blocks or sequence slots that held
         or reserved requests keep are freed."""
         self._check_ranks()
+        if self._unresolved:        # what an interrupted call left: read back first (result() may be asked again)
+            outputs = []
+            while self._unresolved:
+                outputs += self._resolve(self._unresolved[0])
+                self._unresolved.pop(0)
+            self.last_step_empty = False
+            return outputs
         previous, self._in_flight = self._in_flight, None
         step = self.scheduler.schedule(prefill=prefill, decode=decode)
         # a step that only preempted freed blocks: the next one can run what waits
@@ -327,7 +338,13 @@ class LLMEngine:
         except BaseException:
             self._in_flight = previous   # its samples are still to be read back by the next step
             raise
-        outputs = self._resolve(previous) if previous is not None else []
+        try:
+            outputs = self._resolve(previous) if previous is not None else []
+        except BaseException:
+            # both steps' samples are still to be read back, in order (the launched one's inputs
+            # are the previous one's samples, on the device)
+            self._unresolved = [previous] + ([launched] if launched is not None and launched.run.overlapped else [])
+            raise
         if launched is not None:
             if launched.run.overlapped:
                 self._in_flight = launched

@@ -168,6 +168,44 @@ def test_a_step_that_fails_to_launch_leaves_the_engine_able_to_go_on(model, asyn
     assert done[0].token_ids == expected
 
 
+def test_an_interrupted_read_back_leaves_the_engine_able_to_go_on(model):
+    """Async scheduling: Ctrl-C while a step waits for the previous step's samples. That step and
+    the one launched on its samples were both lost, and every later step failed ("pending input
+    tokens but no launched step"): a stream open beside the interrupted generate was dead. Now the
+    next step reads both back, and the requests go on to their greedy tokens."""
+    from engine.runner import LaunchedStep
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    reference = LLMEngine(EngineConfig(model=model, device="cpu", max_model_len=64))
+    for rid, prompt in (("a", list(range(3, 13))), ("b", list(range(20, 27)))):
+        reference.add_request(rid, prompt, params)
+    expected = {o.request_id: o.token_ids for o in reference.run_to_completion()}
+
+    engine = LLMEngine(EngineConfig(model=model, device="cpu", max_model_len=64, async_scheduling=True))
+    engine.add_request("a", list(range(3, 13)), params)
+    engine.add_request("b", list(range(20, 27)), params)
+    engine.step()
+    engine.step()
+    real_result, interrupted = LaunchedStep.result, []
+
+    def interrupted_once(self):
+        if not interrupted:
+            interrupted.append(1)
+            raise KeyboardInterrupt
+        return real_result(self)
+
+    LaunchedStep.result = interrupted_once
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            engine.step()
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    finally:
+        LaunchedStep.result = real_result
+    assert done == expected
+
+
 def test_a_call_that_ends_the_engine_thread_answers_its_caller(model):
     # a BaseException (SystemExit, KeyboardInterrupt) in a call stops the engine thread; its
     # caller had waited for ever, the call taken off the queue and never answered
