@@ -150,14 +150,23 @@ class Scheduler:
             if n <= 0 or (n < remaining and not self.enable_chunked_prefill):
                 i += 1
                 continue
+            allocated = True
             while not self.block_manager.allocate(seq.block_table, seq.num_computed_tokens + n):
                 victim = self._preemption_victim()
+                if victim is not seq and seq.num_pending_tokens:
+                    # its pending token may be its last (EOS, a stop string): it waits a step for it
+                    # rather than have another sequence preempted for a block it may never use
+                    allocated = False
+                    break
                 self._preempt(victim)
                 step.preempted.append(victim)
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break  # seq preempted itself: nothing younger is left to schedule
+            if not allocated:
+                i += 1
+                continue
             (decodes if is_decode else prefills).append((seq, n))
             budget -= n
             i += 1

@@ -203,6 +203,31 @@ def test_a_sequence_whose_pending_token_is_its_last_is_never_preempted():
     assert held.status is SequenceStatus.RUNNING and len(held.block_table) == 2
 
 
+def test_a_sequence_whose_pending_token_may_be_its_last_waits_instead_of_preempting_another():
+    """Async scheduling: the sequence's pending token (not yet read back) may be its EOS; at a
+    block boundary in a full pool it preempted the newest sequence (a full recompute) for a
+    block it might never use. It waits a step instead: then its token is known."""
+    from engine.block_manager import BlockManager
+    from engine.scheduler import Scheduler
+    from engine.sequence import Sequence, SequenceStatus
+
+    blocks = BlockManager(num_blocks=4, block_size=4)
+    scheduler = Scheduler(blocks, max_num_seqs=8, max_num_batched_tokens=64)
+    old = Sequence("old", list(range(3, 11)) + [PENDING_TOKEN], 8, SamplingParams(max_tokens=8),
+                   num_pending_tokens=1)                      # 8 computed: its next token needs a 3rd block
+    young = Sequence("young", list(range(30, 37)) + [5], 7, SamplingParams(max_tokens=8))   # fits its 2 blocks
+    for seq, computed in ((old, 8), (young, 7)):
+        assert blocks.allocate(seq.block_table, computed)
+        seq.num_computed_tokens, seq.status = computed, SequenceStatus.RUNNING
+        scheduler.running.append(seq)
+    step = scheduler.schedule()
+    assert step.preempted == [] and step.seqs == [young]
+    old.token_ids[-1], old.num_pending_tokens = 9, 0          # read back: not its last token
+    scheduler.after_step(step)
+    step = scheduler.schedule()
+    assert step.preempted == [young] and step.seqs == [old]   # now it takes the block it needs
+
+
 def test_a_running_prefill_ahead_of_decodes_leaves_each_of_them_a_token():
     """A decode worker readmits a preempted sequence behind nothing: its recompute is a
     running prefill ahead of the hand-offs admitted since. Its chunk leaves the budget's
