@@ -123,6 +123,7 @@ class LLMEngine:
         # launched steps whose read-back was interrupted (an exception while waiting for their samples),
         # oldest first: the next step() call reads them back before it schedules anything
         self._unresolved: list[_InFlight] = []
+        self._outputs: list[RequestOutput] = []     # read back, not yet returned (kept across an interrupt)
         self.last_step_empty = False                 # the latest step() had nothing to run or read back
         self._last_resolved = time.monotonic()
 
@@ -323,33 +324,29 @@ class LLMEngine:
         or reserved requests keep are freed."""
         self._check_ranks()
         if self._unresolved:        # what an interrupted call left: read back first (result() may be asked again)
-            outputs = []
-            while self._unresolved:
-                outputs += self._resolve(self._unresolved[0])
-                self._unresolved.pop(0)
             self.last_step_empty = False
-            return outputs
-        previous, self._in_flight = self._in_flight, None
+            while self._unresolved:
+                self._resolve(self._unresolved[0])
+                self._unresolved.pop(0)
+            return self._take_outputs()
+        previous = self._in_flight   # (cleared only once this call has launched: an interrupt keeps it)
         step = self.scheduler.schedule(prefill=prefill, decode=decode)
         # a step that only preempted freed blocks: the next one can run what waits
         self.last_step_empty = step.is_empty and not step.preempted and previous is None
-        try:
-            launched = self._launch(step, previous) if not step.is_empty else None
-        except BaseException:
-            self._in_flight = previous   # its samples are still to be read back by the next step
-            raise
-        try:
-            outputs = self._resolve(previous) if previous is not None else []
-        except BaseException:
-            # both steps' samples are still to be read back, in order (the launched one's inputs
-            # are the previous one's samples, on the device)
-            self._unresolved = [previous] + ([launched] if launched is not None and launched.run.overlapped else [])
-            raise
-        if launched is not None:
-            if launched.run.overlapped:
-                self._in_flight = launched
-            else:
-                outputs += self._resolve(launched)
+        launched = self._launch(step, previous) if not step.is_empty else None
+        # every launched step is read back in order (the launched one's inputs may be the previous
+        # one's samples, on the device); an interrupted read-back leaves the rest to the next call
+        self._unresolved = [s for s in (previous, launched) if s is not None]
+        self._in_flight = None
+        keep = launched if launched is not None and launched.run.overlapped else None
+        while self._unresolved and self._unresolved[0] is not keep:
+            self._resolve(self._unresolved[0])
+            self._unresolved.pop(0)
+        self._in_flight, self._unresolved = keep, []
+        return self._take_outputs()
+
+    def _take_outputs(self) -> list[RequestOutput]:
+        outputs, self._outputs = self._outputs, []
         return outputs
 
     def _launch(self, step, previous: _InFlight | None) -> _InFlight:
@@ -373,42 +370,47 @@ class LLMEngine:
         threads = torch.get_num_threads()     # a CPU engine's own, or more on borrowed idle cores
         return _InFlight(run, started, *shape, threads, max(0, threads - self.worker.num_threads))
 
-    def _resolve(self, launched: _InFlight) -> list[RequestOutput]:
-        """Reads back a launched step's samples and turns them into outputs. A
-        sequence that ended (or was aborted) since the launch drops its sample."""
+    def _resolve(self, launched: _InFlight) -> None:
+        """Reads back a launched step's samples and turns them into outputs (into
+        self._outputs). A sequence that ended (or was aborted) since the launch drops
+        its sample. Resumable: a read-back interrupted midway goes on, when called
+        again, from the row it had reached."""
         try:
             result = launched.run.result()
         except BaseException as exc:
             self._on_rank_error(exc)
             raise
         now = time.monotonic()
-        step = launched.run.step
-        self.last_step = StepStats(step.num_prefill_tokens, step.num_decode_seqs,
-                                   now - max(launched.started, self._last_resolved),
-                                   launched.prefill_attention, launched.decode_context, launched.threads,
-                                   launched.borrowed_threads)
-        self._last_resolved = now
-        outputs = []
-        for span, entries in launched.run.prompt_logprobs:
-            state = self._states.get(span.seq.request_id)
-            if state is not None and state.seq is span.seq:
-                span.seq.prompt_logprobs[span.first:span.first + span.count] = entries
+        if launched.next_row == 0:
+            step = launched.run.step
+            self.last_step = StepStats(step.num_prefill_tokens, step.num_decode_seqs,
+                                       now - max(launched.started, self._last_resolved),
+                                       launched.prefill_attention, launched.decode_context, launched.threads,
+                                       launched.borrowed_threads)
+            self._last_resolved = now
+            for span, entries in launched.run.prompt_logprobs:
+                state = self._states.get(span.seq.request_id)
+                if state is not None and state.seq is span.seq:
+                    span.seq.prompt_logprobs[span.first:span.first + span.count] = entries
         if result is None:
-            return outputs
-        for i, seq in enumerate(launched.run.sampled):
+            return
+        rows = launched.run.sampled
+        while launched.next_row < len(rows):
+            i, seq = launched.next_row, rows[launched.next_row]
             state = self._states.get(seq.request_id)
-            if state is None or state.seq is not seq:
-                continue
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            state.append(result.token_ids[i], result.logprobs[i])
-            finished = seq.finish_reason is not None
-            if finished or seq.hold_kv:
-                self._finish(seq)
-            out = state.make_output(finished, final=finished or seq.hold_kv)
-            if out is not None:
-                outputs.append(out)
-        return outputs
+            if state is not None and state.seq is seq:
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                if launched.appended < i:
+                    state.append(result.token_ids[i], result.logprobs[i])
+                    launched.appended = i
+                finished = seq.finish_reason is not None
+                out = state.make_output(finished, final=finished or seq.hold_kv)
+                if out is not None:
+                    self._outputs.append(out)
+                if finished or seq.hold_kv:
+                    self._finish(seq)
+            launched.next_row = i + 1
 
     def _finish(self, seq: Sequence) -> None:
         del self._states[seq.request_id]
@@ -578,13 +580,15 @@ class LLMEngine:
 
 @dataclass(slots=True)
 class _InFlight:
-    """A launched step, with what its StepStats needs."""
+    """A launched step, with what its StepStats needs, and how far its read-back got."""
     run: LaunchedStep
     started: float
     prefill_attention: float
     decode_context: int
     threads: int
     borrowed_threads: int
+    next_row: int = 0          # sampled rows read back so far
+    appended: int = -1         # the last row whose token its request took
 
 
 def _is_communication_error(exc: BaseException) -> bool:

@@ -168,41 +168,57 @@ def test_a_step_that_fails_to_launch_leaves_the_engine_able_to_go_on(model, asyn
     assert done[0].token_ids == expected
 
 
-def test_an_interrupted_read_back_leaves_the_engine_able_to_go_on(model):
-    """Async scheduling: Ctrl-C while a step waits for the previous step's samples. That step and
-    the one launched on its samples were both lost, and every later step failed ("pending input
-    tokens but no launched step"): a stream open beside the interrupted generate was dead. Now the
-    next step reads both back, and the requests go on to their greedy tokens."""
+@pytest.mark.parametrize("where", ["waiting for the samples", "in the rows", "beside a step read back at once"])
+def test_an_interrupted_read_back_leaves_the_engine_able_to_go_on(model, where):
+    """Async scheduling: Ctrl-C while a step reads back the previous step's samples (waiting for
+    them, or midway through its rows). That step and the one launched on its samples were lost,
+    and every later step failed ("pending input tokens but no launched step"): a stream open
+    beside the interrupted generate was dead. Now the next step reads back what is left, and
+    every request goes on to its greedy tokens, each token once. "beside a step read back at
+    once": the launched step was not overlapped (a request asking for logprobs joined it)."""
+    from engine.output_processor import RequestTextState
     from engine.runner import LaunchedStep
 
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    requests = [("a", list(range(3, 13)), params), ("b", list(range(20, 27)), params)]
+    if where == "beside a step read back at once":
+        requests.append(("c", list(range(30, 36)), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                                                                   logprobs=1)))
     reference = LLMEngine(EngineConfig(model=model, device="cpu", max_model_len=64))
-    for rid, prompt in (("a", list(range(3, 13))), ("b", list(range(20, 27)))):
-        reference.add_request(rid, prompt, params)
+    for request in requests[:2]:
+        reference.add_request(*request)
     expected = {o.request_id: o.token_ids for o in reference.run_to_completion()}
+    if len(requests) == 3:
+        reference.add_request(*requests[2])
+        expected.update({o.request_id: o.token_ids for o in reference.run_to_completion()})
 
     engine = LLMEngine(EngineConfig(model=model, device="cpu", max_model_len=64, async_scheduling=True))
-    engine.add_request("a", list(range(3, 13)), params)
-    engine.add_request("b", list(range(20, 27)), params)
+    for request in requests[:2]:
+        engine.add_request(*request)
     engine.step()
     engine.step()
-    real_result, interrupted = LaunchedStep.result, []
+    if len(requests) == 3:
+        engine.add_request(*requests[2])
+    patched = (RequestTextState, "append") if where == "in the rows" else (LaunchedStep, "result")
+    real, calls = getattr(*patched), []
 
-    def interrupted_once(self):
-        if not interrupted:
-            interrupted.append(1)
+    def interrupted_once(self, *args):
+        calls.append(1)
+        if len(calls) == (2 if where == "in the rows" else 1):     # (in the rows: at the second row)
             raise KeyboardInterrupt
-        return real_result(self)
+        return real(self, *args)
 
-    LaunchedStep.result = interrupted_once
+    setattr(*patched, interrupted_once)
     try:
         with pytest.raises(KeyboardInterrupt):
             engine.step()
         done = {}
-        while engine.has_unfinished_requests():
+        for _ in range(100):                    # (a lost step left requests that never finish)
+            if not engine.has_unfinished_requests():
+                break
             done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
     finally:
-        LaunchedStep.result = real_result
+        setattr(*patched, real)
     assert done == expected
 
 
