@@ -120,8 +120,9 @@ class LLMEngine:
         self.last_step: StepStats | None = None   # the latest non-empty step
         self.async_scheduling = config.uses_async_scheduling()
         self._in_flight: _InFlight | None = None    # launched by the previous step() call, not read back
-        # launched steps whose read-back was interrupted (an exception while waiting for their samples),
-        # oldest first: the next step() call reads them back before it schedules anything
+        # launched steps being read back, oldest first; left non-empty by an interrupted read-back
+        # (an exception while waiting for or going through samples), which the next step() call
+        # finishes before it schedules anything
         self._unresolved: list[_InFlight] = []
         self._outputs: list[RequestOutput] = []     # read back, not yet returned (kept across an interrupt)
         self.last_step_empty = False                 # the latest step() had nothing to run or read back
