@@ -132,7 +132,7 @@ class _SendPair:
                     self._heartbeat()
                 # after a heartbeat's interval of silence, a pair the receiver dropped fails the transfer
                 # now (the next send makes a new pair), not at the transfer's deadline
-                elif not (time.monotonic() - self.last_word > self.cfg.timeout_s / 4 and self._closed_by_peer()):
+                elif not (time.monotonic() - self.last_word > self.cfg.timeout_s / 4 and self._peer_closed_the_pair()):
                     self._move(t, data)
             except Exception as exc:  # noqa: BLE001 - reported in the transfers' errors
                 if t is None:
@@ -182,10 +182,10 @@ class _SendPair:
         """Keeps an idle pair alive (the receiver drops pairs that go silent), unless the receiver
         has dropped it already (this process was paused past the timeout, say): then this side
         breaks too, and the next send makes a new pair instead of failing on this one."""
-        if not self._closed_by_peer():
+        if not self._peer_closed_the_pair():
             self._header("B")
 
-    def _closed_by_peer(self) -> bool:
+    def _peer_closed_the_pair(self) -> bool:
         """Whether the receiver dropped this pair on its side (its sealed "closed" key): then this
         side is dropped too, failing what it holds (one store round trip)."""
         if not self.msgs.check([CLOSED_KEY]):

@@ -38,15 +38,26 @@ class LazyTensor:
         return self._slice[tuple(slice(None) for _ in self.shape)]
 
 
-def checkpoint_files(model_dir: Path) -> list[Path]:
+def _weight_map(model_dir: Path) -> dict[str, str] | None:
+    """The checkpoint index's tensor name -> file map; None without an index."""
     index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted({model_dir / name for name in weight_map.values()})
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CheckpointError(f"{index} is not a safetensors index (a JSON object whose weight_map maps "
-                                  f"tensor names to files): {type(exc).__name__}: {exc}") from None
+    if not index.is_file():
+        return None
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not (isinstance(weight_map, dict) and all(isinstance(f, str) for f in weight_map.values())):
+            raise TypeError(f"weight_map is {type(weight_map).__name__}, not names of files")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{index} is not a safetensors index (a JSON object whose weight_map maps "
+                              f"tensor names to files): {type(exc).__name__}: {exc}") from None
+    return weight_map
+
+
+def checkpoint_files(model_dir: Path, weight_map: dict[str, str] | None = None) -> list[Path]:
+    """The checkpoint's safetensors files (`weight_map`: its index's, when already read)."""
+    weight_map = weight_map if weight_map is not None else _weight_map(model_dir)
+    if weight_map is not None:
+        files = sorted({model_dir / name for name in weight_map.values()})
     else:
         files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -61,10 +72,10 @@ def stored_tensor_names(model_dir: str | Path) -> set[str]:
     """The names of the tensors the checkpoint in `model_dir` stores: its index's weight map, else
     the files' headers (no tensor data). Raises CheckpointError as `checkpoint_files` does."""
     model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        checkpoint_files(model_dir)      # (the index checked)
-        return set(json.loads(index.read_text())["weight_map"])
+    weight_map = _weight_map(model_dir)
+    if weight_map is not None:
+        checkpoint_files(model_dir, weight_map)      # (the files it names are there)
+        return set(weight_map)
     names: set[str] = set()
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
