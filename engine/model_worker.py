@@ -407,9 +407,10 @@ class RankCallError(Exception):
     """A collective call failed on one rank."""
 
 
-def follower_main(rank: int, size: int, port: int, parent_pid: int, config: EngineConfig,
+def follower_main(rank: int, size: int, port: int, parent_pid: int, report, config: EngineConfig,
                   backend: str, prefix: str) -> None:
-    """Entry point of a spawned rank process; `prefix`: the gang's keys in rank 0's store."""
+    """Entry point of a spawned rank process; `report`: the writing end of a pipe for the
+    error that ends it (rank 0 names it), `prefix`: the gang's keys in rank 0's store."""
     from engine.tp_group import create_group, exit_when_parent_dies
     # Ctrl-C in a terminal reaches the whole process group: rank 0 decides what it means (an
     # idle follower that took it died at rank 0's next command, ending the engine for good)
@@ -420,8 +421,12 @@ def follower_main(rank: int, size: int, port: int, parent_pid: int, config: Engi
     try:
         tp = create_group(rank, size, "127.0.0.1", port, backend, device, prefix=prefix)
         follow(ModelWorker(config, tp))
-    except Exception:
+    except Exception as exc:
         log.exception("tensor-parallel rank %d failed", rank)
+        try:
+            report.send(f"{type(exc).__name__}: {exc}"[:1000])
+        except Exception:  # noqa: BLE001 - rank 0 gone: nobody to tell
+            pass
         # at once: an orderly exit would first tear down this rank's groups, whose gloo
         # pairs wait on rank 0, which waits to see this process gone to say which rank failed
         logging.shutdown()

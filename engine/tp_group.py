@@ -129,15 +129,23 @@ class RankProcesses:
     def __init__(self, size: int, port: int, follower_args: tuple):
         from engine.model_worker import follower_main
         ctx = multiprocessing.get_context("spawn")
-        self.procs = [ctx.Process(target=follower_main, args=(rank, size, port, os.getpid(), *follower_args),
+        # one pipe per rank for the error that ended it, read by `dead` (rank 0's own error, when it
+        # saw the group break, says only that a peer went away)
+        pipes = [ctx.Pipe(duplex=False) for _ in range(1, size)]
+        self._failure_readers = [reader for reader, _ in pipes]
+        self._failures: dict[int, str] = {}     # index in procs -> the error it reported
+        self._failures_lock = threading.Lock()  # `dead` runs on any thread
+        self.procs = [ctx.Process(target=follower_main,
+                                  args=(rank, size, port, os.getpid(), writer, *follower_args),
                                   name=f"pdserve-tp-rank{rank}", daemon=True)
-                      for rank in range(1, size)]
+                      for rank, (_, writer) in zip(range(1, size), pipes)]
         self._state = _GroupState()
         # before the first start: a start that fails (or a Ctrl-C) midway stops the ranks started so far
         self._finalizer = weakref.finalize(self, _shutdown, self.procs, self._state)
         try:
-            for p in self.procs:
+            for p, (_, writer) in zip(self.procs, pipes):
                 p.start()
+                writer.close()      # the rank's copy is the one that writes
         except BaseException:
             self._state.healthy = False
             self._finalizer()
@@ -163,11 +171,24 @@ class RankProcesses:
 
     def dead(self) -> str | None:
         """Which rank processes exited, or None while all live."""
-        dead = [p for p in self.procs if not p.is_alive()]
+        dead = [i for i, p in enumerate(self.procs) if not p.is_alive()]
         if not dead:
             return None
-        return (f"tensor-parallel rank process(es) {[p.name for p in dead]} exited "
-                f"(exit codes {[p.exitcode for p in dead]}); see their log above")
+        reported = [f"rank {i + 1}: {failure}" for i in dead if (failure := self._failure(i))]
+        return (f"tensor-parallel rank process(es) {[self.procs[i].name for i in dead]} exited "
+                f"(exit codes {[self.procs[i].exitcode for i in dead]})"
+                + (f" after {'; '.join(reported)}" if reported else "") + "; see their log above")
+
+    def _failure(self, index: int) -> str | None:
+        """The error rank `index + 1` reported before it exited, if it did."""
+        with self._failures_lock:
+            if index not in self._failures:
+                reader = self._failure_readers[index]
+                try:
+                    self._failures[index] = reader.recv() if reader.poll() else ""
+                except (EOFError, OSError):     # exited without a word (killed)
+                    self._failures[index] = ""
+            return self._failures[index] or None
 
     def check_alive(self) -> None:
         if problem := self.dead():

@@ -108,7 +108,9 @@ def test_a_rank_that_fails_to_start_fails_the_engine_fast(model_dirs):
     start fails at once and names the rank, not the broken group rank 0 sees."""
     config = _Rank1RunsOutOfMemory(model=str(model_dirs["tiny"]), max_model_len=128, tensor_parallel_size=2)
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"\['pdserve-tp-rank1'\] exited .*while the engine started"):
+    with pytest.raises(RuntimeError, match=r"\['pdserve-tp-rank1'\] exited \(exit codes \[1\]\) after rank 1: "
+                                           r"MemoryError: rank 1 ran out of memory while loading; .*while the "
+                                           r"engine started"):
         LLMEngine(config)
     assert time.monotonic() - start < 60
 
@@ -120,7 +122,7 @@ def test_a_killed_rank_is_an_error_not_a_hang(model_dirs):
         os.kill(pid, signal.SIGKILL)
         time.sleep(0.5)
         start = time.monotonic()
-        with pytest.raises(RuntimeError, match=r"\['pdserve-tp-rank1'\] exited \(exit codes \[-9\]\)"):
+        with pytest.raises(RuntimeError, match=r"\['pdserve-tp-rank1'\] exited \(exit codes \[-9\]\); see"):
             llm.generate(_prompts(2), GREEDY)
         assert time.monotonic() - start < 60
     finally:
