@@ -352,7 +352,7 @@ class DeploymentConfig(_Strict):
                 raise ValueError(f"{role}.replicas ({pool.replicas}) is outside the autoscaler's bounds for "
                                  f"{role}, {low} to {high} (autoscaling.min_replicas / max_replicas): start "
                                  "within them")
-        if len(settings.splits()) < 2:
+        if not settings.can_move():
             floor = " + ".join(f"{role} {settings.min_for(role)}" for role in settings.roles)
             room = "min_replicas.prefill: 0 (the decode replicas then prefill themselves), or " \
                 if self.mode is Mode.disaggregated and settings.min_for("prefill") > 0 else ""

@@ -142,6 +142,25 @@ def test_autoscaled_pools_start_within_the_budget_and_bounds(autoscaling, pools,
                                                                     "min_replicas": {"prefill": 0}}})
 
 
+@pytest.mark.timeout(30)
+def test_room_to_move_counts_each_roles_ranks_and_not_every_split():
+    """The check that autoscaling can move anything: one more replica of a role costs its
+    TP degree, and a huge budget is checked without listing its splits (~budget² of them)."""
+    slo = {"slo": {"ttft_ms": 1000, "tpot_ms": 100}}
+    wide_decode = {**slo, "decode": {"tensor_parallel_size": 4}}
+    with pytest.raises(ValidationError, match=r"the minimum replicas \(prefill 1 \+ decode 1\) already fill the "
+                                              r"budget of 6 ranks"):
+        DeploymentConfig.model_validate({**wide_decode, "autoscaling": {"enabled": True, "budget": 6,
+                                                                        "max_replicas": {"prefill": 1}}})
+    # room for a prefill replica (1 rank) but not a decode one (4)
+    assert DeploymentConfig.model_validate({**wide_decode, "autoscaling": {"enabled": True, "budget": 6}})
+    # room for a decode replica only once the budget holds its 4 ranks
+    assert DeploymentConfig.model_validate({**wide_decode, "autoscaling": {"enabled": True, "budget": 9,
+                                                                           "max_replicas": {"prefill": 1}}})
+    huge = DeploymentConfig.model_validate({**slo, "autoscaling": {"enabled": True, "budget": 1_000_000}})
+    assert huge.autoscaling_settings().budget == 1_000_000
+
+
 def test_a_secret_pasted_for_a_variables_name_is_refused_and_not_repeated(monkeypatch):
     for section, field in (("http", "api_key_env"), ("kv_transfer", "secret_env")):
         with pytest.raises(ValidationError) as info:

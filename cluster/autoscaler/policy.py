@@ -69,7 +69,6 @@ load past the budget too (step 3's best split).
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -155,11 +154,12 @@ class AutoscaleSettings:
     def max_for(self, role: str) -> int:
         return self.max_replicas.get(role, self.budget // self.tp(role))
 
-    def splits(self) -> list[dict[str, int]]:
-        """Every replica count per role within the bounds and the budget."""
-        ranges = [range(self.min_for(r), self.max_for(r) + 1) for r in self.roles]
-        splits = (dict(zip(self.roles, counts)) for counts in itertools.product(*ranges))
-        return [split for split in splits if sum(n * self.tp(r) for r, n in split.items()) <= self.budget]
+    def can_move(self) -> bool:
+        """Whether any split but the minimum one fits the bounds and the budget: one more
+        replica of some role on top of the minimums (in time linear in the roles, whatever
+        the budget)."""
+        floor = sum(self.min_for(r) * self.tp(r) for r in self.roles)
+        return any(self.min_for(r) < self.max_for(r) and floor + self.tp(r) <= self.budget for r in self.roles)
 
 
 @dataclass(frozen=True)
