@@ -9,6 +9,7 @@ worker of that role runs.
 
 from __future__ import annotations
 
+import collections.abc
 import copy
 import functools
 import re
@@ -456,11 +457,13 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     if path is not None:
         path = Path(path)
         try:
-            data = yaml.load(path.read_text(), Loader=_unique_key_loader()) or {}  # noqa: S506 - a SafeLoader
+            data = yaml.load(path.read_text(), Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader
         except (OSError, yaml.YAMLError) as exc:
             raise ConfigFileError(f"cannot read deployment file {path}: {exc}") from None
         except UnicodeDecodeError as exc:
             raise ConfigFileError(f"cannot read deployment file {path}: it is not UTF-8 text ({exc})") from None
+        if data is None:    # empty, or only comments: the defaults
+            data = {}
         if not isinstance(data, dict):
             raise ConfigFileError(f"{path} is not a valid pdserve deployment file: it holds a "
                                   f"{type(data).__name__}, not a mapping of sections")
@@ -488,6 +491,10 @@ def _unique_key_loader():
                 if key_node.tag == "tag:yaml.org,2002:merge":    # `<<: *anchor` merges, not a setting
                     continue
                 key = self.construct_object(key_node, deep=deep)
+                if not isinstance(key, collections.abc.Hashable):    # e.g. an INI-style `[model]:` header
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"a key must be a name, not a {type(key).__name__}",
+                        key_node.start_mark)
                 if key in seen:
                     raise yaml.constructor.ConstructorError(
                         None, None, f"{key!r} is given twice in one section", key_node.start_mark)

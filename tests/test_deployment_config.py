@@ -101,6 +101,21 @@ def test_unreadable_file(tmp_path):
     assert DeploymentConfig().mode is Mode.disaggregated
 
 
+@pytest.mark.parametrize("text, match", [
+    ("[model]:\n  name: tiny\n", r"a key must be a name, not a list"),
+    ("false\n", "holds a bool, not a mapping of sections"),
+    ("[]\n", "holds a list, not a mapping of sections"),
+    ("0\n", "holds a int, not a mapping of sections"),
+])
+def test_a_file_that_is_not_a_mapping_of_named_sections_is_refused(tmp_path, text, match):
+    f = tmp_path / "deployment.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigFileError, match=match):
+        load_config(f)
+    f.write_text("# nothing set yet\n")
+    assert load_config(f) == DeploymentConfig()
+
+
 def test_autoscaling_section_is_checked_where_it_is_wrong():
     with pytest.raises(ValidationError, match="set slo.ttft_ms and slo.tpot_ms"):
         DeploymentConfig.model_validate({"autoscaling": {"enabled": True}})
