@@ -415,6 +415,18 @@ class DeploymentConfig(_Strict):
             return {"prefill": self.prefill, "decode": self.decode}
         return {"colocated": self.colocated}
 
+    def unused_pool_settings(self) -> str | None:
+        """What the pools this mode does not run set (e.g. decode's TP degree in a file that
+        `--mode colocated` switched), or None: those settings do nothing."""
+        runs = self.pools()
+        unused = [f"{role}: {pool.model_dump(exclude_defaults=True)}"
+                  for role, pool in (("prefill", self.prefill), ("decode", self.decode), ("colocated", self.colocated))
+                  if role not in runs and pool != WorkerPool()]
+        if not unused:
+            return None
+        return (f"{self.mode.value} mode runs {' and '.join(runs)} replicas only: the settings of "
+                f"{'; '.join(unused)} are not used (set {' and '.join(f'{role}:' for role in runs)} instead)")
+
     def tokens_per_step(self) -> int:
         """engine.max_num_batched_tokens, or the default for the device."""
         if self.engine.max_num_batched_tokens is not None:

@@ -70,6 +70,20 @@ def test_flags_supply_what_the_file_lacks_and_ignored_flags_are_refused(tmp_path
         serve("--max-replicas", "4")
 
 
+def test_a_file_whose_pools_the_mode_does_not_run_is_warned_about(capsys):
+    """--mode colocated on a file written for disaggregated serving: its decode TP degree would
+    be dropped without a word."""
+    config = config_from_args(build_parser().parse_args(
+        ["serve", "--config", str(REPO / "configs" / "tiny-cpu-tp2.yaml"), "--mode", "colocated"]))
+    assert config.colocated.tensor_parallel_size == 1
+    assert ("warning: colocated mode runs colocated replicas only: the settings of decode: "
+            "{'tensor_parallel_size': 2} are not used (set colocated: instead)") in capsys.readouterr().err
+    config_from_args(build_parser().parse_args(["serve", "--config", str(REPO / "configs" / "tiny-cpu.yaml")]))
+    config_from_args(build_parser().parse_args(["serve", "--config", str(REPO / "configs" / "tiny-cpu.yaml"),
+                                                "--mode", "colocated"]))   # its pools are the defaults
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_an_autoscaled_deployment_ships_the_api_keys_digest_not_its_variable(monkeypatch):
     from router.http_guard import api_key_digest
 

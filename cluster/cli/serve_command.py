@@ -125,6 +125,8 @@ def config_from_args(args: argparse.Namespace):
     if unused:
         raise ConfigFileError(f"{', '.join(unused)} set a pool that {config.mode.value} mode does not run "
                               f"(its pools: {', '.join(config.pools())}); drop them or change --mode")
+    if problem := config.unused_pool_settings():
+        print(f"pdserve: warning: {problem}", file=sys.stderr)
     if getattr(args, "slo", None) and not config.admission.enabled and not config.autoscaling.enabled:
         raise ConfigFileError("--slo sets the SLOs admission control and the autoscaler serve, and both are off "
                               "here: enable admission (admission.enabled) or add --autoscale, or drop --slo")
