@@ -45,7 +45,7 @@ from bench.loadtest.metrics import meets_slos, percentile, summarize, tpot, ttft
 from bench.loadtest.report import build_result, format_table, vllm_json
 from bench.loadtest.runner import RunConfig, run_benchmark, run_cancellable
 from bench.loadtest.sweep import format_sweep_table, write_plots
-from cluster.cli.main import main
+from cluster.cli.main import build_parser, main
 
 SHAREGPT = Path(__file__).parent / "data" / "sharegpt_small.json"
 MODEL = "fake-model"
@@ -727,7 +727,8 @@ def test_cli_unreachable_server_and_bad_arguments_exit_2(server, capsys):
     assert "serves fake-model" in capsys.readouterr().err
     assert main(["loadtest", "--plot", "x"]) == 2
     for bad in (["--goodput", "ttft=5"], ["--goodput", "speed:5"], ["--percentile-metrics", "ttft,foo"],
-                ["--metric-percentiles", "101"], ["--sweep-rates", "1,inf"], ["--request-rate", "0"]):
+                ["--metric-percentiles", "101"], ["--sweep-rates", "1,inf"], ["--request-rate", "0"],
+                ["--port", "70000"]):
         with pytest.raises(SystemExit) as exc:
             main(["loadtest", *bad])
         assert exc.value.code == 2
@@ -735,6 +736,16 @@ def test_cli_unreachable_server_and_bad_arguments_exit_2(server, capsys):
     with pytest.raises(SystemExit):
         main(["loadtest", "--request-timeout", "inf"])
     assert "finite" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("host, port, url", [("::1", "8100", "http://[::1]:8100"), (None, None, "http://127.0.0.1:8000"),
+                                              ("gpu-node-3", "9000", "http://gpu-node-3:9000")])
+def test_vllm_host_and_port_flags_make_the_base_url(host, port, url):
+    from bench.loadtest.command import resolve_server_flags
+    flags = ["loadtest"] + (["--host", host] if host else []) + (["--port", port] if port else [])
+    args = build_parser().parse_args(flags)
+    resolve_server_flags(args)
+    assert args.base_url == url
 
 
 def test_cli_takes_a_vllm_bench_serve_command_line(server, tokenizer_dir, tmp_path, capsys):

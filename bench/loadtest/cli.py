@@ -132,6 +132,16 @@ def _positive_finite(kind: type) -> Any:
     return parse
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a TCP port, 1 to 65535")
+    return value
+
+
 def add_loadtest_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Registers `loadtest` on a `pdserve` subparsers object; returns its parser."""
     p = subparsers.add_parser(
@@ -141,7 +151,7 @@ def add_loadtest_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     server = p.add_argument_group("server")
     server.add_argument("--base-url", default=None, help=f"server root (default {DEFAULT_BASE_URL})")
     server.add_argument("--host", default=None, help="vLLM's: the server's host, instead of --base-url")
-    server.add_argument("--port", type=_positive(int), default=None,
+    server.add_argument("--port", type=_port, default=None,
                         help="vLLM's: the server's port, instead of --base-url")
     server.add_argument("--endpoint", default=None,
                         help="/v1/completions (default) or /v1/chat/completions")

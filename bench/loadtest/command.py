@@ -145,7 +145,9 @@ def resolve_server_flags(args: argparse.Namespace) -> None:
     if args.host is not None or args.port is not None:
         if args.base_url is not None:
             raise LoadtestError("give either --base-url or --host/--port, not both")
-        args.base_url = f"http://{args.host or '127.0.0.1'}:{args.port or 8000}"
+        host = args.host or "127.0.0.1"
+        host = f"[{host}]" if ":" in host and not host.startswith("[") else host    # an IPv6 address
+        args.base_url = f"http://{host}:{args.port or 8000}"
     args.base_url = args.base_url or DEFAULT_BASE_URL
     implied = BACKEND_ENDPOINTS.get(args.backend)
     if implied and args.endpoint and args.endpoint.rstrip("/") != implied:
