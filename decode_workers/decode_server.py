@@ -45,7 +45,7 @@ class DecodeServer(WorkerDeployment):
         """`transport` and `prefill` (the PrefillServer deployment's handle):
         both for disaggregated mode, neither for colocated mode.
         `staging_budget_bytes`: DecodeWorker's bound on receive buffers per rank."""
-        await self.join_gang(engine_config)
+        engine_config = await self.join_gang(engine_config)
         name = f"decode-{self.replica_id}"
         make_receiver, peer = None, None
         if transport is not None:

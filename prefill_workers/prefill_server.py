@@ -26,7 +26,7 @@ class PrefillServer(WorkerDeployment):
     async def __init__(self, engine_config: EngineConfig, transport: TransportSettings, lease_s: float = 60.0,
                        staging_budget_bytes: int | None = None):
         """`staging_budget_bytes`: PrefillWorker's bound on packed send copies per rank."""
-        await self.join_gang(engine_config)
+        engine_config = await self.join_gang(engine_config)
         name = f"prefill-{self.replica_id}"
         # a send waiting for room must start well within the receiver's transfer timeout
         self.worker = PrefillWorker(engine_config, sender_factory(transport, name), lease_s=lease_s,

@@ -827,6 +827,26 @@ def test_a_worker_whose_engine_stopped_reports_no_room_to_the_router():
         replica.step_samples()
 
 
+def test_each_replica_samples_unseeded_requests_with_a_seed_of_its_own(monkeypatch):
+    """Replicas of one deployment get one EngineConfig; with its seed they drew the same noise,
+    and the choices of an `n` request, spread over them, came out the same."""
+    from cluster.serving import worker_deployment
+    from cluster.serving.worker_deployment import WorkerDeployment
+
+    ids = iter(["replica-a", "replica-b"])
+    monkeypatch.setattr(worker_deployment.serve, "get_replica_context",
+                        lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id=next(ids))))
+    monkeypatch.setattr(worker_deployment.sys, "setswitchinterval", lambda interval: None)
+    deployed = EngineConfig(model="tiny", seed=0)
+    configs = []
+    for _ in range(2):
+        replica = WorkerDeployment.__new__(WorkerDeployment)
+        configs.append(run(replica.join_gang(deployed)))
+        assert replica.replica_id in ("replica-a", "replica-b")
+    assert configs[0].seed != configs[1].seed
+    assert [dataclasses.replace(c, seed=0) for c in configs] == [deployed, deployed]
+
+
 def test_a_send_retried_before_the_first_was_noted_forgets_the_first(model_dirs):
     """One rank packs and queues a send off the engine thread and notes it there
     later; a retry (towards another decode worker) that comes while the engine is

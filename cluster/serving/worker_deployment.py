@@ -3,11 +3,13 @@ Serve besides its own methods: load figures for the router's replica choice
 (`record_routing_stats`, polled by Serve) and for /metrics (`stats`), a health
 probe that reaches the engine loop, and stopping the engine with the replica.
 Subclasses call `join_gang` first in their constructor, then set `self.worker`
-(a PrefillWorker or DecodeWorker).
+(a PrefillWorker or DecodeWorker) on the engine options it returns.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import secrets
 import sys
 
 from ray import serve
@@ -23,9 +25,12 @@ class WorkerDeployment:
     worker = None
     replica_id = ""
 
-    async def join_gang(self, engine_config: EngineConfig) -> str:
-        """Sets and returns this replica's id; on CUDA, first gives the gang its
-        GPUs (cluster/serving/gang_devices.py)."""
+    async def join_gang(self, engine_config: EngineConfig) -> EngineConfig:
+        """Sets this replica's id; on CUDA, gives the gang its GPUs
+        (cluster/serving/gang_devices.py). Returns the engine options this replica
+        runs with: the deployment's, with a seed of its own for unseeded sampling
+        (replicas drawing the same noise would give the choices of an `n` request,
+        spread over them, the same text)."""
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         normal_priority()   # before the engine thread and any rank process start: they inherit it
         # the engine thread takes the GIL back after every torch op; with Python's default 5 ms
@@ -33,7 +38,7 @@ class WorkerDeployment:
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         if engine_config.device == "cuda":
             await claim_gang_gpus(engine_config.tensor_parallel_size)
-        return self.replica_id
+        return dataclasses.replace(engine_config, seed=secrets.randbits(63))
 
     def stats(self) -> dict:
         """The worker's figures; raises EngineStoppedError where its engine stopped, so
