@@ -375,7 +375,12 @@ class Sampler:
         if any(p.logit_bias for p in params):
             x = apply_logit_bias(x, [p.logit_bias for p in params])
         if any(row.banned_token_ids for row in rows):
+            unbanned = x
             x = apply_banned_tokens(x, [row.banned_token_ids for row in rows])
+            # a row whose bans took every token left (bad words of several tokens, or min_tokens,
+            # against a short allowed_token_ids list) keeps its tokens: argmax and the draw would
+            # otherwise give token 0, whatever was allowed (no host sync: a masked select)
+            x = torch.where(torch.isneginf(x).all(dim=-1, keepdim=True), unbanned, x)
 
         rep = [p.repetition_penalty for p in params]
         presence = [p.presence_penalty for p in params]

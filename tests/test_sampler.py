@@ -43,6 +43,20 @@ def gen(seed: int) -> torch.Generator:
 
 # --------------------------------------------------------------------------- masks
 
+def test_bans_that_take_every_allowed_token_leave_the_allowed_ones():
+    """A bad word of two tokens can ban the only tokens allowed_token_ids leaves: the row
+    is then sampled from the allowed tokens, not as all -inf (argmax and the draw gave 0)."""
+    logits = torch.tensor([[5.0, 1.0, 2.0, 3.0, 0.5]] * 3)
+    rows = [row(allowed_token_ids=[2, 3], banned=[2, 3], temperature=0.0),
+            row(allowed_token_ids=[2, 3], banned=[2, 3], temperature=1.0, seed=7, generator=gen(7)),
+            row(allowed_token_ids=[2, 3], banned=[3], temperature=0.0)]      # a ban that leaves a token holds
+    tokens = Sampler(gen(0)).sample(logits, rows).tolist()
+    assert tokens[0] == 3 and tokens[1] in (2, 3) and tokens[2] == 2
+    drawn = {Sampler(gen(0)).sample(logits[1:2], [row(allowed_token_ids=[2, 3], banned=[2, 3], temperature=1.0,
+                                                       seed=s, generator=gen(s))]).item() for s in range(40)}
+    assert drawn == {2, 3}
+
+
 def test_top_k_keeps_exactly_the_k_largest_and_their_values():
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.5, 2.5]] * 4)
     out = apply_top_k(logits, [1, 2, 3, 0])
