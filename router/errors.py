@@ -13,6 +13,7 @@ Every error the HTTP layer returns has the body OpenAI's clients parse:
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -68,8 +69,15 @@ def error_response(status: int, message: str, *, type: str | None = None,
     return to_response(OpenAIError(status, message, type=type, param=param, code=code))
 
 
+class _ErrorJSONResponse(JSONResponse):
+    """JSON in ASCII: a message that quotes the request (a model name holding a lone surrogate,
+    say) has no UTF-8 encoding, and the error would itself fail as a 500."""
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 def to_response(error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers() or None)
+    return _ErrorJSONResponse(error.body(), status_code=error.status, headers=error.headers() or None)
 
 
 def from_exception(exc: BaseException) -> OpenAIError:

@@ -361,7 +361,10 @@ class _Server:
         params = body.to_sampling_params(default_max, self.info.sampling_defaults)
         self._check_context(len(prompt_ids), params, body.max_tokens_param, prompt_param)
         # the workers' bad_words check, as a 400 here (its min_tokens part needs the EOS ids: the engine's)
-        bad_word_sequences(self.tokenizer, params, self.info.vocab_size)
+        if sum(map(len, params.bad_words or ())) <= _INLINE_TOKENIZE_CHARS:
+            bad_word_sequences(self.tokenizer, params, self.info.vocab_size)
+        else:   # long words tokenize off the loop, as long prompts do
+            await anyio.to_thread.run_sync(bad_word_sequences, self.tokenizer, params, self.info.vocab_size)
         text_cut = keep is not None and isinstance(body, CompletionRequest) and \
             self._text_to_tokenize(body, keep) is not None
         return prompt_ids, params, text_cut or len(prompt_ids) < len(tokenized)
@@ -555,14 +558,20 @@ class _Server:
         self._check_bad_words_size(body.bad_words or [])
 
     def _check_bad_words_size(self, words: list[str]) -> None:
-        """Refuses, before tokenizing them, bad_words longer than any output could spell (each word
-        is tokenized on the router and on every worker; SamplingParams bounds how many there are)."""
+        """Refuses, before tokenizing them, bad_words longer than any output could spell, one by one
+        and together (each word is tokenized on the router and on every worker; SamplingParams
+        bounds how many there are)."""
         longest = _TEXT_MARGIN * self.info.max_model_len * self.max_token_chars
         for word in words:
             if len(word) > longest:
                 raise InvalidRequestError(f"a bad_words entry has {len(word)} characters, more than an output "
                                           f"of this model's {self.info.max_model_len}-token context could "
                                           "contain; shorten it.", param="bad_words")
+        if (total := sum(map(len, words))) > longest:
+            raise InvalidRequestError(f"bad_words hold {total} characters together; this server takes at most "
+                                      f"{longest} (about {_TEXT_MARGIN} times what an output of this model's "
+                                      f"{self.info.max_model_len}-token context spells); send fewer or shorter "
+                                      "words.", param="bad_words")
 
     def _check_prompt(self, ids: list[int], param: str) -> None:
         if self.limits.max_prompt_tokens is not None and len(ids) > self.limits.max_prompt_tokens:

@@ -405,6 +405,12 @@ def test_tokenize_and_detokenize_as_vllms(client, backend, tokenizer):
     assert_openai_error(client.post("/detokenize", json={"tokens": ["a"] * 100_000}), 400, "tokens",
                         "tokens: must be a list of token ids (integers)")
     assert_openai_error(client.post("/detokenize", json={"tokens": [5], "model": "gpt-4"}), 404, "model", "serves")
+    # a name with no UTF-8 encoding (a lone surrogate, escaped in the JSON) quoted back: the error was a 500
+    for path, body in (("/tokenize", {"model": "a\ud800", "prompt": "hi"}), ("/detokenize", {"model": "\udc00",
+                                                                                          "tokens": [1]})):
+        response = client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+        assert_openai_error(response, 404, "model", "does not exist")
+        assert response.content.isascii() and "\\ud" in response.text
     assert len(backend.calls) == 1                     # none of these generates
     version = client.get("/version").json()["version"]
     assert isinstance(version, str) and version
@@ -659,6 +665,9 @@ LONG = list(range(3, 3 + MAX_MODEL_LEN))
      "ban every token allowed_token_ids allows ([67, 259])"),     # "a" and " a" are those two tokens
     (COMPLETIONS, {"prompt": "Hi", "bad_words": ["x" * 1_000_000]}, 400, "bad_words",
      "has 1000000 characters, more than an output of this model's 64-token context could contain"),
+    # each word within the bound, together far past it (each tokenized twice, on the router and every worker)
+    (COMPLETIONS, {"prompt": "Hi", "bad_words": [f"{i}" + "x" * 1_000 for i in range(100)]}, 400, "bad_words",
+     "bad_words hold 100190 characters together; this server takes at most"),
     (CHAT, {"messages": [{"role": "user", "content": "x" * 1_000_000}], "truncate_prompt_tokens": 8}, 400,
      "messages", "your messages has 1000000 characters"),     # a chat is rendered whole, cut or not
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
