@@ -425,7 +425,8 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]   # developer: OpenAI's newer name for system
+    # developer: OpenAI's newer name for system; tool / function: refused with a word on tool calling
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | None = None
     name: StrictStr | None = None            # passed to the chat template, which may show it
     tool_calls: Any = None                   # refused when set (no tool calling)
@@ -536,6 +537,11 @@ class _ChatPrompt(BaseModel):
             raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(clashes)}: use the request "
                                       "fields for these.", param="chat_template_kwargs")
         for i, message in enumerate(self.messages):
+            if message.role in ("tool", "function"):
+                raise InvalidRequestError(f"messages[{i}] is a {message.role} message (a tool's result); tool "
+                                          "calling is not supported, so a conversation with tool calls cannot be "
+                                          "continued. Remove it, or send its text as a user message.",
+                                          param=f"messages[{i}].role")
             for name in ("tool_calls", "function_call"):
                 if getattr(message, name):
                     raise InvalidRequestError(f"messages[{i}] carries {name}; tool calling is not supported, so "

@@ -649,10 +649,12 @@ LONG = list(range(3, 3 + MAX_MODEL_LEN))
     (COMPLETIONS, {}, 400, "prompt", "prompt is required"),
     (COMPLETIONS, {"prompt": "Hi", "model": "gpt-4"}, 404, "model", f"serves `{MODEL}`"),
     (CHAT, {"messages": [{"role": "wizard", "content": "Hi"}]}, 400, "messages[0].role",
-     "'system', 'developer', 'user' or 'assistant'"),
+     "'system', 'developer', 'user', 'assistant', 'tool' or 'function'"),
     (CHAT, {"messages": USER + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "get", "arguments": "{}"}}]}] + USER}, 400,
      "messages[1].tool_calls", "tool calling is not supported"),
+    (CHAT, {"messages": USER + [{"role": "tool", "content": "42", "tool_call_id": "c1"}]}, 400, "messages[1].role",
+     "messages[1] is a tool message (a tool's result); tool calling is not supported"),
     (CHAT, {"messages": USER, "guided_choice": ["yes", "no"]}, 400, "guided_choice", "not supported"),
     (COMPLETIONS, {"prompt": "Hi", "include_stop_str_in_output": 1}, 400, "include_stop_str_in_output",
      "valid boolean"),
