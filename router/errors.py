@@ -80,6 +80,19 @@ def to_response(error: OpenAIError) -> JSONResponse:
     return _ErrorJSONResponse(error.body(), status_code=error.status, headers=error.headers() or None)
 
 
+def _unparsable_body(cause: BaseException | None) -> str | None:
+    """What to change in a body FastAPI could not parse for a reason other than JSON syntax
+    (which it reports itself), or None."""
+    if isinstance(cause, UnicodeDecodeError):
+        return (f"The request body is not UTF-8 (byte 0x{cause.object[cause.start]:02x} at position "
+                f"{cause.start}); send the JSON encoded as UTF-8.")
+    if isinstance(cause, RecursionError):
+        return "The request body's JSON is nested too deeply to parse; flatten it."
+    if isinstance(cause, ValueError) and "digits" in str(cause):
+        return f"The request body holds a number too long to parse ({cause}); send a shorter number."
+    return None
+
+
 def from_exception(exc: BaseException) -> OpenAIError:
     """The OpenAIError to report for `exc`; unexpected exceptions become a logged 500."""
     if isinstance(exc, OpenAIError):
@@ -161,6 +174,8 @@ def install_error_handlers(app: FastAPI, *, on_error: Callable[[int], None] | No
         elif exc.status_code == 405:
             message = f"Method {request.method} is not allowed on {request.url.path}."
             error = OpenAIError(405, message, code="method_not_allowed")
+        elif exc.status_code == 400 and (why := _unparsable_body(exc.__cause__)):
+            error = OpenAIError(400, why)
         else:
             error = OpenAIError(exc.status_code, str(exc.detail))
         response = respond(error)

@@ -767,6 +767,12 @@ def test_malformed_json_and_wrong_routes(client):
     assert_openai_error(client.post(COMPLETIONS, content=b"[1]",
                                     headers={"content-type": "application/json"}),
                         400, None, "must be a JSON object")
+    # parsed, but not as JSON syntax goes: FastAPI's own "There was an error parsing the body"
+    for body, fragment in ((b'{"prompt": "caf\xe9"}', "is not UTF-8 (byte 0xe9 at position 15); send the JSON"),
+                           (b'{"prompt": "Hi", "n": ' + b"9" * 5000 + b"}", "holds a number too long to parse"),
+                           (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply")):
+        assert_openai_error(client.post(COMPLETIONS, content=body, headers={"content-type": "application/json"}),
+                            400, None, fragment)
     assert_openai_error(client.post("/v1/embeddings", json={}), 404, None,
                         "Unknown route POST /v1/embeddings")
     assert_openai_error(client.get(COMPLETIONS), 405, None, "GET is not allowed")
