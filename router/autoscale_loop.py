@@ -14,8 +14,12 @@ the workers' own recent steps (the policy holds until one is fitted). Engine
 limits per role: the deployment's max_num_seqs and block size, and the KV
 blocks of the role's smallest replica, as its workers report them.
 
-Replicas starting: what Serve was asked for (the pools as deployed, then each
-decision) less those answering. An interval's counts (arrivals, refusals,
+Replicas starting: what Serve was asked for (at the first interval, the
+replicas Serve keeps, which a router that restarted finds where the autoscaler
+had moved them; then each decision) less those answering. Replicas counted as
+starting for longer than `start_deadline_s` never will (a gang Serve cannot
+place, a constructor that keeps failing): they are counted out, with a warning,
+and the policy decides again on what runs. An interval's counts (arrivals, refusals,
 ended requests) are taken at its start, before the workers are asked for
 their steps, so a slow answer does not stretch one interval's rate into the
 next one's.
@@ -52,17 +56,37 @@ log = logging.getLogger("ray.serve")   # shown in the replica log and the driver
 FIT_WINDOW = 400          # recent steps a learned model is fitted to, per role
 STEP_SAMPLES_TIMEOUT_S = 5.0    # a replica's answer with its steps, before it counts as slow this interval
 MIN_FIT_STEPS = 12
+# a replica still starting after this long (or 10 x autoscaling.startup_s, if longer) never will
+START_DEADLINE_S = 600.0
+
+
+def serve_replica_counts(workers: dict) -> dict[str, int]:
+    """role -> replicas Serve keeps for that role's deployment (every state but stopping):
+    those running and those it is starting or placing. Blocks on Serve's controller."""
+    import ray
+    from ray import serve
+    if not ray.is_initialized():    # (serve.status would start a cluster)
+        raise RuntimeError("not connected to Ray")
+    status = serve.status()
+    counts = {}
+    for role, handle in workers.items():
+        states = status.applications[handle.app_name].deployments[handle.deployment_name].replica_states
+        counts[role] = sum(n for state, n in states.items() if state not in ("STOPPING", "STOPPED"))
+    return counts
 
 
 class AutoscaleLoop:
     def __init__(self, settings: AutoscaleSettings, workers: dict, metrics, *,
                  profile: StepTimeModel | None = None, deployed: dict[str, int] | None = None,
                  limits: ReplicaLimits = ReplicaLimits(),
-                 running_output_tokens: Callable[[], float | None] = lambda: None):
+                 running_output_tokens: Callable[[], float | None] = lambda: None,
+                 kept_replicas: Callable[[dict], dict[str, int]] | None = serve_replica_counts):
         """`workers`: role -> Serve handle of that role's deployment; `deployed`: role ->
-        replicas the deployment started with; `limits`: the engines' max_num_seqs and
-        block size (the KV blocks come from the workers' stats); `running_output_tokens`:
-        the mean output so far of the requests under way (ServingBackend's)."""
+        replicas the deployment started with (where `kept_replicas`, asked at the
+        first interval, cannot say what Serve keeps now); `limits`: the engines'
+        max_num_seqs and block size (the KV blocks come from the workers' stats);
+        `running_output_tokens`: the mean output so far of the requests under way
+        (ServingBackend's)."""
         self.settings = settings
         self.running_output_tokens = running_output_tokens
         self.workers = workers
@@ -72,6 +96,11 @@ class AutoscaleLoop:
         self.policy: GoodputPolicy | None = None
         self.targets: dict[str, int] = {}
         self._asked: dict[str, int] = dict(deployed or {})   # role -> replicas Serve was last asked for
+        self._kept_replicas = kept_replicas      # read once, at the first interval
+        self.start_deadline_s = max(START_DEADLINE_S, 10 * settings.startup_s)
+        # role -> since when some replica of it has been starting with none of them coming up
+        self._starting_since: dict[str, float] = {}
+        self._last_running: dict[str, int] = {}
         self._kv_blocks: dict[str, float] = {}  # role -> KV blocks of its smallest replica (latest stats)
         self._waiting: dict[str, float] = {}    # role -> requests queued on its replicas (latest stats)
         self._arrivals = 0                      # offered this interval: served or refused
@@ -134,17 +163,20 @@ class AutoscaleLoop:
         now = time.monotonic()
         window, self._last_tick = now - self._last_tick, now
         counts = self._take_counts()
+        if self._kept_replicas is not None:
+            await self._ask_serve_what_it_keeps()
         observed = await asyncio.gather(*(self._observe_role(role) for role in self.settings.roles))
-        roles = self._starting_within_budget(dict(zip(self.settings.roles, observed)))
+        roles = self._starting_within_budget(self._past_start_deadline(now, dict(zip(self.settings.roles, observed))))
         obs = self._observation(now, window, roles, counts)
+        # fitting step models takes tens of milliseconds: off the router's event loop, whose streams would stall
         if self.policy is None:
-            self.policy = self._make_policy()
+            self.policy = await asyncio.to_thread(self._make_policy)
             if self.policy is None:
                 log.info("autoscaler: holding, no step-time model yet (%s)",
                          ", ".join(f"{r}: {len(s)} steps" for r, s in self._fit_steps.items()))
                 return
         elif self.profile is None:
-            self._refit()
+            await asyncio.to_thread(self._refit)
         self.policy.limits.update(self._role_limits())
         current = {r: ro.running + ro.starting for r, ro in roles.items()}
         decision = self.policy.decide(obs)
@@ -180,6 +212,40 @@ class AutoscaleLoop:
                     self._fit_steps[role].append(sample)
         return RoleObservation(running=running, starting=max(0, asked - running),
                                waiting_requests=self._waiting.get(role, 0.0), steps=steps)
+
+    async def _ask_serve_what_it_keeps(self) -> None:
+        """What Serve keeps of each role, in place of the pools as deployed: a router
+        that restarted after the autoscaler scaled a role down would otherwise count
+        the replicas given back as starting, and publish the deployed pools again."""
+        kept, self._kept_replicas = self._kept_replicas, None
+        try:
+            counts = await asyncio.to_thread(kept, self.workers)
+        except Exception as exc:  # noqa: BLE001 - Serve busy or not reachable: the deployed pools stand
+            log.warning("autoscaler: cannot read the replicas Serve keeps (%s); counting from the deployment", exc)
+            return
+        self._asked.update({role: n for role, n in counts.items() if role in self.settings.roles})
+
+    def _past_start_deadline(self, now: float, roles: dict[str, RoleObservation]) -> dict[str, RoleObservation]:
+        """`roles` with no replica counted as starting where some have been for longer than
+        `start_deadline_s` with none of the role's coming up meanwhile: Serve cannot place or
+        start them, and counted they would hold the budget (and every scale-down of their
+        role) for ever."""
+        out = dict(roles)
+        for role, ro in roles.items():
+            came_up = ro.running > self._last_running.get(role, ro.running)
+            self._last_running[role] = ro.running
+            if not ro.starting or came_up:      # (a long scale-up that makes progress is not stuck)
+                self._starting_since.pop(role, None)
+            if not ro.starting:
+                continue
+            since = self._starting_since.setdefault(role, now)
+            if now - since > self.start_deadline_s:
+                log.warning("autoscaler: %d %s replica(s) asked for have not started in %.0f s (Serve cannot place "
+                            "or start them: see Serve's log); counting them out", ro.starting, role, now - since)
+                self._asked[role] = ro.running
+                self._starting_since.pop(role)
+                out[role] = replace(ro, starting=0)
+        return out
 
     def _starting_within_budget(self, roles: dict[str, RoleObservation]) -> dict[str, RoleObservation]:
         """`roles` with no more replicas counted as starting than the budget leaves

@@ -479,12 +479,61 @@ class _FakeRole:
         return _Result()
 
 
-def _live_loop(answering: dict[str, int], deployed: dict[str, int] | None, **kw):
+def _live_loop(answering: dict[str, int], deployed: dict[str, int] | None, kept_replicas=None, **kw):
     from router.autoscale_loop import AutoscaleLoop
     from router.metrics import ServingMetrics
     s = settings(min_replicas={"prefill": 1, "decode": 1}, **kw)
     workers = {role: _FakeRole(n) for role, n in answering.items()}
-    return AutoscaleLoop(s, workers, ServingMetrics(), profile=MODEL, deployed=deployed)
+    return AutoscaleLoop(s, workers, ServingMetrics(), profile=MODEL, deployed=deployed,
+                         kept_replicas=kept_replicas)
+
+
+def test_a_restarted_router_starts_from_the_replicas_serve_keeps_not_the_deployed_pools():
+    # deployed 2 + 2 within a budget of 8, scaled down to 1 + 1 when the load went; the router
+    # restarts: from the deployed pools it counted one of each as starting and published 2 + 2 again
+    import asyncio
+    kept = _live_loop({"prefill": 1, "decode": 1}, {"prefill": 2, "decode": 2}, budget=8,
+                      kept_replicas=lambda workers: {"prefill": 1, "decode": 1})
+    asyncio.run(kept.tick())
+    assert kept.targets == {"prefill": 1, "decode": 1}
+    # Serve cannot say (busy, not reachable): the deployed pools stand, as before
+    def unreachable(workers):
+        raise TimeoutError("the controller did not answer")
+    blind = _live_loop({"prefill": 1, "decode": 1}, {"prefill": 2, "decode": 2}, budget=8,
+                       kept_replicas=unreachable)
+    asyncio.run(blind.tick())
+    assert blind.targets == {"prefill": 2, "decode": 2}
+
+
+def test_replicas_that_never_start_are_counted_out_after_the_deadline(caplog):
+    # a replica asked for that Serve can never place (a TP gang with no node to hold it) counted as
+    # starting for ever: the budget held, every scale-down of its role held back
+    import asyncio
+    import time
+    loop = _live_loop({"prefill": 1, "decode": 1}, {"prefill": 1, "decode": 2}, budget=8)
+    assert loop.start_deadline_s == 600.0
+    asyncio.run(loop.tick())
+    assert loop.targets == {"prefill": 1, "decode": 2}      # one decode replica starting: held
+    loop.start_deadline_s = 0.05
+    asyncio.run(loop.tick())
+    assert loop.targets == {"prefill": 1, "decode": 2}      # within the deadline still
+    time.sleep(0.1)
+    from router import autoscale_loop
+    autoscale_loop.log.addHandler(caplog.handler)     # (Serve's logger does not propagate)
+    try:
+        asyncio.run(loop.tick())
+    finally:
+        autoscale_loop.log.removeHandler(caplog.handler)
+    assert loop.targets == {"prefill": 1, "decode": 1}
+    assert "1 decode replica(s) asked for have not started in" in caplog.text
+    # one coming up restarts the clock: a long scale-up that makes progress is not stuck
+    loop = _live_loop({"prefill": 1, "decode": 1}, {"prefill": 1, "decode": 3}, budget=8)
+    loop.start_deadline_s = 0.05
+    asyncio.run(loop.tick())
+    time.sleep(0.1)
+    loop.workers["decode"].answering = 2
+    asyncio.run(loop.tick())
+    assert loop.targets == {"prefill": 1, "decode": 3}
 
 
 def test_the_live_loop_counts_the_deployed_replicas_still_loading_as_starting():
