@@ -198,8 +198,9 @@ class Resources(_Strict):
         None, description="H100-SXM, H200 or A100-80GB (or h100, h200, a100): the GPUs `pdserve simulate` "
         "models for this deployment")
     gpu_memory_gib: float | None = Field(None, gt=0)
-    check_placement: bool = Field(True, description="refuse a deployment whose gangs the connected cluster "
-                                  "cannot place now; false: deploy with a warning and let Ray place them when "
+    check_placement: bool = Field(True, description="refuse a deployment whose gangs the connected cluster's "
+                                  "nodes could never hold (counted by what they have in all: gangs that wait for "
+                                  "what other jobs hold now are placed when it is freed); false: deploy with a warning and let Ray place them when "
                                   "nodes come (a cluster whose autoscaler adds nodes on demand)")
 
 
