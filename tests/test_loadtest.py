@@ -296,6 +296,8 @@ def test_summary_throughput_and_percentiles():
     assert (s.completed, s.failed, s.not_sent) == (4, 1, 1)
     assert s.request_throughput == 2.0 and s.output_throughput == 4.0
     assert s.total_input_tokens == 20 and s.total_token_throughput == 14.0
+    records[0].usage_prompt_tokens = 9        # the server's count (a chat template's tokens) wins over the dataset's 5
+    assert summarize(records, num_requests=6, duration=2.0).total_input_tokens == 24
     assert s.latency["ttft"].mean == pytest.approx(250.0)
     assert s.latency["ttft"].median == pytest.approx(250.0)
     assert s.latency["ttft"].percentiles[90] == pytest.approx(370.0)
@@ -565,6 +567,10 @@ def test_json_peaks_zeros_for_metrics_without_values_and_failed_lengths_as_vllm_
     # a server that streams several tokens a chunk: each chunk counts its request's tokens / chunks
     batched = record(3, send=0.0, chunks=[0.3, 0.6, 1.5], end=1.6, tokens=12)
     assert peaks([batched]) == (8.0, 1)          # (counted by chunks: 2)
+    # five requests one after another within one second: never two in flight (per-second buckets said 5);
+    # each is in flight to its last output, not to the stream's close (which came after the next send)
+    serial = [record(i, send=0.2 * i, chunks=[0.2 * i + 0.1, 0.2 * i + 0.2], end=0.2 * i + 0.25) for i in range(5)]
+    assert peaks(serial)[1] == 1
     config = RunConfig(base_url="http://x", model=MODEL)
     one_token = RunResult(config=config, records=[b], num_requests=1, start_time=0.5, duration=0.3, interrupted=None)
     s = summarize([b], num_requests=1, duration=0.3)
@@ -687,7 +693,10 @@ def test_cli_run_prints_the_table_and_saves_vllm_json(server, tokenizer_dir, tmp
     saved = json.loads((tmp_path / "out.json").read_text())
     assert saved["model"] == MODEL and saved["completed"] == 6 and saved["failed"] == 0
     assert saved["request_goodput"] > 0 and saved["slo_attainment"] == 1.0
-    assert saved["token_count_methods"] == {"usage": 6} and saved["input_lens"] == [16] * 6
+    assert saved["token_count_methods"] == {"usage": 6}
+    # the prompt tokens the server counted (its usage), as vLLM reports them; the dataset's size per request beside
+    assert saved["input_lens"] == [3] * 6 and saved["total_input_tokens"] == 18
+    assert [r["prompt_len"] for r in saved["requests"]] == [16] * 6
 
 
 def test_cli_sweep_writes_plots_and_results(server, tokenizer_dir, tmp_path, capsys):
@@ -761,7 +770,7 @@ def test_cli_takes_a_vllm_bench_serve_command_line(server, tokenizer_dir, tmp_pa
     assert rc == 0, capsys.readouterr().err
     assert server.paths[before:] == ["/v1/chat/completions"] * 7     # the ready check, 2 warm-ups, the run
     saved = json.loads((tmp_path / "vllm.json").read_text())
-    assert saved["completed"] == 4 and saved["dataset_name"] == "prefix" and saved["input_lens"] == [20] * 4
+    assert saved["completed"] == 4 and saved["dataset_name"] == "prefix" and [r["prompt_len"] for r in saved["requests"]] == [20] * 4
     for flags, message in ((["--backend", "openai-chat", "--endpoint", "/v1/completions"],
                             "--backend openai-chat sends to /v1/chat/completions, and --endpoint is"),
                            (["--base-url", server.base_url, "--port", port], "either --base-url or --host/--port")):

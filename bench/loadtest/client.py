@@ -71,6 +71,12 @@ class RequestRecord:
     def text(self) -> str:
         return "".join(self.pieces)
 
+    @property
+    def input_tokens(self) -> int:
+        """The prompt's tokens as the server counted them (its usage: a chat template's
+        and BOS tokens included), else as the dataset sized it."""
+        return self.usage_prompt_tokens if self.usage_prompt_tokens is not None else self.prompt_len
+
 
 def build_payload(request: SampleRequest, *, model: str, chat: bool, temperature: float,
                   ignore_eos: bool) -> dict[str, Any]:

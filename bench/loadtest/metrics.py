@@ -74,25 +74,30 @@ def e2el(record: RequestRecord) -> float | None:
 def peaks(records: Sequence[RequestRecord]) -> tuple[float, int]:
     """(max_output_tokens_per_s, max_concurrent_requests) as `vllm bench serve` counts
     them over the successful requests: output tokens arrived in each whole second
-    from the first send, and requests in flight at some point of each second; the
-    highest of each. vLLM counts a token per chunk, which its server streams; a
-    server that streams several tokens a chunk (pdserve's stream interval) has each
-    chunk count its request's tokens over its chunks, so the peak is in tokens too
-    (counted by chunks it read 16 tok/s beside a mean of 114)."""
+    from the first send, the highest; and the most requests in flight at one instant,
+    each from its send to its last output (an end before a start at the same time).
+    vLLM counts a token per chunk, which its server streams; a server that streams
+    several tokens a chunk (pdserve's stream interval) has each chunk count its
+    request's tokens over its chunks, so the peak is in tokens too (counted by
+    chunks it read 16 tok/s beside a mean of 114)."""
     done = [r for r in records if r.succeeded and r.send_time is not None and r.end_time is not None]
     if not done:
         return 0.0, 0
     first = min(r.send_time for r in done)
     seconds = int(math.ceil(max(r.end_time for r in done) - first)) + 1
-    tokens, in_flight = [0.0] * seconds, [0] * seconds
+    tokens = [0.0] * seconds
+    events = []      # (time, +1 a send / -1 a last output)
     for r in done:
         per_chunk = (r.output_tokens or len(r.chunk_times)) / max(1, len(r.chunk_times))
         for t in r.chunk_times:
             if 0 <= int(t - first) < seconds:
                 tokens[int(t - first)] += per_chunk
-        for second in range(int(r.send_time - first), min(int(r.end_time - first), seconds - 1) + 1):
-            in_flight[second] += 1
-    return float(max(tokens)), max(in_flight)
+        events += [(r.send_time, 1), (r.chunk_times[-1] if r.chunk_times else r.end_time, -1)]
+    in_flight = most = 0
+    for _, change in sorted(events):       # (-1 sorts before +1 at one time)
+        in_flight += change
+        most = max(most, in_flight)
+    return float(max(tokens)), most
 
 
 def meets_slos(record: RequestRecord, slos_ms: Mapping[str, float]) -> bool:
@@ -169,7 +174,7 @@ def summarize(records: Sequence[RequestRecord], *, num_requests: int, duration: 
     slos = dict(slos_ms or {})
     ok = [r for r in records if r.succeeded]
     failed = [r for r in records if not r.succeeded]
-    input_tokens = sum(r.prompt_len for r in ok)
+    input_tokens = sum(r.input_tokens for r in ok)
     output_tokens = sum(r.output_tokens or 0 for r in ok)
 
     def rate(count: float) -> float:

@@ -14,7 +14,7 @@ scripts written for vLLM's result files read these too:
   request_throughput, output_throughput, total_token_throughput (per second),
   request_goodput (good requests/s), slo_attainment (good / (completed + failed)),
   good_requests, slos_ms, token_count_methods, error_counts,
-  max_output_tokens_per_s and max_concurrent_requests (vLLM's peaks per second);
+  max_output_tokens_per_s and max_concurrent_requests (vLLM's peaks);
 - latency, in ms, for each of ttft, tpot, itl, e2el: mean_X_ms, median_X_ms,
   std_X_ms and pN_X_ms for each percentile N (always 90 and 99, plus
   --metric-percentiles); in the file (vllm_json) 0.0 for a metric with no
@@ -130,7 +130,7 @@ def build_result(run: RunResult, summary: Summary, *, meta: Mapping[str, Any] | 
         for p, value in stats.percentiles.items():
             result[f"{percentile_name(p)}_{name}_ms"] = value
     result.update({
-        "input_lens": [r.prompt_len for r in records],
+        "input_lens": [r.input_tokens for r in records],
         "output_lens": [(r.output_tokens or 0) if r.succeeded else 0 for r in records],   # as vLLM: 0 if failed
         "ttfts": [ttft(r) or 0.0 for r in records],
         "itls": [itls(r) for r in records],
