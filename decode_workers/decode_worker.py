@@ -16,7 +16,8 @@ class; decode_server.py wraps it for Ray Serve.
               (one router), which streams them as one batch per step
     finished (blocks freed) | aborted: abort(), a failed hand-off, or the subscriber left
 
-The prompt is never recomputed here after a successful transfer.
+After a successful transfer the prompt is recomputed here only if the request
+is preempted (the KV cache ran out); hand-offs wait while a preempted request does.
 """
 
 from __future__ import annotations
@@ -478,11 +479,14 @@ class DecodeWorker:
         return self.staging_budget_bytes is not None and in_use > 0 and \
             in_use + staging_bytes > self.staging_budget_bytes
 
-    def _room(self, engine: LLMEngine) -> tuple[int, int, int]:
+    def _room(self, engine: LLMEngine) -> tuple[int, ...]:
         """What a hand-off waits for: free KV blocks, sequences holding a place in
-        the batch, and the receive buffers in flight."""
+        the batch, the receive buffers in flight, and the waiting sequences whose
+        room a reserve keeps (the head, any preempted: Scheduler.reserve)."""
+        waiting = engine.scheduler.waiting
         return (engine.block_manager.num_free_blocks, engine.scheduler.num_seqs_in_batch,
-                _receiving_bytes(self._handoffs.values()))
+                _receiving_bytes(self._handoffs.values()), len(waiting),
+                id(waiting[0]) if waiting else 0)
 
     def _tick(self, engine: LLMEngine) -> bool:
         room = self._room(engine)

@@ -79,8 +79,13 @@ class Scheduler:
         they would leave too few blocks, or no batch slot, for the sequence at
         the head of the waiting queue (one preempted, a prompt prefilled here):
         it came first, and a stream of hand-offs taking every block or slot
-        that frees would keep it waiting for ever."""
+        that frees would keep it waiting for ever; nor while any preempted
+        sequence waits (each preemption puts its victim at the head, so hand-offs
+        taken in between and preempted in turn would keep an older one behind
+        them for ever)."""
         if self.num_seqs_in_batch + (1 if self.waiting else 0) >= self.max_num_seqs:
+            return False
+        if any(waiting.num_preemptions for waiting in self.waiting):
             return False
         bm = self.block_manager
         if self.waiting:
@@ -153,9 +158,10 @@ class Scheduler:
             allocated = True
             while not self.block_manager.allocate(seq.block_table, seq.num_computed_tokens + n):
                 victim = self._preemption_victim()
-                if victim is not seq and seq.num_pending_tokens:
-                    # its pending token may be its last (EOS, a stop string): it waits a step for it
-                    # rather than have another sequence preempted for a block it may never use
+                if seq.num_pending_tokens:
+                    # its pending token may be its last (EOS, a stop string), and the pending tokens
+                    # read back in this call may end others and free blocks: it waits a step rather
+                    # than have a sequence (itself included) preempted for a block it may never use
                     allocated = False
                     break
                 self._preempt(victim)

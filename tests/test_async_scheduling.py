@@ -228,6 +228,50 @@ def test_a_sequence_whose_pending_token_may_be_its_last_waits_instead_of_preempt
     assert step.preempted == [young] and step.seqs == [old]   # now it takes the block it needs
 
 
+def test_a_sequence_whose_pending_token_may_be_its_last_does_not_preempt_itself_either():
+    """Async scheduling, many requests ending together (one max_tokens): the block-hungry
+    sequence is the only one that may go on, the others' pending tokens are their last and
+    free their blocks once read back. It preempted itself (a full recompute); it waits a step."""
+    from engine.block_manager import BlockManager
+    from engine.scheduler import Scheduler
+    from engine.sequence import Sequence, SequenceStatus
+
+    blocks = BlockManager(num_blocks=4, block_size=4)
+    scheduler = Scheduler(blocks, max_num_seqs=8, max_num_batched_tokens=64)
+    going_on = Sequence("going-on", list(range(3, 11)) + [PENDING_TOKEN], 8, SamplingParams(max_tokens=8),
+                        num_pending_tokens=1)                 # 8 computed: its next token needs a 3rd block
+    ending = Sequence("ending", list(range(30, 37)) + [PENDING_TOKEN], 7, SamplingParams(max_tokens=1),
+                      num_pending_tokens=1)                   # its pending token is its last
+    for seq in (going_on, ending):
+        assert blocks.allocate(seq.block_table, 8)
+        seq.num_computed_tokens, seq.status = 8, SequenceStatus.RUNNING
+        scheduler.running.append(seq)
+    step = scheduler.schedule()
+    assert step.preempted == [] and step.seqs == []
+    assert going_on.status is SequenceStatus.RUNNING and len(going_on.block_table) == 2
+
+
+def test_a_hand_off_waits_while_a_preempted_sequence_does():
+    """A decode worker: each preemption puts its victim at the head of the queue, and a hand-off
+    reserved past an older preempted sequence (then preempted in turn) kept it behind for ever."""
+    from engine.block_manager import BlockManager
+    from engine.scheduler import Scheduler
+    from engine.sequence import Sequence, SequenceStatus
+
+    blocks = BlockManager(num_blocks=16, block_size=4)
+    scheduler = Scheduler(blocks, max_num_seqs=8, max_num_batched_tokens=64)
+    preempted = Sequence("preempted", list(range(3, 12)), 8, SamplingParams(max_tokens=8))
+    preempted.num_preemptions = 1
+    scheduler.add(preempted)
+    handoff = Sequence("handoff", list(range(40, 48)), 8, SamplingParams(max_tokens=8))
+    assert not scheduler.reserve(handoff, 8)          # room for both, but the preempted one comes first
+    assert handoff.block_table == [] and blocks.num_free_blocks == 16
+    scheduler.waiting.clear()
+    fresh = Sequence("fresh", list(range(3, 12)), 9, SamplingParams(max_tokens=8))
+    scheduler.add(fresh)                              # a prompt to prefill here: room is kept for it only
+    assert scheduler.reserve(handoff, 8) and handoff.status is SequenceStatus.RESERVED
+
+
 def test_a_running_prefill_ahead_of_decodes_leaves_each_of_them_a_token():
     """A decode worker readmits a preempted sequence behind nothing: its recompute is a
     running prefill ahead of the hand-offs admitted since. Its chunk leaves the budget's
