@@ -58,7 +58,9 @@ class Scheduler:
                  enable_chunked_prefill: bool = True, max_model_len: int | None = None):
         self.block_manager = block_manager
         self.max_model_len = max_model_len
-        self.max_num_seqs = max_num_seqs
+        # every running sequence takes a token of each step: more of them than tokens would leave the
+        # newest without any, step after step
+        self.max_num_seqs = min(max_num_seqs, max_num_batched_tokens)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Sequence] = deque()

@@ -272,6 +272,26 @@ def test_a_hand_off_waits_while_a_preempted_sequence_does():
     assert scheduler.reserve(handoff, 8) and handoff.status is SequenceStatus.RESERVED
 
 
+def test_no_more_sequences_run_than_a_step_has_tokens():
+    """max_num_seqs above max_num_batched_tokens: the oldest took every token of each step and
+    the newest sequences admitted past the budget never got one."""
+    from engine.block_manager import BlockManager
+    from engine.scheduler import Scheduler
+    from engine.sequence import Sequence
+
+    scheduler = Scheduler(BlockManager(num_blocks=64, block_size=4), max_num_seqs=8, max_num_batched_tokens=4)
+    assert scheduler.max_num_seqs == 4
+    for i in range(6):
+        scheduler.add(Sequence(f"r{i}", [3 + i], 1, SamplingParams(max_tokens=4)))
+    for _ in range(3):
+        step = scheduler.schedule()
+        assert len(scheduler.running) == 4 and set(step.seqs) == set(scheduler.running)   # none starved
+        scheduler.after_step(step)
+        for seq in step.seqs:
+            seq.token_ids.append(7)           # its sampled token
+    assert len(scheduler.waiting) == 2
+
+
 def test_a_running_prefill_ahead_of_decodes_leaves_each_of_them_a_token():
     """A decode worker readmits a preempted sequence behind nothing: its recompute is a
     running prefill ahead of the hand-offs admitted since. Its chunk leaves the budget's
