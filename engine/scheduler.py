@@ -305,13 +305,14 @@ class Scheduler:
         return index < len(hashes) and hashes[index] in in_flight
 
     def _blocks_once_shared(self, seq: Sequence, in_flight: set[int]) -> int:
-        """Blocks `seq`'s prompt will take besides those it matched in the cache and the ones
-        in flight that it will read from there once they are computed."""
+        """Blocks `seq`'s tokens (a preempted one's output too) will take besides those it
+        matched in the cache and the ones in flight that it will read from there once they
+        are computed."""
         hashes = self._prompt_block_hashes(seq)
         matched = shared = len(seq.block_table)
         while shared < len(hashes) and hashes[shared] in in_flight:
             shared += 1
-        return self.block_manager.blocks_needed(seq.block_table, seq.num_prompt_tokens) - (shared - matched)
+        return self.block_manager.blocks_needed(seq.block_table, seq.num_tokens) - (shared - matched)
 
     def _undo_admission(self, seq: Sequence) -> None:
         self.block_manager.free(seq.block_table)

@@ -72,6 +72,32 @@ def test_a_request_set_aside_keeps_its_seat_and_its_blocks_from_those_behind_it(
         assert done["s1"].num_cached_tokens == 56 and len(done) == 3
 
 
+def test_a_preempted_request_set_aside_keeps_the_blocks_of_its_output_too():
+    """A preempted request set aside for a prompt block in flight recomputes its output as
+    well: the blocks kept for it counted its prompt only, and a request behind it took the
+    ones its output needs."""
+    from engine.block_manager import BlockManager
+    from engine.scheduler import Scheduler
+    from engine.sequence import Sequence
+
+    blocks = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=True)
+    scheduler = Scheduler(blocks, max_num_seqs=8, max_num_batched_tokens=4)
+    prompt = list(range(10, 26))                                  # 16 tokens, 4 blocks
+    running = Sequence("running", list(prompt), 16, SamplingParams(max_tokens=8))
+    scheduler.add(running)
+    step = scheduler.schedule()
+    scheduler.after_step(step)                                    # its first block computed and cached
+    preempted = Sequence("preempted", list(prompt) + list(range(40, 48)), 16, SamplingParams(max_tokens=16))
+    preempted.num_preemptions = 1                                 # 8 output tokens: 2 blocks beyond the prompt
+    behind = Sequence("behind", list(range(60, 64)), 4, SamplingParams(max_tokens=4))
+    scheduler.waiting.extend([preempted, behind])
+    scheduler.max_num_batched_tokens = 16
+    step = scheduler.schedule()                                   # `running` takes the rest of its prompt
+    assert [seq.request_id for seq in step.seqs] == ["running"]
+    assert [seq.request_id for seq in scheduler.waiting] == ["preempted", "behind"]
+    assert blocks.num_free_blocks == 2                            # what the preempted one's output needs
+
+
 def test_a_prompt_sharing_only_a_prefix_waits_one_step_and_computes_its_own_part(model_dirs, reference):
     """Both fit one 512-token step, but the second shares the first's first 200 tokens:
     it waits for them, reads them from the cache, and computes only its own 100."""
