@@ -200,8 +200,9 @@ class Resources(_Strict):
     gpu_memory_gib: float | None = Field(None, gt=0)
     check_placement: bool = Field(True, description="refuse a deployment whose gangs the connected cluster's "
                                   "nodes could never hold (counted by what they have in all: gangs that wait for "
-                                  "what other jobs hold now are placed when it is freed); false: deploy with a warning and let Ray place them when "
-                                  "nodes come (a cluster whose autoscaler adds nodes on demand)")
+                                  "what other jobs hold now are placed when it is freed); false: deploy with a "
+                                  "warning and let Ray place them when nodes come (a cluster whose autoscaler adds "
+                                  "nodes on demand)")
 
 
 class MigrationSection(_Strict):
