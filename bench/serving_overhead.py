@@ -16,8 +16,9 @@ next, and every system first gets a warm-up of 48 other prompts, 16 at a time (v
 batch shape: after 8 prompts it ran ~25% slower, bench/engine_vs_vllm.py).
 
 Systems, one at a time (a server is stopped, and waited for, before the next starts):
-- offline: engine.LLM(max_num_seqs=16, torch on all cores).generate() of load (a)'s
-  prompts, as token ids -> output tokens/s (the ceiling the servers are compared with);
+- offline: engine.LLM(max_num_seqs=16, torch on all cores, the served CPU engines' 512
+  tokens a step).generate() of load (a)'s prompts, as token ids -> output tokens/s (the
+  ceiling the servers are compared with);
 - colocated: `pdserve serve --mode colocated` (1 replica), in a subprocess;
 - disaggregated: `pdserve serve` as it comes (1 prefill + 1 decode);
 - peer: --peer-url, any OpenAI-compatible server already running (left running).
@@ -30,8 +31,8 @@ Loads per served system (bench/loadtest's runner, metrics and report):
   (c) Poisson 2 req/s -> TPOT p50.
 Prints one row per (system, load) as it goes, then a summary table; --json FILE
 saves every figure. --rounds N measures every system N times in turn (offline,
-colocated, disaggregated, peer; then again), each round with prompts of its
-own, and ends with each figure's median and range over the rounds and its ratio
+colocated, disaggregated, peer; each round starting one system later, so that
+none always runs last), each round with prompts of its own, and ends with each figure's median and range over the rounds and its ratio
 to the offline engine and to the peer taken within each round: on a shared
 machine the same system's figures move by tens of percent from one run to the
 next, so a ratio between systems measured minutes apart is what can be trusted.
@@ -151,14 +152,18 @@ def build_workloads(tokenizer, args, round_index: int = 0) -> dict:
 
 def run_offline(model_dir: str, requests: list[SampleRequest], warmup: list[SampleRequest],
                 output_len: int) -> dict:
-    """Output tokens/s of engine.LLM.generate on `requests` (as token ids), after a warm-up."""
+    """Output tokens/s of engine.LLM.generate on `requests` (as token ids), after a warm-up; with
+    the step budget the served CPU engines run (cluster/config.py), so that the ratio to it is
+    the serving tier's."""
     import torch
 
+    from cluster.config import CPU_TOKENS_PER_STEP
     from engine import LLM, SamplingParams
 
     threads = os.cpu_count() or 1
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    with LLM(model_dir, dtype="float32", device="cpu", max_num_seqs=16, cpu_threads=threads) as llm:
+    with LLM(model_dir, dtype="float32", device="cpu", max_num_seqs=16, cpu_threads=threads,
+             max_num_batched_tokens=CPU_TOKENS_PER_STEP) as llm:
         def ids(reqs: list[SampleRequest]) -> list[list[int]]:
             # What the server sees for a text prompt (its tokenizer adds BOS).
             return [list(llm.tokenizer.encode(r.prompt)) for r in reqs]
@@ -573,7 +578,10 @@ def main() -> int:
         workloads = build_workloads(tokenizer, args, index)
         print(f"\n=== round {index + 1} of {args.rounds} (seed {workloads['seed']})", flush=True)
         print(LOAD_HEADER, flush=True)
-        results = {system: measure(system, model_dir, workloads, args, tokenizer, log_dir) for system in order}
+        # each round starts one system later: on a machine whose speed drifts, no system always runs last
+        turn = order[index % len(order):] + order[:index % len(order)]
+        measured = {system: measure(system, model_dir, workloads, args, tokenizer, log_dir) for system in turn}
+        results = {system: measured[system] for system in order}
         rounds.append(results)
         print()
         print(summary_table(results, peer))
