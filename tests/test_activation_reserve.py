@@ -37,14 +37,14 @@ def test_the_reserve_is_the_graph_pool_plus_the_larger_of_prefill_and_sampling(m
     spec = worker.kv_cache.spec
     for name in ("reset_peak_memory_stats", "synchronize", "empty_cache"):
         monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 400)      # held before it (weights, KV)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 1000)
 
     sampled = []
     real_call = Sampler.__call__
     monkeypatch.setattr(Sampler, "__call__", lambda self, logits, rows: (sampled.append((logits.shape, len(rows))),
                                                                           real_call(self, logits, rows))[1])
-    assert worker._sampling_peak(12) == 1000
+    assert worker._sampling_peak(12) == 600          # the peak above what was held before
     assert sampled == [((12, worker.model_config.vocab_size), 12)]    # real logits of max_num_seqs rows
 
     worker.graph_sizes = [1, 2, 4]

@@ -487,12 +487,10 @@ def test_a_busy_server_answers_429_at_once_and_serves_what_it_admitted():
         while admission.waiting_requests < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert admission.waiting_requests == 3
-        started = time.monotonic()
+        # refused at once: one that joined the queue would wait as long as the held ones (for ever)
         r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3})
-        refused_in = time.monotonic() - started
         assert r.status_code == 429 and r.json()["error"]["code"] == "server_overloaded"
         assert int(r.headers["Retry-After"]) >= 1
-        assert refused_in < 0.5                          # at once, not after the queue
         backend.release.set()
         for t in held:
             t.join(timeout=30)

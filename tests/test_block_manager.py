@@ -200,6 +200,7 @@ def test_hash_collision_is_rejected_by_token_check(monkeypatch):
     bm.cache_full_blocks([1, 2, 3, 4, 0], a, 5, 0)
     # forge a collision: make the cache think another prefix hashes to a's first block
     forged = hash((None, (5, 6, 7, 8)))
+    assert forged == bm.block_hashes([5, 6, 7, 8, 0], 1)[0]     # the key match_prefix looks up
     bm._by_hash[forged] = a[0]
     b: list[int] = []
     assert bm.match_prefix([5, 6, 7, 8, 0], b) == 0 and b == []
@@ -218,7 +219,9 @@ def test_chain_is_verified_not_just_the_block():
     bm.allocate(b, 5)
     bm.cache_full_blocks(y_first, b, 5, 0)
     # forge: the hash of y's second block points at x's second block (same tokens, other parent)
-    bm._by_hash[hash((bm.blocks[b[0]].hash, (2, 2, 2, 2)))] = a[1]
+    forged = hash((bm.blocks[b[0]].hash, (2, 2, 2, 2)))
+    assert forged == bm.block_hashes([3, 3, 3, 3, 2, 2, 2, 2, 0], 2)[1]     # the key match_prefix looks up
+    bm._by_hash[forged] = a[1]
     c: list[int] = []
     assert bm.match_prefix([3, 3, 3, 3, 2, 2, 2, 2, 0], c) == 4 and c == [b[0]]
 

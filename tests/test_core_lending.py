@@ -152,8 +152,8 @@ def test_an_engine_borrows_an_idle_engines_core_while_it_steps(model_dirs, ledge
     # each step says what it ran with; steps on borrowed cores stay out of the cost estimates
     assert [(s.threads, s.borrowed_threads) for _, s in samples] == [(2, 1) if decode else (1, 0)] * len(threads)
     assert calibrated is not None and prefill_cost is not None
-    # a 4-token prompt's step costs far more per token than the calibration's 127-token one
-    assert (prefill_cost == calibrated) if decode else (prefill_cost > calibrated)
+    # a step on its own cores replaces the calibration; one on borrowed cores does not
+    assert (prefill_cost == calibrated) if decode else (prefill_cost != calibrated)
     assert idle_lender.at_work() == 1
     idle_lender.close()
     assert not os.path.exists(ledger_path)   # the engine left the ledger when it stopped

@@ -27,7 +27,6 @@ def test_arm_features_line_counts_as_the_flags():
 
 def test_this_machine_gets_a_stable_valid_module_name():
     name = extension_name()
-    assert name == extension_name()
     assert name.startswith("pdserve_cpu_kernels_") and name.isidentifier()
 
 

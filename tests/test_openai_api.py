@@ -608,8 +608,7 @@ LONG = list(range(3, 3 + MAX_MODEL_LEN))
     (COMPLETIONS, {"prompt": "Hi", "prompt_logprobs": 21}, 400, "prompt_logprobs", "at most 20"),
     (COMPLETIONS, {"prompt": "Hi", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs",
      "not available when stream is true"),
-    (COMPLETIONS, {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens", ">= 1"),    # 0 only with echo
-    (COMPLETIONS, {"prompt": "Hi", "suffix": "end"}, 400, "suffix", "suffix"),
+    (COMPLETIONS, {"prompt": "Hi", "suffix": "end"}, 400, "suffix", "suffix (insertion) is not supported"),
     (COMPLETIONS, {"prompt": "Hi", "logit_bias": {"5": 101}}, 400, "logit_bias", "got 101.0 for token '5'"),
     (CHAT, {"messages": USER, "logit_bias": {"600": 1}}, 400, "logit_bias", "contains 600, must be in [0, 512)"),
     # JSON numbers past float's range and keys past int()'s digit limit: 400s (they were 500s)
@@ -625,7 +624,7 @@ LONG = list(range(3, 3 + MAX_MODEL_LEN))
      "response_format", "not supported"),
     (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
     (COMPLETIONS, {"prompt": "Hi", "max_tokens": "ten"}, 400, "max_tokens", "valid integer"),
-    (COMPLETIONS, {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens", ">= 1, got 0"),
+    (COMPLETIONS, {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens", ">= 1, got 0"),    # 0 only with echo
     (COMPLETIONS, {"prompt": "Hi", "max_tokens": -5}, 400, "max_tokens", ">= 1, got -5"),
     (COMPLETIONS, {"prompt": "Hi", "temperature": -1}, 400, "temperature", "greater than or equal to 0"),
     (COMPLETIONS, {"prompt": "Hi", "temperature": 3}, 400, "temperature", "less than or equal to 2"),

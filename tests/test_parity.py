@@ -23,9 +23,11 @@ def _prompts(tokenizer, n: int, seed: int, min_len: int = 1, max_len: int = 120)
     return prompts
 
 
-def _run_staggered(engine: LLMEngine, prompts, max_tokens: list[int], arrivals_per_step: int = 3):
+def _run_staggered(engine: LLMEngine, prompts, max_tokens: list[int], arrivals_per_step: int = 3,
+                   steps: list | None = None):
     """Adds `arrivals_per_step` requests before each step, so requests join a batch
-    that is already decoding. Returns {request_id: output token ids}."""
+    that is already decoding. Returns {request_id: output token ids}; `steps` gets
+    each step's StepStats."""
     pending = list(enumerate(prompts))
     done = {}
     while pending or engine.has_unfinished_requests():
@@ -36,7 +38,16 @@ def _run_staggered(engine: LLMEngine, prompts, max_tokens: list[int], arrivals_p
         for out in engine.step():
             if out.finished:
                 done[int(out.request_id)] = out.token_ids
+        if steps is not None and engine.last_step is not None and (not steps or steps[-1] is not engine.last_step):
+            steps.append(engine.last_step)
     return done
+
+
+def _assert_chunked(steps: list, budget: int) -> None:
+    """Every step within the token budget, and prompts split: some step's prefill filled it."""
+    assert max(s.num_prefill_tokens + s.num_decode_seqs for s in steps) <= budget
+    assert any(s.num_prefill_tokens == budget for s in steps)
+    assert any(s.num_prefill_tokens and s.num_decode_seqs for s in steps)     # chunks beside decodes
 
 
 def _check(reference, preset, prompts, max_tokens, got):
@@ -74,8 +85,10 @@ def test_greedy_matches_with_small_chunked_prefill(preset, model_dirs, reference
     engine = LLMEngine(EngineConfig(model=str(model_dirs[preset]), max_model_len=512, max_num_batched_tokens=7))
     prompts = _prompts(engine.tokenizer, 8, seed=2, min_len=8, max_len=60)
     max_tokens = [12] * len(prompts)
-    got = _run_staggered(engine, prompts, max_tokens, arrivals_per_step=2)
+    steps: list = []
+    got = _run_staggered(engine, prompts, max_tokens, arrivals_per_step=2, steps=steps)
     _check(reference, preset, prompts, max_tokens, got)
+    _assert_chunked(steps, 7)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-mqa"])

@@ -256,8 +256,9 @@ def test_pdserve_plan_slo_rejects_bad_input(capsys):
     assert main(["plan", "--model", "llama-3-8b", "--slo", "ttft:1000", "--gpus", "2", "--rate-tolerance", "0"]) == 2
     assert "--rate-tolerance" in capsys.readouterr().err
     for slo in ("latency:5", "ttft:inf", "ttft:nan"):
-        with pytest.raises(SystemExit):
+        with pytest.raises(SystemExit) as exit_:
             main(["plan", "--model", "llama-3-8b", "--slo", slo, "--gpus", "2"])
+        assert exit_.value.code == 2 and "--slo" in capsys.readouterr().err
     for bad, says in ((["--random-range-ratio", "-1"], "--random-range-ratio must be in [0, 1)"),
                       (["--random-input-len", "-5"], "must be >= 1"), (["--attainment", "0"], "--attainment"),
                       (["--random-input-len", "7200", "--random-output-len", "1000"], "exceed the 8192-token")):

@@ -291,8 +291,9 @@ def test_a_sigterm_before_serve_takes_its_own_signals_exits_143(monkeypatch):
     monkeypatch.setattr(serve_command, "_connect", terminated)
     assert cli_main.main(["serve", "--port", "8765"]) == 143
     monkeypatch.setattr(serve_command, "_connect", lambda *a, **k: (_ for _ in ()).throw(SystemExit(3)))
-    with pytest.raises(SystemExit):          # any other exit is left alone
+    with pytest.raises(SystemExit) as exit_:   # any other exit is left alone
         cli_main.main(["serve", "--port", "8765"])
+    assert exit_.value.code == 3
 
 
 def test_a_second_signal_during_the_clean_up_quits_at_once(monkeypatch):

@@ -6,6 +6,8 @@ a new deployment looked like no backlog at all."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
@@ -30,9 +32,12 @@ def test_calibration_times_a_prompt_and_leaves_the_engine_as_it_found_it(model_d
     engine = _engine(model_dirs)
     free_before = engine.block_manager.num_free_blocks
 
+    started = time.perf_counter()
     cost = calibrate_prefill_cost(engine)
+    elapsed = time.perf_counter() - started
 
-    assert cost is not None and 0 < cost < 0.1      # seconds per token of a tiny model on one thread
+    # seconds per token (not per step): at most a 16-token prompt's share of the time the calibration took
+    assert cost is not None and 0 < cost * 16 <= elapsed
     assert not engine.has_unfinished_requests()
     assert engine.block_manager.num_free_blocks == free_before
     assert engine.last_step is None                  # no step for the cost estimates to pick up

@@ -326,9 +326,9 @@ def test_pdserve_simulate_refuses_what_it_would_ignore_or_could_not_start(tmp_pa
     a_file.write_text("")
     assert main([*base, "--save-result", "--result-dir", str(a_file)]) == 2   # before the simulation
     assert f"--result-dir {a_file}: cannot make the directory" in capsys.readouterr().err
-    with pytest.raises(SystemExit):                                   # loadtest's flags, not simulate's
+    with pytest.raises(SystemExit) as exit_:                          # loadtest's flags, not simulate's
         main([*base, "--num-warmups", "2"])
-    capsys.readouterr()
+    assert exit_.value.code == 2 and "unrecognized arguments: --num-warmups" in capsys.readouterr().err
     on_gpu = tmp_path / "gpu.yaml"
     on_gpu.write_text(open("configs/tiny-cpu.yaml").read().replace("device: cpu", "device: cuda"))
     assert main([*base[:2], str(on_gpu), *base[3:], "--shared-cores", "2"]) == 2

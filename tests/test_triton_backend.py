@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from tests.conftest import PARITY_PRESETS  # noqa: E402
-from tests.test_parity import _check, _prompts, _run_staggered  # noqa: E402
+from tests.test_parity import _assert_chunked, _check, _prompts, _run_staggered  # noqa: E402
 
 
 def _engine(model_dir, **options) -> LLMEngine:
@@ -39,8 +39,10 @@ def test_greedy_matches_with_chunked_prefill(block_size, model_dirs, reference):
                      max_num_batched_tokens=11)
     prompts = _prompts(engine.tokenizer, 4, seed=12, min_len=12, max_len=40)
     max_tokens = [8] * len(prompts)
-    got = _run_staggered(engine, prompts, max_tokens, arrivals_per_step=2)
+    steps: list = []
+    got = _run_staggered(engine, prompts, max_tokens, arrivals_per_step=2, steps=steps)
     _check(reference, "tiny-qwen2", prompts, max_tokens, got)
+    _assert_chunked(steps, 11)
 
 
 def test_greedy_matches_with_prefix_cache_hits(model_dirs, reference):
