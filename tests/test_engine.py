@@ -187,7 +187,6 @@ def test_generate_waits_for_its_own_requests_not_for_others_in_the_engine(llm):
     """A request added on the engine directly (or left by another caller) that finishes
     first is not counted as one of this call's (it raised KeyError, and aborted the
     call's own prompts)."""
-    from engine.outputs import OutputKind
     other = llm.engine.add_request(None, "x", _greedy(max_tokens=1))
     outs = llm.generate(["Hello", PROMPT], [_greedy(max_tokens=2), _greedy(max_tokens=8)])
     assert other not in [o.request_id for o in outs]
