@@ -222,6 +222,13 @@ def test_a_hand_off_leaves_room_for_the_head_of_the_waiting_queue():
     assert replica.try_admit_prefilled(SimSequence(1, prompt_len=8, output_len=4))
     replica.add(SimSequence(0, prompt_len=4, output_len=4))
     assert not replica.try_admit_prefilled(SimSequence(2, prompt_len=8, output_len=4))
+    # nor while a preempted sequence waits, whatever room is free (it would be kept behind the hand-offs)
+    replica = SimReplica("decode-0", FIXED, num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    replica.add(SimSequence(3, prompt_len=4, output_len=4))
+    replica.add(SimSequence(0, prompt_len=4, output_len=8, generated=3))      # preempted: output to recompute
+    assert not replica.try_admit_prefilled(SimSequence(1, prompt_len=8, output_len=4))
+    replica.waiting.pop()
+    assert replica.try_admit_prefilled(SimSequence(1, prompt_len=8, output_len=4))
 
 
 def test_the_queued_prompt_tokens_are_kept_as_sequences_come_and_go():

@@ -108,8 +108,11 @@ class SimReplica:
     def try_admit_prefilled(self, seq: SimSequence) -> bool:
         """A decode replica takes a sequence whose prompt KV arrives from elsewhere:
         reserves its blocks now (False if they are not free, or if they would leave
-        too few for the sequence at the head of the waiting queue, as the engine's
-        Scheduler.reserve decides, which keeps the head a batch slot too)."""
+        too few for the sequence at the head of the waiting queue, or while a
+        preempted sequence waits, as the engine's Scheduler.reserve decides, which
+        keeps the head a batch slot too)."""
+        if any(waiting.generated for waiting in self.waiting):    # (only a preempted one has output here)
+            return False
         need = self.blocks_for(seq.num_tokens)
         head = self.blocks_for(self.waiting[0].num_tokens) if self.waiting else 0
         slots = len(self.running) + len(self.reserved) + (1 if self.waiting else 0)   # (a slot kept for the head)
