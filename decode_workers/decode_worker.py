@@ -425,7 +425,8 @@ class DecodeWorker:
                 settle_from_thread(handoff.future, exc=KVTransferFailed(
                     f"{self.name} had no room for request {r.request_id} (free KV blocks, a place among "
                     f"its max_num_seqs {engine.scheduler.max_num_seqs}, and receive buffers within "
-                    f"kv_transfer.staging_mib) for {self.reserve_timeout_s:g} s", self.replica_id))
+                    f"kv_transfer.staging_mib; none is taken while a preempted request waits to run again) "
+                    f"for {self.reserve_timeout_s:g} s", self.replica_id))
             return
         reserved = handoff.future
         handoff.phase, handoff.block_ids = Phase.RECEIVING, blocks

@@ -104,6 +104,12 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) is more than the "
                              f"{torch.cuda.device_count()} visible CUDA device(s)")
 
+    @property
+    def max_running_seqs(self) -> int:
+        """The most sequences that run at once: max_num_seqs, but no more than a step
+        has tokens (each running sequence takes one of every step; engine/scheduler.py)."""
+        return min(self.max_num_seqs, self.max_num_batched_tokens)
+
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -107,10 +107,10 @@ class LLMEngine:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    enable_chunked_prefill=config.enable_chunked_prefill,
                                    max_model_len=self.max_model_len)
-        if config.max_num_seqs > config.max_num_batched_tokens:
+        if config.max_running_seqs < config.max_num_seqs:
             log.warning("max_num_seqs (%d) is more than max_num_batched_tokens (%d): at most %d sequences run at "
                         "once, as each takes a token of every step", config.max_num_seqs,
-                        config.max_num_batched_tokens, self.scheduler.max_num_seqs)
+                        config.max_num_batched_tokens, config.max_running_seqs)
         batch_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.runner = ModelRunner(self.worker, Sampler(batch_generator))
         # What ends a request (unless ignore_eos) and what min_tokens bans, on every path: config.json's,

@@ -141,7 +141,7 @@ class ModelWorker:
         attn = self.model.model.layers[0].self_attn
         self.kv_head_start = attn.qkv_proj.kv_head_start
         spec = KVCacheSpec(mc.num_layers, attn.num_local_kv_heads, mc.head_dim, config.block_size, self.dtype)
-        self.graph_sizes = graph_batch_sizes(min(config.max_cuda_graph_batch_size, config.max_num_seqs)) \
+        self.graph_sizes = graph_batch_sizes(min(config.max_cuda_graph_batch_size, config.max_running_seqs)) \
             if config.uses_cuda_graphs() else []
         num_blocks = self._num_kv_blocks(spec)
         # every rank must index the same block ids: agree on the smallest pool
@@ -176,7 +176,7 @@ class ModelWorker:
         """CUDA bytes the steps need beside weights and KV, measured on a scratch
         cache: the peak of the largest captured decode batch, whose graph pool
         stays allocated, plus the larger of the largest prefill step's peak and
-        that of sampling the most rows a step can sample (max_num_seqs) with
+        that of sampling the most rows a step can sample (max_running_seqs) with
         every option that allocates; a step samples after its forward pass."""
         # a step's whole budget: chunked prefill fills it from several prompts when one is shorter
         tokens = self.config.max_num_batched_tokens
@@ -189,7 +189,7 @@ class ModelWorker:
             for n, prefill in ((tokens, True), (max(self.graph_sizes, default=0), False)))
         del scratch, layers
         torch.cuda.empty_cache()
-        sampling_peak = self._sampling_peak(self.config.max_num_seqs)
+        sampling_peak = self._sampling_peak(self.config.max_running_seqs)
         reserve = decode_peak + self._graph_logits_bytes() + max(prefill_peak, sampling_peak)
         log.info("activation reserve %.0f MiB (peaks: prefill %.0f, decode %.0f, sampling %.0f MiB; the smaller "
                  "graphs' logits %.0f MiB)", reserve / 2**20, prefill_peak / 2**20, decode_peak / 2**20,

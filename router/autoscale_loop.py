@@ -58,6 +58,7 @@ STEP_SAMPLES_TIMEOUT_S = 5.0    # a replica's answer with its steps, before it c
 MIN_FIT_STEPS = 12
 # a replica still starting after this long (or 10 x autoscaling.startup_s, if longer) never will
 START_DEADLINE_S = 600.0
+SERVE_STATUS_TIMEOUT_S = 10.0   # Serve's controller's answer to what it keeps (a stuck one must not stop the loop)
 
 
 def serve_replica_counts(workers: dict) -> dict[str, int]:
@@ -219,7 +220,7 @@ class AutoscaleLoop:
         the replicas given back as starting, and publish the deployed pools again."""
         kept, self._kept_replicas = self._kept_replicas, None
         try:
-            counts = await asyncio.to_thread(kept, self.workers)
+            counts = await asyncio.wait_for(asyncio.to_thread(kept, self.workers), SERVE_STATUS_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - Serve busy or not reachable: the deployed pools stand
             log.warning("autoscaler: cannot read the replicas Serve keeps (%s); counting from the deployment", exc)
             return
@@ -241,7 +242,8 @@ class AutoscaleLoop:
             since = self._starting_since.setdefault(role, now)
             if now - since > self.start_deadline_s:
                 log.warning("autoscaler: %d %s replica(s) asked for have not started in %.0f s (Serve cannot place "
-                            "or start them: see Serve's log); counting them out", ro.starting, role, now - since)
+                            "or start them: see Serve's log; a model that takes longer to load needs a larger "
+                            "autoscaling.startup_s); counting them out", ro.starting, role, now - since)
                 self._asked[role] = ro.running
                 self._starting_since.pop(role)
                 out[role] = replace(ro, starting=0)

@@ -432,6 +432,14 @@ class ChatMessage(BaseModel):
     tool_calls: Any = None                   # refused when set (no tool calling)
     function_call: Any = None
 
+    @field_validator("role", mode="before")
+    @classmethod
+    def _known_role(cls, value: object) -> object:
+        # (tool and function pass here to be refused as tool calling; the message names the roles served)
+        if value not in ("system", "developer", "user", "assistant", "tool", "function"):
+            raise _shape_error(f"must be 'system', 'developer', 'user' or 'assistant' (got {value!r:.80})")
+        return value
+
     @field_validator("content", mode="before")
     @classmethod
     def _text_content(cls, value: object) -> object:

@@ -648,7 +648,7 @@ LONG = list(range(3, 3 + MAX_MODEL_LEN))
     (COMPLETIONS, {}, 400, "prompt", "prompt is required"),
     (COMPLETIONS, {"prompt": "Hi", "model": "gpt-4"}, 404, "model", f"serves `{MODEL}`"),
     (CHAT, {"messages": [{"role": "wizard", "content": "Hi"}]}, 400, "messages[0].role",
-     "'system', 'developer', 'user', 'assistant', 'tool' or 'function'"),
+     "must be 'system', 'developer', 'user' or 'assistant' (got 'wizard')"),
     (CHAT, {"messages": USER + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "get", "arguments": "{}"}}]}] + USER}, 400,
      "messages[1].tool_calls", "tool calling is not supported"),

@@ -81,6 +81,10 @@ class ReplicaSpec:
     enable_prefix_caching: bool = True  # reuses cached prompt blocks (when simulate() gets the prompts' tokens)
     enable_chunked_prefill: bool = True  # False: a prompt runs whole in one step (engine.enable_chunked_prefill)
 
+    def __post_init__(self) -> None:
+        # as the engine: no more sequences run than a step has tokens (EngineConfig.max_running_seqs)
+        object.__setattr__(self, "max_num_seqs", min(self.max_num_seqs, self.max_num_batched_tokens))
+
 
 @dataclass(frozen=True)
 class ClusterSpec:
