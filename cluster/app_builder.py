@@ -226,9 +226,9 @@ def build_application(config: DeploymentConfig, resolved: ResolvedModel | None =
         router_args["autoscaling"] = config.autoscaling_settings()
         router_args["autoscaling_profile"] = profile
         router_args["autoscaling_deployed"] = {role: pool.replicas for role, pool in config.pools().items()}
-        # (the engines run no more sequences than a step has tokens: EngineConfig.max_running_seqs)
-        router_args["autoscaling_limits"] = ReplicaLimits(min(config.engine.max_num_seqs, config.tokens_per_step()),
-                                                          block_size=config.engine.block_size)
+        running = config.engine_config("decode" if "decode" in config.pools() else "colocated",
+                                       model_path).max_running_seqs
+        router_args["autoscaling_limits"] = ReplicaLimits(running, block_size=config.engine.block_size)
     return router.bind(info, model_path, config.mode.value, **workers, **router_args)
 
 

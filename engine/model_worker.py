@@ -47,7 +47,7 @@ from engine.tiny_model import ensure_built_in_checkpoint
 
 log = logging.getLogger(__name__)
 
-# prompt rows scored per pass (SamplingParams.prompt_logprobs); on CUDA at most max_num_seqs: their logits
+# prompt rows scored per pass (SamplingParams.prompt_logprobs); on CUDA at most max_running_seqs: their logits
 # and the softmax over them take no more than sampling a full batch, which the activation reserve measures
 SCORE_ROWS_PER_PASS = 256
 
@@ -291,11 +291,11 @@ class ModelWorker:
     def _score(self, hidden: torch.Tensor, inputs: ModelInputs) -> TokenScores | None:
         """The score rows' prompt tokens scored, SCORE_ROWS_PER_PASS rows of logits at a time so
         that a long prompt chunk never holds [chunk, vocab] logits at once (every rank joins each
-        pass's logits gather; rank 0 gets the scores). On CUDA at most max_num_seqs rows, the
+        pass's logits gather; rank 0 gets the scores). On CUDA at most max_running_seqs rows, the
         sampling the activation reserve was measured for; each pass reads the whole lm_head."""
         scores = None
         per_pass = SCORE_ROWS_PER_PASS if self.device.type == "cpu" else \
-            min(SCORE_ROWS_PER_PASS, self.config.max_num_seqs)
+            min(SCORE_ROWS_PER_PASS, self.config.max_running_seqs)
         for start in range(0, inputs.score_rows.numel(), per_pass):
             rows = inputs.score_rows[start:start + per_pass]
             logits = self.model.compute_logits(hidden[rows])

@@ -141,7 +141,8 @@ class RankProcesses:
                       for rank, (_, writer) in zip(range(1, size), pipes)]
         self._state = _GroupState()
         # before the first start: a start that fails (or a Ctrl-C) midway stops the ranks started so far
-        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self._state, self._failure_readers)
+        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self._state, self._failure_readers,
+                                           self._failures_lock)
         try:
             for p, (_, writer) in zip(self.procs, pipes):
                 p.start()
@@ -223,7 +224,7 @@ class RankProcesses:
         self._finalizer()
 
 
-def _shutdown(procs: list, state: _GroupState, failure_readers: list) -> None:
+def _shutdown(procs: list, state: _GroupState, failure_readers: list, readers_lock: threading.Lock) -> None:
     from engine.model_worker import STOP
     if state.tp is not None and state.healthy and all(p.is_alive() for p in procs):
         try:
@@ -232,8 +233,9 @@ def _shutdown(procs: list, state: _GroupState, failure_readers: list) -> None:
             log.warning("could not tell the tensor-parallel ranks to stop; terminating them")
     # ranks told to stop get a moment to exit; broken ones sit in a collective and never would
     _stop_processes(procs, grace_s=10.0 if state.healthy else 0.0)
-    for reader in failure_readers:
-        reader.close()
+    with readers_lock:      # (`dead` may be reading one on another thread)
+        for reader in failure_readers:
+            reader.close()
 
 
 def _stop_processes(procs: list, grace_s: float = 10.0) -> None:

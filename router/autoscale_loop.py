@@ -58,7 +58,9 @@ STEP_SAMPLES_TIMEOUT_S = 5.0    # a replica's answer with its steps, before it c
 MIN_FIT_STEPS = 12
 # a replica still starting after this long (or 10 x autoscaling.startup_s, if longer) never will
 START_DEADLINE_S = 600.0
-SERVE_STATUS_TIMEOUT_S = 10.0   # Serve's controller's answer to what it keeps (a stuck one must not stop the loop)
+# Serve's controller's answer to what it keeps, at the first interval (a stuck one must not stop the loop; a
+# controller restarting with the router can take a while)
+SERVE_STATUS_TIMEOUT_S = 30.0
 
 
 def serve_replica_counts(workers: dict) -> dict[str, int]:
@@ -221,8 +223,12 @@ class AutoscaleLoop:
         kept, self._kept_replicas = self._kept_replicas, None
         try:
             counts = await asyncio.wait_for(asyncio.to_thread(kept, self.workers), SERVE_STATUS_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - Serve busy or not reachable: the deployed pools stand
-            log.warning("autoscaler: cannot read the replicas Serve keeps (%s); counting from the deployment", exc)
+        except TimeoutError:     # (an answer after it would be stale: decisions have moved the targets since)
+            log.warning("autoscaler: Serve did not say in %.0f s which replicas it keeps; counting from the "
+                        "deployment", SERVE_STATUS_TIMEOUT_S)
+            return
+        except Exception as exc:  # noqa: BLE001 - Serve not reachable: the deployed pools stand
+            log.warning("autoscaler: cannot read the replicas Serve keeps (%r); counting from the deployment", exc)
             return
         self._asked.update({role: n for role, n in counts.items() if role in self.settings.roles})
 

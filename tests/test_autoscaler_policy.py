@@ -503,6 +503,18 @@ def test_a_restarted_router_starts_from_the_replicas_serve_keeps_not_the_deploye
                        kept_replicas=unreachable)
     asyncio.run(blind.tick())
     assert blind.targets == {"prefill": 2, "decode": 2}
+    # nor when it does not answer in time (a stuck controller must not stop the autoscaler)
+    import time
+
+    from router import autoscale_loop
+    slow = _live_loop({"prefill": 1, "decode": 1}, {"prefill": 2, "decode": 2}, budget=8,
+                      kept_replicas=lambda workers: time.sleep(1.0) or {"prefill": 1, "decode": 1})
+    saved, autoscale_loop.SERVE_STATUS_TIMEOUT_S = autoscale_loop.SERVE_STATUS_TIMEOUT_S, 0.1
+    try:
+        asyncio.run(asyncio.wait_for(slow.tick(), 30))
+    finally:
+        autoscale_loop.SERVE_STATUS_TIMEOUT_S = saved
+    assert slow.targets == {"prefill": 2, "decode": 2}
 
 
 def test_replicas_that_never_start_are_counted_out_after_the_deadline(caplog):

@@ -225,10 +225,20 @@ def test_a_hand_off_leaves_room_for_the_head_of_the_waiting_queue():
     # nor while a preempted sequence waits, whatever room is free (it would be kept behind the hand-offs)
     replica = SimReplica("decode-0", FIXED, num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
     replica.add(SimSequence(3, prompt_len=4, output_len=4))
-    replica.add(SimSequence(0, prompt_len=4, output_len=8, generated=3))      # preempted: output to recompute
+    preempted = SimSequence(0, prompt_len=4, output_len=8, generated=3)
+    replica.add(preempted)
+    preempted.preempted = True                                                # (as _preempt marks it)
     assert not replica.try_admit_prefilled(SimSequence(1, prompt_len=8, output_len=4))
     replica.waiting.pop()
     assert replica.try_admit_prefilled(SimSequence(1, prompt_len=8, output_len=4))
+
+
+def test_no_more_sequences_run_than_a_step_has_tokens_in_the_engine_and_the_simulator():
+    from engine import EngineConfig
+    assert EngineConfig(model="unused", max_num_seqs=256, max_num_batched_tokens=64).max_running_seqs == 64
+    assert EngineConfig(model="unused", max_num_seqs=16, max_num_batched_tokens=512).max_running_seqs == 16
+    spec = ReplicaSpec(FIXED, num_kv_blocks=64, max_num_seqs=256, max_num_batched_tokens=64)
+    assert spec.max_num_seqs == 64 and dataclasses.replace(spec, block_size=8).max_num_seqs == 64
 
 
 def test_the_queued_prompt_tokens_are_kept_as_sequences_come_and_go():

@@ -33,6 +33,7 @@ class SimSequence:
     computed: int = 0             # tokens whose KV is on this replica
     hold_after_first: bool = False  # prefill role: stop after the first token, keep the KV
     is_running: bool = False      # in its replica's running list
+    preempted: bool = False       # preempted on this replica since it came (its KV to recompute)
     block_hashes: tuple[int, ...] = ()   # chained hashes of the prompt's full blocks (prefix_cache.py)
 
     @property
@@ -102,6 +103,7 @@ class SimReplica:
     # ---- work in --------------------------------------------------------------------
     def add(self, seq: SimSequence) -> None:
         seq.computed = 0
+        seq.preempted = False
         self.waiting.append(seq)
         self.waiting_tokens += seq.num_tokens
 
@@ -111,7 +113,7 @@ class SimReplica:
         too few for the sequence at the head of the waiting queue, or while a
         preempted sequence waits, as the engine's Scheduler.reserve decides, which
         keeps the head a batch slot too)."""
-        if any(waiting.generated for waiting in self.waiting):    # (only a preempted one has output here)
+        if any(waiting.preempted for waiting in self.waiting):
             return False
         need = self.blocks_for(seq.num_tokens)
         head = self.blocks_for(self.waiting[0].num_tokens) if self.waiting else 0
@@ -125,6 +127,7 @@ class SimReplica:
     def commit_prefilled(self, seq: SimSequence) -> None:
         """The reserved sequence's KV has arrived: it decodes from the next step."""
         self.reserved.pop(seq.index)
+        seq.preempted = False       # (on the replica it came from)
         seq.computed = seq.prompt_len
         self.running.append(seq)
         seq.is_running = True
@@ -237,6 +240,7 @@ class SimReplica:
         self._free(seq)
         self._leave(seq)
         seq.computed = 0
+        seq.preempted = True
         self.waiting.appendleft(seq)
         self.waiting_tokens += seq.num_tokens
         self.num_preemptions += 1
