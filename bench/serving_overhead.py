@@ -32,8 +32,8 @@ Loads per served system (bench/loadtest's runner, metrics and report):
 Prints one row per (system, load) as it goes, then a summary table; --json FILE
 saves every figure. --rounds N measures every system N times in turn (offline,
 colocated, disaggregated, peer; each round starting one system later, so that
-none always runs last), each round with prompts of its own, and ends with each figure's median and range over the rounds and its ratio
-to the offline engine and to the peer taken within each round: on a shared
+none always runs last), each round with prompts of its own, and ends with
+each figure's median and range over the rounds and its ratio to the offline engine and to the peer taken within each round: on a shared
 machine the same system's figures move by tens of percent from one run to the
 next, so a ratio between systems measured minutes apart is what can be trusted.
 A server that does not start (exit, or no GET /health 200 within

@@ -747,7 +747,8 @@ def test_cli_unreachable_server_and_bad_arguments_exit_2(server, capsys):
     assert "finite" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("host, port, url", [("::1", "8100", "http://[::1]:8100"), (None, None, "http://127.0.0.1:8000"),
+@pytest.mark.parametrize("host, port, url", [("::1", "8100", "http://[::1]:8100"),
+                                              (None, None, "http://127.0.0.1:8000"),
                                               ("gpu-node-3", "9000", "http://gpu-node-3:9000")])
 def test_vllm_host_and_port_flags_make_the_base_url(host, port, url):
     from bench.loadtest.command import resolve_server_flags
@@ -770,7 +771,8 @@ def test_cli_takes_a_vllm_bench_serve_command_line(server, tokenizer_dir, tmp_pa
     assert rc == 0, capsys.readouterr().err
     assert server.paths[before:] == ["/v1/chat/completions"] * 7     # the ready check, 2 warm-ups, the run
     saved = json.loads((tmp_path / "vllm.json").read_text())
-    assert saved["completed"] == 4 and saved["dataset_name"] == "prefix" and [r["prompt_len"] for r in saved["requests"]] == [20] * 4
+    assert saved["completed"] == 4 and saved["dataset_name"] == "prefix"
+    assert [r["prompt_len"] for r in saved["requests"]] == [20] * 4
     for flags, message in ((["--backend", "openai-chat", "--endpoint", "/v1/completions"],
                             "--backend openai-chat sends to /v1/chat/completions, and --endpoint is"),
                            (["--base-url", server.base_url, "--port", port], "either --base-url or --host/--port")):
