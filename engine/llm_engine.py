@@ -330,9 +330,7 @@ class LLMEngine:
         self._check_ranks()
         if self._unresolved:        # what an interrupted call left: read back first (result() may be asked again)
             self.last_step_empty = False
-            while self._unresolved:
-                self._resolve(self._unresolved[0])
-                self._unresolved.pop(0)
+            self._read_back()
             return self._take_outputs()
         previous = self._in_flight   # (cleared only once this call has launched: an interrupt keeps it)
         step = self.scheduler.schedule(prefill=prefill, decode=decode)
@@ -344,11 +342,17 @@ class LLMEngine:
         self._unresolved = [s for s in (previous, launched) if s is not None]
         self._in_flight = None
         keep = launched if launched is not None and launched.run.overlapped else None
-        while self._unresolved and self._unresolved[0] is not keep:
-            self._resolve(self._unresolved[0])
-            self._unresolved.pop(0)
+        self._read_back(until=keep)
         self._in_flight, self._unresolved = keep, []
         return self._take_outputs()
+
+    def _read_back(self, until: _InFlight | None = None) -> None:
+        """Reads back self._unresolved in order, stopping at `until` (left in flight); a step
+        leaves the list only once read back whole, so an interrupt leaves the rest for the
+        next call."""
+        while self._unresolved and self._unresolved[0] is not until:
+            self._resolve(self._unresolved[0])
+            self._unresolved.pop(0)
 
     def _take_outputs(self) -> list[RequestOutput]:
         outputs, self._outputs = self._outputs, []

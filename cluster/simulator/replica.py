@@ -51,7 +51,7 @@ class SimReplica:
     model: StepTimeModel
     num_blocks: int
     block_size: int
-    max_num_seqs: int
+    max_num_seqs: int                # (at most max_num_batched_tokens: ReplicaSpec caps it)
     max_num_batched_tokens: int
     # called at each step's end with (sequence, time) for every token sampled
     on_token: Callable[[SimSequence, float], None] = lambda seq, t: None
@@ -74,10 +74,6 @@ class SimReplica:
     wide_model: StepTimeModel | None = None   # set on a replica that borrows idle cores
     borrowed: int = 0                # cores borrowed for the step it runs
     stretch_sum: float = 0.0         # sum over its steps of step time / the model's time
-
-    def __post_init__(self) -> None:
-        # as the engine's scheduler: no more sequences run than a step has tokens
-        self.max_num_seqs = min(self.max_num_seqs, self.max_num_batched_tokens)
     step: object = None              # the step it runs on shared cores (cluster_sim._SharedStep)
     prefix_cache: PrefixCache | None = None   # None: prefix caching off
     enable_chunked_prefill: bool = True       # False: a prompt runs whole in one step, or waits
