@@ -115,7 +115,8 @@ def token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int,
     index = _row_col_index(token_ids, vocab_size, counts.device)
     if index is not None:
         # Adding 1.0s is exact in float32, so accumulation order cannot change the result.
-        counts.index_put_(index, torch.ones(index[0].numel(), device=counts.device), accumulate=True)
+        counts.index_put_(index, torch.ones(index[0].numel(), dtype=counts.dtype, device=counts.device),
+                          accumulate=True)
     return counts
 
 

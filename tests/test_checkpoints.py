@@ -240,6 +240,40 @@ def test_weights_are_made_in_the_serving_dtype():
     assert torch.get_default_dtype() == torch.float32
 
 
+def test_a_build_leaves_other_threads_tensors_in_their_dtype():
+    # torch's default dtype is the process's: a build that set it would make another engine's
+    # thread (a sampler's counts, a step's inputs) create bfloat16 tensors while it ran
+    import threading
+    from engine.model import ModelConfig, build_model
+    from engine.tiny_model import ensure_preset_model
+    config = ModelConfig.from_pretrained(ensure_preset_model("tiny"))
+    building, other_made = threading.Event(), threading.Event()
+    seen = []
+    real = torch.nn.Parameter.__new__
+
+    def pause_in_the_build(cls, data=None, requires_grad=True):
+        if not building.is_set():
+            building.set()
+            assert other_made.wait(10)
+        return real(cls, data, requires_grad)
+
+    def other_engine():
+        assert building.wait(10)
+        seen.append(torch.ones(2).dtype)
+        other_made.set()
+
+    thread = threading.Thread(target=other_engine)
+    thread.start()
+    torch.nn.Parameter.__new__ = pause_in_the_build
+    try:
+        model = build_model(config, max_positions=64, dtype=torch.bfloat16, device="meta")
+    finally:
+        torch.nn.Parameter.__new__ = real
+    thread.join()
+    assert seen == [torch.float32]
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
 def test_a_checkpoint_larger_than_its_config_says_is_refused(model_dirs, tmp_path):
     # each rank narrows the checkpoint to its slice: a tensor larger than config.json implies used to
     # load without complaint (the slice fits), computing with part of the weights

@@ -330,6 +330,19 @@ def test_unknown_architecture_is_named(model_dirs, tmp_path):
         LLM(str(d))
 
 
+def test_a_multimodal_config_is_named_by_its_type_not_its_missing_sizes(model_dirs, tmp_path):
+    # Llama-3.2-Vision keeps its sizes under text_config: "needs vocab_size" would send the user the wrong way
+    d = tmp_path / "m"
+    shutil.copytree(model_dirs["tiny"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    text_config = {k: cfg.pop(k) for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                           "num_hidden_layers", "num_attention_heads")}
+    cfg.update(architectures=["MllamaForConditionalGeneration"], model_type="mllama", text_config=text_config)
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelConfigError, match=r"unsupported model_type 'mllama'.*MllamaForConditional"):
+        LLM(str(d))
+
+
 def test_missing_tensor_is_named(model_dirs, tmp_path):
     from safetensors.torch import load_file, save_file
     d = tmp_path / "m"
@@ -339,6 +352,19 @@ def test_missing_tensor_is_named(model_dirs, tmp_path):
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, f, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"missing 1 tensor\(s\): model.layers.1.mlp.up_proj.weight"):
+        LLM(str(d))
+
+
+@pytest.mark.parametrize("damage", ["lfs_pointer", "truncated"])
+def test_an_unreadable_weights_file_is_named_with_its_likely_cause(model_dirs, tmp_path, damage):
+    d = tmp_path / "m"
+    shutil.copytree(model_dirs["tiny"], d)
+    (f,) = d.glob("*.safetensors")
+    if damage == "lfs_pointer":     # cloned without `git lfs pull`
+        f.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0123abcd\nsize 1234567\n")
+    else:                           # a download that stopped half way: the header reads, the data does not
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=rf"{f.name} is not a readable safetensors file \(a Git LFS "):
         LLM(str(d))
 
 

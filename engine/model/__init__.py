@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from types import MappingProxyType
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import CheckpointError, load_weights
@@ -14,8 +14,6 @@ from engine.model.model_config import ModelConfig, ModelConfigError
 from engine.model.parallel import SINGLE_PROCESS, TensorParallel
 
 __all__ = ["build_model", "load_model", "ModelConfig", "ModelConfigError", "CheckpointError", "TensorParallel"]
-
-_BUILD_LOCK = threading.Lock()
 
 # Every supported architecture is a Llama variant distinguished by ModelConfig flags.
 _MODEL_CLASSES = MappingProxyType({
@@ -28,19 +26,33 @@ _MODEL_CLASSES = MappingProxyType({
 def build_model(config: ModelConfig, *, max_positions: int, dtype: torch.dtype,
                 device: torch.device | str = "cpu", tp: TensorParallel = SINGLE_PROCESS) -> LlamaForCausalLM:
     """The model with uninitialised weights, on `device` in `dtype` ("meta" builds shapes only).
-    The weights are made in `dtype` (under torch's default dtype for the build):
-    made in float32 and cast after, a model would need twice its memory while
-    it is built, and a GPU's caching allocator would keep the freed half."""
+    The weights are made in `dtype`: made in float32 and cast after, a model would
+    need twice its memory while it is built, and a GPU's caching allocator would
+    keep the freed half. Only this thread's tensor factories see `dtype` (torch's
+    process-wide default dtype is left alone: another engine's thread may be
+    making tensors meanwhile)."""
     cls = _MODEL_CLASSES[config.architecture]
-    with _BUILD_LOCK:   # the default dtype is the process's: one build at a time
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(device):
-                model = cls(config, tp, max_positions)
-        finally:
-            torch.set_default_dtype(previous)
+    with torch.device(device), _FactoryDtype(dtype):
+        model = cls(config, tp, max_positions)
     return model.eval()   # (the rotary tables are float32 by construction, whatever the default)
+
+
+class _FactoryDtype(TorchFunctionMode):
+    """Within it, in this thread only (torch's function modes are thread-local), the
+    factories the layers make their parameters with (torch.empty, zeros, ones) make
+    `dtype` where the call names none."""
+
+    _FACTORIES = frozenset({torch.empty, torch.zeros, torch.ones})
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in self._FACTORIES and kwargs.get("dtype") is None:
+            kwargs["dtype"] = self.dtype
+        return func(*args, **kwargs)
 
 
 def load_model(model_dir: str | Path, config: ModelConfig, *, max_positions: int, dtype: torch.dtype,

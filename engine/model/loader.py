@@ -9,10 +9,12 @@ from the files, one at a time, so a rank never holds the whole checkpoint.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 
@@ -53,6 +55,18 @@ def _weight_map(model_dir: Path) -> dict[str, str] | None:
     return weight_map
 
 
+@contextmanager
+def _reading(path: Path) -> Iterator:
+    """safe_open(path); a file safetensors cannot read, on opening or on reading a
+    tensor, raises CheckpointError naming it and the likely causes."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+    except SafetensorError as exc:
+        raise CheckpointError(f"{path} is not a readable safetensors file (a Git LFS pointer whose weights "
+                              f"were never pulled, or a partial download?): {exc}") from None
+
+
 def checkpoint_files(model_dir: Path, weight_map: dict[str, str] | None = None) -> list[Path]:
     """The checkpoint's safetensors files (`weight_map`: its index's, when already read)."""
     weight_map = weight_map if weight_map is not None else _weight_map(model_dir)
@@ -78,7 +92,7 @@ def stored_tensor_names(model_dir: str | Path) -> set[str]:
         return set(weight_map)
     names: set[str] = set()
     for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
+        with _reading(path) as f:
             names.update(f.keys())
     return names
 
@@ -110,7 +124,7 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     # tied, with the head stored alone: the head's tensor is the shared weight (transformers ties to it)
     head_is_embedding = tied and not (stored_tensor_names(model_dir) & _EMBEDDING_NAMES)
     for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
+        with _reading(path) as f:
             for stored in f.keys():
                 if "rotary_emb.inv_freq" in stored:
                     continue

@@ -185,10 +185,13 @@ def _architecture(hf: Any) -> str:
         return ARCHITECTURE_BY_MODEL_TYPE[model_type]
     arch = None if model_type else next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
-        raise ModelConfigError(
-            f"unsupported model_type {model_type!r} (architectures {architectures}); pdserve runs model_type "
-            + ", ".join(f"{t!r} ({a})" for t, a in ARCHITECTURE_BY_MODEL_TYPE.items()))
+        raise ModelConfigError(_unsupported_model_type(model_type, architectures))
     return arch
+
+
+def _unsupported_model_type(model_type: Any, architectures: Any) -> str:
+    return (f"unsupported model_type {model_type!r} (architectures {architectures}); pdserve runs model_type "
+            + ", ".join(f"{t!r} ({a})" for t, a in ARCHITECTURE_BY_MODEL_TYPE.items()))
 
 
 # sizes a checkpoint's config.json must give: transformers would fill a missing one with its
@@ -197,14 +200,18 @@ _REQUIRED_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden
 
 
 def _check_sizes_are_given(config_json: Path) -> None:
-    """Raises ModelConfigError unless config.json is a JSON object that gives each
-    of _REQUIRED_SIZES as a positive integer."""
+    """Raises ModelConfigError unless config.json is a JSON object of a supported
+    model_type (where it names one) that gives each of _REQUIRED_SIZES as a positive integer."""
     try:
         raw = json.loads(config_json.read_text())
     except (OSError, ValueError) as exc:
         raise ModelConfigError(f"cannot read {config_json}: {exc}") from None
     if not isinstance(raw, dict):
         raise ModelConfigError(f"{config_json} must hold a JSON object")
+    model_type = raw.get("model_type")
+    if model_type is not None and model_type not in ARCHITECTURE_BY_MODEL_TYPE:
+        # a multimodal config keeps its sizes under text_config: its type, not its sizes, is what is wrong
+        raise ModelConfigError(_unsupported_model_type(model_type, raw.get("architectures")))
     bad = [k for k in _REQUIRED_SIZES
            if not (isinstance(raw.get(k), int) and not isinstance(raw.get(k), bool) and raw[k] > 0)]
     if bad:
