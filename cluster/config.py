@@ -174,6 +174,7 @@ class LimitsSection(_Strict):
     max_n: int = Field(16, ge=1, description="choices one request may ask for (n)")
     max_logit_bias: int = Field(1024, ge=0, description="token ids one request's logit_bias may name")
     max_allowed_token_ids: int = Field(1024, ge=0, description="token ids one request's allowed_token_ids may name")
+    max_prompts: int = Field(256, ge=1, description="prompts one /v1/completions request may batch")
 
 
 def _known_gpu_type(name: str | None) -> str | None:

@@ -194,6 +194,22 @@ class AdmissionControl:
             raise
         return tickets
 
+    def admit_prompts(self, prompts: list[tuple[int, int | None]], choices: int) -> list[list[Admitted]]:
+        """admit_choices for a batch of prompts (each its prompt tokens and max_tokens),
+        all or none, judged as one request: on its first prompt's checks against what
+        was ahead of the batch, the others counted behind that one as they will wait
+        (checked one by one, the later prompts of a batch longer than the SLO's wait
+        were refused on every retry, on an idle server too)."""
+        admitted = [self.admit_choices(*prompts[0], choices)]
+        for num_prompt_tokens, max_tokens in prompts[1:]:
+            self.mean_prompt_tokens = _running_mean(self.mean_prompt_tokens, num_prompt_tokens)
+            tickets = [Admitted(num_prompt_tokens, self._prefill_tokens_per_step(num_prompt_tokens, max_tokens)),
+                       *(Admitted(0, 0.0) for _ in range(choices - 1))]
+            for ticket in tickets:
+                self._count(ticket)
+            admitted.append(tickets)
+        return admitted
+
     def _count(self, ticket: Admitted) -> None:
         if not self.waiting_requests:
             self._head_since = self.clock()

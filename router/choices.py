@@ -42,10 +42,12 @@ class Choices:
     Serve matches the calls one request makes to replicas by the request's id, and
     two at once under one id could wait for ever); `close` cleans up after them."""
 
-    def __init__(self, generations: list[Generation]):
+    def __init__(self, generations: list[Generation], prompt_tokens: int | None = None):
+        """`prompt_tokens`: the request's prompts' tokens, each prompt once (default: the
+        first generation's prompt, which the others share)."""
         self.generations = generations
         self.n = len(generations)
-        self.prompt_tokens = generations[0].timings.prompt_tokens
+        self.prompt_tokens = generations[0].timings.prompt_tokens if prompt_tokens is None else prompt_tokens
         self._finished: set[int] = set()
         self._arrivals: asyncio.Queue | None = None    # (index, output | None at its end | an exception)
         self._readers: list[asyncio.Task] = []

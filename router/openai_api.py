@@ -114,6 +114,7 @@ class RequestLimits:
     max_n: int = 16
     max_logit_bias: int = 1024          # entries; every step of the batch pays for them
     max_allowed_token_ids: int = 1024
+    max_prompts: int = 256               # in one /v1/completions batch
 
 
 def build_openai_app(backend: GenerationBackend, tokenizer: Any, metrics: ServingMetrics, *,
@@ -193,6 +194,16 @@ def _longest_token_chars(tokenizer: Any) -> int:
     return max(1, max((len(token) for token in vocab), default=1))
 
 
+@dataclass(frozen=True)
+class _PlannedPrompt:
+    """One prompt of a request, tokenized and checked: its token ids, its output bound,
+    each of its choices' sampling parameters, and the builder of its choices' entries."""
+    ids: list[int]
+    max_tokens: int | None
+    choice_params: list[SamplingParams]
+    fmt: ResponseBuilder
+
+
 class _ClientDisconnected(Exception):
     """The client went away before the response started."""
 
@@ -262,40 +273,37 @@ class _Server:
         self._check_request_limits(body)
         arrived = self._check_before_tokenizing()
         try:
-            prompt_ids, params, cut = await self._prompt_and_params(body, chat)
-            choice_params = [params_of_choice(params, i) for i in range(body.choices)]
-            if not body.stream and params.prompt_logprobs is not None:
-                # the first choice scores the prompt for all; the others read it from the prefix cache
-                choice_params[1:] = [dataclasses.replace(p, prompt_logprobs=None) for p in choice_params[1:]]
+            batch = [body] if chat else body.prompts()
+            prompts = [await self._planned(one, chat, i if len(batch) > 1 else None) for i, one in enumerate(batch)]
         except BaseException:    # a 400 (or a client gone while tokenizing): no demand on the workers
             if arrived is not None:
                 self.admission.withdraw(arrived)
             raise
 
-        token_ids = prompt_ids if body.return_token_ids else None
-        echo = self._echo(body, prompt_ids, cut)
-        as_ids = bool(body.return_tokens_as_token_ids)
-        fmt = ChatResponses(self.token_texts, token_ids, echo, as_ids, body.reply_role) if chat else \
-            CompletionResponses(self.token_texts, token_ids, echo, as_ids)
         request_id = f"{'chat' if chat else ''}{self.prefix}-{uuid.uuid4().hex}"
-        n = len(choice_params)
-        tickets = self._admit(len(prompt_ids), params.max_tokens, n)
+        n = body.choices
+        tickets = self._admit(prompts, n)
+        # choice p * n + j: prompt p's choice j (OpenAI's and vLLM's index for a batch)
+        plan_of = [(plan, j, tickets[p][j]) for p, plan in enumerate(prompts) for j in range(n)]
         choices = Choices([Generation(self.backend, self.metrics, self.admission,
-                                      request_id if n == 1 else f"{request_id}-{i}", prompt_ids, choice_params[i],
-                                      arrival, tickets[i]) for i in range(n)])
+                                      request_id if len(plan_of) == 1 else f"{request_id}-{i}", plan.ids,
+                                      plan.choice_params[j], arrival, ticket)
+                           for i, (plan, j, ticket) in enumerate(plan_of)],
+                          prompt_tokens=sum(len(plan.ids) for plan in prompts))
+        fmts = [plan.fmt for plan, _, _ in plan_of]
         # the client's own id for it (vLLM's request_id field, else the X-Request-Id header, which Ray Serve
         # sets when the client did not: the response's header) names the response; the cluster keeps a
         # unique one, as two clients may send the same
         client_id = body.request_id or request.headers.get("x-request-id")
         response_id = f"{'chat' if chat else ''}{self.prefix}-{client_id}" if client_id else request_id
-        header = {"id": response_id, "object": fmt.chunk_object if body.stream else fmt.object,
+        header = {"id": response_id, "object": fmts[0].chunk_object if body.stream else fmts[0].object,
                   "created": int(time.time()), "model": self.info.served_model_name}
         try:
             if body.stream:
                 first = await _unless_disconnected(request, choices.next())
                 if first is None:    # before any header: an HTTP error like a non-streamed request's
                     raise BackendUnavailableError("the generation stream ended before its first output")
-                return _EventStream(self._events(choices, first, fmt, header, body.include_usage,
+                return _EventStream(self._events(choices, first, fmts, header, body.include_usage,
                                                  body.continuous_usage, body.echo_only),
                                     on_close=lambda: choices.close("abort"), media_type="text/event-stream")
             finals = await _unless_disconnected(request, choices.run_to_end())
@@ -309,20 +317,42 @@ class _Server:
             await choices.close(None)
             raise
         await choices.close(None)      # each ran to its end: closed with its own finish reason
-        if finals[0].prompt_logprobs is not None:    # scored once (above): every choice carries them
-            finals = [finals[0]] + [dataclasses.replace(f, prompt_logprobs=finals[0].prompt_logprobs)
-                                    for f in finals[1:]]
+        for first in range(0, len(finals), n):    # each prompt scored once (_planned): all its choices carry it
+            if finals[first].prompt_logprobs is not None:
+                finals[first + 1:first + n] = [dataclasses.replace(f, prompt_logprobs=finals[first].prompt_logprobs)
+                                               for f in finals[first + 1:first + n]]
         if body.echo_only:
             finals = [_prompt_only(final) for final in finals]
         entries = []
-        for i, final in enumerate(finals):
+        for i, (final, fmt) in enumerate(zip(finals, fmts)):
             text, logprobs, _ = fmt.content(final.text, final, 0, opening=True)
             entries.append(fmt.choice(i, text, logprobs, final))
         scored = {}
         if chat and finals[0].prompt_logprobs is not None:     # chat's are the response's (vLLM's)
-            scored = {"prompt_logprobs": fmt.prompt_logprobs(prompt_ids, finals[0].prompt_logprobs)}
-        return JSONResponse({**header, "choices": entries, "usage": usage(len(prompt_ids), *finals),
-                             **fmt.response_fields(), **scored})
+            scored = {"prompt_logprobs": fmts[0].prompt_logprobs(prompts[0].ids, finals[0].prompt_logprobs)}
+        return JSONResponse({**header, "choices": entries, "usage": usage(choices.prompt_tokens, *finals),
+                             **fmts[0].response_fields(), **scored})
+
+    async def _planned(self, body: CompletionRequest | ChatCompletionRequest, chat: bool,
+                       batch_index: int | None = None) -> _PlannedPrompt:
+        """One prompt of the request (`body` holds one; `batch_index`: its place in a
+        batch, which a 400 names), tokenized and checked (400s)."""
+        try:
+            prompt_ids, params, cut = await self._prompt_and_params(body, chat)
+        except InvalidRequestError as exc:
+            if batch_index is None:
+                raise
+            raise InvalidRequestError(f"prompt {batch_index} of the batch: {exc}", exc.param) from None
+        choice_params = [params_of_choice(params, i) for i in range(body.choices)]
+        if not body.stream and params.prompt_logprobs is not None:
+            # the first choice scores the prompt for all; the others read it from the prefix cache
+            choice_params[1:] = [dataclasses.replace(p, prompt_logprobs=None) for p in choice_params[1:]]
+        token_ids = prompt_ids if body.return_token_ids else None
+        echo = self._echo(body, prompt_ids, cut)
+        as_ids = bool(body.return_tokens_as_token_ids)
+        fmt = ChatResponses(self.token_texts, token_ids, echo, as_ids, body.reply_role) if chat else \
+            CompletionResponses(self.token_texts, token_ids, echo, as_ids)
+        return _PlannedPrompt(prompt_ids, params.max_tokens, choice_params, fmt)
 
     def _echo(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
               cut: bool) -> Echo | None:
@@ -506,27 +536,29 @@ class _Server:
         the arrival's time, to withdraw it should the request turn out invalid."""
         if self.admission is None:
             return None
-        with self._counting_refusals(None, None):
+        with self._counting_refusals([(None, None)]):
             return self.admission.check_before_tokenizing()
 
-    def _admit(self, num_prompt_tokens: int, max_tokens: int | None, choices: int) -> list[Admitted | None]:
-        """Admission control's checks with the prompt's length and output bound: the prompt
-        once, each choice as a sequence of its own (a ticket each, with admission control
-        on). All or none are admitted."""
+    def _admit(self, prompts: list[_PlannedPrompt], choices: int) -> list[list[Admitted | None]]:
+        """Admission control's checks with the prompts' lengths and output bounds: each
+        prompt once, each of its choices as a sequence of its own (a ticket each, with
+        admission control on). All or none are admitted."""
         if self.admission is None:
-            return [None] * choices
-        with self._counting_refusals(num_prompt_tokens, max_tokens, choices):
-            return self.admission.admit_choices(num_prompt_tokens, max_tokens, choices)
+            return [[None] * choices for _ in prompts]
+        demands = [(len(plan.ids), plan.max_tokens) for plan in prompts for _ in range(choices)]
+        with self._counting_refusals(demands):
+            return self.admission.admit_prompts([(len(plan.ids), plan.max_tokens) for plan in prompts], choices)
 
     @contextmanager
-    def _counting_refusals(self, num_prompt_tokens: int | None, max_tokens: int | None,
-                           choices: int = 1) -> Iterator[None]:
+    def _counting_refusals(self, demands: list[tuple[int | None, int | None]]) -> Iterator[None]:
+        """Counts a refusal by its reason, and the refused request's `demands` (prompt
+        tokens, max_tokens: one per sequence it asked for) as arrivals all the same,
+        as admitted ones count."""
         try:
             yield
         except Overloaded as exc:
             self.metrics.observe_rejection(exc.reason)
-            # refused, but demand all the same: one arrival per choice, as admitted ones count
-            for _ in range(choices):
+            for num_prompt_tokens, max_tokens in demands:
                 self.metrics.observe_arrival(num_prompt_tokens, max_tokens)
             raise
 
@@ -537,6 +569,9 @@ class _Server:
         if lim.max_tokens is not None and requested is not None and requested > lim.max_tokens:
             raise InvalidRequestError(f"{body.max_tokens_param} is {requested}; this server allows at most "
                                       f"{lim.max_tokens}.", param=body.max_tokens_param)
+        if isinstance(body, CompletionRequest) and body.is_batch and len(body.prompt) > lim.max_prompts:
+            raise InvalidRequestError(f"prompt is a batch of {len(body.prompt)} prompts; this server takes at most "
+                                      f"{lim.max_prompts} in one request.", param="prompt")
         if body.choices > lim.max_n:
             raise InvalidRequestError(f"n is {body.choices}; this server generates at most {lim.max_n} choices "
                                       "per request.", param="n")
@@ -602,12 +637,12 @@ class _Server:
                 f"completion). Please reduce the length of the {prompt_param} or "
                 f"{max_tokens_param}.", param=max_tokens_param)
 
-    async def _events(self, choices: Choices, first: tuple[int, RequestOutput], fmt: ResponseBuilder,
+    async def _events(self, choices: Choices, first: tuple[int, RequestOutput], fmts: list[ResponseBuilder],
                       header: dict[str, Any], include_usage: bool,
                       continuous_usage: bool = False, prompt_only: bool = False) -> AsyncIterator[str]:
-        """SSE events of one stream (its choices' chunks in the order they come); closes
-        `choices` however the stream ends. `prompt_only`: the choices' outputs are
-        left out (an echo alone)."""
+        """SSE events of one stream (its choices' chunks in the order they come, choice i's
+        built by fmts[i]); closes `choices` however the stream ends. `prompt_only`: the
+        choices' outputs are left out (an echo alone)."""
         prompt_tokens = choices.prompt_tokens
         latest: list[RequestOutput | None] = [None] * choices.n      # each choice's latest output
 
@@ -617,13 +652,13 @@ class _Server:
             if not include_usage:
                 return {}
             return {"usage": usage(prompt_tokens, latest[index]) if continuous_usage else None}
-        with_ids = fmt.prompt_token_ids is not None     # a chunk per output with token ids, even without text
+        with_ids = fmts[0].prompt_token_ids is not None     # a chunk per output with token ids, even without text
         reason: str | None = "abort"   # kept if the client leaves mid-stream
         try:
-            for i, choice in enumerate(fmt.opening_choices(choices.n)):
-                yield sse_event({**header, "choices": [choice], **chunk_usage(i), **fmt.response_fields()})
+            for i, choice in enumerate(fmts[0].opening_choices(choices.n)):
+                yield sse_event({**header, "choices": [choice], **chunk_usage(i), **fmts[0].response_fields()})
             item, text_offsets = first, [0] * choices.n
-            opened = [fmt.echo is None] * choices.n      # an echo goes out in each choice's first chunk
+            opened = [fmt.echo is None for fmt in fmts]      # an echo goes out in each choice's first chunk
             while item is not None:
                 index, out = item
                 if prompt_only:
@@ -632,6 +667,7 @@ class _Server:
                 # Skip outputs with nothing to say (text held back mid-character, no logprobs, no ids asked for).
                 if out.delta_text or out.finished or out.logprobs or (with_ids and out.delta_token_ids) or \
                         not opened[index]:
+                    fmt = fmts[index]
                     text, logprobs, text_offsets[index] = fmt.content(out.delta_text, out, text_offsets[index],
                                                                       opening=not opened[index])
                     opened[index] = True

@@ -360,9 +360,11 @@ class _GenerationRequest(BaseModel):
 
 
 class CompletionRequest(_GenerationRequest):
-    """POST /v1/completions. `prompt` is normalised to one str or one list of token ids."""
+    """POST /v1/completions. `prompt` is normalised to one str or one list of token ids,
+    or, for a batch (OpenAI's and vLLM's list of prompts), a list of two or more of
+    those; `prompts()` splits a batch into one request per prompt."""
 
-    prompt: str | list[StrictInt]
+    prompt: str | list[StrictInt] | list[str | list[StrictInt]]
     logprobs: Int64 | None = None
     echo: StrictBool | None = False
     suffix: StrictStr | None = None
@@ -372,27 +374,45 @@ class CompletionRequest(_GenerationRequest):
     @field_validator("prompt", mode="before")
     @classmethod
     def _one_prompt(cls, value: object) -> object:
-        shape = _shape_error("must be a string, a list of token ids, or a list holding one of those")
+        shape = _shape_error("must be a string, a list of token ids, or a list of those (a batch)")
         if isinstance(value, list) and value and not isinstance(value[0], int):
             # A list of prompts: text prompts or token-id prompts.
             if not all(isinstance(p, str) or _is_token_ids(p) for p in value):
                 raise shape
-            if len(value) > 1:
-                raise _shape_error(f"batch prompts are not supported (got {len(value)} prompts); "
-                                   "send one request per prompt")
-            value = value[0]
+            if len(value) == 1:
+                value = value[0]
+            elif not all(value):
+                raise _shape_error(f"prompt {value.index(next(p for p in value if not p))} of the batch is "
+                                   "empty; send at least one character or token id in each")
+            else:
+                return value
         elif not (isinstance(value, str) or _is_token_ids(value)):
             raise shape
         if not value:
             raise _shape_error("empty prompt; send at least one character or token id")
         return value
 
+    @property
+    def is_batch(self) -> bool:
+        return isinstance(self.prompt, list) and bool(self.prompt) and not isinstance(self.prompt[0], int)
+
+    def prompts(self) -> list["CompletionRequest"]:
+        """One request per prompt of a batch (in order); [self] for one prompt."""
+        if not self.is_batch:
+            return [self]
+        return [self.model_copy(update={"prompt": prompt}) for prompt in self.prompt]
+
     @field_validator("prompt", "suffix")
     @classmethod
     def _prompt_text(cls, value: object) -> object:
-        return _valid_text(value) if isinstance(value, str) else value    # token ids: checked by their type
+        if isinstance(value, str) or (isinstance(value, list) and value and not isinstance(value[0], int)):
+            return _valid_text(value)       # one text, or each text of a batch
+        return value                        # token ids: checked by their type
 
     def text_length(self) -> int:
+        """Characters of text prompt (a batch's together)."""
+        if self.is_batch:
+            return sum(len(p) for p in self.prompt if isinstance(p, str))
         return len(self.prompt) if isinstance(self.prompt, str) else 0
 
     def check_supported(self) -> None:

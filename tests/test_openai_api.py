@@ -643,7 +643,8 @@ LONG = list(range(3, 3 + MAX_MODEL_LEN))
     (COMPLETIONS, {"prompt": [[5, 6], 7]}, 400, "prompt", "prompt: must be a string"),
     (COMPLETIONS, {"prompt": [[]]}, 400, "prompt", "prompt: empty prompt"),
     (COMPLETIONS, {"prompt": ""}, 400, "prompt", "prompt: empty prompt"),
-    (COMPLETIONS, {"prompt": ["a", "b"]}, 400, "prompt", "batch prompts are not supported"),
+    (COMPLETIONS, {"prompt": ["a", ""]}, 400, "prompt", "prompt 1 of the batch is empty"),
+    (COMPLETIONS, {"prompt": ["a", [3, 4], 5]}, 400, "prompt", "a list of those (a batch)"),
     (COMPLETIONS, {"prompt": {"text": "a"}}, 400, "prompt", "prompt: must be a string"),
     (COMPLETIONS, {}, 400, "prompt", "prompt is required"),
     (COMPLETIONS, {"prompt": "Hi", "model": "gpt-4"}, 404, "model", f"serves `{MODEL}`"),
@@ -923,6 +924,82 @@ def test_n_choices_are_admitted_together_or_not_at_all(backend, tokenizer, metri
     # alone on the server, all three choices are admitted (refused, no retry could ever do better)
     assert n_client.post(COMPLETIONS, json={"prompt": prompt, "n": 3, "max_tokens": 1}).status_code == 200
     assert len(backend.calls) == 5 and (admission.waiting_requests, admission.running) == (0, 0)
+
+
+# --- a batch of prompts ----------------------------------------------------------
+
+def test_a_batch_of_prompts_gives_n_choices_each_indexed_prompt_major(client, backend, tokenizer):
+    # OpenAI's and vLLM's: choice p * n + j is prompt p's choice j; usage counts each prompt once
+    ids = tokenizer.encode("Hi there")
+    body = client.post(COMPLETIONS, json={"prompt": ["Hi", ids], "n": 2, "max_tokens": 3, "seed": 5,
+                                          "echo": True, "return_token_ids": True}).json()
+    text_ids = tokenizer.encode("Hi")
+    assert [call[1] for call in backend.calls] == [text_ids, text_ids, ids, ids]
+    assert [call[2].seed for call in backend.calls] == [5, 6, 5, 6]     # the seed moves on by the choice
+    assert len({call[0] for call in backend.calls}) == 4
+    reply = tokenizer.decode(backend.reply_ids[:3])
+    echoed = tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+    assert [(c["index"], c["text"], c["prompt_token_ids"]) for c in body["choices"]] == [
+        (0, "Hi" + reply, text_ids), (1, "Hi" + reply, text_ids), (2, echoed + reply, ids), (3, echoed + reply, ids)]
+    assert body["usage"] == {"prompt_tokens": len(text_ids) + len(ids), "completion_tokens": 12,
+                             "total_tokens": len(text_ids) + len(ids) + 12}
+
+
+def test_a_streamed_batch_sends_each_prompts_choices_under_their_own_index(client, backend, tokenizer):
+    chunks = [json.loads(e) for e in sse_events(client.post(COMPLETIONS, json={
+        "prompt": ["Hi", "Hello there", "Bye"], "max_tokens": 4, "stream": True,
+        "stream_options": {"include_usage": True}}))[:-1]]
+    texts = {i: "" for i in range(3)}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk["choices"]
+        texts[choice["index"]] += choice["text"]
+    assert texts == {i: tokenizer.decode(backend.reply_ids[:4]) for i in range(3)}
+    prompt_tokens = sum(len(tokenizer.encode(p)) for p in ("Hi", "Hello there", "Bye"))
+    assert chunks[-1]["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 12,
+                                   "total_tokens": prompt_tokens + 12}
+    assert len({c["id"] for c in chunks}) == 1
+
+
+def test_a_batch_with_one_bad_prompt_names_it_and_runs_none(client, backend):
+    error = assert_openai_error(client.post(COMPLETIONS, json={"prompt": ["Hi", [5] * MAX_MODEL_LEN],
+                                                               "max_tokens": 2}),
+                                400, "prompt", "prompt 1 of the batch: This model's maximum context length is 64")
+    assert error["type"] == "invalid_request_error" and backend.calls == []
+    assert_openai_error(client.post(COMPLETIONS, json={"prompt": ["Hi"] * 257}), 400, "prompt",
+                        "a batch of 257 prompts; this server takes at most 256")
+    assert backend.calls == []
+
+
+def test_the_official_client_sends_a_batch(client, tokenizer, backend):
+    oai = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client, max_retries=0)
+    completion = oai.completions.create(model=MODEL, prompt=["Hi", "Bye"], max_tokens=2)
+    reply = tokenizer.decode(backend.reply_ids[:2])
+    assert [(c.index, c.text) for c in completion.choices] == [(0, reply), (1, reply)]
+    assert [call[1] for call in backend.calls] == [tokenizer.encode("Hi"), tokenizer.encode("Bye")]
+
+
+def test_a_batch_is_admitted_whole_or_refused_whole(backend, tokenizer, metrics):
+    from router.admission import AdmissionControl, AdmissionSettings
+    admission = AdmissionControl(AdmissionSettings(tpot_slo_s=0.1, tpot_headroom=1.0))
+    # a decode step of 1 / 2 / 3 sequences: 50 / 80 / 110 ms: a third sequence would miss the TPOT SLO
+    admission.observe_workers("decode", [{"decode_step_fixed_s": 0.02, "decode_s_per_seq": 0.03}])
+    arrivals = []
+    metrics.add_listener(SimpleNamespace(on_arrival=lambda prompt, max_tokens: arrivals.append(prompt),
+                                         on_refusal=lambda reason: None, on_request=lambda timings: None))
+    batch_client = TestClient(build_openai_app(backend, tokenizer, metrics, admission=admission))
+    first, second = tokenizer.encode("Hi there"), tokenizer.encode("Bye")
+    occupying = admission.admit(5, 1)
+    admission.first_token(occupying)      # it runs: its step is what a new sequence must fit beside
+    refused = batch_client.post(COMPLETIONS, json={"prompt": [first, second], "n": 2, "max_tokens": 1})
+    assert refused.status_code == 429 and backend.calls == []
+    assert sorted(arrivals) == sorted([len(first)] * 2 + [len(second)] * 2)    # every sequence's demand
+    assert (admission.waiting_requests, admission.waiting_tokens, admission.running) == (0, 0, 1)
+    admission.finished(occupying)
+    # alone on the server, the batch is judged by its first prompt: all four sequences run
+    assert batch_client.post(COMPLETIONS, json={"prompt": [first, second], "n": 2, "max_tokens": 1}).status_code \
+        == 200
+    assert len(backend.calls) == 4
+    assert (admission.waiting_requests, admission.waiting_tokens, admission.running) == (0, 0, 0)
 
 
 # --- client disconnects ----------------------------------------------------------

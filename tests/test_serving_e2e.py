@@ -317,7 +317,7 @@ def test_colocated(ray_cluster, model_dirs, reference, tokenizer):
 
 def check_n_choices(base_url: str, reference, tokenizer) -> None:
     """n choices: greedy ones are each transformers' output; seeded sampled ones differ
-    from each other and come back the same when asked again."""
+    from each other and come back the same when asked again; a batch of prompts."""
     c = client(base_url)
     text, _ = expected_text(reference, tokenizer, tokenizer.encode(PROMPTS[0]))
     r = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, n=3)
@@ -325,6 +325,12 @@ def check_n_choices(base_url: str, reference, tokenizer) -> None:
     sampled = [[ch.text for ch in c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
                                                        temperature=1.0, seed=11, n=3).choices] for _ in range(2)]
     assert sampled[0] == sampled[1] and len(set(sampled[0])) == 3
+    # a batch of prompts, n of each: choice p * n + j is prompt p's, each transformers' greedy output
+    batch = PROMPTS[1:3]
+    r = c.completions.create(model="tiny", prompt=batch, max_tokens=MAX_TOKENS, temperature=0, n=2)
+    expected = [expected_text(reference, tokenizer, tokenizer.encode(p))[0] for p in batch]
+    assert [(ch.index, ch.text) for ch in r.choices] == [(i, expected[i // 2]) for i in range(4)]
+    assert r.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in batch)
 
 
 def test_a_tp_gang_sees_one_gpu_per_bundle_in_rank_order(ray_cluster):
