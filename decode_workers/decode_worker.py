@@ -415,6 +415,11 @@ class DecodeWorker:
             if r.request_id in engine.scheduler.reserved:   # reserved, but the receives failed to post
                 engine.collective_rpc(kv_handoff.forget_transfer, r.transfer_id)
                 engine.abort_request(r.request_id)
+            if not isinstance(exc, InvalidRequestError):
+                # this replica's failure (its receiver closed, a staging buffer out of memory): a failed
+                # hand-off, which the router tries on another replica, not an error for the client
+                exc = KVTransferFailed(f"{self.name} could not post the receives of {r.request_id}: "
+                                       f"{type(exc).__name__}: {exc}", self.replica_id)
             settle_from_thread(handoff.future, exc=exc)
             return
         if blocks is None:

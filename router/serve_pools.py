@@ -124,15 +124,26 @@ def unwrapped_errors(what: str):
 async def _call(response, what: str, on_cancel: Callable[[], None] | None = None):
     """Awaits a Serve call; cancels it on the replica when the caller is
     cancelled, then runs `on_cancel` (for what the replica may have made
-    before the cancel reached it)."""
+    before the cancel reached it). A cancel that came from the replica's side
+    (Serve raises one for a call its replica cancelled) is the replica's
+    failure: BackendUnavailableError, which a request survives by moving."""
     try:
         with unwrapped_errors(what):
             return await response
     except asyncio.CancelledError:
         cancel_call(response)
+        if not _cancelling_this_task():     # (the replica ended its side of the call itself)
+            raise BackendUnavailableError(f"the {what} worker cancelled the call") from None
         if on_cancel is not None:
             on_cancel()
         raise
+
+
+def _cancelling_this_task() -> bool:
+    """Whether the running task is being cancelled (its own cancel, not one a callee raised)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)     # (Python 3.11 on; before it, taken as its own)
+    return cancelling is None or cancelling() > 0
 
 
 def _forget_cleanup(tasks: set[asyncio.Task]) -> Callable[[asyncio.Task], None]:
@@ -201,6 +212,9 @@ class ServeDecodePool:
     async def abort(self, replica_id: str, request_id: str) -> None:
         await _call(detached(lambda: self._handle.abort.remote(request_id, **{TARGET_REPLICA: replica_id})),
                     self._what)
+
+    def abort_everywhere(self, request_id: str) -> None:
+        self._abort_everywhere(request_id)()
 
     async def stream(self, replica_id: str, subscriber: str) -> AsyncIterator[list[TokenDelta]]:
         # detached: the stream carries every request of this router on the replica, so it must not be

@@ -77,6 +77,8 @@ class PrefillPool(Protocol):
 class DecodePool(Protocol):
     async def generate(self, request: DecodeRequest, avoid_replica: str | None = None) -> Admitted: ...
     async def abort(self, replica_id: str, request_id: str) -> None: ...
+    def abort_everywhere(self, request_id: str) -> None:
+        """Every replica drops `request_id` (in the background; unknown ids are a no-op)."""
     def stream(self, replica_id: str, subscriber: str) -> AsyncIterator[list[TokenDelta]]: ...
     async def check_health(self) -> None: ...
 
@@ -230,9 +232,14 @@ class ServingBackend(GenerationBackend):
                 resumed = len(resume.token_ids) if resume is not None else 0
                 local_prefill.enter_context(self._in_flight(True, len(prompt) + resumed))
                 subscriber = self._fanout.submitting(attempt_id)
-                admitted = await self._decode.generate(
-                    DecodeRequest(attempt_id, prompt, params, subscriber, resume=resume),
-                    avoid_replica=failed_on[0])
+                try:
+                    admitted = await self._decode.generate(
+                        DecodeRequest(attempt_id, prompt, params, subscriber, resume=resume),
+                        avoid_replica=failed_on[0])
+                except BackendUnavailableError as exc:
+                    if not exc.replica_id:   # the call may have run on some replica: no copy decodes unheard
+                        self._decode.abort_everywhere(attempt_id)
+                    raise
                 phases.prefilled_on = phases.prefilled_on or "decode"   # where the request's first prefill ran
             else:
                 phases.prefilled_on = "prefill"
@@ -310,7 +317,7 @@ class ServingBackend(GenerationBackend):
         prefilled again). Past the last try, BackendUnavailableError: the
         request moves (migration)."""
         avoid = None
-        admitted = False
+        admitted = unsure = False
         try:
             for attempt in range(1, self.max_transfer_attempts + 1):
                 # a fresh transfer id per attempt; the prefill side still holds the KV
@@ -328,7 +335,10 @@ class ServingBackend(GenerationBackend):
                 except (KVTransferFailed, BackendUnavailableError, TimeoutError, RequestIdInUse) as exc:
                     # RequestIdInUse: a retry met the attempt before it, which the router could not
                     # tell had reached that replica
+                    unsure = unsure or isinstance(exc, RequestIdInUse) or not getattr(exc, "replica_id", "")
                     if attempt == self.max_transfer_attempts:
+                        if unsure:      # a try may run on a replica, past its hand-off: nobody would hear it
+                            self._decode.abort_everywhere(request_id)
                         raise BackendUnavailableError(str(exc), getattr(exc, "replica_id", "")) from None
                     avoid = getattr(exc, "replica_id", None) or None
                     log.warning("KV hand-off of %s failed (%s); retrying on another decode worker", request_id, exc)

@@ -87,6 +87,8 @@ class LocalDecodePool:
         self.worker = worker
         self.attempts = 0
         self.local = 0
+        self.broadcast_aborts: list[str] = []
+        self._cleanups: set[asyncio.Future] = set()
 
     async def generate(self, request, avoid_replica=None):
         self.attempts += request.prefill is not None
@@ -95,6 +97,10 @@ class LocalDecodePool:
 
     async def abort(self, replica_id, request_id):
         await self.worker.abort(request_id)
+
+    def abort_everywhere(self, request_id):
+        self.broadcast_aborts.append(request_id)
+        self._cleanups.add(asyncio.ensure_future(self.worker.abort(request_id)))
 
     def stream(self, replica_id, subscriber):
         return self.worker.stream(subscriber)
@@ -320,6 +326,32 @@ def test_a_failed_transfer_is_retried_once_then_fails_cleanly(model_dirs, refere
     retried, good = run(main())
     assert retried.token_ids == reference("tiny").greedy(tuple(PROMPTS[0]), 10)
     assert good.token_ids == reference("tiny").greedy(tuple(PROMPTS[1]), 10)
+
+
+def test_a_receive_that_cannot_be_posted_is_a_failed_hand_off_retried_elsewhere(model_dirs, reference,
+                                                                               monkeypatch):
+    # the decode side's receiver closed (or a staging buffer out of memory) as the receives were posted:
+    # the client, who has the first token, must not get a 500 in the middle of its stream
+    from cluster.transport.fake_transport import FakeReceiver
+    expect, failures = FakeReceiver.expect, []
+
+    def expect_once_failing(self, transfer_id, sender_name, buffer):
+        if not failures:
+            failures.append(transfer_id)
+            raise RuntimeError("injected: the KV receiver is closed")
+        return expect(self, transfer_id, sender_name, buffer)
+    monkeypatch.setattr(FakeReceiver, "expect", expect_once_failing)
+
+    async def main():
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub()).start()
+        try:
+            out = await pair.run("r", PROMPTS[0])
+            assert failures and pair.decode_pool.attempts == 2
+            await pair.wait_idle()
+            return out
+        finally:
+            await pair.shutdown()
+    assert run(main()).token_ids == reference("tiny").greedy(tuple(PROMPTS[0]), 10)
 
 
 def test_a_failed_scatter_into_the_decode_cache_forgets_its_staging_buffers(model_dirs, reference):

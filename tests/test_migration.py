@@ -30,6 +30,7 @@ class TwoWorkerPool:
         self.workers = workers
         self.dead: set[str] = set()
         self.placed: list[tuple[str, str]] = []          # (request id, replica)
+        self._cleanups: set[asyncio.Future] = set()
 
     async def generate(self, request, avoid_replica=None):
         for name, worker in self.workers.items():
@@ -46,6 +47,11 @@ class TwoWorkerPool:
         if replica_id in self.dead:
             raise BackendUnavailableError(f"{replica_id} is gone")
         await self.workers[replica_id].abort(request_id)
+
+    def abort_everywhere(self, request_id):
+        for name, worker in self.workers.items():
+            if name not in self.dead:
+                self._cleanups.add(asyncio.ensure_future(worker.abort(request_id)))
 
     def stream(self, replica_id, subscriber):
         return self.workers[replica_id].stream(subscriber)
@@ -226,6 +232,39 @@ def test_a_hand_off_retried_onto_the_replica_that_took_the_first_try_moves_the_r
             await pair.shutdown()
 
     _one_stream_moved_once(*run(main()), reference)
+
+
+def test_a_hand_off_try_that_ran_unheard_is_aborted_when_the_request_moves(model_dirs, reference):
+    """As above, on a pair with no stream open yet (no warm-up): the first try's copy decodes
+    on the worker after the request moved, and no stream delivers its tokens to be noticed;
+    it held its blocks until the orphan sweep (a minute) before the router aborted it."""
+    from cluster.transport.fake_transport import FakeTransportHub
+    from tests.test_handoff_workers import Pair
+
+    async def main():
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub(), max_migrations=1).start()
+        generate, tries = pair.decode_pool.generate, []
+
+        async def reached_but_unanswered(request, avoid_replica=None):
+            if request.prefill is not None and not tries:
+                tries.append(asyncio.ensure_future(generate(request)))
+                await asyncio.sleep(0)          # it runs on the worker up to its first wait
+                raise BackendUnavailableError("the decode worker is unavailable: actor unavailable")
+            return await generate(request, avoid_replica)
+
+        pair.decode_pool.generate = reached_but_unanswered
+        try:
+            params = dataclasses.replace(GREEDY, max_tokens=100)      # the copy outlives the wait below
+            outs = [out async for out in pair.backend.generate("r", PROMPTS[1], params)]
+            await asyncio.gather(*tries, return_exceptions=True)
+            await pair.wait_idle()
+            return outs, pair.decode_pool.broadcast_aborts
+        finally:
+            await pair.shutdown()
+
+    outs, broadcast = run(main())
+    assert joined(outs).token_ids == reference("tiny").greedy(tuple(PROMPTS[1]), 100, ignore_eos=True)
+    assert broadcast == ["r"]
 
 
 def test_a_retry_under_the_routers_next_stream_leaves_the_running_first_try_alone(model_dirs):

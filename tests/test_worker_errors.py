@@ -126,3 +126,59 @@ def test_a_call_or_a_poll_that_hangs_reads_as_a_stuck_engine(model_dirs):
         finally:
             engine.shutdown()
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+class _FakeResponse:
+    """A Serve call's response: awaiting it runs `outcome` (a coroutine function)."""
+
+    def __init__(self, outcome):
+        self._outcome = outcome
+        self.cancelled = False
+
+    def __await__(self):
+        return self._outcome().__await__()
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def test_a_call_its_replica_cancelled_is_the_replicas_failure_not_the_callers_cancel():
+    # Serve raises CancelledError for a call its replica cancelled: read as the caller's own cancel, a
+    # request of n choices waited for ever and a stream ended without an error or [DONE]
+    import asyncio
+
+    from router.serve_pools import _call
+
+    async def replica_cancels():
+        raise asyncio.CancelledError()
+
+    cleanups = []
+
+    async def main():
+        response = _FakeResponse(replica_cancels)
+        with pytest.raises(BackendUnavailableError, match="the decode worker cancelled the call"):
+            await _call(response, "decode", on_cancel=lambda: cleanups.append("abort everywhere"))
+        return response.cancelled
+
+    assert asyncio.run(main()) is True
+    assert cleanups == []        # the replica ended its side: nothing for a broadcast to clean up
+
+
+def test_a_caller_that_is_cancelled_cancels_the_call_and_cleans_up():
+    import asyncio
+
+    from router.serve_pools import _call
+
+    cleanups = []
+
+    async def main():
+        response = _FakeResponse(lambda: asyncio.sleep(3600))
+        call = asyncio.ensure_future(_call(response, "decode", on_cancel=lambda: cleanups.append("abort")))
+        await asyncio.sleep(0.01)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        return response.cancelled
+
+    assert asyncio.run(main()) is True
+    assert cleanups == ["abort"]
