@@ -58,6 +58,8 @@ STREAM_IDLE_CLOSE_S = 5.0
 # a subscriber whose admitted requests no stream has read for this long has no reader (its router
 # died between a request's admission and its stream): its requests are aborted, its outbox dropped
 ORPHAN_S = 60.0
+# how often the engine thread reads every rank's KV receiver for the health check (rank 0's is read at once)
+RANKS_RECEIVER_CHECK_S = 5.0
 
 
 class PrefillPeer(Protocol):
@@ -129,6 +131,8 @@ class DecodeWorker:
         self._queued_prompt_tokens: dict[str, int] = {}  # prefilled here, first token not yet out
         self.receivers: list[PeerAddress] = []
         self._orphan_check: asyncio.Future | None = None
+        self._ranks_receiver_problem: str | None = None   # any rank's receiver's, as last read (TP > 1)
+        self._ranks_receiver_checked = 0.0
 
     async def start(self) -> None:
         await self._engine.ready()
@@ -349,10 +353,13 @@ class DecodeWorker:
 
     def check_health(self) -> None:
         """Raises when the engine loop has stopped (a step failed, or a TP rank died), or
-        rank 0's KV receiver can take no new prefill worker (Serve then replaces the replica)."""
+        a rank's KV receiver can take no new prefill worker (Serve then replaces the
+        replica): rank 0's read now, the other ranks' as the engine thread last read
+        them (every RANKS_RECEIVER_CHECK_S)."""
         self._engine.check_alive()
         engine = self._engine.engine
-        if engine is not None and (problem := kv_handoff.receiver_problem(engine.worker)):
+        problem = kv_handoff.receiver_problem(engine.worker) if engine is not None else None
+        if problem := problem or self._ranks_receiver_problem:
             raise EngineStoppedError(f"{self.name}: {problem}", self.replica_id)
 
     def step_samples(self) -> list[tuple[int, StepStats]]:
@@ -497,6 +504,10 @@ class DecodeWorker:
     def _tick(self, engine: LLMEngine) -> bool:
         room = self._room(engine)
         now = time.monotonic()
+        if engine.tp.size > 1 and now - self._ranks_receiver_checked > RANKS_RECEIVER_CHECK_S:
+            self._ranks_receiver_checked = now
+            problems = engine.collective_rpc(kv_handoff.receiver_problem)
+            self._ranks_receiver_problem = next((f"rank {rank}: {p}" for rank, p in enumerate(problems) if p), None)
         for handoff in [h for h in self._handoffs.values() if h.phase is Phase.RESERVING]:
             # blocks and places in the batch free up only as requests finish: retry when
             # that happened (or to time out)

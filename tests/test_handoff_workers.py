@@ -1024,6 +1024,42 @@ def test_a_decode_worker_whose_kv_receiver_gave_up_fails_its_health_check(model_
     run(main())
 
 
+def _follower_receiver_gives_up(worker) -> None:
+    """(A collective call.) The KV receiver of every rank but 0 stops accepting pairs."""
+    if worker.tp.rank > 0:
+        worker.attachments[kv_handoff.RECEIVER]._accept_failure = "KV receiver stopped accepting pairs: injected"
+
+
+def test_a_tp_decode_worker_whose_follower_ranks_receiver_gave_up_fails_its_health_check(model_dirs, monkeypatch):
+    # every hand-off to the replica then fails at the connect timeout and is retried elsewhere, while routing
+    # by free blocks keeps choosing it: only rank 0's receiver was read
+    from decode_workers import decode_worker
+    monkeypatch.setattr(decode_worker, "RANKS_RECEIVER_CHECK_S", 0.2, raising=False)
+    config = EngineConfig(model=str(model_dirs["tiny"]), max_model_len=128, block_size=8, dtype="float32",
+                          num_kv_blocks=32, tensor_parallel_size=2)
+
+    async def main():
+        worker = DecodeWorker(config, receiver_factory(TransportSettings(timeout_s=20), "d"),
+                              SimpleNamespace(), replica_id="D")
+        await worker.start()
+        try:
+            await asyncio.sleep(0.5)
+            worker.check_health()                                            # healthy
+            await worker._engine.call(LLMEngine.collective_rpc, _follower_receiver_gives_up)
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    worker.check_health()
+                except EngineStoppedError as exc:
+                    return exc
+                assert time.monotonic() < deadline, "the follower rank's receiver was never read"
+                await asyncio.sleep(0.05)
+        finally:
+            worker.shutdown()
+    error = run(main())
+    assert "rank 1: KV receiver stopped accepting pairs: injected" in str(error) and error.replica_id == "D"
+
+
 async def _nothing_left_on_the_wire(pair: Pair, release: str | None = None) -> None:
     """No send is tracked nor counted by the staging budget; the holds then free
     (after releasing `release`'s, when given)."""

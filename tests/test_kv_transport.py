@@ -184,6 +184,29 @@ def roundtrip(sender: PairGroupSender, agent: Agent, address: PeerAddress, tid: 
 
 
 # ---- real pairs -----------------------------------------------------------------------------
+def test_a_pair_that_connects_late_still_gets_the_whole_timeout_for_its_ops(remote_receiver, monkeypatch):
+    # the group's timeout bounds every op of the pair's life: made from what the connect left, a pair
+    # that took 29 of 30 s to connect failed every send after 1 s (NCCL's watchdog: after 10 ms x 10)
+    import cluster.transport.pair_group_sender as sender_module
+    connect, make_group, made = sender_module.connect_store, sender_module.make_group, []
+
+    def slow_connect(*args, **kwargs):
+        time.sleep(1.0)
+        return connect(*args, **kwargs)
+
+    def recording_make_group(store, rank, backend, device, timeout_s, bind_host):
+        made.append(timeout_s)
+        return make_group(store, rank, backend, device, timeout_s, bind_host)
+    monkeypatch.setattr(sender_module, "connect_store", slow_connect)
+    monkeypatch.setattr(sender_module, "make_group", recording_make_group)
+    late = PairGroupSender(timeout_s=20.0)
+    try:
+        roundtrip(late, remote_receiver, remote_receiver.identity(), "late/1", 1000)
+    finally:
+        late.close()
+    assert made == [20.0]
+
+
 def test_bytes_arrive_equal_for_every_dtype_and_size_in_any_order(sender, remote_receiver):
     # (nbytes, dtype): odd byte counts (26, 14), empty, and a few MiB
     specs = {"f32": (4000, torch.float32), "f16-odd": (26, torch.float16), "bf16-odd": (14, torch.bfloat16),
@@ -628,6 +651,57 @@ def test_a_receiver_whose_store_keeps_failing_says_so(monkeypatch):
     finally:
         receiver.close()
     assert FakeTransportHub().receiver("d").problem() is None      # the interface's default
+
+
+def test_a_store_hiccup_keeps_the_challenge_a_sender_may_have_answered(monkeypatch):
+    # a new challenge for the same slot after one failed wait refused the sender that had read and
+    # answered the first: "the secret does not match", pointing at a configuration that is right
+    from cluster.transport import pair_group_receiver
+    connect, posted, hiccups = pair_group_receiver.connect_store, [], []
+
+    class HiccupOnce:
+        def __init__(self, store):
+            self._store = store
+
+        def set(self, key, value):
+            posted.append((key, value))
+            return self._store.set(key, value)
+
+        def wait(self, keys, timeout):
+            if not hiccups:
+                hiccups.append(keys)
+                raise RuntimeError("store hiccup")
+            return self._store.wait(keys, timeout)
+
+        def __getattr__(self, name):
+            return getattr(self._store, name)
+
+    monkeypatch.setattr(pair_group_receiver, "connect_store", lambda *a, **k: HiccupOnce(connect(*a, **k)))
+    receiver = PairGroupReceiver(timeout_s=SHORT_S)
+    try:
+        deadline = time.monotonic() + 5
+        while len(posted) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        receiver.close()
+    challenges = [value for key, value in posted if key == pair_group_receiver.challenge_key(0)]
+    assert hiccups and len(challenges) >= 2 and len(set(challenges)) == 1
+
+
+def test_a_header_read_as_its_pair_is_dropped_leaves_the_transfer_for_the_next_pair():
+    # claimed on a pair dropped since its thread looked, a transfer was left TRANSFERRING (the drop had
+    # failed the pair's transfer on the wire before this one was on it) until its whole timeout ran out
+    from types import SimpleNamespace
+    receiver = PairGroupReceiver(timeout_s=SHORT_S)
+    try:
+        buffer = torch.zeros(16, dtype=torch.uint8)
+        receiver.expect("t", "s", buffer)
+        dropped = SimpleNamespace(sender="s", broken="failed: timed out", current=None)
+        transfer, target, verdict = receiver._claim(dropped, "t", 16)
+        assert (transfer, target) == (None, None) and "the pair failed: timed out" in verdict
+        assert receiver.poll("t", "s") is TransferState.PENDING and dropped.current is None
+    finally:
+        receiver.close()
 
 
 def test_a_pairs_process_group_meets_under_a_name_only_its_two_sides_can_derive():

@@ -64,12 +64,15 @@ can derive, bound to the message's kind and sequence number, so a header or
 ack written by anyone else (which could steer a sender's bytes into another
 transfer's blocks, or free a sender's KV before it arrived) breaks the pair
 instead of being obeyed; the secret keeps strangers from writing into, or
-reading from, the KV caches through a pair. The process group's own
-rendezvous keys, which gloo and NCCL read as they find them, are under a name
-derived from the pair's key (`group_prefix`), so a stranger cannot find them
-to race the sides to them. What stays open to anyone who reaches the store:
-deleting or overwriting keys, which fails transfers (they time out and are
-retried).
+reading from, the KV caches through a pair's handshake. The process group's
+own rendezvous keys, which gloo and NCCL read as they find them, are under a
+name derived from the pair's key (`group_prefix`), but the store lists its keys
+to any client: a stranger who reaches it can find them and race the two sides
+to them while the pair is set up, and one that wins sits in the group (reads
+the KV on gloo, or writes the receiver's on NCCL). The bytes on the wire are
+neither encrypted nor authenticated. What else stays open to anyone who
+reaches the store: deleting or overwriting keys, which fails transfers (they
+time out and are retried). Hence: keep the workers' network private.
 
 Caveats: close() does not wait for a thread blocked on a hung peer (it ends within
 timeout_s by itself). CUDA buffers: NCCL orders a send after the work queued on the

@@ -343,8 +343,14 @@ class PairGroupReceiver(KVReceiver):
         except Exception:  # noqa: BLE001 - closed before the thread ran
             return
         failures = 0
+        challenged: tuple[int, str] | None = None     # (slot, its challenge), posted
         while True:
-            slot, challenge = self._slot, secrets.token_hex(CHALLENGE_BYTES)
+            slot = self._slot
+            if challenged is None or challenged[0] != slot:
+                # one challenge per slot: after a store hiccup the slot is waited on again with the challenge
+                # a sender may have read and answered already (a new one would refuse its right proof)
+                challenged = (slot, secrets.token_hex(CHALLENGE_BYTES))
+            challenge = challenged[1]
             key = join_key(slot)
             try:
                 store.set(challenge_key(slot), challenge)
@@ -397,6 +403,8 @@ class PairGroupReceiver(KVReceiver):
         """Matches a header to an expect(): (record, buffer to receive into, verdict)."""
         key = (pair.sender, tid)
         with self._lock:
+            if pair.broken is not None:   # dropped since its thread looked: the transfer waits for a new pair
+                return None, None, f"KV transfer {tid} from {pair.sender}: the pair {pair.broken}"
             self._activity[pair.sender] = time.monotonic()
             t = self._expected.get(key)
             if t is None:

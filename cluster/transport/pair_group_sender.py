@@ -167,8 +167,11 @@ class _SendPair:
             raise KVTransportError(f"{self.peer.name} {why}")
         self.key = pair_key(self.cfg.secret, challenge, epoch, self.cfg.name, self.peer.name)
         msgs = dist.PrefixStore(pair_prefix(self.cfg.name, epoch), store)
+        # the group's timeout bounds every op of the pair's life (gloo keeps the one it was made with; NCCL's
+        # watchdog takes 10x it), not only its rendezvous: the full timeout, as the receiver's, not what the
+        # connect left (a late connect made a pair whose ops all failed, or NCCL's watchdog end its process)
         group = make_group(dist.PrefixStore(group_prefix(self.key), msgs), 0, self.cfg.backend, self.cfg.device,
-                           time_left(self.connect_deadline).total_seconds(), local_address_towards(self.peer))
+                           self.cfg.timeout_s, local_address_towards(self.peer))
         store.set_timeout(datetime.timedelta(seconds=self.cfg.timeout_s))
         with self.lock:
             self.store, self.msgs, self.group, self.connected = store, msgs, group, True
