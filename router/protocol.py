@@ -40,8 +40,8 @@ log = logging.getLogger(__name__)
 
 # Strict: a JSON int is a valid float, but a string or a bool is not.
 StrictNumber = Annotated[float, Field(strict=True)]
-# OpenAI's range; the engine itself takes any temperature >= 0.
-Temperature = Annotated[float, Field(strict=True, ge=0, le=2)]
+# >= 0, as vLLM takes it (OpenAI's API stops at 2; the engine's own bound, 10,000, applies after)
+Temperature = Annotated[float, Field(strict=True, ge=0)]
 # a count or a seed: within 64 bits (a max_tokens of thousands of digits made the context check's
 # own message fail: a 500)
 Int64 = Annotated[int, Field(strict=True, ge=-(2**63), le=2**63 - 1)]
