@@ -2,7 +2,7 @@
 
     python3 bench/gpu_correctness.py [--out bench/results/gpu_correctness.json]
 
-For every tiny preset (tiny, tiny-mqa, tiny-qwen2, tiny-mistral, tiny-llama3-rope; built
+For every tiny preset (tiny, tiny-mqa, tiny-qwen2, tiny-qwen3, tiny-mistral, tiny-llama3-rope; built
 in a temp dir with make_tiny_model(dtype="bfloat16")) and every engine configuration
 
     triton+graphs   the defaults (Triton attention, CUDA graphs for decode-only steps)
@@ -62,7 +62,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-PRESETS = ("tiny", "tiny-mqa", "tiny-qwen2", "tiny-mistral", "tiny-llama3-rope")
+PRESETS = ("tiny", "tiny-mqa", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-llama3-rope")
 CONFIGS = {
     "triton+graphs": {},
     "triton+eager": {"enforce_eager": True},

@@ -8,8 +8,9 @@ large enough that greedy decoding has clear winners.
 
 The tokenizer is byte-level BPE with special tokens ``<|begin_of_text|>`` (bos, id 0),
 ``<|end_of_text|>`` (eos, id 1) and ``<|pad|>`` (id 2); it prepends BOS when
-``add_special_tokens=True``. Qwen2 presets use Qwen2's split regex and NFC
-normalizer, because ``AutoTokenizer`` always loads qwen2 checkpoints that way.
+``add_special_tokens=True``. Qwen2 and Qwen3 presets use Qwen2's split regex and
+NFC normalizer, because ``AutoTokenizer`` always loads qwen2 and qwen3 checkpoints
+that way (with ``Qwen2Tokenizer``).
 
 Contracts:
 - the same preset, seed and dtype always write byte-identical files;
@@ -60,7 +61,7 @@ _DTYPES = ("float32", "bfloat16", "float16")
 class TinyPreset:
     """Shape of one tiny checkpoint; ``config`` holds extra architecture-specific fields."""
 
-    architecture: str  # "llama" | "mistral" | "qwen2"
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3"
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
@@ -111,6 +112,19 @@ PRESETS: Mapping[str, TinyPreset] = MappingProxyType(
             intermediate_size=128,
             tie_word_embeddings=True,
             config=MappingProxyType({"use_sliding_window": False, "sliding_window": None}),
+        ),
+        # Per-head RMSNorm of queries and keys; head_dim (32) != hidden_size / heads (16); tied.
+        "tiny-qwen3": TinyPreset(
+            architecture="qwen3",
+            vocab_size=512,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            tie_word_embeddings=True,
+            head_dim=32,
+            config=MappingProxyType({"use_sliding_window": False}),
         ),
         # head_dim (32) != hidden_size / num_attention_heads (8).
         "tiny-mistral": TinyPreset(
@@ -313,18 +327,22 @@ def _corpus(vocab_size: int) -> str:
 
 # ------------------------------------------------------------------------ tokenizer
 
+# the architectures whose checkpoints transformers loads with Qwen2Tokenizer
+_QWEN_TOKENIZER = ("qwen2", "qwen3")
+
 
 def _train_bpe(vocab_size: int, architecture: str):
     """Train the byte-level BPE as a bare ``tokenizers.Tokenizer`` (deterministic).
 
-    Qwen2 checkpoints are always loaded with ``Qwen2Tokenizer``, which rebuilds the
-    pipeline with an NFC normalizer and its own split regex; that flavour is trained
-    with the same pipeline so the merges fit how text is split at inference.
+    Qwen2 and Qwen3 checkpoints are always loaded with ``Qwen2Tokenizer``, which
+    rebuilds the pipeline with an NFC normalizer and its own split regex; that
+    flavour is trained with the same pipeline so the merges fit how text is split
+    at inference.
     """
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    if architecture == "qwen2":
+    if architecture in _QWEN_TOKENIZER:
         from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
         tok.normalizer = normalizers.NFC()
@@ -371,7 +389,7 @@ def _train_tokenizer(vocab_size: int, model_max_length: int, architecture: str):
         model_max_length=model_max_length,
         chat_template=CHAT_TEMPLATE,
     )
-    if architecture == "qwen2":
+    if architecture in _QWEN_TOKENIZER:
         from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
         model = json.loads(tok.to_str())["model"]
@@ -389,9 +407,10 @@ def _train_tokenizer(vocab_size: int, model_max_length: int, architecture: str):
 
 
 def _build_config(preset: TinyPreset, tokenizer, dtype: str):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    config_class = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[preset.architecture]
+    config_class = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
+                    "qwen3": Qwen3Config}[preset.architecture]
     kwargs: dict[str, Any] = dict(
         vocab_size=len(tokenizer),
         hidden_size=preset.hidden_size,

@@ -16,7 +16,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-PARITY_PRESETS = ("tiny", "tiny-mqa", "tiny-qwen2", "tiny-mistral", "tiny-llama3-rope")
+PARITY_PRESETS = ("tiny", "tiny-mqa", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-llama3-rope")
 
 
 def cpp_toolchain_present() -> bool:

@@ -104,6 +104,19 @@ def test_greedy_matches_under_preemption(preset, model_dirs, reference):
     assert engine.block_manager.num_free_blocks == 12
 
 
+@pytest.mark.parametrize("preset", ["tiny-qwen3"])
+def test_greedy_matches_with_two_tensor_parallel_ranks(preset, model_dirs, reference):
+    # each rank runs its heads' share: Qwen3's per-head query/key norms are replicated, not split
+    engine = LLMEngine(EngineConfig(model=str(model_dirs[preset]), max_model_len=256, tensor_parallel_size=2))
+    try:
+        prompts = _prompts(engine.tokenizer, 4, seed=8, min_len=5, max_len=60)
+        max_tokens = [12] * len(prompts)
+        got = _run_staggered(engine, prompts, max_tokens, arrivals_per_step=2)
+    finally:
+        engine.shutdown()
+    _check(reference, preset, prompts, max_tokens, got)
+
+
 def test_greedy_matches_with_prefix_cache_hits(model_dirs, reference):
     preset = "tiny"
     engine = LLMEngine(EngineConfig(model=str(model_dirs[preset]), max_model_len=512, block_size=8))

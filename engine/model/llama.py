@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2), tensor-parallel ready.
+"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3), tensor-parallel ready.
 
 The model runs on a flat batch of tokens from many sequences at once:
 input_ids [T], positions [T] and an AttentionMetadata telling each token where
@@ -79,11 +79,20 @@ class LlamaAttention(nn.Module):
         self.num_local_kv_heads = self.qkv_proj.num_local_kv_heads
         self.scale = config.head_dim ** -0.5
         self.rotary = rotary
+        if config.qk_norm:     # Qwen3: one weight per head_dim, the same on every rank
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
         q, k, v = self.qkv_proj(x)
+        if self.q_norm is not None:
+            # each head's query and key normalised over head_dim: rows [T * heads, D]
+            q = self.q_norm(q.reshape(-1, self.head_dim))
+            k = self.k_norm(k.reshape(-1, self.head_dim))
         q = q.view(-1, self.num_local_heads, self.head_dim)
         k = k.view(-1, self.num_local_kv_heads, self.head_dim)
         v = v.view(-1, self.num_local_kv_heads, self.head_dim)

@@ -18,11 +18,11 @@ logger = logging.getLogger(__name__)
 _WARNED_SEPARATE_HEAD: set[str] = set()     # checkpoints whose stored head was reported (once each)
 
 # architecture name in config.json -> the flags that distinguish it from Llama
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # a config without `architectures` (as a bare `LlamaConfig().save_pretrained()` writes) names its
 # model by model_type, from which transformers' AutoModelForCausalLM picks the class
 ARCHITECTURE_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                              "qwen2": "Qwen2ForCausalLM"}
+                              "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 CONTEXT_SCALING_ROPE_TYPES = ("linear", "dynamic")    # their factor stretches the context past the trained one
 
@@ -50,6 +50,8 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    # Qwen3's: an RMSNorm over each head's query and key (head_dim wide), before RoPE
+    qk_norm: bool = False
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     # config.json's and (from_pretrained) generation_config.json's, in that order
@@ -137,14 +139,16 @@ class ModelConfig:
         activation = getattr(hf, "hidden_act", "silu")
         if activation not in ("silu", "swish"):
             raise ModelConfigError(f"hidden_act {activation!r} is not supported: the MLP is SiLU-gated "
-                                   "(hidden_act 'silu'), as Llama, Mistral and Qwen2 checkpoints have it")
+                                   "(hidden_act 'silu'), as Llama, Mistral and Qwen checkpoints have it")
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         rope = _rope_parameters(hf)
         eos_ids = _token_ids(getattr(hf, "eos_token_id", None))
         is_qwen2 = arch == "Qwen2ForCausalLM"
-        # only Llama reads attention_bias / mlp_bias; Mistral's and Qwen2's projections fix theirs
-        attention_bias = arch == "LlamaForCausalLM" and bool(getattr(hf, "attention_bias", False))
+        # Llama and Qwen3 read attention_bias (q, k, v and o), only Llama mlp_bias; Mistral's and Qwen2's
+        # projections fix theirs
+        attention_bias = arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and \
+            bool(getattr(hf, "attention_bias", False))
         dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or "float32"
         return cls(
             architecture=arch,
@@ -163,6 +167,7 @@ class ModelConfig:
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=attention_bias,
             mlp_bias=arch == "LlamaForCausalLM" and bool(getattr(hf, "mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=eos_ids,
@@ -265,15 +270,15 @@ def generation_sampling_defaults(model_dir: str | Path) -> dict[str, float]:
 
 def _sliding_window(hf: Any, arch: str) -> int | None:
     """The attention window of any layer that slides (None: full attention
-    everywhere). Mistral's layers all slide when it is set; Qwen2's only with
-    use_sliding_window, from layer max_window_layers on (`layer_types` in
-    newer configs), as transformers reads them."""
+    everywhere). Mistral's layers all slide when it is set; Qwen2's and Qwen3's
+    only with use_sliding_window, from layer max_window_layers on (`layer_types`
+    in newer configs), as transformers reads them."""
     window = getattr(hf, "sliding_window", None)
     if not window:
         return None
     if arch == "MistralForCausalLM":
         return window
-    if arch != "Qwen2ForCausalLM":
+    if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         return None
     layer_types = getattr(hf, "layer_types", None)
     if layer_types:
