@@ -370,8 +370,30 @@ def test_the_model_class_follows_model_type_as_transformers_picks_it(model_dirs,
     assert _greedy_ids(d, prompts) == [reference.greedy(tuple(p), 8, ignore_eos=True) for p in prompts]
 
 
+def test_weights_no_parameter_takes_are_refused_not_dropped(model_dirs, tmp_path):
+    # a Qwen3 checkpoint whose config says llama loaded without its query/key norms: garbage, silently
+    from engine.model import CheckpointError
+    d = _with_config(model_dirs["tiny-qwen3"], tmp_path / "qwen3-as-llama", model_type="llama",
+                     architectures=["LlamaForCausalLM"])
+    with pytest.raises(CheckpointError, match=r"holds 4 tensor\(s\) that no parameter of LlamaForCausalLM takes: "
+                                              r"model.layers.0.self_attn.k_norm.weight"):
+        LLM(str(d))
+
+
+def test_model_safetensors_is_the_checkpoint_whatever_other_files_lie_beside_it(model_dirs, tmp_path):
+    # a repository may keep another format beside transformers' file (Mistral's consolidated.safetensors,
+    # the same weights under other names): transformers reads model.safetensors alone, and so must we
+    from safetensors.torch import load_file, save_file
+    d = tmp_path / "with-consolidated"
+    shutil.copytree(model_dirs["tiny"], d)
+    weights = load_file(d / "model.safetensors")
+    save_file({f"layers.{k.replace('.', '_')}": v for k, v in weights.items()}, d / "consolidated.safetensors")
+    prompts = _prompts(2)
+    assert _greedy_ids(d, prompts) == _greedy_ids(model_dirs["tiny"], prompts)
+
+
 def test_bias_flags_apply_only_where_transformers_reads_them(model_dirs):
-    # Mistral's and Qwen2's projections fix their biases; only Llama reads attention_bias / mlp_bias
+    # Mistral's and Qwen2's projections fix their biases; Llama and Qwen3 read attention_bias, Llama mlp_bias
     from types import SimpleNamespace
 
     from engine.model import ModelConfig
@@ -379,10 +401,11 @@ def test_bias_flags_apply_only_where_transformers_reads_them(model_dirs):
                 num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=10000.0,
                 attention_bias=True, mlp_bias=True)
     flags = {}
-    for model_type in ("llama", "mistral", "qwen2"):
+    for model_type in ("llama", "mistral", "qwen2", "qwen3"):
         config = ModelConfig.from_hf_config(SimpleNamespace(model_type=model_type, **base))
-        flags[model_type] = (config.qkv_bias, config.o_bias, config.mlp_bias)
-    assert flags == {"llama": (True, True, True), "mistral": (False, False, False), "qwen2": (True, False, False)}
+        flags[model_type] = (config.qkv_bias, config.o_bias, config.mlp_bias, config.qk_norm)
+    assert flags == {"llama": (True, True, True, False), "mistral": (False, False, False, False),
+                     "qwen2": (True, False, False, False), "qwen3": (True, True, False, True)}
 
 
 def test_a_classifier_of_a_supported_family_is_refused_not_served_as_a_generator(model_dirs, tmp_path):

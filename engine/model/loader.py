@@ -72,6 +72,10 @@ def checkpoint_files(model_dir: Path, weight_map: dict[str, str] | None = None) 
     weight_map = weight_map if weight_map is not None else _weight_map(model_dir)
     if weight_map is not None:
         files = sorted({model_dir / name for name in weight_map.values()})
+    elif (model_dir / "model.safetensors").is_file():
+        # transformers' one file (a repository may keep other formats beside it, such as Mistral's
+        # consolidated.safetensors, with other names for the same weights)
+        files = [model_dir / "model.safetensors"]
     else:
         files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -119,6 +123,7 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     packed = getattr(model, "packed_modules", {})
     tied = getattr(model.config, "tie_word_embeddings", False)
     loaded: set[str] = set()
+    unused: list[str] = []
     fused = {f".{our_part}." for our_part, _ in packed.values()}
     expected = _expected(params, packed)
     # tied, with the head stored alone: the head's tensor is the shared weight (transformers ties to it)
@@ -144,7 +149,8 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
                     target = "model.embed_tokens.weight"
                 param = params.get(target)
                 if param is None:
-                    continue  # tensors we do not use (e.g. a tied copy)
+                    unused.append(stored)
+                    continue
                 tensor = LazyTensor(f.get_slice(stored))
                 weight_loader = getattr(param, "weight_loader", _copy)
                 try:
@@ -152,6 +158,13 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
                 except ValueError as exc:
                     raise CheckpointError(f"{stored} in {path.name}: {exc}") from None
                 loaded.add(f"{target}:{shard_id}")
+    if unused:
+        # weights of a layer this model lacks (a Qwen3 checkpoint whose config says llama, say): run without
+        # them, it would generate garbage without a word
+        shown = ", ".join(unused[:8]) + (f" and {len(unused) - 8} more" if len(unused) > 8 else "")
+        raise CheckpointError(f"the checkpoint holds {len(unused)} tensor(s) that no parameter of "
+                              f"{model.config.architecture} takes: {shown}; its config.json (model_type, "
+                              "architectures, sizes) does not describe these weights")
     _check_complete(params, packed, loaded, tied)
 
 
