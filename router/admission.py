@@ -196,18 +196,35 @@ class AdmissionControl:
 
     def admit_prompts(self, prompts: list[tuple[int, int | None]], choices: int) -> list[list[Admitted]]:
         """admit_choices for a batch of prompts (each its prompt tokens and max_tokens),
-        all or none, judged as one request: on its first prompt's checks against what
-        was ahead of the batch, the others counted behind that one as they will wait
-        (checked one by one, the later prompts of a batch longer than the SLO's wait
-        were refused on every retry, on an idle server too)."""
+        all or none, judged as one request: its first prompt as admit_choices checks it,
+        the others behind it against the bounds judged on what was there before the
+        batch (the queue's prompt tokens, unless nothing waited; the TPOT budget, unless
+        a decode replica ran nothing), not on the TTFT SLO, which their place behind the
+        batch's own first prompt would fail on an idle server too (every retry alike).
+        Raises Overloaded (and counts nothing) when any must be refused."""
+        s = self.settings
+        waiting_before, running_before = self.waiting_requests, self.running
         admitted = [self.admit_choices(*prompts[0], choices)]
-        for num_prompt_tokens, max_tokens in prompts[1:]:
-            self.mean_prompt_tokens = _running_mean(self.mean_prompt_tokens, num_prompt_tokens)
-            tickets = [Admitted(num_prompt_tokens, self._prefill_tokens_per_step(num_prompt_tokens, max_tokens)),
-                       *(Admitted(0, 0.0) for _ in range(choices - 1))]
-            for ticket in tickets:
-                self._count(ticket)
-            admitted.append(tickets)
+        try:
+            for num_prompt_tokens, max_tokens in prompts[1:]:
+                if s.max_waiting_prompt_tokens is not None and waiting_before and \
+                        self.waiting_tokens + num_prompt_tokens > s.max_waiting_prompt_tokens:
+                    raise self._refuse("queue_tokens", f"{self.waiting_tokens} prompt tokens are waiting with "
+                                       f"this batch's first {len(admitted)} prompts; this server queues at most "
+                                       f"{s.max_waiting_prompt_tokens}")
+                self.mean_prompt_tokens = _running_mean(self.mean_prompt_tokens, num_prompt_tokens)
+                tickets: list[Admitted] = []
+                admitted.append(tickets)
+                for ticket in [Admitted(num_prompt_tokens, self._prefill_tokens_per_step(num_prompt_tokens,
+                                                                                         max_tokens)),
+                               *(Admitted(0, 0.0) for _ in range(choices - 1))]:
+                    self._check_tpot(ticket.prefill_tokens_per_step, running_before)
+                    self._count(ticket)
+                    tickets.append(ticket)
+        except Overloaded:
+            for ticket in (t for tickets in admitted for t in tickets):
+                self._uncount(ticket)
+            raise
         return admitted
 
     def _count(self, ticket: Admitted) -> None:

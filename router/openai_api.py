@@ -274,7 +274,8 @@ class _Server:
         arrived = self._check_before_tokenizing()
         try:
             batch = [body] if chat else body.prompts()
-            prompts = [await self._planned(one, chat, i if len(batch) > 1 else None) for i, one in enumerate(batch)]
+            prompts = [await self._planned(one, chat, i if len(batch) > 1 else None, check_bad_words=i == 0)
+                       for i, one in enumerate(batch)]     # (bad_words are the request's: checked once)
         except BaseException:    # a 400 (or a client gone while tokenizing): no demand on the workers
             if arrived is not None:
                 self.admission.withdraw(arrived)
@@ -334,11 +335,11 @@ class _Server:
                              **fmts[0].response_fields(), **scored})
 
     async def _planned(self, body: CompletionRequest | ChatCompletionRequest, chat: bool,
-                       batch_index: int | None = None) -> _PlannedPrompt:
+                       batch_index: int | None = None, check_bad_words: bool = True) -> _PlannedPrompt:
         """One prompt of the request (`body` holds one; `batch_index`: its place in a
         batch, which a 400 names), tokenized and checked (400s)."""
         try:
-            prompt_ids, params, cut = await self._prompt_and_params(body, chat)
+            prompt_ids, params, cut = await self._prompt_and_params(body, chat, check_bad_words)
         except InvalidRequestError as exc:
             if batch_index is None:
                 raise
@@ -373,10 +374,11 @@ class _Server:
                                               clean_up_tokenization_spaces=False), prompt_ids)
         return Echo(body.prompt, prompt_ids)
 
-    async def _prompt_and_params(self, body: CompletionRequest | ChatCompletionRequest,
-                                 chat: bool) -> tuple[list[int], SamplingParams, bool]:
-        """The prompt's token ids and the sampling parameters, each checked (400s), and
-        whether the prompt was cut (truncate_prompt_tokens)."""
+    async def _prompt_and_params(self, body: CompletionRequest | ChatCompletionRequest, chat: bool,
+                                 check_bad_words: bool = True) -> tuple[list[int], SamplingParams, bool]:
+        """The prompt's token ids and the sampling parameters, each checked (400s; the
+        bad_words, when `check_bad_words`), and whether the prompt was cut
+        (truncate_prompt_tokens)."""
         prompt_param = "messages" if chat else "prompt"
         keep = self._tokens_to_keep(body)
         tokenized = await self._tokenize(body, prompt_param, keep)
@@ -391,9 +393,9 @@ class _Server:
         params = body.to_sampling_params(default_max, self.info.sampling_defaults)
         self._check_context(len(prompt_ids), params, body.max_tokens_param, prompt_param)
         # the workers' bad_words check, as a 400 here (its min_tokens part needs the EOS ids: the engine's)
-        if sum(map(len, params.bad_words or ())) <= _INLINE_TOKENIZE_CHARS:
+        if check_bad_words and sum(map(len, params.bad_words or ())) <= _INLINE_TOKENIZE_CHARS:
             bad_word_sequences(self.tokenizer, params, self.info.vocab_size)
-        else:   # long words tokenize off the loop, as long prompts do
+        elif check_bad_words:   # long words tokenize off the loop, as long prompts do
             await anyio.to_thread.run_sync(bad_word_sequences, self.tokenizer, params, self.info.vocab_size)
         text_cut = keep is not None and isinstance(body, CompletionRequest) and \
             self._text_to_tokenize(body, keep) is not None
@@ -648,10 +650,11 @@ class _Server:
 
         def chunk_usage(index: int) -> dict[str, Any]:
             # OpenAI sends "usage": null on every chunk but the last when usage is asked for;
-            # vLLM's continuous_usage_stats, the usage so far of the chunk's choice
+            # vLLM's continuous_usage_stats, the usage so far of the chunk's choice (its own prompt's)
             if not include_usage:
                 return {}
-            return {"usage": usage(prompt_tokens, latest[index]) if continuous_usage else None}
+            own_prompt = choices.generations[index].timings.prompt_tokens
+            return {"usage": usage(own_prompt, latest[index]) if continuous_usage else None}
         with_ids = fmts[0].prompt_token_ids is not None     # a chunk per output with token ids, even without text
         reason: str | None = "abort"   # kept if the client leaves mid-stream
         try:

@@ -330,7 +330,10 @@ class ServingBackend(GenerationBackend):
                         self._policy.observe_handoff(done.transfer_time_s)
                     return done
                 except KVHolderLost as exc:
-                    # no decode replica can take KV that is gone: the request is prefilled again
+                    # no decode replica can take KV that is gone: the request is prefilled again (an earlier
+                    # try that ran unheard may be what took it: it would decode for nobody)
+                    if unsure:
+                        self._decode.abort_everywhere(request_id)
                     raise BackendUnavailableError(str(exc)) from None
                 except (KVTransferFailed, BackendUnavailableError, TimeoutError, RequestIdInUse) as exc:
                     # RequestIdInUse: a retry met the attempt before it, which the router could not

@@ -380,6 +380,19 @@ def test_weights_no_parameter_takes_are_refused_not_dropped(model_dirs, tmp_path
         LLM(str(d))
 
 
+def test_rotary_caches_a_trainer_saved_are_skipped_as_transformers_skips_them(model_dirs, tmp_path):
+    # (inv_freq, cos_cached, sin_cached: computed from the config here; vLLM skips them too)
+    from safetensors.torch import load_file, save_file
+    d = tmp_path / "with-rotary-caches"
+    shutil.copytree(model_dirs["tiny"], d)
+    weights = load_file(d / "model.safetensors")
+    for cache in ("inv_freq", "cos_cached", "sin_cached"):
+        weights[f"model.layers.0.self_attn.rotary_emb.{cache}"] = torch.ones(8)
+    save_file(weights, d / "model.safetensors", metadata={"format": "pt"})
+    prompts = _prompts(2)
+    assert _greedy_ids(d, prompts) == _greedy_ids(model_dirs["tiny"], prompts)
+
+
 def test_model_safetensors_is_the_checkpoint_whatever_other_files_lie_beside_it(model_dirs, tmp_path):
     # a repository may keep another format beside transformers' file (Mistral's consolidated.safetensors,
     # the same weights under other names): transformers reads model.safetensors alone, and so must we

@@ -267,6 +267,52 @@ def test_a_hand_off_try_that_ran_unheard_is_aborted_when_the_request_moves(model
     assert broadcast == ["r"]
 
 
+def test_a_try_that_ran_unheard_and_took_the_kv_is_aborted_when_the_next_finds_it_gone():
+    """The first try reached a replica and took the KV (the prefill side's hold ended), but the router
+    heard only "actor unavailable"; the retry then finds the hold gone (KVHolderLost) and the request
+    is prefilled again under a new id: the first try's copy must not decode for nobody."""
+    from cluster.serving.messages import KVHolderLost, PrefillResult, TokenDelta
+
+    class OnePrompt:
+        async def prefill(self, request_id, prompt, params):
+            return PrefillResult(request_id, TokenDelta(request_id, [7], "x", None), None, 1, ["p0"], 2, "P")
+
+        def release(self, result):
+            pass
+
+    class UnheardThenGone:
+        def __init__(self):
+            self.tries, self.everywhere = 0, []
+
+        async def generate(self, request, avoid_replica=None):
+            self.tries += 1
+            if self.tries == 1:
+                raise BackendUnavailableError("the decode worker is unavailable: actor unavailable")
+            raise KVHolderLost("the prefill worker P no longer holds the KV", "Y")
+
+        def abort_everywhere(self, request_id):
+            self.everywhere.append(request_id)
+
+        async def abort(self, replica_id, request_id):
+            pass
+
+        async def stream(self, replica_id, subscriber):
+            await asyncio.Event().wait()
+            yield []
+
+    async def main():
+        decode = UnheardThenGone()
+        backend = ServingBackend(ModelInfo("tiny", 128, 512), decode, OnePrompt(), subscriber="router-0",
+                                 max_migrations=0)
+        with pytest.raises(BackendUnavailableError, match="migration is off"):
+            async for _ in backend.generate("r", [1, 2, 3], GREEDY):
+                pass
+        await backend.close()
+        return decode.tries, decode.everywhere
+
+    assert run(main()) == (2, ["r"])
+
+
 def test_a_retry_under_the_routers_next_stream_leaves_the_running_first_try_alone(model_dirs):
     """A request the decode worker runs under a router's stream, and a retry of it (the router
     heard nothing back) under the router's next stream: the retry took over the first try's

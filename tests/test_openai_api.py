@@ -952,17 +952,23 @@ def test_a_batch_of_prompts_gives_n_choices_each_indexed_prompt_major(client, ba
 
 
 def test_a_streamed_batch_sends_each_prompts_choices_under_their_own_index(client, backend, tokenizer):
+    prompts = ["Hi", "Hello there", "Bye"]          # echoed: each index's text starts with its own prompt
     chunks = [json.loads(e) for e in sse_events(client.post(COMPLETIONS, json={
-        "prompt": ["Hi", "Hello there", "Bye"], "max_tokens": 4, "stream": True,
-        "stream_options": {"include_usage": True}}))[:-1]]
-    texts = {i: "" for i in range(3)}
+        "prompt": prompts, "max_tokens": 4, "stream": True, "echo": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}}))[:-1]]
+    texts, seen = {i: "" for i in range(3)}, {i: 0 for i in range(3)}
+    own = [len(tokenizer.encode(p)) for p in prompts]
     for chunk in chunks[:-1]:
         (choice,) = chunk["choices"]
-        texts[choice["index"]] += choice["text"]
-    assert texts == {i: tokenizer.decode(backend.reply_ids[:4]) for i in range(3)}
-    prompt_tokens = sum(len(tokenizer.encode(p)) for p in ("Hi", "Hello there", "Bye"))
-    assert chunks[-1]["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 12,
-                                   "total_tokens": prompt_tokens + 12}
+        index = choice["index"]
+        texts[index] += choice["text"]
+        seen[index] += 1
+        # continuous usage: the chunk's own choice's, its own prompt counted (vLLM's)
+        assert chunk["usage"] == {"prompt_tokens": own[index], "completion_tokens": seen[index],
+                                  "total_tokens": own[index] + seen[index]}
+    assert texts == {i: prompts[i] + tokenizer.decode(backend.reply_ids[:4]) for i in range(3)}
+    assert chunks[-1]["usage"] == {"prompt_tokens": sum(own), "completion_tokens": 12,
+                                   "total_tokens": sum(own) + 12}
     assert len({c["id"] for c in chunks}) == 1
 
 
@@ -1006,6 +1012,14 @@ def test_a_batch_is_admitted_whole_or_refused_whole(backend, tokenizer, metrics)
         == 200
     assert len(backend.calls) == 4
     assert (admission.waiting_requests, admission.waiting_tokens, admission.running) == (0, 0, 0)
+    # beside a running request the first prompt's sequence fits the TPOT budget (2 sequences, 80 ms) but the
+    # second prompt's would not (3, 110 ms): the later prompts are held to the bounds too, and nothing stays
+    occupying = admission.admit(5, 1)
+    admission.first_token(occupying)
+    refused = batch_client.post(COMPLETIONS, json={"prompt": [first, second], "max_tokens": 1})
+    assert refused.status_code == 429 and "TPOT SLO" in refused.json()["error"]["message"]
+    assert len(backend.calls) == 4
+    assert (admission.waiting_requests, admission.waiting_tokens, admission.running) == (0, 0, 1)
 
 
 # --- client disconnects ----------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from types import MappingProxyType
 
@@ -14,6 +15,8 @@ from engine.model.model_config import ModelConfig, ModelConfigError
 from engine.model.parallel import SINGLE_PROCESS, TensorParallel
 
 __all__ = ["build_model", "load_model", "ModelConfig", "ModelConfigError", "CheckpointError", "TensorParallel"]
+
+_BUILD_LOCK = threading.Lock()
 
 # Every supported architecture is a Llama variant distinguished by ModelConfig flags.
 _MODEL_CLASSES = MappingProxyType({
@@ -33,7 +36,8 @@ def build_model(config: ModelConfig, *, max_positions: int, dtype: torch.dtype,
     process-wide default dtype is left alone: another engine's thread may be
     making tensors meanwhile)."""
     cls = _MODEL_CLASSES[config.architecture]
-    with torch.device(device), _FactoryDtype(dtype):
+    # one build at a time: torch.device's context also records the device in a process-wide variable
+    with _BUILD_LOCK, torch.device(device), _FactoryDtype(dtype):
         model = cls(config, tp, max_positions)
     return model.eval()   # (the rotary tables are float32 by construction, whatever the default)
 

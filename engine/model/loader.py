@@ -131,7 +131,7 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     for path in checkpoint_files(model_dir):
         with _reading(path) as f:
             for stored in f.keys():
-                if "rotary_emb.inv_freq" in stored:
+                if "rotary_emb." in stored:   # inv_freq, or cos/sin caches some trainers save: computed here
                     continue
                 # weights saved from the base model (no "model." prefix), as transformers loads them
                 name = f"model.{stored}" if stored not in expected and f"model.{stored}" in expected else stored
