@@ -37,6 +37,7 @@ EXPECTED = {
     "tiny": ("llama", 4, 2, 16, 64, False, 512),
     "tiny-mqa": ("llama", 4, 1, 16, 64, True, 512),
     "tiny-qwen2": ("qwen2", 4, 2, 16, 64, True, 512),
+    "tiny-qwen3": ("qwen3", 4, 2, 32, 64, True, 512),
     "tiny-mistral": ("mistral", 8, 4, 32, 64, False, 512),
     "tiny-llama3-rope": ("llama", 4, 2, 16, 64, False, 512),
     "bench": ("llama", 8, 4, 64, 512, False, 8192),
@@ -117,6 +118,14 @@ def test_qwen2_has_nonzero_qkv_bias_and_llama_has_none(loaded):
     assert qwen_attn.o_proj.bias is None
     llama_attn = loaded("tiny")[2].model.layers[0].self_attn
     assert llama_attn.q_proj.bias is None
+
+
+def test_qwen3_has_query_and_key_norms_over_head_dim_that_are_not_ones(loaded):
+    attn = loaded("tiny-qwen3")[2].model.layers[0].self_attn
+    for norm in (attn.q_norm, attn.k_norm):
+        assert tuple(norm.weight.shape) == (32,)
+        assert not torch.allclose(norm.weight, torch.ones_like(norm.weight))
+    assert attn.q_proj.bias is None and attn.o_proj.bias is None      # attention_bias false, as Qwen3's
 
 
 def test_mistral_has_no_sliding_window(loaded):
@@ -234,7 +243,7 @@ def test_qwen2_tokenizer_round_trips_nfc_text(loaded, text):
     assert tokenizer.decode(ids, skip_special_tokens=False) == unicodedata.normalize("NFC", text)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2", "tiny-qwen3"])
 def test_bos_is_prepended_only_with_special_tokens(loaded, preset):
     tokenizer = loaded(preset)[1]
     plain = tokenizer("Hello, café 日本語 😀", add_special_tokens=False).input_ids
