@@ -194,7 +194,7 @@ class _GenerationRequest(BaseModel):
     logits_processors: Any = None
     prompt_logprobs: Int64 | None = None    # vLLM's: each prompt token's logprob and this many alternatives
     use_beam_search: Any = None
-    truncate_prompt_tokens: Int64 | None = None   # vLLM's: keep this many prompt tokens (-1: the context less one)
+    truncate_prompt_tokens: Int64 | None = None   # vLLM's: keep this many prompt tokens (-1: as many as fit)
     truncation_side: Literal["left", "right"] | None = None   # left (default): keep the last ones
     return_tokens_as_token_ids: StrictBool | None = None   # vLLM's: logprobs name tokens `token_id:ID`
     cache_salt: Any = None
