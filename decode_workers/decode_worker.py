@@ -177,7 +177,8 @@ class DecodeWorker:
             if request.prefill is None:
                 resumed = resume.token_ids if resume is not None else []
                 self._queued_prompt_tokens[rid] = len(request.prompt_token_ids) + len(resumed)
-                await self._engine.call(_add_request, rid, request.prompt_token_ids, request.params, resume)
+                await self._engine.call(_add_request, rid, request.prompt_token_ids, request.params, resume,
+                                        time.monotonic())
                 return Admitted(self.replica_id)
             return await self._receive(request)
         except BaseException:
@@ -533,8 +534,10 @@ class DecodeWorker:
 
 
 def _add_request(engine: LLMEngine, request_id: str, prompt_token_ids: list[int], params,
-                 resume: ResumedOutput | None) -> None:
-    engine.add_request(request_id, prompt_token_ids, params, resume=resume, output_kind=OutputKind.DELTA)
+                 resume: ResumedOutput | None, arrival: float) -> None:
+    """`arrival`: when the worker took it (its queue time counts the wait for the engine thread)."""
+    engine.add_request(request_id, prompt_token_ids, params, resume=resume, output_kind=OutputKind.DELTA,
+                       arrival_time=arrival)
 
 
 def _retrieved(task: asyncio.Future) -> None:

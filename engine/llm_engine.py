@@ -260,7 +260,7 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt: str | list[int],
                     params: SamplingParams | None = None, *, hold_kv: bool = False,
                     resume: ResumedOutput | None = None,
-                    output_kind: OutputKind = OutputKind.CUMULATIVE) -> str:
+                    output_kind: OutputKind = OutputKind.CUMULATIVE, arrival_time: float | None = None) -> str:
         """Queues a request; returns its id. Raises InvalidRequestError (nothing
         queued, nothing else affected) for a bad prompt or parameters.
         `output_kind`: what its outputs carry (engine/outputs.py).
@@ -271,6 +271,8 @@ class LLMEngine:
         prompt and that output are prefilled together, as after a preemption)."""
         seq = self._new_sequence(request_id, prompt, params)
         seq.hold_kv = hold_kv
+        if arrival_time is not None:      # (time.monotonic() when the caller took the request: its queue wait
+            seq.arrival_time = arrival_time   # counts the wait for this call between engine steps too)
         state = RequestTextState(seq, self.tokenizer, self.max_model_len, output_kind)
         if resume is not None:
             self._resume(seq, state, resume)

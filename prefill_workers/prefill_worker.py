@@ -103,11 +103,12 @@ class PrefillWorker:
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> PrefillResult:
         """Runs the prompt, samples the first token and holds the KV. Raises
         InvalidRequestError for a prompt this model cannot take."""
+        arrival = time.monotonic()     # its queue time counts the wait for the engine thread to take it
         held = asyncio.get_running_loop().create_future()
         self._engine.attach(request_id, _HoldOnFirstToken(self, held))
         self._queued_prompt_tokens[request_id] = len(prompt_token_ids)
         try:
-            await self._engine.call(_add_held_request, request_id, prompt_token_ids, params)
+            await self._engine.call(_add_held_request, request_id, prompt_token_ids, params, arrival)
             return await held
         except BaseException as exc:
             await self._engine.call_for_cleanup(self._drop, request_id)
@@ -384,6 +385,7 @@ class _HoldOnFirstToken:
 
 
 def _add_held_request(engine: LLMEngine, request_id: str, prompt_token_ids: list[int],
-                      params: SamplingParams) -> None:
-    engine.add_request(request_id, prompt_token_ids, params, hold_kv=True, output_kind=OutputKind.DELTA)
+                      params: SamplingParams, arrival: float) -> None:
+    engine.add_request(request_id, prompt_token_ids, params, hold_kv=True, output_kind=OutputKind.DELTA,
+                       arrival_time=arrival)
 

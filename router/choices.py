@@ -157,6 +157,7 @@ class Generation:
         now = time.monotonic()
         if self.timings.first_token_time is None and out.num_output_tokens:
             self.timings.first_token_time = now
+            self._metrics.observe_first_token(self.timings.time_to_first_token)
             self._done_waiting()
         if out.finished:
             self.timings.finished_time = now

@@ -96,7 +96,10 @@ class Router:
     async def _refresh_worker_stats(self) -> None:
         seen: set[str] = set()
         while True:
-            seen = await self._refresh_worker_stats_once(seen)
+            try:
+                seen = await self._refresh_worker_stats_once(seen)
+            except Exception:  # noqa: BLE001 - one bad pass must not freeze every figure for good
+                log.exception("refreshing the workers' stats failed; trying again")
             await asyncio.sleep(STATS_PERIOD_S)
 
     async def _refresh_worker_stats_once(self, seen: set[str]) -> set[str]:
@@ -108,14 +111,18 @@ class Router:
             previous = {label for label in seen if label.startswith(f"{role}-")}
             try:
                 # bounded: one replica that does not answer must not stop every figure the router keeps
-                # (none answering, NoReplicaAnswered: replicas slow to answer are not a pool of none,
-                # which would send every waiting prompt elsewhere and refuse new ones)
-                replies, slow, _ = (await replica_answers(handle, "stats", STATS_TIMEOUT_S)).some("stats")
+                replies, slow, _ = await replica_answers(handle, "stats", STATS_TIMEOUT_S)
             except DeploymentUnavailableError:   # not one replica runs (they died; none replaced yet)
                 replies, slow = [], 0
             except Exception as exc:  # noqa: BLE001 - metrics must never take the router down
                 log.debug("no %s stats: %s", role, exc)
                 current |= previous   # kept as they were
+                continue
+            if not replies and slow:
+                # none answered in time: replicas slow to answer are not a pool of none, which would send
+                # every waiting prompt elsewhere and refuse new ones; their series are kept as they were.
+                # (Replicas that all failed, their engines stopped, are a pool of none: their series go.)
+                current |= previous
                 continue
             replies = sorted(replies, key=lambda s: s.get("replica", ""))
             running = len(replies) + slow      # a replica too slow to answer this time still runs

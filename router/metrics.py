@@ -148,7 +148,8 @@ class ServingMetrics:
 
     def observe_request(self, timings: RequestTimings) -> None:
         """Record one ended request; phases it never reached are skipped, and
-        TPOT and e2e latency only count requests that ran to completion."""
+        TPOT and e2e latency only count requests that ran to completion (its
+        TTFT went in at its first token: observe_first_token)."""
         for listener in self._listeners:
             listener.on_request(timings)
         self._requests.labels(finish_reason=timings.finish_reason or "error").inc()
@@ -160,7 +161,6 @@ class ServingMetrics:
             self._prefills.labels(worker_role=timings.phases.prefilled_on).inc()
         completed = timings.finish_reason in ("stop", "length")
         for histogram, value in (
-            (self._ttft, timings.time_to_first_token),
             (self._tpot, timings.time_per_output_token if completed else None),
             (self._e2e, timings.e2e_latency if completed else None),
             (self._queue, timings.phases.queue_time),
@@ -170,6 +170,11 @@ class ServingMetrics:
         ):
             if value is not None:
                 histogram.observe(value)
+
+    def observe_first_token(self, seconds: float) -> None:
+        """A request's time to first token, as its first token comes (not when it ends:
+        a long stream's would show up a whole stream late)."""
+        self._ttft.observe(seconds)
 
     def observe_rejection(self, reason: str) -> None:
         self._rejected.labels(reason=reason).inc()

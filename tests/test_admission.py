@@ -674,7 +674,9 @@ def test_a_replica_slow_to_answer_its_stats_keeps_its_metrics_series(monkeypatch
     rounds = iter([ReplicaAnswers([{"replica": "a", "num_running": 3},
                                    {"replica": "b", "num_running": 4}], 0, 0),
                    ReplicaAnswers([{"replica": "a", "num_running": 5}], 1, 0),   # b is slow
-                   ReplicaAnswers([{"replica": "a", "num_running": 6}], 0, 0)])  # b is gone
+                   ReplicaAnswers([{"replica": "a", "num_running": 6}], 0, 0),   # b is gone
+                   ReplicaAnswers([], 1, 0),                                     # a is slow, alone
+                   ReplicaAnswers([], 0, 1)])     # a's engine stopped: its stats call fails
 
     async def answers(handle, method, timeout_s):
         return next(rounds)
@@ -696,7 +698,36 @@ def test_a_replica_slow_to_answer_its_stats_keeps_its_metrics_series(monkeypatch
         seen = await router._refresh_worker_stats_once(seen)
         assert series() == ['pdserve_num_requests_running{worker="decode-a"} 5.0',
                             'pdserve_num_requests_running{worker="decode-b"} 4.0']
-        await router._refresh_worker_stats_once(seen)
+        seen = await router._refresh_worker_stats_once(seen)
         assert series() == ['pdserve_num_requests_running{worker="decode-a"} 6.0']
+        seen = await router._refresh_worker_stats_once(seen)
+        assert series() == ['pdserve_num_requests_running{worker="decode-a"} 6.0']    # kept: only slow
+        # the role's only replica cannot serve: its last load is not shown as if it still ran
+        assert await router._refresh_worker_stats_once(seen) == set() and series() == []
 
     asyncio.run(main())
+
+
+def test_a_stats_pass_that_fails_does_not_freeze_the_figures_for_good(monkeypatch):
+    # the refresh loop had no guard: one exception (a stat that is not a number, say) ended its task,
+    # and every worker figure, the policy's and admission control's inputs with them, stayed as it was
+    import router.ingress as ingress
+    monkeypatch.setattr(ingress, "STATS_PERIOD_S", 0.01)
+    router = object.__new__(ingress.Router.func_or_class)
+    passes = []
+
+    async def once(seen):
+        passes.append(len(passes))
+        if len(passes) == 1:
+            raise TypeError("a stat that is not a number")
+        return seen
+    router._refresh_worker_stats_once = once
+
+    async def main():
+        task = asyncio.ensure_future(router._refresh_worker_stats())
+        await asyncio.sleep(0.2)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+    assert len(passes) > 2

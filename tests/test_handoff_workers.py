@@ -354,6 +354,23 @@ def test_a_receive_that_cannot_be_posted_is_a_failed_hand_off_retried_elsewhere(
     assert run(main()).token_ids == reference("tiny").greedy(tuple(PROMPTS[0]), 10)
 
 
+def test_a_prompts_queue_time_counts_its_wait_for_the_engine_thread(model_dirs):
+    # timed from when the engine thread took it, a prompt that arrived during a long step reported no
+    # queue time: TTFT minus (queue + prefill) left a gap nothing explained
+    async def main():
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub()).start()
+        try:
+            pair.prefill._engine.submit(lambda engine: time.sleep(0.5))     # a long step in progress
+            await asyncio.sleep(0.05)
+            result = await pair.prefill.prefill("r", PROMPTS[0], GREEDY)
+            assert await pair.prefill.release("r")
+            return result.first.first_token_times
+        finally:
+            await pair.shutdown()
+    times = run(main())
+    assert times.queue_s >= 0.3, times
+
+
 def test_a_failed_scatter_into_the_decode_cache_forgets_its_staging_buffers(model_dirs, reference):
     # the pieces were taken off the books before the write: a write that failed (a CUDA error,
     # say) left the receiver's expect and its staging buffer registered for good

@@ -554,6 +554,33 @@ def test_probes_close_together_share_one_check():
     assert late == ["no decode worker answered"] * 5
 
 
+def test_a_streams_time_to_first_token_is_recorded_at_its_first_token_not_at_its_end(app, backend, metrics):
+    # observed at the end, a long stream's TTFT reached dashboards a whole stream late: during a TTFT
+    # regression the panels stayed quiet while the slow streams still ran
+    backend.hang_after = 2
+    during: list[str] = []
+    requests = [{"type": "http.request", "body": json.dumps({"prompt": "Hi", "stream": True}).encode(),
+                 "more_body": False}]
+
+    async def receive() -> dict:
+        if requests:
+            return requests.pop()
+        await backend.hanging.wait()           # two tokens out, the stream still running
+        during.append(metrics.render()[0].decode())
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        pass
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": COMPLETIONS, "raw_path": COMPLETIONS.encode(),
+             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1234), "server": ("testserver", 80),
+             "headers": [(b"content-type", b"application/json"), (b"host", b"testserver")]}
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), timeout=10))
+    assert "pdserve_time_to_first_token_seconds_count 1.0" in during[0]
+    assert "pdserve_requests_total{" not in during[0]      # it had not ended yet
+
+
 def test_metrics_after_requests(client, metrics, tokenizer):
     assert client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4}).status_code == 200
     assert client.post("/v1/completions", json={"prompt": "Hi", "stream": True}).status_code == 200
