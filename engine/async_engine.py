@@ -73,6 +73,7 @@ class AsyncEngine:
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._calls_lock = threading.Lock()   # a call is queued before the thread stops taking calls, or refused
         self._calls_closed = False
+        self._everything_failed = False       # _fail_everything ran (under _calls_lock)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._sinks: dict[str, OutputSink] = {}
@@ -104,10 +105,7 @@ class AsyncEngine:
         longer than `stuck_step_s`, and so has a call or a ticker, which run
         collectives and transport calls too (a rank that is alive but hung holds
         the others in a collective, whose timeout is days)."""
-        if self._failure is not None or self._stop.is_set() or not self._thread.is_alive():
-            raise EngineStoppedError(f"the engine is not running: {self._failure or 'shut down'}")
-        if self.engine is not None and (problem := self.engine.rank_problem()):
-            raise EngineStoppedError(f"the engine is not running: {problem}")
+        self._check_running()
         working = self._working
         if working is not None and (running := time.monotonic() - working[0]) > self.stuck_step_s:
             raise EngineStoppedError(f"the engine is stuck: its current {working[1]} has run for {running:.0f} s "
@@ -126,12 +124,22 @@ class AsyncEngine:
         waiting for it; a failure is logged."""
         self._enqueue(fn, args, None)
 
-    def _enqueue(self, fn: Callable[..., Any], args: tuple, future: asyncio.Future | None) -> None:
-        """Queues a call, or raises EngineStoppedError: never a call the stopping thread leaves unanswered."""
+    def _check_running(self) -> None:
+        """check_alive without the stuck verdict: the thread and the ranks are there."""
+        if self._failure is not None or self._stop.is_set() or not self._thread.is_alive():
+            raise EngineStoppedError(f"the engine is not running: {self._failure or 'shut down'}")
+        if self.engine is not None and (problem := self.engine.rank_problem()):
+            raise EngineStoppedError(f"the engine is not running: {problem}")
+
+    def _enqueue(self, fn: Callable[..., Any], args: tuple, future: asyncio.Future | None,
+                 cleanup: bool = False) -> None:
+        """Queues a call, or raises EngineStoppedError: never a call the stopping thread leaves unanswered.
+        A `cleanup` call is queued on an engine that only looks stuck (a step running long may end, and
+        what it frees must then be freed); the others are refused there, to be served elsewhere."""
         with self._calls_lock:
             if self._calls_closed:
                 raise EngineStoppedError(f"the engine is not running: {self._failure or 'shut down'}")
-            self.check_alive()
+            self._check_running() if cleanup else self.check_alive()
             self._calls.put((fn, args, future))
         self._wake.set()
 
@@ -147,9 +155,12 @@ class AsyncEngine:
 
     async def call_for_cleanup(self, fn: Callable[..., Any], *args: Any) -> None:
         """`call` for clean-up paths (freeing a request's blocks): it runs even if
-        the caller is being cancelled, and a stopped engine has nothing left to free."""
+        the caller is being cancelled or the engine looks stuck, and a stopped
+        engine has nothing left to free."""
         try:
-            await asyncio.shield(self.call(fn, *args))
+            future = asyncio.get_running_loop().create_future()
+            self._enqueue(fn, args, future, cleanup=True)
+            await asyncio.shield(future)
         except EngineStoppedError:
             log.debug("clean-up %s skipped: the engine has stopped", getattr(fn, "__name__", fn))
 
@@ -199,6 +210,9 @@ class AsyncEngine:
                 log.warning("%s: the engine thread did not stop within %.0f s; terminating its tensor-parallel "
                             "ranks", self._thread.name, timeout_s)
                 self.engine.kill_ranks()
+            if self._thread.is_alive():   # stuck for good (a kernel, an NCCL peer killed under it): its
+                # waiters would wait with it; they hear now (the thread, should it end, finds them answered)
+                self._fail_everything(EngineStoppedError(f"the engine thread did not stop within {timeout_s:g} s"))
 
     # ---- engine thread ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -221,9 +235,13 @@ class AsyncEngine:
             log.exception("the engine loop stopped")
             self._failure = exc
         finally:
-            self._fail_everything(self._failure or EngineStoppedError("the engine was shut down"))
-            self._cores.close()
-            self.engine.shutdown()
+            try:
+                self._fail_everything(self._failure or EngineStoppedError("the engine was shut down"))
+            finally:
+                try:
+                    self._cores.close()
+                finally:
+                    self.engine.shutdown()
 
     def _serve(self, engine: LLMEngine) -> None:
         while not self._stop.is_set():
@@ -317,8 +335,13 @@ class AsyncEngine:
         self._recent_steps.append((self.costs.num_steps, step))
 
     def _fail_everything(self, exc: BaseException) -> None:
+        """Refuses new calls and fails every waiter: queued calls, sinks, stop hooks (once, from
+        whichever thread comes first: the engine thread as it ends, or a shutdown it outlived)."""
         with self._calls_lock:
             self._calls_closed = True
+            if self._everything_failed:
+                return
+            self._everything_failed = True
         while True:
             try:
                 _, _, future = self._calls.get_nowait()
@@ -329,7 +352,10 @@ class AsyncEngine:
         with self._sinks_lock:
             sinks = {id(sink): sink for sink in self._sinks.values()}
         for sink in sinks.values():
-            sink.fail(exc)
+            try:
+                sink.fail(exc)
+            except Exception:  # noqa: BLE001 - the other sinks and the hooks still hear
+                log.exception("failing the output sink %r failed", sink)
         for hook in self._stop_hooks:
             try:
                 hook(exc)
@@ -363,4 +389,7 @@ def settle_from_thread(future: asyncio.Future, value: Any = None, *, exc: BaseEx
             future.set_exception(exc)
         else:
             future.set_result(value)
-    future.get_loop().call_soon_threadsafe(settle)
+    try:
+        future.get_loop().call_soon_threadsafe(settle)
+    except RuntimeError:   # its loop is closed: nobody waits on it any more
+        pass

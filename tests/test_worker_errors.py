@@ -128,6 +128,75 @@ def test_a_call_or_a_poll_that_hangs_reads_as_a_stuck_engine(model_dirs):
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
+def test_a_clean_up_queued_while_the_engine_looks_stuck_runs_once_it_is_free(model_dirs):
+    # refused as "stopped", the clean-up (an abort, a hold's release) was dropped: the cancelled request
+    # decoded on to max_tokens, or its KV stayed held, once the long step ended
+    import asyncio
+    import threading
+
+    from engine import EngineConfig, LLMEngine
+    from engine.async_engine import AsyncEngine
+
+    async def main():
+        config = EngineConfig(model=str(model_dirs["tiny"]), max_model_len=128)
+        engine = AsyncEngine(lambda: LLMEngine(config), name="stuck-cleanup", stuck_step_s=0.2)
+        await engine.ready()
+        release, cleaned = threading.Event(), []
+        try:
+            engine.submit(lambda e: release.wait(10))
+            await asyncio.sleep(0.4)
+            with pytest.raises(EngineStoppedError, match="stuck"):
+                engine.check_alive()
+            cleanup = asyncio.ensure_future(engine.call_for_cleanup(lambda e: cleaned.append("freed")))
+            await asyncio.sleep(0.1)
+            release.set()                                   # the long step ends
+            await asyncio.wait_for(cleanup, 10)
+        finally:
+            release.set()
+            engine.shutdown()
+        return cleaned
+    assert asyncio.run(asyncio.wait_for(main(), 60)) == ["freed"]
+
+
+def test_a_shutdown_that_outlives_a_stuck_engine_thread_answers_its_waiters(model_dirs):
+    # the waiters were failed only by the engine thread as it ended: one stuck for good (a kernel, an NCCL
+    # peer killed under it) left every queued call and stream waiting with it
+    import asyncio
+    import threading
+
+    from engine import EngineConfig, LLMEngine
+    from engine.async_engine import AsyncEngine
+
+    async def main():
+        config = EngineConfig(model=str(model_dirs["tiny"]), max_model_len=128)
+        engine = AsyncEngine(lambda: LLMEngine(config), name="stuck-shutdown")
+        await engine.ready()
+        release = threading.Event()
+        try:
+            engine.submit(lambda e: release.wait(30))
+            queued = asyncio.ensure_future(engine.call(lambda e: "ran"))
+            await asyncio.sleep(0.1)
+            await asyncio.to_thread(engine.shutdown, 0.3)
+            with pytest.raises(EngineStoppedError, match="did not stop within 0.3 s"):
+                await asyncio.wait_for(queued, 5)
+        finally:
+            release.set()
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_settling_a_future_whose_loop_closed_is_a_no_op():
+    # the engine thread fails its waiters as it ends; a waiter's loop may be closed by then (a worker
+    # shut down after its loop), which raised and skipped the rest of the engine's clean-up
+    import asyncio
+
+    from engine.async_engine import settle_from_thread
+    loop = asyncio.new_event_loop()
+    future = loop.create_future()
+    loop.close()
+    settle_from_thread(future, exc=EngineStoppedError("gone"))
+    assert not future.done()
+
+
 class _FakeResponse:
     """A Serve call's response: awaiting it runs `outcome` (a coroutine function)."""
 
