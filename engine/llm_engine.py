@@ -113,10 +113,11 @@ class LLMEngine:
                         config.max_num_batched_tokens, config.max_running_seqs)
         batch_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.runner = ModelRunner(self.worker, Sampler(batch_generator))
-        # What ends a request (unless ignore_eos) and what min_tokens bans, on every path: config.json's,
-        # generation_config.json's and the tokenizer's EOS ids; an id outside the vocabulary is never sampled.
+        # What ends a request (unless ignore_eos) and what min_tokens bans, on every path: the tokenizer's,
+        # config.json's and generation_config.json's EOS ids, the tokenizer's first (a stop on it reports no
+        # stop_reason, on another its id: vLLM's); an id outside the vocabulary is never sampled.
         tokenizer_eos = [] if self.tokenizer.eos_token_id is None else [self.tokenizer.eos_token_id]
-        self.eos_token_ids = tuple(t for t in dict.fromkeys([*mc.eos_token_ids, *tokenizer_eos])
+        self.eos_token_ids = tuple(t for t in dict.fromkeys([*tokenizer_eos, *mc.eos_token_ids])
                                    if 0 <= t < mc.vocab_size)
         self._states: dict[str, RequestTextState] = {}
         self._held: dict[str, Sequence] = {}

@@ -74,7 +74,9 @@ class RequestTextState:
         if past_min and (eos or token_id in params.stop_token_ids):
             if self.keep_stop:      # as vLLM: the ending token's text too (none for a skipped special token)
                 self.text.append(self.detokenizer.add_token(token_id))
-            self._finish("stop", None if eos else token_id)
+            # vLLM's: no stop_reason for the model's main EOS; the id of another (generation_config's extra
+            # EOS ids, a stop_token_ids entry)
+            self._finish("stop", None if eos and token_id == seq.eos_token_ids[0] else token_id)
             return
         prev_len = len(self.text)
         self.text.append(self.detokenizer.add_token(token_id))

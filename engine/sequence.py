@@ -40,7 +40,7 @@ class Sequence:
     token_ids: list[int]                  # prompt followed by generated tokens
     num_prompt_tokens: int
     params: SamplingParams
-    eos_token_ids: tuple[int, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()   # the model's main EOS first (ending on it gives no stop_reason)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0          # tokens whose K/V are in the cache
     block_table: BlockTable = field(default_factory=BlockTable)

@@ -120,7 +120,7 @@ def test_eos_ends_generation_unless_ignored(llm, reference):
     p = ending[0]
     stopped = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=40))[0]
     assert stopped.token_ids == ref.greedy(tuple(p), 40)
-    assert (stopped.finish_reason, stopped.token_ids[-1]) == ("stop", eos)
+    assert (stopped.finish_reason, stopped.stop_reason, stopped.token_ids[-1]) == ("stop", None, eos)
     assert "<|end_of_text|>" not in stopped.text
     ignored = llm.generate([p], _greedy(max_tokens=40))[0]
     assert len(ignored.token_ids) == 40 and ignored.token_ids[:len(stopped.token_ids)] == stopped.token_ids
@@ -142,6 +142,7 @@ def test_generation_config_eos_ids_end_generation_as_in_transformers(model_dirs,
     assert extra in llm.engine.eos_token_ids and llm.tokenizer.eos_token_id in llm.engine.eos_token_ids
     stopped = llm.generate([list(prompt)], SamplingParams(temperature=0.0, max_tokens=20))[0]
     assert stopped.token_ids == expected and stopped.finish_reason == "stop"
+    assert stopped.stop_reason == extra          # vLLM's: an EOS other than the model's main one is named
     assert llm.generate([list(prompt)], _greedy(max_tokens=20))[0].token_ids == free
     # min_tokens bans it as it bans the tokenizer's EOS
     banned = llm.generate([list(prompt)], SamplingParams(temperature=0.0, max_tokens=20, min_tokens=8))[0]
