@@ -72,6 +72,10 @@ def create_group(rank: int, size: int, host: str, port: int, backend: str, devic
     if store is None:
         store = dist.TCPStore(host, port, size, rank == 0, timeout=CONNECT_TIMEOUT)
     store = dist.PrefixStore(f"{prefix}/", store)
+    # every rank here within the connect timeout, before the groups (whose own timeouts are days long)
+    # wait for them: a rank that died before joining fails this, and no thread waits on for days
+    store.set(f"joined/{rank}", "1")
+    store.wait([f"joined/{r}" for r in range(size)], CONNECT_TIMEOUT)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = COLLECTIVE_TIMEOUT

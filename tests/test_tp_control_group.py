@@ -74,3 +74,28 @@ def test_the_gangs_gloo_sockets_listen_where_its_store_is(monkeypatch):
                         staticmethod(lambda hostname: made.append(hostname) or real(hostname=hostname)))
     _gang(2)
     assert made == ["127.0.0.1"] * 4       # two ranks, each a tensor group and a control group
+
+
+def test_a_rank_that_never_joins_fails_the_gang_within_the_connect_timeout(monkeypatch):
+    # rank 0's group rendezvous waited with the groups' own timeouts (days): a follower that died before
+    # joining left the join thread, and the store it holds, behind for days after the start had failed
+    import datetime
+    import time
+
+    import engine.tp_group as tp_group
+    monkeypatch.setattr(tp_group, "CONNECT_TIMEOUT", datetime.timedelta(seconds=0.5))
+    store = host_store(2)
+    outcome: list = []
+
+    def rank_zero_alone() -> None:
+        try:
+            outcome.append(create_group(0, 2, "127.0.0.1", store.port, "gloo", torch.device("cpu"), store=store))
+        except Exception as exc:  # noqa: BLE001 - what the test looks at
+            outcome.append(exc)
+
+    started = time.monotonic()
+    thread = threading.Thread(target=rank_zero_alone, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive() and time.monotonic() - started < 10
+    assert isinstance(outcome[0], Exception) and "joined/1" in str(outcome[0])
