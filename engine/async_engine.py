@@ -74,6 +74,7 @@ class AsyncEngine:
         self._calls_lock = threading.Lock()   # a call is queued before the thread stops taking calls, or refused
         self._calls_closed = False
         self._everything_failed = False       # _fail_everything ran (under _calls_lock)
+        self._call_in_flight: asyncio.Future | None = None   # the future of the call the engine thread runs
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._sinks: dict[str, OutputSink] = {}
@@ -131,17 +132,32 @@ class AsyncEngine:
         if self.engine is not None and (problem := self.engine.rank_problem()):
             raise EngineStoppedError(f"the engine is not running: {problem}")
 
-    def _enqueue(self, fn: Callable[..., Any], args: tuple, future: asyncio.Future | None,
-                 cleanup: bool = False) -> None:
-        """Queues a call, or raises EngineStoppedError: never a call the stopping thread leaves unanswered.
-        A `cleanup` call is queued on an engine that only looks stuck (a step running long may end, and
-        what it frees must then be freed); the others are refused there, to be served elsewhere."""
+    def _enqueue(self, fn: Callable[..., Any], args: tuple, future: asyncio.Future | None) -> None:
+        """Queues a call, or raises EngineStoppedError: never a call the stopping thread leaves unanswered."""
         with self._calls_lock:
             if self._calls_closed:
                 raise EngineStoppedError(f"the engine is not running: {self._failure or 'shut down'}")
-            self._check_running() if cleanup else self.check_alive()
+            self.check_alive()
             self._calls.put((fn, args, future))
         self._wake.set()
+
+    def _enqueue_cleanup(self, fn: Callable[..., Any], args: tuple) -> asyncio.Future | None:
+        """Queues a clean-up call; its future, or None where the engine looks stuck: then the call
+        is queued unanswered (it runs should the long step end, and frees what that step left)
+        and nobody waits on it (a stuck engine may never take it). EngineStoppedError when the
+        engine has stopped (nothing left to free)."""
+        future = asyncio.get_running_loop().create_future()
+        with self._calls_lock:
+            if self._calls_closed:
+                raise EngineStoppedError(f"the engine is not running: {self._failure or 'shut down'}")
+            self._check_running()
+            try:
+                self.check_alive()
+            except EngineStoppedError:
+                future = None
+            self._calls.put((fn, args, future))
+        self._wake.set()
+        return future
 
     def attach(self, request_id: str, sink: OutputSink) -> None:
         """Sends the request's outputs to `sink`. Attach before the request is added."""
@@ -155,12 +171,12 @@ class AsyncEngine:
 
     async def call_for_cleanup(self, fn: Callable[..., Any], *args: Any) -> None:
         """`call` for clean-up paths (freeing a request's blocks): it runs even if
-        the caller is being cancelled or the engine looks stuck, and a stopped
-        engine has nothing left to free."""
+        the caller is being cancelled or the engine looks stuck (then without
+        waiting for it), and a stopped engine has nothing left to free."""
         try:
-            future = asyncio.get_running_loop().create_future()
-            self._enqueue(fn, args, future, cleanup=True)
-            await asyncio.shield(future)
+            future = self._enqueue_cleanup(fn, args)
+            if future is not None:
+                await asyncio.shield(future)
         except EngineStoppedError:
             log.debug("clean-up %s skipped: the engine has stopped", getattr(fn, "__name__", fn))
 
@@ -285,6 +301,7 @@ class AsyncEngine:
                 fn, args, future = self._calls.get_nowait()
             except queue.Empty:
                 return
+            self._call_in_flight = future
             try:
                 with self._at_work(f"call {getattr(fn, '__qualname__', 'call')}"):
                     result = fn(engine, *args)
@@ -300,6 +317,8 @@ class AsyncEngine:
             else:
                 if future is not None:
                     settle_from_thread(future, result)
+            finally:
+                self._call_in_flight = None
 
     def deliver(self, outputs: list[RequestOutput]) -> None:
         """Engine thread only: one put per sink with all of its requests' outputs
@@ -342,6 +361,9 @@ class AsyncEngine:
             if self._everything_failed:
                 return
             self._everything_failed = True
+        in_flight = self._call_in_flight       # (a stuck call's, when a shutdown outlived the thread)
+        if in_flight is not None:
+            settle_from_thread(in_flight, exc=EngineStoppedError(str(exc)))
         while True:
             try:
                 _, _, future = self._calls.get_nowait()

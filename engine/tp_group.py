@@ -46,6 +46,9 @@ CONTROL_TIMEOUT = datetime.timedelta(days=3650)
 # found sooner by rank 0's stuck-step check (engine/async_engine.py).
 COLLECTIVE_TIMEOUT = datetime.timedelta(days=7)
 CONNECT_TIMEOUT = datetime.timedelta(seconds=120)
+# every rank of a gang in the store (each spawned, torch and the engine imported): generous for a
+# loaded node starting many gangs at once, yet a bound on a start whose follower died before joining
+JOIN_TIMEOUT = datetime.timedelta(seconds=600)
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -72,10 +75,10 @@ def create_group(rank: int, size: int, host: str, port: int, backend: str, devic
     if store is None:
         store = dist.TCPStore(host, port, size, rank == 0, timeout=CONNECT_TIMEOUT)
     store = dist.PrefixStore(f"{prefix}/", store)
-    # every rank here within the connect timeout, before the groups (whose own timeouts are days long)
-    # wait for them: a rank that died before joining fails this, and no thread waits on for days
+    # every rank here within JOIN_TIMEOUT, before the groups (whose own timeouts are days long) wait
+    # for them: a rank that died before joining fails this, and no thread waits on for days
     store.set(f"joined/{rank}", "1")
-    store.wait([f"joined/{r}" for r in range(size)], CONNECT_TIMEOUT)
+    store.wait([f"joined/{r}" for r in range(size)], JOIN_TIMEOUT)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = COLLECTIVE_TIMEOUT

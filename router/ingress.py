@@ -74,6 +74,7 @@ class Router:
                                             deployed=autoscaling_deployed, limits=autoscaling_limits,
                                             running_output_tokens=self.backend.mean_running_output_tokens)
             self._autoscale_task = asyncio.get_event_loop().create_task(self.autoscaler.run())
+        self._failed_passes: dict[str, int] = {}    # role -> stats passes in a row where every call failed
         self._stats_task = asyncio.get_event_loop().create_task(self._refresh_worker_stats())
 
     def record_autoscaling_stats(self) -> dict[str, float]:
@@ -102,6 +103,42 @@ class Router:
                 log.exception("refreshing the workers' stats failed; trying again")
             await asyncio.sleep(STATS_PERIOD_S)
 
+    async def _refresh_role(self, role: str, handle, previous: set[str], current: set[str]) -> None:
+        """One role's part of a stats pass: adds the series it keeps to `current` (`previous`: the
+        role's series before)."""
+        try:
+            # bounded: one replica that does not answer must not stop every figure the router keeps
+            replies, slow, failed = await replica_answers(handle, "stats", STATS_TIMEOUT_S)
+        except DeploymentUnavailableError:   # not one replica runs (they died; none replaced yet)
+            replies, slow, failed = [], 0, 0
+        except Exception as exc:  # noqa: BLE001 - metrics must never take the router down
+            log.debug("no %s stats: %s", role, exc)
+            current |= previous   # kept as they were
+            return
+        all_failed = not replies and not slow and failed
+        self._failed_passes[role] = self._failed_passes.get(role, 0) + 1 if all_failed else 0
+        if not replies and (slow or self._failed_passes[role] == 1):
+            # none answered: replicas slow to answer, or failing once (Ray's "actor unavailable" on a
+            # healthy one), are not a pool of none, which would send every waiting prompt elsewhere and
+            # refuse new ones; their series are kept as they were. Replicas whose calls fail twice in a
+            # row (their engines stopped) are a pool of none: their series go.
+            current |= previous
+            return
+        replies = sorted(replies, key=lambda s: s.get("replica", ""))
+        running = len(replies) + slow      # a replica too slow to answer this time still runs
+        if self.policy is not None:
+            self.policy.observe_workers(role, replies, running)
+        if self.admission is not None:
+            self.admission.observe_workers(role, replies, running)
+        if self.autoscaler is not None:
+            self.autoscaler.observe_workers(role, replies)
+        if slow:   # which replicas were slow is not known: none of the role's series is dropped
+            current |= previous
+        for i, stats in enumerate(replies):
+            label = f"{role}-{stats.get('replica') or i}"     # the replica's own series, not a position
+            current.add(label)
+            self.metrics.set_worker_stats(label, {k: v for k, v in stats.items() if k != "replica"})
+
     async def _refresh_worker_stats_once(self, seen: set[str]) -> set[str]:
         """Asks every worker replica for its stats and hands them to /metrics, the policy, admission
         and the autoscaler. `seen`: the replica series /metrics kept before; returns those it keeps now
@@ -110,34 +147,10 @@ class Router:
         for role, handle in self._workers.items():
             previous = {label for label in seen if label.startswith(f"{role}-")}
             try:
-                # bounded: one replica that does not answer must not stop every figure the router keeps
-                replies, slow, _ = await replica_answers(handle, "stats", STATS_TIMEOUT_S)
-            except DeploymentUnavailableError:   # not one replica runs (they died; none replaced yet)
-                replies, slow = [], 0
-            except Exception as exc:  # noqa: BLE001 - metrics must never take the router down
-                log.debug("no %s stats: %s", role, exc)
-                current |= previous   # kept as they were
-                continue
-            if not replies and slow:
-                # none answered in time: replicas slow to answer are not a pool of none, which would send
-                # every waiting prompt elsewhere and refuse new ones; their series are kept as they were.
-                # (Replicas that all failed, their engines stopped, are a pool of none: their series go.)
+                await self._refresh_role(role, handle, previous, current)
+            except Exception:  # noqa: BLE001 - one role's bad figure must not stop the others'
+                log.exception("refreshing the %s workers' stats failed", role)
                 current |= previous
-                continue
-            replies = sorted(replies, key=lambda s: s.get("replica", ""))
-            running = len(replies) + slow      # a replica too slow to answer this time still runs
-            if self.policy is not None:
-                self.policy.observe_workers(role, replies, running)
-            if self.admission is not None:
-                self.admission.observe_workers(role, replies, running)
-            if self.autoscaler is not None:
-                self.autoscaler.observe_workers(role, replies)
-            if slow:   # which replicas were slow is not known: none of the role's series is dropped
-                current |= previous
-            for i, stats in enumerate(replies):
-                label = f"{role}-{stats.get('replica') or i}"     # the replica's own series, not a position
-                current.add(label)
-                self.metrics.set_worker_stats(label, {k: v for k, v in stats.items() if k != "replica"})
         for gone in seen - current:
             self.metrics.remove_worker(gone)
         return current

@@ -676,7 +676,8 @@ def test_a_replica_slow_to_answer_its_stats_keeps_its_metrics_series(monkeypatch
                    ReplicaAnswers([{"replica": "a", "num_running": 5}], 1, 0),   # b is slow
                    ReplicaAnswers([{"replica": "a", "num_running": 6}], 0, 0),   # b is gone
                    ReplicaAnswers([], 1, 0),                                     # a is slow, alone
-                   ReplicaAnswers([], 0, 1)])     # a's engine stopped: its stats call fails
+                   ReplicaAnswers([], 0, 1),      # a's stats call fails once (Ray: "actor unavailable")
+                   ReplicaAnswers([], 0, 1)])     # and again: its engine stopped
 
     async def answers(handle, method, timeout_s):
         return next(rounds)
@@ -686,6 +687,7 @@ def test_a_replica_slow_to_answer_its_stats_keeps_its_metrics_series(monkeypatch
     router._workers = {"decode": object()}
     router.policy = router.admission = router.autoscaler = None
     router.metrics = ServingMetrics()
+    router._failed_passes = {}
 
     def series():
         text = router.metrics.render()[0].decode()
@@ -702,6 +704,8 @@ def test_a_replica_slow_to_answer_its_stats_keeps_its_metrics_series(monkeypatch
         assert series() == ['pdserve_num_requests_running{worker="decode-a"} 6.0']
         seen = await router._refresh_worker_stats_once(seen)
         assert series() == ['pdserve_num_requests_running{worker="decode-a"} 6.0']    # kept: only slow
+        seen = await router._refresh_worker_stats_once(seen)
+        assert series() == ['pdserve_num_requests_running{worker="decode-a"} 6.0']    # kept: failed once
         # the role's only replica cannot serve: its last load is not shown as if it still ran
         assert await router._refresh_worker_stats_once(seen) == set() and series() == []
 

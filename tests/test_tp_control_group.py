@@ -76,14 +76,14 @@ def test_the_gangs_gloo_sockets_listen_where_its_store_is(monkeypatch):
     assert made == ["127.0.0.1"] * 4       # two ranks, each a tensor group and a control group
 
 
-def test_a_rank_that_never_joins_fails_the_gang_within_the_connect_timeout(monkeypatch):
+def test_a_rank_that_never_joins_fails_the_gang_within_the_join_timeout(monkeypatch):
     # rank 0's group rendezvous waited with the groups' own timeouts (days): a follower that died before
     # joining left the join thread, and the store it holds, behind for days after the start had failed
     import datetime
     import time
 
     import engine.tp_group as tp_group
-    monkeypatch.setattr(tp_group, "CONNECT_TIMEOUT", datetime.timedelta(seconds=0.5))
+    monkeypatch.setattr(tp_group, "JOIN_TIMEOUT", datetime.timedelta(seconds=0.5))
     store = host_store(2)
     outcome: list = []
 

@@ -147,10 +147,14 @@ def test_a_clean_up_queued_while_the_engine_looks_stuck_runs_once_it_is_free(mod
             await asyncio.sleep(0.4)
             with pytest.raises(EngineStoppedError, match="stuck"):
                 engine.check_alive()
-            cleanup = asyncio.ensure_future(engine.call_for_cleanup(lambda e: cleaned.append("freed")))
-            await asyncio.sleep(0.1)
-            release.set()                                   # the long step ends
-            await asyncio.wait_for(cleanup, 10)
+            # queued, and not waited on: a stuck engine may never take it (its caller must not hang)
+            await asyncio.wait_for(engine.call_for_cleanup(lambda e: cleaned.append("freed")), 1)
+            assert cleaned == []
+            release.set()                                   # the long step ends: the clean-up runs
+            for _ in range(100):
+                if cleaned:
+                    break
+                await asyncio.sleep(0.05)
         finally:
             release.set()
             engine.shutdown()
@@ -173,12 +177,14 @@ def test_a_shutdown_that_outlives_a_stuck_engine_thread_answers_its_waiters(mode
         await engine.ready()
         release = threading.Event()
         try:
-            engine.submit(lambda e: release.wait(30))
-            queued = asyncio.ensure_future(engine.call(lambda e: "ran"))
+            stuck = asyncio.ensure_future(engine.call(lambda e: release.wait(30)))     # the call it runs
+            await asyncio.sleep(0.1)
+            queued = asyncio.ensure_future(engine.call(lambda e: "ran"))              # and one behind it
             await asyncio.sleep(0.1)
             await asyncio.to_thread(engine.shutdown, 0.3)
-            with pytest.raises(EngineStoppedError, match="did not stop within 0.3 s"):
-                await asyncio.wait_for(queued, 5)
+            for waiter in (stuck, queued):
+                with pytest.raises(EngineStoppedError, match="did not stop within 0.3 s"):
+                    await asyncio.wait_for(waiter, 5)
         finally:
             release.set()
     asyncio.run(asyncio.wait_for(main(), 60))
