@@ -202,6 +202,22 @@ def test_a_hand_off_that_keeps_failing_continues_on_the_decode_worker(model_dirs
     _one_stream_moved_once(*run(main()), reference)
 
 
+def _first_hand_off_of_r_unheard(pair) -> list[asyncio.Future]:
+    """Request "r"'s first hand-off call reaches the decode worker but fails at the router (Ray's
+    "actor unavailable": it may have executed). Returns the list that gets that call's task."""
+    generate, tries = pair.decode_pool.generate, []
+
+    async def reached_but_unanswered(request, avoid_replica=None):
+        if request.prefill is not None and request.request_id == "r" and not tries:
+            tries.append(asyncio.ensure_future(generate(request)))
+            await asyncio.sleep(0)          # it runs on the worker up to its first wait
+            raise BackendUnavailableError("the decode worker is unavailable: actor unavailable")
+        return await generate(request, avoid_replica)
+
+    pair.decode_pool.generate = reached_but_unanswered
+    return tries
+
+
 def test_a_hand_off_retried_onto_the_replica_that_took_the_first_try_moves_the_request(model_dirs, reference):
     """The first hand-off call reaches the decode worker but fails at the router (Ray's
     "actor unavailable": it may have executed); the retry lands on the same worker, which
@@ -212,16 +228,7 @@ def test_a_hand_off_retried_onto_the_replica_that_took_the_first_try_moves_the_r
 
     async def main():
         pair = await Pair(model_dirs["tiny"], FakeTransportHub(), max_migrations=1).start()
-        generate, tries = pair.decode_pool.generate, []
-
-        async def reached_but_unanswered(request, avoid_replica=None):
-            if request.prefill is not None and request.request_id == "r" and not tries:
-                tries.append(asyncio.ensure_future(generate(request)))
-                await asyncio.sleep(0)          # it runs on the worker up to its first wait
-                raise BackendUnavailableError("the decode worker is unavailable: actor unavailable")
-            return await generate(request, avoid_replica)
-
-        pair.decode_pool.generate = reached_but_unanswered
+        tries = _first_hand_off_of_r_unheard(pair)
         try:
             await pair.run("warm", PROMPTS[0])
             outs = [out async for out in pair.backend.generate("r", PROMPTS[1], GREEDY)]
@@ -243,16 +250,7 @@ def test_a_hand_off_try_that_ran_unheard_is_aborted_when_the_request_moves(model
 
     async def main():
         pair = await Pair(model_dirs["tiny"], FakeTransportHub(), max_migrations=1).start()
-        generate, tries = pair.decode_pool.generate, []
-
-        async def reached_but_unanswered(request, avoid_replica=None):
-            if request.prefill is not None and not tries:
-                tries.append(asyncio.ensure_future(generate(request)))
-                await asyncio.sleep(0)          # it runs on the worker up to its first wait
-                raise BackendUnavailableError("the decode worker is unavailable: actor unavailable")
-            return await generate(request, avoid_replica)
-
-        pair.decode_pool.generate = reached_but_unanswered
+        tries = _first_hand_off_of_r_unheard(pair)
         try:
             params = dataclasses.replace(GREEDY, max_tokens=100)      # the copy outlives the wait below
             outs = [out async for out in pair.backend.generate("r", PROMPTS[1], params)]

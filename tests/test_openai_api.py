@@ -931,15 +931,21 @@ def test_continuous_usage_of_n_choices_is_each_chunks_own_choices(client):
     assert chunks[-1]["usage"]["completion_tokens"] == 6
 
 
-def test_n_choices_are_admitted_together_or_not_at_all(backend, tokenizer, metrics):
+def _tpot_bound_client(backend, tokenizer, metrics):
+    """A client of an app whose admission control holds a 100 ms TPOT SLO over decode steps of
+    1 / 2 / 3 sequences: 50 / 80 / 110 ms (a third sequence would miss it); with admission control
+    and the prompt lengths of the arrivals metrics saw."""
     from router.admission import AdmissionControl, AdmissionSettings
     admission = AdmissionControl(AdmissionSettings(tpot_slo_s=0.1, tpot_headroom=1.0))
-    # a decode step of 1 / 2 / 3 sequences: 50 / 80 / 110 ms: a third choice would miss the TPOT SLO
     admission.observe_workers("decode", [{"decode_step_fixed_s": 0.02, "decode_s_per_seq": 0.03}])
-    arrivals = []
+    arrivals: list = []
     metrics.add_listener(SimpleNamespace(on_arrival=lambda prompt, max_tokens: arrivals.append(prompt),
                                          on_refusal=lambda reason: None, on_request=lambda timings: None))
-    n_client = TestClient(build_openai_app(backend, tokenizer, metrics, admission=admission))
+    return TestClient(build_openai_app(backend, tokenizer, metrics, admission=admission)), admission, arrivals
+
+
+def test_n_choices_are_admitted_together_or_not_at_all(backend, tokenizer, metrics):
+    n_client, admission, arrivals = _tpot_bound_client(backend, tokenizer, metrics)
     prompt = tokenizer.encode("Hi there")
     occupying = admission.admit(5, 1)          # another request runs: the bound holds for this one's choices
     refused = n_client.post(COMPLETIONS, json={"prompt": prompt, "n": 3, "max_tokens": 1})
@@ -1018,14 +1024,7 @@ def test_the_official_client_sends_a_batch(client, tokenizer, backend):
 
 
 def test_a_batch_is_admitted_whole_or_refused_whole(backend, tokenizer, metrics):
-    from router.admission import AdmissionControl, AdmissionSettings
-    admission = AdmissionControl(AdmissionSettings(tpot_slo_s=0.1, tpot_headroom=1.0))
-    # a decode step of 1 / 2 / 3 sequences: 50 / 80 / 110 ms: a third sequence would miss the TPOT SLO
-    admission.observe_workers("decode", [{"decode_step_fixed_s": 0.02, "decode_s_per_seq": 0.03}])
-    arrivals = []
-    metrics.add_listener(SimpleNamespace(on_arrival=lambda prompt, max_tokens: arrivals.append(prompt),
-                                         on_refusal=lambda reason: None, on_request=lambda timings: None))
-    batch_client = TestClient(build_openai_app(backend, tokenizer, metrics, admission=admission))
+    batch_client, admission, arrivals = _tpot_bound_client(backend, tokenizer, metrics)
     first, second = tokenizer.encode("Hi there"), tokenizer.encode("Bye")
     occupying = admission.admit(5, 1)
     admission.first_token(occupying)      # it runs: its step is what a new sequence must fit beside
