@@ -107,6 +107,9 @@ class AsyncEngine:
         collectives and transport calls too (a rank that is alive but hung holds
         the others in a collective, whose timeout is days)."""
         self._check_running()
+        self._check_not_stuck()
+
+    def _check_not_stuck(self) -> None:
         working = self._working
         if working is not None and (running := time.monotonic() - working[0]) > self.stuck_step_s:
             raise EngineStoppedError(f"the engine is stuck: its current {working[1]} has run for {running:.0f} s "
@@ -132,32 +135,16 @@ class AsyncEngine:
         if self.engine is not None and (problem := self.engine.rank_problem()):
             raise EngineStoppedError(f"the engine is not running: {problem}")
 
-    def _enqueue(self, fn: Callable[..., Any], args: tuple, future: asyncio.Future | None) -> None:
-        """Queues a call, or raises EngineStoppedError: never a call the stopping thread leaves unanswered."""
+    def _enqueue(self, fn: Callable[..., Any], args: tuple, future: asyncio.Future | None,
+                 check: Callable[[], None] | None = None) -> None:
+        """Queues a call, or raises EngineStoppedError: never a call the stopping thread leaves unanswered.
+        `check` (default check_alive) says whether the engine takes calls."""
         with self._calls_lock:
             if self._calls_closed:
                 raise EngineStoppedError(f"the engine is not running: {self._failure or 'shut down'}")
-            self.check_alive()
+            (check or self.check_alive)()
             self._calls.put((fn, args, future))
         self._wake.set()
-
-    def _enqueue_cleanup(self, fn: Callable[..., Any], args: tuple) -> asyncio.Future | None:
-        """Queues a clean-up call; its future, or None where the engine looks stuck: then the call
-        is queued unanswered (it runs should the long step end, and frees what that step left)
-        and nobody waits on it (a stuck engine may never take it). EngineStoppedError when the
-        engine has stopped (nothing left to free)."""
-        future = asyncio.get_running_loop().create_future()
-        with self._calls_lock:
-            if self._calls_closed:
-                raise EngineStoppedError(f"the engine is not running: {self._failure or 'shut down'}")
-            self._check_running()
-            try:
-                self.check_alive()
-            except EngineStoppedError:
-                future = None
-            self._calls.put((fn, args, future))
-        self._wake.set()
-        return future
 
     def attach(self, request_id: str, sink: OutputSink) -> None:
         """Sends the request's outputs to `sink`. Attach before the request is added."""
@@ -174,7 +161,14 @@ class AsyncEngine:
         the caller is being cancelled or the engine looks stuck (then without
         waiting for it), and a stopped engine has nothing left to free."""
         try:
-            future = self._enqueue_cleanup(fn, args)
+            try:
+                self._check_not_stuck()
+                future = asyncio.get_running_loop().create_future()
+            except EngineStoppedError:
+                # queued unanswered: it runs should the long step end, and nobody waits on an engine
+                # that may never take it
+                future = None
+            self._enqueue(fn, args, future, check=self._check_running)
             if future is not None:
                 await asyncio.shield(future)
         except EngineStoppedError:

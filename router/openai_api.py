@@ -274,8 +274,8 @@ class _Server:
         arrived = self._check_before_tokenizing()
         try:
             batch = [body] if chat else body.prompts()
-            prompts = [await self._planned(one, chat, i if len(batch) > 1 else None, check_bad_words=i == 0)
-                       for i, one in enumerate(batch)]     # (bad_words are the request's: checked once)
+            prompts = [await self._planned(one, chat, i if len(batch) > 1 else None) for i, one in enumerate(batch)]
+            await self._check_bad_words(prompts[0].choice_params[0])     # the request's, for every prompt
         except BaseException:    # a 400 (or a client gone while tokenizing): no demand on the workers
             if arrived is not None:
                 self.admission.withdraw(arrived)
@@ -335,11 +335,11 @@ class _Server:
                              **fmts[0].response_fields(), **scored})
 
     async def _planned(self, body: CompletionRequest | ChatCompletionRequest, chat: bool,
-                       batch_index: int | None = None, check_bad_words: bool = True) -> _PlannedPrompt:
+                       batch_index: int | None = None) -> _PlannedPrompt:
         """One prompt of the request (`body` holds one; `batch_index`: its place in a
         batch, which a 400 names), tokenized and checked (400s)."""
         try:
-            prompt_ids, params, cut = await self._prompt_and_params(body, chat, check_bad_words)
+            prompt_ids, params, cut = await self._prompt_and_params(body, chat)
         except InvalidRequestError as exc:
             if batch_index is None:
                 raise
@@ -374,10 +374,10 @@ class _Server:
                                               clean_up_tokenization_spaces=False), prompt_ids)
         return Echo(body.prompt, prompt_ids)
 
-    async def _prompt_and_params(self, body: CompletionRequest | ChatCompletionRequest, chat: bool,
-                                 check_bad_words: bool = True) -> tuple[list[int], SamplingParams, bool]:
+    async def _prompt_and_params(self, body: CompletionRequest | ChatCompletionRequest,
+                                 chat: bool) -> tuple[list[int], SamplingParams, bool]:
         """The prompt's token ids and the sampling parameters, each checked (400s; the
-        bad_words, when `check_bad_words`), and whether the prompt was cut
+        bad_words apart: _check_bad_words), and whether the prompt was cut
         (truncate_prompt_tokens)."""
         prompt_param = "messages" if chat else "prompt"
         keep = self._tokens_to_keep(body)
@@ -392,14 +392,17 @@ class _Server:
             default_max = min(default_max, self.limits.max_tokens)
         params = body.to_sampling_params(default_max, self.info.sampling_defaults)
         self._check_context(len(prompt_ids), params, body.max_tokens_param, prompt_param)
-        # the workers' bad_words check, as a 400 here (its min_tokens part needs the EOS ids: the engine's)
-        if check_bad_words and sum(map(len, params.bad_words or ())) <= _INLINE_TOKENIZE_CHARS:
-            bad_word_sequences(self.tokenizer, params, self.info.vocab_size)
-        elif check_bad_words:   # long words tokenize off the loop, as long prompts do
-            await anyio.to_thread.run_sync(bad_word_sequences, self.tokenizer, params, self.info.vocab_size)
         text_cut = keep is not None and isinstance(body, CompletionRequest) and \
             self._text_to_tokenize(body, keep) is not None
         return prompt_ids, params, text_cut or len(prompt_ids) < len(tokenized)
+
+    async def _check_bad_words(self, params: SamplingParams) -> None:
+        """The workers' bad_words check, as a 400 here (its min_tokens part needs the EOS ids: the
+        engine's); long words tokenize off the loop, as long prompts do."""
+        if sum(map(len, params.bad_words or ())) <= _INLINE_TOKENIZE_CHARS:
+            bad_word_sequences(self.tokenizer, params, self.info.vocab_size)
+        else:
+            await anyio.to_thread.run_sync(bad_word_sequences, self.tokenizer, params, self.info.vocab_size)
 
     def _tokens_to_keep(self, body: CompletionRequest | ChatCompletionRequest) -> int | None:
         """vLLM's `truncate_prompt_tokens` resolved (None: no truncation); -1: as many as fit

@@ -330,18 +330,13 @@ class ServingBackend(GenerationBackend):
                         self._policy.observe_handoff(done.transfer_time_s)
                     return done
                 except KVHolderLost as exc:
-                    # no decode replica can take KV that is gone: the request is prefilled again (an earlier
-                    # try that ran unheard may be what took it: it would decode for nobody)
-                    if unsure:
-                        self._decode.abort_everywhere(request_id)
+                    # no decode replica can take KV that is gone: the request is prefilled again
                     raise BackendUnavailableError(str(exc)) from None
                 except (KVTransferFailed, BackendUnavailableError, TimeoutError, RequestIdInUse) as exc:
                     # RequestIdInUse: a retry met the attempt before it, which the router could not
                     # tell had reached that replica
                     unsure = unsure or isinstance(exc, RequestIdInUse) or not getattr(exc, "replica_id", "")
                     if attempt == self.max_transfer_attempts:
-                        if unsure:      # a try may run on a replica, past its hand-off: nobody would hear it
-                            self._decode.abort_everywhere(request_id)
                         raise BackendUnavailableError(str(exc), getattr(exc, "replica_id", "")) from None
                     avoid = getattr(exc, "replica_id", None) or None
                     log.warning("KV hand-off of %s failed (%s); retrying on another decode worker", request_id, exc)
@@ -349,6 +344,8 @@ class ServingBackend(GenerationBackend):
         finally:
             if not admitted:
                 self._prefill.release(result)
+                if unsure:   # a try that ran unheard may have taken the KV (and now decodes for nobody)
+                    self._decode.abort_everywhere(request_id)
 
 
 async def _shielded(work: asyncio.Future, what: str, timeout_s: float) -> None:
