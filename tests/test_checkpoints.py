@@ -173,9 +173,16 @@ def _with_config(src, dst, **changes):
     ({"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}},
      r"quantized checkpoints \(quant_method=fp8\) are not supported"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                          "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}},
+     r"per-layer-type RoPE parameters \(full_attention, sliding_attention\) are not supported"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0,
+                          "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor 0.5 with linear RoPE is not supported"),
 ])
 def test_checkpoints_the_model_would_compute_wrongly_are_refused(model_dirs, tmp_path, changes, says):
-    # each of these loaded and gave wrong logits (an fp8 weight cast without its scale, a GELU MLP run as SiLU)
+    # each of these loaded and gave wrong logits (an fp8 weight cast without its scale, a GELU MLP run as SiLU,
+    # per-layer RoPE or a partial rotation run as one full RoPE)
     from engine.model import ModelConfig, ModelConfigError
     d = _with_config(model_dirs["tiny"], tmp_path / "variant", **changes)
     with pytest.raises(ModelConfigError, match=says):

@@ -298,4 +298,14 @@ def _rope_parameters(hf: Any) -> dict[str, Any]:
     params.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
     params["rope_type"] = params.get("rope_type") or params.pop("type", None) or "default"
     params.pop("type", None)
+    nested = sorted(key for key, value in params.items() if isinstance(value, dict))
+    if nested:
+        raise ModelConfigError(f"per-layer-type RoPE parameters ({', '.join(nested)}) are not supported: pdserve "
+                               "applies one RoPE to every layer; give rope_parameters one rope_type and rope_theta")
+    partial = params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None))
+    if partial not in (None, 1, 1.0) and params["rope_type"] != "default":
+        # Llama, Mistral and Qwen's default RoPE ignore the factor as transformers does; a scaled one
+        # would rotate part of each head there and all of it here
+        raise ModelConfigError(f"partial_rotary_factor {partial} with {params['rope_type']} RoPE is not "
+                               "supported: pdserve rotates the whole head_dim")
     return params
