@@ -108,6 +108,16 @@ class KVTransferSection(_Strict):
     secret_env: EnvName = Field(None, description="name of the environment variable that holds the secret "
                                    "a prefill worker proves to a decode worker before any KV moves (read where "
                                    "the application is built); default: a random secret made once per Ray cluster")
+    secret_stored_key: str | None = Field(None, pattern=r"^[A-Za-z0-9_./-]{1,160}$", description="or the key "
+                                          "under which `pdserve serve --autoscale` stored secret_env's value in "
+                                          "the Ray cluster's key-value store, so that the application's config, "
+                                          "which Serve shows, holds no secret")
+
+    @model_validator(mode="after")
+    def _one_secret_source(self):
+        if self.secret_env and self.secret_stored_key:
+            raise ValueError("give kv_transfer.secret_env or kv_transfer.secret_stored_key, not both")
+        return self
 
 
 class DisaggregationSection(_Strict):
@@ -381,7 +391,16 @@ class DeploymentConfig(_Strict):
     def kv_transfer_secret(self) -> str:
         """The secret every KV-transfer pair of this deployment proves: the named
         variable's, else the Ray cluster's own (cluster/serving/cluster_secret.py).
-        Raises ValueError when kv_transfer.secret_env names a variable that is not set."""
+        Raises ValueError when kv_transfer.secret_env names a variable that is not set,
+        or kv_transfer.secret_stored_key a key this Ray cluster does not hold."""
+        if self.kv_transfer.secret_stored_key:
+            from cluster.serving.cluster_secret import stored_secret
+            value = stored_secret(self.kv_transfer.secret_stored_key)
+            if not value:
+                raise ValueError(f"kv_transfer.secret_stored_key {self.kv_transfer.secret_stored_key!r} is not in "
+                                 "this Ray cluster's key-value store: deploy with `pdserve serve` again, or name "
+                                 "the secret's variable in kv_transfer.secret_env")
+            return value
         if not self.kv_transfer.secret_env:
             from cluster.serving.cluster_secret import cluster_secret
             return cluster_secret()

@@ -196,6 +196,12 @@ def test_a_secret_pasted_for_a_variables_name_is_refused_and_not_repeated(monkey
         DeploymentConfig.model_validate({"http": {"api_key_env": "MY_API_KEY"}}).api_key_sha256()
 
 
+def test_the_kv_secret_comes_from_one_source():
+    with pytest.raises(ValidationError, match="give kv_transfer.secret_env or kv_transfer.secret_stored_key, not both"):
+        DeploymentConfig.model_validate({"kv_transfer": {"secret_env": "KV_SECRET",
+                                                         "secret_stored_key": "kv_transfer_secret_env/KV_SECRET"}})
+
+
 def test_a_flag_does_not_hide_a_malformed_section_of_the_file(tmp_path):
     import yaml
     f = tmp_path / "bad.yaml"

@@ -210,6 +210,28 @@ def test_the_kv_transfer_secret_is_made_once_per_ray_cluster(ray_cluster):
     assert first == again == elsewhere and len(first) == 64 and pid != os.getpid()
 
 
+def test_a_named_kv_secret_stored_in_the_cluster_is_what_an_application_built_there_reads(ray_cluster, monkeypatch):
+    # `pdserve serve --autoscale` builds its application in the cluster, where the file's variable
+    # need not be set: the secret goes through the cluster's store, the config names its key
+    from cluster.cli.serve_command import autoscaled_application
+    from cluster.config import DeploymentConfig
+
+    @ray.remote(num_cpus=0)
+    def secret_where_the_app_is_built(config_json: dict) -> str:
+        from cluster.config import DeploymentConfig
+        return DeploymentConfig.model_validate(config_json).kv_transfer_secret()
+
+    monkeypatch.setenv("E2E_KV_SECRET", "named-s3cret")
+    config = DeploymentConfig.model_validate({"kv_transfer": {"secret_env": "E2E_KV_SECRET"},
+                                              "slo": {"ttft_ms": 1000, "tpot_ms": 100},
+                                              "autoscaling": {"enabled": True, "budget": 3}})
+    shipped = autoscaled_application(config)["args"]["config_json"]
+    assert ray.get(secret_where_the_app_is_built.remote(shipped), timeout=60) == "named-s3cret"
+    missing = {**shipped, "kv_transfer": {**shipped["kv_transfer"], "secret_stored_key": "kv_transfer_secret_env/X"}}
+    with pytest.raises(ValueError, match="is not in this Ray cluster's key-value store"):
+        DeploymentConfig.model_validate(missing).kv_transfer_secret()
+
+
 def test_disaggregated_one_prefill_one_decode(ray_cluster, model_dirs, reference, tokenizer):
     base = deploy(ray_cluster, model_dirs["tiny"], "pd11")
     try:

@@ -338,19 +338,24 @@ def autoscaled_application(config, profile: dict | None = None) -> dict:
     in the cluster from the whole config, where the variables the file names may
     not be set, nor its paths mean what they meant here. So they are read here
     (ValueError when one is not set): the API key travels as its digest, the KV
-    secret's variable in the application's runtime environment (as it does to
-    the workers without autoscaling, in their arguments), `profile` (the
+    secret in the Ray cluster's key-value store (the config names its key: Serve
+    shows an application's config, runtime environment included, to anyone who
+    asks; this needs the Ray connection), `profile` (the
     autoscaling profile, as resolve_model read it) as data, and a relative
     checkpoint path as the absolute path it names here."""
+    from cluster.serving.cluster_secret import store_named_secret
+
     http = config.http.model_copy(update={"api_key_sha256": config.api_key_sha256(), "api_key_env": None})
     model = config.model.model_copy(update={"path": _path_for_the_cluster(config.model.path)})
-    shipped = config.model_copy(update={"http": http, "model": model})
+    kv = config.kv_transfer
+    if kv.secret_env:
+        key = store_named_secret(kv.secret_env, config.kv_transfer_secret())
+        kv = kv.model_copy(update={"secret_env": None, "secret_stored_key": key})
+    shipped = config.model_copy(update={"http": http, "model": model, "kv_transfer": kv})
     application = {"name": APP_NAME, "route_prefix": "/", "import_path": "cluster.app_builder:build_app",
                    "args": {"config_json": shipped.model_dump(mode="json"),
                             **({"autoscaling_profile": profile} if profile is not None else {})},
                    "autoscaling_policy": {"policy_function": SERVE_POLICY}}
-    if config.kv_transfer.secret_env:
-        application["runtime_env"] = {"env_vars": {config.kv_transfer.secret_env: config.kv_transfer_secret()}}
     return application
 
 

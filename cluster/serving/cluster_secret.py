@@ -5,7 +5,12 @@ file, a restart of `pdserve serve --address`) then gives the workers the same
 arguments, so Serve updates them in place instead of restarting every replica,
 and workers of an old and a new version can still pair during a rollout.
 Without a Ray connection (building an application in a test) the secret is
-random."""
+random.
+
+The same store carries the secret of a deployment file that names its
+variable (kv_transfer.secret_env) to an application built in the cluster
+(`pdserve serve --autoscale`), where that variable need not be set: the
+application's config, which Serve shows to anyone who asks, names the key."""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import secrets
 
 _NAMESPACE = "pdserve"
 _KEY = b"kv_transfer_secret"
+_NAMED_PREFIX = "kv_transfer_secret_env/"
 
 
 def cluster_secret() -> str:
@@ -23,3 +29,27 @@ def cluster_secret() -> str:
         return secrets.token_hex(32)
     internal_kv._internal_kv_put(_KEY, secrets.token_hex(32), overwrite=False, namespace=_NAMESPACE)
     return internal_kv._internal_kv_get(_KEY, namespace=_NAMESPACE).decode()
+
+
+def store_named_secret(variable: str, value: str) -> str:
+    """Keeps `value`, the secret in environment variable `variable`, in the
+    cluster's store (replacing what an earlier deploy stored under that name);
+    returns its key. Needs a Ray connection (RuntimeError without one)."""
+    import ray
+    from ray.experimental import internal_kv
+    if not ray.is_initialized() or not internal_kv._internal_kv_initialized():
+        raise RuntimeError("storing the KV secret in the cluster needs a Ray connection")
+    key = _NAMED_PREFIX + variable
+    internal_kv._internal_kv_put(key.encode(), value, overwrite=True, namespace=_NAMESPACE)
+    return key
+
+
+def stored_secret(key: str) -> str | None:
+    """The secret store_named_secret kept under `key`; None when the cluster holds
+    none there, or without a Ray connection."""
+    import ray
+    from ray.experimental import internal_kv
+    if not ray.is_initialized() or not internal_kv._internal_kv_initialized():
+        return None
+    value = internal_kv._internal_kv_get(key.encode(), namespace=_NAMESPACE)
+    return value.decode() if value else None
