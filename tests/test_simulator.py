@@ -241,6 +241,33 @@ def test_no_more_sequences_run_than_a_step_has_tokens_in_the_engine_and_the_simu
     assert spec.max_num_seqs == 64 and dataclasses.replace(spec, block_size=8).max_num_seqs == 64
 
 
+def test_prompts_arriving_together_are_spread_over_the_colocated_replicas():
+    # the router charges a replica the prompts it just sent it: two 1,000-token prompts at once go
+    # one to each replica (both had gone to replica 0, whose free blocks were not yet taken)
+    per_token = LinearStepModel((0.0, 1e-3, 0.0, 0.0, 0.0))
+    spec = ClusterSpec("colocated", decode=ReplicaSpec(per_token, 1000), decode_replicas=2)
+    result = simulate(spec, [(1000, 1)] * 2, [0.0, 0.0])
+    assert [r.token_times[0] for r in result.requests] == pytest.approx([1.0, 1.0])
+
+
+def test_a_running_prompt_chunk_leaves_a_token_for_each_decode_after_it():
+    # as the engine's scheduler: a long prompt prefilled in chunks ahead of a decoding sequence
+    # in the running list does not take the whole step's budget from it
+    from cluster.simulator.replica import SimReplica, SimSequence
+    replica = SimReplica("decode-0", FIXED, num_blocks=1000, block_size=16, max_num_seqs=8,
+                         max_num_batched_tokens=64)
+    replica.on_token = lambda seq, now: None
+    long_prompt = SimSequence(0, prompt_len=1000, output_len=4)
+    replica.add(long_prompt)
+    _, work = replica.schedule()                       # its first chunk: the whole budget
+    replica.finish_step(work, 0.0)
+    decoding = SimSequence(1, prompt_len=8, output_len=4, generated=1)
+    assert replica.try_admit_prefilled(decoding)
+    replica.commit_prefilled(decoding)                  # a hand-off, behind the running prompt
+    shape, work = replica.schedule()
+    assert [(seq.index, n) for seq, n in work] == [(0, 63), (1, 1)]
+
+
 def test_the_queued_prompt_tokens_are_kept_as_sequences_come_and_go():
     # kept as a running count (the router reads it on every arrival): it must equal the sum
     import random
@@ -330,6 +357,8 @@ def test_pdserve_simulate_refuses_what_it_would_ignore_or_could_not_start(tmp_pa
     assert "--threads-per-rank apply to replicas sharing one machine's cores" in capsys.readouterr().err
     assert main([*base, "--dataset-path", "x.json"]) == 2
     assert "--dataset-path apply to --dataset-name sharegpt" in capsys.readouterr().err
+    assert main([*base, "--random-range-ratio", "1.5"]) == 2           # before: a traceback
+    assert "--random-range-ratio must be in [0, 1), got 1.5" in capsys.readouterr().err
     assert main([*base, "--kv-latency-ms", "-5"]) == 2
     assert "--kv-latency-ms and --request-overhead-ms >= 0" in capsys.readouterr().err
     for bad in (["--request-overhead-ms", "nan"], ["--shared-cores", "inf"], ["--shared-cores", "nan"]):
@@ -365,6 +394,25 @@ def test_pdserve_simulate_refuses_what_it_would_ignore_or_could_not_start(tmp_pa
         "  max_num_batched_tokens: 512", "  enable_chunked_prefill: false\n  max_num_batched_tokens: 256", 1))
     assert main([*base[:2], str(whole_prompts), *base[3:]]) == 2   # before: every request "unfinished (None)"
     assert "would not start: with chunked prefill off, max_num_batched_tokens (256)" in capsys.readouterr().err
+
+
+def test_the_simulated_context_is_the_engines_default_where_the_config_sets_none():
+    # the engines take the model's default context (its RoPE scaling, a sliding window), not
+    # max_position_embeddings: the simulated router answered 400 where the live one served
+    from cluster.config import load_config
+    from cluster.simulator.from_config import cluster_spec
+    from engine.model import ModelConfig
+    from engine.tiny_model import ensure_preset_model
+    tiny = ModelConfig.from_pretrained(ensure_preset_model("tiny"))
+    config = load_config("configs/tiny-cpu.yaml", {"model": {"max_model_len": None}})
+    scaled = dataclasses.replace(tiny, rope_type="linear", rope_params={"factor": 4.0})
+    windowed = dataclasses.replace(tiny, sliding_window=256)
+    assert cluster_spec(config, FIXED, model_config=tiny).max_model_len == tiny.max_position_embeddings == 1024
+    assert cluster_spec(config, FIXED, model_config=scaled).max_model_len == 4096
+    assert cluster_spec(config, FIXED, model_config=windowed).max_model_len == 256
+    too_long = load_config("configs/tiny-cpu.yaml", {"model": {"max_model_len": 2048}})
+    with pytest.raises(ValueError, match=r"max_model_len \(2048\) is larger than the model supports"):
+        cluster_spec(too_long, FIXED, model_config=tiny)
 
 
 def test_pdserve_simulate_writes_loadtest_keys(tmp_path):

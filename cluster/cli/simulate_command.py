@@ -66,10 +66,11 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
                             request_overhead_s=args.request_overhead_ms / 1000, shared_cores=args.shared_cores,
                             threads_per_rank=max(1, int(args.threads_per_rank or config.resources.cpus_per_rank or 1)),
                             serving_cores_per_stream=args.serving_cores_per_stream, wide_model=wide_model)
+        # (the engines' context, as the live load test filters a dataset by the server's)
+        requests = _build_dataset(args, tokenizer, spec.max_model_len, args.seed, lengths_seed=args.seed)
     except (ConfigFileError, LoadtestError, ValueError, OSError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    requests = _build_dataset(args, tokenizer, config.model.max_model_len, args.seed, lengths_seed=args.seed)
     rate = math.inf if args.request_rate is None else args.request_rate
     arrivals = arrival_offsets(len(requests), rate, args.burstiness, args.seed)
     autoscaler = None

@@ -375,7 +375,7 @@ class _Simulation:
         if local:
             log.prefilled_locally = self.spec.mode == "disaggregated"
             self.num_local_prefills += log.prefilled_locally
-            replica = max(self._live(self.decode_pool), key=lambda r: r.free_blocks)
+            replica = max(self._live(self.decode_pool), key=lambda r: r.decode_routing_key)
         else:
             seq.hold_after_first = True
             replica = min(self._live(self.prefill_pool), key=lambda r: r.queued_prefill_tokens)
@@ -437,7 +437,7 @@ class _Simulation:
     def _admit_awaiting(self) -> None:
         still = []
         for seq, source in self.awaiting_decode:
-            target = max(self._live(self.decode_pool), key=lambda r: r.free_blocks)
+            target = max(self._live(self.decode_pool), key=lambda r: r.decode_routing_key)
             if not target.try_admit_prefilled(seq):
                 still.append((seq, source))
                 continue

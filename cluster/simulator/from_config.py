@@ -35,10 +35,14 @@ def cluster_spec(config, model: StepTimeModel, *, model_config, link: KVLink = K
     config's resources.lend_idle_cores, one-rank decode (colocated) replicas
     borrow idle replicas' cores as the engines do. The router's admission
     control is the config's (its admission: and slo: sections)."""
+    from engine import EngineConfig
     from engine.memory_planner import kv_bytes_per_token
+    from engine.model_worker import resolve_max_model_len
     from engine.preflight import step_budget_problem
     e = config.engine
-    max_len = config.model.max_model_len or model_config.max_position_embeddings
+    # the engines' context: the model's default (its RoPE scaling, a sliding window) where none is set
+    max_len = resolve_max_model_len(EngineConfig(model="unused", max_model_len=config.model.max_model_len),
+                                    model_config)
     dtype = "float32" if config.device == "cpu" and config.model.dtype == "auto" else \
         ("bfloat16" if config.model.dtype == "auto" else config.model.dtype)
     kv_per_token = kv_bytes_per_token(model_config, 1, dtype)      # the whole model's: what a hand-off moves

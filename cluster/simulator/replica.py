@@ -93,6 +93,15 @@ class SimReplica:
         return self.waiting_tokens + \
             sum(s.num_tokens - s.computed for s in self.running if s.computed < s.prompt_len)
 
+    @property
+    def decode_routing_key(self) -> tuple[int, int]:
+        """How the router ranks decode (or colocated) replicas, highest first: free
+        blocks less those its queued prompts will take (the live router charges a
+        replica the prompts it just sent it, which no report shows yet), then the
+        fewest requests held (its tie-break: fewest calls in flight)."""
+        held = len(self.waiting) + len(self.running) + len(self.reserved)
+        return self.free_blocks - self.blocks_for(self.waiting_tokens), -held
+
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
@@ -152,8 +161,11 @@ class SimReplica:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.computed, budget)
-            if n < seq.num_tokens - seq.computed and not self.enable_chunked_prefill:
+            remaining = seq.num_tokens - seq.computed
+            # a running prefill (a chunked prompt, a recompute) leaves a token for each decode after it,
+            # as the engine's scheduler does
+            n = min(remaining, budget if _decodes(seq) else budget - self._decodes_after(i))
+            if n <= 0 or (n < remaining and not self.enable_chunked_prefill):
                 i += 1
                 continue
             while not self._allocate(seq, seq.computed + n):
@@ -188,6 +200,9 @@ class SimReplica:
         decodes = [s.computed + 1 for s, n in work if n == 1 and s.computed >= s.prompt_len]
         chunks = [(s.computed, n) for s, n in work if not (n == 1 and s.computed >= s.prompt_len)]
         return StepShape.build(chunks, decodes), work
+
+    def _decodes_after(self, i: int) -> int:
+        return sum(1 for seq in self.running[i + 1:] if _decodes(seq))
 
     def finish_step(self, work: list[tuple[SimSequence, int]], now: float) -> None:
         """Applies a step's results at its end time `now`."""
@@ -241,3 +256,7 @@ class SimReplica:
         self.waiting_tokens += seq.num_tokens
         self.num_preemptions += 1
 
+
+def _decodes(seq: SimSequence) -> bool:
+    """Its next step is a decode: its prompt is in, and one token (the latest sampled) is left."""
+    return seq.computed >= seq.prompt_len and seq.num_tokens - seq.computed == 1
