@@ -47,6 +47,21 @@ def _window_decoder(tokenizer: Any) -> Callable[[list[int], bool], str]:
     return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
 
 
+def _ids_decoded_as_nothing(tokenizer: Any, skip_special_tokens: bool) -> tuple[frozenset[int], int | None]:
+    """(ids, vocabulary size): what the full decode drops before decoding, where a
+    transformers tokenizer says: with skip_special_tokens its special tokens, and
+    any id at or past the vocabulary's size (no token: the model's padded rows).
+    Empty and None where the tokenizer does not say."""
+    added = getattr(tokenizer, "added_tokens_decoder", None)
+    special = frozenset(i for i, token in added.items() if getattr(token, "special", False)) \
+        if skip_special_tokens and isinstance(added, dict) else frozenset()
+    try:
+        size = len(tokenizer)
+    except TypeError:
+        size = None
+    return special, size
+
+
 class IncrementalDetokenizer:
     """Turns a stream of generated token ids into text deltas.
 
@@ -72,6 +87,9 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True):
         self._window_decode = _window_decoder(tokenizer)
         self._skip_special_tokens = skip_special_tokens
+        # dropped before they reach the window, as the full decode drops them: a long run of them
+        # after an unfinished character kept every later token decoding the whole run
+        self._dropped_ids, self._vocab_size = _ids_decoded_as_nothing(tokenizer, skip_special_tokens)
         context = [int(t) for t in prompt_token_ids[-_CONTEXT_TOKENS:]]
         # The context's decode must end in a character. Where the context starts inside
         # one, SentencePiece's byte fallback turns the whole run of byte tokens after it
@@ -106,7 +124,10 @@ class IncrementalDetokenizer:
         """Append one generated token and return the newly final text (may be "")."""
         if self._flushed:
             raise RuntimeError("add_token() after flush()")
-        self._ids.append(int(token_id))
+        token_id = int(token_id)
+        if token_id in self._dropped_ids or (self._vocab_size is not None and token_id >= self._vocab_size):
+            return ""
+        self._ids.append(token_id)
         window = self._decode(self._ids[self._prefix_offset :])
         prefix_len = self._window_prefix_len()
         emitted_end = prefix_len + self._emitted_past_read

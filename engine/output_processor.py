@@ -91,10 +91,12 @@ class RequestTextState:
         # min_tokens) never ends the request later
         window_start = max(0, prev_len - self.max_stop_len + 1)
         window = self.text.slice(window_start)
+        # as vLLM: the stop string that completes first in the text (ties: the stop list's order), so the
+        # result is what appending one character at a time gives, however the text was tokenized
         best = None
         for stop in self.stop_strings:
             i = window.find(stop, max(0, prev_len - len(stop) + 1 - window_start))
-            if i != -1 and (best is None or i < best[0]):
+            if i != -1 and (best is None or i + len(stop) < best[0] + len(best[1])):
                 best = (i, stop)
         if best is None:
             return False

@@ -173,8 +173,12 @@ def test_skipped_special_tokens_do_not_hide_an_unfinished_character(tokenizer, b
 class _RecordingTokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self.added_tokens_decoder = tokenizer.added_tokens_decoder
         self.longest = 0
         self.calls = 0
+
+    def __len__(self):
+        return len(self.tokenizer)
 
     def decode(self, ids, skip_special_tokens):
         self.longest = max(self.longest, len(ids))
@@ -182,13 +186,20 @@ class _RecordingTokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-@pytest.mark.parametrize("kind", ["text", "skipped-specials", "invalid-bytes"])
+@pytest.mark.parametrize("kind", ["text", "skipped-specials", "specials-inside-a-character",
+                                  "ids-past-the-vocabulary", "invalid-bytes"])
 def test_work_per_token_is_bounded(tokenizer, byte_ids, kind):
     if kind == "text":
         output = tokenizer.encode("The quick brown fox, café 日本語 😀. " * 40, add_special_tokens=False)
     elif kind == "skipped-specials":
         # Tokens that add no text at all.
         output = tokenizer.encode("Hi", add_special_tokens=False) + [tokenizer.pad_token_id] * 400 + [byte_ids[0x41]]
+    elif kind == "specials-inside-a-character":
+        # (every token after the first byte had decoded the whole run: the window ends in U+FFFD)
+        output = [byte_ids[0xE6]] + [tokenizer.eos_token_id] * 400 + [byte_ids[0x97], byte_ids[0xA5]]
+    elif kind == "ids-past-the-vocabulary":
+        # a model's padded rows: ids no token has, which the full decode drops too
+        output = [byte_ids[0xE6]] + [len(tokenizer) + 7] * 400 + [byte_ids[0x97], byte_ids[0xA5]]
     else:
         # Lone continuation bytes: the decoded tail ends in U+FFFD after every token.
         output = [byte_ids[0x80 + (i * 37) % 0x40] for i in range(600)]

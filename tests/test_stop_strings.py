@@ -59,3 +59,18 @@ def test_a_stop_token_id_shows_its_text_only_when_the_request_keeps_stops(keep):
                                     max_tokens=len(ids))
     assert (reason, stop, count) == ("stop", stop_id, 4)
     assert text == tokenizer.decode(ids[:4] if keep else ids[:3])
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_of_two_stops_one_token_completes_the_one_that_ends_first_wins(keep):
+    # as vLLM: the stop that completes first in the text, as appending a character at a time
+    # would find it, not the one that starts first; the same however the text was tokenized
+    tokenizer = load_tokenizer(ensure_default_model())
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    at = next(n for n in range(1, len(ids)) if len(tokenizer.decode(ids[:n + 1])) - len(tokenizer.decode(ids[:n])) >= 3)
+    before, piece = tokenizer.decode(ids[:at]), tokenizer.decode(ids[:at + 1])[len(tokenizer.decode(ids[:at])):]
+    inner = piece[1]              # ends inside the token, one character after the whole piece starts
+    text, reason, stop, count = run(tokenizer, ids, stop=[piece, inner], include_stop_str_in_output=keep,
+                                    max_tokens=len(ids))
+    assert (reason, stop, count) == ("stop", inner, at + 1)
+    assert text == before + piece[:2 if keep else 1]
