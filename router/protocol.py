@@ -178,7 +178,9 @@ class _GenerationRequest(BaseModel):
     request_id: Annotated[str, Field(strict=True, max_length=256)] | None = None
     return_token_ids: StrictBool | None = None   # vLLM's: the prompt's and the output's token ids too
     priority: Int64 | None = None            # vLLM's priority scheduling: only 0 (there is none)
-    spaces_between_special_tokens: StrictBool | None = None   # vLLM's; only true (the tokenizer's own)
+    # vLLM's; either value decodes the same: the fast (Rust) tokenizers' decoders, and transformers 5's
+    # SentencePiece ones, never put spaces between special tokens
+    spaces_between_special_tokens: StrictBool | None = None
     response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
@@ -317,10 +319,6 @@ class _GenerationRequest(BaseModel):
         if self.prompt_logprobs is not None and self.stream:
             raise InvalidRequestError("prompt_logprobs are not available when stream is true; send the request "
                                       "without stream, or remove prompt_logprobs.", param="prompt_logprobs")
-        if self.spaces_between_special_tokens is False:
-            raise InvalidRequestError("spaces_between_special_tokens=false is not supported: special tokens are "
-                                      "decoded as the tokenizer decodes them. Remove it.",
-                                      param="spaces_between_special_tokens")
 
     def to_sampling_params(self, default_max_tokens: int,
                            defaults: Mapping[str, Any] | None = None) -> SamplingParams:

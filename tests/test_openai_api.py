@@ -160,7 +160,7 @@ def test_completion_maps_the_request_and_returns_the_full_text(client, backend, 
         "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "presence_penalty": 0.5,
         "frequency_penalty": -0.5, "seed": 3, "stop": "###", "stop_token_ids": [1, 2],
         "ignore_eos": True, "min_tokens": 2, "skip_special_tokens": False, "user": "u1",
-        "some_future_field": {"ignored": True}})
+        "spaces_between_special_tokens": False, "some_future_field": {"ignored": True}})
     assert response.status_code == 200, response.text
     body = response.json()
     prompt_ids = tokenizer.encode(prompt)
@@ -756,8 +756,6 @@ LONG = list(range(3, 3 + MAX_MODEL_LEN))
     (CHAT, {"messages": USER, "continue_final_message": True, "add_generation_prompt": False}, 400,
      "continue_final_message", "must be the assistant's (it is the user's)"),
     (CHAT, {"messages": USER, "priority": -3}, 400, "priority", "priority must be 0 (got -3)"),
-    (COMPLETIONS, {"prompt": "Hi", "spaces_between_special_tokens": False}, 400, "spaces_between_special_tokens",
-     "not supported"),
     (CHAT, {"messages": USER, "structural_tag": "{}"}, 400, "structural_tag", "not supported"),
     (COMPLETIONS, {"prompt": [5] * 10, "max_completion_tokens": 60}, 400, "max_completion_tokens",
      "you requested 70 tokens"),
