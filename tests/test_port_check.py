@@ -311,6 +311,23 @@ def test_a_second_signal_during_the_clean_up_quits_at_once(monkeypatch):
     assert exits == [128 + signal.SIGTERM]
 
 
+def test_a_signal_long_after_the_first_quits_even_where_the_command_never_looked_again(monkeypatch):
+    # stuck in a call to a hung controller, the command never reaches its clean-up
+    import signal
+
+    from cluster.cli import stop_signal
+    exits, now = [], [100.0]
+    monkeypatch.setattr(stop_signal.os, "_exit", exits.append)
+    stop = stop_signal.StopSignal(clock=lambda: now[0])
+    stop._handle(signal.SIGINT, None)
+    now[0] += stop_signal.FORCE_AFTER_S - 0.5
+    stop._handle(signal.SIGINT, None)        # a double press: still a clean stop
+    assert exits == []
+    now[0] += 0.5
+    stop._handle(signal.SIGINT, None)
+    assert exits == [128 + signal.SIGINT]
+
+
 def test_the_ready_line_brackets_an_ipv6_host():
     assert serve_command.base_url("::", 8000) == "http://[::]:8000"
     assert serve_command.base_url("127.0.0.1", 8000) == "http://127.0.0.1:8000"

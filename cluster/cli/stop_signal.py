@@ -13,16 +13,25 @@ from __future__ import annotations
 
 import os
 import signal
+import time
+
+# a further signal this long after the first ends the process even before force_on_next(): the
+# command may be stuck in a call to the cluster that never returns (a hung controller), where
+# it would never look at the flag again
+FORCE_AFTER_S = 10.0
 
 
 class StopSignal:
     """`install()` makes SIGINT and SIGTERM set `requested`; nothing else runs in the
-    handler, but for os._exit on a further signal once `force_on_next()` was called."""
+    handler, but for os._exit on a further signal once `force_on_next()` was called,
+    or FORCE_AFTER_S after the first."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock=time.monotonic) -> None:
         self.requested = False
         self.signum: int | None = None      # the last signal received
         self._force = False                 # force_on_next() was called
+        self._clock = clock
+        self._first_at: float | None = None
 
     def install(self) -> "StopSignal":
         """Main thread only (Python's rule for signal handlers)."""
@@ -37,7 +46,9 @@ class StopSignal:
         self._force = True
 
     def _handle(self, signum: int, frame) -> None:
-        if self._force and self.requested:
+        if self.requested and (self._force or self._clock() - self._first_at >= FORCE_AFTER_S):
             os._exit(128 + signum)
+        if self._first_at is None:
+            self._first_at = self._clock()
         self.requested = True
         self.signum = signum
