@@ -199,7 +199,7 @@ def _known_gpu_type(name: str | None) -> str | None:
 
 
 class Resources(_Strict):
-    cpus_per_rank: float | None = Field(None, gt=0, le=1024, description="CPUs each rank's bundle reserves; null: "
+    cpus_per_rank: float | None = Field(None, ge=0.0001, le=1024, description="CPUs each rank's bundle reserves; null: "
                                         "on CPU, the node's cores shared equally among all ranks of the "
                                         "deployment (at least 1 each); on CUDA, 1")
     lend_idle_cores: bool = Field(True, description="CPU: an idle one-rank engine lends its cores to busy ones "

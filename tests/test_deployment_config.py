@@ -141,6 +141,11 @@ def test_autoscaling_section_is_checked_where_it_is_wrong():
     ({"budget": 4, "min_replicas": {"prefill": 2}}, {}, r"prefill.replicas \(1\) is outside the autoscaler's bounds "
      r"for prefill, 2 to 4"),
     ({"budget": 4, "max_replicas": {"decode": 2}}, {"decode": {"replicas": 3}}, r"decode.replicas \(3\) is outside"),
+    # bounds no replica count meets: said as such, not "start within them"
+    ({"budget": 6, "min_replicas": {"decode": 3}, "max_replicas": {"decode": 2}}, {"decode": {"replicas": 3}},
+     r"autoscaling: decode: max_replicas 2 < min_replicas 3"),
+    ({"budget": 4, "min_replicas": {"prefill": 5}}, {}, r"the minimum replicas need 6 ranks, more than the budget "
+     r"of 4: raise the budget"),
     ({"budget": 4, "min_replicas": {"decode": 0}}, {}, r"autoscaling.min_replicas.decode must be at least 1"),
     # nothing could move: the default budget is the 2 ranks the pools start with, each role's floor 1
     ({}, {}, r"autoscaling could never change a replica count: the minimum replicas \(prefill 1 \+ decode 1\) "
@@ -270,3 +275,10 @@ def test_prefill_workers_capture_no_decode_graphs_on_a_gpu():
     config = load_config(CONFIGS / "llama-3-70b-8xh100.yaml")
     prefill, decode = (config.engine_config(role, "/models/llama") for role in ("prefill", "decode"))
     assert (prefill.uses_cuda_graphs(), decode.uses_cuda_graphs()) == (False, True)
+
+
+def test_cpus_per_rank_below_rays_resource_granularity_is_refused():
+    # Ray counts resources in steps of 0.0001: a smaller share would be rounded to none
+    with pytest.raises(ValidationError, match=r"resources.cpus_per_rank\n.*greater than or equal to 0.0001"):
+        DeploymentConfig.model_validate({"resources": {"cpus_per_rank": 0.00001}})
+    assert DeploymentConfig.model_validate({"resources": {"cpus_per_rank": 0.0001}}).resources.cpus_per_rank == 0.0001
