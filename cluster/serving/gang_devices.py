@@ -30,6 +30,8 @@ async def claim_gang_gpus(tp_size: int) -> list[str]:
     returns them in rank order. Call before anything touches CUDA."""
     own = [str(i) for i in ray.get_gpu_ids()]
     if tp_size == 1:
+        if own:      # (Ray sets it too, but not under RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES: then cuda:0)
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(own)
         return own
     pg = ray.util.get_current_placement_group()
     if pg is None or len(own) != 1:
