@@ -126,6 +126,11 @@ def test_local_cluster_cpus_cover_every_gang():
     assert local_cluster_cpus(config(), 2) == 2
     assert local_cluster_cpus(config(mode="colocated"), 2) == 2
     assert local_cluster_cpus(config(), 16) == 16
+    # autoscaled: the budget's largest pool, and one gang more for a replica starting beside one that drains
+    from cluster.config import load_config
+    autoscaled = load_config(REPO / "configs" / "tiny-cpu-autoscale.yaml")
+    assert autoscaled.autoscaling_settings().budget == 3
+    assert local_cluster_cpus(autoscaled, 2) == 4
     for name in ("tiny-cpu.yaml", "tiny-cpu-tp2.yaml"):   # every shipped CPU config fits a local cluster
         from cluster.config import load_config
         c = load_config(REPO / "configs" / name)

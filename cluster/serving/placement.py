@@ -191,11 +191,14 @@ def check_placement(config: DeploymentConfig, cluster: ClusterResources) -> None
 def local_cluster_cpus(config: DeploymentConfig, machine_cpus: int) -> int:
     """num_cpus for a one-node Ray cluster pdserve starts itself on a machine of
     `machine_cpus` cores: at least the cores, and enough that every gang fits
-    (ranks then share cores). `config` is resolved against `machine_cpus` first
-    if its cpus_per_rank is null."""
+    (ranks then share cores); with autoscaling, one gang more, for a replica
+    that starts while the one it replaces still drains (its streams finish
+    first, for up to minutes). `config` is resolved against `machine_cpus`
+    first if its cpus_per_rank is null."""
     config = resolve_cpus_per_rank(config, machine_cpus)
-    return max(machine_cpus, *(math.ceil(sum(n.replicas * n.cpus for n in gang_needs(c)) - _EPS)
-                               for c in reachable_sizes(config)))
+    steady = max(sum(n.replicas * n.cpus for n in gang_needs(c)) for c in reachable_sizes(config))
+    moving = max(n.cpus for n in gang_needs(config)) if config.autoscaling.enabled else 0.0
+    return max(machine_cpus, math.ceil(steady + moving - _EPS))
 
 
 def reachable_sizes(config: DeploymentConfig) -> list[DeploymentConfig]:
