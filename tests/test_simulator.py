@@ -415,6 +415,20 @@ def test_the_simulated_context_is_the_engines_default_where_the_config_sets_none
         cluster_spec(too_long, FIXED, model_config=tiny)
 
 
+def test_a_gpu_deployments_hand_off_is_priced_on_nvlink_as_the_planner_prices_it():
+    # the CPU machine's gloo figures (1 GiB/s, 8.4 ms) had been used for GPU deployments too
+    from cluster.config import load_config
+    from cluster.simulator.from_config import CPU_KV_BANDWIDTH, CPU_KV_LATENCY_S, default_kv_link
+    cpu = load_config("configs/tiny-cpu.yaml")
+    link = default_kv_link(cpu)
+    assert (link.bandwidth_bytes_per_s, link.latency_s) == (CPU_KV_BANDWIDTH, CPU_KV_LATENCY_S)
+    gpu = load_config("configs/tiny-cpu.yaml", {"device": "cuda", "resources": {"gpu_type": "h200", "cpus_per_rank": 1},
+                                                 "prefill": {"tensor_parallel_size": 2},
+                                                 "decode": {"tensor_parallel_size": 4}})
+    link = default_kv_link(gpu)
+    assert link.bandwidth_bytes_per_s == pytest.approx(450e9 * 0.7 * 2) and link.latency_s == 1e-3
+
+
 def test_pdserve_simulate_writes_loadtest_keys(tmp_path):
     from cluster.cli.main import main
     profile = tmp_path / "profile.json"

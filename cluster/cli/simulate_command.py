@@ -34,7 +34,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from cluster.perf_model import load_step_model
     from cluster.perf_model.step_shape import profile_model_problem, profile_tp_problem
     from cluster.simulator import simulate
-    from cluster.simulator.from_config import KVLink, cluster_spec
+    from cluster.simulator.from_config import KVLink, cluster_spec, default_kv_link
     from engine.model.model_config import ModelConfig
     from engine.tiny_model import checkpoint_dir
     from engine.tokenizer import load_tokenizer
@@ -61,7 +61,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             if model is not None and (problem := profile_model_problem(model, model_config)):
                 raise ValueError(f"{profile}: {problem}")
         tokenizer = load_tokenizer(args.tokenizer or model_dir)
-        link = KVLink(args.kv_bandwidth_gibps * (1 << 30), args.kv_latency_ms / 1000)
+        transport = default_kv_link(config)        # (the flags override it)
+        link = KVLink(transport.bandwidth_bytes_per_s if args.kv_bandwidth_gibps is None
+                      else args.kv_bandwidth_gibps * (1 << 30),
+                      transport.latency_s if args.kv_latency_ms is None else args.kv_latency_ms / 1000)
         spec = cluster_spec(config, step_model, model_config=model_config, link=link,
                             request_overhead_s=args.request_overhead_ms / 1000, shared_cores=args.shared_cores,
                             threads_per_rank=max(1, int(args.threads_per_rank or config.resources.cpus_per_rank or 1)),
@@ -128,10 +131,11 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 def _check_flags(args: argparse.Namespace) -> None:
     """Flags that would be ignored, or that would make time run backwards, are refused."""
-    finite = [args.kv_bandwidth_gibps, args.kv_latency_ms, args.request_overhead_ms, args.serving_cores_per_stream,
-              *([args.shared_cores] if args.shared_cores is not None else [])]
-    if not all(math.isfinite(v) for v in finite) or args.kv_bandwidth_gibps <= 0 or args.kv_latency_ms < 0 or \
-            args.request_overhead_ms < 0:
+    given = [v for v in (args.kv_bandwidth_gibps, args.kv_latency_ms, args.shared_cores) if v is not None]
+    finite = [*given, args.request_overhead_ms, args.serving_cores_per_stream]
+    bandwidth, latency = args.kv_bandwidth_gibps, args.kv_latency_ms
+    if not all(math.isfinite(v) for v in finite) or (bandwidth is not None and bandwidth <= 0) or \
+            (latency is not None and latency < 0) or args.request_overhead_ms < 0:
         raise ValueError("--kv-bandwidth-gibps must be > 0, --kv-latency-ms and --request-overhead-ms >= 0, "
                          "and every number finite")
     if args.shared_cores is not None and not args.shared_cores > 0 or args.serving_cores_per_stream < 0:
@@ -178,10 +182,12 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     p.add_argument("--config", required=True, help="deployment file (as for pdserve serve --config)")
     p.add_argument("--profile", required=True, help="performance profile JSON (pdserve profile)")
     p.add_argument("--tokenizer", default=None, help="tokenizer for the dataset (default: the config's model)")
-    p.add_argument("--kv-bandwidth-gibps", type=float, default=1.0,
-                   help="KV hand-off bandwidth in GiB/s (default 1.0: gloo on this CPU machine)")
-    p.add_argument("--kv-latency-ms", type=float, default=8.4,
-                   help="fixed cost of one hand-off in ms (default 8.4, measured on this CPU machine)")
+    p.add_argument("--kv-bandwidth-gibps", type=float, default=None,
+                   help="KV hand-off bandwidth in GiB/s (default: on CPU 1.0, gloo as measured on a 2-core "
+                        "machine; on GPUs 70%% of resources.gpu_type's NVLink per rank pair, as pdserve plan)")
+    p.add_argument("--kv-latency-ms", type=float, default=None,
+                   help="fixed cost of one hand-off in ms (default: on CPU 8.4, as measured on a 2-core "
+                        "machine; on GPUs 1)")
     p.add_argument("--request-overhead-ms", type=float, default=0.0,
                    help="router + HTTP time added to every token of a request (default 0)")
     p.add_argument("--shared-cores", type=float, default=None,

@@ -33,6 +33,7 @@ from typing import Callable
 
 from cluster.perf_model.step_shape import StepTimeModel
 from cluster.simulator.cluster_sim import ClusterSpec, ReplicaSpec, simulate
+from cluster.simulator.from_config import NVLINK_KV_LATENCY_S, nvlink_bandwidth
 
 
 @dataclass(frozen=True)
@@ -338,7 +339,7 @@ def _pool(jobs: int):
 def roofline_spec_builder(model_config, *, gpu: str, dtype: str, max_model_len: int, block_size: int = 16,
                           max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                           gpu_memory_utilization: float = 0.9, policy: str = "always",
-                          link_efficiency: float = 0.7, kv_latency_s: float = 1e-3,
+                          kv_latency_s: float = NVLINK_KV_LATENCY_S,
                           models: dict[int, StepTimeModel] | None = None, gpu_memory_gib: float | None = None,
                           overhead_gib: float = 1.0, kv_transfer_staging_gib: float = 1.0,
                           ) -> Callable[[Candidate], tuple[ClusterSpec | None, str]]:
@@ -347,9 +348,8 @@ def roofline_spec_builder(model_config, *, gpu: str, dtype: str, max_model_len: 
     replicas leave `kv_transfer_staging_gib` more free for hand-off buffers,
     as the engines do: kv_transfer.staging_mib), step times from
     `models[tp]` when given (a profile), else the roofline; hand-offs over
-    NVLink at `link_efficiency` of its per-direction rate, one link per rank
-    pair (a TP-t prefill replica's ranks send their KV shards at once, over
-    min(prefill TP, decode TP) links); the router's 400 past `max_model_len`."""
+    NVLink as `pdserve simulate` prices them (simulator.from_config.nvlink_bandwidth);
+    the router's 400 past `max_model_len`."""
     from cluster.perf_model.roofline import GPU_SPECS, RooflineStepModel
     from engine.memory_planner import kv_bytes_per_token, plan
 
@@ -390,7 +390,6 @@ def roofline_spec_builder(model_config, *, gpu: str, dtype: str, max_model_len: 
             return None, f"TP {cand.prefill_tp}: {why}"
         return ClusterSpec("disaggregated", prefill=prefill, decode=decode, prefill_replicas=cand.prefill_replicas,
                            decode_replicas=cand.decode_replicas, policy=policy, kv_bytes_per_token=kv_per_token,
-                           kv_bandwidth_bytes_per_s=gpu_spec.link_bytes_per_s * link_efficiency
-                           * min(cand.prefill_tp, cand.decode_tp),
+                           kv_bandwidth_bytes_per_s=nvlink_bandwidth(gpu, cand.prefill_tp, cand.decode_tp),
                            kv_latency_s=kv_latency_s, max_model_len=max_model_len), ""
     return build

@@ -17,10 +17,38 @@ CPU_KV_LATENCY_S = 8.4e-3
 CPU_KV_BANDWIDTH = 1.0 * GIB
 
 
+# Hand-offs between GPUs, as `pdserve plan` prices them: NVLink at this share of its per-direction
+# rate, one link per rank pair (a TP-t prefill replica's ranks send their shards at once), and a
+# fixed cost per hand-off
+NVLINK_EFFICIENCY = 0.7
+NVLINK_KV_LATENCY_S = 1e-3
+DEFAULT_GPU_TYPE = "H100-SXM"
+
+
 @dataclass(frozen=True)
 class KVLink:
     bandwidth_bytes_per_s: float = CPU_KV_BANDWIDTH
     latency_s: float = CPU_KV_LATENCY_S
+
+
+def nvlink_bandwidth(gpu_type: str, prefill_tp: int, decode_tp: int) -> float:
+    """Bytes/s a hand-off from a TP `prefill_tp` to a TP `decode_tp` replica moves
+    over `gpu_type`'s NVLink (a name or alias cluster.perf_model.roofline knows)."""
+    from cluster.perf_model.roofline import GPU_SPECS
+    from engine.memory_planner import resolve_gpu_type
+    spec = GPU_SPECS[resolve_gpu_type(gpu_type).name]
+    return spec.link_bytes_per_s * NVLINK_EFFICIENCY * min(prefill_tp, decode_tp)
+
+
+def default_kv_link(config) -> KVLink:
+    """The hand-off a deployment's transport gives: gloo on this CPU machine, or
+    NVLink between its GPUs (resources.gpu_type, default H100-SXM)."""
+    if config.device == "cpu" or config.mode.value != "disaggregated":
+        return KVLink()
+    pools = config.pools()
+    return KVLink(nvlink_bandwidth(config.resources.gpu_type or DEFAULT_GPU_TYPE,
+                                   pools["prefill"].tensor_parallel_size, pools["decode"].tensor_parallel_size),
+                  NVLINK_KV_LATENCY_S)
 
 
 def cluster_spec(config, model: StepTimeModel, *, model_config, link: KVLink = KVLink(),
@@ -91,7 +119,7 @@ def kv_blocks(config, pool, model_config, dtype: str, max_len: int) -> int:
     if config.device == "cpu":
         blocks = min(int(e.kv_cache_memory_gib * GIB // per_block), e.max_num_seqs * math.ceil(max_len / e.block_size))
     else:
-        spec = resolve_gpu_type(config.resources.gpu_type or "H100-SXM")
+        spec = resolve_gpu_type(config.resources.gpu_type or DEFAULT_GPU_TYPE)
         p = plan(model_config, tp=tp, gpu_memory_gib=config.resources.gpu_memory_gib or spec.memory_gib,
                  gpu_memory_utilization=e.gpu_memory_utilization, dtype=dtype, max_model_len=max_len,
                  gpu_type=spec.name, block_size=e.block_size, kv_transfer_staging_gib=config.kv_transfer_staging_gib())
