@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from engine.model.linear import RowParallelLinear
 from engine.model.parallel import TensorParallel
 
