@@ -96,10 +96,16 @@ class Overloaded(OpenAIError):
 
 class AdmissionControl:
     def __init__(self, settings: AdmissionSettings, *, prefill_roles: tuple[str, ...] = ("prefill", "colocated"),
-                 prefill_on_decode_steps: bool = False, clock: Callable[[], float] = time.monotonic):
+                 prefill_on_decode_steps: bool = False, clock: Callable[[], float] = time.monotonic,
+                 local_prefill: Callable[[int], tuple[float, float] | None] | None = None):
         """prefill_on_decode_steps: the decode replicas prefill every prompt in their
-        own steps (a colocated deployment)."""
+        own steps (a colocated deployment). local_prefill (conditional disaggregation,
+        DisaggregationPolicy.local_prefill_s): for a prompt of n tokens that a decode
+        replica would prefill, the predicted wait there and its own prefill, which its
+        TTFT is judged on instead of the prefill pool's queue; None for one that goes
+        to the prefill pool."""
         self.settings = settings
+        self.local_prefill = local_prefill
         self.prefill_roles = prefill_roles
         self.prefill_on_decode_steps = prefill_on_decode_steps
         self.clock = clock
@@ -330,10 +336,22 @@ class AdmissionControl:
             self.s_per_token = sum(costs) / len(costs)
 
     def _check_slo(self, num_prompt_tokens: int) -> None:
+        """(0 prompt tokens: before tokenizing, where a short prompt goes; the prompt's
+        own check follows)"""
         s = self.settings
-        if s.ttft_slo_s is None or self.s_per_token is None:
+        if s.ttft_slo_s is None:
             return
         limit = s.ttft_slo_s * s.slo_factor
+        local = self.local_prefill(num_prompt_tokens) if self.local_prefill is not None else None
+        if local is not None:
+            # a decode replica prefills it: the prefill pool's queue and arrivals are not its wait
+            wait, own = local
+            if wait + own > limit and wait > 0:
+                raise self._refuse("ttft_slo", f"its predicted time to first token is {(wait + own) * 1000:.0f} "
+                                   f"ms, past the {limit * 1000:.0f} ms this server admits", wait)
+            return
+        if self.s_per_token is None:
+            return
         predicted = self.predicted_ttft_s(num_prompt_tokens)
         # With nothing waiting ahead the prediction is this prompt's own prefill: no later
         # retry does better, and refusing would also keep the cost estimate from ever

@@ -90,9 +90,19 @@ class DisaggregationPolicy:
 
     def predict_local_s(self, num_prompt_tokens: int) -> float:
         """Predicted time to the first token when a decode replica prefills it."""
+        wait, own = self._local_wait_and_own_s(num_prompt_tokens)
+        return wait + own
+
+    def local_prefill_s(self, num_prompt_tokens: int) -> tuple[float, float] | None:
+        """Where a prompt of this length would be prefilled on a decode replica: the
+        predicted wait there before it starts and its own prefill (admission control
+        prices it so); None where it would go to the prefill pool."""
+        return self._local_wait_and_own_s(num_prompt_tokens) if self.prefill_locally(num_prompt_tokens) else None
+
+    def _local_wait_and_own_s(self, num_prompt_tokens: int) -> tuple[float, float]:
         pool = self._local
         cost = _first_known(pool.s_per_token, self._remote.s_per_token)
-        return (pool.tokens_in_flight / max(1, pool.replicas) + num_prompt_tokens) * cost
+        return pool.tokens_in_flight / max(1, pool.replicas) * cost, num_prompt_tokens * cost
 
     # ---- what the router tells it --------------------------------------------------------------
     def started(self, local: bool, num_prompt_tokens: int) -> None:

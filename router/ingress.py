@@ -47,10 +47,6 @@ class Router:
                  protect_metrics: bool = True, admission: AdmissionSettings | None = None,
                  max_migrations: int = 3, stream_interval_s: float = 0.0, cors: CorsSettings | None = None):
         normal_priority()
-        self.admission = AdmissionControl(admission, prefill_on_decode_steps=mode == "colocated") \
-            if admission is not None else None
-        self._http = {"limits": limits, "api_key_sha256": api_key_sha256, "protect_metrics": protect_metrics,
-                      "admission": self.admission, "cors": cors}
         ensure_built_in_checkpoint(tokenizer_path)    # a built-in model resolved on another node
         self.tokenizer = load_tokenizer(tokenizer_path)
         self.metrics = ServingMetrics()
@@ -67,6 +63,12 @@ class Router:
                                           ServePrefillPool(prefill), self.policy,
                                           subscriber=subscriber, max_migrations=max_migrations)
             self._workers = {"prefill": prefill, "decode": decode}
+        self.admission = AdmissionControl(
+            admission, prefill_on_decode_steps=mode == "colocated",
+            local_prefill=self.policy.local_prefill_s if self.policy is not None else None) \
+            if admission is not None else None
+        self._http = {"limits": limits, "api_key_sha256": api_key_sha256, "protect_metrics": protect_metrics,
+                      "admission": self.admission, "cors": cors}
         self.autoscaler = None
         if autoscaling is not None:
             profile = load_step_model(autoscaling_profile) if autoscaling_profile else None

@@ -57,6 +57,33 @@ def test_the_ttft_slo_refuses_what_would_miss_it():
     assert a.waiting_requests == 2                     # the refused one is not counted
 
 
+def test_a_prompt_a_decode_replica_prefills_is_judged_on_that_replicas_wait_not_the_prefill_pools():
+    # conditional disaggregation: a short prompt behind a second of long ones in the prefill pool
+    # was refused though a decode replica would give it its first token at once
+    from router.disaggregation_policy import DisaggregationPolicy, DisaggregationSettings
+    policy = DisaggregationPolicy(DisaggregationSettings("conditional", local_prefill_max_tokens=128))
+    settings = AdmissionSettings(ttft_slo_s=1.0, slo_factor=1.0)
+    a = AdmissionControl(settings, clock=_Clock(), local_prefill=policy.local_prefill_s)
+    plain = AdmissionControl(settings, clock=_Clock())
+    for role in ("prefill", "decode"):
+        for observer in (a, plain, policy):
+            observer.observe_workers(role, [{"prefill_s_per_token": 1e-3}])
+    for admission in (a, plain):
+        admission.admit(1000)                          # to the prefill pool
+    policy.started(False, 1000)
+    assert a.predicted_ttft_s(50) == plain.predicted_ttft_s(50) == pytest.approx(1.05)
+    with pytest.raises(Overloaded):                    # without the policy: priced on the prefill pool
+        plain.admit(50)
+    a.check_before_tokenizing()
+    a.admit(50)                                        # on a decode replica: ~50 ms
+    policy.started(True, 50)
+    policy.started(True, 1500)                         # the decode replicas fall behind too: refused
+    with pytest.raises(Overloaded) as exc:
+        a.admit(60)
+    assert exc.value.reason == "ttft_slo" and "predicted time to first token is 1610 ms" in exc.value.message
+    assert exc.value.headers() == {"Retry-After": "2"}       # the decode replicas' 1.55 s wait
+
+
 def test_a_request_alone_is_admitted_whatever_its_own_prefill_is_predicted_to_take():
     a = AdmissionControl(AdmissionSettings(ttft_slo_s=1.0))
     a.observe_workers("colocated", [{"prefill_s_per_token": 3.7e-3}])   # an inflated estimate

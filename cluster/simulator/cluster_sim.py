@@ -231,14 +231,16 @@ class _Simulation:
         self.num_local_prefills = 0
         self.names = itertools.count(max(spec.prefill_replicas, spec.decode_replicas))
         self.block_hashes: list[tuple[int, ...]] | None = None   # per request (simulate's prompt_token_ids)
-        self.admission = AdmissionControl(spec.admission, prefill_on_decode_steps=spec.mode == "colocated",
-                                          clock=lambda: self.now) if spec.admission is not None else None
         self.tickets: dict[int, Admitted] = {}           # admitted requests' admission tickets, by index
         self.refused: list[SimRequestLog] = []           # in refusal order (the autoscaler reads them)
         self.num_invalid = 0                               # answered 400 (past max_model_len)
         self.policy = DisaggregationPolicy(DisaggregationSettings(
             spec.policy, spec.local_prefill_max_tokens, spec.max_remote_wait_s)) \
             if spec.mode == "disaggregated" else None
+        self.admission = AdmissionControl(
+            spec.admission, prefill_on_decode_steps=spec.mode == "colocated", clock=lambda: self.now,
+            local_prefill=self.policy.local_prefill_s if self.policy is not None else None) \
+            if spec.admission is not None else None
         self.prefilling: dict[int, tuple[bool, int]] = {}   # index -> (on a decode replica, prompt tokens)
 
     def _replica(self, name: str, rs: ReplicaSpec, *, borrows: bool) -> SimReplica:
