@@ -191,16 +191,16 @@ def test_a_cluster_that_adds_nodes_on_demand_can_be_deployed_to_with_the_check_o
 def test_a_one_gpu_replica_sees_its_own_gpu_even_where_ray_leaves_the_variable_unset(monkeypatch):
     # under RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES every one-GPU replica on a node used GPU 0
     import asyncio
-    import os
 
     import ray
 
     from cluster.serving import gang_devices
+    environ: dict[str, str] = {}       # (this process's own is left as it was: later tests start Ray)
+    monkeypatch.setattr(gang_devices.os, "environ", environ)
     monkeypatch.setattr(ray, "get_gpu_ids", lambda: [3])
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert asyncio.run(gang_devices.claim_gang_gpus(1)) == ["3"]
-    assert os.environ["CUDA_VISIBLE_DEVICES"] == "3"
+    assert environ == {"CUDA_VISIBLE_DEVICES": "3"}
+    environ.clear()
     monkeypatch.setattr(ray, "get_gpu_ids", lambda: [])          # a CPU replica: left alone
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert asyncio.run(gang_devices.claim_gang_gpus(1)) == []
-    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+    assert environ == {}
