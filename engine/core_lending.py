@@ -128,20 +128,23 @@ class CoreLedger:
         if self._map is None:
             return
         ledger, self._map = self._map, None
+        own_fd, self._fd = self._fd, -1     # closed once: a second close could hit a number reused since
         try:
             with _locked(self.path) as fd:
                 _SLOT.pack_into(ledger, self._offset, 0, 0, 0, 0, 0)
                 ledger.close()
-                os.close(self._fd)          # drops the slot's lock
+                os.close(own_fd)            # drops the slot's lock
+                own_fd = -1
                 if not _any_member(fd):
                     os.unlink(self.path)
         except (OSError, ValueError):       # the file went bad: the slot's lock goes with the descriptor
             if not ledger.closed:
                 ledger.close()
-            try:
-                os.close(self._fd)
-            except OSError:
-                pass
+            if own_fd >= 0:
+                try:
+                    os.close(own_fd)
+                except OSError:
+                    pass
         _run_with_threads(self.own)
 
     def _lendable(self) -> int:

@@ -279,3 +279,21 @@ def test_usable_cores_ignore_a_mask_openmp_binding_narrowed(monkeypatch):
     assert cpu_count.usable_cpus() == 1              # a real mask (taskset) counts
     monkeypatch.setenv("OMP_PROC_BIND", "true")
     assert cpu_count.usable_cpus() == 4
+
+
+def test_leaving_a_ledger_removed_from_under_it_closes_its_descriptor_once(ledger_path, monkeypatch):
+    # the file removed by someone else (a /dev/shm cleaner) just before the last member's unlink: the
+    # clean-up closed the member's descriptor a second time, by then another file's of the same number
+    engine = CoreLedger(ledger_path, 1, borrows=True, machine_cores=2)
+    reopened = []
+    real_unlink = os.unlink
+
+    def unlink_after_a_cleaner(path):
+        real_unlink(path)
+        reopened.append(os.open(os.devnull, os.O_RDONLY))     # takes the lowest free number: the member's
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(os, "unlink", unlink_after_a_cleaner)
+    engine.close()
+    assert reopened and os.fstat(reopened[0])             # still open: not closed by the clean-up
+    os.close(reopened[0])
