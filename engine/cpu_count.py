@@ -15,12 +15,23 @@ def usable_cpu_set() -> frozenset[int]:
     container's cpuset), not the machine's count, which can be far larger. Where
     OpenMP binds threads (the mask then says one core), the cgroup's cpuset, else
     every core of the machine."""
-    if not any(os.environ.get(name) for name in _BINDING_VARIABLES):
+    if not any(_binds(name, os.environ.get(name, "")) for name in _BINDING_VARIABLES):
         try:
             return frozenset(os.sched_getaffinity(0))
         except (AttributeError, OSError):    # platforms without affinity masks
             pass
     return _cgroup_cpuset() or frozenset(range(os.cpu_count() or 1))
+
+
+def _binds(variable: str, value: str) -> bool:
+    """Whether this OpenMP setting binds threads: any value but an off switch
+    (OMP_PROC_BIND=false, KMP_AFFINITY=disabled or none)."""
+    value = value.strip().lower()
+    if variable == "OMP_PROC_BIND":
+        return value not in ("", "false")
+    if variable == "KMP_AFFINITY":
+        return bool(value) and not {"disabled", "none"} & {part.strip() for part in value.split(",")}
+    return bool(value)
 
 
 def usable_cpus() -> int:

@@ -279,6 +279,14 @@ def test_usable_cores_ignore_a_mask_openmp_binding_narrowed(monkeypatch):
     assert cpu_count.usable_cpus() == 1              # a real mask (taskset) counts
     monkeypatch.setenv("OMP_PROC_BIND", "true")
     assert cpu_count.usable_cpus() == 4
+    # an off switch binds nothing: the mask counts (a 64-core host's count had run 64 threads on 2)
+    monkeypatch.setenv("OMP_PROC_BIND", "false")
+    assert cpu_count.usable_cpus() == 1
+    monkeypatch.delenv("OMP_PROC_BIND")
+    monkeypatch.setenv("KMP_AFFINITY", "granularity=fine,none")
+    assert cpu_count.usable_cpus() == 1
+    monkeypatch.setenv("KMP_AFFINITY", "granularity=fine,compact,1,0")
+    assert cpu_count.usable_cpus() == 4
 
 
 def test_leaving_a_ledger_removed_from_under_it_closes_its_descriptor_once(ledger_path, monkeypatch):
