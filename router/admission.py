@@ -186,6 +186,7 @@ class AdmissionControl:
         exemption (a decode replica without a request) is judged on what ran before this
         request: an idle server admits all its choices, however many (checked one by one,
         the later ones were refused behind the first, on every retry)."""
+        self._check_request_bound(choices)
         running_before = self.running
         tickets = [self.admit(num_prompt_tokens, max_tokens)]
         try:
@@ -209,6 +210,7 @@ class AdmissionControl:
         batch's own first prompt would fail on an idle server too (every retry alike).
         Raises Overloaded (and counts nothing) when any must be refused."""
         s = self.settings
+        self._check_request_bound(len(prompts) * choices)
         waiting_before, running_before = self.waiting_requests, self.running
         admitted = [self.admit_choices(*prompts[0], choices)]
         try:
@@ -232,6 +234,14 @@ class AdmissionControl:
                 self._uncount(ticket)
             raise
         return admitted
+
+    def _check_request_bound(self, sequences: int) -> None:
+        """A request of several sequences (n's choices, a batch's prompts) is held to
+        max_waiting_requests whole, unless nothing waits (as the token bound)."""
+        bound = self.settings.max_waiting_requests
+        if bound is not None and self.waiting_requests and self.waiting_requests + sequences > bound:
+            raise self._refuse("queue_requests", f"{self.waiting_requests} requests are waiting for their first "
+                               f"token and this one brings {sequences}; this server queues at most {bound}")
 
     def _count(self, ticket: Admitted) -> None:
         if not self.waiting_requests:

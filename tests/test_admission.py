@@ -562,6 +562,21 @@ def test_the_choices_of_one_prompt_are_admitted_as_one_prompt_on_an_idle_server(
     assert (a.waiting_requests, a.waiting_tokens, a.running) == (0, 0, 0)
 
 
+def test_a_request_of_many_sequences_is_held_to_the_request_bound_whole():
+    # n's choices and a batch's prompts: 1,000 waiting under a bound of 1,024 let a batch of 256 prompts x 16
+    # choices queue 5,096 (the bound was checked before tokenizing only); an idle server still takes it
+    a = AdmissionControl(AdmissionSettings(max_waiting_requests=8), clock=_Clock())
+    assert len(a.admit_prompts([(10, 4)] * 4, 4)) == 4 and a.waiting_requests == 16    # nothing waited
+    b = AdmissionControl(AdmissionSettings(max_waiting_requests=8), clock=_Clock())
+    b.admit(10)
+    for too_many in (lambda: b.admit_prompts([(10, 4)] * 4, 2), lambda: b.admit_choices(10, 4, 8)):
+        with pytest.raises(Overloaded) as exc:
+            too_many()
+        assert exc.value.reason == "queue_requests" and "this one brings" in exc.value.message
+        assert b.waiting_requests == 1
+    assert len(b.admit_choices(10, 4, 7)) == 7 and b.waiting_requests == 8
+
+
 def test_choices_refused_on_the_tpot_bound_count_nothing_and_keep_the_queue_heads_progress():
     clock = _Clock()
     a = AdmissionControl(AdmissionSettings(ttft_slo_s=10.0, tpot_slo_s=0.1, tpot_headroom=1.0), clock=clock)
