@@ -133,8 +133,8 @@ class CoreLedger:
             with _locked(self.path) as fd:
                 _SLOT.pack_into(ledger, self._offset, 0, 0, 0, 0, 0)
                 ledger.close()
-                os.close(own_fd)            # drops the slot's lock
-                own_fd = -1
+                own_fd, closing = -1, own_fd
+                os.close(closing)           # drops the slot's lock
                 if not _any_member(fd):
                     os.unlink(self.path)
         except (OSError, ValueError):       # the file went bad: the slot's lock goes with the descriptor

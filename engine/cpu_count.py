@@ -15,7 +15,8 @@ def usable_cpu_set() -> frozenset[int]:
     container's cpuset), not the machine's count, which can be far larger. Where
     OpenMP binds threads (the mask then says one core), the cgroup's cpuset, else
     every core of the machine."""
-    if not any(_binds(name, os.environ.get(name, "")) for name in _BINDING_VARIABLES):
+    bind_off = os.environ.get("OMP_PROC_BIND", "").strip().lower() == "false"   # whatever the others say
+    if bind_off or not any(_binds(name, os.environ.get(name, "")) for name in _BINDING_VARIABLES):
         try:
             return frozenset(os.sched_getaffinity(0))
         except (AttributeError, OSError):    # platforms without affinity masks

@@ -356,10 +356,14 @@ class AdmissionControl:
         if local is not None:
             # a decode replica prefills it: the prefill pool's queue and arrivals are not its wait
             wait, own = local
-            if wait + own > limit and wait > 0:
+            misses = wait + own > limit and wait > 0
+            if misses and num_prompt_tokens:
                 raise self._refuse("ttft_slo", f"its predicted time to first token is {(wait + own) * 1000:.0f} "
                                    f"ms, past the {limit * 1000:.0f} ms this server admits", wait)
-            return
+            if not misses:
+                return
+            # before tokenizing, where the decode replicas are behind: a longer prompt would go to the
+            # prefill pool, so the request is refused only where that would miss too (below)
         if self.s_per_token is None:
             return
         predicted = self.predicted_ttft_s(num_prompt_tokens)

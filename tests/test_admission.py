@@ -68,8 +68,8 @@ def test_a_prompt_a_decode_replica_prefills_is_judged_on_that_replicas_wait_not_
     for role in ("prefill", "decode"):
         for observer in (a, plain, policy):
             observer.observe_workers(role, [{"prefill_s_per_token": 1e-3}])
-    for admission in (a, plain):
-        admission.admit(1000)                          # to the prefill pool
+    long_prompt = a.admit(1000)                        # to the prefill pool
+    plain.admit(1000)
     policy.started(False, 1000)
     assert a.predicted_ttft_s(50) == plain.predicted_ttft_s(50) == pytest.approx(1.05)
     with pytest.raises(Overloaded):                    # without the policy: priced on the prefill pool
@@ -82,6 +82,16 @@ def test_a_prompt_a_decode_replica_prefills_is_judged_on_that_replicas_wait_not_
         a.admit(60)
     assert exc.value.reason == "ttft_slo" and "predicted time to first token is 1610 ms" in exc.value.message
     assert exc.value.headers() == {"Retry-After": "2"}       # the decode replicas' 1.55 s wait
+    # before tokenizing, with the decode replicas behind, a longer prompt may still go to the prefill
+    # pool: refused only once that one would miss too
+    a.first_token(long_prompt)
+    policy.first_token(False, 1000)
+    a.check_before_tokenizing()
+    a.admit(900)                                       # to the prefill pool: ~0.95 s
+    a.observe_workers("prefill", [{"prefill_s_per_token": 2e-3}])
+    with pytest.raises(Overloaded) as exc:
+        a.check_before_tokenizing()
+    assert exc.value.reason == "ttft_slo" and "1900 ms" in exc.value.message
 
 
 def test_a_request_alone_is_admitted_whatever_its_own_prefill_is_predicted_to_take():

@@ -275,7 +275,8 @@ def test_usable_cores_ignore_a_mask_openmp_binding_narrowed(monkeypatch):
     from engine import cpu_count
     monkeypatch.setattr(cpu_count.os, "sched_getaffinity", lambda pid: {0})
     monkeypatch.setattr(cpu_count, "_cgroup_cpuset", lambda: frozenset({0, 1, 2, 3}))
-    monkeypatch.delenv("OMP_PROC_BIND", raising=False)
+    for name in cpu_count._BINDING_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
     assert cpu_count.usable_cpus() == 1              # a real mask (taskset) counts
     monkeypatch.setenv("OMP_PROC_BIND", "true")
     assert cpu_count.usable_cpus() == 4
@@ -287,12 +288,16 @@ def test_usable_cores_ignore_a_mask_openmp_binding_narrowed(monkeypatch):
     assert cpu_count.usable_cpus() == 1
     monkeypatch.setenv("KMP_AFFINITY", "granularity=fine,compact,1,0")
     assert cpu_count.usable_cpus() == 4
+    monkeypatch.setenv("OMP_PROC_BIND", "false")             # off: places set beside it bind nothing
+    monkeypatch.setenv("OMP_PLACES", "cores")
+    assert cpu_count.usable_cpus() == 1
 
 
 def test_leaving_a_ledger_removed_from_under_it_closes_its_descriptor_once(ledger_path, monkeypatch):
     # the file removed by someone else (a /dev/shm cleaner) just before the last member's unlink: the
     # clean-up closed the member's descriptor a second time, by then another file's of the same number
     engine = CoreLedger(ledger_path, 1, borrows=True, machine_cores=2)
+    member = engine._fd
     reopened = []
     real_unlink = os.unlink
 
@@ -303,5 +308,6 @@ def test_leaving_a_ledger_removed_from_under_it_closes_its_descriptor_once(ledge
 
     monkeypatch.setattr(os, "unlink", unlink_after_a_cleaner)
     engine.close()
-    assert reopened and os.fstat(reopened[0])             # still open: not closed by the clean-up
+    assert reopened == [member]                           # the number the member's descriptor had
+    assert os.fstat(reopened[0])                          # still open: not closed by the clean-up
     os.close(reopened[0])

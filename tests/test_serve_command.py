@@ -112,29 +112,21 @@ def test_an_autoscaled_deployment_ships_a_relative_checkpoint_path_as_the_absolu
     assert shipped_path(None) is None
 
 
-def test_an_autoscaled_deployment_ships_the_kv_secret_through_the_cluster_store_not_its_config(monkeypatch):
+def test_an_autoscaled_deployment_names_the_kv_secrets_key_in_the_cluster_store_not_the_secret(monkeypatch):
     """The app is built in the cluster, whose processes need not have the file's
     variables; Serve shows an application's config (runtime environment
-    included) to anyone who asks, so the secret goes to the cluster's store."""
+    included) to anyone who asks, so the secret goes to the cluster's store
+    (when it deploys, not here) and the config names its key."""
     import json
 
-    from cluster.serving import cluster_secret
-    stored = {}
-
-    def store(variable: str, value: str) -> str:
-        stored[f"env/{variable}"] = value
-        return f"env/{variable}"
-
-    monkeypatch.setattr(cluster_secret, "store_named_secret", store)
     monkeypatch.setenv("MY_KV_SECRET", "kv-s3cret")
     config = DeploymentConfig.model_validate({"kv_transfer": {"secret_env": "MY_KV_SECRET"},
                                               "slo": {"ttft_ms": 1000, "tpot_ms": 100},
                                               "autoscaling": {"enabled": True, "budget": 3}})
     application = autoscaled_application(config)
-    assert stored == {"env/MY_KV_SECRET": "kv-s3cret"}
     assert "kv-s3cret" not in json.dumps(application)
     shipped = application["args"]["config_json"]["kv_transfer"]
-    assert (shipped["secret_env"], shipped["secret_stored_key"]) == (None, "env/MY_KV_SECRET")
+    assert (shipped["secret_env"], shipped["secret_stored_key"]) == (None, "kv_transfer_secret_env/MY_KV_SECRET")
     monkeypatch.delenv("MY_KV_SECRET")      # not set where the command runs: refused there
     with pytest.raises(ValueError, match="kv_transfer.secret_env"):
         autoscaled_application(config)

@@ -215,6 +215,7 @@ def test_a_named_kv_secret_stored_in_the_cluster_is_what_an_application_built_th
     # need not be set: the secret goes through the cluster's store, the config names its key
     from cluster.cli.serve_command import autoscaled_application
     from cluster.config import DeploymentConfig
+    from cluster.serving.cluster_secret import store_named_secret
 
     @ray.remote(num_cpus=0)
     def secret_where_the_app_is_built(config_json: dict) -> str:
@@ -226,6 +227,7 @@ def test_a_named_kv_secret_stored_in_the_cluster_is_what_an_application_built_th
                                               "slo": {"ttft_ms": 1000, "tpot_ms": 100},
                                               "autoscaling": {"enabled": True, "budget": 3}})
     shipped = autoscaled_application(config)["args"]["config_json"]
+    store_named_secret("E2E_KV_SECRET", "named-s3cret")          # as pdserve serve does before it deploys
     assert ray.get(secret_where_the_app_is_built.remote(shipped), timeout=60) == "named-s3cret"
     missing = {**shipped, "kv_transfer": {**shipped["kv_transfer"], "secret_stored_key": "kv_transfer_secret_env/X"}}
     with pytest.raises(ValueError, match="is not in this Ray cluster's key-value store"):

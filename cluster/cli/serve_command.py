@@ -153,6 +153,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from ray.serve.exceptions import RayServeException
 
     from cluster.app_builder import build_application
+    from cluster.serving.cluster_secret import store_named_secret
     from cluster.serving.direct_ingress import direct_ingress_env
     from cluster.serving.placement import (
         PlacementError,
@@ -210,6 +211,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             _refuse_a_second_pdserve()
         deployed = True
         if config.autoscaling.enabled:
+            if config.kv_transfer.secret_env:    # (not before: a second pdserve is refused above)
+                store_named_secret(config.kv_transfer.secret_env, config.kv_transfer_secret())
             _deploy_autoscaled(shipped)
         else:
             from ray.serve.api import _run
@@ -338,19 +341,19 @@ def autoscaled_application(config, profile: dict | None = None) -> dict:
     in the cluster from the whole config, where the variables the file names may
     not be set, nor its paths mean what they meant here. So they are read here
     (ValueError when one is not set): the API key travels as its digest, the KV
-    secret in the Ray cluster's key-value store (the config names its key: Serve
-    shows an application's config, runtime environment included, to anyone who
-    asks; this needs the Ray connection), `profile` (the
+    secret in the Ray cluster's key-value store (the config names its key, where
+    store_named_secret puts it before the deploy: Serve shows an application's
+    config, runtime environment included, to anyone who asks), `profile` (the
     autoscaling profile, as resolve_model read it) as data, and a relative
     checkpoint path as the absolute path it names here."""
-    from cluster.serving.cluster_secret import store_named_secret
+    from cluster.serving.cluster_secret import named_secret_key
 
     http = config.http.model_copy(update={"api_key_sha256": config.api_key_sha256(), "api_key_env": None})
     model = config.model.model_copy(update={"path": _path_for_the_cluster(config.model.path)})
     kv = config.kv_transfer
     if kv.secret_env:
-        key = store_named_secret(kv.secret_env, config.kv_transfer_secret())
-        kv = kv.model_copy(update={"secret_env": None, "secret_stored_key": key})
+        config.kv_transfer_secret()     # ValueError: its variable is not set here
+        kv = kv.model_copy(update={"secret_env": None, "secret_stored_key": named_secret_key(kv.secret_env)})
     shipped = config.model_copy(update={"http": http, "model": model, "kv_transfer": kv})
     application = {"name": APP_NAME, "route_prefix": "/", "import_path": "cluster.app_builder:build_app",
                    "args": {"config_json": shipped.model_dump(mode="json"),

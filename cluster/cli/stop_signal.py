@@ -1,6 +1,7 @@
 """A stop request from SIGINT or SIGTERM, for a command that serves until told to stop.
 
-The handler only assigns a flag, which the command polls. It must not take a
+The handler only assigns a flag, which the command polls (and reads a clock,
+which takes no lock). It must not take a
 lock: Python runs a handler on the main thread between bytecodes, so a signal
 that arrives while an earlier handler is inside `threading.Event.set` runs a
 second `set` that waits for the lock the first one holds, for ever (Ctrl-C

@@ -31,17 +31,20 @@ def cluster_secret() -> str:
     return internal_kv._internal_kv_get(_KEY, namespace=_NAMESPACE).decode()
 
 
-def store_named_secret(variable: str, value: str) -> str:
+def named_secret_key(variable: str) -> str:
+    """The key store_named_secret keeps environment variable `variable`'s secret under."""
+    return _NAMED_PREFIX + variable
+
+
+def store_named_secret(variable: str, value: str) -> None:
     """Keeps `value`, the secret in environment variable `variable`, in the
-    cluster's store (replacing what an earlier deploy stored under that name);
-    returns its key. Needs a Ray connection (RuntimeError without one)."""
+    cluster's store under named_secret_key(variable), replacing what an earlier
+    deploy stored there. Needs a Ray connection (RuntimeError without one)."""
     import ray
     from ray.experimental import internal_kv
     if not ray.is_initialized() or not internal_kv._internal_kv_initialized():
         raise RuntimeError("storing the KV secret in the cluster needs a Ray connection")
-    key = _NAMED_PREFIX + variable
-    internal_kv._internal_kv_put(key.encode(), value, overwrite=True, namespace=_NAMESPACE)
-    return key
+    internal_kv._internal_kv_put(named_secret_key(variable).encode(), value, overwrite=True, namespace=_NAMESPACE)
 
 
 def stored_secret(key: str) -> str | None:

@@ -51,12 +51,14 @@ def default_kv_link(config) -> KVLink:
                   NVLINK_KV_LATENCY_S)
 
 
-def cluster_spec(config, model: StepTimeModel, *, model_config, link: KVLink = KVLink(),
+def cluster_spec(config, model: StepTimeModel, *, model_config, link: KVLink | None = None,
                  request_overhead_s: float = 0.0, prefill_model: StepTimeModel | None = None,
                  shared_cores: float | None = None, threads_per_rank: int = 1,
                  serving_cores_per_stream: float = 0.0, wide_model: StepTimeModel | None = None) -> ClusterSpec:
     """`config`: a cluster.config.DeploymentConfig; `model_config`: the engine
-    ModelConfig of its checkpoint (KV bytes per token, context limit).
+    ModelConfig of its checkpoint (KV bytes per token, context limit; ValueError
+    where the config's max_model_len is past it). `link`: the hand-off (default:
+    default_kv_link(config)).
     `shared_cores`: the CPU cores every replica shares (one machine), with
     `threads_per_rank` torch threads per rank; None: a device per rank.
     `wide_model`: the step model at `shared_cores` threads; with it, and the
@@ -68,6 +70,7 @@ def cluster_spec(config, model: StepTimeModel, *, model_config, link: KVLink = K
     from engine.model_worker import resolve_max_model_len
     from engine.preflight import step_budget_problem
     e = config.engine
+    link = link or default_kv_link(config)
     # the engines' context: the model's default (its RoPE scaling, a sliding window) where none is set
     max_len = resolve_max_model_len(EngineConfig(model="unused", max_model_len=config.model.max_model_len),
                                     model_config)

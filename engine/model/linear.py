@@ -115,7 +115,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(_ParallelLinear):
     """y = x W^T with W's input columns split across ranks; each rank computes a
     partial sum and the all-reduce below adds them. The bias is added once,
-    after the reduction."""
+    after the reduction (on one rank, inside the matmul, as transformers adds it)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel):
         start, length = tp.shard(in_features, "input features")
