@@ -110,11 +110,9 @@ def resolve_model(config: DeploymentConfig, profile: dict | None = None) -> Reso
     ValueError (CheckpointError, or the list of problems) for a directory without
     weights, for settings the workers' engines would refuse for this model, or
     for a profile that cannot price its steps, before anything deploys."""
-    from engine.engine_config import EngineConfig
     from engine.model import ModelConfig
     from engine.model.loader import checkpoint_files
     from engine.model.model_config import generation_sampling_defaults
-    from engine.model_worker import resolve_max_model_len
     from engine.preflight import preflight
     from engine.tiny_model import checkpoint_dir
     from engine.tokenizer import load_tokenizer
@@ -123,7 +121,7 @@ def resolve_model(config: DeploymentConfig, profile: dict | None = None) -> Reso
     checkpoint_files(Path(path))
     mc = ModelConfig.from_pretrained(path)
     load_tokenizer(path)    # the router and every worker load it
-    max_len = resolve_max_model_len(EngineConfig(model=path, max_model_len=config.model.max_model_len), mc)
+    max_len = mc.resolve_context(config.model.max_model_len)
     problems = [f"{role}: {problem}" for role in config.pools()
                 for problem in preflight(config.engine_config(role, path), mc, max_len)]
     problems += _gpu_fit_problems(config, mc, max_len)

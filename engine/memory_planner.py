@@ -212,7 +212,7 @@ def plan(model: ModelConfig, *, tp: int, gpu_memory_gib: float, gpu_memory_utili
         raise ValueError(f"--kv-transfer-staging-mib must be >= 0, got {kv_transfer_staging_gib * 1024:g}")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    limit = model.longest_context      # as the engine accepts it (model_worker.resolve_max_model_len)
+    limit = model.longest_context      # as the engine accepts it (ModelConfig.resolve_context)
     if max_model_len is None:
         max_model_len = model.default_context     # as the engine takes it
     elif not 1 <= max_model_len <= limit:

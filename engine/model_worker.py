@@ -34,7 +34,6 @@ from engine.model.attention_metadata import (
 )
 from engine.model.cpu_gemm import pack_linear_weights, packing_supported, use_skinny_gemm
 from engine.model.llama import use_fused_ops
-from engine.model.model_config import CONTEXT_SCALING_ROPE_TYPES
 from engine.model.parallel import SINGLE_PROCESS, TensorParallel
 from engine.preflight import (
     attention_backend_problem,
@@ -325,24 +324,8 @@ def _cpp_kernels_run(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def resolve_max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
-    """The engine's context: the config's max_model_len, or the model's default
-    (ModelConfig.default_context); ValueError past ModelConfig.longest_context."""
-    limit = mc.longest_context
-    if config.max_model_len is None:
-        return mc.default_context
-    if config.max_model_len > limit:
-        scaled = mc.rope_type in CONTEXT_SCALING_ROPE_TYPES
-        if mc.sliding_window and limit == mc.sliding_window:
-            why = (f"its attention slides over a window of {mc.sliding_window} tokens, which pdserve does not "
-                   f"implement (its max_position_embeddings is {mc.max_position_embeddings})")
-        elif scaled:
-            why = (f"its max_position_embeddings {mc.max_position_embeddings} times its {mc.rope_type} RoPE "
-                   f"scaling factor {mc.rope_params.get('factor', 1.0):g}")
-        else:
-            why = f"its max_position_embeddings is {limit}"
-        raise ValueError(f"max_model_len ({config.max_model_len}) is larger than the model supports "
-                         f"({limit}: {why}); set max_model_len <= {limit}")
-    return config.max_model_len
+    """The engine's context (ModelConfig.resolve_context of the config's max_model_len)."""
+    return mc.resolve_context(config.max_model_len)
 
 
 def _rank_device(config: EngineConfig, tp: TensorParallel) -> torch.device:

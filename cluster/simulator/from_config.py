@@ -65,15 +65,12 @@ def cluster_spec(config, model: StepTimeModel, *, model_config, link: KVLink | N
     config's resources.lend_idle_cores, one-rank decode (colocated) replicas
     borrow idle replicas' cores as the engines do. The router's admission
     control is the config's (its admission: and slo: sections)."""
-    from engine import EngineConfig
     from engine.memory_planner import kv_bytes_per_token
-    from engine.model_worker import resolve_max_model_len
     from engine.preflight import step_budget_problem
     e = config.engine
     link = link or default_kv_link(config)
     # the engines' context: the model's default (its RoPE scaling, a sliding window) where none is set
-    max_len = resolve_max_model_len(EngineConfig(model="unused", max_model_len=config.model.max_model_len),
-                                    model_config)
+    max_len = model_config.resolve_context(config.model.max_model_len)
     dtype = "float32" if config.device == "cpu" and config.model.dtype == "auto" else \
         ("bfloat16" if config.model.dtype == "auto" else config.model.dtype)
     kv_per_token = kv_bytes_per_token(model_config, 1, dtype)      # the whole model's: what a hand-off moves

@@ -97,6 +97,25 @@ class ModelConfig:
             return min(self.max_position_embeddings, self.longest_context)
         return self.longest_context
 
+    def resolve_context(self, max_model_len: int | None) -> int:
+        """The engine's context for a configured max_model_len: it, or default_context
+        where None; ValueError past longest_context, naming why."""
+        limit = self.longest_context
+        if max_model_len is None:
+            return self.default_context
+        if max_model_len > limit:
+            if self.sliding_window and limit == self.sliding_window:
+                why = (f"its attention slides over a window of {self.sliding_window} tokens, which pdserve does "
+                       f"not implement (its max_position_embeddings is {self.max_position_embeddings})")
+            elif self.rope_type in CONTEXT_SCALING_ROPE_TYPES:
+                why = (f"its max_position_embeddings {self.max_position_embeddings} times its {self.rope_type} "
+                       f"RoPE scaling factor {self.rope_params.get('factor', 1.0):g}")
+            else:
+                why = f"its max_position_embeddings is {limit}"
+            raise ValueError(f"max_model_len ({max_model_len}) is larger than the model supports "
+                             f"({limit}: {why}); set max_model_len <= {limit}")
+        return max_model_len
+
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
         """Reads `model_dir/config.json` (offline) and validates it. The EOS ids
