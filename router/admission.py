@@ -411,6 +411,17 @@ class AdmissionControl:
                           reason, self.predicted_wait_s() if retry_after_s is None else retry_after_s)
 
 
+def admission_for(settings: AdmissionSettings | None, mode: str, policy=None,
+                  clock: Callable[[], float] = time.monotonic) -> AdmissionControl | None:
+    """The router's admission control for a deployment of `mode` ("colocated" or
+    "disaggregated"; None where `settings` is None: off). `policy`: the router's
+    DisaggregationPolicy, whose locally prefilled prompts are priced on the decode side."""
+    if settings is None:
+        return None
+    return AdmissionControl(settings, prefill_on_decode_steps=mode == "colocated", clock=clock,
+                            local_prefill=policy.local_prefill_s if policy is not None else None)
+
+
 def _running_mean(old: float | None, new: float, weight: float = 0.05) -> float:
     """An exponentially weighted mean: `new` alone at first, then `weight` of each new value."""
     return new if old is None else (1 - weight) * old + weight * new

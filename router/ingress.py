@@ -19,7 +19,7 @@ from cluster.perf_model.step_shape import load_step_model
 from cluster.serving.process_priority import normal_priority
 from engine.tiny_model import ensure_built_in_checkpoint
 from engine.tokenizer import load_tokenizer
-from router.admission import AdmissionControl, AdmissionSettings
+from router.admission import AdmissionSettings, admission_for
 from router.autoscale_loop import AutoscaleLoop
 from router.backend import ModelInfo
 from router.cors import CorsSettings
@@ -63,10 +63,7 @@ class Router:
                                           ServePrefillPool(prefill), self.policy,
                                           subscriber=subscriber, max_migrations=max_migrations)
             self._workers = {"prefill": prefill, "decode": decode}
-        self.admission = AdmissionControl(
-            admission, prefill_on_decode_steps=mode == "colocated",
-            local_prefill=self.policy.local_prefill_s if self.policy is not None else None) \
-            if admission is not None else None
+        self.admission = admission_for(admission, mode, self.policy)
         self._http = {"limits": limits, "api_key_sha256": api_key_sha256, "protect_metrics": protect_metrics,
                       "admission": self.admission, "cors": cors}
         self.autoscaler = None

@@ -64,7 +64,7 @@ from cluster.simulator.prefix_cache import PrefixCache, prompt_block_hashes
 from cluster.simulator.replica import SimReplica, SimSequence
 from engine.core_lending import lendable_cores
 from engine.step_cost import CALIBRATION_TOKENS, EngineCosts
-from router.admission import AdmissionControl, AdmissionSettings, Admitted, Overloaded
+from router.admission import AdmissionSettings, Admitted, Overloaded, admission_for
 from router.disaggregation_policy import DisaggregationPolicy, DisaggregationSettings
 
 
@@ -237,10 +237,7 @@ class _Simulation:
         self.policy = DisaggregationPolicy(DisaggregationSettings(
             spec.policy, spec.local_prefill_max_tokens, spec.max_remote_wait_s)) \
             if spec.mode == "disaggregated" else None
-        self.admission = AdmissionControl(
-            spec.admission, prefill_on_decode_steps=spec.mode == "colocated", clock=lambda: self.now,
-            local_prefill=self.policy.local_prefill_s if self.policy is not None else None) \
-            if spec.admission is not None else None
+        self.admission = admission_for(spec.admission, spec.mode, self.policy, clock=lambda: self.now)
         self.prefilling: dict[int, tuple[bool, int]] = {}   # index -> (on a decode replica, prompt tokens)
 
     def _replica(self, name: str, rs: ReplicaSpec, *, borrows: bool) -> SimReplica:
