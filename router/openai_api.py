@@ -550,9 +550,9 @@ class _Server:
         admission control on). All or none are admitted."""
         if self.admission is None:
             return [[None] * choices for _ in prompts]
-        demands = [(len(plan.ids), plan.max_tokens) for plan in prompts for _ in range(choices)]
-        with self._counting_refusals(demands):
-            return self.admission.admit_prompts([(len(plan.ids), plan.max_tokens) for plan in prompts], choices)
+        per_prompt = [(len(plan.ids), plan.max_tokens) for plan in prompts]
+        with self._counting_refusals([demand for demand in per_prompt for _ in range(choices)]):
+            return self.admission.admit_prompts(per_prompt, choices)
 
     @contextmanager
     def _counting_refusals(self, demands: list[tuple[int | None, int | None]]) -> Iterator[None]:
