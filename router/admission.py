@@ -8,7 +8,9 @@ each request's time to first token,
 
     TTFT = (prompt tokens waiting / prefill replicas + this prompt) x prefill s/token
 
-with the per-token cost the workers measure on their own steps, and refuses
+with the per-token cost the workers measure on their own steps (prompts that
+decode replicas prefill, under conditional disaggregation, are priced on their
+wait there and count neither here nor in the overload rule's arrivals), and refuses
 it when that exceeds `slo_factor` x the SLO while anything waits ahead of it
 (alone, it is admitted: its own prefill is the best this server can do).
 When prompts arrive faster than the prefill replicas serve them (over the
@@ -80,6 +82,7 @@ class Admitted:
 
     prompt_tokens: int
     prefill_tokens_per_step: float   # its prompt over the decode steps it is expected to run (colocated)
+    local: bool = False              # a decode replica prefills it: no wait in the prefill pool's queue
 
 
 class Overloaded(OpenAIError):
@@ -115,6 +118,8 @@ class AdmissionControl:
         self.waiting_requests = 0
         self.waiting_tokens = 0
         self.waiting_prompts = 0     # of the waiting requests, those that bring a prompt (not n's later choices)
+        self.waiting_local_tokens = 0    # of waiting_tokens, those a decode replica prefills (Admitted.local)
+        self.waiting_local_prompts = 0
         self._head_since: float | None = None        # when the prompts at the queue's head started (about)
         self.replicas = 1
         self.s_per_token: float | None = None      # the prefill replicas' measured cost, mean
@@ -141,7 +146,7 @@ class AdmissionControl:
         if s.max_waiting_prompt_tokens is not None and self.waiting_tokens >= s.max_waiting_prompt_tokens:
             raise self._refuse("queue_tokens", f"{self.waiting_tokens} prompt tokens are waiting, the most this "
                                f"server queues ({s.max_waiting_prompt_tokens})")
-        self._check_slo(0)
+        self._check_slo(0, self._prefilled_locally(0))
         self._check_tpot(self._prefill_tokens_per_step(self.mean_prompt_tokens or 0.0, max_tokens=None))
         return now
 
@@ -162,20 +167,26 @@ class AdmissionControl:
         tokens = (self.prefill_tokens_per_step + extra_prefill_tokens_per_step) / self.decode_replicas
         return max(c.step_s(seqs, tokens, carried=not self.prefill_on_decode_steps) for c in self.decode_costs)
 
-    def admit(self, num_prompt_tokens: int, max_tokens: int | None = None) -> Admitted:
+    def admit(self, num_prompt_tokens: int, max_tokens: int | None = None, arrival: float | None = None) -> Admitted:
         """Checks the request with its prompt length and output bound, then counts it
         as waiting and running. Raises Overloaded (and counts nothing) when it must
-        be refused."""
+        be refused. arrival: check_before_tokenizing's, withdrawn from the prefill
+        pool's arrivals if a decode replica prefills the prompt."""
         s = self.settings
         if s.max_waiting_prompt_tokens is not None and \
                 self.waiting_tokens + num_prompt_tokens > s.max_waiting_prompt_tokens and self.waiting_requests:
             raise self._refuse("queue_tokens", f"{self.waiting_tokens} prompt tokens are waiting and this prompt "
                                f"has {num_prompt_tokens}; this server queues at most {s.max_waiting_prompt_tokens}")
-        self.mean_prompt_tokens = _running_mean(self.mean_prompt_tokens, num_prompt_tokens)
-        self._check_slo(num_prompt_tokens)
-        ticket = Admitted(num_prompt_tokens, self._prefill_tokens_per_step(num_prompt_tokens, max_tokens))
+        local = self._prefilled_locally(num_prompt_tokens)
+        if local is None:       # the prefill pool's mean prompt (its capacity, its queue's heads)
+            self.mean_prompt_tokens = _running_mean(self.mean_prompt_tokens, num_prompt_tokens)
+        self._check_slo(num_prompt_tokens, local)
+        ticket = Admitted(num_prompt_tokens, self._prefill_tokens_per_step(num_prompt_tokens, max_tokens),
+                          local=local is not None)
         self._check_tpot(ticket.prefill_tokens_per_step)
         self._count(ticket)
+        if ticket.local and arrival is not None:
+            self.withdraw(arrival)
         return ticket
 
     def admit_choices(self, num_prompt_tokens: int, max_tokens: int | None, choices: int) -> list[Admitted]:
@@ -201,14 +212,16 @@ class AdmissionControl:
             raise
         return tickets
 
-    def admit_prompts(self, prompts: list[tuple[int, int | None]], choices: int) -> list[list[Admitted]]:
+    def admit_prompts(self, prompts: list[tuple[int, int | None]], choices: int,
+                      arrival: float | None = None) -> list[list[Admitted]]:
         """admit_choices for a batch of prompts (each its prompt tokens and max_tokens),
         all or none, judged as one request: its first prompt as admit_choices checks it,
         the others behind it against the bounds judged on what was there before the
         batch (the queue's prompt tokens, unless nothing waited; the TPOT budget, unless
         a decode replica ran nothing), not on the TTFT SLO, which their place behind the
         batch's own first prompt would fail on an idle server too (every retry alike).
-        Raises Overloaded (and counts nothing) when any must be refused."""
+        Raises Overloaded (and counts nothing) when any must be refused. arrival: as
+        admit's, withdrawn if decode replicas prefill every prompt."""
         s = self.settings
         self._check_request_bound(len(prompts) * choices)
         waiting_before, running_before = self.waiting_requests, self.running
@@ -220,11 +233,13 @@ class AdmissionControl:
                     raise self._refuse("queue_tokens", f"{self.waiting_tokens} prompt tokens are waiting with "
                                        f"this batch's first {len(admitted)} prompts; this server queues at most "
                                        f"{s.max_waiting_prompt_tokens}")
-                self.mean_prompt_tokens = _running_mean(self.mean_prompt_tokens, num_prompt_tokens)
+                local = self._prefilled_locally(num_prompt_tokens) is not None
+                if not local:
+                    self.mean_prompt_tokens = _running_mean(self.mean_prompt_tokens, num_prompt_tokens)
                 tickets: list[Admitted] = []
                 admitted.append(tickets)
-                for ticket in [Admitted(num_prompt_tokens, self._prefill_tokens_per_step(num_prompt_tokens,
-                                                                                         max_tokens)),
+                for ticket in [Admitted(num_prompt_tokens, self._prefill_tokens_per_step(num_prompt_tokens, max_tokens),
+                                        local=local),
                                *(Admitted(0, 0.0) for _ in range(choices - 1))]:
                     self._check_tpot(ticket.prefill_tokens_per_step, running_before)
                     self._count(ticket)
@@ -233,6 +248,8 @@ class AdmissionControl:
             for ticket in (t for tickets in admitted for t in tickets):
                 self._uncount(ticket)
             raise
+        if arrival is not None and all(tickets[0].local for tickets in admitted):
+            self.withdraw(arrival)
         return admitted
 
     def _check_request_bound(self, sequences: int) -> None:
@@ -247,16 +264,23 @@ class AdmissionControl:
         if not self.waiting_requests:
             self._head_since = self.clock()
         self.waiting_requests += 1
-        self.waiting_tokens += ticket.prompt_tokens
-        self.waiting_prompts += ticket.prompt_tokens > 0
+        self._count_waiting(ticket, +1)
         self.running += 1
         self.prefill_tokens_per_step += ticket.prefill_tokens_per_step
+
+    def _count_waiting(self, ticket: Admitted, sign: int) -> None:
+        """Adds (sign +1) or removes (-1) the ticket's prompt in the waiting counts."""
+        prompts = int(ticket.prompt_tokens > 0)
+        self.waiting_tokens = max(0, self.waiting_tokens + sign * ticket.prompt_tokens)
+        self.waiting_prompts = max(0, self.waiting_prompts + sign * prompts)
+        if ticket.local:
+            self.waiting_local_tokens = max(0, self.waiting_local_tokens + sign * ticket.prompt_tokens)
+            self.waiting_local_prompts = max(0, self.waiting_local_prompts + sign * prompts)
 
     def _uncount(self, ticket: Admitted) -> None:
         """Undoes _count for a request refused after all (the head of the queue keeps its progress)."""
         self.waiting_requests = max(0, self.waiting_requests - 1)
-        self.waiting_tokens = max(0, self.waiting_tokens - ticket.prompt_tokens)
-        self.waiting_prompts = max(0, self.waiting_prompts - (ticket.prompt_tokens > 0))
+        self._count_waiting(ticket, -1)
         self.running = max(0, self.running - 1)
         self.prefill_tokens_per_step = max(0.0, self.prefill_tokens_per_step - ticket.prefill_tokens_per_step) \
             if self.running else 0.0
@@ -266,8 +290,7 @@ class AdmissionControl:
     def first_token(self, ticket: Admitted) -> None:
         """An admitted request got its first token, or ended without one (once per request)."""
         self.waiting_requests = max(0, self.waiting_requests - 1)
-        self.waiting_tokens = max(0, self.waiting_tokens - ticket.prompt_tokens)
-        self.waiting_prompts = max(0, self.waiting_prompts - (ticket.prompt_tokens > 0))
+        self._count_waiting(ticket, -1)
         self._head_since = self.clock() if self.waiting_requests else None
 
     def finished(self, ticket: Admitted, output_tokens: int | None = None) -> None:
@@ -277,6 +300,11 @@ class AdmissionControl:
             if self.running else 0.0
         if output_tokens:
             self.mean_output_tokens = _running_mean(self.mean_output_tokens, output_tokens)
+
+    def _prefilled_locally(self, num_prompt_tokens: int) -> tuple[float, float] | None:
+        """The local_prefill hook's answer: (wait, own prefill) where a decode replica
+        would prefill a prompt of this length, else None."""
+        return self.local_prefill(num_prompt_tokens) if self.local_prefill is not None else None
 
     def _prefill_tokens_per_step(self, prompt_tokens: float, max_tokens: int | None) -> float:
         """A request's prompt spread over the decode steps it is expected to run
@@ -289,15 +317,16 @@ class AdmissionControl:
 
     # ---- predictions --------------------------------------------------------------------------
     def predicted_wait_s(self) -> float:
-        """Until what waits now has had its first token (0 before any cost is measured):
-        its prompts' prefill, less what the prompts at the head of the queue have
-        had since they started (since the latest first token, or their admission
-        into an empty queue; at most a mean prompt's prefill each; n's later
-        choices bring no prompt and are no head)."""
+        """Until what waits in the prefill replicas' queue now has had its first token
+        (0 before any cost is measured): its prompts' prefill, less what the prompts
+        at the head of the queue have had since they started (since the latest first
+        token, or their admission into an empty queue; at most a mean prompt's
+        prefill each; n's later choices bring no prompt and are no head). Prompts
+        that decode replicas prefill (Admitted.local) wait there, not here."""
         if not self.s_per_token or not self.waiting_requests:
             return 0.0
-        work = self.waiting_tokens * self.s_per_token
-        heads = min(self.replicas, self.waiting_prompts)
+        work = (self.waiting_tokens - self.waiting_local_tokens) * self.s_per_token
+        heads = min(self.replicas, self.waiting_prompts - self.waiting_local_prompts)
         per_head = (self.mean_prompt_tokens or 0.0) * self.s_per_token
         done = heads * min(self.clock() - self._head_since, per_head) if self._head_since is not None else 0.0
         return max(0.0, work - done) / self.replicas
@@ -345,14 +374,13 @@ class AdmissionControl:
         if costs:
             self.s_per_token = sum(costs) / len(costs)
 
-    def _check_slo(self, num_prompt_tokens: int) -> None:
+    def _check_slo(self, num_prompt_tokens: int, local: tuple[float, float] | None) -> None:
         """(0 prompt tokens: before tokenizing, where a short prompt goes; the prompt's
-        own check follows)"""
+        own check follows. local: the local_prefill hook's answer for the prompt)"""
         s = self.settings
         if s.ttft_slo_s is None:
             return
         limit = s.ttft_slo_s * s.slo_factor
-        local = self.local_prefill(num_prompt_tokens) if self.local_prefill is not None else None
         if local is not None:
             # a decode replica prefills it: the prefill pool's queue and arrivals are not its wait
             wait, own = local

@@ -283,7 +283,7 @@ class _Server:
 
         request_id = f"{'chat' if chat else ''}{self.prefix}-{uuid.uuid4().hex}"
         n = body.choices
-        tickets = self._admit(prompts, n)
+        tickets = self._admit(prompts, n, arrived)
         # choice p * n + j: prompt p's choice j (OpenAI's and vLLM's index for a batch)
         plan_of = [(plan, j, tickets[p][j]) for p, plan in enumerate(prompts) for j in range(n)]
         choices = Choices([Generation(self.backend, self.metrics, self.admission,
@@ -544,15 +544,16 @@ class _Server:
         with self._counting_refusals([(None, None)]):
             return self.admission.check_before_tokenizing()
 
-    def _admit(self, prompts: list[_PlannedPrompt], choices: int) -> list[list[Admitted | None]]:
+    def _admit(self, prompts: list[_PlannedPrompt], choices: int,
+               arrived: float | None) -> list[list[Admitted | None]]:
         """Admission control's checks with the prompts' lengths and output bounds: each
         prompt once, each of its choices as a sequence of its own (a ticket each, with
-        admission control on). All or none are admitted."""
+        admission control on). All or none are admitted. arrived: _check_before_tokenizing's."""
         if self.admission is None:
             return [[None] * choices for _ in prompts]
         per_prompt = [(len(plan.ids), plan.max_tokens) for plan in prompts]
         with self._counting_refusals([demand for demand in per_prompt for _ in range(choices)]):
-            return self.admission.admit_prompts(per_prompt, choices)
+            return self.admission.admit_prompts(per_prompt, choices, arrived)
 
     @contextmanager
     def _counting_refusals(self, demands: list[tuple[int | None, int | None]]) -> Iterator[None]:

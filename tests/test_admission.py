@@ -91,7 +91,43 @@ def test_a_prompt_a_decode_replica_prefills_is_judged_on_that_replicas_wait_not_
     a.observe_workers("prefill", [{"prefill_s_per_token": 2e-3}])
     with pytest.raises(Overloaded) as exc:
         a.check_before_tokenizing()
-    assert exc.value.reason == "ttft_slo" and "1900 ms" in exc.value.message
+    # the 900 tokens at 2 ms each; the 50 that wait on a decode replica are no wait in the prefill pool
+    assert exc.value.reason == "ttft_slo" and "1800 ms" in exc.value.message
+
+
+def test_prompts_a_decode_replica_prefills_add_nothing_to_the_prefill_pools_wait_or_arrivals():
+    # conditional disaggregation: short prompts prefilled on decode replicas counted in the prefill
+    # pool's queue and arrival rate, and refused the long prompts bound for an idle prefill pool
+    from router.disaggregation_policy import DisaggregationPolicy, DisaggregationSettings
+    clock = _Clock()
+    policy = DisaggregationPolicy(DisaggregationSettings("conditional", local_prefill_max_tokens=128))
+    a = AdmissionControl(AdmissionSettings(ttft_slo_s=1.0, overload_wait_factor=0.25), clock=clock,
+                         local_prefill=policy.local_prefill_s)
+    for observer in (a, policy):
+        observer.observe_workers("prefill", [{"prefill_s_per_token": 1e-3}])
+        observer.observe_workers("decode", [{"prefill_s_per_token": 1e-3}, {"prefill_s_per_token": 1e-3}])
+    remote = a.admit(400, arrival=a.check_before_tokenizing())     # to the prefill pool: 0.4 s
+    local = []
+    for _ in range(40):                                # 40 x 100 tokens, 20 arrivals a second
+        clock.now += 0.05
+        local.append(a.admit(100, arrival=a.check_before_tokenizing()))
+    assert local[0].local and not remote.local
+    assert (a.waiting_requests, a.waiting_tokens) == (41, 4400)   # the queue bounds count every prompt
+    assert a.predicted_wait_s() == pytest.approx(0.0)  # the long prompt has had its 0.4 s
+    assert a.predicted_ttft_s(500) == pytest.approx(0.5)
+    assert not a.overloaded()                          # 1 of 41 arrivals is the prefill pool's
+    a.admit(500, arrival=a.check_before_tokenizing())
+    a.first_token(local[0])
+    assert (a.waiting_tokens, a.waiting_local_tokens) == (4800, 3900)
+    # a batch of short prompts is no arrival at the prefill pool; one with a long prompt is
+    clock.now += 0.05
+    arrival = a.check_before_tokenizing()
+    a.admit_prompts([(50, None), (60, None)], 1, arrival)
+    assert arrival not in a._arrivals
+    clock.now += 0.05
+    arrival = a.check_before_tokenizing()
+    a.admit_prompts([(50, None), (600, None)], 1, arrival)
+    assert arrival in a._arrivals
 
 
 def test_a_request_alone_is_admitted_whatever_its_own_prefill_is_predicted_to_take():

@@ -356,8 +356,8 @@ class _Simulation:
             return
         if self.admission is not None:
             try:
-                self.admission.check_before_tokenizing()
-                self.tickets[log.index] = self.admission.admit(log.prompt_len, log.output_len)
+                arrival = self.admission.check_before_tokenizing()
+                self.tickets[log.index] = self.admission.admit(log.prompt_len, log.output_len, arrival)
             except Overloaded as exc:
                 self._refuse(log, exc)
                 return
