@@ -491,6 +491,26 @@ def test_on_a_joined_cluster_the_serve_it_started_is_stopped_with_its_applicatio
         assert calls == expected, (started_serve, others)
 
 
+def test_on_a_joined_cluster_the_kv_secret_stored_for_the_application_goes_with_it(monkeypatch):
+    # `pdserve serve --autoscale --address` stored the file's named KV secret in the cluster's
+    # key-value store, where it stayed after the application was deleted
+    import ray
+
+    from ray import serve
+
+    from cluster.cli import serve_command
+    from cluster.serving import cluster_secret
+    deleted = []
+    monkeypatch.setattr(serve, "delete", lambda name: None)
+    monkeypatch.setattr(serve, "status", lambda: type("S", (), {"applications": {}})())
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    monkeypatch.setattr(cluster_secret, "delete_named_secret", deleted.append)
+    serve_command._clean_up(started_ray=False, deployed=True, stored_secret_env="MY_KV_SECRET")
+    serve_command._clean_up(started_ray=False, deployed=True)          # it stored none
+    serve_command._clean_up(started_ray=False, deployed=False, stored_secret_env="NOT_DEPLOYED")
+    assert deleted == ["MY_KV_SECRET"]
+
+
 def test_an_autoscaled_deploy_keeps_the_clusters_other_declarative_applications(monkeypatch):
     """Serve's declarative API deletes every application a config leaves out."""
     import ray.serve._private.api as serve_api

@@ -215,7 +215,7 @@ def test_a_named_kv_secret_stored_in_the_cluster_is_what_an_application_built_th
     # need not be set: the secret goes through the cluster's store, the config names its key
     from cluster.cli.serve_command import autoscaled_application
     from cluster.config import DeploymentConfig
-    from cluster.serving.cluster_secret import store_named_secret
+    from cluster.serving.cluster_secret import delete_named_secret, store_named_secret
 
     @ray.remote(num_cpus=0)
     def secret_where_the_app_is_built(config_json: dict) -> str:
@@ -232,6 +232,9 @@ def test_a_named_kv_secret_stored_in_the_cluster_is_what_an_application_built_th
     missing = {**shipped, "kv_transfer": {**shipped["kv_transfer"], "secret_stored_key": "kv_transfer_secret_env/X"}}
     with pytest.raises(ValueError, match="is not in this Ray cluster's key-value store"):
         DeploymentConfig.model_validate(missing).kv_transfer_secret()
+    delete_named_secret("E2E_KV_SECRET")                         # as pdserve serve does as it stops
+    with pytest.raises(ValueError, match="is not in this Ray cluster's key-value store"):
+        DeploymentConfig.model_validate(shipped).kv_transfer_secret()
 
 
 def test_disaggregated_one_prefill_one_decode(ray_cluster, model_dirs, reference, tokenizer):

@@ -205,6 +205,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise
     stop = StopSignal().install()    # from here on Ctrl-C / SIGTERM stop the deploy too, and clean up
     deployed = started_serve = False
+    stored_secret_env = None    # the variable whose KV secret this command stored in the cluster
     try:
         started_serve = _start_serve(host, port, direct_ingress)
         if not started_ray:
@@ -212,7 +213,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         deployed = True
         if config.autoscaling.enabled:
             if config.kv_transfer.secret_env:    # (not before: a second pdserve is refused above)
-                store_named_secret(config.kv_transfer.secret_env, config.kv_transfer_secret())
+                stored_secret_env = config.kv_transfer.secret_env
+                store_named_secret(stored_secret_env, config.kv_transfer_secret())
             _deploy_autoscaled(shipped)
         else:
             from ray.serve.api import _run
@@ -234,7 +236,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         stop.force_on_next()
         if stop.requested:
             print("(press Ctrl-C again to quit at once, leaving the clean-up undone)", flush=True)
-        _clean_up(started_ray, deployed, started_serve)
+        _clean_up(started_ray, deployed, started_serve, stored_secret_env)
     return 0
 
 
@@ -297,18 +299,24 @@ def _refuse_a_second_pdserve() -> None:
                            f"{APP_NAME}`), or give this one a cluster of its own (--address local)")
 
 
-def _clean_up(started_ray: bool, deployed: bool, started_serve: bool = False) -> None:
+def _clean_up(started_ray: bool, deployed: bool, started_serve: bool = False,
+              stored_secret_env: str | None = None) -> None:
     """Stops what this command started: the whole local cluster, or on a joined
-    cluster its application, and Serve too where this command started it and no
+    cluster its application (and the KV secret it stored there for variable
+    `stored_secret_env`), and Serve too where this command started it and no
     other application runs on it now (its proxies would keep holding the port)."""
     import ray
     from ray import serve
+
+    from cluster.serving.cluster_secret import delete_named_secret
 
     try:
         if started_ray:
             serve.shutdown()
         elif deployed:
             serve.delete(APP_NAME)
+            if stored_secret_env:
+                delete_named_secret(stored_secret_env)
             if started_serve and not serve.status().applications:
                 serve.shutdown()
     except Exception as exc:  # noqa: BLE001 - the error that brought us here is the one to report

@@ -47,6 +47,14 @@ def store_named_secret(variable: str, value: str) -> None:
     internal_kv._internal_kv_put(named_secret_key(variable).encode(), value, overwrite=True, namespace=_NAMESPACE)
 
 
+def delete_named_secret(variable: str) -> None:
+    """Removes what store_named_secret kept for `variable` (nothing without a Ray connection)."""
+    import ray
+    from ray.experimental import internal_kv
+    if ray.is_initialized() and internal_kv._internal_kv_initialized():
+        internal_kv._internal_kv_del(named_secret_key(variable).encode(), namespace=_NAMESPACE)
+
+
 def stored_secret(key: str) -> str | None:
     """The secret store_named_secret kept under `key`; None when the cluster holds
     none there, or without a Ray connection."""
