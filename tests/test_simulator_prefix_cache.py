@@ -40,14 +40,19 @@ def test_a_match_is_the_leading_run_of_cached_blocks_short_of_the_last_token():
     assert cache.match(prompt_block_hashes([7] * 64, 16), 64, 16) == 0
 
 
-def test_the_least_recently_used_blocks_go_first():
+def test_the_least_recently_used_prompts_blocks_go_first_their_tail_before_their_head():
+    # as the engine frees a sequence's blocks last first: evicting a prompt's head first
+    # left its other blocks cached and unreachable
     cache = PrefixCache(capacity=4)
     a = prompt_block_hashes(list(range(64)), 16)
     b = prompt_block_hashes(list(range(1000, 1064)), 16)
     cache.insert(a)
-    cache.insert(b[:2])                          # a's first two blocks are now the oldest: evicted
-    assert cache.match(a, 65, 16) == 0
+    cache.insert(b[:2])                          # a's last two blocks are now the oldest: evicted
+    assert cache.match(a, 65, 16) == 32
     assert cache.match(b, 65, 16) == 32
+    cache.insert(b[2:3])                         # a1, the oldest now, goes
+    assert cache.match(b, 65, 16) == 48
+    assert cache.match(a, 65, 16) == 16
 
 
 def _one_replica(caching: bool = True) -> ClusterSpec:
@@ -83,6 +88,34 @@ def test_a_disaggregated_prefill_replica_reuses_its_cache():
     ttfts = [r.token_times[0] - r.send_time for r in result.requests]
     assert ttfts[0] == pytest.approx(336 * PER_TOKEN)
     assert ttfts[1:] == pytest.approx([16 * PER_TOKEN] * 3)
+
+
+def test_a_decode_replica_caches_the_prompt_blocks_a_hand_off_brought():
+    # as the engine's Scheduler.mark_filled: a short prompt it then prefills itself (conditional
+    # disaggregation) finds the shared prefix that came with a long prompt's KV
+    model = LinearStepModel((0.0, PER_TOKEN, 0.0, 1e-3, 0.0))
+    replica = ReplicaSpec(model, 1000, 16, 256, 2048)
+    spec = ClusterSpec("disaggregated", prefill=replica, decode=replica, prefill_replicas=1, decode_replicas=1,
+                       policy="conditional", local_prefill_max_tokens=128,
+                       kv_bytes_per_token=1.0, kv_bandwidth_bytes_per_s=1e12)
+    shared = list(range(64))
+    prompts = [shared + list(range(1000, 1200)), shared + list(range(2000, 2016))]   # 264 (remote), 80 (local)
+    result = simulate(spec, [(264, 2), (80, 1)], [0.0, 1.0], prompt_token_ids=prompts)
+    assert [r.prefilled_locally for r in result.requests] == [False, True]
+    assert result.cached_prompt_tokens == 64
+    assert result.requests[1].token_times[0] - result.requests[1].send_time == pytest.approx(16 * PER_TOKEN)
+
+
+def test_a_hand_off_reserves_the_prompts_blocks_only():
+    # a 32-token prompt fills 2 blocks of 16: the third, for its first token's KV, comes with its
+    # first decode step (the engine's reserve); the simulator asked for 3 and kept it waiting
+    from cluster.simulator.replica import SimReplica, SimSequence
+    decode = SimReplica("D0", TOKENS, num_blocks=2, block_size=16, max_num_seqs=4, max_num_batched_tokens=64)
+    seq = SimSequence(0, prompt_len=32, output_len=4, generated=1)
+    assert decode.try_admit_prefilled(seq)
+    assert decode.free_blocks == 0
+    decode.commit_prefilled(seq)
+    assert decode.free_blocks == 0 and decode.running == [seq]
 
 
 def test_prompts_must_match_the_requests():

@@ -5,8 +5,9 @@ chained hash, h_i = hash((h_{i-1}, tokens of block i)), keeps computed blocks
 findable by hash until their memory is handed out again, and lets a new
 sequence start after the longest run of its leading blocks it finds, always
 leaving the last prompt token to run. The simulator keeps, per replica, the
-hashes of the prompt blocks it has computed, least recently used first, at
-most as many as the replica has KV blocks.
+hashes of the prompt blocks it has computed or received, least recently used
+first (a prompt's last block before its first, as the engine frees a
+sequence's blocks last first), at most as many as the replica has KV blocks.
 
 Two simplifications, both in the hit's favour or against it by at most the
 shared blocks: a hit still counts its blocks against the replica's KV (the
@@ -44,14 +45,20 @@ class PrefixCache:
         for h in hashes[:(prompt_len - 1) // block_size]:
             if h not in self._blocks:
                 break
-            self._blocks.move_to_end(h)
             found += 1
+        self._touch(hashes[:found])
         return found * block_size
 
     def insert(self, hashes: Sequence[int]) -> None:
         """Blocks just computed: findable from now on (the least recently used go past capacity)."""
-        for h in hashes:
-            self._blocks[h] = None
-            self._blocks.move_to_end(h)
+        self._touch(hashes)
         while len(self._blocks) > self.capacity:
             self._blocks.popitem(last=False)
+
+    def _touch(self, hashes: Sequence[int]) -> None:
+        """Marks a run of a prompt's blocks used, its last block least recent: the
+        engine frees a sequence's blocks last first, so a prompt's tail is evicted
+        before its head (a head gone would leave the rest unreachable)."""
+        for h in reversed(hashes):
+            self._blocks[h] = None
+            self._blocks.move_to_end(h)

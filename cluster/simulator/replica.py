@@ -120,7 +120,7 @@ class SimReplica:
         keeps the head a batch slot too)."""
         if any(waiting.preempted for waiting in self.waiting):
             return False
-        need = self.blocks_for(seq.num_tokens)
+        need = self.blocks_for(seq.prompt_len)      # (its first token's KV comes with its first decode step)
         head = self.blocks_for(self.waiting[0].num_tokens) if self.waiting else 0
         slots = len(self.running) + len(self.reserved) + (1 if self.waiting else 0)   # (a slot kept for the head)
         if need + head > self.free_blocks or slots >= self.max_num_seqs:
@@ -130,14 +130,15 @@ class SimReplica:
         return True
 
     def commit_prefilled(self, seq: SimSequence) -> None:
-        """The reserved sequence's KV has arrived: it decodes from the next step."""
+        """The reserved sequence's KV has arrived (into the prompt's blocks reserved for
+        it, which it keeps): it decodes from the next step."""
         self.reserved.pop(seq.index)
         seq.preempted = False       # (on the replica it came from)
         seq.computed = seq.prompt_len
         self.running.append(seq)
         seq.is_running = True
-        self.used_blocks -= self.blocks_for(seq.num_tokens)
-        self.used_blocks += self.blocks_for(seq.computed)
+        if self.prefix_cache is not None and seq.block_hashes:     # as the engine caches what arrived
+            self.prefix_cache.insert(seq.block_hashes[:seq.prompt_len // self.block_size])
 
     def release_held(self, seq: SimSequence) -> None:
         self.used_blocks -= self.held.pop(seq.index)
@@ -210,9 +211,9 @@ class SimReplica:
         for seq, n in work:
             seq.computed += n
             if self.prefix_cache is not None and seq.block_hashes and seq.computed - n < seq.prompt_len:
-                bs = self.block_size           # the prompt blocks this chunk filled
-                self.prefix_cache.insert(seq.block_hashes[(seq.computed - n) // bs:
-                                                          min(seq.computed, seq.prompt_len) // bs])
+                # the prompt's blocks computed so far (those of earlier chunks are the sequence's
+                # still, which the engine never evicts: touched again, the head last)
+                self.prefix_cache.insert(seq.block_hashes[:min(seq.computed, seq.prompt_len) // self.block_size])
             if seq.computed < seq.num_tokens:
                 continue                      # a chunk that stops mid-prompt samples nothing
             seq.generated += 1
