@@ -86,6 +86,12 @@ class Choices:
                 self._arrivals.put_nowait((index, out))
                 if out is None or out.finished:
                     return
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise                 # close(): this reader is being stopped
+            # a cancel raised from below (a call the replica's side ended): the choice failed; left
+            # unsaid, next() would wait for ever on a reader that is gone
+            self._arrivals.put_nowait((index, BackendUnavailableError(f"choice {index}'s stream was cancelled")))
         except Exception as exc:  # noqa: BLE001 - the reader of the stream hears it
             self._arrivals.put_nowait((index, exc))
 

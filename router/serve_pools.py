@@ -142,8 +142,7 @@ async def _call(response, what: str, on_cancel: Callable[[], None] | None = None
 def _cancelling_this_task() -> bool:
     """Whether the running task is being cancelled (its own cancel, not one a callee raised)."""
     task = asyncio.current_task()
-    cancelling = getattr(task, "cancelling", None)     # (Python 3.11 on; before it, taken as its own)
-    return cancelling is None or cancelling() > 0
+    return task is None or task.cancelling() > 0
 
 
 def _forget_cleanup(tasks: set[asyncio.Task]) -> Callable[[asyncio.Task], None]:

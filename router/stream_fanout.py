@@ -161,8 +161,7 @@ class StreamFanout:
                         self._abort_soon(replica_id, rid)
         except asyncio.CancelledError as exc:
             task = asyncio.current_task()
-            # close() cancels the readers, and only it (Python 3.10's tasks cannot say who cancelled them)
-            if task is None or (task.cancelling() if hasattr(task, "cancelling") else self.closed):
+            if task is None or task.cancelling():
                 raise                 # close(): this reader itself is being cancelled
             reason = f"the stream was cancelled ({exc or 'by the replica or Serve'})"
             log.warning("the output stream of decode replica %s was cancelled", replica_id)

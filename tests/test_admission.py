@@ -734,6 +734,52 @@ def test_a_close_cancelled_while_it_aborts_one_choice_still_closes_the_others():
     assert (admission.waiting_requests, admission.running) == (0, 0)
 
 
+def test_a_choice_whose_stream_is_cancelled_from_below_fails_the_request_instead_of_hanging_it():
+    """A cancel raised out of a choice's stream (a call its replica ended) killed the
+    choice's reader without a word: the request of n choices waited for ever."""
+    from engine.outputs import RequestOutput
+    from engine.sampling_params import SamplingParams
+    from router.backend import BackendUnavailableError
+    from router.choices import Choices, Generation
+
+    class Stream:
+        def __init__(self, request_id):
+            self.request_id, self.sent = request_id, False
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            if self.request_id.endswith("-1"):
+                raise asyncio.CancelledError        # not this task's own cancel
+            if self.sent:
+                await asyncio.Event().wait()
+            self.sent = True
+            return RequestOutput(self.request_id, [1, 2, 3], "a", [7], delta_text="a", delta_token_ids=[7])
+
+        async def aclose(self):
+            pass
+
+    class Backend:
+        def generate(self, request_id, prompt_ids, params):
+            return Stream(request_id)
+
+        def phase_timings(self, request_id):
+            return None
+
+    async def main():
+        choices = Choices([Generation(Backend(), ServingMetrics(), None, f"r-{i}", [1, 2, 3],
+                                      SamplingParams(max_tokens=3), time.monotonic(), None) for i in range(2)])
+        try:
+            assert (await asyncio.wait_for(choices.next(), 5))[0] == 0
+            with pytest.raises(BackendUnavailableError, match="choice 1's stream was cancelled"):
+                await asyncio.wait_for(choices.next(), 5)
+        finally:
+            await choices.close("abort")
+
+    asyncio.run(main())
+
+
 def test_a_replica_too_slow_to_answer_its_stats_still_counts_as_running():
     """The router refreshes the replicas' figures with a bounded wait: one that did not
     answer in time is still running, and its pool's capacity is not cut to those that
