@@ -188,6 +188,9 @@ class ServePrefillPool:
         # fire and forget: the lease frees the KV if this never lands
         detached(lambda: self._handle.release.remote(result.request_id, **{TARGET_REPLICA: result.replica_id}))
 
+    def abort_everywhere(self, request_id: str) -> None:
+        self._abort_everywhere(request_id)()
+
 
 class ServeDecodePool:
     """Decode replicas (or colocated ones: the same deployment class)."""

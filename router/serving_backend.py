@@ -71,6 +71,8 @@ class PrefillPool(Protocol):
     async def prefill(self, request_id: str, prompt_token_ids: list[int],
                       params: SamplingParams) -> PrefillResult: ...
     def release(self, result: PrefillResult) -> None: ...
+    def abort_everywhere(self, request_id: str) -> None:
+        """Every replica drops `request_id` and the KV it holds for it (in the background)."""
     async def check_health(self) -> None: ...
 
 
@@ -227,7 +229,12 @@ class ServingBackend(GenerationBackend):
             result = None
             if migration == 0 and not self._local(len(prompt)):
                 # None: the prefill pool has no replica running
-                result = await self._prefill_remotely(attempt_id, prompt, params)
+                try:
+                    result = await self._prefill_remotely(attempt_id, prompt, params)
+                except BackendUnavailableError as exc:
+                    if not exc.replica_id:   # the call may have run unheard: its KV held until the lease ends
+                        self._prefill.abort_everywhere(attempt_id)
+                    raise
             if result is None:
                 resumed = len(resume.token_ids) if resume is not None else 0
                 local_prefill.enter_context(self._in_flight(True, len(prompt) + resumed))

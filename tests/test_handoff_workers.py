@@ -60,6 +60,9 @@ class LocalPrefillPool:
     def release(self, result):
         _later(self.worker.release(result.request_id))
 
+    def abort_everywhere(self, request_id):
+        _later(self.worker.abort(request_id))
+
 
 class LocalPrefillPeer:
     """The prefill pool as the decode worker reaches it."""

@@ -362,6 +362,7 @@ def test_a_prefill_worker_that_dies_before_the_first_token(model_dirs, reference
 
     class DeadPrefillPool:
         calls = 0
+        everywhere: list[str] = []
 
         async def prefill(self, request_id, prompt_token_ids, params):
             self.calls += 1
@@ -369,6 +370,9 @@ def test_a_prefill_worker_that_dies_before_the_first_token(model_dirs, reference
 
         def release(self, result):
             raise AssertionError("nothing was prefilled, nothing to release")
+
+        def abort_everywhere(self, request_id):
+            self.everywhere.append(request_id)
 
     async def main():
         pair = await Pair(model_dirs["tiny"], FakeTransportHub(), max_migrations=1).start()
@@ -385,6 +389,9 @@ def test_a_prefill_worker_that_dies_before_the_first_token(model_dirs, reference
     assert out.token_ids == reference("tiny").greedy(tuple(PROMPTS[2]), 10)     # Pair.run: 10 tokens
     # the prompt was prefilled on the decode worker: the failed prefill call counts for nothing
     assert (prefill_calls, local, phases.migrations, phases.prefilled_on) == (1, 1, 1, "decode")
+    # no replica was named: the call may have run unheard and be holding its KV, so every prefill
+    # replica drops it (before, the hold lasted until its lease ended)
+    assert DeadPrefillPool.everywhere == ["r"]
 
 
 def test_a_hand_off_whose_prefill_hold_is_lost_while_it_waits_is_prefilled_again(model_dirs, reference):
