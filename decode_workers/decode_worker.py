@@ -333,11 +333,18 @@ class DecodeWorker:
                 await self._abort_requests_of(subscriber)
 
     async def _abort_requests_of(self, subscriber: _Subscriber) -> None:
-        """Aborts every request of a subscriber that was just dropped (no stream will read them)."""
-        for rid in list(subscriber.request_ids):   # an abort below wakes generate(), which discards its id
+        """Aborts every request of a subscriber that was just dropped (no stream will read them),
+        in one engine call, queued before any wait: a cancel during the wait stops none of them."""
+        rids = list(subscriber.request_ids)      # an abort below wakes generate(), which discards its id
+        for rid in rids:
             self._engine.detach(rid)
             self._queued_prompt_tokens.pop(rid, None)
-            await self._engine.call_for_cleanup(self._abort, rid)
+        if rids:
+            await self._engine.call_for_cleanup(self._abort_all, rids)
+
+    def _abort_all(self, engine: LLMEngine, rids: list[str]) -> None:
+        for rid in rids:
+            self._abort(engine, rid)
 
     def _leave(self, name: str, subscriber: _Subscriber, request_id: str) -> None:
         """The request no longer streams to `subscriber`; one left with no request

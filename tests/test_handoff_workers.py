@@ -1270,6 +1270,46 @@ def test_a_hand_off_whose_admission_and_clean_up_both_fail_is_answered(model_dir
     run(main())
 
 
+def test_a_stream_cancelled_again_while_it_aborts_its_requests_still_aborts_every_one(model_dirs):
+    """Closing a subscriber's stream aborts its requests; a second cancel during that
+    clean-up (the replica shutting down right after) stopped it after the first, and
+    the rest decoded to their max_tokens for nobody."""
+    from decode_workers import decode_worker
+    config = EngineConfig(model=str(model_dirs["tiny"]), max_model_len=1024, block_size=8, dtype="float32")
+    params = dataclasses.replace(GREEDY, max_tokens=900, ignore_eos=True)
+
+    async def main():
+        worker = decode_worker.DecodeWorker(config, replica_id="D")
+        await worker.start()
+        try:
+            for i in range(3):
+                await worker.generate(DecodeRequest(f"r{i}", PROMPTS[i], params, "router"))
+
+            async def reader():
+                async for _ in worker.stream("router"):
+                    pass                         # (waits in the stream, for the engine's next step)
+            streaming = asyncio.ensure_future(reader())
+            await asyncio.sleep(0.1)
+            streaming.cancel()                   # the stream closes: its finally aborts the three
+            while "router" in worker._subscribers:
+                await asyncio.sleep(0)           # (the finally's first line: then it waits on an abort)
+            streaming.cancel()                   # and is cancelled again in the middle of it
+            await asyncio.gather(streaming, return_exceptions=True)
+            await asyncio.sleep(0.2)
+            return aborted
+        finally:
+            worker.shutdown()
+    aborted = []
+    abort = decode_worker.DecodeWorker._abort
+
+    def spy(self, engine, rid):
+        aborted.append(rid)
+        abort(self, engine, rid)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(decode_worker.DecodeWorker, "_abort", spy)
+        assert sorted(run(main())) == ["r0", "r1", "r2"]
+
+
 def test_requests_no_stream_ever_reads_are_aborted(model_dirs, monkeypatch):
     """A router that dies between a request's admission and its stream leaves the
     request decoding to its max_tokens for nobody, and its subscriber's outbox for
