@@ -81,8 +81,11 @@ class LLMEngine:
             if tp is None:
                 tp = self._start_ranks(config) if config.tensor_parallel_size > 1 else SINGLE_PROCESS
             self.tp = tp
-            self.worker = ModelWorker(config, tp)
-            self._set_up(config)
+            if self._ranks is None:
+                self._start(config)
+            else:
+                self._ranks.watched(lambda: self._start(config))
+                self.worker.adopt_calling_thread()
         except BaseException as exc:
             if self._ranks is not None:
                 self._ranks.mark_broken()     # the others may wait in a collective: STOP could hang
@@ -92,6 +95,10 @@ class LLMEngine:
             if dead_rank is not None:
                 raise RuntimeError(f"{dead_rank} while the engine started") from exc
             raise
+
+    def _start(self, config: EngineConfig) -> None:
+        self.worker = ModelWorker(config, self.tp)
+        self._set_up(config)
 
     def _set_up(self, config: EngineConfig) -> None:
         self.device = self.worker.device
@@ -146,7 +153,7 @@ class LLMEngine:
         # a loopback store, and the control group carries pickled commands
         prefix = f"tp-{secrets.token_hex(16)}"
         self._ranks = RankProcesses(size, store.port, (config, backend, prefix))
-        tp = self._ranks.join_group(lambda: create_group(0, size, "127.0.0.1", store.port, backend, device,
+        tp = self._ranks.watched(lambda: create_group(0, size, "127.0.0.1", store.port, backend, device,
                                                          prefix=prefix, store=store))
         self._ranks.attach(tp)
         return tp

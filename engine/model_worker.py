@@ -265,6 +265,15 @@ class ModelWorker:
         return decode_splits(batch, self.model.model.layers[0].self_attn.num_local_kv_heads, max_seq_len,
                              self.device)
 
+    def adopt_calling_thread(self) -> None:
+        """Sets the calling thread up to run this rank as the thread that built it
+        was (the current CUDA device; on CPU, its OpenMP threads): for a worker
+        built on another thread."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        else:
+            torch.set_num_threads(self.num_threads)
+
     def read_kv(self, block_ids: list[int]) -> torch.Tensor:
         """This rank's K/V of the blocks: [layers, 2, n, block_size, local_kv_heads, D] (CPU)."""
         return self.kv_cache.read_blocks(block_ids).cpu()

@@ -29,6 +29,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,7 @@ from engine.model.parallel import TensorParallel
 from engine.tcp_store import listening_store
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Followers wait for rank 0's next command in the control group for as long as it is idle,
 # so its timeout outlasts any idle period; a dead peer is detected by its closed socket, and
@@ -204,20 +206,22 @@ class RankProcesses:
         if problem := self.dead():
             raise RuntimeError(problem)
 
-    def join_group(self, create: Callable[[], TensorParallel], poll_s: float = 0.1) -> TensorParallel:
-        """Runs rank 0's `create` (which blocks until every rank has joined) while
-        watching the rank processes, so one that dies while starting (a bad
-        checkpoint, out of memory) fails the start at once instead of after the
-        connect timeout."""
+    def watched(self, start: Callable[[], T], poll_s: float = 0.1) -> T:
+        """Runs rank 0's part of the engine's start (joining the group, which blocks
+        until every rank has; loading and setting up the model, whose collectives
+        wait for every rank) while watching the rank processes, so one that dies
+        while starting (a bad checkpoint, out of memory) fails the start at once:
+        a dead peer breaks a gloo collective, but an NCCL one waits for it for
+        ever (the thread left in it is a daemon, and the process is failing)."""
         result: list = []
 
         def run() -> None:
             try:
-                result.append(create())
+                result.append(start())
             except BaseException as exc:  # re-raised in the caller's thread
                 result.append(exc)
 
-        thread = threading.Thread(target=run, name="tp-group-join", daemon=True)
+        thread = threading.Thread(target=run, name="tp-rank0-start", daemon=True)
         thread.start()
         while thread.is_alive():
             thread.join(poll_s)

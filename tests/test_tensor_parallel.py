@@ -115,6 +115,36 @@ def test_a_rank_that_fails_to_start_fails_the_engine_fast(model_dirs):
     assert time.monotonic() - start < 60
 
 
+def test_a_rank_that_fails_to_start_fails_the_engine_where_rank_0_would_wait_for_it_for_ever(model_dirs,
+                                                                                          monkeypatch):
+    """As under NCCL, whose collectives wait for a dead peer for ever (gloo's see its socket
+    close): rank 0 loading its model blocks until released, and rank 1 fails. The start
+    fails at once, naming rank 1 (before, it waited with rank 0 for ever)."""
+    import threading
+
+    from engine import llm_engine
+    released = threading.Event()
+    monkeypatch.setattr(llm_engine, "ModelWorker", lambda config, tp: released.wait())
+    config = _Rank1RunsOutOfMemory(model=str(model_dirs["tiny"]), max_model_len=128, tensor_parallel_size=2)
+    outcome: list[BaseException | None] = []
+
+    def start() -> None:
+        try:
+            LLMEngine(config)
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            outcome.append(exc)
+    try:
+        thread = threading.Thread(target=start, daemon=True)
+        thread.start()
+        thread.join(60)
+        assert outcome, "the engine's start still waits on rank 0's load 60 s after rank 1 failed"
+        assert isinstance(outcome[0], RuntimeError)
+        assert "['pdserve-tp-rank1'] exited (exit codes [1]) after rank 1: MemoryError" in str(outcome[0])
+    finally:
+        released.set()
+
+
 def test_a_killed_rank_is_an_error_not_a_hang(model_dirs):
     llm = LLM(str(model_dirs["tiny"]), max_model_len=256, tensor_parallel_size=2)
     (pid,) = llm.engine.rank_pids
