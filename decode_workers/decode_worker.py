@@ -48,6 +48,7 @@ from engine.async_engine import AsyncEngine, settle_from_thread
 from engine.engine_config import EngineConfig
 from engine.errors import EngineStoppedError, InvalidRequestError, RequestIdInUse
 from engine.llm_engine import LLMEngine, StepStats
+from engine.output_processor import ResumedText, resumed_text
 from engine.outputs import OutputKind, ResumedOutput, aborted_output
 from engine.sampler import advanced_generator_state
 from engine.sampling_params import SamplingParams
@@ -177,7 +178,10 @@ class DecodeWorker:
             if request.prefill is None:
                 resumed = resume.token_ids if resume is not None else []
                 self._queued_prompt_tokens[rid] = len(request.prompt_token_ids) + len(resumed)
-                await self._engine.call(_add_request, rid, request.prompt_token_ids, request.params, resume,
+                # the resumed output's text rebuilt here, not between the engine's steps
+                text = await asyncio.to_thread(resumed_text, self._engine.engine.tokenizer, request.prompt_token_ids,
+                                               request.params.skip_special_tokens, resumed) if resumed else None
+                await self._engine.call(_add_request, rid, request.prompt_token_ids, request.params, resume, text,
                                         time.monotonic())
                 return Admitted(self.replica_id)
             return await self._receive(request)
@@ -541,10 +545,10 @@ class DecodeWorker:
 
 
 def _add_request(engine: LLMEngine, request_id: str, prompt_token_ids: list[int], params,
-                 resume: ResumedOutput | None, arrival: float) -> None:
+                 resume: ResumedOutput | None, text: ResumedText | None, arrival: float) -> None:
     """`arrival`: when the worker took it (its queue time counts the wait for the engine thread)."""
-    engine.add_request(request_id, prompt_token_ids, params, resume=resume, output_kind=OutputKind.DELTA,
-                       arrival_time=arrival)
+    engine.add_request(request_id, prompt_token_ids, params, resume=resume, resumed_text=text,
+                       output_kind=OutputKind.DELTA, arrival_time=arrival)
 
 
 def _retrieved(task: asyncio.Future) -> None:

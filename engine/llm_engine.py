@@ -42,7 +42,7 @@ from engine.errors import InvalidRequestError, RequestIdInUse
 from engine.model.model_config import ModelConfig
 from engine.model.parallel import SINGLE_PROCESS, TensorParallel
 from engine.model_worker import KV_READ, KV_WRITE, RPC, ModelWorker, RankCallError, run_rank_call
-from engine.output_processor import RequestTextState
+from engine.output_processor import RequestTextState, ResumedText
 from engine.outputs import OutputKind, RequestOutput, ResumedOutput
 from engine.preflight import step_budget_problem, tensor_parallel_problem
 from engine.runner import LaunchedStep, ModelRunner
@@ -267,7 +267,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: str | list[int],
                     params: SamplingParams | None = None, *, hold_kv: bool = False,
-                    resume: ResumedOutput | None = None,
+                    resume: ResumedOutput | None = None, resumed_text: ResumedText | None = None,
                     output_kind: OutputKind = OutputKind.CUMULATIVE, arrival_time: float | None = None) -> str:
         """Queues a request; returns its id. Raises InvalidRequestError (nothing
         queued, nothing else affected) for a bad prompt or parameters.
@@ -276,19 +276,21 @@ class LLMEngine:
         blocks (prefill role); that token's output is `finished` only when the
         request really ended there (EOS, a stop, max_tokens=1). With `resume`
         it continues after output it already produced on another worker (the
-        prompt and that output are prefilled together, as after a preemption)."""
+        prompt and that output are prefilled together, as after a preemption);
+        `resumed_text`: output_processor.resumed_text's for it, made off this thread."""
         seq = self._new_sequence(request_id, prompt, params)
         seq.hold_kv = hold_kv
         if arrival_time is not None:      # (time.monotonic() when the caller took the request: its queue wait
             seq.arrival_time = arrival_time   # counts the wait for this call between engine steps too)
         state = RequestTextState(seq, self.tokenizer, self.max_model_len, output_kind)
         if resume is not None:
-            self._resume(seq, state, resume)
+            self._resume(seq, state, resume, resumed_text)
         self._states[seq.request_id] = state
         self.scheduler.add(seq)
         return seq.request_id
 
-    def _resume(self, seq: Sequence, state: RequestTextState, resume: ResumedOutput) -> None:
+    def _resume(self, seq: Sequence, state: RequestTextState, resume: ResumedOutput,
+                text: ResumedText | None) -> None:
         """Puts `resume`'s tokens after the prompt as the request's own output."""
         if seq.hold_kv:
             raise InvalidRequestError("a resumed request cannot hold its KV for a hand-off", "resume")
@@ -310,7 +312,7 @@ class LLMEngine:
                 seq.generator.set_state(resume.generator_state)
             else:
                 skip_draws(seq.generator, len(resume.token_ids), self.model_config.vocab_size)
-        state.resume(resume)
+        state.resume(resume, text)
 
     def abort_request(self, request_id: str) -> bool:
         """Stops a request wherever it is and frees its blocks. False if unknown.

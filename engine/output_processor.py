@@ -15,6 +15,8 @@ a streaming server asks for; CUMULATIVE copies everything so far every time.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence as Ids
+from dataclasses import dataclass
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import OutputKind, RequestOutput, ResumedOutput
@@ -23,10 +25,31 @@ from engine.sequence import Sequence
 from engine.text_buffer import TextBuffer
 
 
+@dataclass(slots=True)
+class ResumedText:
+    """The text of output a request produced elsewhere, with the detokenizer that
+    read it (resumed_text)."""
+    detokenizer: IncrementalDetokenizer
+    text: TextBuffer
+
+
+def resumed_text(tokenizer, prompt_token_ids: Ids[int], skip_special_tokens: bool,
+                 token_ids: Ids[int]) -> ResumedText:
+    """Detokenizes a resumed request's output after its prompt, as RequestTextState
+    does token by token: two window decodes a token, which a caller with many
+    long requests to resume runs off the engine thread."""
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens)
+    text = TextBuffer()
+    for token_id in token_ids:
+        text.append(detokenizer.add_token(token_id))
+    return ResumedText(detokenizer, text)
+
+
 class RequestTextState:
     def __init__(self, seq: Sequence, tokenizer, max_model_len: int,
                  output_kind: OutputKind = OutputKind.CUMULATIVE):
         self.seq = seq
+        self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.output_kind = output_kind
         params = seq.params
@@ -43,13 +66,16 @@ class RequestTextState:
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
         self.prompt_logprobs_sent = False
 
-    def resume(self, resumed: ResumedOutput) -> None:
+    def resume(self, resumed: ResumedOutput, text: ResumedText | None = None) -> None:
         """Takes in the output a request already produced elsewhere (its tokens
         are in seq.token_ids): its text is rebuilt, so that a stop string may
         span it, and outputs carry only what follows it (text the failed worker
-        held back included)."""
-        for token_id in resumed.token_ids:
-            self.text.append(self.detokenizer.add_token(token_id))
+        held back included). `text`: resumed_text's for this prompt and these
+        tokens, when the caller rebuilt it already."""
+        if text is None:
+            text = resumed_text(self.tokenizer, self.prompt_token_ids, self.seq.params.skip_special_tokens,
+                                resumed.token_ids)
+        self.detokenizer, self.text = text.detokenizer, text.text
         self.num_emitted_tokens = len(resumed.token_ids)
         self.num_emitted_chars = min(resumed.num_sent_chars, len(self.text))
         if self.logprobs is not None and resumed.logprobs is not None:

@@ -819,6 +819,52 @@ def test_a_request_admitted_after_its_subscribers_stream_closed_streams_to_the_n
     run(main())
 
 
+def test_a_resumed_requests_text_is_rebuilt_off_the_engine_thread(model_dirs, monkeypatch):
+    """Two window decodes per resumed token held up every request decoding on the replica
+    between two steps (seconds for many long requests moved at once): the replica rebuilds
+    the text on a thread of its own, and the request continues as the undisturbed run."""
+    import threading
+
+    from cluster.serving.messages import DecodeRequest
+    from engine import LLM, detokenizer
+    from engine.outputs import ResumedOutput
+    read = []           # (thread, detokenizer, token id) of every token detokenized
+    add_token = detokenizer.IncrementalDetokenizer.add_token
+
+    def spy(self, token_id):
+        read.append((threading.current_thread().name, id(self), token_id))
+        return add_token(self, token_id)
+    greedy = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(model_dirs["tiny"]), max_model_len=512, block_size=8)
+    (whole,) = llm.generate([PROMPTS[0]], greedy)
+    llm.shutdown()
+    monkeypatch.setattr(detokenizer.IncrementalDetokenizer, "add_token", spy)
+
+    async def main():
+        worker = _workers(model_dirs)["A"]
+        await worker.start()
+        try:
+            request = DecodeRequest("r~1", PROMPTS[0], greedy, "router-0",    # (its tokens are checked, not text)
+                                    resume=ResumedOutput(token_ids=whole.token_ids[:10], num_sent_chars=0))
+            read.clear()                         # (the worker's start ran throwaway prompts)
+            await worker.generate(request)
+            engine_thread = worker._engine._thread.name
+            tokens = []
+            async for batch in worker.stream("router-0"):
+                tokens += [t for d in batch if d.request_id == "r~1" for t in d.token_ids]
+                if any(d.finished for d in batch if d.request_id == "r~1"):
+                    break
+            return engine_thread, tokens
+        finally:
+            worker.shutdown()
+    engine_thread, tokens = run(main())
+    assert whole.token_ids[:10] + tokens == whole.token_ids
+    # another thread read the resumed tokens; the engine's, with the same detokenizer, only those it sampled
+    assert [t for name, _, t in read if name != engine_thread] == whole.token_ids[:10]
+    ours = next(d for name, d, _ in read if name != engine_thread)
+    assert [t for name, d, t in read if d == ours and name == engine_thread] == tokens
+
+
 async def joined_output(outputs):
     return joined([out async for out in outputs])
 
