@@ -161,10 +161,11 @@ class ModelWorker:
         config = self.config
         if self.device.type == "cuda" and config.num_kv_blocks is None:
             torch.cuda.empty_cache()   # what loading freed is free for the KV cache, not held by the allocator
-            # the tensor group's NCCL communicator comes with its first collective, in memory of its own
-            # (outside torch's allocator, so no measured peak has it): made first, the budget counts it
-            self.tp.all_reduce(torch.zeros(1, device=self.tp.comm_device))
-            torch.cuda.synchronize(self.device)
+            if self.tp.size > 1:
+                # the tensor group's NCCL communicator comes with its first collective, in memory of its
+                # own (outside torch's allocator, so no measured peak has it): made first, the budget has it
+                self.tp.all_reduce(torch.zeros(1, device=self.tp.comm_device))
+                torch.cuda.synchronize(self.device)
             budget = gpu_kv_budget_bytes(self.device, config.gpu_memory_utilization)
             staging = int(config.kv_transfer_staging_gib * GIB)
             num = spec.num_blocks_for(max(0, budget - self._activation_reserve(spec) - staging))

@@ -1274,9 +1274,12 @@ def test_a_stream_cancelled_again_while_it_aborts_its_requests_still_aborts_ever
     """Closing a subscriber's stream aborts its requests; a second cancel during that
     clean-up (the replica shutting down right after) stopped it after the first, and
     the rest decoded to their max_tokens for nobody."""
+    import threading
+
     from decode_workers import decode_worker
     config = EngineConfig(model=str(model_dirs["tiny"]), max_model_len=1024, block_size=8, dtype="float32")
     params = dataclasses.replace(GREEDY, max_tokens=900, ignore_eos=True)
+    gate = threading.Event()
 
     async def main():
         worker = decode_worker.DecodeWorker(config, replica_id="D")
@@ -1284,20 +1287,28 @@ def test_a_stream_cancelled_again_while_it_aborts_its_requests_still_aborts_ever
         try:
             for i in range(3):
                 await worker.generate(DecodeRequest(f"r{i}", PROMPTS[i], params, "router"))
+            # the engine held between two steps: none of the three can finish meanwhile
+            held = asyncio.ensure_future(worker._engine.call(lambda engine: gate.wait(30)))
 
             async def reader():
                 async for _ in worker.stream("router"):
-                    pass                         # (waits in the stream, for the engine's next step)
+                    pass
             streaming = asyncio.ensure_future(reader())
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.2)             # (the reader waits for the engine's next step)
             streaming.cancel()                   # the stream closes: its finally aborts the three
             while "router" in worker._subscribers:
                 await asyncio.sleep(0)           # (the finally's first line: then it waits on an abort)
             streaming.cancel()                   # and is cancelled again in the middle of it
             await asyncio.gather(streaming, return_exceptions=True)
-            await asyncio.sleep(0.2)
+            gate.set()
+            await held
+            for _ in range(200):                 # (the engine thread runs the aborts when it can)
+                if len(aborted) >= 3:
+                    break
+                await asyncio.sleep(0.05)
             return aborted
         finally:
+            gate.set()
             worker.shutdown()
     aborted = []
     abort = decode_worker.DecodeWorker._abort
