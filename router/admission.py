@@ -177,9 +177,7 @@ class AdmissionControl:
                 self.waiting_tokens + num_prompt_tokens > s.max_waiting_prompt_tokens and self.waiting_requests:
             raise self._refuse("queue_tokens", f"{self.waiting_tokens} prompt tokens are waiting and this prompt "
                                f"has {num_prompt_tokens}; this server queues at most {s.max_waiting_prompt_tokens}")
-        local = self._prefilled_locally(num_prompt_tokens)
-        if local is None:       # the prefill pool's mean prompt (its capacity, its queue's heads)
-            self.mean_prompt_tokens = _running_mean(self.mean_prompt_tokens, num_prompt_tokens)
+        local = self._observe_prompt(num_prompt_tokens)
         self._check_slo(num_prompt_tokens, local)
         ticket = Admitted(num_prompt_tokens, self._prefill_tokens_per_step(num_prompt_tokens, max_tokens),
                           local=local is not None)
@@ -233,9 +231,7 @@ class AdmissionControl:
                     raise self._refuse("queue_tokens", f"{self.waiting_tokens} prompt tokens are waiting with "
                                        f"this batch's first {len(admitted)} prompts; this server queues at most "
                                        f"{s.max_waiting_prompt_tokens}")
-                local = self._prefilled_locally(num_prompt_tokens) is not None
-                if not local:
-                    self.mean_prompt_tokens = _running_mean(self.mean_prompt_tokens, num_prompt_tokens)
+                local = self._observe_prompt(num_prompt_tokens) is not None
                 tickets: list[Admitted] = []
                 admitted.append(tickets)
                 for ticket in [Admitted(num_prompt_tokens, self._prefill_tokens_per_step(num_prompt_tokens, max_tokens),
@@ -300,6 +296,14 @@ class AdmissionControl:
             if self.running else 0.0
         if output_tokens:
             self.mean_output_tokens = _running_mean(self.mean_output_tokens, output_tokens)
+
+    def _observe_prompt(self, num_prompt_tokens: int) -> tuple[float, float] | None:
+        """Where an arriving prompt goes (_prefilled_locally's answer); one for the
+        prefill pool joins its mean prompt (its capacity, its queue's heads)."""
+        local = self._prefilled_locally(num_prompt_tokens)
+        if local is None:
+            self.mean_prompt_tokens = _running_mean(self.mean_prompt_tokens, num_prompt_tokens)
+        return local
 
     def _prefilled_locally(self, num_prompt_tokens: int) -> tuple[float, float] | None:
         """The local_prefill hook's answer: (wait, own prefill) where a decode replica
