@@ -142,3 +142,32 @@ def test_pdserve_simulate_counts_the_prefix_cache_on_a_shared_prefix_dataset(tmp
     assert results["prefix"]["cached_prompt_tokens"] == 18 * 128
     assert results["random"]["cached_prompt_tokens"] == 0
     assert results["prefix"]["median_ttft_ms"] < 0.5 * results["random"]["median_ttft_ms"]
+
+
+def test_a_prompt_sharing_blocks_still_being_computed_waits_for_them_as_the_engine_does():
+    # both 336-token prompts fit one 2048-token step, but the second shares the first's 320-token
+    # prefix: it waits a step for those blocks and reads them from the cache (the engine's
+    # set-aside rule, tests/test_shared_prompt_admission.py); computed together they took 672 ms
+    shared = list(range(320))
+    prompts = [shared + list(range(1000, 1016)), shared + list(range(2000, 2016))]
+    result = simulate(_one_replica(), [(336, 1), (336, 1)], [0.0, 0.0], prompt_token_ids=prompts)
+    assert [r.token_times[0] - r.send_time for r in result.requests] == pytest.approx([0.336, 0.352])
+    assert result.cached_prompt_tokens == 320
+
+
+def test_a_request_set_aside_keeps_its_seat_and_its_blocks_from_those_behind_it():
+    from cluster.simulator.replica import SimReplica, SimSequence
+    for seats, blocks in ((2, 100), (8, 9)):        # the last seat, or the blocks the second needs
+        replica = SimReplica("R0", TOKENS, num_blocks=blocks, block_size=16, max_num_seqs=seats,
+                             max_num_batched_tokens=2048, prefix_cache=PrefixCache(blocks))
+        shared = prompt_block_hashes(list(range(64)), 16)
+        other = prompt_block_hashes(list(range(500, 564)), 16)
+        first, second, behind = (SimSequence(i, 64, 2, block_hashes=h) for i, h in enumerate((shared, shared, other)))
+        for seq in (first, second, behind):
+            replica.add(seq)
+        _, work = replica.schedule()
+        assert [seq.index for seq, _ in work] == [0], (seats, blocks)
+        assert [seq.index for seq in replica.waiting] == [1, 2]
+        replica.finish_step(work, 0.064)
+        _, work = replica.schedule()
+        assert [(seq.index, n) for seq, n in work] == [(0, 1), (1, 16)], (seats, blocks)

@@ -7,9 +7,11 @@ fit); a sequence that needs a block when none is free preempts the newest
 running one, which loses its KV and is recomputed later (prompt and output so
 far); waiting sequences are admitted while the blocks of their whole prompt
 are free and the budget and max_num_seqs allow, and not in a step that had to
-preempt. With a prefix
-cache (cluster/simulator/prefix_cache.py), a sequence that starts with no KV
-here starts after the prompt blocks the replica has cached.
+preempt. With a prefix cache (cluster/simulator/prefix_cache.py), a sequence
+that starts with no KV here starts after the prompt blocks the replica has
+cached, and one whose next prompt block a running prompt is computing waits
+for it, keeping its place, its batch seat and its blocks (the engine's
+set-aside rule: a burst sharing a system prompt computes it once).
 """
 
 from __future__ import annotations
@@ -180,14 +182,24 @@ class SimReplica:
             work.append((seq, n))
             budget -= n
             i += 1
+        set_aside: list[SimSequence] = []       # waiting for prompt blocks in flight, keeping their place
+        set_aside_blocks = 0
+        in_flight: set[int] | None = None
         while (not preempted and self.waiting and budget > 0
-               and len(self.running) + len(self.reserved) < self.max_num_seqs):
+               and len(self.running) + len(self.reserved) + len(set_aside) < self.max_num_seqs):
             seq = self.waiting[0]
             cached = self._cached_tokens(seq)
+            if self.prefix_cache is not None and seq.block_hashes:
+                in_flight = self._blocks_in_flight() if in_flight is None else in_flight
+                if self._next_block_in_flight(seq, cached, in_flight):
+                    set_aside_blocks += self.blocks_for(seq.num_tokens)    # (a hit counts its blocks here)
+                    set_aside.append(self.waiting.popleft())
+                    continue
             remaining = seq.num_tokens - seq.computed - cached
             n = min(remaining, budget)
             whole = self.blocks_for(seq.num_tokens) - self.blocks_for(seq.computed)   # admitted only if all fit
-            if (n < remaining and not self.enable_chunked_prefill) or whole > self.free_blocks or \
+            if (n < remaining and not self.enable_chunked_prefill) or \
+                    whole + set_aside_blocks > self.free_blocks or \
                     not self._allocate(seq, seq.computed + cached + n):
                 break
             self.waiting.popleft()
@@ -198,9 +210,32 @@ class SimReplica:
             seq.is_running = True
             work.append((seq, n))
             budget -= n
+            if in_flight is not None:         # its prompt blocks are being computed from now on
+                in_flight.update(self._uncomputed_prompt_blocks(seq))
+        self.waiting.extendleft(reversed(set_aside))
         decodes = [s.computed + 1 for s, n in work if n == 1 and s.computed >= s.prompt_len]
         chunks = [(s.computed, n) for s, n in work if not (n == 1 and s.computed >= s.prompt_len)]
         return StepShape.build(chunks, decodes), work
+
+    def _matchable_blocks(self, seq: SimSequence) -> tuple[int, ...]:
+        """The hashes of the prompt blocks a cache match may cover (not one holding the
+        last prompt token, which always runs)."""
+        return seq.block_hashes[:(seq.prompt_len - 1) // self.block_size]
+
+    def _uncomputed_prompt_blocks(self, seq: SimSequence) -> tuple[int, ...]:
+        """Those of them `seq` has yet to compute here."""
+        return self._matchable_blocks(seq)[seq.computed // self.block_size:]
+
+    def _blocks_in_flight(self) -> set[int]:
+        """Prompt blocks running sequences are computing, chunk by chunk, into the prefix cache."""
+        return {h for seq in self.running for h in self._uncomputed_prompt_blocks(seq)}
+
+    def _next_block_in_flight(self, seq: SimSequence, cached: int, in_flight: set[int]) -> bool:
+        """Whether the block after `seq`'s cached prefix is one a running prompt computes: the
+        engine's scheduler then sets `seq` aside until it can read that block from the cache."""
+        hashes = self._matchable_blocks(seq)
+        index = cached // self.block_size
+        return index < len(hashes) and hashes[index] in in_flight
 
     def _decodes_after(self, i: int) -> int:
         return sum(1 for seq in self.running[i + 1:] if _decodes(seq))
