@@ -28,14 +28,18 @@ class ModelInfo:
 class BackendUnavailableError(RuntimeError):
     """The request could not be served for a reason that is not the caller's
     fault (a worker died, a KV transfer failed): HTTP 503. `replica_id`: the
-    replica that failed, where known (a retry or migration avoids it)."""
+    replica that failed, where known (a retry or migration avoids it). The
+    message is for the log (it may quote Ray's errors, which name actors, nodes
+    and processes); the client is told `reason`, or only that the model is
+    unavailable."""
 
-    def __init__(self, message: str = "", replica_id: str = ""):
+    def __init__(self, message: str = "", replica_id: str = "", reason: str = ""):
         super().__init__(message)
         self.replica_id = replica_id
+        self.reason = reason
 
     def __reduce__(self):
-        return BackendUnavailableError, (str(self), self.replica_id)
+        return BackendUnavailableError, (str(self), self.replica_id, self.reason)
 
 
 class GenerationBackend(ABC):

@@ -7,7 +7,8 @@ Every error the HTTP layer returns has the body OpenAI's clients parse:
   the field and the problem;
 - engine.InvalidRequestError / SamplingParamsError -> 400 (with the error's param);
 - unknown route -> 404, wrong method -> 405, other HTTPExceptions -> their status;
-- router.backend.BackendUnavailableError -> 503;
+- router.backend.BackendUnavailableError -> 503 with the error's client-facing
+  reason only (its message, logged, may name actors, nodes and processes);
 - anything else -> 500 with a generic message; the exception is logged.
 """
 
@@ -31,6 +32,7 @@ from router.backend import BackendUnavailableError
 log = logging.getLogger(__name__)
 
 INTERNAL_ERROR_MESSAGE = "The server had an internal error while processing the request."
+UNAVAILABLE_REASON = "no worker could serve the request"
 # Long values are echoed back in validation messages only up to this many characters.
 _MAX_ECHO_CHARS = 80
 _MAX_DESCRIBED_ERRORS = 10    # a body with thousands of bad items gets a message of ten, and a count
@@ -102,7 +104,9 @@ def from_exception(exc: BaseException) -> OpenAIError:
     if isinstance(exc, SamplingParamsError):
         return OpenAIError(400, str(exc))
     if isinstance(exc, BackendUnavailableError):
-        return OpenAIError(503, f"The model is temporarily unavailable: {exc}")
+        log.warning("request not served: %s", exc)      # the details, for the operator only
+        return OpenAIError(503, f"The model is temporarily unavailable: {exc.reason or UNAVAILABLE_REASON}. "
+                                "Retry the request.")
     log.error("internal error", exc_info=exc)
     return OpenAIError(500, INTERNAL_ERROR_MESSAGE)
 

@@ -202,7 +202,8 @@ class ServingBackend(GenerationBackend):
                         why = ("migration is off (max_migrations: 0)" if migration == 0 else
                                f"the request was already moved to another worker {migration} time(s), the "
                                "limit (max_migrations)")
-                        raise BackendUnavailableError(f"{exc}; {why}") from None
+                        raise BackendUnavailableError(f"{exc}; {why}", reason=f"the worker serving the request "
+                                                      f"failed, and {why}") from None
                     log.warning("request %s: its worker failed after %d output tokens (%s); continuing it on "
                                 "another decode worker", request_id, len(acc.token_ids), exc)
                     phases.migrations += 1

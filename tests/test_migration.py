@@ -169,8 +169,10 @@ def test_with_migration_off_the_error_says_so(model_dirs):
             await backend.close()
             workers["B"].shutdown()
 
-    with pytest.raises(BackendUnavailableError, match=r"migration is off \(max_migrations: 0\)"):
+    with pytest.raises(BackendUnavailableError, match=r"migration is off \(max_migrations: 0\)") as failed:
         run(main())
+    # what the client is told (Ray's error text in the message stays in the log)
+    assert failed.value.reason == "the worker serving the request failed, and migration is off (max_migrations: 0)"
 
 
 def _one_stream_moved_once(outs, local: int, reference) -> None:
