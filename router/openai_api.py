@@ -60,6 +60,7 @@ from router.health import SharedHealthCheck
 from router.http_guard import HttpGuard
 from router.metrics import ServingMetrics
 from router.protocol import (
+    MAX_REQUEST_ID_CHARS,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -295,7 +296,7 @@ class _Server:
         # the client's own id for it (vLLM's request_id field, else the X-Request-Id header, which Ray Serve
         # sets when the client did not: the response's header) names the response; the cluster keeps a
         # unique one, as two clients may send the same
-        client_id = body.request_id or request.headers.get("x-request-id")
+        client_id = body.request_id or _usable_request_id(request.headers.get("x-request-id"))
         response_id = f"{'chat' if chat else ''}{self.prefix}-{client_id}" if client_id else request_id
         header = {"id": response_id, "object": fmts[0].chunk_object if body.stream else fmts[0].object,
                   "created": int(time.time()), "model": self.info.served_model_name}
@@ -705,6 +706,14 @@ def _prompt_only(out: RequestOutput) -> RequestOutput:
     finish = {"finish_reason": "length", "stop_reason": None} if out.finished else {}
     return dataclasses.replace(out, text="", token_ids=[], delta_text="", delta_token_ids=[],
                                logprobs=None if out.logprobs is None else [], num_output_tokens=0, **finish)
+
+
+def _usable_request_id(header: str | None) -> str | None:
+    """The X-Request-Id header as a response id, if it is one a client could mean (at most the body
+    field's 256 characters, printable ASCII): every chunk of a stream repeats it."""
+    if header is None or len(header) > MAX_REQUEST_ID_CHARS or not (header.isascii() and header.isprintable()):
+        return None
+    return header
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:

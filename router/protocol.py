@@ -133,6 +133,7 @@ def _log_ignored_fields(model: type[BaseModel], data: object) -> None:
 _SURROGATE = re.compile("[\ud800-\udfff]")
 # messages in one chat: far past what any context holds (each renders to several tokens)
 MAX_MESSAGES = 16384
+MAX_REQUEST_ID_CHARS = 256      # a client's id for its request (the body's request_id, or X-Request-Id)
 
 
 def _valid_text(value: object) -> object:
@@ -175,7 +176,7 @@ class _GenerationRequest(BaseModel):
     include_stop_str_in_output: StrictBool | None = None   # vLLM's: the stop string that ended it, kept
     user: StrictStr | None = None            # accepted and ignored
     # vLLM's: the response's id (`{prefix}-{request_id}`), which every chunk of a stream repeats
-    request_id: Annotated[str, Field(strict=True, max_length=256)] | None = None
+    request_id: Annotated[str, Field(strict=True, max_length=MAX_REQUEST_ID_CHARS)] | None = None
     return_token_ids: StrictBool | None = None   # vLLM's: the prompt's and the output's token ids too
     priority: Int64 | None = None            # vLLM's priority scheduling: only 0 (there is none)
     # vLLM's; either value decodes the same: the fast (Rust) tokenizers' decoders, and transformers 5's

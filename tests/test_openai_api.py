@@ -452,6 +452,12 @@ def test_the_clients_request_id_names_the_response_and_the_cluster_keeps_its_own
     assert (by_field["id"], by_header["id"]) == ("chatcmpl-trace-7", "cmpl-trace-7")
     internal = [call[0] for call in backend.calls]
     assert len(set(internal)) == 2 and "trace" not in "".join(internal)
+    # a header no client means as an id (every chunk of a stream repeats it) names nothing
+    for header in ("t" * 257, "trace\x7f"):
+        body = client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 1}, headers={"X-Request-Id": header}).json()
+        assert body["id"] == backend.calls[-1][0] and body["id"].startswith("cmpl-")
+    assert client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 1},
+                       headers={"X-Request-Id": "t" * 256}).json()["id"] == "cmpl-" + "t" * 256
 
 
 def test_logit_bias_and_allowed_token_ids_reach_the_engine(client, backend):
@@ -813,7 +819,10 @@ def test_malformed_json_and_wrong_routes(client):
 @pytest.mark.parametrize(("failure", "status", "param", "fragment"), [
     (InvalidRequestError("prompt does not fit in the KV cache", param="prompt"), 400, "prompt",
      "does not fit"),
-    (BackendUnavailableError("decode worker died"), 503, None, "decode worker died"),
+    (BackendUnavailableError("the decode worker is unavailable: secret internals (Ray's, naming an actor)",
+                             reason="the decode worker died"), 503, None, "unavailable: the decode worker died."),
+    (BackendUnavailableError("the decode worker is unavailable: secret internals"), 503, None,
+     "unavailable: no worker could serve the request."),
     (RuntimeError("secret internals"), 500, None, "internal error"),
 ])
 def test_backend_errors_before_and_during_a_stream(client, backend, metrics, failure, status,
