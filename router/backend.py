@@ -38,6 +38,11 @@ class BackendUnavailableError(RuntimeError):
         self.replica_id = replica_id
         self.reason = reason
 
+    @classmethod
+    def public(cls, message: str) -> BackendUnavailableError:
+        """One whose message (the router's own words) the client is told as it is."""
+        return cls(message, reason=message)
+
     def __reduce__(self):
         return BackendUnavailableError, (str(self), self.replica_id, self.reason)
 

@@ -91,7 +91,8 @@ class Choices:
                 raise                 # close(): this reader is being stopped
             # a cancel raised from below (a call the replica's side ended): the choice failed; left
             # unsaid, next() would wait for ever on a reader that is gone
-            self._arrivals.put_nowait((index, BackendUnavailableError(f"choice {index}'s stream was cancelled")))
+            self._arrivals.put_nowait((index, BackendUnavailableError.public(
+                f"choice {index}'s stream was cancelled")))
         except Exception as exc:  # noqa: BLE001 - the reader of the stream hears it
             self._arrivals.put_nowait((index, exc))
 
@@ -106,7 +107,7 @@ class Choices:
         while not self.all_finished:
             item = await self.next()
             if item is None:
-                raise BackendUnavailableError("the generation stream ended before the request finished")
+                raise BackendUnavailableError.public("the generation stream ended before the request finished")
             deltas[item[0]].append(item[1])
         return [joined(d) for d in deltas]
 
@@ -178,7 +179,7 @@ class Generation:
             deltas.append(out)
             if out.finished:
                 return joined(deltas)
-        raise BackendUnavailableError("the generation stream ended before the request finished")
+        raise BackendUnavailableError.public("the generation stream ended before the request finished")
 
     async def close(self, finish_reason: str | None) -> None:
         """Close the backend stream (aborting the request if it is still running), record metrics."""

@@ -116,6 +116,9 @@ class RequestLimits:
     max_logit_bias: int = 1024          # entries; every step of the batch pays for them
     max_allowed_token_ids: int = 1024
     max_prompts: int = 256               # in one /v1/completions batch
+    # logprob entries (a token's and its alternatives') a response may carry in all: each alone within its
+    # limit, prompts x n x tokens x (alternatives + 1) multiply into what the router builds in memory
+    max_logprob_entries: int = 1 << 20
 
 
 def build_openai_app(backend: GenerationBackend, tokenizer: Any, metrics: ServingMetrics, *,
@@ -277,6 +280,7 @@ class _Server:
             batch = [body] if chat else body.prompts()
             prompts = [await self._planned(one, chat, i if len(batch) > 1 else None) for i, one in enumerate(batch)]
             await self._check_bad_words(prompts[0].choice_params[0])     # the request's, for every prompt
+            self._check_logprob_entries(prompts, body)
         except BaseException:    # a 400 (or a client gone while tokenizing): no demand on the workers
             if arrived is not None:
                 self.admission.withdraw(arrived)
@@ -304,7 +308,7 @@ class _Server:
             if body.stream:
                 first = await _unless_disconnected(request, choices.next())
                 if first is None:    # before any header: an HTTP error like a non-streamed request's
-                    raise BackendUnavailableError("the generation stream ended before its first output")
+                    raise BackendUnavailableError.public("the generation stream ended before its first output")
                 return _EventStream(self._events(choices, first, fmts, header, body.include_usage,
                                                  body.continuous_usage, body.echo_only),
                                     on_close=lambda: choices.close("abort"), media_type="text/event-stream")
@@ -599,6 +603,25 @@ class _Server:
                                           param=name)
         self._check_bad_words_size(body.bad_words or [])
 
+    def _check_logprob_entries(self, prompts: list[_PlannedPrompt], body: CompletionRequest | ChatCompletionRequest
+                               ) -> None:
+        """Refuses a request whose response could carry more logprob entries than the limit: for
+        each prompt, its output's (max_tokens of each of n choices) and its prompt's (prompt_logprobs,
+        or echo with logprobs), counted for each choice, which repeats them."""
+        entries = 0
+        for plan in prompts:
+            params = plan.choice_params[0]
+            if params.logprobs is not None:
+                entries += body.choices * (plan.max_tokens or 0) * (params.logprobs + 1)
+            if params.prompt_logprobs is not None:
+                entries += body.choices * len(plan.ids) * (params.prompt_logprobs + 1)
+        most = self.limits.max_logprob_entries
+        if entries > most:
+            raise InvalidRequestError(
+                f"the response could carry {entries:,} logprob entries (prompts x n x tokens x (logprobs + 1)), "
+                f"more than this server's {most:,}: ask for fewer alternatives, choices, prompts or max_tokens.",
+                param=body.logprobs_param if prompts[0].choice_params[0].logprobs is not None else "prompt_logprobs")
+
     def _check_bad_words_size(self, words: list[str]) -> None:
         """Refuses, before tokenizing them, bad_words longer than any output could spell, one by one
         and together (each word is tokenized on the router and on every worker; SamplingParams
@@ -685,7 +708,7 @@ class _Server:
                     break
                 item = await choices.next()
             if item is None:
-                raise BackendUnavailableError("the generation stream ended before the request finished")
+                raise BackendUnavailableError.public("the generation stream ended before the request finished")
             if include_usage:
                 yield sse_event({**header, "choices": [], "usage": usage(prompt_tokens, *latest)})
         except Exception as exc:  # noqa: BLE001 - headers are out: report it in the stream

@@ -882,7 +882,7 @@ def test_a_choice_that_fails_ends_the_stream_with_an_error_and_closes_the_others
     async def second_choice_fails(request_id, prompt_token_ids, params):
         async for out in healthy(request_id, prompt_token_ids, params):
             if request_id.endswith("-1") and out.num_output_tokens == 2:
-                raise BackendUnavailableError("decode worker died")
+                raise BackendUnavailableError.public("decode worker died")
             yield out
 
     backend.hang_after = 3          # the first choice waits after 3 tokens, as a slow one would
