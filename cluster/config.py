@@ -185,6 +185,8 @@ class LimitsSection(_Strict):
     max_logit_bias: int = Field(1024, ge=0, description="token ids one request's logit_bias may name")
     max_allowed_token_ids: int = Field(1024, ge=0, description="token ids one request's allowed_token_ids may name")
     max_prompts: int = Field(256, ge=1, description="prompts one /v1/completions request may batch")
+    max_logprob_entries: int = Field(1 << 20, ge=1, description="logprob entries (a token's and its "
+                                     "alternatives') one response may carry in all")
 
 
 def _known_gpu_type(name: str | None) -> str | None:

@@ -121,6 +121,22 @@ def test_request_limits_give_400s_naming_the_field(tokenizer):
     assert backend.calls[-1][2].max_tokens == 5
 
 
+def test_logprob_entries_are_limited_in_all_as_they_multiply(tokenizer):
+    # each field within its own limit; together 2 prompts x n 2 x 10 tokens x (4 + 1) = 200 entries of output
+    client, backend = client_for(tokenizer, limits=RequestLimits(max_logprob_entries=199))
+    prompt = [[5, 6, 7, 8], [9, 10, 11, 12]]
+    r = completion(client, prompt=prompt, n=2, max_tokens=10, logprobs=4)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.json()
+    assert "200 logprob entries" in r.json()["error"]["message"] and not backend.calls
+    assert completion(client, prompt=prompt, n=2, max_tokens=10, logprobs=3).status_code == 200   # 160
+    # a prompt's, repeated for each choice: 2 x 2 x 4 tokens x (20 + 1) = 336
+    r = completion(client, prompt=prompt, n=2, max_tokens=1, prompt_logprobs=20)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.json()
+    r = completion(client, prompt=prompt, n=2, max_tokens=1, echo=True, logprobs=20)    # echo scores the prompt
+    assert r.status_code == 400 and "logprob entries" in r.json()["error"]["message"], r.json()
+    assert completion(client, prompt=prompt, n=2, max_tokens=1, prompt_logprobs=10).status_code == 200   # 176
+
+
 def test_the_key_reaches_the_deployment_only_as_its_digest(monkeypatch):
     args = build_parser().parse_args(["serve", "--api-key", KEY])
     config = config_from_args(args)
