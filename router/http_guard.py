@@ -9,10 +9,14 @@ the body size. An ASGI middleware, so a refused request costs no parsing.
 - Body limit: a request whose body is larger than `max_body_bytes` gets 413,
   from its Content-Length before anything is read, or once the bytes read pass
   the limit (chunked uploads: the body is read here and replayed to the app).
+  A body that stops arriving (no bytes for BODY_READ_GAP_S, nginx's
+  client_body_timeout) gets 408: a client trickling bodies cannot hold the
+  router's coroutines and buffers for ever.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 from collections.abc import Callable
@@ -22,6 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from router.errors import OpenAIError, to_response
 
 OPEN_PATHS = ("/health",)
+BODY_READ_GAP_S = 60.0
 
 
 def api_key_digest(key: str) -> str:
@@ -32,7 +37,7 @@ def api_key_digest(key: str) -> str:
 class HttpGuard:
     def __init__(self, app: ASGIApp, *, api_key_sha256: str | None = None, protect_metrics: bool = True,
                  max_body_bytes: int | None = None, on_error: Callable[[int], None] | None = None):
-        """`on_error(status)`: called for each request refused here (401, 413)."""
+        """`on_error(status)`: called for each request refused here (401, 408, 413)."""
         self.app = app
         self.digest = api_key_sha256.lower() if api_key_sha256 else None
         self.protect_metrics = protect_metrics
@@ -60,7 +65,13 @@ class HttpGuard:
         # Content-Length is refused as soon as it passes the limit; the app gets it replayed.
         chunks, size, more = [], 0, True
         while more:
-            message = await receive()
+            try:
+                async with asyncio.timeout(BODY_READ_GAP_S):
+                    message = await receive()
+            except TimeoutError:
+                await self._refuse(scope, receive, send, 408, f"The request body stopped arriving: no bytes for "
+                                   f"{BODY_READ_GAP_S:g} s. Send the body without pauses.", "request_timeout")
+                return
             if message["type"] != "http.request":
                 return                                   # the client left
             chunks.append(message.get("body", b""))

@@ -121,6 +121,29 @@ def test_request_limits_give_400s_naming_the_field(tokenizer):
     assert backend.calls[-1][2].max_tokens == 5
 
 
+def test_a_body_that_stops_arriving_gets_408(monkeypatch):
+    import asyncio
+
+    from router import http_guard
+    monkeypatch.setattr(http_guard, "BODY_READ_GAP_S", 0.05)
+    reached, sent = [], []
+    guard = http_guard.HttpGuard(lambda *args: reached.append(args), max_body_bytes=1 << 20)
+    parts = [{"type": "http.request", "body": b'{"prompt": ', "more_body": True}]
+
+    async def receive():
+        if parts:
+            return parts.pop()
+        await asyncio.Event().wait()          # the client sends nothing more, and stays
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    asyncio.run(asyncio.wait_for(guard(scope, receive, send), 30))
+    assert sent[0]["status"] == 408 and not reached
+    assert json.loads(sent[1]["body"])["error"]["code"] == "request_timeout"
+
+
 def test_logprob_entries_are_limited_in_all_as_they_multiply(tokenizer):
     # each field within its own limit; together 2 prompts x n 2 x 10 tokens x (4 + 1) = 200 entries of output
     client, backend = client_for(tokenizer, limits=RequestLimits(max_logprob_entries=199))
