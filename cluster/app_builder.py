@@ -192,7 +192,8 @@ def build_application(config: DeploymentConfig, resolved: ResolvedModel | None =
                                     "free_kv_blocks", "max", "kv_block_size")
         workers = {"colocated": colocated.bind(config.engine_config("colocated", model_path))}
     else:
-        transport = TransportSettings(timeout_s=config.kv_transfer.timeout_s, secret=config.kv_transfer_secret())
+        transport = TransportSettings(timeout_s=config.kv_transfer.timeout_s, secret=config.kv_transfer_secret(),
+                                      host=config.kv_transfer.listen_address)
         prefill = _worker_options(PrefillServer, config, "prefill", "queued_prefill_tokens", "min")
         decode = _worker_options(DecodeServer, config, "decode", "free_kv_blocks", "max", "kv_block_size")
         staging_bytes = int(config.kv_transfer.staging_mib * 2**20)

@@ -105,6 +105,11 @@ class KVTransferSection(_Strict):
                                "goes alone); "
                                "on a GPU, prefill and decode workers size their KV cache with this much left free "
                                "for them")
+    listen_address: str | None = Field(None, pattern=r"^[0-9A-Za-z.:\[\]-]{1,253}$", description="the address a "
+                                       "decode worker's KV rendezvous store and KV pair sockets listen on: null "
+                                       "for its node's address (a cluster of several nodes); the local cluster "
+                                       "`pdserve serve` starts itself uses 127.0.0.1, so nothing of the KV path "
+                                       "is offered to the network")
     secret_env: EnvName = Field(None, description="name of the environment variable that holds the secret "
                                    "a prefill worker proves to a decode worker before any KV moves (read where "
                                    "the application is built); default: a random secret made once per Ray cluster")

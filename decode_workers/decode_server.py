@@ -49,8 +49,8 @@ class DecodeServer(WorkerDeployment):
         name = f"decode-{self.replica_id}"
         make_receiver, peer = None, None
         if transport is not None:
-            # senders on other nodes reach this replica's receivers at the node's address
-            transport = dataclasses.replace(transport, host=ray.util.get_node_ip_address())
+            if transport.host is None:   # senders on other nodes reach this replica's receivers at the node's address
+                transport = dataclasses.replace(transport, host=ray.util.get_node_ip_address())
             # the call outlasts the prefill side's wait for its staging budget (half the timeout) and more;
             # the transfer's own deadline cancels it sooner
             peer = ServePrefillPeer(prefill, call_timeout_s=max(SEND_CALL_TIMEOUT_S, 2 * transport.timeout_s))

@@ -188,6 +188,18 @@ def test_a_cluster_that_adds_nodes_on_demand_can_be_deployed_to_with_the_check_o
     assert "device is cuda but the cluster has no GPUs" in caplog.text
 
 
+def test_on_the_one_node_cluster_pdserve_started_the_kv_path_listens_on_loopback(monkeypatch):
+    # else on the node's address, which Ray makes the machine's network address even for a local cluster
+    import cluster.serving.placement as placement
+    monkeypatch.setattr(placement, "cluster_resources", lambda: CPU_ONLY_BIG)
+    assert placement.placed_config(config(), node_cpus=2).kv_transfer.listen_address == "127.0.0.1"
+    assert placement.placed_config(config()).kv_transfer.listen_address is None        # a cluster it joined
+    named = config(**{"kv_transfer.listen_address": "10.0.0.7"})
+    assert placement.placed_config(named, node_cpus=2).kv_transfer.listen_address == "10.0.0.7"
+    with pytest.raises(ValueError, match="listen_address"):
+        config(**{"kv_transfer.listen_address": "10.0.0.7; rm -rf"})
+
+
 def test_a_one_gpu_replica_sees_its_own_gpu_even_where_ray_leaves_the_variable_unset(monkeypatch):
     # under RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES every one-GPU replica on a node used GPU 0
     import asyncio

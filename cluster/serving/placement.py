@@ -28,6 +28,7 @@ from cluster.config import DeploymentConfig
 log = logging.getLogger(__name__)
 
 _EPS = 1e-9
+LOOPBACK = "127.0.0.1"
 
 
 class PlacementError(ValueError):
@@ -293,7 +294,12 @@ def placed_config(config: DeploymentConfig, node_cpus: float | None = None) -> D
     """`config` with cpus_per_rank resolved against `node_cpus` (default: the
     connected cluster's largest node) and checked against the connected Ray
     cluster; raises PlacementError when it can never be placed there, unless
-    resources.check_placement is false (a cluster that adds nodes on demand)."""
+    resources.check_placement is false (a cluster that adds nodes on demand).
+    With `node_cpus` (the one-node cluster pdserve started), the KV path listens
+    on loopback unless the config names an address."""
+    if node_cpus is not None and config.kv_transfer.listen_address is None:
+        config = config.model_copy(update={"kv_transfer": config.kv_transfer.model_copy(
+            update={"listen_address": LOOPBACK})})
     cluster = cluster_resources()
     config = resolve_cpus_per_rank(config, node_cpus if node_cpus is not None else cluster.largest_node_cpus)
     try:

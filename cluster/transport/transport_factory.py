@@ -17,7 +17,7 @@ from cluster.transport.kv_transport import KVReceiver, KVSender
 
 @dataclass(frozen=True, slots=True)
 class TransportSettings:
-    host: str = "127.0.0.1"      # the address receivers listen on (this node's IP in a cluster)
+    host: str | None = "127.0.0.1"   # the address receivers listen on; None: their node's (DecodeServer)
     timeout_s: float = 30.0      # any one wait: connecting a pair, one transfer
     secret: str = field(default="", repr=False)   # the deployment's: a receiver admits only senders that hold it
 
