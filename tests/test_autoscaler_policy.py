@@ -517,20 +517,23 @@ def test_a_restarted_router_starts_from_the_replicas_serve_keeps_not_the_deploye
     assert slow.targets == {"prefill": 2, "decode": 2}
 
 
-def test_replicas_that_never_start_are_counted_out_after_the_deadline(caplog):
+def test_replicas_that_never_start_are_counted_out_after_the_deadline(caplog, monkeypatch):
     # a replica asked for that Serve can never place (a TP gang with no node to hold it) counted as
     # starting for ever: the budget held, every scale-down of its role held back
     import asyncio
-    import time
+    from types import SimpleNamespace
+
+    from router import autoscale_loop
+    now = [1000.0]     # the loop's clock, the test's: only its moves count, never the machine's load
+    monkeypatch.setattr(autoscale_loop, "time", SimpleNamespace(monotonic=lambda: now[0]))
     loop = _live_loop({"prefill": 1, "decode": 1}, {"prefill": 1, "decode": 2}, budget=8)
     assert loop.start_deadline_s == 600.0
     asyncio.run(loop.tick())
     assert loop.targets == {"prefill": 1, "decode": 2}      # one decode replica starting: held
-    loop.start_deadline_s = 0.05
+    now[0] += 599.0
     asyncio.run(loop.tick())
     assert loop.targets == {"prefill": 1, "decode": 2}      # within the deadline still
-    time.sleep(0.1)
-    from router import autoscale_loop
+    now[0] += 2.0
     autoscale_loop.log.addHandler(caplog.handler)     # (Serve's logger does not propagate)
     try:
         asyncio.run(loop.tick())
@@ -540,12 +543,14 @@ def test_replicas_that_never_start_are_counted_out_after_the_deadline(caplog):
     assert "1 decode replica(s) asked for have not started in" in caplog.text
     # one coming up restarts the clock: a long scale-up that makes progress is not stuck
     loop = _live_loop({"prefill": 1, "decode": 1}, {"prefill": 1, "decode": 3}, budget=8)
-    loop.start_deadline_s = 0.05
     asyncio.run(loop.tick())
-    time.sleep(0.1)
+    now[0] += 601.0
     loop.workers["decode"].answering = 2
     asyncio.run(loop.tick())
     assert loop.targets == {"prefill": 1, "decode": 3}
+    now[0] += 601.0                                          # then none for a deadline: counted out
+    asyncio.run(loop.tick())
+    assert loop.targets == {"prefill": 1, "decode": 2}
 
 
 def test_the_live_loop_counts_the_deployed_replicas_still_loading_as_starting():
@@ -725,7 +730,7 @@ def test_a_restarted_router_does_not_count_replicas_given_back_as_starting():
     assert loop.targets == {"prefill": 1, "decode": 3}
 
 
-def test_a_replica_that_fails_to_answer_leaves_the_others_replies():
+def test_a_replica_that_fails_to_answer_leaves_the_others_replies(monkeypatch):
     import asyncio
     from router.serve_pools import NoReplicaAnswered, replica_replies
 
@@ -796,11 +801,8 @@ def test_a_replica_that_fails_to_answer_leaves_the_others_replies():
             response._fetch_replica_results_async = without_steps
             return response
     loop.workers["decode"] = _OneSlow()
-    autoscale_loop.STEP_SAMPLES_TIMEOUT_S = 0.3
-    try:
-        observed = asyncio.run(asyncio.wait_for(loop._observe_role("decode"), 10))
-    finally:
-        autoscale_loop.STEP_SAMPLES_TIMEOUT_S = 5.0
+    monkeypatch.setattr(autoscale_loop, "STEP_SAMPLES_TIMEOUT_S", 0.3)
+    observed = asyncio.run(asyncio.wait_for(loop._observe_role("decode"), 10))
     assert (observed.running, observed.starting) == (3, 0)
 
 

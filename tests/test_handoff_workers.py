@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 from types import SimpleNamespace
 
@@ -178,6 +179,71 @@ def _block_bytes(model_dir) -> int:
 def _sends(engine) -> list[list[str]]:
     """The transfers each rank's sender still tracks."""
     return engine.collective_rpc(lambda worker: sorted(worker.attachments[kv_handoff.SENDS]))
+
+
+async def _until(condition, timeout_s: float = 30.0) -> None:
+    """Polls `condition` until it holds; `timeout_s` is a hang guard, not a timing assertion."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"still not true after {timeout_s:g} s"
+        await asyncio.sleep(0.01)
+
+
+async def _hold_engine(engine) -> tuple[threading.Event, asyncio.Future]:
+    """The AsyncEngine's thread held in a call (as in a long step) until the returned gate is set:
+    calls queued meanwhile run after it, in order. Returns (the gate, the held call)."""
+    gate, entered = threading.Event(), threading.Event()
+
+    def hold(_engine) -> None:
+        entered.set()
+        gate.wait(30)
+    held = asyncio.ensure_future(engine.call(hold))
+    await _until(entered.is_set)
+    return gate, held
+
+
+def _queued_calls(engine) -> int:
+    """Calls waiting for the AsyncEngine's thread."""
+    return engine._calls.qsize()
+
+
+class _LeaseClock:
+    """The prefill worker's clock (its leases) made the test's: it stands still but for `advance`, so a
+    loaded machine's stalls never run a lease out, until `run` lets it go on at real speed. The
+    worker's ticks are counted, so that a test can wait for one that saw the time it set."""
+
+    def __init__(self, monkeypatch):
+        from prefill_workers import prefill_worker
+        self._frozen, self._running_since, self.ticks = time.monotonic(), None, 0
+        monkeypatch.setattr(prefill_worker, "time", SimpleNamespace(monotonic=self))
+        tick = prefill_worker.PrefillWorker._tick
+
+        def counted(worker, engine):
+            try:
+                return tick(worker, engine)
+            finally:
+                self.ticks += 1
+        monkeypatch.setattr(prefill_worker.PrefillWorker, "_tick", counted)   # (before the worker starts)
+
+    def __call__(self) -> float:
+        if self._running_since is None:
+            return self._frozen
+        return self._frozen + time.monotonic() - self._running_since
+
+    def run(self) -> None:
+        self._frozen, self._running_since = self(), time.monotonic()
+
+    async def advance(self, seconds: float, worker: PrefillWorker) -> None:
+        """What `worker`'s engine has queued runs at the old time; then the clock moves on, and this
+        waits until a whole tick ran at the new time."""
+        await worker._engine.call(lambda engine: None)
+        self._frozen += seconds
+        seen = self.ticks
+        deadline = time.monotonic() + 30
+        while self.ticks < seen + 2:       # (the tick under way may have read the old time)
+            assert time.monotonic() < deadline, "the prefill engine stopped ticking"
+            worker._engine.wake()
+            await asyncio.sleep(0.01)
 
 
 def test_handoff_matches_transformers_greedy(model_dirs, reference):
@@ -362,16 +428,25 @@ def test_a_prompts_queue_time_counts_its_wait_for_the_engine_thread(model_dirs):
     # queue time: TTFT minus (queue + prefill) left a gap nothing explained
     async def main():
         pair = await Pair(model_dirs["tiny"], FakeTransportHub()).start()
+        gate = threading.Event()
         try:
-            pair.prefill._engine.submit(lambda engine: time.sleep(0.5))     # a long step in progress
-            await asyncio.sleep(0.05)
-            result = await pair.prefill.prefill("r", PROMPTS[0], GREEDY)
+            gate, held = await _hold_engine(pair.prefill._engine)          # a long step in progress
+            prefill = asyncio.ensure_future(pair.prefill.prefill("r", PROMPTS[0], GREEDY))
+            await _until(lambda: "r" in pair.prefill._queued_prompt_tokens)   # it arrived
+            arrived = time.monotonic()
+            await asyncio.sleep(0.2)
+            released = time.monotonic()
+            gate.set()
+            await held
+            result = await prefill
             assert await pair.prefill.release("r")
-            return result.first.first_token_times
+            return result.first.first_token_times, released - arrived
         finally:
+            gate.set()
             await pair.shutdown()
-    times = run(main())
-    assert times.queue_s >= 0.3, times
+    times, waited = run(main())
+    # arrival <= arrived, first scheduled >= released: at least the wait the test made, whatever the load
+    assert times.queue_s >= waited, (times, waited)
 
 
 def test_a_failed_scatter_into_the_decode_cache_forgets_its_staging_buffers(model_dirs, reference):
@@ -462,11 +537,10 @@ def test_a_send_call_that_outlasts_the_transfer_deadline_is_cancelled_at_it(mode
         peer = pair.decode._peer = SilentPeer(pair.prefill)
         pair.decode.transfer_timeout_s = 0.4
         try:
-            started = time.monotonic()
+            # a hang guard: the calls never answer, so only the deadline ends them
             with pytest.raises(BackendUnavailableError, match="timed out after 0.4 s"):
-                await pair.run("x", PROMPTS[0])
-            assert time.monotonic() - started < 5      # two attempts (one retry) of 0.4 s, not 60 s calls
-            assert peer.cancelled == 2
+                await asyncio.wait_for(pair.run("x", PROMPTS[0]), 30)
+            assert peer.cancelled == 2                 # two attempts (one retry), each call cancelled at it
             await pair.wait_idle()
         finally:
             await pair.shutdown()
@@ -526,51 +600,59 @@ def test_kv_nobody_picks_up_is_freed_when_its_lease_expires(model_dirs):
     run(main())
 
 
-def test_a_renewed_hold_outlives_its_lease_and_then_expires(model_dirs):
+def test_a_renewed_hold_outlives_its_lease_and_then_expires(model_dirs, monkeypatch):
+    clock = _LeaseClock(monkeypatch)
+
     async def main():
-        pair = await Pair(model_dirs["tiny"], FakeTransportHub(), lease_s=1.0).start()
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub(), lease_s=30.0).start()
         try:
             result = await pair.prefill.prefill("waiting", PROMPTS[1], GREEDY)
-            assert result.lease_s == 1.0
-            for _ in range(4):                              # 2 s: twice the lease (renewed at half of it)
-                await asyncio.sleep(0.5)
+            assert result.lease_s == 30.0
+            for _ in range(4):                              # 80 s: over twice the lease, renewed every 20 s
+                await clock.advance(20.0, pair.prefill)
                 assert await pair.prefill.renew("waiting") is True
             assert pair.prefill.stats()["num_held"] == 1
-            await pair.wait_idle(timeout_s=5)               # no more renewals: it expires
+            await clock.advance(31.0, pair.prefill)         # no more renewals: it expires
+            assert pair.prefill.stats()["num_held"] == 0
+            await pair.wait_idle()
             assert await pair.prefill.renew("waiting") is False
         finally:
             await pair.shutdown()
     run(main())
 
 
-def test_a_send_starts_the_lease_again(model_dirs):
+def test_a_send_starts_the_lease_again(model_dirs, monkeypatch):
     """A decode worker that asks for the KV late in the lease gets the whole
     lease for the transfer: the hold is not freed under a send."""
     from cluster.transport.kv_transport import PeerAddress
+    clock = _LeaseClock(monkeypatch)
 
     async def main():
-        pair = await Pair(model_dirs["tiny"], FakeTransportHub(), lease_s=2.0).start()
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub(), lease_s=30.0).start()
         try:
             await pair.prefill.prefill("late", PROMPTS[1], GREEDY)
-            await asyncio.sleep(1.5)
+            await clock.advance(20.0, pair.prefill)
             # nobody posted the receive: the fake transfer fails, and the hold stays for a retry
             await pair.prefill.send_kv("late", "t-late", [PeerAddress("d0", "127.0.0.1", 1)])
-            await asyncio.sleep(1.2)     # 2.7 s: past the first lease (leases are checked every 0.5 s or sooner)
+            await clock.advance(20.0, pair.prefill)        # 40 s: past the first lease
             assert pair.prefill.stats()["num_held"] == 1
-            await pair.wait_idle(timeout_s=5)               # then it expires
+            await clock.advance(11.0, pair.prefill)        # 51 s: past the one the send started too
+            assert pair.prefill.stats()["num_held"] == 0
+            await pair.wait_idle()
         finally:
             await pair.shutdown()
     run(main())
 
 
-def test_a_hold_is_not_freed_while_its_send_is_on_the_wire(model_dirs):
+def test_a_hold_is_not_freed_while_its_send_is_on_the_wire(model_dirs, monkeypatch):
     """A transfer that outlasts the lease keeps its hold until it ends (for one
     more lease at most); then the lease applies again."""
     from cluster.transport.kv_transport import PeerAddress
+    clock = _LeaseClock(monkeypatch)
 
     async def main():
-        hub = FakeTransportHub(delay_s=1.5)
-        pair = await Pair(model_dirs["tiny"], hub, lease_s=1.0).start()
+        hub = FakeTransportHub(delay_s=45.0, clock=clock)   # the transfer takes 45 s of the lease clock
+        pair = await Pair(model_dirs["tiny"], hub, lease_s=30.0).start()
         try:
             await pair.prefill.prefill("probe", PROMPTS[1], GREEDY)     # learns the packed size
             nbytes = await pair.prefill.send_kv("probe", "t-probe", [PeerAddress("nobody", "fake", 0)])
@@ -579,14 +661,14 @@ def test_a_hold_is_not_freed_while_its_send_is_on_the_wire(model_dirs):
             await pair.prefill.prefill("slow", PROMPTS[1], GREEDY)
             receiver.expect("t-slow/0", "p0", received)       # rank 0's part
             await pair.prefill.send_kv("slow", "t-slow", [receiver.address])
+            assert receiver.poll("t-slow/0", "p0") is TransferState.TRANSFERRING     # started at 0 s
             held = await pair.prefill._engine.call(
                 lambda e: e.read_kv_shards(list(e.held_sequence("slow").block_table))[0])
-            await asyncio.sleep(1.25)                        # past the lease; the transfer takes 1.5 s
+            await clock.advance(40.0, pair.prefill)          # past the lease, the transfer still on the wire
             assert pair.prefill.stats()["num_held"] == 1
-            deadline = time.monotonic() + 5
-            while receiver.poll("t-slow/0", "p0") is not TransferState.DONE:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.05)
+            assert receiver.poll("t-slow/0", "p0") is TransferState.TRANSFERRING
+            await clock.advance(10.0, pair.prefill)          # 50 s: the transfer is done
+            assert receiver.poll("t-slow/0", "p0") is TransferState.DONE
             assert torch.equal(received.view(held.dtype), held.flatten())   # the held blocks, whole
             await pair.wait_idle(timeout_s=5)                # never released: the lease frees it now
         finally:
@@ -594,12 +676,13 @@ def test_a_hold_is_not_freed_while_its_send_is_on_the_wire(model_dirs):
     run(main())
 
 
-def test_a_send_that_never_ends_keeps_its_hold_one_more_lease_at_most(model_dirs):
+def test_a_send_that_never_ends_keeps_its_hold_one_more_lease_at_most(model_dirs, monkeypatch):
     from cluster.transport.kv_transport import PeerAddress
+    clock = _LeaseClock(monkeypatch)
 
     async def main():
-        hub = FakeTransportHub(delay_s=600.0)                # a transport that never finishes it
-        pair = await Pair(model_dirs["tiny"], hub, lease_s=1.0).start()
+        hub = FakeTransportHub(delay_s=600.0, clock=clock)   # a transport that never finishes it
+        pair = await Pair(model_dirs["tiny"], hub, lease_s=30.0).start()
         try:
             await pair.prefill.prefill("probe", PROMPTS[1], GREEDY)
             nbytes = await pair.prefill.send_kv("probe", "t-probe", [PeerAddress("nobody", "fake", 0)])
@@ -608,41 +691,59 @@ def test_a_send_that_never_ends_keeps_its_hold_one_more_lease_at_most(model_dirs
             await pair.prefill.prefill("stuck", PROMPTS[1], GREEDY)
             receiver.expect("t-stuck/0", "p0", torch.zeros(nbytes, dtype=torch.uint8))
             await pair.prefill.send_kv("stuck", "t-stuck", [receiver.address])
-            await asyncio.sleep(1.5)                          # past the lease, within the second
+            assert receiver.poll("t-stuck/0", "p0") is TransferState.TRANSFERRING
+            await clock.advance(45.0, pair.prefill)           # past the lease, within the second
             assert pair.prefill.stats()["num_held"] == 1
-            await pair.wait_idle(timeout_s=5)                 # then freed all the same
+            await clock.advance(20.0, pair.prefill)           # 65 s: past the second: freed all the same
+            assert pair.prefill.stats()["num_held"] == 0
+            assert receiver.poll("t-stuck/0", "p0") is not TransferState.DONE
+            await pair.wait_idle(timeout_s=5)
         finally:
             await pair.shutdown()
     run(main())
 
 
-def test_a_decode_worker_waiting_for_blocks_renews_the_hold_until_they_free_up():
+def test_a_decode_worker_waiting_for_blocks_renews_the_hold_until_they_free_up(monkeypatch):
     """Blocks can take longer to free up than the hold's lease (reserve_timeout_s
     is the longer): the waiting decode worker renews the hold every third of it."""
-    renewed = []
+    from decode_workers import decode_worker
+    renewed, waits, reserved = [], [], None
 
     class Peer:
         async def renew(self, replica_id, request_id):
-            renewed.append((replica_id, request_id, time.monotonic()))
+            renewed.append((replica_id, request_id))
+            if len(renewed) == 3:                       # the blocks free up after the third renewal
+                reserved.set_result((1024, "arrival"))
             return True
 
+    class SpiedAsyncio:
+        """decode_worker's asyncio, the timeouts of its waits noted."""
+        def __getattr__(self, name):
+            return getattr(asyncio, name)
+
+        @staticmethod
+        async def wait(aws, *, timeout=None, **kwargs):
+            waits.append(timeout)
+            return await asyncio.wait(aws, timeout=timeout, **kwargs)
+
+    monkeypatch.setattr(decode_worker, "asyncio", SpiedAsyncio())
+
     async def main():
+        nonlocal reserved
         worker = DecodeWorker.__new__(DecodeWorker)     # the wait needs no engine, only that it runs
         worker._peer = Peer()
         worker._engine = SimpleNamespace(check_alive=lambda: None)
         prefill = SimpleNamespace(replica_id="P", request_id="r1", lease_s=0.15)
         reserved = asyncio.get_running_loop().create_future()
-        asyncio.get_running_loop().call_later(0.4, reserved.set_result, (1024, "arrival"))
-        start = time.monotonic()
         assert await worker._wait_for_blocks(reserved, prefill) == (1024, "arrival")
-        times = [t - start for _, _, t in renewed]
-        assert {(r, q) for r, q, _ in renewed} == {("P", "r1")}
-        # every 0.05 s while waiting: the gaps never reach the lease
-        assert len(times) >= 3 and max(b - a for a, b in zip([0.0, *times], times)) < 0.15
+        # a renewal per wait of a third of the lease (the gaps never reach the lease, whatever the
+        # machine's load), and none once the blocks are there
+        assert renewed == [("P", "r1")] * 3
+        assert len(waits) == 4 and all(timeout == pytest.approx(0.15 / 3) for timeout in waits)
 
         waiting = asyncio.get_running_loop().create_future()
         task = asyncio.ensure_future(worker._wait_for_blocks(waiting, prefill))
-        await asyncio.sleep(0.01)
+        await _until(lambda: len(waits) > 4)            # it waits
         task.cancel()                                   # the request went away: the reservation too
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -650,26 +751,35 @@ def test_a_decode_worker_waiting_for_blocks_renews_the_hold_until_they_free_up()
     run(main())
 
 
-def test_a_hand_off_waiting_for_blocks_gives_up_once_the_prefill_worker_lost_the_kv(model_dirs):
+def test_a_hand_off_waiting_for_blocks_gives_up_once_the_prefill_worker_lost_the_kv(model_dirs, monkeypatch):
     """The decode cache is full, so the hand-off waits for blocks (up to
     reserve_timeout_s, a minute), renewing the prefill hold. The prefill worker
     loses the hold (as when its replica dies): the next renewal finds nothing
     there, and the hand-off fails with KVHolderLost within a third of the lease
     or two, leaving nothing behind, instead of waiting out the minute."""
+    _LeaseClock(monkeypatch)      # stands still: only the abort loses the hold, never a stall of the machine
+
     async def main():
         pair = await Pair(model_dirs["tiny"], FakeTransportHub(), lease_s=0.3).start()
         pair.decode._engine.engine.reserve_prefilled = lambda *a, **kw: None     # no room: it waits
+        renewals, renew, lost = [], pair.decode._peer.renew, False
+
+        async def noted_renew(replica_id, request_id):
+            renewals.append(lost)                     # (started after the hold was lost?)
+            return await renew(replica_id, request_id)
+        pair.decode._peer.renew = noted_renew
         try:
             first = await pair.prefill.prefill("h", PROMPTS[0], GREEDY)
             waiting = asyncio.ensure_future(pair.decode.generate(
                 DecodeRequest("h", PROMPTS[0], GREEDY, "sub", first, "h#1")))
-            await asyncio.sleep(0.5)                  # renewed meanwhile: still waiting
+            await _until(lambda: len(renewals) >= 3)  # renewed meanwhile: still waiting
             assert not waiting.done() and pair.prefill.stats()["num_held"] == 1
             await pair.prefill.abort("h")
-            start = time.monotonic()
+            lost = True
             with pytest.raises(KVHolderLost, match="no longer holds the KV of h") as info:
-                await asyncio.wait_for(waiting, 5.0)
-            assert info.value.replica_id == "D" and time.monotonic() - start < 0.5
+                await asyncio.wait_for(waiting, 30)   # a hang guard: reserve_timeout_s is a minute
+            # the next renewal (or the one after it) found nothing there: no more were made
+            assert info.value.replica_id == "D" and renewals.count(True) <= 2, renewals
             assert pair.decode.stats()["num_waiting"] == 0
             await pair.wait_idle(timeout_s=2)
         finally:
@@ -771,11 +881,13 @@ def test_a_renewal_slower_than_a_third_of_the_lease_is_still_read():
 
 
 @pytest.mark.parametrize("phase", ["waiting for blocks", "receiving"])
-def test_a_hand_off_fails_at_once_when_the_decode_engine_stops(model_dirs, phase):
+def test_a_hand_off_fails_at_once_when_the_decode_engine_stops(model_dirs, phase, monkeypatch):
     """A hand-off waits on what only the engine loop settles (free blocks, the KV
     arriving): when the loop stops, the request fails with EngineStoppedError
     (which the router retries elsewhere), and the prefill hold is no longer
     renewed, so it ends with its lease (once no send reads it)."""
+    clock = _LeaseClock(monkeypatch)       # stands still until the engine stopped: no stall runs the lease out
+
     async def main():
         hub = FakeTransportHub()
         pair = await Pair(model_dirs["tiny"], hub, lease_s=1.0).start()
@@ -787,20 +899,20 @@ def test_a_hand_off_fails_at_once_when_the_decode_engine_stops(model_dirs, phase
         first = await pair.prefill.prefill("h", PROMPTS[0], GREEDY)
         waiting = asyncio.ensure_future(pair.decode.generate(DecodeRequest("h", PROMPTS[0], GREEDY, "sub", first,
                                                                            "h#1")))
-        await asyncio.sleep(0.3)
+        await _until(lambda: pair.decode.stats()["num_waiting" if phase == "waiting for blocks" else "num_receiving"])
         assert not waiting.done()
 
         def fails(**kwargs):
             raise RuntimeError("a step failed")
         engine.step = fails
         await pair.decode.generate(DecodeRequest("other", [1, 2, 3], GREEDY, "sub2"))   # makes the loop step
-        start = time.monotonic()
+        # at the loop's stop, not at a deadline (the transfer's 10 s, the wait for blocks' minute): the message
+        # says so; the timeout is a hang guard
         with pytest.raises(EngineStoppedError, match="engine stopped while request h waited for its KV"):
-            await asyncio.wait_for(waiting, 5.0)
-        assert time.monotonic() - start < 2.0
+            await asyncio.wait_for(waiting, 30)
         hub.delay_s = 0.0             # a send still on the wire keeps its blocks until it ends: now
-        await asyncio.sleep(1.5)                                   # the lease, unrenewed, runs out
-        assert pair.prefill.stats()["num_held"] == 0
+        clock.run()                   # the lease (1 s), unrenewed, runs out; a renewed one never would
+        await _until(lambda: pair.prefill.stats()["num_held"] == 0, timeout_s=10)
         pair.prefill.shutdown()
         pair.decode.shutdown()
     run(main())
@@ -909,9 +1021,16 @@ def test_a_send_retried_before_the_first_was_noted_forgets_the_first(model_dirs)
         prefill = pair.prefill
         await prefill.prefill("r", PROMPTS[1], GREEDY)
         receivers = list(pair.decode.receivers)
-        prefill._engine.submit(lambda engine: time.sleep(0.5))     # a long step: no note for now
-        await prefill.send_kv("r", "r#1", receivers)
-        await prefill.send_kv("r", "r#2", receivers)
+        gate, held = await _hold_engine(prefill._engine)          # a long step: no note for now
+        try:
+            await prefill.send_kv("r", "r#1", receivers)          # packed here, its note queued
+            assert "r" in prefill._sends_to_note
+            retry = asyncio.ensure_future(prefill.send_kv("r", "r#2", receivers))
+            await _until(lambda: _queued_calls(prefill._engine) >= 2)     # the retry queued behind the note
+        finally:
+            gate.set()
+        await held
+        await retry
 
         assert await prefill._engine.call(_sends) == [["r#2"]]
         assert await prefill.release("r")
@@ -1010,19 +1129,38 @@ def test_a_release_that_arrives_while_a_send_is_packed_waits_for_that_send(model
         hub = FakeTransportHub(delay_s=0.5)      # the bytes move for 0.5 s once the send is posted
         pair = await Pair(model_dirs["tiny"], hub).start()
         prefill = pair.prefill
+        gate, released = threading.Event(), threading.Event()
+        release_here = prefill._release
+
+        def noted_release(engine, request_id):
+            try:
+                return release_here(engine, request_id)
+            finally:
+                released.set()
+        monkeypatch.setattr(prefill, "_release", noted_release)
         try:
             await prefill.prefill("r", PROMPTS[1], GREEDY)
-            held, kv_cache, read_blocks = await _packing_slowly(prefill, "r", 1.0, monkeypatch)
+            held, kv_cache, read_blocks = await _packing_slowly(prefill, "r", 0.0, monkeypatch)
             receiver, received = _expecting(hub, held, "t-r/0")
-            prefill._engine.submit(lambda engine: time.sleep(0.5))     # a step: the release queues behind it
+
+            def read_once_released(block_ids, heads=None):
+                # packing, on this (the event loop's) thread: the engine, let go, runs the release meanwhile
+                gate.set()
+                assert released.wait(30), "the release did not run while the send was packed"
+                return read_blocks(block_ids, heads)
+
+            gate, step = await _hold_engine(prefill._engine)     # a step: the release queues behind it
             release = asyncio.create_task(prefill.release("r"))
-            await asyncio.sleep(0)
-            await prefill.send_kv("r", "t-r", [receiver.address])     # packs for 1 s: the release runs meanwhile
+            await _until(lambda: _queued_calls(prefill._engine) >= 1)
+            monkeypatch.setattr(kv_cache, "read_blocks", read_once_released)
+            await prefill.send_kv("r", "t-r", [receiver.address])
             assert await release
+            await step
             monkeypatch.setattr(kv_cache, "read_blocks", read_blocks)
             await _arrives_whole(receiver, "t-r/0", received, held)
             await pair.wait_idle()                         # and the release frees the hold after the send
         finally:
+            gate.set()
             await pair.shutdown()
     run(main())
 
@@ -1090,16 +1228,25 @@ async def _nothing_left_on_the_wire(pair: Pair, release: str | None = None) -> N
     await pair.wait_idle()
 
 
-async def _retry_queued_behind_a_long_step(pair: Pair) -> asyncio.Task:
-    """Request "r" prefilled and its first send ("r#1") noted; the engine busy with a
-    long step; a retry ("r#2") queued for it. Returns the retry's task."""
+def _noted(prefill: PrefillWorker, request_id: str, transfer_id: str) -> bool:
+    """The engine thread noted the send `transfer_id` of `request_id`'s hold."""
+    hold = prefill._holds.get(request_id)
+    return hold is not None and hold.transfer_id == transfer_id
+
+
+async def _retry_queued_behind_a_long_step(pair: Pair) -> tuple[asyncio.Task, threading.Event, asyncio.Future]:
+    """Request "r" prefilled and its first send ("r#1") noted; the engine held in a
+    long step until the returned gate is set; a retry ("r#2") queued for it.
+    Returns (the retry's task, the gate, the long step)."""
     prefill = pair.prefill
     await prefill.prefill("r", PROMPTS[1], GREEDY)
     receivers = list(pair.decode.receivers)
     await prefill.send_kv("r", "r#1", receivers)
-    await asyncio.sleep(0.3)                                    # noted: a retry goes to the engine
-    prefill._engine.submit(lambda engine: time.sleep(0.5))     # a long step
-    return asyncio.create_task(prefill.send_kv("r", "r#2", receivers))
+    await _until(lambda: _noted(prefill, "r", "r#1"))          # noted: a retry goes to the engine
+    gate, step = await _hold_engine(prefill._engine)            # a long step
+    retry = asyncio.create_task(prefill.send_kv("r", "r#2", receivers))
+    await _until(lambda: _queued_calls(prefill._engine) >= 1)
+    return retry, gate, step
 
 
 def test_a_send_call_cancelled_while_queued_for_the_engine_forgets_the_send_it_starts(model_dirs):
@@ -1108,13 +1255,17 @@ def test_a_send_call_cancelled_while_queued_for_the_engine_forgets_the_send_it_s
     left on the wire uncounted by the staging budget."""
     async def main():
         pair = await Pair(model_dirs["tiny"], FakeTransportHub(delay_s=5.0)).start()
+        gate = threading.Event()
         try:
-            retry = await _retry_queued_behind_a_long_step(pair)
-            await asyncio.sleep(0.1)
+            retry, gate, step = await _retry_queued_behind_a_long_step(pair)
             retry.cancel()
-            await asyncio.sleep(0.8)
+            await asyncio.gather(retry, return_exceptions=True)     # its clean-up queued behind its send
+            assert retry.cancelled()
+            gate.set()
+            await step
             await _nothing_left_on_the_wire(pair, release="r")
         finally:
+            gate.set()
             await pair.shutdown()
     run(main())
 
@@ -1126,19 +1277,20 @@ def test_a_release_that_came_while_a_cancelled_send_was_queued_frees_the_hold(mo
     async def main():
         pair = await Pair(model_dirs["tiny"], FakeTransportHub(delay_s=5.0)).start()
         prefill = pair.prefill
+        gate = threading.Event()
         try:
-            retry = await _retry_queued_behind_a_long_step(pair)
-            await asyncio.sleep(0.05)
+            retry, gate, step = await _retry_queued_behind_a_long_step(pair)
             release = asyncio.create_task(prefill.release("r"))        # queued behind the retry's send
-            await asyncio.sleep(0.05)
+            await _until(lambda: _queued_calls(prefill._engine) >= 2)
             retry.cancel()
+            await asyncio.gather(retry, return_exceptions=True)     # its clean-up queued behind the release
+            assert retry.cancelled()
+            gate.set()
             assert await release
-            deadline = time.monotonic() + 3
-            while prefill.stats()["num_held"]:
-                assert time.monotonic() < deadline, prefill.stats()
-                await asyncio.sleep(0.02)
+            await _until(lambda: not prefill.stats()["num_held"], timeout_s=10)   # not a lease (30 s) later
             await _nothing_left_on_the_wire(pair)
         finally:
+            gate.set()
             await pair.shutdown()
     run(main())
 
@@ -1150,11 +1302,10 @@ def test_a_send_for_a_request_holding_nothing_fails_at_once_whatever_waits_for_t
         try:
             await prefill._send_budget.acquire("busy", 1024)
             waiting = asyncio.create_task(prefill._send_budget.acquire("queued", 1024, timeout_s=30))
-            await asyncio.sleep(0.01)
-            started = time.monotonic()
+            await _until(lambda: prefill._send_budget._waiting)
+            # not a wait for the budget (send_wait_s, then a TimeoutError): the timeout is a hang guard
             with pytest.raises(KeyError, match="holds no KV"):
-                await prefill.send_kv("nothing", "n#1", list(pair.decode.receivers))
-            assert time.monotonic() - started < 2
+                await asyncio.wait_for(prefill.send_kv("nothing", "n#1", list(pair.decode.receivers)), 30)
             waiting.cancel()
         finally:
             await pair.shutdown()
@@ -1174,7 +1325,7 @@ def test_a_send_that_fails_on_one_rank_is_forgotten_on_every_rank(model_dirs, mo
             await prefill.prefill("r", PROMPTS[1], GREEDY)
             receivers = list(pair.decode.receivers)
             await prefill.send_kv("r", "r#1", receivers)
-            await asyncio.sleep(0.3)                                    # noted: a retry goes to the engine
+            await _until(lambda: _noted(prefill, "r", "r#1"))          # noted: a retry goes to the engine
             collective_rpc = engine.collective_rpc
 
             def another_rank_fails(fn, *args):

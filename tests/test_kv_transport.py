@@ -25,8 +25,10 @@ from cluster.transport.pair_group_receiver import PairGroupReceiver
 from cluster.transport.pair_group_sender import PairGroupSender
 
 SPAWN = multiprocessing.get_context("spawn")
-SHORT_S = 2.0    # transport timeout in the tests that expect a timeout
-SLACK_S = 3.0    # how much later than its timeout a FAILED may arrive (a loaded 2-core machine)
+SHORT_S = 2.0    # transport timeout in the tests that expect a timeout (success paths get 20 s or more)
+# how much later than its timeout a FAILED may arrive: a hang guard (a loaded 2-core machine stalls for
+# seconds), not a timing assertion; what timed out is read in the error
+SLACK_S = 20.0
 MiB = 1 << 20
 
 
@@ -90,6 +92,10 @@ def _agent_main(conn, role: str, timeout_s: float, sabotage: str | None, secret:
             elif cmd == "send":                    # tid, peer, nbytes, dtype, seed
                 tid, peer, nbytes, dtype, seed = args
                 value = transport.send(tid, peer, payload(nbytes, dtype, seed))
+            elif cmd == "pairs":                   # each peer's pair: why it broke, or None while it is up
+                value = {getattr(peer, "name", peer): pair.broken for peer, pair in transport._pairs.items()}
+            elif cmd == "verifying":               # receiver: joins whose proof it still awaits
+                value = pgr._MAX_VERIFYING - transport._verifying._value
             elif cmd == "result":                  # tid, sender (receiver only), limit_s
                 tid, sender, limit_s = args
                 key = (tid, sender) if role == "receiver" else (tid,)
@@ -239,7 +245,8 @@ def test_one_sender_feeds_two_receivers_at_once(sender, remote_receiver, spawn_a
 
 
 def test_receivers_come_and_go_while_transfers_to_a_third_continue(remote_receiver, spawn_agent):
-    sender = PairGroupSender(timeout_s=SHORT_S)
+    sender = PairGroupSender(timeout_s=20.0)      # (the transfers that must fail fail at their peer's death)
+    hasty = PairGroupSender(timeout_s=SHORT_S)    # connects to the dead peer: gives up at its connect timeout
     try:
         doomed = spawn_agent("receiver")
         doomed_address = doomed.identity()
@@ -248,21 +255,21 @@ def test_receivers_come_and_go_while_transfers_to_a_third_continue(remote_receiv
         newcomer = spawn_agent("receiver")         # starting while transfers go on
         doomed.call("expect", "c/lost", sender.name, 16 * MiB, torch.float32)
         os.kill(doomed.proc.pid, signal.SIGSTOP)   # stops answering before the data: nothing can finish
-        start = time.monotonic()
         sender.send("c/lost", doomed_address, payload(16 * MiB, torch.float32, seed=1))
         doomed.proc.kill()                         # ... and then dies
         for i in range(1, 6):
             roundtrip(sender, remote_receiver, remote_receiver.identity(), f"c/steady-{i}", 64 * 1024)
-        assert wait_final(sender.poll, "c/lost", limit_s=SHORT_S + SLACK_S) is TransferState.FAILED
-        assert time.monotonic() - start < SHORT_S + SLACK_S
+        assert wait_final(sender.poll, "c/lost", limit_s=SLACK_S) is TransferState.FAILED
         assert doomed_address.name in sender.error("c/lost")
+        assert "timed out" not in sender.error("c/lost")      # failed at the peer's death, not at a timeout
         roundtrip(sender, newcomer, newcomer.identity(), "c/hello", 1 * MiB)
         roundtrip(sender, remote_receiver, remote_receiver.identity(), "c/steady-last", 64 * 1024)
-        sender.send("c/to-the-dead", doomed_address, torch.ones(4))   # a new pair to a dead peer: fails fast
-        assert wait_final(sender.poll, "c/to-the-dead", limit_s=SHORT_S + SLACK_S) is TransferState.FAILED
-        assert "could not connect" in sender.error("c/to-the-dead")
+        hasty.send("c/to-the-dead", doomed_address, torch.ones(4))    # a new pair to a dead peer: fails fast
+        assert wait_final(hasty.poll, "c/to-the-dead", limit_s=SHORT_S + SLACK_S) is TransferState.FAILED
+        assert "could not connect" in hasty.error("c/to-the-dead")
     finally:
         sender.close()
+        hasty.close()
 
 
 def test_pair_is_rebuilt_after_a_timeout_and_kept_after_a_forget_on_the_wire(spawn_agent):
@@ -297,9 +304,9 @@ def test_pair_is_rebuilt_after_a_timeout_and_kept_after_a_forget_on_the_wire(spa
         assert wait_final(sender.poll, "d/forgotten", waiting=(TransferState.PENDING,)) \
             is TransferState.TRANSFERRING
         pair = sender._pairs[address]
-        start = time.monotonic()
+        # (a forget that waited for the stalled send would see the pair time out: "d/behind" would fail with
+        # it and the pair be replaced, below)
         sender.forget("d/forgotten")
-        assert time.monotonic() - start < 1.0
         with pytest.raises(KeyError):
             sender.poll("d/forgotten")
         os.kill(sleepy.proc.pid, signal.SIGCONT)
@@ -358,7 +365,11 @@ def test_a_pair_the_receiver_dropped_is_rebuilt_by_the_sender_before_its_next_se
             time.sleep(0.05)
         assert first.broken is not None and "no word from" in first.broken
         os.kill(agent.proc.pid, signal.SIGCONT)
-        time.sleep(SHORT_S / 4 + 1.0)       # the sender's next heartbeat
+        deadline = time.monotonic() + SLACK_S
+        # the sender's next heartbeat reads the receiver's "closed" and drops its side too
+        while agent.call("pairs").get(receiver.address.name) is None:
+            assert time.monotonic() < deadline, "the sender never noticed the dropped pair"
+            time.sleep(0.05)
         after = torch.empty(1024)
         receiver.expect("p/after", name, after)
         agent.call("send", "p/after", receiver.address, 4096, torch.float32, 2)
@@ -424,11 +435,9 @@ def test_sender_gives_up_when_no_receiver_listens():
         port = sock.getsockname()[1]
     sender = PairGroupSender(timeout_s=SHORT_S)
     try:
-        start = time.monotonic()
         sender.send("f/void", PeerAddress("ghost", "127.0.0.1", port), torch.ones(4))
         assert sender.poll("f/void") is TransferState.PENDING
         assert wait_final(sender.poll, "f/void", limit_s=SHORT_S + SLACK_S) is TransferState.FAILED
-        assert time.monotonic() - start < SHORT_S + SLACK_S
         error = sender.error("f/void")
         assert "could not connect to ghost" in error and f"within {SHORT_S} s" in error
     finally:
@@ -458,9 +467,7 @@ def test_receiver_fails_when_the_sender_stops_midway(spawn_agent, sabotage):
         agent.call("send", "h/midway", receiver.address, 1 * MiB, torch.uint8, 0)
         started = wait_final(receiver.poll, "h/midway", name, limit_s=30, waiting=(TransferState.PENDING,))
         assert started is TransferState.TRANSFERRING
-        start = time.monotonic()
         assert wait_final(receiver.poll, "h/midway", name, limit_s=SHORT_S + SLACK_S) is TransferState.FAILED
-        assert time.monotonic() - start < SHORT_S + SLACK_S
         error = receiver.error("h/midway", name)
         assert f"KV transfer h/midway from {name} to {receiver.address.name}" in error
         assert ("timed out after 2.0 s" in error) if sabotage == "hang" else (f"is {name} alive?" in error)
@@ -469,8 +476,8 @@ def test_receiver_fails_when_the_sender_stops_midway(spawn_agent, sabotage):
 
 
 def test_close_fails_transfers_on_the_wire_without_hanging(spawn_agent):
-    receiver = PairGroupReceiver(timeout_s=20.0)
-    agent = spawn_agent("sender", timeout_s=20.0, sabotage="hang")
+    receiver = PairGroupReceiver(timeout_s=60.0)
+    agent = spawn_agent("sender", timeout_s=60.0, sabotage="hang")
     name = agent.identity()
     receiver.expect("i/open", name, torch.empty(1024))
     receiver.expect("i/queued", name, torch.empty(1024))
@@ -479,7 +486,7 @@ def test_close_fails_transfers_on_the_wire_without_hanging(spawn_agent):
     assert started is TransferState.TRANSFERRING
     start = time.monotonic()
     receiver.close()
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < 20      # a hang guard: it did not wait out the hung transfer's 60 s
     for tid in ("i/open", "i/queued"):
         assert receiver.poll(tid, name) is TransferState.FAILED
         assert "closed" in receiver.error(tid, name)
@@ -494,7 +501,8 @@ def test_only_a_sender_holding_the_secret_gets_a_pair(spawn_agent):
     address = agent.identity()
     # SHORT_S on every side: the honest sender's heartbeat (every timeout_s / 4) keeps its pair alive
     honest = PairGroupSender(timeout_s=SHORT_S, secret="deployment-secret")
-    impostors = [PairGroupSender(timeout_s=SHORT_S, secret="guess"), PairGroupSender(name=honest.name, timeout_s=SHORT_S)]
+    impostors = [PairGroupSender(timeout_s=SHORT_S, secret="guess"),
+                 PairGroupSender(name=honest.name, timeout_s=SHORT_S)]
     try:
         roundtrip(honest, agent, address, "s/before", 4096)
         for i, impostor in enumerate(impostors):
@@ -535,8 +543,13 @@ def test_malformed_joins_and_a_flood_of_unproven_ones_leave_the_receiver_accepti
         assert stranger.get(verdict_key(slot)).decode() == "refused: a malformed join"
     busy = [stranger.get(verdict_key(slot)).decode() for slot in slots[-4:]]
     assert busy == ["refused: too many joins being verified; try again"] * 4
-    time.sleep(SHORT_S + SLACK_S)      # the unproven joins time out and free their places
-    honest = PairGroupSender(timeout_s=SHORT_S, secret="deployment-secret")
+    deadline = time.monotonic() + SHORT_S + SLACK_S
+    # every unproven join timed out and freed its place (with some still pending, the honest pair's own
+    # connect to the receiver's store was seen to time out)
+    while agent.call("verifying"):
+        assert time.monotonic() < deadline, "unproven joins still hold their places"
+        time.sleep(0.05)
+    honest = PairGroupSender(timeout_s=20.0, secret="deployment-secret")
     try:
         roundtrip(honest, agent, address, "m/after", 4096)
     finally:
@@ -922,7 +935,10 @@ def test_an_nccl_pair_group_keeps_its_process_when_the_peer_fails(monkeypatch):
         def __init__(self, store, rank, size, opts):
             seen.append((os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"), rank, size))
 
-    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    # set, then deleted: either way monkeypatch restores the variable as it was before (unset: removed),
+    # not make_group's setdefault
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "x")
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING")
     monkeypatch.setattr(common.dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
     monkeypatch.setattr(common.torch.cuda, "set_device", lambda device: None)
     common.make_group(object(), 1, "nccl", torch.device("cuda:0"), 30.0, "127.0.0.1")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import pytest
 
@@ -197,10 +198,22 @@ def test_a_worker_stream_carries_one_delta_per_request_per_batch(model_dirs, ref
     async def main():
         worker = DecodeWorker(config, replica_id="C")
         await worker.start()
+        gate = threading.Event()
         try:
             stream = worker.stream("router-0", min_interval_s)
-            for rid, prompt in prompts.items():
-                admitted = await worker.generate(DecodeRequest(rid, prompt, GREEDY, "router-0"))
+            # the engine held until all eight are queued: they decode as one batch from the first step, else
+            # a loaded loop admitting them one by one makes more steps than the bound below allows
+            held = asyncio.ensure_future(worker._engine.call(lambda engine: gate.wait(30)))
+            admissions = [asyncio.ensure_future(worker.generate(DecodeRequest(rid, prompt, GREEDY, "router-0")))
+                          for rid, prompt in prompts.items()]
+
+            async def queued():
+                while len(worker._queued_prompt_tokens) < len(prompts):
+                    await asyncio.sleep(0.01)
+            await asyncio.wait_for(queued(), 30)      # a hang guard only
+            gate.set()
+            await held
+            for admitted in await asyncio.gather(*admissions):
                 assert admitted.replica_id == "C" and admitted.transfer_time_s is None
             batches, done = [], set()
             while len(done) < len(prompts):
@@ -210,6 +223,7 @@ def test_a_worker_stream_carries_one_delta_per_request_per_batch(model_dirs, ref
             await stream.aclose()
             return batches
         finally:
+            gate.set()
             worker.shutdown()
     batches = run(main())
     tokens = {rid: [] for rid in prompts}

@@ -34,6 +34,24 @@ def _alive(pid: int) -> bool:
         return f.read().split()[2] != "Z"
 
 
+def _until(condition, timeout_s: float = 30.0) -> None:
+    """Polls `condition` until it holds; `timeout_s` is a hang guard, not a timing assertion."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"still not true after {timeout_s:g} s"
+        time.sleep(0.01)
+
+
+def _signal_taken(pid: int, signum: int) -> bool:
+    """The process has no `signum` pending: it took (or ignored) it. Gone counts as taken."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            masks = dict(line.split(":", 1) for line in f if line.startswith(("SigPnd", "ShdPnd")))
+    except FileNotFoundError:
+        return True
+    return not any(int(mask, 16) >> (signum - 1) & 1 for mask in masks.values())
+
+
 @pytest.mark.parametrize("preset, tp", [("tiny", 2), ("tiny-qwen2", 2), ("tiny-mqa", 2), ("tiny-mqa", 4)])
 def test_greedy_matches_transformers_and_tp1(preset, tp, model_dirs, reference):
     prompts = _prompts()
@@ -150,7 +168,7 @@ def test_a_killed_rank_is_an_error_not_a_hang(model_dirs):
     (pid,) = llm.engine.rank_pids
     try:
         os.kill(pid, signal.SIGKILL)
-        time.sleep(0.5)
+        _until(lambda: llm.engine.rank_problem() is not None)     # the engine sees it gone (reaped)
         start = time.monotonic()
         with pytest.raises(RuntimeError, match=r"\['pdserve-tp-rank1'\] exited \(exit codes \[-9\]\); see"):
             llm.generate(_prompts(2), GREEDY)
@@ -205,7 +223,8 @@ def test_ctrl_c_at_an_idle_prompt_leaves_the_ranks_serving(model_dirs):
         first = llm.generate([[5, 6, 7]], GREEDY)[0].token_ids
         for pid in llm.engine.rank_pids:
             os.kill(pid, signal.SIGINT)
-        time.sleep(0.5)
+        for pid in llm.engine.rank_pids:
+            _until(lambda: _signal_taken(pid, signal.SIGINT))    # delivered (or ignored), not still pending
         assert all(_alive(pid) for pid in llm.engine.rank_pids)
         assert llm.generate([[5, 6, 7]], GREEDY)[0].token_ids == first
 
@@ -328,7 +347,11 @@ def test_shutting_down_an_engine_stuck_in_a_step_terminates_its_ranks(model_dirs
         (pid,) = engine.engine.rank_pids
         os.kill(pid, signal.SIGSTOP)
         await engine.call(lambda e: e.add_request("r", [5, 6, 7], SamplingParams(max_tokens=4)))
-        await asyncio.sleep(0.3)                   # the step is in its collective with the stopped rank
+        deadline = time.monotonic() + 30
+        # the step under way: it waits in its collective with the stopped rank
+        while (engine._working or (0.0, ""))[1] != "step":
+            assert time.monotonic() < deadline, "the engine never stepped"
+            await asyncio.sleep(0.01)
         engine.shutdown(timeout_s=1.0)
         return pid
 

@@ -36,24 +36,36 @@ def test_a_call_queued_as_the_engine_stops_is_answered(model_dirs):
     import asyncio
     import queue
     import threading
-    import time
 
     from engine import EngineConfig, LLMEngine
     from engine.async_engine import AsyncEngine
 
     config = EngineConfig(model=str(model_dirs["tiny"]), max_model_len=64, cpu_threads=1)
+    stopping, stoppers = threading.Event(), []
 
-    class SlowQueue(queue.SimpleQueue):
+    class StoppingQueue(queue.SimpleQueue):
         def put(self, item, *args):
-            time.sleep(0.5)          # the engine thread stops meanwhile
+            # past the call's liveness check: the engine thread stops (has left its loop) before the put
+            stoppers[0].start()
+            assert stopping.wait(10), "the engine thread did not stop"
             super().put(item, *args)
 
     async def main():
         engine = AsyncEngine(lambda: LLMEngine(config), name="stopping-test")
         await engine.ready()
-        engine._calls = SlowQueue()
-        threading.Timer(0.1, engine.shutdown).start()
-        await asyncio.wait_for(engine.call(lambda e: "ran"), 10)
+        fail_everything = engine._fail_everything
+
+        def noted_fail_everything(exc):
+            stopping.set()           # (the engine thread, done taking calls, as it ends)
+            fail_everything(exc)
+        engine._fail_everything = noted_fail_everything
+        stoppers.append(threading.Thread(target=engine.shutdown))
+        engine._calls = StoppingQueue()
+        try:
+            await asyncio.wait_for(engine.call(lambda e: "ran"), 10)
+        finally:
+            if stoppers[0].is_alive():
+                await asyncio.to_thread(stoppers[0].join, 30)
 
     with pytest.raises(EngineStoppedError):
         asyncio.run(main())
@@ -96,34 +108,48 @@ def test_a_ticker_failing_on_a_dead_rank_stops_the_engine_and_fails_its_waiters(
     assert len(calls) == 1                                    # the loop ended at the first failure
 
 
-def test_a_call_or_a_poll_that_hangs_reads_as_a_stuck_engine(model_dirs):
+def test_a_call_or_a_poll_that_hangs_reads_as_a_stuck_engine(model_dirs, monkeypatch):
     """Calls and tickers run on the engine thread between steps, and run collectives
     and transport calls too: one that hangs holds the engine as a hung step does, and
     the health check says so (it only watched steps: the replica kept reporting healthy)."""
     import asyncio
-    import time
+    import threading
+    from types import SimpleNamespace
 
-    from engine import EngineConfig, LLMEngine
+    from engine import EngineConfig, LLMEngine, async_engine
     from engine.async_engine import AsyncEngine
+
+    now = [1000.0]     # the stuck check's clock, the test's: only its moves count, never the machine's load
+    monkeypatch.setattr(async_engine, "time", SimpleNamespace(monotonic=lambda: now[0]))
 
     async def main():
         config = EngineConfig(model=str(model_dirs["tiny"]), max_model_len=128)
         engine = AsyncEngine(lambda: LLMEngine(config), name="stuck-call", cost_warmup_steps=0, stuck_step_s=2.0)
         await engine.ready()
+        entered, gate = threading.Event(), threading.Event()
         try:
             def hang_for_a_while(e):
-                time.sleep(5.0)
-            submitted = time.monotonic()
+                entered.set()
+                gate.wait(30)
             engine.submit(hang_for_a_while)
-            await asyncio.sleep(0.2)
+            while not entered.is_set():
+                await asyncio.sleep(0.01)
             engine.check_alive()                       # at work, not yet for long
+            now[0] += 2.5                              # past stuck_step_s, before the call returns
             with pytest.raises(EngineStoppedError, match="stuck: its current call .*hang_for_a_while has run"):
-                while time.monotonic() - submitted < 4.5:   # past stuck_step_s, before the call returns
+                engine.check_alive()
+            gate.set()
+            deadline = asyncio.get_running_loop().time() + 30
+            while True:                                # it returns: the engine serves again
+                try:
                     engine.check_alive()
-                    await asyncio.sleep(0.05)
-            await asyncio.sleep(max(0.0, submitted + 6.5 - time.monotonic()))
-            engine.check_alive()                       # it returned: the engine serves again
+                    break
+                except EngineStoppedError:
+                    assert asyncio.get_running_loop().time() < deadline, "still stuck after the call returned"
+                    await asyncio.sleep(0.01)
+            assert await engine.call(lambda e: "ran") == "ran"
         finally:
+            gate.set()
             engine.shutdown()
     asyncio.run(asyncio.wait_for(main(), 60))
 
