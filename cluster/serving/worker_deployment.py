@@ -16,6 +16,7 @@ from ray import serve
 
 from cluster.serving.gang_devices import claim_gang_gpus
 from cluster.serving.process_priority import normal_priority
+from cluster.serving.replica_logging import use_serve_handlers
 from engine.engine_config import EngineConfig
 
 GIL_SWITCH_INTERVAL_S = 0.0005
@@ -31,6 +32,7 @@ class WorkerDeployment:
         runs with: the deployment's, with a seed of its own for unseeded sampling
         (replicas drawing the same noise would give the choices of an `n` request,
         spread over them, the same text)."""
+        use_serve_handlers()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         normal_priority()   # before the engine thread and any rank process start: they inherit it
         # the engine thread takes the GIL back after every torch op; with Python's default 5 ms

@@ -1,0 +1,60 @@
+"""pdserve's loggers in a Serve replica write through the replica's Serve handlers,
+at Serve's level or PDSERVE_LOG_LEVEL's."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from cluster.serving.replica_logging import LOG_LEVEL_ENV, PACKAGES, SERVE_LOGGER, use_serve_handlers
+
+
+class Collect(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(f"{record.levelname} {record.name}: {record.getMessage()}")
+
+
+@pytest.fixture
+def serve_logger(monkeypatch):
+    """`ray.serve` as Serve configures it in a replica (a handler, INFO); every logger touched is
+    put back afterwards."""
+    names = (SERVE_LOGGER, *PACKAGES)
+    saved = {n: (list(logging.getLogger(n).handlers), logging.getLogger(n).level, logging.getLogger(n).propagate)
+             for n in names}
+    monkeypatch.delenv(LOG_LEVEL_ENV, raising=False)
+    collect = Collect()
+    serve = logging.getLogger(SERVE_LOGGER)
+    serve.handlers, serve.propagate = [collect], False
+    serve.setLevel(logging.INFO)
+    yield collect
+    for n, (handlers, level, propagate) in saved.items():
+        logger = logging.getLogger(n)
+        logger.handlers, logger.propagate = handlers, propagate
+        logger.setLevel(level)
+
+
+def test_pdserve_lines_go_through_serves_handlers_at_its_level(serve_logger):
+    use_serve_handlers()
+    logging.getLogger("router.ingress").info("stats of the decode pool failed")     # dropped before
+    logging.getLogger("engine.async_engine").debug("a step")
+    logging.getLogger("decode_workers.decode_worker").warning("lease ended")
+    logging.getLogger("unrelated.module").warning("not ours")                        # left to the root logger
+    assert serve_logger.lines == ["INFO router.ingress: stats of the decode pool failed",
+                                  "WARNING decode_workers.decode_worker: lease ended"]
+
+
+def test_the_level_from_the_environment_and_a_bad_one_reported(serve_logger, monkeypatch):
+    monkeypatch.setenv(LOG_LEVEL_ENV, "debug")
+    use_serve_handlers()
+    logging.getLogger("engine.async_engine").debug("a step")
+    assert serve_logger.lines == ["DEBUG engine.async_engine: a step"]
+    monkeypatch.setenv(LOG_LEVEL_ENV, "loud")
+    use_serve_handlers()
+    logging.getLogger("engine.async_engine").debug("a step")
+    assert len(serve_logger.lines) == 2 and "PDSERVE_LOG_LEVEL='LOUD' is no logging level" in serve_logger.lines[1]
+    assert "logging at INFO" in serve_logger.lines[1]
