@@ -325,16 +325,20 @@ class DecodeWorker:
         max_tokens for nobody), and the subscribers dropped with their outboxes."""
         while True:
             await asyncio.sleep(ORPHAN_S / 4)
-            now = time.monotonic()
-            for name, subscriber in list(self._subscribers.items()):
-                if subscriber.streaming or subscriber.unread_since is None or \
-                        now - subscriber.unread_since < ORPHAN_S or self._subscribers.get(name) is not subscriber:
-                    continue
-                log.warning("%s: subscriber %s has not read its %d requests for %.0f s (its router is gone?): "
-                            "aborting them", self.name, name, len(subscriber.request_ids),
-                            now - subscriber.unread_since)
-                del self._subscribers[name]
-                await self._abort_requests_of(subscriber)
+            try:
+                await self._abort_orphans_once(time.monotonic())
+            except Exception:  # noqa: BLE001 - one failed pass must not end the checks for good
+                log.exception("%s: the check for requests nobody reads failed; trying again", self.name)
+
+    async def _abort_orphans_once(self, now: float) -> None:
+        for name, subscriber in list(self._subscribers.items()):
+            if subscriber.streaming or subscriber.unread_since is None or \
+                    now - subscriber.unread_since < ORPHAN_S or self._subscribers.get(name) is not subscriber:
+                continue
+            log.warning("%s: subscriber %s has not read its %d requests for %.0f s (its router is gone?): "
+                        "aborting them", self.name, name, len(subscriber.request_ids), now - subscriber.unread_since)
+            del self._subscribers[name]
+            await self._abort_requests_of(subscriber)
 
     async def _abort_requests_of(self, subscriber: _Subscriber) -> None:
         """Aborts every request of a subscriber that was just dropped (no stream will read them),

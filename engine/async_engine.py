@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 Ticker = Callable[[LLMEngine], bool]
 _BUSY_POLL_S = 0.002
 _IDLE_WAIT_S = 0.5
+REPEATED_FAILURE_LOG_S = 60.0    # a ticker failing the same way again is logged this often, with a count
 # a step that has run this long is stuck (a TP rank alive but hung, a kernel that never returns):
 # the health check says so, and Serve replaces the replica; far past any real step, first ones included
 STUCK_STEP_S = 300.0
@@ -83,6 +84,9 @@ class AsyncEngine:
         self.costs = EngineCosts(warmup_steps=cost_warmup_steps)
         self._recent_steps: deque[tuple[int, StepStats]] = deque(maxlen=512)
         self._tickers: list[Ticker] = []
+        # ticker name -> (its last error, failures since it was logged, when): polled every few ms, a
+        # ticker that keeps failing would log a traceback each time
+        self._ticker_failures: dict[str, tuple[str, int, float]] = {}
         self._stop_hooks: list[Callable[[BaseException], None]] = []
         self._failure: BaseException | None = None
         self._cores = NoLending()
@@ -258,13 +262,17 @@ class AsyncEngine:
             self._run_calls(engine)
             busy = False
             for ticker in self._tickers:
+                name = getattr(ticker, "__qualname__", "ticker")
                 try:
-                    with self._at_work(f"poll {getattr(ticker, '__qualname__', 'ticker')}"):
+                    with self._at_work(f"poll {name}"):
                         busy |= bool(ticker(engine))
-                except Exception:  # noqa: BLE001 - one bad poll must not stop every request ...
+                    if name in self._ticker_failures:
+                        log.warning("ticker %s works again (%d failures since the last logged)", name,
+                                    self._ticker_failures.pop(name)[1])
+                except Exception as exc:  # noqa: BLE001 - one bad poll must not stop every request ...
                     if problem := engine.rank_problem():     # ... but no rank call can work again
                         raise EngineStoppedError(f"a tensor-parallel rank cannot serve: {problem}") from None
-                    log.exception("ticker %s failed", getattr(ticker, "__qualname__", ticker))
+                    self._log_ticker_failure(name, exc)
                     busy = True
             if engine.has_unfinished_requests():
                 self._cores.at_work()
@@ -279,6 +287,18 @@ class AsyncEngine:
             self._cores.idle()
             self._wake.wait(_BUSY_POLL_S if busy else _IDLE_WAIT_S)
             self._wake.clear()
+
+    def _log_ticker_failure(self, name: str, exc: Exception) -> None:
+        """Logs a ticker's failure with its traceback, unless it failed the same way within
+        REPEATED_FAILURE_LOG_S: then it is counted, and the count logged with the next one."""
+        error, now = repr(exc), time.monotonic()
+        last, unsaid, said = self._ticker_failures.get(name, ("", 0, float("-inf")))
+        if error == last and now - said < REPEATED_FAILURE_LOG_S:
+            self._ticker_failures[name] = (error, unsaid + 1, said)
+            return
+        log.exception("ticker %s failed%s", name, f" (and {unsaid} times more since it was last logged)"
+                      if unsaid else "")
+        self._ticker_failures[name] = (error, 0, now)
 
     @contextlib.contextmanager
     def _at_work(self, what: str):

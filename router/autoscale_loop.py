@@ -114,6 +114,7 @@ class AutoscaleLoop:
         self._refused: dict[str, int] = {}      # this interval's refusals, by the role they were refused for
         self._ended: list[RequestTimings] = []
         self._fit_steps: dict[str, deque] = {r: deque(maxlen=FIT_WINDOW) for r in settings.roles}
+        self._said_waiting = ""      # the fit steps last logged while there is no model to hold with
         self._last_tick = time.monotonic()
         metrics.add_listener(self)
 
@@ -175,8 +176,10 @@ class AutoscaleLoop:
         if self.policy is None:
             self.policy = await asyncio.to_thread(self._make_policy)
             if self.policy is None:
-                log.info("autoscaler: holding, no step-time model yet (%s)",
-                         ", ".join(f"{r}: {len(s)} steps" for r, s in self._fit_steps.items()))
+                waiting = ", ".join(f"{r}: {len(s)} steps" for r, s in self._fit_steps.items())
+                if waiting != self._said_waiting:     # said as the steps come, not every interval while idle
+                    log.info("autoscaler: holding, no step-time model yet (%s)", waiting)
+                    self._said_waiting = waiting
                 return
         elif self.profile is None:
             await asyncio.to_thread(self._refit)

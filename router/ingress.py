@@ -17,6 +17,7 @@ from cluster.autoscaler.capacity import ReplicaLimits
 from cluster.autoscaler.policy import AutoscaleSettings
 from cluster.perf_model.step_shape import load_step_model
 from cluster.serving.process_priority import normal_priority
+from cluster.serving.replica_logging import use_serve_handlers
 from engine.tiny_model import ensure_built_in_checkpoint
 from engine.tokenizer import load_tokenizer
 from router.admission import AdmissionSettings, admission_for
@@ -46,6 +47,7 @@ class Router:
                  limits: RequestLimits = RequestLimits(), api_key_sha256: str | None = None,
                  protect_metrics: bool = True, admission: AdmissionSettings | None = None,
                  max_migrations: int = 3, stream_interval_s: float = 0.0, cors: CorsSettings | None = None):
+        use_serve_handlers()
         normal_priority()
         ensure_built_in_checkpoint(tokenizer_path)    # a built-in model resolved on another node
         self.tokenizer = load_tokenizer(tokenizer_path)
@@ -74,6 +76,8 @@ class Router:
                                             running_output_tokens=self.backend.mean_running_output_tokens)
             self._autoscale_task = asyncio.get_event_loop().create_task(self.autoscaler.run())
         self._failed_passes: dict[str, int] = {}    # role -> stats passes in a row where every call failed
+        self._stats_failing: set[str] = set()       # roles whose last stats pass raised
+        self._running: dict[str, int] = {}          # role -> replicas serving at the last stats pass
         self._stats_task = asyncio.get_event_loop().create_task(self._refresh_worker_stats())
 
     def record_autoscaling_stats(self) -> dict[str, float]:
@@ -111,9 +115,15 @@ class Router:
         except DeploymentUnavailableError:   # not one replica runs (they died; none replaced yet)
             replies, slow, failed = [], 0, 0
         except Exception as exc:  # noqa: BLE001 - metrics must never take the router down
-            log.debug("no %s stats: %s", role, exc)
+            # said once a run of failures: routing, admission and the autoscaler go on with old figures
+            (log.debug if role in self._stats_failing else log.warning)(
+                "no %s stats (routing, admission and autoscaling keep the last ones): %r", role, exc)
+            self._stats_failing.add(role)
             current |= previous   # kept as they were
             return
+        if role in self._stats_failing:
+            self._stats_failing.discard(role)
+            log.warning("%s stats come again", role)
         all_failed = not replies and not slow and failed
         self._failed_passes[role] = self._failed_passes.get(role, 0) + 1 if all_failed else 0
         if not replies and (slow or self._failed_passes[role] == 1):
@@ -125,6 +135,10 @@ class Router:
             return
         replies = sorted(replies, key=lambda s: s.get("replica", ""))
         running = len(replies) + slow      # a replica too slow to answer this time still runs
+        if (running == 0) != (self._running.get(role, 1) == 0):
+            log.warning("%s workers serving: %d%s", role, running,
+                        " (none answers its stats: routed around, or refused, until one does)" if not running else "")
+        self._running[role] = running
         if self.policy is not None:
             self.policy.observe_workers(role, replies, running)
         if self.admission is not None:

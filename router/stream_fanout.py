@@ -167,7 +167,11 @@ class StreamFanout:
             log.warning("the output stream of decode replica %s was cancelled", replica_id)
         except Exception as exc:  # noqa: BLE001 - every request on the replica hears it
             reason = f"{type(exc).__name__}: {exc}"
-            log.warning("the output stream of decode replica %s failed: %s", replica_id, reason)
+            # Ray's and Serve's errors (the pools' BackendUnavailableError wraps them) say what happened;
+            # anything else is a bug here, whose traceback finds it
+            log.warning("the output stream of decode replica %s failed: %s", replica_id, reason,
+                        exc_info=not (type(exc).__module__.startswith("ray.")
+                                      or isinstance(exc, BackendUnavailableError)))
         finally:
             del self._readers[key]
         bound = [rid for rid, stream in self._bound_to.items() if stream == key]

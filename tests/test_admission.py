@@ -798,7 +798,7 @@ def test_a_replica_too_slow_to_answer_its_stats_still_counts_as_running():
     assert policy.prefill_pool_empty
 
 
-def test_a_replica_slow_to_answer_its_stats_keeps_its_metrics_series(monkeypatch):
+def test_a_replica_slow_to_answer_its_stats_keeps_its_metrics_series(monkeypatch, caplog):
     """/metrics keeps the series of a replica that did not answer in time (before, they
     vanished for a second whenever a loaded replica was slow, and came back after); a
     replica gone from the pool loses them."""
@@ -821,7 +821,7 @@ def test_a_replica_slow_to_answer_its_stats_keeps_its_metrics_series(monkeypatch
     router._workers = {"decode": object()}
     router.policy = router.admission = router.autoscaler = None
     router.metrics = ServingMetrics()
-    router._failed_passes = {}
+    router._failed_passes, router._stats_failing, router._running = {}, set(), {}
 
     def series():
         text = router.metrics.render()[0].decode()
@@ -843,7 +843,43 @@ def test_a_replica_slow_to_answer_its_stats_keeps_its_metrics_series(monkeypatch
         # the role's only replica cannot serve: its last load is not shown as if it still ran
         assert await router._refresh_worker_stats_once(seen) == set() and series() == []
 
-    asyncio.run(main())
+    with caplog.at_level("WARNING", logger="router.ingress"):
+        asyncio.run(main())
+    # said when the pool became empty, not at each pass before
+    assert [r.getMessage() for r in caplog.records] == \
+        ["decode workers serving: 0 (none answers its stats: routed around, or refused, until one does)"]
+
+
+def test_stats_that_cannot_be_had_are_said_once_and_when_they_come_again(monkeypatch, caplog):
+    import router.ingress as ingress
+    from router.serve_pools import ReplicaAnswers
+
+    rounds = iter([RuntimeError("the controller is away"), RuntimeError("the controller is away"),
+                   ReplicaAnswers([{"replica": "a", "num_running": 1}], 0, 0)])
+
+    async def answers(handle, method, timeout_s):
+        answer = next(rounds)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(ingress, "replica_answers", answers)
+    router = object.__new__(ingress.Router.func_or_class)
+    router._workers = {"decode": object()}
+    router.policy = router.admission = router.autoscaler = None
+    router.metrics = ServingMetrics()
+    router._failed_passes, router._stats_failing, router._running = {}, set(), {}
+
+    async def main():
+        seen = set()
+        for _ in range(3):
+            seen = await router._refresh_worker_stats_once(seen)
+
+    with caplog.at_level("WARNING", logger="router.ingress"):
+        asyncio.run(main())
+    assert [r.getMessage() for r in caplog.records] == [
+        "no decode stats (routing, admission and autoscaling keep the last ones): "
+        "RuntimeError('the controller is away')", "decode stats come again"]
 
 
 def test_a_stats_pass_that_fails_does_not_freeze_the_figures_for_good(monkeypatch):

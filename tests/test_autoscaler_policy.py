@@ -974,3 +974,29 @@ def test_tpot_evidence_counts_the_requests_that_began_decoding_after_the_new_rep
     after = [(35.0, 0.2)] * 10                                               # with it, and still missing
     d = p.decide(observe(50.0, 0.5, 200, 50, current, tpot_p90_s=0.2, tpot_samples=after))
     assert d.targets["decode"] == 3 and "observed TPOT" in d.reasons["decode"]
+
+
+def test_an_autoscaler_with_no_step_model_yet_says_so_as_steps_come_not_every_interval():
+    # an idle deployment with no profile held with a log line every interval, for ever
+    import asyncio
+    import logging
+
+    from router import autoscale_loop
+    from router.autoscale_loop import AutoscaleLoop
+    from router.metrics import ServingMetrics
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    autoscale_loop.log.addHandler(handler)
+    level = autoscale_loop.log.level
+    autoscale_loop.log.setLevel(logging.INFO)
+    try:
+        loop = AutoscaleLoop(settings(min_replicas={"prefill": 1, "decode": 1}),
+                             {"prefill": _FakeRole(1), "decode": _FakeRole(1)}, ServingMetrics(),
+                             kept_replicas=lambda workers: {"prefill": 1, "decode": 1})
+        for _ in range(3):
+            asyncio.run(loop.tick())
+    finally:
+        autoscale_loop.log.removeHandler(handler)
+        autoscale_loop.log.setLevel(level)
+    assert lines == ["autoscaler: holding, no step-time model yet (prefill: 0 steps, decode: 0 steps)"]

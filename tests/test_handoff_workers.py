@@ -1001,6 +1001,7 @@ def test_each_replica_samples_unseeded_requests_with_a_seed_of_its_own(monkeypat
     monkeypatch.setattr(worker_deployment.serve, "get_replica_context",
                         lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id=next(ids))))
     monkeypatch.setattr(worker_deployment.sys, "setswitchinterval", lambda interval: None)
+    monkeypatch.setattr(worker_deployment, "use_serve_handlers", lambda: None)   # (this process's loggers)
     deployed = EngineConfig(model="tiny", seed=0)
     configs = []
     for _ in range(2):
@@ -1504,3 +1505,43 @@ def test_requests_no_stream_ever_reads_are_aborted(model_dirs, monkeypatch):
         finally:
             worker.shutdown()
     run(main())
+
+
+def test_a_failed_orphan_check_is_logged_and_the_next_one_runs(model_dirs, monkeypatch, caplog):
+    # the check ran in a task nobody awaited: one exception ended it silently, and requests no stream
+    # reads decoded to their max_tokens from then on
+    from decode_workers import decode_worker
+    monkeypatch.setattr(decode_worker, "ORPHAN_S", 0.4)
+    config = EngineConfig(model=str(model_dirs["tiny"]), max_model_len=128, block_size=8, dtype="float32")
+    params = dataclasses.replace(GREEDY, max_tokens=100, ignore_eos=True)
+    failures = []
+
+    async def main():
+        worker = decode_worker.DecodeWorker(config, replica_id="D")
+        abort_requests_of = worker._abort_requests_of
+
+        async def fails_once(subscriber):
+            if not failures:
+                failures.append(1)
+                raise RuntimeError("an engine call failed")
+            await abort_requests_of(subscriber)
+        worker._abort_requests_of = fails_once
+        await worker.start()
+        gate = threading.Event()
+        try:
+            await worker.generate(DecodeRequest("orphan", PROMPTS[0], params, "gone-router"))
+            await worker.generate(DecodeRequest("orphan-2", PROMPTS[1], params, "gone-too"))
+            # held: the requests cannot end by themselves while the checks run
+            held = asyncio.ensure_future(worker._engine.call(lambda engine: gate.wait(30)))
+            deadline = asyncio.get_running_loop().time() + 30
+            while "gone-too" in worker._subscribers:      # a pass after the one that failed reached it
+                assert asyncio.get_running_loop().time() < deadline, "no check ran after the failed one"
+                await asyncio.sleep(0.05)
+            gate.set()
+            await held
+        finally:
+            gate.set()
+            worker.shutdown()
+    with caplog.at_level("ERROR", logger="decode_workers.decode_worker"):
+        run(main())
+    assert failures and "the check for requests nobody reads failed" in caplog.text

@@ -946,3 +946,22 @@ def test_an_nccl_pair_group_keeps_its_process_when_the_peer_fails(monkeypatch):
     monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")      # the user's own setting stays
     common.make_group(object(), 0, "nccl", torch.device("cuda:0"), 30.0, "127.0.0.1")
     assert seen[-1] == ("1", 0, 2)
+
+
+def test_a_receiver_whose_acceptor_cannot_reach_its_store_says_so(monkeypatch):
+    # its acceptor thread returned without a word: the receiver reported no problem (the worker "healthy")
+    # while every hand-off to it waited out its timeout
+    from cluster.transport import pair_group_receiver
+
+    def unreachable(peer, deadline, stopped):
+        raise ConnectionError(f"nothing answers at {peer.host}:{peer.port}")
+    monkeypatch.setattr(pair_group_receiver, "connect_store", unreachable)
+    receiver = PairGroupReceiver(timeout_s=SLACK_S)
+    try:
+        deadline = time.monotonic() + SLACK_S
+        while receiver.problem() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "cannot accept pairs: its store did not answer (nothing answers at" in \
+            (receiver.problem() or ""), receiver.problem()
+    finally:
+        receiver.close()

@@ -211,7 +211,10 @@ class _Statuses:
 
     def __call__(self):
         from types import SimpleNamespace
+
+        from ray.serve.schema import ApplicationStatus
         status = self.statuses.pop(0) if len(self.statuses) > 1 else self.statuses[0]
+        status = ApplicationStatus(status) if status is not None else None     # as Serve gives it: an enum
         apps = {} if status is None else {"pdserve": SimpleNamespace(status=status, message="replica died")}
         return SimpleNamespace(applications=apps)
 
@@ -260,8 +263,12 @@ def test_serving_a_healthy_application_runs_until_stopped(monkeypatch):
         return _Statuses(["UNHEALTHY" if len(polls) == 2 else "RUNNING"])()
     monkeypatch.setattr(serve, "status", status)
     clock = _ticking_clock(monkeypatch)
-    assert serve_command._watch_application("pdserve", stop, poll_s=2.0, unhealthy_limit_s=30.0, clock=clock) is None
+    told = []
+    assert serve_command._watch_application("pdserve", stop, poll_s=2.0, unhealthy_limit_s=30.0, clock=clock,
+                                            notify=told.append) is None
     assert len(polls) == 5
+    # an operator hears a replica failing and the application coming back, once each
+    assert told == ["the 'pdserve' application is UNHEALTHY: replica died", "the 'pdserve' application is RUNNING"]
 
 
 def test_a_local_cluster_that_answers_but_cannot_be_joined_is_reported_not_replaced(monkeypatch):

@@ -271,3 +271,27 @@ def test_a_request_bound_after_the_fanout_closed_hears_so_and_opens_nothing():
         assert replicas.opened == []
 
     asyncio.run(run())
+
+
+def test_a_stream_failing_on_a_bug_here_is_logged_with_its_traceback_and_ray_s_errors_without(caplog):
+    # a KeyError in the router's own reading code read as "the decode replica failed", with no traceback
+    class RayLikeError(Exception):
+        pass
+    RayLikeError.__module__ = "ray.exceptions"
+
+    async def run():
+        replicas = FakeReplicas()
+        fanout = StreamFanout(replicas.open_stream, replicas.abort)
+        for replica, error in (("R", KeyError("a bug")), ("S", RayLikeError("actor died")),
+                               ("T", BackendUnavailableError("the decode worker is unavailable: it died"))):
+            queue = fanout.expect(replica)
+            fanout.bind(replica, replica)
+            replicas.feeds.setdefault((replica, fanout.subscriber), asyncio.Queue()).put_nowait(error)
+            with pytest.raises(BackendUnavailableError, match="stopped streaming"):
+                raise await _next(queue)
+        await fanout.close()
+
+    with caplog.at_level("WARNING", logger="router.stream_fanout"):
+        asyncio.run(run())
+    traced = {r.getMessage().split(" failed")[0][-1]: bool(r.exc_info) for r in caplog.records}
+    assert traced == {"R": True, "S": False, "T": False}

@@ -71,6 +71,43 @@ def test_a_call_queued_as_the_engine_stops_is_answered(model_dirs):
         asyncio.run(main())
 
 
+def test_a_ticker_that_keeps_failing_is_logged_once_and_counted_until_it_works(model_dirs, caplog):
+    """Tickers are polled every few milliseconds while there is work: one that kept failing
+    logged a traceback each time, hundreds a second."""
+    import asyncio
+
+    from engine import EngineConfig, LLMEngine
+    from engine.async_engine import AsyncEngine
+
+    config = EngineConfig(model=str(model_dirs["tiny"]), max_model_len=64, cpu_threads=1)
+    calls = []
+
+    def flaky(engine):
+        calls.append(1)
+        if len(calls) <= 50:
+            raise RuntimeError("the store does not answer")
+        return False
+
+    async def main():
+        engine = AsyncEngine(lambda: LLMEngine(config), name="flaky-ticker")
+        await engine.ready()
+        try:
+            engine.add_ticker(flaky)
+            while len(calls) <= 50:
+                await asyncio.sleep(0.01)
+            await engine.call(lambda e: None)     # a pass after the one that worked has ended
+        finally:
+            engine.shutdown()
+
+    with caplog.at_level("WARNING", logger="engine.async_engine"):
+        asyncio.run(asyncio.wait_for(main(), 60))
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["ticker test_a_ticker_that_keeps_failing_is_logged_once_and_counted_until_it_works.<locals>"
+                     ".flaky failed",
+                     "ticker test_a_ticker_that_keeps_failing_is_logged_once_and_counted_until_it_works.<locals>"
+                     ".flaky works again (49 failures since the last logged)"]
+
+
 def test_a_ticker_failing_on_a_dead_rank_stops_the_engine_and_fails_its_waiters(model_dirs):
     """Between steps only tickers reach the TP ranks (a decode worker with nothing but
     hand-offs in flight): when a rank is gone and a ticker fails on it, the loop ends

@@ -4,7 +4,8 @@
                   [--mode disaggregated|colocated] [--prefill-replicas N] [--decode-replicas N]
                   [--prefill-tp N] [--decode-tp N] [--colocated-replicas N] [--colocated-tp N]
                   [--device cpu|cuda] [--dtype D] [--max-model-len L] [--served-model-name NAME]
-                  [--autoscale --slo ttft:MS tpot:MS [--max-replicas N]] [--api-key KEY]
+                  [--autoscale --slo ttft:MS tpot:MS [--max-replicas N]] [--no-autoscale] [--api-key KEY]
+                  [--allowed-origins ORIGIN ... [--allow-credentials]]
                   [--address RAY_ADDRESS] [--ray-dashboard]
 
 Flags override the config file; with neither, the built-in tiny model is served
@@ -428,14 +429,20 @@ def base_url(host: str, port: int) -> str:
 
 
 def _watch_application(name: str, stop: StopSignal, *, poll_s: float = 5.0, unhealthy_limit_s: float = 600.0,
-                       misses_allowed: int = 3, clock: Callable[[], float] = time.monotonic) -> str | None:
+                       misses_allowed: int = 3, clock: Callable[[], float] = time.monotonic,
+                       notify: Callable[[str], None] | None = None) -> str | None:
     """Serves until a stop is asked for (None), or until the application is gone
     (deleted, Serve shut down) or Serve has not answered `misses_allowed` polls in
     a row, or it has been UNHEALTHY for `unhealthy_limit_s` (Serve replacing a
     replica of a large model takes minutes): then why, so the command exits
-    non-zero and a supervisor restarts it, as vLLM exits when its engine dies."""
+    non-zero and a supervisor restarts it, as vLLM exits when its engine dies.
+    Each change of the application's status is told to `notify` (default: printed
+    with the time), with Serve's message: an operator sees a replica failing and
+    coming back as it happens, not only when the command gives up."""
     from ray import serve
 
+    notify = notify or _print_with_time
+    told = "RUNNING"      # (the status the caller saw before it started watching)
     unhealthy_since = None
     misses = gone = 0
     next_poll = clock() + poll_s
@@ -453,6 +460,7 @@ def _watch_application(name: str, stop: StopSignal, *, poll_s: float = 5.0, unhe
                 return f"Serve has not answered for {misses} polls ({type(exc).__name__}: {exc})"
             continue
         status = getattr(app, "status", None)
+        status = getattr(status, "value", status)     # Serve's ApplicationStatus, as its name
         if app is None or status in ("DELETING", "NOT_STARTED"):
             gone += 1
             if gone >= 2:     # seen twice in a row, not a status read mid-update
@@ -460,6 +468,10 @@ def _watch_application(name: str, stop: StopSignal, *, poll_s: float = 5.0, unhe
                        "`serve shutdown`?)"
             continue
         gone = 0
+        if status != told:
+            message = getattr(app, "message", "") if status != "RUNNING" else ""
+            notify(f"the {name!r} application is {status}{f': {message}' if message else ''}")
+            told = status
         if status in ("UNHEALTHY", "DEPLOY_FAILED"):
             unhealthy_since = unhealthy_since or clock()
             if clock() - unhealthy_since >= unhealthy_limit_s:
@@ -468,6 +480,10 @@ def _watch_application(name: str, stop: StopSignal, *, poll_s: float = 5.0, unhe
         else:
             unhealthy_since = None
     return None
+
+
+def _print_with_time(message: str) -> None:
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} pdserve: {message}", flush=True)
 
 
 def _connect(address: str | None, local_cpus: int, local_env: dict[str, str], dashboard: bool) -> bool:

@@ -340,7 +340,11 @@ class PairGroupReceiver(KVReceiver):
         """Waits on join slots 0, 1, ... and starts the receiving side of each pair."""
         try:
             store = connect_store(self.address, time.monotonic() + self._cfg.timeout_s, lambda: self._closed)
-        except Exception:  # noqa: BLE001 - closed before the thread ran
+        except Exception as exc:  # noqa: BLE001 - closed before the thread ran, or the store cannot be reached
+            if not self._closed:   # else every hand-off to this receiver waited out its timeout, health "ok"
+                self._accept_failure = (f"KV receiver {self.address.name} cannot accept pairs: its store did not "
+                                        f"answer ({describe(exc)})")
+                log.error("%s", self._accept_failure)
             return
         failures = 0
         challenged: tuple[int, str] | None = None     # (slot, its challenge), posted
