@@ -78,6 +78,7 @@ class Router:
         self._failed_passes: dict[str, int] = {}    # role -> stats passes in a row where every call failed
         self._stats_failing: set[str] = set()       # roles whose last stats pass raised
         self._running: dict[str, int] = {}          # role -> replicas serving at the last stats pass
+        self._said_empty: set[str] = set()          # roles logged as having no worker serving
         self._stats_task = asyncio.get_event_loop().create_task(self._refresh_worker_stats())
 
     def record_autoscaling_stats(self) -> dict[str, float]:
@@ -135,9 +136,13 @@ class Router:
             return
         replies = sorted(replies, key=lambda s: s.get("replica", ""))
         running = len(replies) + slow      # a replica too slow to answer this time still runs
-        if (running == 0) != (self._running.get(role, 1) == 0):
-            log.warning("%s workers serving: %d%s", role, running,
-                        " (none answers its stats: routed around, or refused, until one does)" if not running else "")
+        if not running and self._running.get(role):     # (none yet while the deployment starts: not news)
+            log.warning("no %s worker serves: none answers its stats (routed around, or refused, until one does)",
+                        role)
+            self._said_empty.add(role)
+        elif running and role in self._said_empty:
+            log.warning("%s workers serving again: %d", role, running)
+            self._said_empty.discard(role)
         self._running[role] = running
         if self.policy is not None:
             self.policy.observe_workers(role, replies, running)

@@ -821,7 +821,7 @@ def test_a_replica_slow_to_answer_its_stats_keeps_its_metrics_series(monkeypatch
     router._workers = {"decode": object()}
     router.policy = router.admission = router.autoscaler = None
     router.metrics = ServingMetrics()
-    router._failed_passes, router._stats_failing, router._running = {}, set(), {}
+    router._failed_passes, router._stats_failing, router._running, router._said_empty = {}, set(), {}, set()
 
     def series():
         text = router.metrics.render()[0].decode()
@@ -847,7 +847,7 @@ def test_a_replica_slow_to_answer_its_stats_keeps_its_metrics_series(monkeypatch
         asyncio.run(main())
     # said when the pool became empty, not at each pass before
     assert [r.getMessage() for r in caplog.records] == \
-        ["decode workers serving: 0 (none answers its stats: routed around, or refused, until one does)"]
+        ["no decode worker serves: none answers its stats (routed around, or refused, until one does)"]
 
 
 def test_stats_that_cannot_be_had_are_said_once_and_when_they_come_again(monkeypatch, caplog):
@@ -868,7 +868,7 @@ def test_stats_that_cannot_be_had_are_said_once_and_when_they_come_again(monkeyp
     router._workers = {"decode": object()}
     router.policy = router.admission = router.autoscaler = None
     router.metrics = ServingMetrics()
-    router._failed_passes, router._stats_failing, router._running = {}, set(), {}
+    router._failed_passes, router._stats_failing, router._running, router._said_empty = {}, set(), {}, set()
 
     async def main():
         seen = set()
@@ -905,3 +905,33 @@ def test_a_stats_pass_that_fails_does_not_freeze_the_figures_for_good(monkeypatc
 
     asyncio.run(main())
     assert len(passes) > 2
+
+
+def test_a_pool_with_no_worker_is_said_when_it_empties_and_again_when_one_serves_not_at_start(monkeypatch, caplog):
+    import router.ingress as ingress
+    from router.serve_pools import ReplicaAnswers
+
+    one = ReplicaAnswers([{"replica": "a", "num_running": 1}], 0, 0)
+    none = ReplicaAnswers([], 0, 2)
+    rounds = iter([ReplicaAnswers([], 0, 0), one, none, none, none, one])   # starting; serving; gone twice; back
+
+    async def answers(handle, method, timeout_s):
+        return next(rounds)
+
+    monkeypatch.setattr(ingress, "replica_answers", answers)
+    router = object.__new__(ingress.Router.func_or_class)
+    router._workers = {"decode": object()}
+    router.policy = router.admission = router.autoscaler = None
+    router.metrics = ServingMetrics()
+    router._failed_passes, router._stats_failing, router._running, router._said_empty = {}, set(), {}, set()
+
+    async def main():
+        seen = set()
+        for _ in range(6):
+            seen = await router._refresh_worker_stats_once(seen)
+
+    with caplog.at_level("WARNING", logger="router.ingress"):
+        asyncio.run(main())
+    assert [r.getMessage() for r in caplog.records] == [
+        "no decode worker serves: none answers its stats (routed around, or refused, until one does)",
+        "decode workers serving again: 1"]
