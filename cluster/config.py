@@ -65,6 +65,7 @@ class WorkerPool(_Strict):
 # with its fixed cost).
 CPU_TOKENS_PER_STEP = 512
 CUDA_TOKENS_PER_STEP = 2048
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")    # what a deployment's replicas log, at least
 
 
 class EngineSection(_Strict):
@@ -337,6 +338,9 @@ class DeploymentConfig(_Strict):
     admission: AdmissionSection = AdmissionSection()
     autoscaling: AutoscalingSection = AutoscalingSection()
     limits: LimitsSection = LimitsSection()
+    log_level: Literal[LOG_LEVELS] = Field("INFO", description="what the replicas log, pdserve's lines and "
+                                           "Serve's (PDSERVE_LOG_LEVEL in their environment overrides it for "
+                                           "pdserve's)")
 
     @model_validator(mode="after")
     def _autoscaling_is_complete(self) -> "DeploymentConfig":

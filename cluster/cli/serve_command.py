@@ -6,7 +6,7 @@
                   [--device cpu|cuda] [--dtype D] [--max-model-len L] [--served-model-name NAME]
                   [--autoscale --slo ttft:MS tpot:MS [--max-replicas N]] [--no-autoscale] [--api-key KEY]
                   [--allowed-origins ORIGIN ... [--allow-credentials]]
-                  [--address RAY_ADDRESS] [--ray-dashboard]
+                  [--log-level DEBUG|INFO|WARNING|ERROR] [--address RAY_ADDRESS] [--ray-dashboard]
 
 Flags override the config file; with neither, the built-in tiny model is served
 on CPU by 1 prefill + 1 decode worker at http://127.0.0.1:8000. Joins the Ray
@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 from cluster.cli.plan_goodput import parse_slo
 from cluster.cli.stop_signal import StopSignal
+from cluster.config import LOG_LEVELS
 from router.http_guard import api_key_digest
 
 APP_NAME = "pdserve"
@@ -47,6 +48,7 @@ FLAG_SETTINGS = {
     "colocated_replicas": "colocated.replicas", "colocated_tp": "colocated.tensor_parallel_size",
     "autoscale": "autoscaling.enabled", "max_replicas": "autoscaling.budget",
     "allowed_origins": "http.allowed_origins", "allow_credentials": "http.allow_credentials",
+    "log_level": "log_level",
 }
 _POOLS = ("prefill", "decode", "colocated")
 SERVE_POLICY = "cluster.autoscaler.serve_policy:router_targets"
@@ -66,6 +68,8 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--allow-credentials", action="store_true", default=None,
                    help="CORS: browsers may send cookies and HTTP authentication (with origins listed one by one)")
     p.add_argument("--mode", choices=["disaggregated", "colocated"])
+    p.add_argument("--log-level", choices=LOG_LEVELS,
+                   help="what the replicas log, pdserve's lines and Serve's (default INFO)")
     p.add_argument("--prefill-replicas", type=int)
     p.add_argument("--decode-replicas", type=int)
     p.add_argument("--prefill-tp", type=int)
