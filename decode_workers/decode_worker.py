@@ -338,7 +338,11 @@ class DecodeWorker:
             log.warning("%s: subscriber %s has not read its %d requests for %.0f s (its router is gone?): "
                         "aborting them", self.name, name, len(subscriber.request_ids), now - subscriber.unread_since)
             del self._subscribers[name]
-            await self._abort_requests_of(subscriber)
+            try:
+                await self._abort_requests_of(subscriber)
+            except BaseException:
+                self._subscribers.setdefault(name, subscriber)    # its requests aborted at the next check
+                raise
 
     async def _abort_requests_of(self, subscriber: _Subscriber) -> None:
         """Aborts every request of a subscriber that was just dropped (no stream will read them),

@@ -1514,13 +1514,14 @@ def test_a_failed_orphan_check_is_logged_and_the_next_one_runs(model_dirs, monke
     monkeypatch.setattr(decode_worker, "ORPHAN_S", 0.4)
     config = EngineConfig(model=str(model_dirs["tiny"]), max_model_len=128, block_size=8, dtype="float32")
     params = dataclasses.replace(GREEDY, max_tokens=100, ignore_eos=True)
-    failures = []
+    failures, aborting = [], []
 
     async def main():
         worker = decode_worker.DecodeWorker(config, replica_id="D")
         abort_requests_of = worker._abort_requests_of
 
         async def fails_once(subscriber):
+            aborting.append(sorted(subscriber.request_ids))
             if not failures:
                 failures.append(1)
                 raise RuntimeError("an engine call failed")
@@ -1537,11 +1538,16 @@ def test_a_failed_orphan_check_is_logged_and_the_next_one_runs(model_dirs, monke
             while "gone-too" in worker._subscribers:      # a pass after the one that failed reached it
                 assert asyncio.get_running_loop().time() < deadline, "no check ran after the failed one"
                 await asyncio.sleep(0.05)
-            gate.set()
+            gate.set()       # (its abort waits for the engine)
             await held
+            while "gone-router" in worker._subscribers or len(aborting) < 3:    # the failed one, tried again
+                assert asyncio.get_running_loop().time() < deadline, "the failed abort was not tried again"
+                await asyncio.sleep(0.05)
         finally:
             gate.set()
             worker.shutdown()
     with caplog.at_level("ERROR", logger="decode_workers.decode_worker"):
         run(main())
     assert failures and "the check for requests nobody reads failed" in caplog.text
+    # the subscriber whose abort failed is tried again, not left decoding for nobody
+    assert sorted(map(tuple, aborting)) == [("orphan",), ("orphan",), ("orphan-2",)]
