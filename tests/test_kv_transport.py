@@ -471,6 +471,13 @@ def test_receiver_fails_when_the_sender_stops_midway(spawn_agent, sabotage):
         error = receiver.error("h/midway", name)
         assert f"KV transfer h/midway from {name} to {receiver.address.name}" in error
         assert ("timed out after 2.0 s" in error) if sabotage == "hang" else (f"is {name} alive?" in error)
+        # a sender gone (prefill replicas come and go, each rank under a new name) leaves no trace once its
+        # pair is broken and its transfers are forgotten
+        receiver.forget("h/midway", name)
+        deadline = time.monotonic() + SLACK_S
+        while name in receiver._pairs and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert name not in receiver._pairs and name not in receiver._activity
     finally:
         receiver.close()
 

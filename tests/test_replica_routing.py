@@ -97,6 +97,18 @@ def test_ties_go_to_the_replica_with_fewer_calls_in_flight():
     assert ranked(r, reps, pending()) == ["a", "b"]
 
 
+def test_the_calls_in_flight_of_a_replica_no_longer_listed_are_forgotten():
+    # replicas come and go for as long as the router runs (autoscaling, failures): their counts went on
+    async def main():      # (Serve's router needs a running loop)
+        r = _serve_router([FakeServeReplica("a"), FakeServeReplica("b")])
+        for uid in ("a", "b"):
+            r.on_request_routed(None, ServeReplicaID(uid, _DEPLOYMENT), None)
+        r.update_replicas([FakeServeReplica("b")])
+        r.on_request_completed(ServeReplicaID("a", _DEPLOYMENT), "late")     # its call ends after it went
+        return r._in_flight
+    assert asyncio.run(main()) == {"b": 1}
+
+
 def test_prompts_sent_since_the_last_report_count_against_their_replica(monkeypatch):
     # a burst between two reports: without counting what was chosen, every prompt went to "a"
     from cluster.serving import replica_routing

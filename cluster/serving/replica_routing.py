@@ -136,6 +136,8 @@ class LoadAwareRouter(RequestRouter):
         for gone in [uid for uid in self._recent if uid not in live]:
             for entry in self._recent.pop(gone):
                 self._charged.pop(entry[2], None)
+        for gone in [uid for uid in self._in_flight if uid not in live]:   # (replicas come and go for ever)
+            del self._in_flight[gone]
         self._fail_calls_to_gone_targets()
 
     def on_replica_actor_died(self, replica_id) -> None:
@@ -168,8 +170,9 @@ class LoadAwareRouter(RequestRouter):
         self._in_flight[replica_id.unique_id] = self._in_flight.get(replica_id.unique_id, 0) + 1
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
-        n = self._in_flight.get(replica_id.unique_id, 0)
-        self._in_flight[replica_id.unique_id] = max(0, n - 1)
+        n = self._in_flight.get(replica_id.unique_id)
+        if n is not None:        # (none: a replica no longer listed, its count dropped)
+            self._in_flight[replica_id.unique_id] = max(0, n - 1)
 
 
 def _prompt_tokens(pending_request) -> int:

@@ -104,6 +104,7 @@ class _RecvPair:
             seq, group, store = self.seq, self.group, owner._store
             if owner._pairs.get(self.sender) is self:
                 del owner._pairs[self.sender]
+            owner._forget_sender_if_done(self.sender)
         abort_group(group, owner._cfg.backend, peer_rank=0)
         if wake and store is not None:
             try:   # the thread sees `broken` once the get returns, whatever the header says
@@ -313,6 +314,13 @@ class PairGroupReceiver(KVReceiver):
                 return
             t = self._expected.pop(key)
             t.finish(TransferState.FAILED, f"{t.label} was forgotten")
+            self._forget_sender_if_done(sender_name)
+
+    def _forget_sender_if_done(self, sender_name: str) -> None:
+        """Under the lock: a sender with no pair and no transfer expected from it leaves no
+        trace (senders come and go with prefill replicas, each rank under a new name)."""
+        if sender_name not in self._pairs and not any(sender == sender_name for sender, _ in self._expected):
+            self._activity.pop(sender_name, None)
 
     def problem(self) -> str | None:
         return self._accept_failure
