@@ -208,8 +208,10 @@ def build_application(config: DeploymentConfig, resolved: ResolvedModel | None =
         d = config.disaggregation
         router_args["disaggregation"] = DisaggregationSettings(d.policy, d.local_prefill_max_tokens,
                                                                d.max_remote_wait_ms / 1000)
+    # a logging config only where a level is asked for: one set here hides a Serve config file's from the router
+    router_logging = {"logging_config": {"log_level": config.log_level}} if config.log_level else {}
     router = Router.options(max_ongoing_requests=ROUTER_MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0},
-                            logging_config={"log_level": config.log_level}, **_replica_count(config, None))
+                            **router_logging, **_replica_count(config, None))
     lim = config.limits
     router_args["limits"] = RequestLimits(lim.max_prompt_tokens, lim.max_tokens, lim.max_logprobs,
                                           lim.max_stop_sequences, lim.max_request_body_bytes, lim.max_stop_token_ids,
@@ -271,4 +273,5 @@ def _worker_options(deployment, config: DeploymentConfig, role: str, stat: str, 
             request_router_class=LoadAwareRouter,
             request_router_kwargs={"stat": stat, "prefer": prefer, "per_unit": per_unit},
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S),
-        health_check_period_s=5.0, logging_config={**WORKER_LOGGING, "log_level": config.log_level})
+        health_check_period_s=5.0,
+        logging_config={**WORKER_LOGGING, **({"log_level": config.log_level} if config.log_level else {})})

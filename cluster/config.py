@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections.abc
 import copy
 import functools
+import ipaddress
 import re
 from enum import Enum
 from pathlib import Path
@@ -43,6 +44,23 @@ def _env_name(value: str | None) -> str | None:
 
 # the name of the environment variable that holds a secret (errors never repeat the value: see _Strict)
 EnvName = Annotated[str | None, AfterValidator(_env_name)]
+
+
+def _listen_address(value: str | None) -> str | None:
+    """An address a socket can bind and a peer can connect to: an IP (no brackets, not 0.0.0.0 or ::,
+    which peers cannot reach) or a host name."""
+    if value is None:
+        return None
+    try:
+        ip = ipaddress.ip_address(value)
+    except ValueError:
+        if not re.fullmatch(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?", value):
+            raise ValueError("must be an IP address (IPv6 without brackets) or a host name, one that peers can "
+                             "connect to") from None
+        return value
+    if ip.is_unspecified:
+        raise ValueError("must be an address peers can connect to, not 0.0.0.0 or :: (every interface)")
+    return value
 
 
 class ModelSection(_Strict):
@@ -106,11 +124,11 @@ class KVTransferSection(_Strict):
                                "goes alone); "
                                "on a GPU, prefill and decode workers size their KV cache with this much left free "
                                "for them")
-    listen_address: str | None = Field(None, pattern=r"^[0-9A-Za-z.:\[\]-]{1,253}$", description="the address a "
-                                       "decode worker's KV rendezvous store and KV pair sockets listen on: null "
-                                       "for its node's address (a cluster of several nodes); the local cluster "
-                                       "`pdserve serve` starts itself uses 127.0.0.1, so nothing of the KV path "
-                                       "is offered to the network")
+    listen_address: Annotated[str | None, AfterValidator(_listen_address)] = Field(
+        None, description="the address every decode worker's KV rendezvous store and gloo KV pair sockets listen "
+        "on, so for a one-node deployment only: null for each worker's node address (any cluster); the one-node "
+        "cluster `pdserve serve` starts itself uses 127.0.0.1 (NCCL's own bootstrap, on CUDA, picks its "
+        "interface by NCCL_SOCKET_IFNAME)")
     secret_env: EnvName = Field(None, description="name of the environment variable that holds the secret "
                                    "a prefill worker proves to a decode worker before any KV moves (read where "
                                    "the application is built); default: a random secret made once per Ray cluster")
@@ -191,8 +209,8 @@ class LimitsSection(_Strict):
     max_logit_bias: int = Field(1024, ge=0, description="token ids one request's logit_bias may name")
     max_allowed_token_ids: int = Field(1024, ge=0, description="token ids one request's allowed_token_ids may name")
     max_prompts: int = Field(256, ge=1, description="prompts one /v1/completions request may batch")
-    max_logprob_entries: int = Field(1 << 20, ge=1, description="logprob entries (a token's and its "
-                                     "alternatives') one response may carry in all")
+    max_logprob_entries: int = Field(1 << 22, ge=1, description="logprob entries (a token's and its "
+                                     "alternatives') one non-streamed response may carry in all")
 
 
 def _known_gpu_type(name: str | None) -> str | None:
@@ -338,9 +356,10 @@ class DeploymentConfig(_Strict):
     admission: AdmissionSection = AdmissionSection()
     autoscaling: AutoscalingSection = AutoscalingSection()
     limits: LimitsSection = LimitsSection()
-    log_level: Literal[LOG_LEVELS] = Field("INFO", description="what the replicas log, pdserve's lines and "
-                                           "Serve's (PDSERVE_LOG_LEVEL in their environment overrides it for "
-                                           "pdserve's)")
+    log_level: Literal[LOG_LEVELS] | None = Field(None, description="what the replicas log, pdserve's lines "
+                                                  "and Serve's; null: Serve's level (INFO, or a Serve config "
+                                                  "file's logging_config); PDSERVE_LOG_LEVEL in the replicas' "
+                                                  "environment overrides it for pdserve's")
 
     @model_validator(mode="after")
     def _autoscaling_is_complete(self) -> "DeploymentConfig":

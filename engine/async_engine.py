@@ -84,8 +84,8 @@ class AsyncEngine:
         self.costs = EngineCosts(warmup_steps=cost_warmup_steps)
         self._recent_steps: deque[tuple[int, StepStats]] = deque(maxlen=512)
         self._tickers: list[Ticker] = []
-        # ticker name -> (its last error, failures since it was logged, when): polled every few ms, a
-        # ticker that keeps failing would log a traceback each time
+        # ticker name -> (its last error's type, failures since it was logged, when): polled every few
+        # ms, a ticker that keeps failing would log a traceback each time
         self._ticker_failures: dict[str, tuple[str, int, float]] = {}
         self._stop_hooks: list[Callable[[BaseException], None]] = []
         self._failure: BaseException | None = None
@@ -266,9 +266,8 @@ class AsyncEngine:
                 try:
                     with self._at_work(f"poll {name}"):
                         busy |= bool(ticker(engine))
-                    if name in self._ticker_failures:
-                        log.warning("ticker %s works again (%d failures since the last logged)", name,
-                                    self._ticker_failures.pop(name)[1])
+                    if name in self._ticker_failures and (unsaid := self._ticker_failures.pop(name)[1]):
+                        log.warning("ticker %s works again (%d failures since the last logged)", name, unsaid)
                 except Exception as exc:  # noqa: BLE001 - one bad poll must not stop every request ...
                     if problem := engine.rank_problem():     # ... but no rank call can work again
                         raise EngineStoppedError(f"a tensor-parallel rank cannot serve: {problem}") from None
@@ -289,9 +288,10 @@ class AsyncEngine:
             self._wake.clear()
 
     def _log_ticker_failure(self, name: str, exc: Exception) -> None:
-        """Logs a ticker's failure with its traceback, unless it failed the same way within
-        REPEATED_FAILURE_LOG_S: then it is counted, and the count logged with the next one."""
-        error, now = repr(exc), time.monotonic()
+        """Logs a ticker's failure with its traceback, unless it failed with the same kind of
+        error (its text may name ids that change) within REPEATED_FAILURE_LOG_S: then it is
+        counted, and the count logged with the next one."""
+        error, now = type(exc).__qualname__, time.monotonic()
         last, unsaid, said = self._ticker_failures.get(name, ("", 0, float("-inf")))
         if error == last and now - said < REPEATED_FAILURE_LOG_S:
             self._ticker_failures[name] = (error, unsaid + 1, said)

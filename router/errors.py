@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -104,11 +105,32 @@ def from_exception(exc: BaseException) -> OpenAIError:
     if isinstance(exc, SamplingParamsError):
         return OpenAIError(400, str(exc))
     if isinstance(exc, BackendUnavailableError):
-        log.warning("request not served: %s", exc)      # the details, for the operator only
+        _UNSERVED_LOG.warning("request not served: %s", exc)      # the details, for the operator only
         return OpenAIError(503, f"The model is temporarily unavailable: {exc.reason or UNAVAILABLE_REASON}. "
                                 "Retry the request.")
     log.error("internal error", exc_info=exc)
     return OpenAIError(500, INTERNAL_ERROR_MESSAGE)
+
+
+class SpacedLog:
+    """A warning at most every `every_s`, with how many were left out since: while no worker
+    can serve, every request fails alike, and a line each would bury the log."""
+
+    def __init__(self, logger: logging.Logger, every_s: float):
+        self.logger, self.every_s = logger, every_s
+        self._last, self._left_out = float("-inf"), 0
+
+    def warning(self, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._last < self.every_s:
+            self._left_out += 1
+            return
+        more = f" (and {self._left_out} more like it since the last logged)" if self._left_out else ""
+        self.logger.warning(message + more, *args)
+        self._last, self._left_out = now, 0
+
+
+_UNSERVED_LOG = SpacedLog(log, every_s=10.0)
 
 
 def validation_error(errors: list[dict[str, Any]]) -> OpenAIError:

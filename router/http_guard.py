@@ -66,9 +66,11 @@ class HttpGuard:
         chunks, size, more = [], 0, True
         while more:
             try:
-                async with asyncio.timeout(BODY_READ_GAP_S):
+                async with asyncio.timeout(BODY_READ_GAP_S) as gap:
                     message = await receive()
             except TimeoutError:
+                if not gap.expired():
+                    raise                                # receive's own, not the gap's
                 await self._refuse(scope, receive, send, 408, f"The request body stopped arriving: no bytes for "
                                    f"{BODY_READ_GAP_S:g} s. Send the body without pauses.", "request_timeout")
                 return

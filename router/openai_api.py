@@ -118,7 +118,7 @@ class RequestLimits:
     max_prompts: int = 256               # in one /v1/completions batch
     # logprob entries (a token's and its alternatives') a response may carry in all: each alone within its
     # limit, prompts x n x tokens x (alternatives + 1) multiply into what the router builds in memory
-    max_logprob_entries: int = 1 << 20
+    max_logprob_entries: int = 1 << 22
 
 
 def build_openai_app(backend: GenerationBackend, tokenizer: Any, metrics: ServingMetrics, *,
@@ -606,12 +606,13 @@ class _Server:
     def _check_logprob_entries(self, prompts: list[_PlannedPrompt], body: CompletionRequest | ChatCompletionRequest
                                ) -> None:
         """Refuses a request whose response could carry more logprob entries than the limit: for
-        each prompt, its output's (max_tokens of each of n choices) and its prompt's (prompt_logprobs,
-        or echo with logprobs), counted for each choice, which repeats them."""
+        each prompt, its output's (max_tokens of each of n choices; not for a stream, whose chunks
+        go out as they come) and its prompt's (prompt_logprobs, or echo with logprobs), counted
+        for each choice, which repeats them."""
         entries = 0
         for plan in prompts:
             params = plan.choice_params[0]
-            if params.logprobs is not None:
+            if params.logprobs is not None and not body.stream:
                 entries += body.choices * (plan.max_tokens or 0) * (params.logprobs + 1)
             if params.prompt_logprobs is not None:
                 entries += body.choices * len(plan.ids) * (params.prompt_logprobs + 1)
@@ -619,7 +620,8 @@ class _Server:
         if entries > most:
             raise InvalidRequestError(
                 f"the response could carry {entries:,} logprob entries (prompts x n x tokens x (logprobs + 1)), "
-                f"more than this server's {most:,}: ask for fewer alternatives, choices, prompts or max_tokens.",
+                f"more than this server's {most:,}: ask for fewer alternatives, choices, prompts or max_tokens "
+                "(a chat without max_tokens may run to the end of the context), or stream the response.",
                 param=body.logprobs_param if prompts[0].choice_params[0].logprobs is not None else "prompt_logprobs")
 
     def _check_bad_words_size(self, words: list[str]) -> None:

@@ -143,6 +143,22 @@ def test_a_body_that_stops_arriving_gets_408(monkeypatch):
     assert sent[0]["status"] == 408 and not reached
     assert json.loads(sent[1]["body"])["error"]["code"] == "request_timeout"
 
+    # a body that keeps coming, however slowly (every part within the gap), is read whole
+    monkeypatch.setattr(http_guard, "BODY_READ_GAP_S", 5.0)
+    parts[:] = [{"type": "http.request", "body": body, "more_body": more}      # (popped from the end)
+                for body, more in ((b"}", False), (b'"Hi"', True), (b'{"prompt": ', True))]
+
+    async def slow_receive():
+        await asyncio.sleep(0.03)                # far under the gap each time
+        return parts.pop()
+    sent.clear()
+
+    async def app(scope, receive, send):
+        reached.append((await receive())["body"])
+    guard = http_guard.HttpGuard(app, max_body_bytes=1 << 20)
+    asyncio.run(asyncio.wait_for(guard(scope, slow_receive, send), 30))
+    assert reached == [b'{"prompt": "Hi"}'] and not sent
+
 
 def test_logprob_entries_are_limited_in_all_as_they_multiply(tokenizer):
     # each field within its own limit; together 2 prompts x n 2 x 10 tokens x (4 + 1) = 200 entries of output
@@ -158,6 +174,8 @@ def test_logprob_entries_are_limited_in_all_as_they_multiply(tokenizer):
     r = completion(client, prompt=prompt, n=2, max_tokens=1, echo=True, logprobs=20)    # echo scores the prompt
     assert r.status_code == 400 and "logprob entries" in r.json()["error"]["message"], r.json()
     assert completion(client, prompt=prompt, n=2, max_tokens=1, prompt_logprobs=10).status_code == 200   # 176
+    # a stream's output goes out chunk by chunk: its entries are not held at once
+    assert completion(client, prompt=prompt, n=2, max_tokens=10, logprobs=4, stream=True).status_code == 200
 
 
 def test_the_key_reaches_the_deployment_only_as_its_digest(monkeypatch):

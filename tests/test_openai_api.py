@@ -1273,3 +1273,20 @@ def test_a_model_without_a_chat_template_says_so_instead_of_blaming_the_messages
         assert error["param"] is None
         r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
         assert r.status_code == 200, r.text
+
+
+def test_requests_not_served_are_logged_with_their_cause_but_not_one_line_each(monkeypatch, caplog):
+    # while no worker can serve, every request fails alike: a warning each buried the log
+    from router import errors
+    now = [100.0]
+    monkeypatch.setattr(errors, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(errors, "_UNSERVED_LOG", errors.SpacedLog(errors.log, every_s=10.0))
+    with caplog.at_level("WARNING", logger="router.errors"):
+        for i in range(5):
+            errors.from_exception(BackendUnavailableError(f"the decode worker is unavailable: actor {i} died"))
+        now[0] += 11
+        errors.from_exception(BackendUnavailableError("the decode worker is unavailable: actor 5 died"))
+    assert [r.getMessage() for r in caplog.records] == [
+        "request not served: the decode worker is unavailable: actor 0 died",
+        "request not served: the decode worker is unavailable: actor 5 died (and 4 more like it since the last "
+        "logged)"]

@@ -196,8 +196,11 @@ def test_on_the_one_node_cluster_pdserve_started_the_kv_path_listens_on_loopback
     assert placement.placed_config(config()).kv_transfer.listen_address is None        # a cluster it joined
     named = config(**{"kv_transfer.listen_address": "10.0.0.7"})
     assert placement.placed_config(named, node_cpus=2).kv_transfer.listen_address == "10.0.0.7"
-    with pytest.raises(ValueError, match="listen_address"):
-        config(**{"kv_transfer.listen_address": "10.0.0.7; rm -rf"})
+    for bad, says in (("10.0.0.7; rm -rf", "an IP address .* or a host name"), ("[::1]", "without brackets"),
+                      ("0.0.0.0", "not 0.0.0.0 or ::")):
+        with pytest.raises(ValueError, match=f"listen_address(.|\n)*{says}"):
+            config(**{"kv_transfer.listen_address": bad})
+    assert config(**{"kv_transfer.listen_address": "::1"}).kv_transfer.listen_address == "::1"
 
 
 def test_a_one_gpu_replica_sees_its_own_gpu_even_where_ray_leaves_the_variable_unset(monkeypatch):

@@ -57,4 +57,17 @@ def test_the_level_from_the_environment_and_a_bad_one_reported(serve_logger, mon
     use_serve_handlers()
     logging.getLogger("engine.async_engine").debug("a step")
     assert len(serve_logger.lines) == 2 and "PDSERVE_LOG_LEVEL='LOUD' is no logging level" in serve_logger.lines[1]
-    assert "logging at INFO" in serve_logger.lines[1]
+    assert "logging at Serve's" in serve_logger.lines[1]
+
+
+def test_serves_handlers_and_level_changed_in_place_are_followed(serve_logger):
+    # a deployment's logging config updated without restarting the replica: Serve rebuilds its
+    # handlers and sets its level; copies of the old handlers wrote to the old file, at the old level
+    use_serve_handlers()
+    rebuilt = Collect()
+    serve = logging.getLogger(SERVE_LOGGER)
+    serve.handlers = [rebuilt]
+    serve.setLevel(logging.WARNING)
+    logging.getLogger("router.ingress").info("below the new level")
+    logging.getLogger("router.ingress").warning("after the update")
+    assert serve_logger.lines == [] and rebuilt.lines == ["WARNING router.ingress: after the update"]

@@ -68,7 +68,7 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--allow-credentials", action="store_true", default=None,
                    help="CORS: browsers may send cookies and HTTP authentication (with origins listed one by one)")
     p.add_argument("--mode", choices=["disaggregated", "colocated"])
-    p.add_argument("--log-level", choices=LOG_LEVELS,
+    p.add_argument("--log-level", choices=LOG_LEVELS, type=str.upper,
                    help="what the replicas log, pdserve's lines and Serve's (default INFO)")
     p.add_argument("--prefill-replicas", type=int)
     p.add_argument("--decode-replicas", type=int)

@@ -8,9 +8,10 @@ printed warnings bare (no time, level or replica) through Python's last-resort
 handler. Every pdserve deployment calls `use_serve_handlers` first, so pdserve's
 lines come out as Serve's own do.
 
-The level is the deployment's Serve logging level (`ray.serve`'s), or
-PDSERVE_LOG_LEVEL where it is set in the replicas' environment (a cluster that
-`pdserve serve` starts inherits the variable from it).
+The level is the deployment's Serve logging level (`ray.serve`'s, followed when
+Serve changes it in place), or PDSERVE_LOG_LEVEL where it is set in the
+replicas' environment (a cluster that `pdserve serve` starts inherits the
+variable from it).
 """
 
 from __future__ import annotations
@@ -23,20 +24,46 @@ LOG_LEVEL_ENV = "PDSERVE_LOG_LEVEL"
 SERVE_LOGGER = "ray.serve"
 
 
+class _ToServe(logging.Handler):
+    """Hands each record to the `ray.serve` logger's handlers as they are when it comes
+    (Serve rebuilds them when a deployment's logging config changes in place), and
+    follows that logger's level where PDSERVE_LOG_LEVEL does not set pdserve's."""
+
+    def __init__(self, fixed_level: int | None):
+        super().__init__()
+        self.fixed_level = fixed_level
+
+    def emit(self, record: logging.LogRecord) -> None:
+        serve_logger = logging.getLogger(SERVE_LOGGER)
+        if self.fixed_level is None:
+            level = serve_logger.level or logging.INFO
+            if level != logging.getLogger(PACKAGES[0]).level:   # changed in place: lines under it stop now
+                _set_level(level)
+            if record.levelno < level:
+                return
+        serve_logger.handle(record)
+
+
 def use_serve_handlers() -> None:
-    """Gives pdserve's package loggers the `ray.serve` logger's handlers and level
-    (or PDSERVE_LOG_LEVEL's; an unknown name is reported and ignored)."""
+    """Sends pdserve's package loggers' lines through the `ray.serve` logger's handlers,
+    at its level (or PDSERVE_LOG_LEVEL's; an unknown name is reported and ignored)."""
     serve_logger = logging.getLogger(SERVE_LOGGER)
-    level = serve_logger.level or logging.INFO
     wanted = os.environ.get(LOG_LEVEL_ENV, "").strip().upper()
-    unknown = bool(wanted) and not isinstance(logging.getLevelName(wanted), int)
-    if wanted and not unknown:
-        level = logging.getLevelName(wanted)
+    fixed = logging.getLevelName(wanted) if wanted else None
+    unknown = bool(wanted) and not isinstance(fixed, int)
+    if unknown:
+        fixed = None
+    handler = _ToServe(fixed)
     for name in PACKAGES:
         logger = logging.getLogger(name)
-        logger.handlers = list(serve_logger.handlers)
-        logger.setLevel(level)
+        logger.handlers = [handler]
         logger.propagate = False
+    _set_level(fixed if fixed is not None else serve_logger.level or logging.INFO)
     if unknown:
         logging.getLogger(__name__).warning("%s=%r is no logging level (DEBUG, INFO, WARNING, ERROR); "
-                                            "logging at %s", LOG_LEVEL_ENV, wanted, logging.getLevelName(level))
+                                            "logging at Serve's", LOG_LEVEL_ENV, wanted)
+
+
+def _set_level(level: int) -> None:
+    for name in PACKAGES:
+        logging.getLogger(name).setLevel(level)
