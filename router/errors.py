@@ -105,7 +105,7 @@ def from_exception(exc: BaseException) -> OpenAIError:
     if isinstance(exc, SamplingParamsError):
         return OpenAIError(400, str(exc))
     if isinstance(exc, BackendUnavailableError):
-        _UNSERVED_LOG.warning("request not served: %s", exc)      # the details, for the operator only
+        _UNSERVED_LOG.log("request not served: %s", exc)      # the details, for the operator only
         return OpenAIError(503, f"The model is temporarily unavailable: {exc.reason or UNAVAILABLE_REASON}. "
                                 "Retry the request.")
     log.error("internal error", exc_info=exc)
@@ -113,20 +113,20 @@ def from_exception(exc: BaseException) -> OpenAIError:
 
 
 class SpacedLog:
-    """A warning at most every `every_s`, with how many were left out since: while no worker
+    """A line at most every `every_s`, with how many were left out since: while no worker
     can serve, every request fails alike, and a line each would bury the log."""
 
-    def __init__(self, logger: logging.Logger, every_s: float):
-        self.logger, self.every_s = logger, every_s
+    def __init__(self, logger: logging.Logger, every_s: float, level: int = logging.WARNING):
+        self.logger, self.every_s, self.level = logger, every_s, level
         self._last, self._left_out = float("-inf"), 0
 
-    def warning(self, message: str, *args: Any) -> None:
+    def log(self, message: str, *args: Any) -> None:
         now = time.monotonic()
         if now - self._last < self.every_s:
             self._left_out += 1
             return
         more = f" (and {self._left_out} more like it since the last logged)" if self._left_out else ""
-        self.logger.warning(message + more, *args)
+        self.logger.log(self.level, message + more, *args)
         self._last, self._left_out = now, 0
 
 

@@ -36,8 +36,9 @@ from router.backend import BackendUnavailableError
 from router.errors import SpacedLog
 
 log = logging.getLogger(__name__)
-# a failing health check's cause, each probe's (a load balancer's, every few seconds) left out for a minute
-_HEALTH_FAILURE_LOG = SpacedLog(log, every_s=60.0)
+# a failing health check's cause (INFO: probes fail while a deployment starts), each probe's (a load
+# balancer's, every few seconds) left out for a minute
+_HEALTH_FAILURE_LOG = SpacedLog(log, every_s=60.0, level=logging.INFO)
 
 HEALTH_TIMEOUT_S = 5.0
 # how long a background abort broadcast is awaited: a replica whose loop hangs must not keep one
@@ -100,7 +101,7 @@ async def check_replicas(handle, what: str) -> None:
         replies = await replica_replies(handle, "stats", HEALTH_TIMEOUT_S)
     except Exception as exc:  # noqa: BLE001 - any failure to answer means unavailable
         # why, in the log only: Ray's errors name actors, nodes and processes, and /health is open to anyone
-        _HEALTH_FAILURE_LOG.warning("health check: no %s worker answered: %r", what, exc)
+        _HEALTH_FAILURE_LOG.log("health check: no %s worker answered: %r", what, exc)
         raise BackendUnavailableError(f"no {what} worker answered") from None
     if not replies:
         raise BackendUnavailableError(f"no {what} worker answered")
