@@ -798,23 +798,17 @@ def test_a_replica_too_slow_to_answer_its_stats_still_counts_as_running():
     assert policy.prefill_pool_empty
 
 
-def test_a_replica_slow_to_answer_its_stats_keeps_its_metrics_series(monkeypatch, caplog):
-    """/metrics keeps the series of a replica that did not answer in time (before, they
-    vanished for a second whenever a loaded replica was slow, and came back after); a
-    replica gone from the pool loses them."""
+def _router_reading_stats(monkeypatch, rounds: list):
+    """A Router (none of Serve's machinery) with one decode pool whose stats passes get
+    `rounds` in turn (an exception there: raised by the broadcast)."""
     import router.ingress as ingress
-    from router.serve_pools import ReplicaAnswers
-
-    rounds = iter([ReplicaAnswers([{"replica": "a", "num_running": 3},
-                                   {"replica": "b", "num_running": 4}], 0, 0),
-                   ReplicaAnswers([{"replica": "a", "num_running": 5}], 1, 0),   # b is slow
-                   ReplicaAnswers([{"replica": "a", "num_running": 6}], 0, 0),   # b is gone
-                   ReplicaAnswers([], 1, 0),                                     # a is slow, alone
-                   ReplicaAnswers([], 0, 1),      # a's stats call fails once (Ray: "actor unavailable")
-                   ReplicaAnswers([], 0, 1)])     # and again: its engine stopped
+    rounds = iter(rounds)
 
     async def answers(handle, method, timeout_s):
-        return next(rounds)
+        answer = next(rounds)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
 
     monkeypatch.setattr(ingress, "replica_answers", answers)
     router = object.__new__(ingress.Router.func_or_class)
@@ -822,6 +816,30 @@ def test_a_replica_slow_to_answer_its_stats_keeps_its_metrics_series(monkeypatch
     router.policy = router.admission = router.autoscaler = None
     router.metrics = ServingMetrics()
     router._failed_passes, router._stats_failing, router._running, router._said_empty = {}, set(), {}, set()
+    return router
+
+
+def _stats_passes(router, n: int) -> None:
+    async def main():
+        seen = set()
+        for _ in range(n):
+            seen = await router._refresh_worker_stats_once(seen)
+    asyncio.run(main())
+
+
+def test_a_replica_slow_to_answer_its_stats_keeps_its_metrics_series(monkeypatch, caplog):
+    """/metrics keeps the series of a replica that did not answer in time (before, they
+    vanished for a second whenever a loaded replica was slow, and came back after); a
+    replica gone from the pool loses them."""
+    from router.serve_pools import ReplicaAnswers
+
+    router = _router_reading_stats(monkeypatch, [
+        ReplicaAnswers([{"replica": "a", "num_running": 3}, {"replica": "b", "num_running": 4}], 0, 0),
+        ReplicaAnswers([{"replica": "a", "num_running": 5}], 1, 0),   # b is slow
+        ReplicaAnswers([{"replica": "a", "num_running": 6}], 0, 0),   # b is gone
+        ReplicaAnswers([], 1, 0),                                     # a is slow, alone
+        ReplicaAnswers([], 0, 1),      # a's stats call fails once (Ray: "actor unavailable")
+        ReplicaAnswers([], 0, 1)])     # and again: its engine stopped
 
     def series():
         text = router.metrics.render()[0].decode()
@@ -851,32 +869,13 @@ def test_a_replica_slow_to_answer_its_stats_keeps_its_metrics_series(monkeypatch
 
 
 def test_stats_that_cannot_be_had_are_said_once_and_when_they_come_again(monkeypatch, caplog):
-    import router.ingress as ingress
     from router.serve_pools import ReplicaAnswers
 
-    rounds = iter([RuntimeError("the controller is away"), RuntimeError("the controller is away"),
-                   ReplicaAnswers([{"replica": "a", "num_running": 1}], 0, 0)])
-
-    async def answers(handle, method, timeout_s):
-        answer = next(rounds)
-        if isinstance(answer, Exception):
-            raise answer
-        return answer
-
-    monkeypatch.setattr(ingress, "replica_answers", answers)
-    router = object.__new__(ingress.Router.func_or_class)
-    router._workers = {"decode": object()}
-    router.policy = router.admission = router.autoscaler = None
-    router.metrics = ServingMetrics()
-    router._failed_passes, router._stats_failing, router._running, router._said_empty = {}, set(), {}, set()
-
-    async def main():
-        seen = set()
-        for _ in range(3):
-            seen = await router._refresh_worker_stats_once(seen)
-
+    router = _router_reading_stats(monkeypatch, [
+        RuntimeError("the controller is away"), RuntimeError("the controller is away"),
+        ReplicaAnswers([{"replica": "a", "num_running": 1}], 0, 0)])
     with caplog.at_level("WARNING", logger="router.ingress"):
-        asyncio.run(main())
+        _stats_passes(router, 3)
     assert [r.getMessage() for r in caplog.records] == [
         "no decode stats (routing, admission and autoscaling keep the last ones): "
         "RuntimeError('the controller is away')", "decode stats come again"]
@@ -908,30 +907,14 @@ def test_a_stats_pass_that_fails_does_not_freeze_the_figures_for_good(monkeypatc
 
 
 def test_a_pool_with_no_worker_is_said_when_it_empties_and_again_when_one_serves_not_at_start(monkeypatch, caplog):
-    import router.ingress as ingress
     from router.serve_pools import ReplicaAnswers
 
     one = ReplicaAnswers([{"replica": "a", "num_running": 1}], 0, 0)
     none = ReplicaAnswers([], 0, 2)
-    rounds = iter([ReplicaAnswers([], 0, 0), one, none, none, none, one])   # starting; serving; gone twice; back
-
-    async def answers(handle, method, timeout_s):
-        return next(rounds)
-
-    monkeypatch.setattr(ingress, "replica_answers", answers)
-    router = object.__new__(ingress.Router.func_or_class)
-    router._workers = {"decode": object()}
-    router.policy = router.admission = router.autoscaler = None
-    router.metrics = ServingMetrics()
-    router._failed_passes, router._stats_failing, router._running, router._said_empty = {}, set(), {}, set()
-
-    async def main():
-        seen = set()
-        for _ in range(6):
-            seen = await router._refresh_worker_stats_once(seen)
-
+    # starting; serving; gone (failing once is not gone, twice is); back
+    router = _router_reading_stats(monkeypatch, [ReplicaAnswers([], 0, 0), one, none, none, none, one])
     with caplog.at_level("WARNING", logger="router.ingress"):
-        asyncio.run(main())
+        _stats_passes(router, 6)
     assert [r.getMessage() for r in caplog.records] == [
         "no decode worker serves: none answers its stats (routed around, or refused, until one does)",
         "decode workers serving again: 1"]
