@@ -188,8 +188,14 @@ class DecodeWorker:
         except BaseException:
             self._leave(request.subscriber, subscriber, rid)
             self._queued_prompt_tokens.pop(rid, None)
-            await self._engine.call_for_cleanup(self._abort, rid)
+            await self._engine.call_for_cleanup(self._abort_unheard, rid, subscriber.outbox)
             raise
+
+    def _abort_unheard(self, engine: LLMEngine, rid: str, outbox: DeltaOutbox) -> None:
+        """Engine thread: aborts a request detached from its subscriber, whose outbox, which
+        hears no abort for it, forgets it (it may have put its first token already)."""
+        self._abort(engine, rid)
+        outbox.forget(rid)
 
     async def _advanced(self, resume: ResumedOutput | None, params: SamplingParams) -> ResumedOutput | None:
         """`resume` with a seeded request's generator advanced past its tokens, on a

@@ -63,6 +63,10 @@ class DeltaOutbox:
         if wake:
             self._loop.call_soon_threadsafe(self._ready.set)
 
+    def forget(self, request_id: str) -> None:
+        """Engine thread: a request that ends without a last delta here (detached, then aborted)."""
+        self._streaming.discard(request_id)
+
     def fail(self, exc: BaseException) -> None:
         self._failure = exc
         self._loop.call_soon_threadsafe(self._ready.set)

@@ -1551,3 +1551,35 @@ def test_a_failed_orphan_check_is_logged_and_the_next_one_runs(model_dirs, monke
     assert failures and "the check for requests nobody reads failed" in caplog.text
     # the subscriber whose abort failed is tried again, not left decoding for nobody
     assert sorted(map(tuple, aborting)) == [("orphan",), ("orphan",), ("orphan-2",)]
+
+
+def test_a_request_whose_admission_fails_after_its_first_token_leaves_its_outbox(model_dirs, monkeypatch):
+    # the client left while its admission waited for the engine, which had already put the first
+    # token: detached first, the abort that followed reached no outbox, which kept the id for ever
+    from decode_workers import decode_worker
+    from engine.outputs import RequestOutput
+    config = EngineConfig(model=str(model_dirs["tiny"]), max_model_len=128, block_size=8, dtype="float32")
+    add_request, workers = decode_worker._add_request, []
+
+    def added_then_failed(engine, request_id, *args):
+        add_request(engine, request_id, *args)
+        workers[0]._engine.deliver([RequestOutput(request_id, [1, 2], text="a", token_ids=[7], delta_text="a",
+                                                  delta_token_ids=[7])])
+        raise RuntimeError("the client left")
+    monkeypatch.setattr(decode_worker, "_add_request", added_then_failed)
+
+    async def main():
+        worker = decode_worker.DecodeWorker(config, replica_id="D")
+        workers.append(worker)
+        await worker.start()
+        try:
+            subscriber = worker._subscriber("router-0")
+            subscriber.streaming = True                        # (kept: a stream reads it)
+            with pytest.raises(RuntimeError, match="the client left"):
+                await worker.generate(DecodeRequest("r", PROMPTS[0], GREEDY, "router-0"))
+            await worker._engine.call(lambda engine: None)      # the clean-up's engine call has run
+            return subscriber.outbox._streaming, worker.stats()
+        finally:
+            worker.shutdown()
+    streaming, stats = run(main())
+    assert streaming == set() and stats["num_running"] + stats["num_waiting"] == 0
