@@ -255,15 +255,25 @@ def test_pdserve_plan_slo_rejects_bad_input(capsys):
     assert "--gpus" in capsys.readouterr().err
     assert main(["plan", "--model", "llama-3-8b", "--slo", "ttft:1000", "--gpus", "2", "--rate-tolerance", "0"]) == 2
     assert "--rate-tolerance" in capsys.readouterr().err
-    for slo in ("latency:5", "ttft:inf", "ttft:nan"):
-        with pytest.raises(SystemExit) as exit_:
-            main(["plan", "--model", "llama-3-8b", "--slo", slo, "--gpus", "2"])
-        assert exit_.value.code == 2 and "--slo" in capsys.readouterr().err
-    for bad, says in ((["--random-range-ratio", "-1"], "--random-range-ratio must be in [0, 1)"),
+    for slo in (["latency:5"], ["ttft:inf"], ["ttft:nan"], ["ttft:1000", "ttft:500"]):    # (a second one won)
+        for command in (["plan", "--model", "llama-3-8b", "--gpus", "2"], ["simulate"], ["serve"]):
+            with pytest.raises(SystemExit) as exit_:
+                main([*command, "--slo", *slo])
+            assert exit_.value.code == 2 and "--slo" in capsys.readouterr().err, (command, slo)
+    for bad, says in ((["--gpus", "100000"], "at most 256 GPUs"),      # (searched for hours, saying nothing)
+                      (["--gpus", "2", "--profile", "/nonexistent.json"], "--profile /nonexistent.json: "),
+                      (["--random-range-ratio", "-1"], "--random-range-ratio must be in [0, 1)"),
                       (["--random-input-len", "-5"], "must be >= 1"), (["--attainment", "0"], "--attainment"),
                       (["--random-input-len", "7200", "--random-output-len", "1000"], "exceed the 8192-token")):
         assert main(["plan", "--model", "llama-3-8b", "--slo", "ttft:1000", "--gpus", "2", *bad]) == 2
         assert says in capsys.readouterr().err, bad
+
+
+def test_make_tiny_model_where_it_cannot_write_says_what_to_change(tmp_path, capsys):
+    from cluster.cli.main import main
+    (tmp_path / "a-file").write_text("")
+    assert main(["make-tiny-model", str(tmp_path / "a-file" / "model")]) == 2
+    assert "cannot write a checkpoint to" in capsys.readouterr().err     # (was a bare "[Errno 17] File exists")
 
 
 def test_pdserve_plan_refuses_a_profile_of_another_model_or_a_tp_it_cannot_run(tmp_path, capsys):

@@ -30,7 +30,14 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     if args.preset not in PRESETS:
         print(f"error: unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}", file=sys.stderr)
         return 2
-    path = make_tiny_model(args.dir, args.preset, seed=args.seed, dtype=args.dtype, overwrite=args.overwrite)
+    try:
+        path = make_tiny_model(args.dir, args.preset, seed=args.seed, dtype=args.dtype, overwrite=args.overwrite)
+    except OSError as exc:
+        if exc.errno is None:      # one of make_tiny_model's own refusals, which say what to change
+            raise
+        print(f"error: cannot write a checkpoint to {args.dir} ({exc.strerror}: {exc.filename}): give a "
+              "directory whose parent folder exists and can be written", file=sys.stderr)
+        return 2
     print(f"wrote {args.preset} checkpoint to {path}")
     return 0
 

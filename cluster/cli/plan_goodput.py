@@ -40,6 +40,20 @@ def parse_slo(text: str) -> tuple[str, float]:
     return key, ms
 
 
+MAX_PLAN_GPUS = 256
+
+
+class SloAction(argparse.Action):
+    """--slo KEY:MS ...: ttft and tpot at most once each (a second one silently won)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        keys = [key for key, _ in values]
+        if len(set(keys)) < len(keys):
+            parser.error(f"{option_string}: give each of ttft and tpot at most once, got "
+                         f"{' '.join(f'{key}:{ms:g}' for key, ms in values)}")
+        setattr(namespace, self.dest, values)
+
+
 def run_goodput_plan(args: argparse.Namespace, model_dir, model) -> int:
     from cluster.perf_model import load_step_model
     from cluster.perf_model.roofline import GPU_SPECS
@@ -63,6 +77,11 @@ def run_goodput_plan(args: argparse.Namespace, model_dir, model) -> int:
     if args.gpus is None or args.gpus < 1:
         print("error: --slo needs --gpus N (the GPU budget, N >= 1)", file=sys.stderr)
         return 2
+    if args.gpus > MAX_PLAN_GPUS:   # every split of the budget is simulated: past this, hours with nothing said
+        print(f"error: --gpus {args.gpus}: the search simulates every split of the budget, at most "
+              f"{MAX_PLAN_GPUS} GPUs; plan one model's replica set (e.g. a node's 8 GPUs) and repeat it",
+              file=sys.stderr)
+        return 2
     if args.gpu_memory_gib is not None and not args.gpu_memory_gib > 0 or not 0 < args.gpu_memory_utilization <= 1:
         print("error: --gpu-memory-gib must be > 0 and --gpu-memory-utilization in (0, 1]", file=sys.stderr)
         return 2
@@ -79,7 +98,7 @@ def run_goodput_plan(args: argparse.Namespace, model_dir, model) -> int:
         try:
             profile = load_step_model(args.profile)
         except (ValueError, OSError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            print(f"error: --profile {args.profile}: {exc}", file=sys.stderr)
             return 2
         tp = profile_tp(profile) or 1
         problem = profile_model_problem(profile, model)
@@ -217,7 +236,7 @@ def deployment_yaml(cand, model_dir, dtype: str, max_len: int, gpu: str, args: a
 
 def add_goodput_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("goodput search (with --slo)")
-    g.add_argument("--slo", nargs="+", type=parse_slo, default=None, metavar="KEY:MS",
+    g.add_argument("--slo", nargs="+", type=parse_slo, action=SloAction, default=None, metavar="KEY:MS",
                    help="search for the best configuration meeting these SLOs, e.g. ttft:1000 tpot:50")
     g.add_argument("--gpus", type=int, default=None, help="GPU budget for the search")
     g.add_argument("--profile", default=None, help="step times from this profile (its TP only) instead of the "

@@ -32,7 +32,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from cluster.cli.plan_goodput import parse_slo
+from cluster.cli.plan_goodput import SloAction, parse_slo
 from cluster.cli.stop_signal import StopSignal
 from cluster.config import LOG_LEVELS
 from router.http_guard import api_key_digest
@@ -85,7 +85,7 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--autoscale", action=argparse.BooleanOptionalAction, default=None,
                    help="let the goodput autoscaler set the replicas per role (needs --slo); --no-autoscale "
                         "turns off a file's autoscaling")
-    p.add_argument("--slo", nargs="+", type=parse_slo, metavar="ttft:MS|tpot:MS",
+    p.add_argument("--slo", nargs="+", type=parse_slo, action=SloAction, metavar="ttft:MS|tpot:MS",
                    help="the SLOs: admission control refuses what would miss either, the autoscaler "
                         "scales for both, e.g. --slo ttft:1000 tpot:100")
     p.add_argument("--max-replicas", type=int, help="the autoscaler's budget in ranks (default: the ranks the "
