@@ -538,8 +538,25 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         return DeploymentConfig.model_validate(_with_dotted(data, overrides or {}))
     except ValidationError as exc:
         what = f"{path}" if path is not None else "the defaults"
-        flags = " with the command-line settings" if any(v is not None for v in (overrides or {}).values()) else ""
-        raise ConfigFileError(f"{what}{flags} is not a valid pdserve deployment:\n{exc}") from None
+        given = {key for key, value in (overrides or {}).items() if value is not None}
+        flags = " with the command-line settings" if given else ""
+        raise ConfigFileError(f"{what}{flags} is not a valid pdserve deployment:\n"
+                              f"{_described(exc, given)}") from None
+
+
+def _described(exc: ValidationError, from_command_line: set[str]) -> str:
+    """Each error as the setting it is about (marked where the command line set it) and what
+    is wrong, without pydantic's header, type codes and links."""
+    lines = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error["loc"])
+        message = error["msg"].removeprefix("Value error, ")
+        if where:
+            mark = " (set on the command line)" if where in from_command_line else ""
+            lines.append(f"{where}{mark}\n  {message}")
+        else:
+            lines.append(message)
+    return "\n".join(lines)
 
 
 @functools.lru_cache(maxsize=1)

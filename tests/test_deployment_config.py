@@ -84,8 +84,19 @@ def test_mistakes_name_the_field(tmp_path, data, match):
     import yaml
     f = tmp_path / "bad.yaml"
     f.write_text(yaml.safe_dump(data))
-    with pytest.raises(ConfigFileError, match=match):
+    with pytest.raises(ConfigFileError, match=match) as refused:
         load_config(f)
+    # the setting and what is wrong, not pydantic's header, type codes and links
+    assert not any(noise in str(refused.value) for noise in ("validation error for", "[type=", "errors.pydantic.dev"))
+
+
+def test_a_mistake_the_command_line_made_says_so(tmp_path):
+    f = tmp_path / "good.yaml"
+    f.write_text("decode: {replicas: 1}\n")
+    with pytest.raises(ConfigFileError) as refused:
+        load_config(f, {"http.port": 0})
+    assert str(refused.value).splitlines()[1:] == ["http.port (set on the command line)",
+                                                  "  Input should be greater than or equal to 1"]
 
 
 def test_a_gpu_type_is_taken_by_any_of_its_names_and_kept_by_its_own():

@@ -640,7 +640,8 @@ def test_a_checkpoint_without_its_sizes_or_tokenizer_is_refused_before_deploying
 @pytest.mark.parametrize("flags, says", [(["--host", ""], "http.host"), (["--served-model-name", ""],
                                          "model.served_model_name")])
 def test_empty_names_are_refused_not_replaced(flags, says):
-    with pytest.raises(ValueError, match=f"{says}\n  String should have at least 1 character"):
+    with pytest.raises(ValueError, match=rf"{says} \(set on the command line\)\n  String should have at least 1 "
+                                         "character"):
         config_from_args(build_parser().parse_args(["serve", *flags]))
 
 
