@@ -54,8 +54,18 @@ class SloAction(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-def run_goodput_plan(args: argparse.Namespace, model_dir, model) -> int:
+def load_profile(path: str, flag: str):
+    """The step-time profile `flag` names; ValueError naming the flag where it cannot be read."""
     from cluster.perf_model import load_step_model
+    try:
+        return load_step_model(path)
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"{flag} {path}: {exc}") from None
+
+
+def run_goodput_plan(args: argparse.Namespace, model_dir, model) -> int:
     from cluster.perf_model.roofline import GPU_SPECS
     from cluster.perf_model.step_shape import profile_model_problem, profile_tp
     from cluster.planner.search import Workload, roofline_spec_builder, search, unbounded
@@ -96,9 +106,9 @@ def run_goodput_plan(args: argparse.Namespace, model_dir, model) -> int:
     models = None
     if args.profile:
         try:
-            profile = load_step_model(args.profile)
-        except (ValueError, OSError) as exc:
-            print(f"error: --profile {args.profile}: {exc}", file=sys.stderr)
+            profile = load_profile(args.profile, "--profile")
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
             return 2
         tp = profile_tp(profile) or 1
         problem = profile_model_problem(profile, model)

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.cli.plan_goodput import SloAction, parse_slo
+from cluster.cli.plan_goodput import SloAction, load_profile, parse_slo
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
@@ -50,10 +50,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         if args.shared_cores is not None and config.device != "cpu":
             raise ValueError(f"--shared-cores models CPU replicas sharing one machine's cores, and {args.config} "
                              f"runs on {config.device}: drop it (and the flags that go with it)")
-        step_model = _load_profile(args.profile, "--profile")
+        step_model = load_profile(args.profile, "--profile")
         if problem := profile_tp_problem(step_model, {r: p.tensor_parallel_size for r, p in config.pools().items()}):
             raise ValueError(problem)
-        wide_model = _load_profile(args.lend_profile, "--lend-profile") if args.lend_profile else None
+        wide_model = load_profile(args.lend_profile, "--lend-profile") if args.lend_profile else None
         model_dir = checkpoint_dir(config.model.path)
         model_config = ModelConfig.from_pretrained(model_dir)
         for profile, model in ((args.profile, step_model), (args.lend_profile, wide_model)):
@@ -213,12 +213,3 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     add_workload_arguments(p)
     p.set_defaults(func=_cmd_simulate)
     return p
-
-
-def _load_profile(path: str, flag: str):
-    """A step-time profile file; ValueError naming the flag when it cannot be read."""
-    from cluster.perf_model import load_step_model
-    try:
-        return load_step_model(path)
-    except OSError as exc:
-        raise ValueError(f"{flag} {path}: {exc.strerror or exc}") from None
