@@ -52,6 +52,7 @@ from router.choices import Choices, Generation, params_of_choice
 from router.cors import CorsSettings
 from router.errors import (
     OpenAIError,
+    SpacedLog,
     error_response,
     from_exception,
     install_error_handlers,
@@ -90,6 +91,8 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 _INLINE_TOKENIZE_CHARS = 16_384
 # text is refused untokenized past this many times the characters the context's tokens could spell
 _TEXT_MARGIN = 4
+# a template that raises refuses the request (400); the operator sees whether it refuses them all
+_TEMPLATE_FAILURE_LOG = SpacedLog(log, every_s=60.0, level=logging.INFO)
 
 
 def _installed_version() -> str:
@@ -528,6 +531,8 @@ class _Server:
                 continue_final_message=body.continue_final_message, tokenize=not body.add_special_tokens,
                 **(body.chat_template_kwargs or {}))
         except Exception as exc:  # noqa: BLE001 - templates refuse messages by raising anything
+            _TEMPLATE_FAILURE_LOG.log("the chat template refused a request's messages (answered 400): %s: %s",
+                                      type(exc).__name__, exc)
             raise InvalidRequestError(f"The chat template cannot render these messages: {exc}",
                                       param="messages") from None
         if body.add_special_tokens:      # the rendered text, with the tokenizer's own special tokens added

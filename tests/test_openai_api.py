@@ -11,6 +11,7 @@ import asyncio
 import copy
 import dataclasses
 import json
+import logging
 from types import SimpleNamespace
 
 import openai
@@ -795,6 +796,26 @@ def test_chat_template_kwargs_nested_deeper_than_pythons_recursion_limit_are_not
     assert_openai_error(sent, 400, "messages", "The chat template cannot render these messages")
     assert backend.calls == []
     assert client.post(CHAT, json={"messages": USER, "max_tokens": 1}).status_code == 200
+
+
+def test_a_template_that_raises_is_logged_spaced_out_with_its_error(client, backend, tokenizer, monkeypatch,
+                                                                     caplog):
+    """A template that refuses every conversation (a broken one, or one whose rules every client
+    breaks) answers each request 400; the server log tells the operator why, once a minute."""
+    from router import openai_api
+    monkeypatch.setattr(openai_api, "_TEMPLATE_FAILURE_LOG", openai_api.SpacedLog(openai_api.log, every_s=60.0,
+                                                                                  level=logging.INFO))
+
+    def broken(*args, **kwargs):
+        raise KeyError("system_message")
+    monkeypatch.setattr(tokenizer, "apply_chat_template", broken)
+    with caplog.at_level("INFO", logger="router.openai_api"):
+        for _ in range(3):
+            assert_openai_error(client.post(CHAT, json={"messages": USER, "max_tokens": 1}), 400, "messages",
+                                "The chat template cannot render these messages")
+    said = [r.getMessage() for r in caplog.records if "chat template" in r.getMessage()]
+    assert said == ["the chat template refused a request's messages (answered 400): KeyError: 'system_message'"]
+    assert backend.calls == []
 
 
 def test_malformed_json_and_wrong_routes(client):
