@@ -39,7 +39,8 @@ brings its prompt onto their steps once over the steps it decodes: it counts
 prompt / expected output tokens per step, so that a request is priced with
 the prefill it will cause, not the prefill steps carried a while ago. Past
 that bound every admitted request would miss TPOT. A refusal is a 429 with
-`Retry-After`: the predicted time for what waits now to drain. The checks
+`Retry-After`: the predicted time for what waits now to drain (1 s to a
+minute: a retry is asked again, not promised). The checks
 that need no prompt length run before the prompt is tokenized.
 """
 
@@ -85,13 +86,18 @@ class Admitted:
     local: bool = False              # a decode replica prefills it: no wait in the prefill pool's queue
 
 
+# a client told to wait longer on an estimate from a few steps' costs would wait for nothing
+# when load falls; one that retries sooner is told again, for the price of a refusal
+MAX_RETRY_AFTER_S = 60
+
+
 class Overloaded(OpenAIError):
-    """429 with the seconds after which a retry is predicted to be admitted."""
+    """429 with the seconds after which a retry is predicted to be admitted (1 to MAX_RETRY_AFTER_S)."""
 
     def __init__(self, message: str, reason: str, retry_after_s: float):
         super().__init__(429, message, type="rate_limit_error", code="server_overloaded")
         self.reason = reason
-        self.retry_after_s = max(1, math.ceil(retry_after_s))
+        self.retry_after_s = min(MAX_RETRY_AFTER_S, max(1, math.ceil(retry_after_s)))
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after_s)}

@@ -25,6 +25,19 @@ class _Clock:
         return self.now
 
 
+def test_retry_after_is_at_least_a_second_and_at_most_a_minute():
+    # 100,000 tokens waiting on one replica at 4 ms a token: 400 s predicted, told 60
+    a = AdmissionControl(AdmissionSettings(max_waiting_requests=2), clock=_Clock())
+    a.observe_workers("prefill", [{"prefill_s_per_token": 0.004}])
+    a.admit(50_000)
+    a.admit(50_000)
+    with pytest.raises(Overloaded) as exc:
+        a.check_before_tokenizing()
+    assert a.predicted_wait_s() == pytest.approx(400.0)
+    assert exc.value.headers() == {"Retry-After": "60"}
+    assert Overloaded("busy", "overload", 0.01).headers() == {"Retry-After": "1"}
+
+
 def test_queue_bounds_refuse_with_the_drain_time():
     a = AdmissionControl(AdmissionSettings(max_waiting_requests=2, max_waiting_prompt_tokens=1000),
                          clock=_Clock())
