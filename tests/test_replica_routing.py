@@ -15,6 +15,7 @@ from ray.serve._private.request_router.common import PendingRequest
 from cluster.serving.replica_routing import (
     AVOID_REPLICA,
     LISTED_AFTER_S,
+    SEEN_KEPT,
     TARGET_GRACE_S,
     TARGET_REPLICA,
     LoadAwareRouter,
@@ -168,6 +169,19 @@ def test_a_call_to_a_replica_that_is_gone_fails_instead_of_waiting():
     old = pending(created_at=time.time() - TARGET_GRACE_S - 1, **{TARGET_REPLICA: "new"})
     ranked(r, reps, old)
     assert isinstance(old.future.exception(), ReplicaGoneError)
+
+
+def test_the_replicas_seen_are_bounded_and_a_gone_one_still_fails_at_once(monkeypatch):
+    # replicas come and go for as long as the router runs: it keeps the latest SEEN_KEPT ids
+    monkeypatch.setattr("cluster.serving.replica_routing.SEEN_KEPT", 3)
+    r = router("free_kv_blocks", "max")
+    for uid in ("a", "b", "c", "d", "e"):
+        ranked(r, [replica(uid, free_kv_blocks=1), replica("live", free_kv_blocks=1)])
+    assert list(r._seen) == ["d", "e", "live"]        # "live", listed every time, is never the oldest
+    call = pending(**{TARGET_REPLICA: "d"})             # d was replaced by e: gone, fails at once
+    ranked(r, [replica("e"), replica("live")], call)
+    assert isinstance(call.future.exception(), ReplicaGoneError)
+    assert SEEN_KEPT >= 1000
 
 
 def test_replica_gone_is_one_class_in_every_process():

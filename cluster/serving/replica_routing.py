@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
+from collections import OrderedDict, deque
 
 from ray.serve.request_router import (
     PendingRequest,
@@ -46,6 +46,7 @@ AVOID_REPLICA = "avoid_replica"
 TARGET_GRACE_S = 10.0      # a target this router has never seen may still be starting
 LISTED_AFTER_S = 1.0       # ... unless a replica list this much newer than the call lacks it
 RECENT_S = 1.5             # sent prompts count against a replica this long (a report's period and delay)
+SEEN_KEPT = 4096           # the most recently listed replica ids kept to tell "gone" from "not started yet"
 
 
 class LoadAwareRouter(RequestRouter):
@@ -60,12 +61,12 @@ class LoadAwareRouter(RequestRouter):
         self._in_flight: dict[str, int] = {}
         self._recent: dict[str, deque[list]] = {}    # replica id -> [time chosen, prompt tokens, call key]
         self._charged: dict[object, tuple[str, list]] = {}   # call key -> (replica id, its entry there)
-        self._seen: set[str] = set()                 # replica ids this router has had as candidates
+        self._seen: OrderedDict[str, None] = OrderedDict()   # replica ids it has had as candidates, latest last
         self._listed_at = 0.0                        # when Serve last gave this router its replicas (wall clock)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        self._seen.update(r.replica_id.unique_id for r in candidate_replicas)
+        self._saw(candidate_replicas)
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True
             target = pending_request.kwargs.get(TARGET_REPLICA)
@@ -130,7 +131,7 @@ class LoadAwareRouter(RequestRouter):
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        self._seen.update(r.replica_id.unique_id for r in replicas)
+        self._saw(replicas)
         live = {r.replica_id.unique_id for r in replicas}
         self._listed_at = time.time()
         for gone in [uid for uid in self._recent if uid not in live]:
@@ -139,6 +140,15 @@ class LoadAwareRouter(RequestRouter):
         for gone in [uid for uid in self._in_flight if uid not in live]:   # (replicas come and go for ever)
             del self._in_flight[gone]
         self._fail_calls_to_gone_targets()
+
+    def _saw(self, replicas: list[RunningReplica]) -> None:
+        """Remembers the replicas' ids, forgetting the longest unlisted past SEEN_KEPT
+        (replicas come and go for ever)."""
+        for replica in replicas:
+            self._seen[replica.replica_id.unique_id] = None
+            self._seen.move_to_end(replica.replica_id.unique_id)
+        while len(self._seen) > SEEN_KEPT:
+            self._seen.popitem(last=False)
 
     def on_replica_actor_died(self, replica_id) -> None:
         super().on_replica_actor_died(replica_id)
