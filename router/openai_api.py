@@ -296,7 +296,7 @@ class _Server:
         plan_of = [(plan, j, tickets[p][j]) for p, plan in enumerate(prompts) for j in range(n)]
         choices = Choices([Generation(self.backend, self.metrics, self.admission,
                                       request_id if len(plan_of) == 1 else f"{request_id}-{i}", plan.ids,
-                                      plan.choice_params[j], arrival, ticket)
+                                      plan.choice_params[j], arrival, ticket, shares_prompt=j > 0)
                            for i, (plan, j, ticket) in enumerate(plan_of)],
                           prompt_tokens=sum(len(plan.ids) for plan in prompts))
         fmts = [plan.fmt for plan, _, _ in plan_of]
@@ -562,7 +562,9 @@ class _Server:
         if self.admission is None:
             return [[None] * choices for _ in prompts]
         per_prompt = [(len(plan.ids), plan.max_tokens) for plan in prompts]
-        with self._counting_refusals([demand for demand in per_prompt for _ in range(choices)]):
+        # each choice is a sequence to decode; the prompt is prefilled once (the others read it cached)
+        demands = [(tokens if j == 0 else 0, max_tokens) for tokens, max_tokens in per_prompt for j in range(choices)]
+        with self._counting_refusals(demands):
             return self.admission.admit_prompts(per_prompt, choices, arrived)
 
     @contextmanager

@@ -978,7 +978,8 @@ def test_n_choices_are_admitted_together_or_not_at_all(backend, tokenizer, metri
     occupying = admission.admit(5, 1)          # another request runs: the bound holds for this one's choices
     refused = n_client.post(COMPLETIONS, json={"prompt": prompt, "n": 3, "max_tokens": 1})
     assert refused.status_code == 429 and "TPOT SLO" in refused.json()["error"]["message"] and backend.calls == []
-    assert arrivals == [len(prompt)] * 3        # demand of three sequences, as admitted choices count
+    # demand of three sequences to decode and one prompt to prefill, as admitted choices count
+    assert arrivals == [len(prompt), 0, 0]
     assert (admission.waiting_requests, admission.waiting_tokens, admission.running) == (1, 5, 1)
     admission.first_token(occupying)
     admission.finished(occupying)
@@ -988,6 +989,7 @@ def test_n_choices_are_admitted_together_or_not_at_all(backend, tokenizer, metri
     assert (admission.waiting_requests, admission.waiting_tokens, admission.running) == (0, 0, 0)
     assert n_client.post(COMPLETIONS, json={"prompt": prompt, "n": 2, "max_tokens": 2}).status_code == 200
     assert len(backend.calls) == 2 and (admission.waiting_requests, admission.running) == (0, 0)
+    assert arrivals[3:] == [len(prompt), 0]
     # alone on the server, all three choices are admitted (refused, no retry could ever do better)
     assert n_client.post(COMPLETIONS, json={"prompt": prompt, "n": 3, "max_tokens": 1}).status_code == 200
     assert len(backend.calls) == 5 and (admission.waiting_requests, admission.running) == (0, 0)
@@ -1058,7 +1060,8 @@ def test_a_batch_is_admitted_whole_or_refused_whole(backend, tokenizer, metrics)
     admission.first_token(occupying)      # it runs: its step is what a new sequence must fit beside
     refused = batch_client.post(COMPLETIONS, json={"prompt": [first, second], "n": 2, "max_tokens": 1})
     assert refused.status_code == 429 and backend.calls == []
-    assert sorted(arrivals) == sorted([len(first)] * 2 + [len(second)] * 2)    # every sequence's demand
+    # every sequence's demand to decode, each prompt's to prefill once
+    assert sorted(arrivals) == sorted([len(first), 0, len(second), 0])
     assert (admission.waiting_requests, admission.waiting_tokens, admission.running) == (0, 0, 1)
     admission.finished(occupying)
     # alone on the server, the batch is judged by its first prompt: all four sequences run
