@@ -104,6 +104,8 @@ class AutoscaleLoop:
         # role -> since when some replica of it has been starting with none of them coming up
         self._starting_since: dict[str, float] = {}
         self._last_running: dict[str, int] = {}
+        self._observed_running: dict[str, int] = {}   # role -> replicas running at the last observation
+        self._broadcast_failed: set[str] = set()      # roles whose last step-samples call reached no replica
         self._kv_blocks: dict[str, float] = {}  # role -> KV blocks of its smallest replica (latest stats)
         self._waiting: dict[str, float] = {}    # role -> requests queued on its replicas (latest stats)
         self._arrivals = 0                      # offered this interval: served or refused
@@ -198,12 +200,18 @@ class AutoscaleLoop:
         handle = self.workers[role]
         try:
             replies, slow, _ = await replica_answers(handle, "step_samples", STEP_SAMPLES_TIMEOUT_S)
+            self._broadcast_failed.discard(role)
         except Exception as exc:  # noqa: BLE001 - count it as no replica answering this time
             log.debug("autoscaler: no %s replies: %s", role, exc)
-            replies, slow = [], 0
+            # the call failed before reaching any replica (Serve's controller slow, say): once, the
+            # replicas seen last time still run, not all start again; twice in a row, none answers
+            first = role not in self._broadcast_failed
+            self._broadcast_failed.add(role)
+            replies, slow = [], (self._observed_running.get(role, 0) if first else 0)
         # a replica that answered too late still runs (busy, its loop blocked): not one starting, which
         # would hold back every scale-down and the latency evidence; one whose call failed is gone
         running = len(replies) + slow
+        self._observed_running[role] = running
         asked = self._asked.get(role, running)
         steps = []
         for reply in replies:

@@ -805,6 +805,19 @@ def test_a_replica_that_fails_to_answer_leaves_the_others_replies(monkeypatch):
     observed = asyncio.run(asyncio.wait_for(loop._observe_role("decode"), 10))
     assert (observed.running, observed.starting) == (3, 0)
 
+    # the call fails before reaching any replica: once, the three seen last time still run; twice, none does
+    class _Unreachable:
+        def broadcast(self, method):
+            raise TimeoutError("the controller did not answer")
+    loop.workers["decode"] = _Unreachable()
+    for expected in [(3, 0), (0, 3)]:
+        observed = asyncio.run(loop._observe_role("decode"))
+        assert (observed.running, observed.starting) == expected      # before: (0, 3) the first time too
+    loop.workers["decode"] = _OneSlow()
+    assert asyncio.run(asyncio.wait_for(loop._observe_role("decode"), 10)).running == 3
+    loop.workers["decode"] = _Unreachable()
+    assert asyncio.run(loop._observe_role("decode")).running == 3     # a failure after answers: once again
+
 
 def test_running_requests_raise_the_output_length_only_past_their_sampling_by_length():
     # Poisson 4 req/s; 90% of outputs 20 tokens, 10% 2,000; 20 ms a token. A long request runs
