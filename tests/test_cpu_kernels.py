@@ -3,6 +3,8 @@ against float64 attention over the same keys, and the engine on it."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -83,6 +85,54 @@ def test_keys_past_a_sequence_length_are_not_read():
     again = torch.empty_like(q)
     cpu_kernels.paged_decode_attention(q, poisoned, tables, lens, 0.2, out=again)
     assert torch.equal(out, again)
+
+
+def _attention_call(**changes):
+    """A valid decode-attention call (2 sequences over a 6-block cache), with `changes` made."""
+    args = dict(q=torch.randn(2, 4, 16), kv_cache=torch.randn(2, 6, 4, 2, 16), tables=torch.tensor([[0, 1], [2, 5]]),
+                lens=torch.tensor([5, 8]), out=torch.empty(2, 4, 16))
+    args.update(changes)
+    return lambda: cpu_kernels.paged_decode_attention(args["q"], args["kv_cache"], args["tables"], args["lens"],
+                                                      0.25, out=args["out"])
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"lens": torch.tensor([5, 9])}, "sequence 1 attends to 9 keys: 1 to its table's 8 expected"),
+    ({"lens": torch.tensor([0, 8])}, "sequence 0 attends to 0 keys"),
+    ({"tables": torch.tensor([[0, 1], [2, 6]])}, "sequence 1's block 1 is 6, not one of the cache's 6"),
+    ({"tables": torch.tensor([[0, -1], [2, 5]])}, "sequence 0's block 1 is -1"),
+    ({"tables": torch.tensor([[0, 1]])}, "int64 block_tables [B, max_blocks] expected"),
+    ({"tables": torch.tensor([[0, 1], [2, 5]], dtype=torch.int32)}, "int64 block_tables"),
+    ({"lens": torch.tensor([5])}, "int64 seq_lens [B] expected"),
+    ({"out": torch.empty(2, 4, 8)}, "q and out [B, H, D] of one shape expected"),
+    ({"kv_cache": torch.randn(2, 6, 4, 3, 16)}, "H a multiple of KVH"),
+    ({"kv_cache": torch.randn(2, 6, 4, 2, 8)}, "with D as q's"),
+])
+def test_decode_attention_refuses_operands_it_would_read_out_of_bounds(changes, message):
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        _attention_call(**changes)()
+    _attention_call()()        # (the valid call, for contrast)
+
+
+def test_the_fused_ops_refuse_operands_of_the_wrong_shape():
+    x = torch.randn(3, 8)
+    with pytest.raises(RuntimeError, match=re.escape("contiguous float32 weight [8] expected")):
+        cpu_kernels.rms_norm(x, torch.ones(7), 1e-5)
+    with pytest.raises(RuntimeError, match=re.escape("out [3, 8] expected")):
+        cpu_kernels.fused_add_rms_norm(x, torch.randn(2, 8), torch.ones(8), 1e-5)
+    with pytest.raises(RuntimeError, match=re.escape("x [T, 2I] expected")):
+        cpu_kernels.silu_and_mul(torch.randn(3, 7))
+    with pytest.raises(RuntimeError, match=re.escape("contiguous float32 x and out [T, N] expected")):
+        cpu_kernels.rms_norm(x.double(), torch.ones(8), 1e-5)
+    q, k = torch.randn(2, 4, 8), torch.randn(2, 2, 8)
+    cos = sin = torch.randn(16, 8)
+    with pytest.raises(RuntimeError, match=re.escape("position 16 is past the 16-position tables")):
+        cpu_kernels.apply_rotary(q, k, cos, sin, torch.tensor([3, 16]))
+    with pytest.raises(RuntimeError, match=re.escape("int64 positions [T] expected")):
+        cpu_kernels.apply_rotary(q, k, cos, sin, torch.tensor([3]))
+    with pytest.raises(RuntimeError, match=re.escape("cos and sin [positions, D] expected")):
+        cpu_kernels.apply_rotary(q, k, torch.randn(16, 6), torch.randn(16, 6), torch.tensor([3, 4]))
+    cpu_kernels.apply_rotary(q, k, cos, sin, torch.tensor([3, 15]))      # (in range)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-mqa"])

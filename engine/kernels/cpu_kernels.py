@@ -75,7 +75,16 @@ _SOURCE = r"""
 void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache,
                             torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && kv_cache.is_contiguous(), "contiguous tensors expected");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && kv_cache.scalar_type() == torch::kFloat, "float32 expected");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && kv_cache.scalar_type() == torch::kFloat
+              && out.scalar_type() == torch::kFloat, "float32 expected");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out [B, H, D] of one shape expected");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.size(4) == q.size(2)
+              && kv_cache.size(3) > 0 && q.size(1) % kv_cache.size(3) == 0,
+              "kv_cache [2, num_blocks, block_size, KVH, D] with D as q's and H a multiple of KVH expected");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == torch::kLong
+              && block_tables.size(0) == q.size(0), "int64 block_tables [B, max_blocks] expected");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == torch::kLong && seq_lens.size(0) == q.size(0),
+              "int64 seq_lens [B] expected");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), KVH = kv_cache.size(3);
   const int64_t G = H / KVH;
@@ -87,6 +96,14 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv
   auto tables = block_tables.accessor<int64_t, 2>();
   auto lens = seq_lens.accessor<int64_t, 1>();
   const float fscale = static_cast<float>(scale);
+  // (checked here, not in the parallel loop, which cannot throw)
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= block_tables.size(1) * block_size, "sequence ", b, " attends to ",
+                lens[b], " keys: 1 to its table's ", block_tables.size(1) * block_size, " expected");
+    for (int64_t i = 0; i * block_size < lens[b]; ++i)
+      TORCH_CHECK(tables[b][i] >= 0 && tables[b][i] < num_blocks, "sequence ", b, "'s block ", i, " is ",
+                  tables[b][i], ", not one of the cache's ", num_blocks);
+  }
 
   // one task per sequence, all its KV heads (each token's K/V row read whole, in order), however
   // few sequences there are: splitting a sequence's heads over threads measured slower in the
@@ -166,8 +183,24 @@ static inline void norm_row(const float* x, const float* w, float* out, int64_t 
   for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * inv);
 }
 
+// The fused ops' operands: float32, contiguous, `x` [T, N] and `out` of `out_cols` columns.
+static void check_rows(const torch::Tensor& out, const torch::Tensor& x, int64_t out_cols) {
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.is_contiguous() && out.is_contiguous()
+              && x.scalar_type() == torch::kFloat && out.scalar_type() == torch::kFloat,
+              "contiguous float32 x and out [T, N] expected");
+  TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == out_cols, "out [", x.size(0), ", ", out_cols,
+              "] expected for x ", x.sizes());
+}
+
+static void check_norm_weight(const torch::Tensor& weight, const torch::Tensor& x) {
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == torch::kFloat && weight.numel() == x.size(1),
+              "contiguous float32 weight [", x.size(1), "] expected");
+}
+
 // out [T, N] = rms_norm(x [T, N]) * weight [N]
 void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps) {
+  check_rows(out, x, x.size(-1));
+  check_norm_weight(weight, x);
   const int64_t T = x.size(0), N = x.size(1);
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -179,6 +212,9 @@ void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double e
 // residual += x; out = rms_norm(residual) * weight   (residual updated in place)
 void fused_add_rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
                         double eps) {
+  check_rows(out, x, x.size(-1));
+  check_rows(residual, x, x.size(-1));
+  check_norm_weight(weight, x);
   const int64_t T = x.size(0), N = x.size(1);
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float *rp = residual.data_ptr<float>(), *op = out.data_ptr<float>();
@@ -195,6 +231,8 @@ void fused_add_rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor residu
 
 // out [T, I] = silu(gate) * up for x [T, 2I] = cat(gate, up)
 void silu_and_mul(torch::Tensor out, torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "x [T, 2I] expected");
+  check_rows(out, x, x.size(1) / 2);
   const int64_t T = x.size(0), I = out.size(1);
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -211,11 +249,23 @@ void silu_and_mul(torch::Tensor out, torch::Tensor x) {
 // NeoX rotary of x [T, heads, D] (rows may be strided; last dim contiguous) into out [T, heads, D]
 // contiguous: out = x * cos[pos] + rotate_half(x) * sin[pos], cos/sin [P, D] float32.
 void rotary(torch::Tensor out, torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor positions) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0 && x.scalar_type() == torch::kFloat,
+              "float32 x [T, heads, D] with D even and its last dimension contiguous expected");
+  TORCH_CHECK(out.sizes() == x.sizes() && out.is_contiguous() && out.scalar_type() == torch::kFloat,
+              "contiguous float32 out of x's shape expected");
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(1) == x.size(2) && cos.is_contiguous()
+              && sin.is_contiguous() && cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat,
+              "contiguous float32 cos and sin [positions, D] expected");
+  TORCH_CHECK(positions.dim() == 1 && positions.scalar_type() == torch::kLong && positions.size(0) == x.size(0),
+              "int64 positions [T] expected");
   const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
   const int64_t st = x.stride(0), sh = x.stride(1);
   const float *xp = x.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   float* op = out.data_ptr<float>();
   auto pos = positions.accessor<int64_t, 1>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "position ", pos[t], " is past the ", cos.size(0),
+                "-position tables");
   at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const float *c = cp + pos[t] * D, *s = sp + pos[t] * D;
