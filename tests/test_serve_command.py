@@ -249,6 +249,34 @@ def test_serve_refuses_a_wrong_model_before_starting_a_cluster(tmp_path):
     assert "Ray" not in done.stderr + done.stdout
 
 
+def test_a_gpu_deployment_this_machine_cannot_place_is_refused_before_a_local_cluster_starts(monkeypatch, capsys):
+    """`pdserve serve --device cuda` starting a cluster of this machine alone: 1 prefill rank + a TP-2
+    decode gang need 3 GPUs; with 1 it is refused with the placement message, no cluster started."""
+    from cluster.cli import serve_command
+    from cluster.serving import local_cluster
+
+    started = []
+
+    class _Started(Exception):
+        pass
+
+    def start(*args, **kwargs):
+        started.append(args)
+        raise _Started
+    monkeypatch.setattr(local_cluster, "start_local_cluster", start)
+    args = build_parser().parse_args(["serve", "--device", "cuda", "--decode-tp", "2", "--address", "local"])
+    monkeypatch.setattr(serve_command, "_machine_gpus", lambda config: 1)
+    assert serve_command._cmd_serve(args) == 2
+    err = capsys.readouterr().err
+    assert "error: cannot place this deployment: a decode gang needs 2 CPUs, 2 GPUs on one node" in err, err
+    assert re.search(r"cluster: node this machine: \d+ CPUs, 1 GPU;", err), err
+    assert started == []
+    monkeypatch.setattr(serve_command, "_machine_gpus", lambda config: 4)    # enough: the cluster starts
+    with pytest.raises(_Started):
+        serve_command._cmd_serve(args)
+    assert len(started) == 1
+
+
 def test_serve_config_files_name_the_app_builder():
     for path in sorted((REPO / "configs").glob("serve/*.yaml")):
         spec = yaml.safe_load(path.read_text())

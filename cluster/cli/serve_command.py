@@ -162,6 +162,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from cluster.serving.direct_ingress import direct_ingress_env
     from cluster.serving.placement import (
         PlacementError,
+        check_local_machine,
         local_cluster_cpus,
         placed_config,
     )
@@ -171,7 +172,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     machine_cpus = usable_cpus()
     local_env = direct_ingress_env(config.http.port) if config.http.direct_ingress else {}
     try:
-        started_ray = _connect(args.address, local_cluster_cpus(config, machine_cpus), local_env, args.ray_dashboard)
+        started_ray = _connect(args.address, local_cluster_cpus(config, machine_cpus), local_env, args.ray_dashboard,
+                               before_starting=lambda: check_local_machine(config, machine_cpus, _machine_gpus(config)))
+    except PlacementError as exc:      # a cluster of this machine alone could never place it: none started
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except ConnectionError as exc:
         hint = "check --address, or leave it out" if args.address else "give --address local"
         print(f"error: cannot join the Ray cluster ({exc}): {hint} to start a local cluster", file=sys.stderr)
@@ -490,14 +495,28 @@ def _print_with_time(message: str) -> None:
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} pdserve: {message}", flush=True)
 
 
-def _connect(address: str | None, local_cpus: int, local_env: dict[str, str], dashboard: bool) -> bool:
+def _machine_gpus(config) -> int:
+    """The CUDA GPUs torch sees on this machine (0 for a CPU deployment, whose check needs none)."""
+    if config.device != "cuda":
+        return 0
+    import torch
+    return torch.cuda.device_count()
+
+
+def _connect(address: str | None, local_cpus: int, local_env: dict[str, str], dashboard: bool,
+             before_starting: Callable[[], None] = lambda: None) -> bool:
     """Joins `address`, or a running local cluster, or starts one declaring
     `local_cpus` CPUs with `local_env` in its processes' environment (and the
     Ray dashboard if `dashboard`); True when this process started it (and must
     stop it). A RAY_ADDRESS where nothing answers is a ConnectionError at once; the
     cluster `ray start` last started here, dead without `ray stop`, is replaced by a
-    new local one (ray.init would retry it for minutes, then fail)."""
-    from cluster.serving.local_cluster import start_local_cluster
+    new local one (ray.init would retry it for minutes, then fail). `before_starting`
+    runs before a local cluster starts, and may raise to start none."""
+    from cluster.serving.local_cluster import start_local_cluster as start
+
+    def start_local_cluster(*args, **kwargs) -> None:
+        before_starting()
+        start(*args, **kwargs)
     if address == "local":
         start_local_cluster(local_cpus, local_env, dashboard=dashboard)
         return True
