@@ -198,7 +198,7 @@ def test_a_faster_decode_pool_wins(tmp_path):
 def test_pdserve_plan_slo_writes_a_valid_deployment(tmp_path, capsys, monkeypatch):
     from cluster.cli.main import main
     from cluster.config import load_config
-    out = tmp_path / "best.yaml"
+    out = tmp_path / "plans" / "best.yaml"      # its folder made, as profile --output's is
     monkeypatch.chdir(REPO)
     code = main(["plan", "--model", "configs/models/llama-3-8b", "--slo", "ttft:1000", "tpot:50", "--gpus", "2",
                  "--num-prompts", "60", "--max-prompts", "240", "--random-input-len", "512",
@@ -302,6 +302,7 @@ def test_pdserve_plan_refuses_a_profile_of_another_model_or_a_tp_it_cannot_run(t
 
 def test_pdserve_plan_refuses_flags_its_mode_would_ignore(tmp_path, capsys):
     from cluster.cli.main import main
+    (tmp_path / "a_file").write_text("")
     slo = ["--slo", "ttft:1000", "tpot:50", "--gpus", "2"]
     for argv, says in (
             (["--tp", "1", "--gpus", "8", "--write-config", str(tmp_path / "x.yaml")],
@@ -309,7 +310,7 @@ def test_pdserve_plan_refuses_flags_its_mode_would_ignore(tmp_path, capsys):
             (["--tp", "1", "--attainment", "0.5"], "--attainment set the goodput search"),
             ([*slo, "--tp", "4", "--role", "decode"], "--tp, --role plan one given replica; with --slo the search"),
             ([*slo, "--gpu-memory-gib", "0"], "--gpu-memory-gib must be > 0"),
-            ([*slo, "--write-config", str(tmp_path / "missing" / "x.yaml")], "its directory does not exist"),
+            ([*slo, "--write-config", str(tmp_path / "a_file" / "x.yaml")], "a_file is a file, not a directory"),
             # refused before the search (a traceback after it, the result lost)
             ([*slo, "--write-config", str(tmp_path)], "it is a directory; name a file"),
             ([*slo, "--max-model-len", "0"], "--max-model-len must be >= 1, got 0")):

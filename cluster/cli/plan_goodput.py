@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 import yaml
 
+from cluster.cli.output_file import output_problem, write_output
 from engine.cpu_count import usable_cpus
 
 
@@ -95,8 +95,8 @@ def run_goodput_plan(args: argparse.Namespace, model_dir, model) -> int:
     if args.gpu_memory_gib is not None and not args.gpu_memory_gib > 0 or not 0 < args.gpu_memory_utilization <= 1:
         print("error: --gpu-memory-gib must be > 0 and --gpu-memory-utilization in (0, 1]", file=sys.stderr)
         return 2
-    if args.write_config and (problem := _unwritable(Path(args.write_config))):   # before the search, not after
-        print(f"error: --write-config {args.write_config}: {problem}", file=sys.stderr)
+    if args.write_config and (problem := output_problem(Path(args.write_config))):   # before the search
+        print(f"error: --write-config {args.write_config} cannot be written: {problem}", file=sys.stderr)
         return 2
     if args.num_prompts < 1 or args.refine_top < 0 or not 0 < args.rate_tolerance < 1 or args.jobs < 1:
         print("error: --num-prompts and --jobs must be >= 1, --refine-top >= 0 and --rate-tolerance in (0, 1)",
@@ -178,8 +178,7 @@ def run_goodput_plan(args: argparse.Namespace, model_dir, model) -> int:
               file=sys.stderr)
         return 1
     if args.write_config:
-        with open(args.write_config, "w") as f:
-            f.write(deployment_yaml(best.candidate, model_dir, dtype, max_len, gpu, args))
+        write_output(Path(args.write_config), deployment_yaml(best.candidate, model_dir, dtype, max_len, gpu, args))
         print(f"wrote {args.write_config} ({best.candidate.describe()})", file=sys.stderr)
     return 0
 
@@ -206,17 +205,6 @@ def format_report(report: dict) -> str:
     if report["skipped"]:
         lines.append(f"{len(report['skipped'])} configurations do not fit memory (--json lists them)")
     return "\n".join(lines)
-
-
-def _unwritable(path: Path) -> str | None:
-    """Why a file cannot be written at `path`, or None."""
-    if path.is_dir():
-        return "it is a directory; name a file"
-    if not path.resolve().parent.is_dir():
-        return "its directory does not exist"
-    if not os.access(path.resolve().parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        return "it cannot be written (permissions)"
-    return None
 
 
 def deployment_yaml(cand, model_dir, dtype: str, max_len: int, gpu: str, args: argparse.Namespace) -> str:

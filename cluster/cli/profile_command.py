@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
+
+from cluster.cli.output_file import output_problem, write_output
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -37,14 +38,8 @@ def _grid_problem(args: argparse.Namespace) -> str | None:
         return (f"--max-num-batched-tokens ({args.max_num_batched_tokens}) must exceed the largest of "
                 f"--batch-sizes ({max(args.batch_sizes)}): a mixed step holds the batch's decodes and a "
                 "prompt chunk")
-    output = Path(args.output)
-    if output.is_dir():
-        return f"--output {output} is a directory: give a file name"
-    folder = next((p for p in (output.parent, *output.parent.parents) if p.exists()), Path("."))
-    if not folder.is_dir():       # (a file where a directory of the path must go: found after the profile)
-        return f"--output {output} cannot be written ({folder} is a file, not a directory)"
-    if not os.access(folder, os.W_OK):
-        return f"--output {output} cannot be written ({folder} is not writable)"
+    if problem := output_problem(Path(args.output)):    # before the profile, not after
+        return f"--output {args.output} cannot be written: {problem}"
     return None
 
 
@@ -69,8 +64,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+    write_output(Path(args.output), json.dumps(result, indent=2) + "\n")
     err = result["fit_error"]
     print(f"{len(result['points'])} steps measured; fit error mean {err['mean_abs_rel']:.1%}, "
           f"max {err['max_abs_rel']:.1%}")
