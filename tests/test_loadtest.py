@@ -856,6 +856,15 @@ def test_cli_refuses_before_the_run_what_it_would_ignore_or_fail_on(server, tmp_
     assert main(["loadtest", "--base-url", server.base_url, "--num-prompts", "2", "--sweep-rates", "5,10",
                  "--plot", str(a_file / "plots")]) == 2
     assert f"--plot {a_file / 'plots'}: cannot make the directory" in capsys.readouterr().err
+    # the dataset's own flags, before a server is even asked for its models (after it, a user who
+    # started one learned of them only then): a server that cannot be reached is not the error
+    unreachable = f"http://127.0.0.1:{closed_port()}"
+    for flags, message in ((["--dataset-name", "sharegpt", "--dataset-path", str(tmp_path / "none.json")],
+                            f"--dataset-path {tmp_path / 'none.json'}: no such file"),
+                           (["--dataset-name", "sharegpt", "--dataset-path", str(tmp_path)], "is a directory"),
+                           (["--random-range-ratio", "1.5"], "--random-range-ratio must be in [0, 1), got 1.5")):
+        assert main(["loadtest", "--base-url", unreachable, *flags]) == 2
+        assert message in capsys.readouterr().err, flags
     for temperature in ("nan", "inf", "-1"):     # (NaN went out in every body: all refused, exit 0)
         assert main(["loadtest", "--base-url", server.base_url, "--temperature", temperature]) == 2
         assert "--temperature must be a finite number >= 0" in capsys.readouterr().err

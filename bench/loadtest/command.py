@@ -36,6 +36,7 @@ from bench.loadtest.client import Unauthorized, fetch_models
 from bench.loadtest.datasets import (
     DatasetError,
     SampleRequest,
+    length_range,
     prefix_dataset,
     random_dataset,
     sharegpt_dataset,
@@ -186,6 +187,16 @@ def check_dataset_flags(args: argparse.Namespace) -> None:
         if given:
             raise LoadtestError(f"{' and '.join(given)} apply to --dataset-name sharegpt, and the dataset is "
                                 f"{args.dataset_name}; add --dataset-name sharegpt or drop them")
+    # what the dataset is built from is checked before the server is asked anything
+    if args.dataset_path is not None and not os.access(args.dataset_path, os.R_OK):
+        why = "not readable" if os.path.exists(args.dataset_path) else "no such file"
+        raise LoadtestError(f"--dataset-path {args.dataset_path}: {why}")
+    if args.dataset_path is not None and os.path.isdir(args.dataset_path):
+        raise LoadtestError(f"--dataset-path {args.dataset_path} is a directory: name the JSON file")
+    try:
+        length_range(1, args.random_range_ratio)
+    except DatasetError as exc:
+        raise LoadtestError(str(exc)) from None
 
 
 def _check_writable_dir(directory: Path, flag: str) -> None:
