@@ -1,13 +1,17 @@
-"""The CPUs this process may run on."""
+"""The CPUs this process may run on, and how many of them it may keep busy."""
 
 from __future__ import annotations
 
+import math
 import os
+from pathlib import Path
 
 # OpenMP settings that bind threads to cores: a bound thread's own mask is one core,
 # not what the process may use
 _BINDING_VARIABLES = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
 _CGROUP_CPUSET = "/sys/fs/cgroup/cpuset.cpus.effective"
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+_PROC_CGROUP = Path("/proc/self/cgroup")
 
 
 def usable_cpu_set() -> frozenset[int]:
@@ -36,7 +40,56 @@ def _binds(variable: str, value: str) -> bool:
 
 
 def usable_cpus() -> int:
-    return max(1, len(usable_cpu_set()))
+    """The cores this process may keep busy: its usable cores, at most its cgroup's
+    CPU quota (a container's `--cpus`, a Kubernetes CPU limit), which leaves every
+    core in the affinity mask and throttles the process past it; at least 1."""
+    cores = len(usable_cpu_set())
+    quota = cgroup_cpu_quota()
+    return max(1, min(cores, math.floor(quota)) if quota is not None else cores)
+
+
+def cgroup_cpu_quota() -> float | None:
+    """CPUs' worth of time per period the cgroups over this process allow (the least
+    of its own and its ancestors', cgroup v2's cpu.max or v1's cfs quota), or None
+    where none is set or none can be read."""
+    quotas = [q for q in (_quota_v2(d) for d in _own_cgroup_v2_dirs()) if q is not None]
+    for folder in ("cpu", "cpu,cpuacct"):
+        quotas.append(_quota_v1(_CGROUP_ROOT / folder))
+    quotas = [q for q in quotas if q is not None]
+    return min(quotas) if quotas else None
+
+
+def _own_cgroup_v2_dirs() -> list[Path]:
+    """The cgroup v2 folders of this process's cgroup and its ancestors (the root
+    of the namespace's hierarchy when /proc/self/cgroup names none)."""
+    own = "/"
+    try:
+        for line in _PROC_CGROUP.read_text().splitlines():
+            if line.startswith("0::"):
+                own = line[3:] or "/"
+    except OSError:
+        pass
+    folder = _CGROUP_ROOT / own.lstrip("/")
+    return [folder, *[p for p in folder.parents if p.is_relative_to(_CGROUP_ROOT)]]
+
+
+def _quota_v2(folder: Path) -> float | None:
+    """cpu.max's "QUOTA PERIOD" in `folder` as CPUs (None: "max", no such file)."""
+    try:
+        quota, period = (folder / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
+
+
+def _quota_v1(folder: Path) -> float | None:
+    """cgroup v1's cpu.cfs_quota_us / cpu.cfs_period_us in `folder` as CPUs (None: -1, no such files)."""
+    try:
+        quota = int((folder / "cpu.cfs_quota_us").read_text())
+        period = int((folder / "cpu.cfs_period_us").read_text())
+        return quota / period if quota > 0 and period > 0 else None
+    except (OSError, ValueError):
+        return None
 
 
 def _cgroup_cpuset() -> frozenset[int] | None:

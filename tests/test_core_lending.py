@@ -275,6 +275,7 @@ def test_usable_cores_ignore_a_mask_openmp_binding_narrowed(monkeypatch):
     from engine import cpu_count
     monkeypatch.setattr(cpu_count.os, "sched_getaffinity", lambda pid: {0})
     monkeypatch.setattr(cpu_count, "_cgroup_cpuset", lambda: frozenset({0, 1, 2, 3}))
+    monkeypatch.setattr(cpu_count, "cgroup_cpu_quota", lambda: None)
     for name in cpu_count._BINDING_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     assert cpu_count.usable_cpus() == 1              # a real mask (taskset) counts
@@ -311,3 +312,35 @@ def test_leaving_a_ledger_removed_from_under_it_closes_its_descriptor_once(ledge
     assert reopened == [member]                           # the number the member's descriptor had
     assert os.fstat(reopened[0])                          # still open: not closed by the clean-up
     os.close(reopened[0])
+
+
+def test_usable_cores_are_at_most_the_cgroups_cpu_quota(monkeypatch, tmp_path):
+    """A container limited by quota (docker --cpus 2, a Kubernetes CPU limit) keeps every host core
+    in its mask: 8 threads on a 2-CPU quota are throttled, OpenMP barriers and all."""
+    from engine import cpu_count
+    monkeypatch.setattr(cpu_count.os, "sched_getaffinity", lambda pid: set(range(8)))
+    for name in cpu_count._BINDING_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    root = tmp_path / "cgroup"
+    own = root / "kubepods" / "pod1" / "ctr"
+    own.mkdir(parents=True)
+    proc = tmp_path / "self_cgroup"
+    proc.write_text("0::/kubepods/pod1/ctr\n")
+    monkeypatch.setattr(cpu_count, "_CGROUP_ROOT", root)
+    monkeypatch.setattr(cpu_count, "_PROC_CGROUP", proc)
+    assert cpu_count.cgroup_cpu_quota() is None and cpu_count.usable_cpus() == 8      # no quota set
+    (own / "cpu.max").write_text("max 100000\n")
+    (root / "kubepods" / "pod1" / "cpu.max").write_text("250000 100000\n")    # 2.5 CPUs on the pod
+    assert cpu_count.cgroup_cpu_quota() == 2.5 and cpu_count.usable_cpus() == 2
+    (own / "cpu.max").write_text("150000 100000\n")                           # its own is less: 1.5
+    assert cpu_count.usable_cpus() == 1
+    (own / "cpu.max").write_text("20000 100000\n")                            # a fifth of a CPU: still 1
+    assert cpu_count.usable_cpus() == 1
+    for f in (own / "cpu.max", root / "kubepods" / "pod1" / "cpu.max"):
+        f.unlink()
+    (root / "cpu").mkdir()                                                     # cgroup v1
+    (root / "cpu" / "cpu.cfs_quota_us").write_text("400000\n")
+    (root / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert cpu_count.usable_cpus() == 4
+    (root / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")                    # v1's "no limit"
+    assert cpu_count.usable_cpus() == 8
