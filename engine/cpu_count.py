@@ -9,7 +9,7 @@ from pathlib import Path
 # OpenMP settings that bind threads to cores: a bound thread's own mask is one core,
 # not what the process may use
 _BINDING_VARIABLES = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
-_CGROUP_CPUSET = "/sys/fs/cgroup/cpuset.cpus.effective"
+_CGROUP_CPUSET = "cpuset.cpus.effective"
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 _PROC_CGROUP = Path("/proc/self/cgroup")
 
@@ -93,11 +93,15 @@ def _quota_v1(folder: Path) -> float | None:
 
 
 def _cgroup_cpuset() -> frozenset[int] | None:
-    """The cores cgroup v2 allows this process ("0-3,6" in cpuset.cpus.effective), if it says."""
-    try:
-        with open(_CGROUP_CPUSET) as f:
-            text = f.read().strip()
-    except OSError:
+    """The cores cgroup v2 allows this process ("0-3,6" in its own cgroup's
+    cpuset.cpus.effective, else the nearest ancestor's that has one), if it says."""
+    for folder in _own_cgroup_v2_dirs():
+        try:
+            text = (folder / _CGROUP_CPUSET).read_text().strip()
+            break
+        except OSError:
+            continue
+    else:
         return None
     cores: set[int] = set()
     for part in filter(None, text.split(",")):

@@ -344,3 +344,18 @@ def test_usable_cores_are_at_most_the_cgroups_cpu_quota(monkeypatch, tmp_path):
     assert cpu_count.usable_cpus() == 4
     (root / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")                    # v1's "no limit"
     assert cpu_count.usable_cpus() == 8
+
+
+def test_the_cgroup_cpuset_read_is_the_processs_own_cgroups(monkeypatch, tmp_path):
+    from engine import cpu_count
+    root = tmp_path / "cgroup"
+    own = root / "system.slice" / "pdserve.service"
+    own.mkdir(parents=True)
+    (root / "cpuset.cpus.effective").write_text("0-63\n")           # the host's: not this process's
+    proc = tmp_path / "self_cgroup"
+    proc.write_text("0::/system.slice/pdserve.service\n")
+    monkeypatch.setattr(cpu_count, "_CGROUP_ROOT", root)
+    monkeypatch.setattr(cpu_count, "_PROC_CGROUP", proc)
+    assert cpu_count._cgroup_cpuset() == frozenset(range(64))       # none of its own: the nearest that says
+    (own / "cpuset.cpus.effective").write_text("2-3,6\n")
+    assert cpu_count._cgroup_cpuset() == frozenset({2, 3, 6})
