@@ -13,7 +13,8 @@ block's identity is its `content_id` (unique per filling, never reused), or,
 for a block computed again with the same tokens after the same prefix (two
 requests sharing a prompt in one step, a whole-prompt hit's last block), the
 identity of the registered block it duplicates: its descendants then stay
-findable through the registered one.
+findable through the registered one, and through the copy once the registered
+one is evicted (a copy takes over its registration).
 
 Free blocks that no lookup can find (no hash, or a private duplicate) are
 handed out before cached ones.
@@ -55,6 +56,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._by_hash: dict[int, int] = {}
+        self._copies: dict[int, set[int]] = {}      # identity -> blocks that duplicate the registered one
         self._content_ids = count(1)
 
     # ---- capacity -------------------------------------------------------------------------
@@ -99,12 +101,31 @@ class BlockManager:
     def _take_fresh(self) -> int:
         block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]
+        copies = self._copies.get(block.identity)
+        if copies is not None:
+            copies.discard(block_id)
         if block.hash is not NO_HASH and self._by_hash.get(block.hash) == block_id:
             del self._by_hash[block.hash]
+            self._register_a_copy(block)
+        if copies is not None and not copies:
+            del self._copies[block.identity]
         block.hash, block.token_ids, block.parent_content_id = NO_HASH, (), 0
         block.content_id = block.identity = next(self._content_ids)
         block.ref_count = 1
         return block_id
+
+    def _register_a_copy(self, evicted: Block) -> None:
+        """`evicted`'s registration (just dropped) goes to a copy of it, if one is left: the
+        blocks registered after it (its copy's sequence's continuation) stay findable. A copy
+        in use is preferred; a free one is kept as cached from now on."""
+        copies = self._copies.get(evicted.identity)
+        if not copies:
+            return
+        copy_id = max(copies, key=lambda i: self.blocks[i].ref_count)
+        copies.discard(copy_id)
+        self._by_hash[evicted.hash] = copy_id
+        if copy_id in self._free:
+            self._free.move_to_end(copy_id)      # no longer a free block nobody can find
 
     # ---- prefix caching --------------------------------------------------------------------
     def match_prefix(self, token_ids: list[int], block_table: list[int]) -> int:
@@ -170,6 +191,7 @@ class BlockManager:
                 if registered is not block:
                     if registered.token_ids == chunk and registered.parent_content_id == block.parent_content_id:
                         block.identity = registered.identity
+                        self._copies.setdefault(block.identity, set()).add(block.block_id)
                     else:
                         self._by_hash[block.hash] = block.block_id
         return max(num_full, num_already_cached)

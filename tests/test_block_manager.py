@@ -81,6 +81,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
                     assert blk.token_ids == chunk
 
 
+    @invariant()
+    def copies_are_unregistered_duplicates_of_their_identity(self):
+        for identity, copies in self.bm._copies.items():
+            assert copies, "an empty set of copies is kept"
+            for b in copies:
+                blk = self.bm.blocks[b]
+                assert blk.identity == identity and blk.identity != blk.content_id
+                assert self.bm._by_hash.get(blk.hash) != b, "a registered block is still listed as a copy"
+
+
 TestBlockManagerMachine = BlockManagerMachine.TestCase
 TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 
@@ -152,23 +162,56 @@ def test_a_prefix_computed_twice_keeps_the_later_blocks_findable():
     assert follow_up == a[:2] + [b[2]]
 
 
-def test_a_registered_block_whose_parent_was_recomputed_gives_its_hash_to_the_new_chain():
-    """S2 computed S1's one-block prompt X again (a private copy) and then its output Y,
-    registered under X's first identity; X's registered block is evicted; S3 computes X
-    and Y afresh. Y's old registration no longer verifies (its parent is gone): S3's Y
-    takes the hash over, so that S4 finds X and Y (before: only X, while S2 lived)."""
-    bm = BlockManager(num_blocks=6, block_size=BS)
-    x, y = [1, 2, 3, 4], [5, 6, 7, 8]
+def _whole_prompt_hit_then_output(bm: BlockManager, x: list[int], y: list[int]) -> tuple[list[int], list[int]]:
+    """S1 computes the one-block prompt X; S2 sends X again (a whole-prompt hit computes its block
+    again: a private copy) and writes its output Y, registered under X's first identity."""
     s1: list[int] = []
     bm.allocate(s1, 4)
     bm.cache_full_blocks(x, s1, 4, 0)
     s2: list[int] = []
     assert bm.match_prefix(x, s2) == 0             # a whole-prompt hit leaves its block to compute
     bm.allocate(s2, 8)
-    bm.cache_full_blocks(x + y, s2, 8, 0)          # s2[1] (Y) registered under s1[0]'s identity
+    bm.cache_full_blocks(x + y, s2, 8, 0)
+    return s1, s2
+
+
+def test_a_copy_takes_over_the_registration_of_an_evicted_block():
+    """X's registered block is evicted while S2 still holds its copy of X: the copy is registered
+    in its place, so S3 finds X and Y in S2's blocks (before: Y was out of reach, and S3 computed
+    X and Y again while S2 held both)."""
+    bm = BlockManager(num_blocks=6, block_size=BS)
+    x, y = [1, 2, 3, 4], [5, 6, 7, 8]
+    s1, s2 = _whole_prompt_hit_then_output(bm, x, y)
+    registered_x, copy_and_y = s1[0], list(s2)
     bm.free(s1)
     taken: list[int] = []
     assert bm.allocate(taken, 4 * bm.num_free_blocks)   # every free block, s1[0] (X) last: evicted
+    assert registered_x in taken
+    bm.free(taken)
+    s3: list[int] = []
+    assert bm.match_prefix(x + y + [0], s3) == 8 and s3 == copy_and_y
+    bm.free(s2)
+    bm.free(s3)
+    crowd: list[int] = []
+    assert bm.allocate(crowd, 4 * (bm.num_free_blocks - 2))    # all but the two cached blocks
+    bm.free(crowd)
+    s4: list[int] = []
+    assert bm.match_prefix(x + y + [9], s4) == 8 and s4 == copy_and_y   # kept as cached once free
+
+
+def test_a_registered_block_whose_parent_was_recomputed_gives_its_hash_to_the_new_chain():
+    """X's registered block and its copy are both evicted while Y (registered under X's first
+    identity) is still cached; S3 computes X and Y afresh. Y's old registration no longer
+    verifies (its parent is gone): S3's Y takes the hash over, so that S4 finds X and Y."""
+    bm = BlockManager(num_blocks=6, block_size=BS)
+    x, y = [1, 2, 3, 4], [5, 6, 7, 8]
+    s1, s2 = _whole_prompt_hit_then_output(bm, x, y)
+    (registered_x,), (copy_x, y_block) = s1, s2
+    bm.free(s1)                                    # X last but one to be evicted ...
+    bm.free(s2)                                    # ... Y last; S2's copy of X first
+    taken: list[int] = []
+    assert bm.allocate(taken, 4 * (bm.num_free_blocks - 1))
+    assert registered_x in taken and copy_x in taken and y_block not in taken
     bm.free(taken)
     s3: list[int] = []
     assert bm.match_prefix(x + y + [0], s3) == 0
