@@ -25,13 +25,15 @@ def test_the_last_token_of_a_sequence_whose_start_the_output_ends_with_is_banned
 
 
 def test_a_word_is_encoded_alone_and_after_a_space(tokenizer):
-    word = "Hello"
-    alone = tokenizer.encode(word, add_special_tokens=False)
-    spaced = tokenizer.encode(" " + word, add_special_tokens=False)
-    seqs = tokenize_bad_words(tokenizer, [word, word], len(tokenizer))      # a repeated word counts once
-    assert seqs[0] == alone
+    def encode(text):
+        return tokenizer.encode(text, add_special_tokens=False)
     # vLLM's rule: the spaced form too, where it starts with another token and is as long
-    assert (spaced in seqs) == (spaced[0] != alone[0] and len(spaced) == len(alone))
+    quick, spaced_quick = encode("quick"), encode(" quick")
+    assert len(quick) == len(spaced_quick) and quick[0] != spaced_quick[0]     # (this tokenizer's)
+    assert tokenize_bad_words(tokenizer, ["quick", "quick"], len(tokenizer)) == [quick, spaced_quick]  # once
+    hello, spaced_hello = encode("Hello"), encode(" Hello")
+    assert len(hello) != len(spaced_hello)                                       # (this tokenizer's)
+    assert tokenize_bad_words(tokenizer, ["Hello"], len(tokenizer)) == [hello]   # not as long: left out
     with pytest.raises(SamplingParamsError, match="bad_words"):
         SamplingParams(bad_words=[" "])
 

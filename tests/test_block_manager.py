@@ -3,6 +3,8 @@ that match the sharing, and prefix hits that are verified against the tokens."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -288,7 +290,9 @@ def test_blocks_needed_matches_ceiling(lengths):
     total = 0
     for n in lengths:
         total += n
-        expected = -(-total // BS) - len(table)
+        expected = math.ceil(total / BS) - len(table)
         assert bm.blocks_needed(table, total) == expected
         assert bm.allocate(table, total)
-        assert len(table) == -(-total // BS)
+        assert len(table) == math.ceil(total / BS)
+        assert bm.blocks_needed(table, total - min(total, BS + 1)) == 0    # a table that holds more needs none
+    assert [bm.blocks_needed([], n) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]    # (BS 4, by hand)

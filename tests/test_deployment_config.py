@@ -169,8 +169,9 @@ def test_autoscaled_pools_start_within_the_budget_and_bounds(autoscaling, pools,
     data = {"slo": {"ttft_ms": 1000, "tpot_ms": 100}, "autoscaling": {"enabled": True, **autoscaling}, **pools}
     with pytest.raises(ValidationError, match=match):
         DeploymentConfig.model_validate(data)
-    assert DeploymentConfig.model_validate({**data, "autoscaling": {"enabled": True, "budget": 4,
-                                                                    "min_replicas": {"prefill": 0}}})
+    fixed = DeploymentConfig.model_validate({**data, "autoscaling": {"enabled": True, "budget": 4,
+                                                                     "min_replicas": {"prefill": 0}}})
+    assert fixed.autoscaling_settings().budget == 4
 
 
 @pytest.mark.timeout(30)
@@ -183,11 +184,11 @@ def test_room_to_move_counts_each_roles_ranks_and_not_every_split():
                                               r"budget of 6 ranks"):
         DeploymentConfig.model_validate({**wide_decode, "autoscaling": {"enabled": True, "budget": 6,
                                                                         "max_replicas": {"prefill": 1}}})
-    # room for a prefill replica (1 rank) but not a decode one (4)
-    assert DeploymentConfig.model_validate({**wide_decode, "autoscaling": {"enabled": True, "budget": 6}})
+    # room for a prefill replica (1 rank) but not a decode one (4): valid (a refusal raises)
+    DeploymentConfig.model_validate({**wide_decode, "autoscaling": {"enabled": True, "budget": 6}})
     # room for a decode replica only once the budget holds its 4 ranks
-    assert DeploymentConfig.model_validate({**wide_decode, "autoscaling": {"enabled": True, "budget": 9,
-                                                                           "max_replicas": {"prefill": 1}}})
+    DeploymentConfig.model_validate({**wide_decode, "autoscaling": {"enabled": True, "budget": 9,
+                                                                    "max_replicas": {"prefill": 1}}})
     huge = DeploymentConfig.model_validate({**slo, "autoscaling": {"enabled": True, "budget": 1_000_000}})
     assert huge.autoscaling_settings().budget == 1_000_000
 

@@ -899,9 +899,10 @@ def test_a_hub_model_id_finds_its_tokenizer_in_the_local_huggingface_cache(tmp_p
     from engine.tokenizer import load_tokenizer
     snapshot = tmp_path / "hub" / "models--acme--chat-model" / "snapshots" / "abc123"
     snapshot.mkdir(parents=True)
+    cached = model_dirs["tiny-qwen2"]          # a tokenizer that is not the built-in tiny one
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (model_dirs["tiny"] / name).exists():
-            shutil.copy(model_dirs["tiny"] / name, snapshot / name)
+        if (cached / name).exists():
+            shutil.copy(cached / name, snapshot / name)
     (tmp_path / "hub" / "models--acme--chat-model" / "refs").mkdir()
     (tmp_path / "hub" / "models--acme--chat-model" / "refs" / "main").write_text("abc123")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
@@ -909,7 +910,9 @@ def test_a_hub_model_id_finds_its_tokenizer_in_the_local_huggingface_cache(tmp_p
     args = argparse.Namespace(tokenizer=None, model="acme/chat-model")
     tokenizer, source = _resolve_tokenizer(args, "chat-model")
     assert source == "acme/chat-model (the local HuggingFace cache)"
-    assert tokenizer.encode("a quiet harbour") == load_tokenizer(model_dirs["tiny"]).encode("a quiet harbour")
+    text = "a quiet harbour"
+    built_in = load_tokenizer(model_dirs["tiny"]).encode(text)
+    assert tokenizer.encode(text) == load_tokenizer(cached).encode(text) != built_in
     assert _resolve_tokenizer(argparse.Namespace(tokenizer=None, model="acme/not-cached"), "x") == (None, None)
 
 
