@@ -161,14 +161,16 @@ class ModelWorker:
         config = self.config
         if self.device.type == "cuda" and config.num_kv_blocks is None:
             torch.cuda.empty_cache()   # what loading freed is free for the KV cache, not held by the allocator
-            if self.tp.size > 1:
-                # the tensor group's NCCL communicator comes with its first collective, in memory of its
-                # own (outside torch's allocator, so no measured peak has it): made first, the budget has it
-                self.tp.all_reduce(torch.zeros(1, device=self.tp.comm_device))
-                torch.cuda.synchronize(self.device)
+            # profiled first: its passes run every collective and kernel a step runs, so the memory
+            # that takes outside torch's allocator (no measured peak has it) is in use when the free
+            # memory is read: NCCL's communicators and the buffers each of their algorithms sets up
+            # on first use, cuBLAS's handles and workspaces, the kernels' code
+            reserve = self._activation_reserve(spec)
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
             budget = gpu_kv_budget_bytes(self.device, config.gpu_memory_utilization)
             staging = int(config.kv_transfer_staging_gib * GIB)
-            num = spec.num_blocks_for(max(0, budget - self._activation_reserve(spec) - staging))
+            num = spec.num_blocks_for(max(0, budget - reserve - staging))
         else:
             num = cpu_kv_blocks(config, spec, self.max_model_len)
         if problem := kv_capacity_problem(num, spec.block_size, self.max_model_len):

@@ -66,7 +66,8 @@ def test_the_kv_cache_on_a_gpu_leaves_the_staging_budget_free(model_dirs, monkey
     spec = worker.kv_cache.spec
     worker.device = torch.device("cuda")
     worker.config.num_kv_blocks = None
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a, **k: None)
+    for name in ("synchronize", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
     monkeypatch.setattr(model_worker, "gpu_kv_budget_bytes", lambda device, utilization: 10 * 2**30)
     monkeypatch.setattr(worker, "_activation_reserve", lambda spec: 2**30)
     worker.config.kv_transfer_staging_gib = 0.0
@@ -74,6 +75,30 @@ def test_the_kv_cache_on_a_gpu_leaves_the_staging_budget_free(model_dirs, monkey
     worker.config.kv_transfer_staging_gib = 2.0
     assert without == 9 * 2**30 // spec.bytes_per_block
     assert worker._num_kv_blocks(spec) == 7 * 2**30 // spec.bytes_per_block
+
+
+def test_the_free_memory_is_read_after_the_profiling_passes(model_dirs, monkeypatch):
+    """The profile's passes set up what a step needs outside torch's allocator (NCCL's buffers for
+    each algorithm a step's all-reduces take, cuBLAS's workspaces): read before them, the budget
+    counted that memory as free for the KV cache."""
+    from engine import model_worker
+
+    llm = LLM(str(model_dirs["tiny"]), max_model_len=128, dtype="float32")
+    worker = llm.engine.worker
+    spec = worker.kv_cache.spec
+    worker.device = torch.device("cuda")
+    worker.config.num_kv_blocks = None
+    worker.config.kv_transfer_staging_gib = 0.0
+    for name in ("synchronize", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    free = [10 * 2**30]
+
+    def profile(spec):
+        free[0] -= 2**30          # set up by the passes, outside the allocator: not in their peak
+        return 2**30
+    monkeypatch.setattr(worker, "_activation_reserve", profile)
+    monkeypatch.setattr(model_worker, "gpu_kv_budget_bytes", lambda device, utilization: free[0])
+    assert worker._num_kv_blocks(spec) == 8 * 2**30 // spec.bytes_per_block     # before: 9 GiB of KV
 
 
 def test_the_prefill_peak_is_profiled_over_a_steps_whole_budget(model_dirs, monkeypatch):
