@@ -136,14 +136,17 @@ class AdmissionControl:
         self.decode_costs: list[StepCost] = []   # the decode replicas' that priced steps (module doc)
 
     # ---- the checks ---------------------------------------------------------------------------
-    def check_before_tokenizing(self) -> float:
-        """Counts the request's arrival and returns its time (for `withdraw`); raises
-        Overloaded when the queue alone is past a bound or the SLO."""
+    def check_before_tokenizing(self, counted: bool = True) -> float | None:
+        """Counts the request's arrival and returns its time (for `withdraw`; None where
+        not `counted`: a client's retry, counted when first offered, would count a
+        refused request twice or three times as demand); raises Overloaded when the
+        queue alone is past a bound or the SLO."""
         s = self.settings
         now = self.clock()
         if self._first_arrival is None:
             self._first_arrival = now
-        self._arrivals.append(now)
+        if counted:
+            self._arrivals.append(now)
         while self._arrivals and self._arrivals[0] < now - s.overload_window_s:
             self._arrivals.popleft()
         if s.max_waiting_requests is not None and self.waiting_requests >= s.max_waiting_requests:
@@ -154,7 +157,7 @@ class AdmissionControl:
                                f"server queues ({s.max_waiting_prompt_tokens})")
         self._check_slo(0, self._prefilled_locally(0))
         self._check_tpot(self._prefill_tokens_per_step(self.mean_prompt_tokens or 0.0, max_tokens=None))
-        return now
+        return now if counted else None
 
     def withdraw(self, arrival: float) -> None:
         """The request that arrived at `arrival` (check_before_tokenizing's) turned out

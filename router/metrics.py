@@ -176,10 +176,13 @@ class ServingMetrics:
         a long stream's would show up a whole stream late)."""
         self._ttft.observe(seconds)
 
-    def observe_rejection(self, reason: str) -> None:
+    def observe_rejection(self, reason: str, offered: bool = True) -> None:
+        """A request refused for `reason`; a client's retry (`offered` False) counts in the
+        metric but not for the listeners, which counted it when it was first offered."""
         self._rejected.labels(reason=reason).inc()
-        for listener in self._listeners:
-            listener.on_refusal(reason)
+        if offered:
+            for listener in self._listeners:
+                listener.on_refusal(reason)
 
     def observe_error(self, status: int) -> None:
         self._errors.labels(status=str(status)).inc()

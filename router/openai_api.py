@@ -95,6 +95,13 @@ _TEXT_MARGIN = 4
 _TEMPLATE_FAILURE_LOG = SpacedLog(log, every_s=60.0, level=logging.INFO)
 
 
+def _is_client_retry(headers) -> bool:
+    """Whether the request is a client's retry of one it sent before: the OpenAI SDKs
+    (Python, Node) number their tries in X-Stainless-Retry-Count, 0 for the first."""
+    count = headers.get("x-stainless-retry-count", "")
+    return count.isascii() and count.isdigit() and int(count) > 0
+
+
 def _installed_version() -> str:
     try:
         return importlib.metadata.version("pdserve")
@@ -278,7 +285,9 @@ class _Server:
         self.check_model(body.model)
         body.check_supported()
         self._check_request_limits(body)
-        arrived = self._check_before_tokenizing()
+        # a client's retry (of a 429, a timeout) was counted as demand when it was first offered
+        offered = not _is_client_retry(request.headers)
+        arrived = self._check_before_tokenizing(offered)
         try:
             batch = [body] if chat else body.prompts()
             prompts = [await self._planned(one, chat, i if len(batch) > 1 else None) for i, one in enumerate(batch)]
@@ -291,12 +300,12 @@ class _Server:
 
         request_id = f"{'chat' if chat else ''}{self.prefix}-{uuid.uuid4().hex}"
         n = body.choices
-        tickets = self._admit(prompts, n, arrived)
+        tickets = self._admit(prompts, n, arrived, offered)
         # choice p * n + j: prompt p's choice j (OpenAI's and vLLM's index for a batch)
         plan_of = [(plan, j, tickets[p][j]) for p, plan in enumerate(prompts) for j in range(n)]
         choices = Choices([Generation(self.backend, self.metrics, self.admission,
                                       request_id if len(plan_of) == 1 else f"{request_id}-{i}", plan.ids,
-                                      plan.choice_params[j], arrival, ticket, shares_prompt=j > 0)
+                                      plan.choice_params[j], arrival, ticket, shares_prompt=j > 0, offered=offered)
                            for i, (plan, j, ticket) in enumerate(plan_of)],
                           prompt_tokens=sum(len(plan.ids) for plan in prompts))
         fmts = [plan.fmt for plan, _, _ in plan_of]
@@ -546,38 +555,43 @@ class _Server:
             rendered = rendered["input_ids"]
         return [int(t) for t in rendered]
 
-    def _check_before_tokenizing(self) -> float | None:
+    def _check_before_tokenizing(self, offered: bool = True) -> float | None:
         """Admission control's checks that need no prompt length (router/admission.py):
-        the arrival's time, to withdraw it should the request turn out invalid."""
+        the arrival's time, to withdraw it should the request turn out invalid (None:
+        not counted as an arrival, as `offered` False says of a client's retry)."""
         if self.admission is None:
             return None
-        with self._counting_refusals([(None, None)]):
-            return self.admission.check_before_tokenizing()
+        with self._counting_refusals([(None, None)], offered):
+            return self.admission.check_before_tokenizing(counted=offered)
 
-    def _admit(self, prompts: list[_PlannedPrompt], choices: int,
-               arrived: float | None) -> list[list[Admitted | None]]:
+    def _admit(self, prompts: list[_PlannedPrompt], choices: int, arrived: float | None,
+               offered: bool = True) -> list[list[Admitted | None]]:
         """Admission control's checks with the prompts' lengths and output bounds: each
         prompt once, each of its choices as a sequence of its own (a ticket each, with
-        admission control on). All or none are admitted. arrived: _check_before_tokenizing's."""
+        admission control on). All or none are admitted. arrived: _check_before_tokenizing's;
+        offered: whether a refusal counts as demand (not for a client's retry)."""
         if self.admission is None:
             return [[None] * choices for _ in prompts]
         per_prompt = [(len(plan.ids), plan.max_tokens) for plan in prompts]
         # each choice is a sequence to decode; the prompt is prefilled once (the others read it cached)
         demands = [(tokens if j == 0 else 0, max_tokens) for tokens, max_tokens in per_prompt for j in range(choices)]
-        with self._counting_refusals(demands):
+        with self._counting_refusals(demands, offered):
             return self.admission.admit_prompts(per_prompt, choices, arrived)
 
     @contextmanager
-    def _counting_refusals(self, demands: list[tuple[int | None, int | None]]) -> Iterator[None]:
+    def _counting_refusals(self, demands: list[tuple[int | None, int | None]],
+                           offered: bool = True) -> Iterator[None]:
         """Counts a refusal by its reason, and the refused request's `demands` (prompt
         tokens, max_tokens: one per sequence it asked for) as arrivals all the same,
-        as admitted ones count."""
+        as admitted ones count; a client's retry (`offered` False) only in the refusals'
+        metric, as demand was counted when it was first offered."""
         try:
             yield
         except Overloaded as exc:
-            self.metrics.observe_rejection(exc.reason)
-            for num_prompt_tokens, max_tokens in demands:
-                self.metrics.observe_arrival(num_prompt_tokens, max_tokens)
+            self.metrics.observe_rejection(exc.reason, offered)
+            if offered:
+                for num_prompt_tokens, max_tokens in demands:
+                    self.metrics.observe_arrival(num_prompt_tokens, max_tokens)
             raise
 
     def _check_request_limits(self, body: CompletionRequest | ChatCompletionRequest) -> None:

@@ -569,23 +569,33 @@ def test_a_busy_server_answers_429_at_once_and_serves_what_it_admitted():
         held = [threading.Thread(target=send) for _ in range(3)]
         for t in held:
             t.start()
-        deadline = time.monotonic() + 10
-        while admission.waiting_requests < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert admission.waiting_requests == 3
-        # refused at once: one that joined the queue would wait as long as the held ones (for ever)
-        r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3})
-        assert r.status_code == 429 and r.json()["error"]["code"] == "server_overloaded"
-        assert int(r.headers["Retry-After"]) >= 1
-        backend.release.set()
+        try:       # (released whatever fails: the held requests would hold the client for ever)
+            deadline = time.monotonic() + 10
+            while admission.waiting_requests < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert admission.waiting_requests == 3
+            # refused at once: one that joined the queue would wait as long as the held ones (for ever)
+            body = {"model": MODEL, "prompt": "Hi", "max_tokens": 3}
+            r = client.post("/v1/completions", json=body, headers={"X-Stainless-Retry-Count": "0"})   # a first try
+            assert r.status_code == 429 and r.json()["error"]["code"] == "server_overloaded"
+            assert int(r.headers["Retry-After"]) >= 1
+            arrivals = len(admission._arrivals)
+            # the openai client's retry of it: refused again, and no second arrival of the same demand
+            retry = client.post("/v1/completions", json=body, headers={"X-Stainless-Retry-Count": "1"})
+            assert retry.status_code == 429 and len(admission._arrivals) == arrivals == 4
+        finally:
+            backend.release.set()
         for t in held:
             t.join(timeout=30)
+        # its second retry is served, as demand counted once (at the first try)
+        assert client.post("/v1/completions", json=body, headers={"X-Stainless-Retry-Count": "2"}).status_code == 200
+        assert len(admission._arrivals) == arrivals
         assert [x.status_code for x in results] == [200, 200, 200]
         assert admission.waiting_requests == 0 and admission.waiting_tokens == 0
         # each ended with its 3 tokens: the output length the TPOT bound expects next
         assert admission.running == 0 and admission.mean_output_tokens == pytest.approx(3)
         text = client.get("/metrics").text
-        assert 'pdserve_requests_rejected_total{reason="queue_requests"} 1.0' in text
+        assert 'pdserve_requests_rejected_total{reason="queue_requests"} 2.0' in text     # every 429
     # the refused request is demand too (refused before tokenizing: no prompt length)
     prompt_len = len(tokenizer("Hi")["input_ids"])
     assert sorted(offered, key=lambda n: n[0] is None) == [(prompt_len, 3)] * 3 + [(None, None)]
