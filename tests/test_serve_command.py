@@ -37,6 +37,30 @@ def test_flags_override_the_config_file():
     assert config.engine.kv_cache_memory_gib == 0.25   # kept from the file
 
 
+def test_vllm_serves_flags_set_the_model_the_engine_and_every_pools_tp():
+    """What a `vllm serve` command line says works here too: the model as its first word, the
+    engine's flags under vLLM's names, -tp for every pool the mode runs (a pool's own flag wins)."""
+    def serve(*flags):
+        return config_from_args(build_parser().parse_args(["serve", *flags]))
+
+    config = serve("bench", "--max-num-seqs", "8", "--max-num-batched-tokens", "1024", "--block-size", "32",
+                   "--gpu-memory-utilization", "0.8", "--no-enable-prefix-caching", "--enforce-eager", "-tp", "2")
+    assert config.model.path == "bench"
+    e = config.engine
+    assert (e.max_num_seqs, e.max_num_batched_tokens, e.block_size, e.gpu_memory_utilization) == (8, 1024, 32, 0.8)
+    assert e.enable_prefix_caching is False and e.enforce_eager is True
+    assert (config.prefill.tensor_parallel_size, config.decode.tensor_parallel_size) == (2, 2)
+    config = serve("--tensor-parallel-size", "2", "--decode-tp", "1")
+    assert (config.prefill.tensor_parallel_size, config.decode.tensor_parallel_size) == (2, 1)
+    assert serve("--mode", "colocated", "-tp", "2").colocated.tensor_parallel_size == 2
+    assert serve("--config", str(REPO / "configs/tiny-cpu.yaml"), "--max-num-seqs", "4").engine.max_num_seqs == 4
+    assert serve().engine.enable_prefix_caching is True           # unset flags keep the defaults
+    with pytest.raises(ConfigFileError, match="the model is given twice, as bench and --model tiny"):
+        serve("bench", "--model", "tiny")
+    with pytest.raises(ConfigFileError, match=r"engine\.gpu_memory_utilization \(set on the command line\)"):
+        serve("--gpu-memory-utilization", "1.5")
+
+
 def test_no_flags_serve_the_tiny_model_disaggregated_on_cpu():
     config = config_from_args(build_parser().parse_args(["serve"]))
     assert config.model.path is None and config.device == "cpu"

@@ -49,6 +49,10 @@ FLAG_SETTINGS = {
     "autoscale": "autoscaling.enabled", "max_replicas": "autoscaling.budget",
     "allowed_origins": "http.allowed_origins", "allow_credentials": "http.allow_credentials",
     "log_level": "log_level",
+    # the engine flags vLLM's `vllm serve` takes, under its names
+    "max_num_seqs": "engine.max_num_seqs", "max_num_batched_tokens": "engine.max_num_batched_tokens",
+    "gpu_memory_utilization": "engine.gpu_memory_utilization", "block_size": "engine.block_size",
+    "enable_prefix_caching": "engine.enable_prefix_caching", "enforce_eager": "engine.enforce_eager",
 }
 _POOLS = ("prefill", "decode", "colocated")
 SERVE_POLICY = "cluster.autoscaler.serve_policy:router_targets"
@@ -58,6 +62,7 @@ API_KEY_ENV = "PDSERVE_API_KEY"
 def add_serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI API from a Ray cluster (Ctrl-C stops it)")
     p.add_argument("--config", help="deployment YAML file (see configs/)")
+    p.add_argument("model_path", nargs="?", metavar="MODEL", help="the model, as --model (`vllm serve MODEL`)")
     p.add_argument("--model",
                    help="HuggingFace checkpoint directory, or a built-in model: tiny (the default), bench, ...")
     p.add_argument("--served-model-name")
@@ -76,9 +81,23 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--decode-tp", type=int)
     p.add_argument("--colocated-replicas", type=int)
     p.add_argument("--colocated-tp", type=int)
+    p.add_argument("-tp", "--tensor-parallel-size", type=int,
+                   help="the TP degree of every pool the mode runs, where --prefill-tp / --decode-tp / "
+                        "--colocated-tp do not set it")
     p.add_argument("--device", choices=["cpu", "cuda"])
     p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--max-model-len", type=int)
+    engine = p.add_argument_group("engine (every worker's; a deployment file's engine: section)")
+    engine.add_argument("--max-num-seqs", type=int, help="sequences a step holds at most (256)")
+    engine.add_argument("--max-num-batched-tokens", type=int,
+                        help="tokens a step holds at most, prompt chunks and decodes (512 on CPU, 8192 on CUDA)")
+    engine.add_argument("--gpu-memory-utilization", type=float,
+                        help="CUDA: the fraction of each GPU the process may fill, weights and KV (0.9)")
+    engine.add_argument("--block-size", type=int, help="tokens per KV block (16)")
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                        help="reuse the KV of prompt prefixes seen before (on)")
+    engine.add_argument("--enforce-eager", action="store_true", default=None,
+                        help="CUDA: run every step eagerly, without CUDA graphs")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: the "
                         "PDSERVE_API_KEY environment variable, if set); only the key's SHA-256 is deployed")
@@ -104,6 +123,12 @@ def config_from_args(args: argparse.Namespace):
     a flag that would be ignored."""
     from cluster.config import ConfigFileError, load_config
 
+    positional = getattr(args, "model_path", None)
+    if positional is not None:
+        if args.model is not None and args.model != positional:
+            raise ConfigFileError(f"the model is given twice, as {positional} and --model {args.model}: "
+                                  "give one")
+        args.model = positional
     overrides = {key: getattr(args, dest, None) for dest, key in FLAG_SETTINGS.items()}
     for name, ms in getattr(args, "slo", None) or []:
         overrides[f"slo.{name}_ms"] = ms
@@ -115,6 +140,13 @@ def config_from_args(args: argparse.Namespace):
         overrides["http.api_key_sha256"] = api_key_digest(key)   # wins over the file's key settings
     from_env = os.environ.get(API_KEY_ENV)
     config = load_config(args.config, overrides)
+    tp = getattr(args, "tensor_parallel_size", None)
+    if tp is not None:      # every pool the mode runs, but one its own flag sets
+        for pool in config.pools():
+            overrides.setdefault(f"{pool}.tensor_parallel_size", None)
+            if overrides[f"{pool}.tensor_parallel_size"] is None:
+                overrides[f"{pool}.tensor_parallel_size"] = tp
+        config = load_config(args.config, overrides)
     names_own_key = bool(config.http.api_key_env or config.http.api_key_sha256)
     if not key and not names_own_key and from_env is not None and not from_env.strip():
         raise ConfigFileError(f"{API_KEY_ENV} is set but empty (an unset value in an environment file?): give the "
