@@ -4,6 +4,7 @@
     llm = LLM(model="/path/to/checkpoint", dtype="float32")
     outs = llm.generate(["Hello", "The capital of"], SamplingParams(max_tokens=32))
     outs[0].text, outs[0].token_ids
+    llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=32))
 
 All prompts are scheduled together (continuous batching). A prompt is a string,
 a list of token ids, or {"prompt_token_ids": [...]}. `LLM(..., tensor_parallel_size=N)`
@@ -18,7 +19,7 @@ keeps the other open streams' outputs for them.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from engine.engine_config import EngineConfig
@@ -66,6 +67,34 @@ class LLM:
                     self.engine.abort_request(request_id)
             raise
         return [finished[i] for i in ids]
+
+    def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (a list of {"role", "content"} messages) or
+        a list of them, rendered with the model's chat template and generated as
+        generate() does; one finished output per conversation. ValueError when the
+        tokenizer has no chat template or the template refuses a conversation."""
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message exclude each other: the reply "
+                             "either starts a new assistant message or continues the last one")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("this model's tokenizer has no chat template: give generate() the prompt text")
+        single = isinstance(messages, Sequence) and bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if single else list(messages)
+        prompts = []
+        for i, conversation in enumerate(conversations):
+            try:
+                rendered = self.tokenizer.apply_chat_template(
+                    list(conversation), add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message, tokenize=True, **(chat_template_kwargs or {}))
+            except Exception as exc:  # noqa: BLE001 - templates refuse conversations by raising anything
+                raise ValueError(f"the chat template cannot render conversation {i}: {exc}") from None
+            if isinstance(rendered, Mapping):     # transformers 5: a BatchEncoding
+                rendered = rendered["input_ids"]
+            prompts.append([int(t) for t in rendered])
+        return self.generate(prompts, sampling_params)
 
     def shutdown(self) -> None:
         """Stops the engine's tensor-parallel rank processes, if it has any."""
