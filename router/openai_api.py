@@ -401,14 +401,17 @@ class _Server:
         tokenized = await self._tokenize(body, prompt_param, keep)
         prompt_ids = self._truncated(body, tokenized, keep)
         self._check_prompt(prompt_ids, prompt_param)
-        # chat: the rest of the context; completions: 16 as OpenAI's and vLLM's (or min_tokens, if more)
+        # chat: the rest of the context, or the checkpoint's max_new_tokens if less (vLLM's); completions:
+        # 16 as OpenAI's and vLLM's (or min_tokens, if more)
         default_max = self.info.max_model_len - len(prompt_ids)
         if not chat:
             default_max = min(default_max, max(COMPLETION_DEFAULT_MAX_TOKENS, body.min_tokens or 0))
+        elif "max_tokens" in self.info.sampling_defaults:
+            default_max = min(default_max, max(int(self.info.sampling_defaults["max_tokens"]), body.min_tokens or 0))
         if self.limits.max_tokens is not None:
             default_max = min(default_max, self.limits.max_tokens)
         params = body.to_sampling_params(default_max, self.info.sampling_defaults)
-        self._check_context(len(prompt_ids), params, body.max_tokens_param, prompt_param)
+        params = self._fit_to_context(len(prompt_ids), params, body.max_tokens_param, prompt_param)
         text_cut = keep is not None and isinstance(body, CompletionRequest) and \
             self._text_to_tokenize(body, keep) is not None
         return prompt_ids, params, text_cut or len(prompt_ids) < len(tokenized)
@@ -676,19 +679,28 @@ class _Server:
             raise InvalidRequestError(f"The prompt contains token id {bad}, outside the model's "
                                       f"vocabulary [0, {vocab}).", param=param)
 
-    def _check_context(self, num_prompt: int, params: SamplingParams, max_tokens_param: str,
-                       prompt_param: str) -> None:
+    def _fit_to_context(self, num_prompt: int, params: SamplingParams, max_tokens_param: str,
+                        prompt_param: str) -> SamplingParams:
+        """`params` checked against the vocabulary and the context, as vLLM (0.32) does: a
+        max_tokens past the model's context is refused; one the prompt leaves less room
+        for is cut to the room left (the output then ends with finish_reason "length"),
+        unless min_tokens needs more. The prompt leaves room (_check_prompt)."""
         try:
             params.validate_against_vocab(self.info.vocab_size)
         except SamplingParamsError as exc:
             raise InvalidRequestError(str(exc), param=exc.field) from None
-        limit, total = self.info.max_model_len, num_prompt + params.max_tokens
-        if total > limit:
+        limit, room = self.info.max_model_len, self.info.max_model_len - num_prompt
+        if params.max_tokens > limit:
             raise InvalidRequestError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{total} tokens ({num_prompt} in the {prompt_param}, {params.max_tokens} in the "
-                f"completion). Please reduce the length of the {prompt_param} or "
-                f"{max_tokens_param}.", param=max_tokens_param)
+                f"{max_tokens_param}={params.max_tokens} cannot be greater than this model's maximum context "
+                f"length of {limit} tokens. Please request fewer output tokens.", param=max_tokens_param)
+        if params.min_tokens > room:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens. However, you requested at least "
+                f"{num_prompt + params.min_tokens} tokens ({num_prompt} in the {prompt_param}, min_tokens "
+                f"{params.min_tokens} in the completion). Please reduce the length of the {prompt_param} or "
+                "min_tokens.", param="min_tokens")
+        return dataclasses.replace(params, max_tokens=room) if params.max_tokens > room else params
 
     async def _events(self, choices: Choices, first: tuple[int, RequestOutput], fmts: list[ResponseBuilder],
                       header: dict[str, Any], include_usage: bool,

@@ -257,9 +257,11 @@ def test_the_models_generation_config_sets_what_a_request_leaves_unset(tokenizer
 
     from engine.model.model_config import generation_sampling_defaults
     (tmp_path / "generation_config.json").write_text(json.dumps(
-        {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 2.0, "do_sample": True}))
+        {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 2.0, "do_sample": True, "presence_penalty": 1.5,
+         "frequency_penalty": 0.25, "max_new_tokens": 7}))
     defaults = generation_sampling_defaults(tmp_path)
-    assert defaults == {"temperature": 0.6, "top_p": 0.9, "top_k": 20}
+    assert defaults == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "presence_penalty": 1.5,
+                        "frequency_penalty": 0.25, "max_tokens": 7}
 
     class Recommending(FakeBackend):
         def model_info(self):
@@ -269,8 +271,14 @@ def test_the_models_generation_config_sets_what_a_request_leaves_unset(tokenizer
         assert client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
         assert client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 2, "temperature": 0,
                                               "top_k": 5}).status_code == 200
-    (_, _, first), (_, _, second) = backend.calls
+        # max_new_tokens: a chat's max_tokens when it gives none (completions keep OpenAI's 16)
+        assert client.post(CHAT, json={"messages": USER}).status_code == 200
+        assert client.post(CHAT, json={"messages": USER, "max_tokens": 9}).status_code == 200
+        assert client.post(COMPLETIONS, json={"prompt": "Hi"}).status_code == 200
+    (_, _, first), (_, _, second), *rest = backend.calls
+    assert [params.max_tokens for _, _, params in rest] == [7, 9, 16]
     assert (first.temperature, first.top_p, first.top_k, first.min_p) == (0.6, 0.9, 20, 0.0)
+    assert (first.presence_penalty, first.frequency_penalty) == (1.5, 0.25)
     assert (second.temperature, second.top_p, second.top_k) == (0.0, 0.9, 5)
 
 
@@ -673,8 +681,10 @@ LONG = list(range(3, 3 + MAX_MODEL_LEN))
     (COMPLETIONS, {"prompt": "Hi", "min_tokens": 9, "max_tokens": 3}, 400, "min_tokens", "max_tokens=3"),
     (COMPLETIONS, {"prompt": "Hi", "stop_token_ids": [1, 600]}, 400, "stop_token_ids", "600"),
     (COMPLETIONS, {"prompt": LONG}, 400, "prompt", "maximum context length is 64 tokens"),
-    (COMPLETIONS, {"prompt": [5] * 10, "max_tokens": 60}, 400, "max_tokens",
-     "you requested 70 tokens (10 in the prompt, 60 in the completion)"),
+    (COMPLETIONS, {"prompt": [5] * 10, "max_tokens": 65}, 400, "max_tokens",
+     "max_tokens=65 cannot be greater than this model's maximum context length of 64 tokens"),
+    (COMPLETIONS, {"prompt": [5] * 10, "max_tokens": 60, "min_tokens": 55}, 400, "min_tokens",
+     "you requested at least 65 tokens (10 in the prompt, min_tokens 55 in the completion)"),
     (COMPLETIONS, {"prompt": [5, 600]}, 400, "prompt", "token id 600, outside"),
     (COMPLETIONS, {"prompt": [-1]}, 400, "prompt", "token id -1"),
     (COMPLETIONS, {"prompt": [600] * MAX_MODEL_LEN}, 400, "prompt", "maximum context length"),  # length first
@@ -715,8 +725,8 @@ LONG = list(range(3, 3 + MAX_MODEL_LEN))
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "messages[0].content", "only text content parts"),
     (CHAT, {"messages": []}, 400, "messages", "messages: no messages"),
-    (CHAT, {"messages": USER, "max_completion_tokens": 64}, 400, "max_completion_tokens",
-     "maximum context length"),
+    (CHAT, {"messages": USER, "max_completion_tokens": 65}, 400, "max_completion_tokens",
+     "max_completion_tokens=65 cannot be greater than this model's maximum context length of 64"),
     (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "21"),
     (CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs", "requires logprobs=true"),
     (COMPLETIONS, {"prompt": "Hi \ud800"}, 400, "prompt", "lone UTF-16 surrogate (U+D800) at character 3"),
@@ -764,8 +774,8 @@ LONG = list(range(3, 3 + MAX_MODEL_LEN))
      "continue_final_message", "must be the assistant's (it is the user's)"),
     (CHAT, {"messages": USER, "priority": -3}, 400, "priority", "priority must be 0 (got -3)"),
     (CHAT, {"messages": USER, "structural_tag": "{}"}, 400, "structural_tag", "not supported"),
-    (COMPLETIONS, {"prompt": [5] * 10, "max_completion_tokens": 60}, 400, "max_completion_tokens",
-     "you requested 70 tokens"),
+    (COMPLETIONS, {"prompt": [5] * 10, "max_completion_tokens": 70}, 400, "max_completion_tokens",
+     "max_completion_tokens=70 cannot be greater than"),
 ])
 def test_bad_requests_get_openai_errors_and_the_app_keeps_serving(
         client, backend, path, body, status, param, fragment):
@@ -1033,6 +1043,16 @@ def test_a_streamed_batch_sends_each_prompts_choices_under_their_own_index(clien
     assert chunks[-1]["usage"] == {"prompt_tokens": sum(own), "completion_tokens": 12,
                                    "total_tokens": sum(own) + 12}
     assert len({c["id"] for c in chunks}) == 1
+
+
+def test_max_tokens_past_the_room_the_prompt_leaves_is_cut_to_it(client, backend):
+    """vLLM's (0.32) rule: within the model's context, a max_tokens the prompt leaves less room for
+    generates up to the context's end (OpenAI's API refuses it; clients written for vLLM send it)."""
+    cut = client.post(COMPLETIONS, json={"prompt": [5] * 10, "max_tokens": 60, "min_tokens": 54})
+    assert cut.status_code == 200, cut.text
+    assert [(len(ids), params.max_tokens, params.min_tokens) for _, ids, params in backend.calls] == [(10, 54, 54)]
+    within = client.post(COMPLETIONS, json={"prompt": [5] * 10, "max_tokens": 3})
+    assert within.status_code == 200 and backend.calls[-1][2].max_tokens == 3      # room enough: as asked
 
 
 def test_a_batch_with_one_bad_prompt_names_it_and_runs_none(client, backend):

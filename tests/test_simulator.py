@@ -198,15 +198,17 @@ def test_bad_specs_are_refused():
         simulate(_colocated(), [(0, 3)], [0.0])
 
 
-def test_past_max_model_len_the_router_answers_400_and_the_rest_is_served():
-    # the live router refuses prompt + max_tokens past max_model_len (400): a request that cannot
-    # fit must not sit in a replica for ever, nor hold up the requests behind it
-    spec = dataclasses.replace(_colocated(num_blocks=4, block_size=16), max_model_len=64)
-    result = simulate(spec, [(100, 3), (8, 2)], [0.0, 0.0])
+def test_past_max_model_len_the_router_answers_400_or_cuts_the_output_and_the_rest_is_served():
+    # as the live router: a prompt that leaves no room, or an output past the context, is refused
+    # (400): a request that cannot fit must not sit in a replica for ever, nor hold up the requests
+    # behind it; an output the prompt leaves less room for is cut to the room left
+    spec = dataclasses.replace(_colocated(num_blocks=8, block_size=16), max_model_len=64)
+    result = simulate(spec, [(100, 3), (8, 2), (8, 65), (60, 10)], [0.0, 0.0, 0.0, 0.0])
     records = sorted(result.records(), key=lambda r: r.index)
-    assert (records[0].status, records[0].succeeded) == (400, False)
-    assert "maximum context length is 64 tokens" in records[0].error and "103 tokens" in records[0].error
-    assert records[1].succeeded and len(_times(result, 1)) == 2
+    assert [(r.status, r.succeeded) for r in records] == [(400, False), (200, True), (400, False), (200, True)]
+    assert "maximum context length is 64 tokens" in records[0].error and "100 tokens in the prompt" in records[0].error
+    assert "65 in the completion" in records[2].error
+    assert len(_times(result, 1)) == 2 and len(_times(result, 3)) == 4      # 60 + 4 = the context
 
 
 def test_a_hand_off_leaves_room_for_the_head_of_the_waiting_queue():

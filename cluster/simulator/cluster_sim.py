@@ -346,23 +346,25 @@ class _Simulation:
         log.send_time = self.now
         self.arrived.append(log)
         limit = self.spec.max_model_len
-        if limit is not None and log.prompt_len + log.output_len > limit:
+        # as the live router: a prompt that leaves no room, or an output past the context, is refused
+        # (400); an output the prompt leaves less room for is cut to the room left
+        if limit is not None and (log.prompt_len >= limit or log.output_len > limit):
             log.invalid = (f"This model's maximum context length is {limit} tokens. However, you requested "
-                           f"{log.prompt_len + log.output_len} tokens ({log.prompt_len} in the prompt, "
-                           f"{log.output_len} in the completion).")
+                           f"{log.prompt_len} tokens in the prompt and {log.output_len} in the completion.")
             log.end_time = self.now
             self.num_invalid += 1
             self._send_pending()
             return
+        output_len = log.output_len if limit is None else min(log.output_len, limit - log.prompt_len)
         if self.admission is not None:
             try:
                 arrival = self.admission.check_before_tokenizing()
-                self.tickets[log.index] = self.admission.admit(log.prompt_len, log.output_len, arrival)
+                self.tickets[log.index] = self.admission.admit(log.prompt_len, output_len, arrival)
             except Overloaded as exc:
                 self._refuse(log, exc)
                 return
         self.in_flight += 1
-        seq = SimSequence(log.index, log.prompt_len, log.output_len)
+        seq = SimSequence(log.index, log.prompt_len, output_len)
         if self.block_hashes is not None:
             seq.block_hashes = self.block_hashes[log.index]
         # an empty prefill pool (the autoscaler retired its last replica since the router's last look):

@@ -264,19 +264,22 @@ def _generation_eos_token_ids(model_dir: Path) -> tuple[int, ...]:
 
 
 # the sampling settings a checkpoint's generation_config.json may recommend (vLLM's
-# --generation-config auto takes the same)
-GENERATION_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# --generation-config auto takes the same, and max_new_tokens as max_tokens)
+GENERATION_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                              "frequency_penalty", "max_new_tokens")
 
 
 def generation_sampling_defaults(model_dir: str | Path) -> dict[str, float]:
     """The sampling settings `model_dir/generation_config.json` recommends, for
-    requests that leave them unset (numbers only; {} without the file)."""
+    requests that leave them unset (numbers only; {} without the file); its
+    max_new_tokens as "max_tokens", which a chat without one stops at (as vLLM's)."""
     from engine.sampling_params import SamplingParams, SamplingParamsError
     generation = _generation_config(Path(model_dir))
     defaults = {}
-    for name in GENERATION_SAMPLING_FIELDS:
-        value = generation.get(name)
-        if name == "top_k" and isinstance(value, float) and value.is_integer():
+    for field_name in GENERATION_SAMPLING_FIELDS:
+        value = generation.get(field_name)
+        name = "max_tokens" if field_name == "max_new_tokens" else field_name
+        if name in ("top_k", "max_tokens") and isinstance(value, float) and value.is_integer():
             value = int(value)
         try:
             SamplingParams(**{name: value})     # one the engine would refuse is left out
