@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 # Below this temperature a request is decoded greedily; dividing logits by a
 # near-zero temperature would only overflow towards the same argmax.
 GREEDY_TEMPERATURE = 1e-5
+MIN_TEMPERATURE = 1e-2       # a positive temperature below it is raised to it (vLLM's)
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0       # OpenAI's range for a token's bias, either way
 MAX_BAD_WORDS = 128
@@ -93,12 +94,14 @@ class SamplingParams:
         if self.max_tokens < 1:
             raise _out_of_range("max_tokens", self.max_tokens, ">= 1")
 
-        # `not (lo <= v)` rather than `v < lo` so that any NaN slipping through fails too. Bounded
-        # above so that it stays finite in float32 (past ~3.4e38 it is inf, and a banned token's
-        # -inf / inf a NaN that spoils the row); at 10,000 sampling is all but uniform already.
-        self.temperature = _check_float("temperature", self.temperature, "in [0, 10000]")
-        if not 0.0 <= self.temperature <= 1e4:
-            raise _out_of_range("temperature", self.temperature, "in [0, 10000]")
+        # `not (lo <= v)` rather than `v < lo` so that any NaN slipping through fails too. [0, 2] as
+        # vLLM (0.32) and OpenAI take it; a positive one under MIN_TEMPERATURE is raised to it, as
+        # vLLM does (dividing logits by less overflows float16 and bfloat16)
+        self.temperature = _check_float("temperature", self.temperature, "in [0, 2]")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise _out_of_range("temperature", self.temperature, "in [0, 2]")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
 
         self.top_p = _check_float("top_p", self.top_p, "in (0, 1]")
         if not 0.0 < self.top_p <= 1.0:
@@ -127,6 +130,8 @@ class SamplingParams:
                 raise _out_of_range(name, value, "in [-2, 2]")
             setattr(self, name, value)
 
+        if self.seed == -1 and not isinstance(self.seed, bool):    # vLLM's "no seed"
+            self.seed = None
         if self.seed is not None:   # any 64-bit signed integer, as vLLM takes (torch maps negatives)
             self.seed = _check_int("seed", self.seed, "in [-2**63, 2**63)")
             if not -_SEED_LIMIT <= self.seed < _SEED_LIMIT:

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 # Strict: a JSON int is a valid float, but a string or a bool is not.
 StrictNumber = Annotated[float, Field(strict=True)]
-# >= 0, as vLLM takes it (OpenAI's API stops at 2; the engine's own bound, 10,000, applies after)
+# >= 0 here; the engine's bound, 2 (vLLM's and OpenAI's), applies after with its own message
 Temperature = Annotated[float, Field(strict=True, ge=0)]
 # a count or a seed: within 64 bits (a max_tokens of thousands of digits made the context check's
 # own message fail: a 500)

@@ -185,9 +185,11 @@ def test_completion_maps_the_request_and_returns_the_full_text(client, backend, 
     assert backend.closed_early == []
 
 
-def test_a_temperature_past_openais_2_is_taken_as_vllm_takes_it(client, backend):
-    assert client.post(COMPLETIONS, json={"prompt": "Hi", "temperature": 3, "max_tokens": 1}).status_code == 200
-    assert backend.calls[0][2].temperature == 3.0
+def test_a_temperature_past_2_is_refused_as_vllm_and_openai_refuse_it(client, backend):
+    assert_openai_error(client.post(COMPLETIONS, json={"prompt": "Hi", "temperature": 3, "max_tokens": 1}), 400,
+                        "temperature", "temperature must be in [0, 2], got 3")
+    assert client.post(COMPLETIONS, json={"prompt": "Hi", "temperature": 2, "max_tokens": 1}).status_code == 200
+    assert backend.calls[0][2].temperature == 2.0
 
 
 def test_max_tokens_defaults_to_16_for_completions_and_the_rest_of_the_context_for_chat(client, backend):
@@ -674,7 +676,7 @@ LONG = list(range(3, 3 + MAX_MODEL_LEN))
     (COMPLETIONS, {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens", ">= 1, got 0"),    # 0 only with echo
     (COMPLETIONS, {"prompt": "Hi", "max_tokens": -5}, 400, "max_tokens", ">= 1, got -5"),
     (COMPLETIONS, {"prompt": "Hi", "temperature": -1}, 400, "temperature", "greater than or equal to 0"),
-    (COMPLETIONS, {"prompt": "Hi", "temperature": 2e4}, 400, "temperature", "in [0, 10000]"),
+    (COMPLETIONS, {"prompt": "Hi", "temperature": 2e4}, 400, "temperature", "in [0, 2]"),
     (COMPLETIONS, {"prompt": "Hi", "temperature": -0.5}, 400, "temperature", "greater than or equal to 0"),
     (COMPLETIONS, {"prompt": "Hi", "top_p": 0}, 400, "top_p", "top_p must be in (0, 1]"),
     (COMPLETIONS, {"prompt": "Hi", "top_p": 1.5}, 400, "top_p", "got 1.5"),
