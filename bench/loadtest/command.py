@@ -167,8 +167,8 @@ def _check_combinations(args: argparse.Namespace) -> None:
     if args.base_url.rstrip("/").endswith("/v1"):
         raise LoadtestError("--base-url is the server root (e.g. http://127.0.0.1:8000), without /v1; --endpoint "
                             "adds the path")
-    if not 0 <= args.temperature < math.inf:     # (NaN too: every request would be refused)
-        raise LoadtestError(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if not 0 <= args.temperature <= 2:     # (NaN too: every request would be refused, as past 2)
+        raise LoadtestError(f"--temperature must be in [0, 2] (OpenAI's and vLLM's range), got {args.temperature}")
     if not args.endpoint.rstrip("/").endswith("completions"):
         raise LoadtestError(f"--endpoint must be /v1/completions or /v1/chat/completions, got {args.endpoint}")
     if args.save_result:
