@@ -23,6 +23,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
@@ -42,9 +43,17 @@ log = logging.getLogger(__name__)
 StrictNumber = Annotated[float, Field(strict=True)]
 # >= 0 here; the engine's bound, 2 (vLLM's and OpenAI's), applies after with its own message
 Temperature = Annotated[float, Field(strict=True, ge=0)]
+
+
+def _whole_number(value: Any) -> Any:
+    """A float with no fraction (16.0, as some clients write every number) as the int it is;
+    anything else as given (a string, a bool, 16.5 stay refused)."""
+    return int(value) if type(value) is float and value.is_integer() else value
+
+
 # a count or a seed: within 64 bits (a max_tokens of thousands of digits made the context check's
-# own message fail: a 500)
-Int64 = Annotated[int, Field(strict=True, ge=-(2**63), le=2**63 - 1)]
+# own message fail: a 500); 16.0 is 16, as vLLM takes it
+Int64 = Annotated[int, BeforeValidator(_whole_number), Field(strict=True, ge=-(2**63), le=2**63 - 1)]
 
 
 def _shape_error(message: str) -> PydanticCustomError:

@@ -192,6 +192,18 @@ def test_a_temperature_past_2_is_refused_as_vllm_and_openai_refuse_it(client, ba
     assert backend.calls[0][2].temperature == 2.0
 
 
+def test_a_whole_number_written_as_a_float_is_taken_for_an_integer_field(client, backend):
+    # some clients write every number with a fraction (16.0); vLLM takes those, and so does this
+    sent = client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 3.0, "top_k": 5.0, "n": 1.0})
+    assert sent.status_code == 200, sent.text
+    params = backend.calls[0][2]
+    assert (params.max_tokens, params.top_k) == (3, 5) and type(params.max_tokens) is int
+    assert_openai_error(client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 2.5}), 400, "max_tokens",
+                        "valid integer")
+    assert_openai_error(client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": "3"}), 400, "max_tokens",
+                        "valid integer")
+
+
 def test_max_tokens_defaults_to_16_for_completions_and_the_rest_of_the_context_for_chat(client, backend):
     response = client.post("/v1/completions", json={"prompt": [[5, 6, 7]]})  # model optional
     assert response.status_code == 200, response.text
