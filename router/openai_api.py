@@ -249,8 +249,8 @@ class _Server:
         return {"object": "list", "data": [card]}
 
     def check_model(self, name: str | None) -> None:
-        """404 unless `name` is the served model's (None: the served model)."""
-        if name is not None and name != self.info.served_model_name:
+        """404 unless `name` is the served model's (None or "": the served model, as vLLM's)."""
+        if name and name != self.info.served_model_name:
             shown = name if len(name) <= 80 else name[:80] + "..."
             raise OpenAIError(404, f"The model `{shown}` does not exist; this server serves "
                               f"`{self.info.served_model_name}`.", param="model", code="model_not_found")

@@ -95,13 +95,15 @@ def _string_chars(value: object) -> int:
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: StrictBool | None = True        # vLLM's default: asking for stream options asks for usage
+    include_usage: StrictBool | None = False       # OpenAI's and vLLM's (0.32) default
     continuous_usage_stats: StrictBool = False     # vLLM's: with include_usage, usage on every chunk
 
 
 _UNSUPPORTED_EXTENSIONS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
                            "logits_processors",
-                           "use_beam_search", "cache_salt", "structural_tag")
+                           "use_beam_search", "cache_salt", "structural_tag",
+                           # vLLM's that change the output (scores of given tokens, an early stop): not ignored
+                           "logprob_token_ids", "repetition_detection")
 
 
 def _template_arguments() -> frozenset[str]:
@@ -211,6 +213,8 @@ class _GenerationRequest(BaseModel):
     return_tokens_as_token_ids: StrictBool | None = None   # vLLM's: logprobs name tokens `token_id:ID`
     cache_salt: Any = None
     structural_tag: Any = None
+    logprob_token_ids: Any = None          # vLLM's: refused (_UNSUPPORTED_EXTENSIONS)
+    repetition_detection: Any = None       # vLLM's: refused (_UNSUPPORTED_EXTENSIONS)
 
     @model_validator(mode="before")
     @classmethod

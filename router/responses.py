@@ -290,7 +290,8 @@ class ChatResponses(ResponseBuilder):
                 "stop_reason": out.stop_reason, **self._output_ids(out.token_ids)}
 
     def chunk_choice(self, index: int, delta: str, logprobs: dict | None, out: RequestOutput) -> dict[str, Any]:
-        return {"index": index, "delta": {"content": delta} if delta else {}, "logprobs": logprobs,
+        # (an empty last delta too, as vLLM's: clients that join delta.content need a string)
+        return {"index": index, "delta": {"content": delta}, "logprobs": logprobs,
                 "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
                 **self._output_ids(out.delta_token_ids)}
 

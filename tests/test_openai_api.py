@@ -499,11 +499,47 @@ def test_vllm_request_fields_a_completion_or_a_chat_takes(client, backend, token
     client.post(COMPLETIONS, json={"prompt": "Hi", "max_completion_tokens": 5, "max_tokens": 2})
     assert backend.calls[-1][2].max_tokens == 5         # as on chat: the newer name wins
     events = sse_events(client.post(CHAT, json={"messages": USER, "max_tokens": 2, "stream": True,
-                                                "stream_options": {"continuous_usage_stats": False}}))
-    assert json.loads(events[-2])["usage"]["completion_tokens"] == 2     # stream_options ask for usage (vLLM)
+                                                "stream_options": {"continuous_usage_stats": True}}))
+    # stream options without include_usage ask for no usage (OpenAI's and vLLM 0.32's default; a client
+    # reading choices[0] of every chunk broke on the usage chunk, whose choices are empty)
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["choices"] and "usage" not in c for c in chunks)
+    events = sse_events(client.post(CHAT, json={"messages": USER, "max_tokens": 2, "stream": True,
+                                                "stream_options": {"include_usage": True}}))
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == 2
     client.post(CHAT, json={"messages": USER, "max_tokens": 1, "add_special_tokens": True})
     assert backend.calls[-1][1][:2] == [tokenizer.bos_token_id] * 2    # the tokenizer's BOS on the template's
     assert client.post(CHAT, json={"messages": USER, "max_tokens": 1, "top_logprobs": 0}).status_code == 200
+
+
+def test_vllm_fields_that_would_change_the_output_are_refused_not_ignored(client, backend):
+    for field, value in (("logprob_token_ids", [5, 6]), ("repetition_detection", {"max_pattern_size": 4})):
+        assert_openai_error(client.post(CHAT, json={"messages": USER, "max_tokens": 1, field: value}), 400, field,
+                            f"{field} is not supported by this server")
+    assert backend.calls == []
+
+
+def test_an_empty_model_name_is_the_served_model_as_vllm_takes_it(client, backend):
+    assert client.post(COMPLETIONS, json={"model": "", "prompt": "Hi", "max_tokens": 1}).status_code == 200
+    assert_openai_error(client.post(COMPLETIONS, json={"model": "other", "prompt": "Hi"}), 404, "model",
+                        "does not exist")
+
+
+def test_every_chat_delta_has_a_content_string_the_last_one_too(tokenizer):
+    # vLLM's: clients that join delta.content broke on a finish chunk of {} (an EOS adds no text)
+    class EndsOnEos(FakeBackend):
+        async def generate(self, request_id, prompt_token_ids, params):
+            async for out in super().generate(request_id, prompt_token_ids, params):
+                yield dataclasses.replace(out, finished=False, finish_reason=None)
+            yield dataclasses.replace(out, text="", token_ids=[], delta_text="", delta_token_ids=[], logprobs=None,
+                                      finished=True, finish_reason="stop")
+    with TestClient(build_openai_app(EndsOnEos(tokenizer, len(tokenizer)), tokenizer, ServingMetrics())) as c:
+        events = sse_events(c.post(CHAT, json={"messages": USER, "max_tokens": 20, "stream": True}))
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["choices"][0] == {"index": 0, "delta": {"content": ""}, "logprobs": None,
+                                        "finish_reason": "stop", "stop_reason": None}
+    assert all(isinstance(c["choices"][0]["delta"]["content"], str) for c in chunks)
+    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == REPLY
 
 
 def test_a_messages_name_reaches_the_chat_template(backend, tokenizer, metrics):
