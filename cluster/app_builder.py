@@ -112,6 +112,7 @@ def resolve_model(config: DeploymentConfig, profile: dict | None = None) -> Reso
     for a profile that cannot price its steps, before anything deploys."""
     from engine.model import ModelConfig
     from engine.model.loader import checkpoint_files
+    from engine.chat_template import read_chat_template
     from engine.model.model_config import generation_sampling_defaults
     from engine.preflight import preflight
     from engine.tiny_model import checkpoint_dir
@@ -130,8 +131,10 @@ def resolve_model(config: DeploymentConfig, profile: dict | None = None) -> Reso
     profile = _autoscaling_profile(config, mc, profile) \
         if config.autoscaling.enabled and config.autoscaling.profile else None
     name = config.model.served_model_name or Path(path).name
+    template = read_chat_template(config.model.chat_template) if config.model.chat_template else None
     return ResolvedModel(path, ModelInfo(served_model_name=name, max_model_len=max_len, vocab_size=mc.vocab_size,
-                                         sampling_defaults=generation_sampling_defaults(path)), profile)
+                                         sampling_defaults=generation_sampling_defaults(path),
+                                         chat_template=template), profile)
 
 
 def _gpu_fit_problems(config: DeploymentConfig, mc, max_len: int) -> list[str]:

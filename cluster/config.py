@@ -69,6 +69,9 @@ class ModelSection(_Strict):
                                           description="name clients use in requests; default: the directory name")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     max_model_len: int | None = Field(None, ge=2)
+    chat_template: str | None = Field(
+        None, min_length=1, description="a Jinja chat template file (or the template itself) the router renders "
+        "chats with, in place of the tokenizer's (vLLM's --chat-template)")
 
 
 class WorkerPool(_Strict):

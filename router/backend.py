@@ -23,6 +23,7 @@ class ModelInfo:
     vocab_size: int
     # the checkpoint's generation_config.json sampling settings, for what a request leaves unset
     sampling_defaults: Mapping[str, float] = field(default_factory=dict)
+    chat_template: str | None = None      # the deployment's own, in place of the tokenizer's (its text)
 
 
 class BackendUnavailableError(RuntimeError):

@@ -24,6 +24,7 @@ Contracts:
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import importlib.metadata
 import logging
@@ -230,9 +231,12 @@ class _Server:
         self.limits = limits
         self.admission = admission
         self.backend = backend
-        self.tokenizer = tokenizer
         self.metrics = metrics
         self.info = backend.model_info()
+        if self.info.chat_template is not None:    # the deployment's, on this app's own copy
+            tokenizer = copy.copy(tokenizer)
+            tokenizer.chat_template = self.info.chat_template
+        self.tokenizer = tokenizer
         self.prefix = request_id_prefix
         self.created = int(time.time())
         self.max_token_chars = _longest_token_chars(tokenizer)

@@ -48,7 +48,7 @@ FLAG_SETTINGS = {
     "colocated_replicas": "colocated.replicas", "colocated_tp": "colocated.tensor_parallel_size",
     "autoscale": "autoscaling.enabled", "max_replicas": "autoscaling.budget",
     "allowed_origins": "http.allowed_origins", "allow_credentials": "http.allow_credentials",
-    "log_level": "log_level",
+    "log_level": "log_level", "chat_template": "model.chat_template",
     # the engine flags vLLM's `vllm serve` takes, under its names
     "max_num_seqs": "engine.max_num_seqs", "max_num_batched_tokens": "engine.max_num_batched_tokens",
     "gpu_memory_utilization": "engine.gpu_memory_utilization", "block_size": "engine.block_size",
@@ -66,6 +66,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--model",
                    help="HuggingFace checkpoint directory, or a built-in model: tiny (the default), bench, ...")
     p.add_argument("--served-model-name")
+    p.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template file (or the template itself) to render chats with, in place of "
+                        "the tokenizer's")
     p.add_argument("--host")
     p.add_argument("--port", type=int)
     p.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN",
@@ -399,7 +402,11 @@ def autoscaled_application(config, profile: dict | None = None) -> dict:
     from cluster.serving.cluster_secret import named_secret_key
 
     http = config.http.model_copy(update={"api_key_sha256": config.api_key_sha256(), "api_key_env": None})
-    model = config.model.model_copy(update={"path": _path_for_the_cluster(config.model.path)})
+    from engine.chat_template import read_chat_template
+    # the template's text, not a path that may mean nothing where the app is built
+    template = read_chat_template(config.model.chat_template) if config.model.chat_template else None
+    model = config.model.model_copy(update={"path": _path_for_the_cluster(config.model.path),
+                                            "chat_template": template})
     kv = config.kv_transfer
     if kv.secret_env:
         config.kv_transfer_secret()     # ValueError: its variable is not set here
