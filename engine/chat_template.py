@@ -19,14 +19,14 @@ def read_chat_template(value: str) -> str:
     no readable file, or a template Jinja cannot parse."""
     path = Path(value).expanduser()
     if any(mark in value for mark in _JINJA_MARKS) and not _is_file(path):
-        text = value
-    else:
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ChatTemplateError(f"chat_template {value}: no readable Jinja file there ({exc}); give the "
-                                    "path of the template file, or the template itself") from None
-    check_chat_template(text, where=str(path) if text is not value else "the template given")
+        check_chat_template(value, where="the template given")
+        return value
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ChatTemplateError(f"chat_template {value}: no readable Jinja file there ({exc}); give the "
+                                "path of the template file, or the template itself") from None
+    check_chat_template(text, where=str(path))
     return text
 
 
