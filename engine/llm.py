@@ -39,6 +39,13 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._streams: dict[str, deque[RequestOutput]] = {}   # open streams' outputs not yet yielded
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without sampling parameters uses, as vLLM's LLM does: the checkpoint's
+        generation_config.json recommendations (temperature, top_p, ..., max_new_tokens as
+        max_tokens) over SamplingParams' defaults."""
+        from engine.model.model_config import generation_sampling_defaults
+        return SamplingParams(**generation_sampling_defaults(self.engine.config.model))
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
@@ -46,7 +53,7 @@ class LLM:
         validated before any runs, so a bad one raises without running the rest."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+            params_list = [sampling_params or self.get_default_sampling_params()] * len(prompt_list)
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
@@ -116,7 +123,9 @@ class LLM:
             raise ValueError(f"output_kind must be an OutputKind ({', '.join(k.name for k in OutputKind)}), "
                              f"got {output_kind!r}")
         (prompt,) = _as_prompt_list([prompt])
-        request_id = self.engine.add_request(None, _prompt_value(prompt), sampling_params, output_kind=output_kind)
+        request_id = self.engine.add_request(None, _prompt_value(prompt),
+                                             sampling_params or self.get_default_sampling_params(),
+                                             output_kind=output_kind)
         outputs = self._streams[request_id] = deque()
         finished = False
         try:

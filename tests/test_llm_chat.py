@@ -56,3 +56,24 @@ def test_what_cannot_be_rendered_is_a_value_error_that_says_why(llm, monkeypatch
     monkeypatch.setattr(llm.tokenizer, "chat_template", None)
     with pytest.raises(ValueError, match="has no chat template: give generate"):
         llm.chat(HELLO, GREEDY)
+
+
+def test_calls_without_sampling_parameters_take_the_checkpoints_generation_config(model_dirs, tmp_path):
+    """vLLM's LLM: generation_config.json's recommendations (max_new_tokens as max_tokens) stand in
+    for unset sampling parameters; without the file, SamplingParams' own defaults."""
+    import json
+    import shutil
+    d = tmp_path / "recommending"
+    shutil.copytree(model_dirs["tiny"], d)
+    generation = json.loads((d / "generation_config.json").read_text()) if (d / "generation_config.json").exists() \
+        else {}
+    (d / "generation_config.json").write_text(json.dumps({**generation, "temperature": 0.0, "max_new_tokens": 3}))
+    llm = LLM(str(d), max_model_len=256)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.max_tokens) == (0.0, 3)
+    (out,) = llm.generate(["Hello"])
+    assert len(out.token_ids) == 3 and out.token_ids == llm.generate(["Hello"], defaults)[0].token_ids
+    assert len(llm.chat(HELLO)[0].token_ids) == 3
+    assert sum(len(o.delta_token_ids) for o in llm.stream("Hello")) == 3
+    plain = LLM(str(model_dirs["tiny"]), max_model_len=256).get_default_sampling_params()
+    assert (plain.temperature, plain.max_tokens) == (1.0, 16)
