@@ -318,8 +318,10 @@ class _Server:
         # unique one, as two clients may send the same
         client_id = body.request_id or _usable_request_id(request.headers.get("x-request-id"))
         response_id = f"{'chat' if chat else ''}{self.prefix}-{client_id}" if client_id else request_id
+        # system_fingerprint: the server's build, as OpenAI's and vLLM's responses carry theirs
         header = {"id": response_id, "object": fmts[0].chunk_object if body.stream else fmts[0].object,
-                  "created": int(time.time()), "model": self.info.served_model_name}
+                  "created": int(time.time()), "model": self.info.served_model_name,
+                  "system_fingerprint": f"pdserve-{_VERSION}"}
         try:
             if body.stream:
                 first = await _unless_disconnected(request, choices.next())

@@ -302,6 +302,11 @@ def test_stream_without_include_usage_has_no_usage_key(client):
     chunks = [json.loads(e) for e in events[:-1]]
     assert events[-1] == "[DONE]" and chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert all("usage" not in c for c in chunks)
+    # the server's build, on every chunk and body, as OpenAI's and vLLM's carry theirs
+    version = client.get("/version").json()["version"]
+    assert {c["system_fingerprint"] for c in chunks} == {f"pdserve-{version}"}
+    body = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}).json()
+    assert body["system_fingerprint"] == f"pdserve-{version}"
 
 
 # --- chat ----------------------------------------------------------------------
