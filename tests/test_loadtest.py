@@ -78,6 +78,7 @@ class FakeOpenAIServer:
         self.max_in_flight = 0
         self.received = 0
         self.paths: list[str] = []          # each generation request's path, in arrival order
+        self.ignore_eos: list[bool | None] = []   # each generation request's ignore_eos, in arrival order
         self.sent: dict[str, list[float]] = {}  # prompt -> perf_counter() as each output chunk was written
         self._lock = threading.Lock()
         self._ready = threading.Event()
@@ -139,6 +140,7 @@ class FakeOpenAIServer:
 
     async def _respond(self, request: web.Request, arrival: float) -> web.StreamResponse:
         body = await request.json()
+        self.ignore_eos.append(body.get("ignore_eos"))
         chat = request.path.endswith("chat/completions")
         text = body["messages"][-1]["content"] if chat else body["prompt"]
         script = dict(re.findall(r"(\w+)=(\S+)", text)) if text.startswith("FAKE") else {}
@@ -688,7 +690,9 @@ def test_the_rates_of_a_sweep_see_one_mix_of_lengths_with_other_prompts(tokenize
 def test_random_dataset_lengths(tokenizer):
     exact = random_dataset(tokenizer, num_prompts=20, input_len=64, output_len=8, seed=1)
     assert all(r.prompt_len == 64 and r.expected_output_len == 8 for r in exact)
-    assert all(len(tokenizer.encode(r.prompt, add_special_tokens=False)) == r.prompt_len for r in exact)
+    # counted as the server counts the prompt, its BOS included (vLLM's RandomDataset: 63 + the BOS)
+    assert all(len(tokenizer.encode(r.prompt, add_special_tokens=True)) == r.prompt_len for r in exact)
+    assert all(len(tokenizer.encode(r.prompt, add_special_tokens=False)) == 63 for r in exact)
     assert random_dataset(tokenizer, num_prompts=20, input_len=64, output_len=8, seed=1) == exact
     ranged = random_dataset(tokenizer, num_prompts=50, input_len=40, output_len=10, range_ratio=0.5, seed=2)
     assert all(20 <= r.prompt_len <= 60 and 5 <= r.expected_output_len <= 15 for r in ranged)
@@ -710,8 +714,10 @@ def test_sharegpt_dataset_reads_the_public_format(tokenizer):
     requests = sharegpt_dataset(tokenizer, SHAREGPT, num_prompts=50, seed=0)
     assert len(requests) == 50
     prompts = {r.prompt for r in requests}
-    assert len(prompts) == 40  # 43 entries: one-turn, empty and too-short-answer ones skipped, the rest reused
-    assert all(len(tokenizer.encode(r.prompt, add_special_tokens=False)) == r.prompt_len for r in requests)
+    # 43 entries: one-turn and empty ones skipped (an answer's length counts its BOS, as vLLM measures
+    # it: a three-token answer is four, not too short), the rest reused
+    assert len(prompts) == 41
+    assert all(len(tokenizer.encode(r.prompt, add_special_tokens=True)) == r.prompt_len for r in requests)
     fixed = sharegpt_dataset(tokenizer, SHAREGPT, num_prompts=5, output_len=7, max_model_len=1024)
     assert all(r.expected_output_len == 7 for r in fixed)
     with pytest.raises(DatasetError, match="--dataset-path"):
@@ -724,8 +730,8 @@ def test_sharegpt_dataset_skips_what_vllm_skips(tokenizer, tmp_path):
     def turn(words: int) -> str:
         return " ".join(f"w{i}" for i in range(words))
 
-    def tokens(text: str) -> int:
-        return len(tokenizer.encode(text, add_special_tokens=False))
+    def tokens(text: str) -> int:      # as vLLM measures both turns: with the BOS
+        return len(tokenizer.encode(text, add_special_tokens=True))
     long_prompt, long_answer = turn(1200), turn(2200)
     assert tokens(long_prompt) > 1024 and tokens(long_answer) > 2048
     pairs = [(long_prompt, turn(10)), (turn(10), long_answer), (turn(10), turn(12))]
@@ -927,3 +933,17 @@ def test_a_ready_check_that_never_succeeds_stops_the_run_with_its_error(monkeypa
     with pytest.raises(command.LoadtestError, match="the ready check's request failed: ClientConnectorError"):
         command._ready_check_and_warm_up(fake(n=2), config, None, 0.5, num_warmups=0)
     assert 0.4 < time.monotonic() - start < 5
+
+
+def test_random_prompts_ignore_eos_as_vllms_benchmark_sets_it(server, capsys):
+    """vllm bench serve turns --ignore-eos on for random prompts: each request generates its drawn
+    length (a random model's EOS would otherwise cut its output short, and the two tools' figures apart)."""
+    before = len(server.ignore_eos)
+    assert main(["loadtest", "--base-url", server.base_url, "--num-prompts", "2", "--random-input-len", "8",
+                 "--random-output-len", "3", "--disable-tqdm"]) == 0
+    assert server.ignore_eos[before:] == [True, True]
+    assert "random dataset: --ignore-eos on, as vllm bench serve sets it" in capsys.readouterr().err
+    before = len(server.ignore_eos)
+    assert main(["loadtest", "--base-url", server.base_url, "--dataset-name", "sharegpt", "--dataset-path",
+                 str(SHAREGPT), "--num-prompts", "2", "--disable-tqdm"]) == 0
+    assert server.ignore_eos[before:] == [None, None]      # not asked: EOS ends a ShareGPT reply

@@ -67,6 +67,11 @@ def run_loadtest(args: argparse.Namespace) -> int:
 
 def _loadtest(args: argparse.Namespace) -> int:
     _check_combinations(args)
+    if args.dataset_name == "random" and not args.ignore_eos:
+        # as vllm bench serve: random prompts run to the lengths drawn for them, whatever a random model says
+        args.ignore_eos = True
+        print("random dataset: --ignore-eos on, as vllm bench serve sets it (each request generates its drawn "
+              "output length)", file=sys.stderr)
     cards = _probe_server(args.base_url, model_given=bool(args.model or args.served_model_name),
                           api_key=args.api_key)
     model = _request_model_name(args, cards)

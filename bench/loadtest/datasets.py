@@ -96,6 +96,17 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def _num_tokens(tokenizer: Any, text: str) -> int:
+    """The tokens `text` is as a prompt: with the tokenizer's special tokens (a BOS), which a
+    completions server adds and `vllm bench serve` counts."""
+    return len(tokenizer.encode(text, add_special_tokens=True))
+
+
+def _num_special(tokenizer: Any) -> int:
+    """The special tokens the tokenizer adds to a prompt (1 for a BOS)."""
+    return len(tokenizer.encode("", add_special_tokens=True))
+
+
 def random_text(tokenizer: Any, rng: random.Random, allowed: list[int], length: int) -> tuple[str, int]:
     """Random text of `length` tokens when reachable; returns (text, its measured token count)."""
     ids = [rng.choice(allowed) for _ in range(length)]
@@ -130,11 +141,14 @@ def random_dataset(tokenizer: Any, *, num_prompts: int, input_len: int, output_l
     lengths = rng if lengths_seed is None else random.Random(lengths_seed)
     allowed = _allowed_ids(tokenizer)
     prefix = random_text(tokenizer, rng, allowed, prefix_len)[0] if prefix_len else ""
+    special = _num_special(tokenizer)
     requests = []
     for _ in range(num_prompts):
-        body, _ = random_text(tokenizer, rng, allowed, lengths.randint(in_low, in_high))
+        # the prompt's special tokens (a BOS) count towards its length, as vLLM's RandomDataset counts them
+        length = max(1, lengths.randint(in_low, in_high) - special)
+        body, _ = random_text(tokenizer, rng, allowed, length)
         prompt = prefix + body
-        requests.append(SampleRequest(prompt, len(_encode(tokenizer, prompt)), lengths.randint(out_low, out_high)))
+        requests.append(SampleRequest(prompt, _num_tokens(tokenizer, prompt), lengths.randint(out_low, out_high)))
     return requests
 
 
@@ -166,13 +180,14 @@ def sharegpt_dataset(tokenizer: Any, path: str | Path, *, num_prompts: int, outp
     random.Random(seed).shuffle(entries)
     usable = []
     for prompt, answer in entries:
-        prompt_len = len(_encode(tokenizer, prompt))
-        out_len = output_len if output_len is not None else len(_encode(tokenizer, answer))
+        # measured with the special tokens, as vLLM's ShareGPT dataset measures both turns
+        prompt_len = _num_tokens(tokenizer, prompt)
+        out_len = output_len if output_len is not None else _num_tokens(tokenizer, answer)
         if prompt_len < _MIN_SHAREGPT_TOKENS or (output_len is None and out_len < _MIN_SHAREGPT_TOKENS):
             continue
         if prompt_len > _MAX_SHAREGPT_PROMPT_TOKENS or prompt_len + out_len > _MAX_SHAREGPT_TOTAL_TOKENS:
             continue
-        if max_model_len is not None and prompt_len + out_len + 1 > max_model_len:   # +1: a BOS the server adds
+        if max_model_len is not None and prompt_len + out_len > max_model_len:   # (prompt_len has the BOS)
             continue
         usable.append(SampleRequest(prompt, prompt_len, out_len))
         if len(usable) == num_prompts:
