@@ -52,11 +52,9 @@ def cgroup_cpu_quota() -> float | None:
     """CPUs' worth of time per period the cgroups over this process allow (the least
     of its own and its ancestors', cgroup v2's cpu.max or v1's cfs quota), or None
     where none is set or none can be read."""
-    quotas = [q for q in (_quota_v2(d) for d in _own_cgroup_v2_dirs()) if q is not None]
-    for folder in ("cpu", "cpu,cpuacct"):
-        quotas.append(_quota_v1(_CGROUP_ROOT / folder))
-    quotas = [q for q in quotas if q is not None]
-    return min(quotas) if quotas else None
+    found = [_quota_v2(d) for d in _own_cgroup_v2_dirs()]
+    found += [_quota_v1(_CGROUP_ROOT / folder) for folder in ("cpu", "cpu,cpuacct")]
+    return min((q for q in found if q is not None), default=None)
 
 
 def _own_cgroup_v2_dirs() -> list[Path]:

@@ -38,13 +38,14 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=str(model), **engine_options))
         self.tokenizer = self.engine.tokenizer
         self._streams: dict[str, deque[RequestOutput]] = {}   # open streams' outputs not yet yielded
+        from engine.model.model_config import generation_sampling_defaults
+        self._recommended = generation_sampling_defaults(self.engine.config.model)   # read once
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What a call without sampling parameters uses, as vLLM's LLM does: the checkpoint's
         generation_config.json recommendations (temperature, top_p, ..., max_new_tokens as
         max_tokens) over SamplingParams' defaults."""
-        from engine.model.model_config import generation_sampling_defaults
-        return SamplingParams(**generation_sampling_defaults(self.engine.config.model))
+        return SamplingParams(**self._recommended)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None

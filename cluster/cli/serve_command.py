@@ -206,9 +206,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     machine_cpus = usable_cpus()
     local_env = direct_ingress_env(config.http.port) if config.http.direct_ingress else {}
+    local_cpus = local_cluster_cpus(config, machine_cpus)
     try:
-        started_ray = _connect(args.address, local_cluster_cpus(config, machine_cpus), local_env, args.ray_dashboard,
-                               before_starting=lambda: check_local_machine(config, machine_cpus, _machine_gpus(config)))
+        started_ray = _connect(args.address, local_cpus, local_env, args.ray_dashboard, before_starting=lambda:
+                               check_local_machine(config, machine_cpus, local_cpus, _machine_gpus(config)))
     except PlacementError as exc:      # a cluster of this machine alone could never place it: none started
         print(f"error: {exc}", file=sys.stderr)
         return 2

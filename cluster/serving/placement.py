@@ -290,15 +290,16 @@ def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
-def check_local_machine(config: DeploymentConfig, machine_cpus: int, machine_gpus: int) -> None:
-    """Before starting a one-node cluster on this machine: raises PlacementError when
-    `config` could never be placed on it (a CUDA deployment on a machine with fewer
-    GPUs than a gang needs; its CPUs are sized to fit), unless resources.check_placement
-    is false. The cluster would be started only for placed_config to refuse it."""
+def check_local_machine(config: DeploymentConfig, machine_cpus: int, local_cpus: int, machine_gpus: int) -> None:
+    """Before starting a one-node cluster of `local_cpus` CPUs (local_cluster_cpus') on this
+    machine: raises PlacementError when `config` could never be placed on it (a CUDA
+    deployment on a machine with fewer GPUs than a gang needs; its CPUs are sized to fit),
+    unless resources.check_placement is false. Its ranks' CPUs are resolved against the
+    machine's, as placed_config resolves them once the cluster runs."""
     if not config.resources.check_placement:
         return
-    node = NodeResources("this machine", float(local_cluster_cpus(config, machine_cpus)), float(machine_gpus))
-    check_placement(resolve_cpus_per_rank(config, node.cpus), ClusterResources((node,)))
+    node = NodeResources("this machine", float(local_cpus), float(machine_gpus))
+    check_placement(resolve_cpus_per_rank(config, machine_cpus), ClusterResources((node,)))
 
 
 def placed_config(config: DeploymentConfig, node_cpus: float | None = None) -> DeploymentConfig:
