@@ -72,6 +72,7 @@ from router.protocol import (
 from router.responses import (
     DONE_EVENT,
     ChatResponses,
+    ChoiceCursor,
     CompletionResponses,
     Echo,
     ResponseBuilder,
@@ -349,7 +350,7 @@ class _Server:
             finals = [_prompt_only(final) for final in finals]
         entries = []
         for i, (final, fmt) in enumerate(zip(finals, fmts)):
-            text, logprobs, _ = fmt.content(final.text, final, 0, opening=True)
+            text, logprobs = fmt.content(final.text, final, ChoiceCursor(), opening=True)
             entries.append(fmt.choice(i, text, logprobs, final))
         scored = {}
         if chat and finals[0].prompt_logprobs is not None:     # chat's are the response's (vLLM's)
@@ -729,7 +730,7 @@ class _Server:
         try:
             for i, choice in enumerate(fmts[0].opening_choices(choices.n)):
                 yield sse_event({**header, "choices": [choice], **chunk_usage(i), **fmts[0].response_fields()})
-            item, text_offsets = first, [0] * choices.n
+            item, cursors = first, [ChoiceCursor() for _ in range(choices.n)]
             opened = [fmt.echo is None for fmt in fmts]      # an echo goes out in each choice's first chunk
             while item is not None:
                 index, out = item
@@ -740,8 +741,7 @@ class _Server:
                 if out.delta_text or out.finished or out.logprobs or (with_ids and out.delta_token_ids) or \
                         not opened[index]:
                     fmt = fmts[index]
-                    text, logprobs, text_offsets[index] = fmt.content(out.delta_text, out, text_offsets[index],
-                                                                      opening=not opened[index])
+                    text, logprobs = fmt.content(out.delta_text, out, cursors[index], opening=not opened[index])
                     opened[index] = True
                     choice = fmt.chunk_choice(index, text, logprobs, out)
                     yield sse_event({**header, "choices": [choice], **chunk_usage(index)})

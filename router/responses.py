@@ -21,22 +21,30 @@ rank and decoded text, for the prompt's token and the best alternatives.
 
 Token strings in logprobs are each token's text after a fixed one-token context
 (decoded alone, a SentencePiece tokenizer drops a word's leading space, and the
-strings would not spell the completion nor `text_offset` point into it);
-`bytes` is that string's UTF-8, but for a token that holds part of a character
-(its string shows U+FFFD, as in vLLM) the bytes its vocabulary entry stands for,
-so that a client can join them into the character (OpenAI's purpose for it). `text_offset` is the running sum of the strings' lengths (vLLM's):
-past a special token the completion skips, or a character split across tokens,
-it no longer points exactly into the text. Logprobs are floored at -9999
-because JSON has no -inf.
+strings would not spell the completion nor `text_offset` point into it). A
+token that ends part-way through a character (decoded alone it ends in U+FFFD)
+shows, as in vLLM, the text it completes together with the tokens before it
+that hold the character's first bytes, and "" while the character is still
+incomplete: the sampled tokens' strings spell the text, and alternatives that
+complete different characters stay apart. Each choice keeps its place
+(`ChoiceCursor`: its last tokens and text offset) across a stream's chunks.
+`bytes` is the string's UTF-8, but for a token that holds part of a character
+the bytes its vocabulary entry stands for, so that a client can join them into
+the character (OpenAI's purpose for it). `text_offset` is the running sum of
+the strings' lengths (vLLM's): past a special token the completion skips, it
+no longer points exactly into the text. Logprobs are floored at -9999 because
+JSON has no -inf.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.outputs import RequestOutput
@@ -45,6 +53,9 @@ from engine.sampler import TokenLogprobs
 DONE_EVENT = "data: [DONE]\n\n"
 # JSON has no -inf; vLLM reports impossible tokens with this floor too.
 _LOGPROB_FLOOR = -9999.0
+# A UTF-8 character is at most 4 bytes, so at most 3 tokens before one hold its first bytes;
+# vLLM looks back as far.
+_CHARACTER_CONTEXT = 4
 
 
 def sse_event(payload: dict[str, Any]) -> str:
@@ -90,6 +101,27 @@ class TokenTexts:
             self._texts[token_id] = text
         return text
 
+    def after(self, token_id: int, before: Sequence[int]) -> str:
+        """The token's text where it follows `before` (the sequence's tokens before it; the last
+        few are enough): its own text, but for a token that ends part-way through a character the
+        text it completes with the tokens before it that hold the character's first bytes, or ""
+        while the character is still incomplete (vLLM's correction of such strings)."""
+        text = self(token_id)
+        if not text.endswith("\ufffd"):
+            return text
+        for n in range(1, min(len(before), _CHARACTER_CONTEXT) + 1):
+            context = list(before[-n:])
+            whole = self._decode(context + [token_id])
+            if whole.endswith("\ufffd"):
+                continue
+            # the context's last tokens that hold part of a character: their bytes are this token's text
+            clean = n
+            while clean > 0 and self(context[clean - 1]).endswith("\ufffd"):
+                clean -= 1
+            prefix = self._decode(context[:clean]) if clean else ""
+            return whole[len(os.path.commonprefix([prefix, whole])):]
+        return ""
+
     def token_bytes(self, token_id: int) -> list[int]:
         """The token's bytes (chat logprobs' `bytes`, from which a client rebuilds a character split
         across tokens): its text's UTF-8, but for a token that holds part of a character (its text
@@ -120,6 +152,19 @@ def _byte_level_alphabet() -> dict[str, int]:
 _BYTE_OF_CHAR = _byte_level_alphabet()
 
 
+@dataclass(slots=True)
+class ChoiceCursor:
+    """Where one choice's logprobs stand: the completion-text offset after its tokens so far
+    and its last tokens (the first bytes of a character its next token may complete)."""
+    text_offset: int = 0
+    recent: list[int] = field(default_factory=list)
+
+    def advance(self, token_id: int, text: str) -> None:
+        """Moves past `token_id`, whose string is `text`."""
+        self.text_offset += len(text)
+        self.recent = [*self.recent[1 - _CHARACTER_CONTEXT:], token_id]
+
+
 @dataclass(frozen=True, slots=True)
 class Echo:
     """What every choice's text starts with."""
@@ -146,36 +191,40 @@ class ResponseBuilder(ABC):
         self.token_text = token_text
         self.prompt_token_ids = prompt_token_ids
         self.echo = echo
-        self.token_label = token_id_label if tokens_as_ids else token_text
         self.tokens_as_ids = tokens_as_ids
 
-    def content(self, text: str, out: RequestOutput, text_offset: int,
-                opening: bool) -> tuple[str, dict | None, int]:
-        """A choice's text, its logprobs object (None: not asked for) and the text
-        offset after them, for `out` whose new text is `text`. `opening`: the
-        choice's first entry (a whole response's, a stream's first chunk of it),
-        which the echo leads."""
+    def token_label(self, token_id: int, before: Sequence[int]) -> str:
+        """How logprobs name the token, which follows the tokens `before`."""
+        return token_id_label(token_id) if self.tokens_as_ids else self.token_text.after(token_id, before)
+
+    def content(self, text: str, out: RequestOutput, cursor: ChoiceCursor,
+                opening: bool) -> tuple[str, dict | None]:
+        """A choice's text and its logprobs object (None: not asked for), for `out`
+        whose new text is `text`; `cursor`, the choice's place, moves past its tokens.
+        `opening`: the choice's first entry (a whole response's, a stream's first
+        chunk of it), which the echo leads."""
         logprobs = None
         if out.logprobs is not None:
-            logprobs, text_offset = self.logprobs(out.logprobs, text_offset)
+            logprobs = self.logprobs(out.logprobs, cursor)
         if opening and self.echo is not None:
             text = self.echo.text + text
-        return text, logprobs, text_offset
+        return text, logprobs
 
     def prompt_logprobs(self, prompt_token_ids: list[int],
                         entries: list[TokenLogprobs | None]) -> list[dict[str, Any] | None]:
         """vLLM's `prompt_logprobs`: one per prompt token, None where it has none."""
-        def listed(token_id: int, logprob: float, rank: int) -> dict[str, Any]:
-            return {"logprob": _finite(logprob), "rank": rank, "decoded_token": self.token_text(token_id)}
+        def listed(token_id: int, logprob: float, rank: int, before: list[int]) -> dict[str, Any]:
+            return {"logprob": _finite(logprob), "rank": rank, "decoded_token": self.token_text.after(token_id, before)}
 
         out: list[dict[str, Any] | None] = []
-        for entry in entries:
+        for pos, entry in enumerate(entries):
             if entry is None:
                 out.append(None)
                 continue
-            scored = {str(entry.token_id): listed(entry.token_id, entry.logprob, entry.rank)}
+            before = prompt_token_ids[max(0, pos - _CHARACTER_CONTEXT):pos]
+            scored = {str(entry.token_id): listed(entry.token_id, entry.logprob, entry.rank, before)}
             for rank, (token_id, logprob) in enumerate(entry.top, start=1):
-                scored.setdefault(str(token_id), listed(token_id, logprob, rank))
+                scored.setdefault(str(token_id), listed(token_id, logprob, rank, before))
             out.append(scored)
         return out
 
@@ -199,8 +248,8 @@ class ResponseBuilder(ABC):
         """The one entry of `choices` in a stream chunk carrying choice `index`'s `delta`."""
 
     @abstractmethod
-    def logprobs(self, entries: list[TokenLogprobs], text_offset: int) -> tuple[dict, int]:
-        """(the logprobs object for `entries`, the completion-text offset after them)."""
+    def logprobs(self, entries: list[TokenLogprobs], cursor: ChoiceCursor) -> dict:
+        """The logprobs object for `entries`, which follow `cursor`; moves it past them."""
 
 
 class CompletionResponses(ResponseBuilder):
@@ -230,40 +279,40 @@ class CompletionResponses(ResponseBuilder):
         self._prompt_ids_sent.add(index)
         return {"prompt_token_ids": prompt, "token_ids": output_ids}
 
-    def logprobs(self, entries: list[TokenLogprobs | None], text_offset: int,
-                 token_ids: list[int] | None = None) -> tuple[dict, int]:
+    def logprobs(self, entries: list[TokenLogprobs | None], cursor: ChoiceCursor,
+                 token_ids: list[int] | None = None) -> dict:
         """`token_ids`: the entries' tokens, needed where an entry is None (the
         echoed prompt's first token, which has no logprob)."""
         tokens, token_logprobs, top, offsets = [], [], [], []
         for i, entry in enumerate(entries):
-            text = self.token_label(entry.token_id if entry is not None else token_ids[i])
+            token_id = entry.token_id if entry is not None else token_ids[i]
+            text = self.token_label(token_id, cursor.recent)
             if entry is None:
                 token_logprobs.append(None)
                 top.append(None)
             else:
                 # the sampled token's own logprob under its text, then the best first: tokens whose texts
-                # coincide (bytes of one character, all U+FFFD) keep the better one, not the last one
+                # coincide (first bytes of characters, all "") keep the better one, not the last one
                 alternatives = {text: _finite(entry.logprob)}
                 for t, lp in entry.top:
-                    alternatives.setdefault(self.token_label(t), _finite(lp))
+                    alternatives.setdefault(self.token_label(t, cursor.recent), _finite(lp))
                 token_logprobs.append(_finite(entry.logprob))
                 top.append(alternatives)
             tokens.append(text)
-            offsets.append(text_offset)
-            text_offset += len(text)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
-                "text_offset": offsets}, text_offset
+            offsets.append(cursor.text_offset)
+            cursor.advance(token_id, text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
-    def content(self, text: str, out: RequestOutput, text_offset: int,
-                opening: bool) -> tuple[str, dict | None, int]:
+    def content(self, text: str, out: RequestOutput, cursor: ChoiceCursor,
+                opening: bool) -> tuple[str, dict | None]:
         echo = self.echo if opening else None
         if echo is None or out.logprobs is None:
-            return super().content(text, out, text_offset, opening)
+            return super().content(text, out, cursor, opening)
         if out.prompt_logprobs is None:
             raise RuntimeError("an echo with logprobs needs the prompt's logprobs on the choice's first output")
         entries = [*out.prompt_logprobs, *out.logprobs]
-        logprobs, text_offset = self.logprobs(entries, text_offset, [*echo.prompt_token_ids, *out.token_ids])
-        return echo.text + text, logprobs, text_offset
+        logprobs = self.logprobs(entries, cursor, [*echo.prompt_token_ids, *out.token_ids])
+        return echo.text + text, logprobs
 
 
 class ChatResponses(ResponseBuilder):
@@ -295,12 +344,15 @@ class ChatResponses(ResponseBuilder):
                 "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
                 **self._output_ids(out.delta_token_ids)}
 
-    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self.token_label(token_id)
+    def _entry(self, token_id: int, logprob: float, before: Sequence[int]) -> dict[str, Any]:
+        text = self.token_label(token_id, before)
         raw = list(text.encode("utf-8")) if self.tokens_as_ids else self.token_text.token_bytes(token_id)
         return {"token": text, "logprob": _finite(logprob), "bytes": raw}
 
-    def logprobs(self, entries: list[TokenLogprobs], text_offset: int) -> tuple[dict, int]:
-        content = [{**self._entry(e.token_id, e.logprob),
-                    "top_logprobs": [self._entry(t, lp) for t, lp in e.top]} for e in entries]
-        return {"content": content}, text_offset
+    def logprobs(self, entries: list[TokenLogprobs], cursor: ChoiceCursor) -> dict:
+        content = []
+        for e in entries:
+            entry = self._entry(e.token_id, e.logprob, cursor.recent)
+            content.append({**entry, "top_logprobs": [self._entry(t, lp, cursor.recent) for t, lp in e.top]})
+            cursor.advance(e.token_id, entry["token"])
+        return {"content": content}

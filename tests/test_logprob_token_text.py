@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerFast
 from engine.sampler import TokenLogprobs
 from engine.tiny_model import ensure_default_model
 from engine.tokenizer import load_tokenizer
-from router.responses import ChatResponses, CompletionResponses, TokenTexts
+from router.responses import ChatResponses, ChoiceCursor, CompletionResponses, TokenTexts
 
 
 def metaspace_tokenizer() -> PreTrainedTokenizerFast:
@@ -29,19 +29,20 @@ def test_metaspace_tokens_keep_their_leading_space_and_offsets_point_into_the_te
     tokenizer = metaspace_tokenizer()
     ids = [1, 2, 3]
     completion = " " + tokenizer.decode(ids)      # after a prompt: "hello" starts a new word
-    logprobs, end = CompletionResponses(TokenTexts(tokenizer)).logprobs(entries(ids), 0)
+    cursor = ChoiceCursor()
+    logprobs = CompletionResponses(TokenTexts(tokenizer)).logprobs(entries(ids), cursor)
     assert logprobs["tokens"] == [" hello", " world", " foo"]
     assert [completion[o:o + len(t)] for o, t in zip(logprobs["text_offset"], logprobs["tokens"])] == \
         logprobs["tokens"]
-    assert end == len(completion)
-    chat, _ = ChatResponses(TokenTexts(tokenizer)).logprobs(entries(ids), 0)
+    assert cursor.text_offset == len(completion)
+    chat = ChatResponses(TokenTexts(tokenizer)).logprobs(entries(ids), ChoiceCursor())
     assert bytes(b for entry in chat["content"] for b in entry["bytes"]).decode() == completion
 
 
 def test_byte_level_tokens_are_their_own_text():
     tokenizer = load_tokenizer(ensure_default_model())
     ids = tokenizer.encode("hello world foo", add_special_tokens=False)
-    logprobs, _ = CompletionResponses(TokenTexts(tokenizer)).logprobs(entries(ids), 0)
+    logprobs = CompletionResponses(TokenTexts(tokenizer)).logprobs(entries(ids), ChoiceCursor())
     assert logprobs["tokens"] == [tokenizer.decode([i]) for i in ids]
     assert "".join(logprobs["tokens"]) == "hello world foo"
 
@@ -76,27 +77,74 @@ def _split_character_ids(tokenizer) -> tuple[str, list[int]]:
 
 
 def test_chat_bytes_of_tokens_that_split_a_character_join_into_it():
-    # each token's text is U+FFFD; its bytes are the vocabulary's (before: U+FFFD's own UTF-8, 3 per token)
+    # before: each token's bytes were its string's, U+FFFD's own UTF-8, 3 per token
     tokenizer = load_tokenizer(ensure_default_model())
     character, ids = _split_character_ids(tokenizer)
     assert tokenizer.decode(ids) == character
-    chat, _ = ChatResponses(TokenTexts(tokenizer)).logprobs(entries(ids), 0)
-    assert [entry["token"] for entry in chat["content"]] == ["\ufffd"] * 3
+    chat = ChatResponses(TokenTexts(tokenizer)).logprobs(entries(ids), ChoiceCursor())
+    assert [entry["token"] for entry in chat["content"]] == ["", "", character]
     assert bytes(b for entry in chat["content"] for b in entry["bytes"]).decode() == character
     whole = tokenizer.encode("hello world", add_special_tokens=False)
-    chat, _ = ChatResponses(TokenTexts(tokenizer)).logprobs(entries(whole), 0)
+    chat = ChatResponses(TokenTexts(tokenizer)).logprobs(entries(whole), ChoiceCursor())
     assert bytes(b for entry in chat["content"] for b in entry["bytes"]).decode() == "hello world"
 
 
+def test_tokens_of_a_split_character_spell_the_text_and_its_alternatives_stay_apart():
+    # before: each byte token read U+FFFD, so the strings did not spell "a 中" (3 U+FFFD), text_offset ran
+    # 2 characters past the text for each such character, and every alternative completing another
+    # character fell onto the same U+FFFD key of top_logprobs
+    tokenizer = load_tokenizer(ensure_default_model())
+    from tests.test_detokenizer import _gpt2_byte_chars
+    character, split = _split_character_ids(tokenizer)
+    ids = tokenizer.encode("a ", add_special_tokens=False) + split
+    other = tokenizer.convert_tokens_to_ids(_gpt2_byte_chars()["丮".encode()[-1]])   # 丮: 中's first two bytes
+    completion = "a " + character
+    assert tokenizer.decode(ids) == completion
+    scored = [*entries(ids[:-1]), TokenLogprobs(ids[-1], -0.5, 1, [(ids[-1], -0.5), (other, -1.5)])]
+    cursor = ChoiceCursor()
+    logprobs = CompletionResponses(TokenTexts(tokenizer)).logprobs(scored, cursor)
+    assert "".join(logprobs["tokens"]) == completion
+    assert logprobs["tokens"][-3:] == ["", "", character]
+    assert [completion[o:o + len(t)] for o, t in zip(logprobs["text_offset"], logprobs["tokens"])] == \
+        logprobs["tokens"]
+    assert cursor.text_offset == len(completion)
+    assert logprobs["top_logprobs"][-1] == {character: -0.5, "丮": -1.5}
+    chat = ChatResponses(TokenTexts(tokenizer)).logprobs(scored, ChoiceCursor())
+    assert [t["token"] for t in chat["content"][-1]["top_logprobs"]] == [character, "丮"]
+
+
+def test_a_stream_keeps_each_choices_place_across_chunks():
+    # the character's bytes arrive in three chunks: the cursor carries its first bytes to the last
+    tokenizer = load_tokenizer(ensure_default_model())
+    character, ids = _split_character_ids(tokenizer)
+    fmt, cursor = CompletionResponses(TokenTexts(tokenizer)), ChoiceCursor()
+    chunks = [fmt.logprobs(entries([t]), cursor) for t in ids]
+    assert [c["tokens"] for c in chunks] == [[""], [""], [character]]
+    assert [c["text_offset"] for c in chunks] == [[0], [0], [0]]
+    assert cursor.text_offset == 1
+    # a character never completed keeps "" (vLLM's): its bytes count nowhere in the offsets
+    lone = fmt.logprobs(entries(ids[:1]), ChoiceCursor())
+    assert lone["tokens"] == [""]
+
+
+def test_prompt_logprobs_name_a_split_character_by_the_prompt_tokens_before_it():
+    tokenizer = load_tokenizer(ensure_default_model())
+    character, ids = _split_character_ids(tokenizer)
+    prompt = tokenizer.encode("a", add_special_tokens=False) + ids
+    scored = [None, *entries(ids)]
+    listed = CompletionResponses(TokenTexts(tokenizer)).prompt_logprobs(prompt, scored)
+    assert [entry[str(t)]["decoded_token"] for entry, t in zip(listed[1:], ids)] == ["", "", character]
+
+
 def test_top_logprobs_of_tokens_with_the_same_text_keep_the_better_and_the_sampled_ones():
-    # two byte tokens both read U+FFFD: the dict, keyed by text, kept the last (worst) value,
-    # and the sampled token's own logprob then disagreed with token_logprobs
+    # two byte tokens that start characters both read "": the dict, keyed by text, kept the last (worst)
+    # value, and the sampled token's own logprob then disagreed with token_logprobs
     tokenizer = load_tokenizer(ensure_default_model())
     _, (first, second, third) = _split_character_ids(tokenizer)
     entry = TokenLogprobs(first, -0.1, 1, [(first, -0.1), (second, -2.0), (third, -3.0)])
-    logprobs, _ = CompletionResponses(TokenTexts(tokenizer)).logprobs([entry], 0)
+    logprobs = CompletionResponses(TokenTexts(tokenizer)).logprobs([entry], ChoiceCursor())
     assert logprobs["token_logprobs"] == [-0.1]
-    assert logprobs["top_logprobs"] == [{"\ufffd": -0.1}]
+    assert logprobs["top_logprobs"] == [{"": -0.1}]
     entry = TokenLogprobs(third, -3.0, 3, [(first, -0.1), (second, -2.0)])    # sampled outside the best two
-    logprobs, _ = CompletionResponses(TokenTexts(tokenizer)).logprobs([entry], 0)
-    assert logprobs["top_logprobs"] == [{"\ufffd": -3.0}]
+    logprobs = CompletionResponses(TokenTexts(tokenizer)).logprobs([entry], ChoiceCursor())
+    assert logprobs["top_logprobs"] == [{"": -3.0}]

@@ -234,6 +234,22 @@ def test_completion_logprobs_in_openai_format(client, backend, tokenizer):
     assert lp["top_logprobs"][1] == {tokens[1]: -0.5, tokenizer.decode([7]): -3.0}
 
 
+def test_streamed_logprob_tokens_of_a_split_character_spell_each_choices_text(client, backend, tokenizer):
+    # one token a chunk, two choices interleaved: each choice's place carries the character's first bytes
+    # from chunk to chunk (before: the strings of its three byte tokens were U+FFFD each)
+    backend.reply_ids = tokenizer.encode("a 中 b", add_special_tokens=False)
+    assert len(backend.reply_ids) > len("a 中 b".split()) + 2          # 中 is split across byte tokens
+    response = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 16, "stream": True,
+                                                    "logprobs": 0, "n": 2})
+    chunks = [json.loads(e) for e in sse_events(response)[:-1]]
+    for index in (0, 1):
+        logprobs = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["index"] == index]
+        tokens = [t for lp in logprobs if lp for t in lp["tokens"]]
+        offsets = [o for lp in logprobs if lp for o in lp["text_offset"]]
+        assert "".join(tokens) == "a 中 b"
+        assert offsets == [len("".join(tokens[:i])) for i in range(len(tokens))]
+
+
 def test_completion_stream_chunks_add_up_and_end_with_usage_then_done(client, backend):
     response = client.post("/v1/completions", json={
         "prompt": [5, 6], "max_tokens": 5, "stream": True,
