@@ -181,6 +181,15 @@ def test_silu_and_mul_matches_silu_times_up():
                                rtol=1e-5, atol=1e-6)
 
 
+def test_silu_and_mul_of_outlier_gates_is_finite():
+    # an outlier neuron's gate far below -88: exp(-g) overflowed, and the fast-math division gave NaN,
+    # which then spread through the hidden state to every logit
+    gate = torch.tensor([[-1000.0, -300.0, -89.0, -88.0, -20.0, 0.0, 20.0, 89.0, 300.0]])
+    up = torch.full_like(gate, 2.0)
+    out = cpu_kernels.silu_and_mul(torch.cat([gate, up], dim=-1))
+    torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-30)
+
+
 def test_rotary_matches_the_eager_rotary_on_strided_views():
     from engine.model.model_config import ModelConfig
     from engine.model.rotary import RotaryEmbedding

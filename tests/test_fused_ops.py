@@ -215,6 +215,13 @@ def test_silu_and_mul(dtype, n):
     assert (out != swapped).float().mean() > 0.9         # gate/up order matters
 
 
+def test_silu_and_mul_of_outlier_gates_is_finite():
+    gate = torch.tensor([[-1000.0, -300.0, -89.0, -88.0, -20.0, 0.0, 20.0, 89.0, 300.0]], device=DEVICE)
+    up = torch.full_like(gate, 2.0)
+    out = silu_and_mul(torch.cat([gate, up], dim=-1))
+    torch.testing.assert_close(out, F.silu(gate) * up, rtol=1e-5, atol=1e-30)
+
+
 def test_silu_and_mul_column_blocks_strided_and_preallocated(monkeypatch):
     monkeypatch.setattr(fused_ops, "SILU_BLOCK", 64)      # n = 200: 4 column blocks
     big = randn(3, 500, dtype=torch.bfloat16, seed=18, scale=3.0)

@@ -241,7 +241,9 @@ void silu_and_mul(torch::Tensor out, torch::Tensor x) {
       const float *g = xp + t * 2 * I, *u = g + I;
       float* o = op + t * I;
       #pragma omp simd
-      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      // exp's argument capped below FLT_MAX's log: past it exp gives inf, and with -ffast-math
+      // g / inf is inf * 0 = NaN, not silu's -0 (a gate of -300 would poison the whole forward)
+      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(std::min(-g[i], 88.f))) * u[i];
     }
   });
 }

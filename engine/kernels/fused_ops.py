@@ -299,8 +299,9 @@ def _silu_and_mul_kernel(
     out_ty = out_ptr.dtype.element_ty
     gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_row + n + cols, mask=mask, other=0.0).to(tl.float32)
-    # torch: silu in fp32 rounded to the dtype, then a dtype multiply
-    act = _to_dtype(gate / (1.0 + tl.exp(-gate)), out_ty).to(tl.float32)
+    # torch: silu in fp32 rounded to the dtype, then a dtype multiply; exp's argument capped below
+    # FLT_MAX's log (a gate of -300 then gives ~-2e-36, not an approximate division by inf)
+    act = _to_dtype(gate / (1.0 + tl.exp(tl.minimum(-gate, 88.0))), out_ty).to(tl.float32)
     tl.store(out_ptr + row * out_row_stride + cols, _to_dtype(act * up, out_ty), mask=mask)
 
 
