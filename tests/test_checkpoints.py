@@ -327,9 +327,35 @@ def test_fused_projections_and_a_broken_index_are_checkpoint_errors(model_dirs, 
     with pytest.raises(CheckpointError, match=r"qkv_proj.* a fused projection"):
         LLM(str(fused))
     broken = shutil.copytree(model_dirs["tiny"], tmp_path / "broken-index")
+    (broken / "model.safetensors").rename(broken / "model-00001-of-00001.safetensors")
     (broken / "model.safetensors.index.json").write_text('{"metadata": {}}')
     with pytest.raises(CheckpointError, match=r"is not a safetensors index .*KeyError"):
         LLM(str(broken))
+
+
+def test_the_one_model_file_wins_over_a_leftover_index_and_its_shards(model_dirs, tmp_path):
+    # transformers reads model.safetensors before an index; the engine read the index first, so a
+    # newer model.safetensors copied over an older sharded revision served the old shards' weights,
+    # and a save_pretrained over a sharded save (it removes the shards, keeps their index) was refused
+    from transformers import AutoModelForCausalLM
+    src = model_dirs["tiny-qwen2"]
+    old = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    with torch.no_grad():
+        for p in old.parameters():
+            p.mul_(1.5)
+    old.save_pretrained(str(tmp_path / "old"), max_shard_size="60KB")
+    d = shutil.copytree(src, tmp_path / "updated")
+    for f in (tmp_path / "old").glob("model*.safetensors*"):
+        shutil.copy(f, d / f.name)
+    assert (d / "model.safetensors.index.json").is_file() and len(list(d.glob("model-*.safetensors"))) > 2
+    prompts = _prompts()
+    expected = _greedy_ids(src, prompts)
+    assert _greedy_ids(d, prompts) == expected
+    shutil.copytree(src, tmp_path / "old", dirs_exist_ok=True, ignore=shutil.ignore_patterns("model*"))
+    assert _greedy_ids(tmp_path / "old", prompts) != expected      # the shards hold other weights
+    for shard in d.glob("model-*.safetensors"):
+        shard.unlink()
+    assert _greedy_ids(d, prompts) == expected
 
 
 def _greedy_ids(model_dir, prompts, max_tokens=8):

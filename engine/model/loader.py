@@ -41,9 +41,11 @@ class LazyTensor:
 
 
 def _weight_map(model_dir: Path) -> dict[str, str] | None:
-    """The checkpoint index's tensor name -> file map; None without an index."""
+    """The checkpoint index's tensor name -> file map; None without an index, and where the one
+    file model.safetensors is there, which transformers reads first (an index beside it is a
+    leftover: save_pretrained over a sharded save removes the shards but keeps their index)."""
     index = model_dir / "model.safetensors.index.json"
-    if not index.is_file():
+    if not index.is_file() or (model_dir / "model.safetensors").is_file():
         return None
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
