@@ -70,7 +70,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     whole = args.pop("config_json", None)      # a whole deployment, as `pdserve serve --autoscale` sends it
     profile = args.pop("autoscaling_profile", None)
     config = with_overrides(DeploymentConfig.model_validate(whole), args) if whole else load_config(path, args)
-    if not whole and (problem := config.unused_pool_settings()):   # (pdserve serve, sending `whole`, said so)
+    for problem in [] if whole else config.unused_settings():   # (pdserve serve, sending `whole`, said so)
         log.warning(problem)
     if ray.is_initialized():   # a Serve config file's application is built in the cluster: check against it
         config = placed_config(config)

@@ -180,6 +180,13 @@ class HttpSection(_Strict):
                                     "with cross-origin requests (only with origins listed one by one)")
 
     @model_validator(mode="after")
+    def _one_key_source(self):
+        if self.api_key_env and self.api_key_sha256:
+            raise ValueError("give http.api_key_env or http.api_key_sha256, not both: with both, one key "
+                             "would be silently ignored")
+        return self
+
+    @model_validator(mode="after")
     def _check_cors(self):
         for i, origin in enumerate(self.allowed_origins):
             # as a browser sends it: lower case, no default port (the match is exact)
@@ -470,17 +477,29 @@ class DeploymentConfig(_Strict):
             return {"prefill": self.prefill, "decode": self.decode}
         return {"colocated": self.colocated}
 
-    def unused_pool_settings(self) -> str | None:
-        """What the pools this mode does not run set (e.g. decode's TP degree in a file that
-        `--mode colocated` switched), or None: those settings do nothing."""
+    def unused_settings(self) -> list[str]:
+        """Settings given that do nothing, each said with what to do instead: the pools this mode
+        does not run (e.g. decode's TP degree in a file that `--mode colocated` switched), the
+        hand-off's sections in colocated mode, the autoscaler's settings with autoscaling off."""
+        problems = []
         runs = self.pools()
         unused = [f"{role}: {pool.model_dump(exclude_defaults=True)}"
                   for role, pool in (("prefill", self.prefill), ("decode", self.decode), ("colocated", self.colocated))
                   if role not in runs and pool != WorkerPool()]
-        if not unused:
-            return None
-        return (f"{self.mode.value} mode runs {' and '.join(runs)} replicas only: the settings of "
-                f"{'; '.join(unused)} are not used (set {' and '.join(f'{role}:' for role in runs)} instead)")
+        if unused:
+            problems.append(f"{self.mode.value} mode runs {' and '.join(runs)} replicas only: the settings of "
+                            f"{'; '.join(unused)} are not used (set {' and '.join(f'{role}:' for role in runs)} "
+                            "instead)")
+        if self.mode is Mode.colocated:
+            handoff = [name for name in ("kv_transfer", "disaggregation")
+                       if getattr(self, name).model_dump(exclude_defaults=True)]
+            if handoff:
+                problems.append(f"colocated mode hands no KV cache over: the settings of {' and '.join(handoff)} "
+                                "are not used (drop them, or serve in disaggregated mode)")
+        if not self.autoscaling.enabled and self.autoscaling.model_dump(exclude_defaults=True):
+            problems.append("autoscaling is off (autoscaling.enabled false): its other settings are not used "
+                            "(set autoscaling.enabled: true, or pdserve serve --autoscale, to use them)")
+        return problems
 
     def tokens_per_step(self) -> int:
         """engine.max_num_batched_tokens, or the default for the device."""
@@ -617,7 +636,14 @@ def _with_dotted(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, A
         if leaf not in model.model_fields:
             raise ValueError(f"unknown setting {key!r}")
         node[leaf] = value
+        for replaced in _REPLACES.get(key, ()):
+            node.pop(replaced, None)
     return data
+
+
+# A setting given on the command line that replaces others of the file: a key given to
+# `pdserve serve` (--api-key, PDSERVE_API_KEY) instead of the one the file names.
+_REPLACES = {"http.api_key_sha256": ("api_key_env",)}
 
 
 def _section_model(model: type[BaseModel], name: str) -> type[BaseModel] | None:

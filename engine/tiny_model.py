@@ -639,8 +639,11 @@ def checkpoint_dir(model: str | None) -> str:
     if names_built_in_model(model):
         return str(ensure_preset_model(model))
     if not (Path(model) / "config.json").is_file():
-        raise FileNotFoundError(f"model {model} is not a HuggingFace checkpoint directory (no config.json); give "
-                                f"a checkpoint directory or a built-in model: {', '.join(sorted(PRESETS))}")
+        what = "a file" if Path(model).is_file() else "not a HuggingFace checkpoint directory (no config.json)"
+        if Path(model).suffix.lower() == ".gguf":
+            what = "a GGUF file, which pdserve does not load (it loads safetensors checkpoints)"
+        raise FileNotFoundError(f"model {model} is {what}; give a HuggingFace checkpoint directory (config.json, "
+                                f"tokenizer and *.safetensors) or a built-in model: {', '.join(sorted(PRESETS))}")
     return os.path.abspath(model)
 
 

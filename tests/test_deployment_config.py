@@ -219,6 +219,12 @@ def test_the_kv_secret_comes_from_one_source():
                                                          "secret_stored_key": "kv_transfer_secret_env/KV_SECRET"}})
 
 
+def test_the_api_key_comes_from_one_source_in_a_file():
+    # before: both accepted, the digest silently preferred, and the key in the variable never required
+    with pytest.raises(ValidationError, match="give http.api_key_env or http.api_key_sha256, not both"):
+        DeploymentConfig.model_validate({"http": {"api_key_env": "MY_API_KEY", "api_key_sha256": "0" * 64}})
+
+
 def test_a_flag_does_not_hide_a_malformed_section_of_the_file(tmp_path):
     import yaml
     f = tmp_path / "bad.yaml"

@@ -856,7 +856,12 @@ def test_cli_refuses_before_the_run_what_it_would_ignore_or_fail_on(server, tmp_
     a_file.write_text("")
     assert main(["loadtest", "--base-url", server.base_url, "--num-prompts", "2", "--save-result",
                  "--result-dir", str(a_file)]) == 2
-    assert f"--result-dir {a_file}: cannot make the directory" in capsys.readouterr().err
+    assert f"--result-dir {a_file}: it is a file, not a directory" in capsys.readouterr().err
+    # a result file that cannot be written: refused before the run (after it, the result went to a
+    # temporary file and the command still exited 0)
+    assert main(["loadtest", "--base-url", server.base_url, "--num-prompts", "2", "--save-result",
+                 "--result-file", str(a_file / "out.json")]) == 2
+    assert f"--result-file {a_file / 'out.json'}: {a_file} is a file, not a directory" in capsys.readouterr().err
     # a plot directory that cannot be made: refused before the sweep (after it, the sweep's
     # results were lost with it)
     assert main(["loadtest", "--base-url", server.base_url, "--num-prompts", "2", "--sweep-rates", "5,10",

@@ -94,6 +94,22 @@ def test_flags_supply_what_the_file_lacks_and_ignored_flags_are_refused(tmp_path
         serve("--max-replicas", "4")
 
 
+def test_hand_off_and_autoscaling_settings_that_do_nothing_are_warned_about(tmp_path, capsys):
+    # before: accepted without a word, a misspelt role among them
+    path = tmp_path / "deploy.yaml"
+    path.write_text(yaml.safe_dump({"mode": "colocated", "kv_transfer": {"staging_mib": 2048},
+                                    "disaggregation": {"policy": "always"},
+                                    "autoscaling": {"budget": 3, "min_replicas": {"prefil": 1}}}))
+    config_from_args(build_parser().parse_args(["serve", "--config", str(path)]))
+    err = capsys.readouterr().err
+    assert ("warning: colocated mode hands no KV cache over: the settings of kv_transfer and disaggregation "
+            "are not used") in err
+    assert "warning: autoscaling is off (autoscaling.enabled false): its other settings are not used" in err
+    config_from_args(build_parser().parse_args(["serve", "--config", str(path), "--mode", "disaggregated"]))
+    err = capsys.readouterr().err
+    assert "hands no KV cache over" not in err and "autoscaling is off" in err
+
+
 def test_a_file_whose_pools_the_mode_does_not_run_is_warned_about(capsys):
     """--mode colocated on a file written for disaggregated serving: its decode TP degree would
     be dropped without a word."""

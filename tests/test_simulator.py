@@ -373,7 +373,22 @@ def test_pdserve_simulate_refuses_what_it_would_ignore_or_could_not_start(tmp_pa
     a_file = tmp_path / "a_file"
     a_file.write_text("")
     assert main([*base, "--save-result", "--result-dir", str(a_file)]) == 2   # before the simulation
-    assert f"--result-dir {a_file}: cannot make the directory" in capsys.readouterr().err
+    assert f"--result-dir {a_file}: it is a file, not a directory" in capsys.readouterr().err
+    for result_file, problem in ((a_file / "x.json", f"{a_file} is a file, not a directory"),
+                                 (tmp_path, "it is a directory; name a file")):
+        # before: the simulation ran, and then its result was lost to an OSError
+        assert main([*base, "--save-result", "--result-file", str(result_file)]) == 2
+        err = capsys.readouterr().err
+        assert f"--result-file {result_file}: {problem}" in err and "Serving Benchmark Result" not in err
+    no_admission = tmp_path / "no-admission.yaml"
+    no_admission.write_text(open("configs/tiny-cpu.yaml").read() + "admission: {enabled: false}\n")
+    assert main([*base[:2], str(no_admission), *base[3:], "--slo", "ttft:500", "tpot:50"]) == 2   # before: ignored
+    assert "--slo sets the SLOs admission control and the autoscaler serve, and both are off" in \
+        capsys.readouterr().err
+    colocated = tmp_path / "colocated.yaml"
+    colocated.write_text(open("configs/tiny-cpu.yaml").read().replace("mode: disaggregated", "mode: colocated"))
+    assert main([*base[:2], str(colocated), *base[3:], "--kv-bandwidth-gibps", "5"]) == 2   # before: ignored
+    assert "--kv-bandwidth-gibps model the KV hand-off, and" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:                          # loadtest's flags, not simulate's
         main([*base, "--num-warmups", "2"])
     assert exit_.value.code == 2 and "unrecognized arguments: --num-warmups" in capsys.readouterr().err

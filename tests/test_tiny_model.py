@@ -338,3 +338,18 @@ def test_ensure_default_model_builds_once_and_replaces_stale(monkeypatch, tmp_pa
     assert ensure_default_model() == path
     assert _file_bytes(path) == _file_bytes(model_dir("tiny"))
     assert sorted(p.name for p in path.parent.iterdir()) == ["tiny"]
+
+
+def test_a_model_that_is_a_file_is_refused_saying_what_it_is(tmp_path):
+    from engine.tiny_model import checkpoint_dir
+    gguf = tmp_path / "llama-3-8b.Q4_K_M.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(FileNotFoundError, match="is a GGUF file, which pdserve does not load"):
+        checkpoint_dir(str(gguf))
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=r"model\.safetensors is a file; give a HuggingFace checkpoint "
+                                                r"directory"):
+        checkpoint_dir(str(weights))
+    with pytest.raises(FileNotFoundError, match="is not a HuggingFace checkpoint directory"):
+        checkpoint_dir(str(tmp_path / "nowhere"))

@@ -188,9 +188,11 @@ def add_loadtest_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     return p
 
 
-def add_workload_arguments(p: argparse.ArgumentParser) -> tuple[Any, Any, Any]:
+def add_workload_arguments(p: argparse.ArgumentParser,
+                           result_name: str = "loadtest-<rate>qps-<model>-<date>.json") -> tuple[Any, Any, Any]:
     """The dataset, load and results flags `pdserve loadtest` and `pdserve simulate`
-    share; returns the three argument groups, for a caller's own flags."""
+    share (`result_name`: the command's default result file name); returns the three
+    argument groups, for a caller's own flags."""
     data = p.add_argument_group("dataset")
     data.add_argument("--dataset-name", default="random", choices=["random", "sharegpt", "prefix"],
                       type=lambda name: "prefix" if name == "prefix_repetition" else name,
@@ -236,7 +238,7 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> tuple[Any, Any, Any]:
     out.add_argument("--save-result", action="store_true", help="write the result JSON")
     out.add_argument("--result-dir", default=None, help="directory for the result JSON (default: .)")
     out.add_argument("--result-file", "--result-filename", dest="result_file", default=None,
-                     help="file name of the result JSON (default: loadtest-<rate>qps-<model>-<date>.json)")
+                     help=f"file name of the result JSON (default: {result_name})")
     return data, load, out
 
 

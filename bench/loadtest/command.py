@@ -45,6 +45,7 @@ from bench.loadtest.metrics import summarize
 from bench.loadtest.report import JSON_PERCENTILES, build_result, format_table, vllm_json
 from bench.loadtest.runner import RunConfig, RunResult, run_benchmark, run_cancellable
 from bench.loadtest.sweep import format_sweep_table, run_sweep, write_plots
+from cluster.cli.output_file import output_problem
 from engine.tiny_model import PRESETS, ensure_default_model, ensure_preset_model
 from engine.tokenizer import load_tokenizer
 
@@ -176,8 +177,7 @@ def _check_combinations(args: argparse.Namespace) -> None:
         raise LoadtestError(f"--temperature must be in [0, 2] (OpenAI's and vLLM's range), got {args.temperature}")
     if not args.endpoint.rstrip("/").endswith("completions"):
         raise LoadtestError(f"--endpoint must be /v1/completions or /v1/chat/completions, got {args.endpoint}")
-    if args.save_result:
-        _check_writable_dir(Path(args.result_dir or "."), "--result-dir")
+    check_result_path(args)
     if args.plot:
         _check_writable_dir(Path(args.plot), "--plot")
 
@@ -204,8 +204,21 @@ def check_dataset_flags(args: argparse.Namespace) -> None:
         raise LoadtestError(str(exc)) from None
 
 
+def check_result_path(args: argparse.Namespace) -> None:
+    """Before the run (shared with `pdserve simulate`): with --save-result, the result can be
+    written where --result-dir and --result-file put it."""
+    if not args.save_result:
+        return
+    directory = Path(args.result_dir or ".")
+    _check_writable_dir(directory, "--result-dir")
+    if args.result_file and (problem := output_problem(directory / args.result_file)):
+        raise LoadtestError(f"--result-file {directory / args.result_file}: {problem}")
+
+
 def _check_writable_dir(directory: Path, flag: str) -> None:
     """Before the run: files can be written into `directory` (made if missing)."""
+    if directory.exists() and not directory.is_dir():
+        raise LoadtestError(f"{flag} {directory}: it is a file, not a directory")
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 from cluster.cli.plan_goodput import SloAction, parse_slo
 from cluster.cli.stop_signal import StopSignal
-from cluster.config import LOG_LEVELS
+from cluster.config import CPU_TOKENS_PER_STEP, CUDA_TOKENS_PER_STEP, LOG_LEVELS
 from router.http_guard import api_key_digest
 
 APP_NAME = "pdserve"
@@ -93,7 +93,8 @@ def add_serve_parser(sub) -> None:
     engine = p.add_argument_group("engine (every worker's; a deployment file's engine: section)")
     engine.add_argument("--max-num-seqs", type=int, help="sequences a step holds at most (256)")
     engine.add_argument("--max-num-batched-tokens", type=int,
-                        help="tokens a step holds at most, prompt chunks and decodes (512 on CPU, 8192 on CUDA)")
+                        help="tokens a step holds at most, prompt chunks and decodes "
+                        f"({CPU_TOKENS_PER_STEP} on CPU, {CUDA_TOKENS_PER_STEP} on CUDA)")
     engine.add_argument("--gpu-memory-utilization", type=float,
                         help="CUDA: the fraction of each GPU the process may fill, weights and KV (0.9)")
     engine.add_argument("--block-size", type=int, help="tokens per KV block (16)")
@@ -165,7 +166,7 @@ def config_from_args(args: argparse.Namespace):
     if unused:
         raise ConfigFileError(f"{', '.join(unused)} set a pool that {config.mode.value} mode does not run "
                               f"(its pools: {', '.join(config.pools())}); drop them or change --mode")
-    if problem := config.unused_pool_settings():
+    for problem in config.unused_settings():
         print(f"pdserve: warning: {problem}", file=sys.stderr)
     if getattr(args, "slo", None) and not config.admission.enabled and not config.autoscaling.enabled:
         raise ConfigFileError("--slo sets the SLOs admission control and the autoscaler serve, and both are off "

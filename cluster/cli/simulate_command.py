@@ -26,7 +26,7 @@ from cluster.cli.plan_goodput import SloAction, load_profile, parse_slo
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from bench.loadtest.arrivals import arrival_offsets
-    from bench.loadtest.command import LoadtestError, _build_dataset, _check_writable_dir, check_dataset_flags
+    from bench.loadtest.command import LoadtestError, _build_dataset, check_dataset_flags, check_result_path
     from bench.loadtest.metrics import peaks, summarize
     from bench.loadtest.report import JSON_PERCENTILES, build_result, format_table, vllm_json
     from bench.loadtest.runner import RunConfig, RunResult
@@ -41,9 +41,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     try:
         check_dataset_flags(args)
         _check_flags(args)
-        if args.save_result:     # before the simulation, not after it (its result lost to a traceback)
-            _check_writable_dir(Path(args.result_dir or "."), "--result-dir")
+        check_result_path(args)      # before the simulation, not after it (its result lost to a traceback)
         config = load_config(args.config, {f"slo.{name}_ms": ms for name, ms in args.slo or []})
+        _check_flags_against(args, config)
         if args.lend_profile and not config.lends_idle_cores():
             raise ValueError("--lend-profile applies to a CPU deployment whose resources.lend_idle_cores is true; "
                              f"{args.config}'s engines do not lend cores")
@@ -128,6 +128,18 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_flags_against(args: argparse.Namespace, config) -> None:
+    """Flags the deployment in --config would ignore are refused, as `pdserve serve` refuses them."""
+    if args.slo and not config.admission.enabled and not (args.autoscale or config.autoscaling.enabled):
+        raise ValueError(f"--slo sets the SLOs admission control and the autoscaler serve, and both are off in "
+                         f"{args.config}: enable admission (admission.enabled) or add --autoscale, or drop --slo")
+    handoff = [flag for flag, value in (("--kv-bandwidth-gibps", args.kv_bandwidth_gibps),
+                                        ("--kv-latency-ms", args.kv_latency_ms)) if value is not None]
+    if handoff and config.mode.value == "colocated":
+        raise ValueError(f"{' and '.join(handoff)} model the KV hand-off, and {args.config} serves colocated "
+                         "(no hand-off): drop them")
+
+
 def _check_flags(args: argparse.Namespace) -> None:
     """Flags that would be ignored, or that would make time run backwards, are refused."""
     given = [v for v in (args.kv_bandwidth_gibps, args.kv_latency_ms, args.shared_cores) if v is not None]
@@ -210,6 +222,6 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     p.add_argument("--slo", nargs="+", type=parse_slo, action=SloAction, metavar="ttft:MS|tpot:MS",
                    help="the SLOs admission control refuses for and the autoscaler scales for (default: the "
                         "deployment file's slo: section)")
-    add_workload_arguments(p)
+    add_workload_arguments(p, result_name="simulate-<date>.json")
     p.set_defaults(func=_cmd_simulate)
     return p

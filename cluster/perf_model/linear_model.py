@@ -17,7 +17,9 @@ it however little it computes (an 8B model on an H200, that profile's host: ~30
 ms for any prompt under ~1,000 tokens, where decode-only steps replayed from
 CUDA graphs took 5-12 ms). No linear term has that shape, so the fit also tries a floor under
 such steps, t = max(linear, eager_floor_s), and keeps it when it lowers the
-mean error by at least FLOOR_MIN_GAIN (on a CPU there is none to find).
+mean error by at least FLOOR_MIN_GAIN. On a CPU, where every step runs eagerly and
+launches cost next to nothing, it is not tried (on a busy machine the noise alone
+could pass for one).
 """
 
 from __future__ import annotations
@@ -61,10 +63,11 @@ class LinearStepModel:
         return max(linear, self.eager_floor_s) if shape.prefill_tokens else linear
 
     @classmethod
-    def fit(cls, shapes: list[StepShape], seconds: list[float], meta: dict[str, Any] | None = None
-            ) -> "LinearStepModel":
+    def fit(cls, shapes: list[StepShape], seconds: list[float], meta: dict[str, Any] | None = None,
+            eager_floor: bool = True) -> "LinearStepModel":
         """Non-negative least squares on relative error. Terms the points do not
-        exercise (e.g. no decode steps) get 0."""
+        exercise (e.g. no decode steps) get 0. `eager_floor`: also try a floor under
+        steps with prompt tokens (GPU profiles)."""
         if len(shapes) != len(seconds) or not shapes:
             raise ValueError(f"need as many measured times as shapes, at least one; got {len(shapes)} and "
                              f"{len(seconds)}")
@@ -73,7 +76,7 @@ class LinearStepModel:
         x = np.array([s.features() for s in shapes], dtype=np.float64)
         y = np.array(seconds, dtype=np.float64)
         prompted = np.array([s.prefill_tokens > 0 for s in shapes])
-        coef, floor, rel = _fit_with_floor(x, y, prompted)
+        coef, floor, rel = _fit_with_floor(x, y, prompted if eager_floor else np.zeros_like(prompted))
         return cls(tuple(float(c) for c in coef), FitError(float(rel.mean()), float(rel.max()), len(y)),
                    dict(meta or {}), floor)
 

@@ -173,7 +173,7 @@ def run_profile(model: str, *, tp: int = 1, device: str = "auto", dtype: str = "
                 "dtype": str(engine.worker.dtype).removeprefix("torch."),
                 "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
                 "threads": getattr(engine.worker, "num_threads", None), "warm_up_grid": on_gpu}
-        fitted = LinearStepModel.fit(recorder.shapes, recorder.seconds, meta)
+        fitted = LinearStepModel.fit(recorder.shapes, recorder.seconds, meta, eager_floor=on_gpu)
     finally:
         engine.shutdown()
     result = fitted.to_json()
