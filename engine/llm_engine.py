@@ -46,7 +46,7 @@ from engine.output_processor import RequestTextState, ResumedText
 from engine.outputs import OutputKind, RequestOutput, ResumedOutput
 from engine.preflight import step_budget_problem, tensor_parallel_problem
 from engine.runner import LaunchedStep, ModelRunner
-from engine.sampler import Sampler, TokenLogprobs, skip_draws
+from engine.sampler import Sampler, TokenLogprobs, seeded_generator, skip_draws
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler
 from engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
@@ -118,7 +118,7 @@ class LLMEngine:
             log.warning("max_num_seqs (%d) is more than max_num_batched_tokens (%d): at most %d sequences run at "
                         "once, as each takes a token of every step", config.max_num_seqs,
                         config.max_num_batched_tokens, config.max_running_seqs)
-        batch_generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        batch_generator = seeded_generator(config.seed, self.device)
         self.runner = ModelRunner(self.worker, Sampler(batch_generator))
         # What ends a request (unless ignore_eos) and what min_tokens bans, on every path: the tokenizer's,
         # config.json's and generation_config.json's EOS ids, the tokenizer's first (a stop on it reports no
@@ -258,7 +258,7 @@ class LLMEngine:
                 "allowed_token_ids")
         generator = None
         if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            generator = seeded_generator(params.seed, self.device)
         bad_words = bad_word_sequences(self.tokenizer, params, self.model_config.vocab_size, ending)
         return Sequence(request_id=request_id, token_ids=token_ids, num_prompt_tokens=len(token_ids),
                         params=params, eos_token_ids=self.eos_token_ids, generator=generator,

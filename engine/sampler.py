@@ -274,6 +274,17 @@ def _own_noise(generator: torch.Generator, vocab_size: int, dtype: torch.dtype,
     return torch.empty(vocab_size, dtype=dtype, device=device).exponential_(generator=generator)
 
 
+def seeded_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A generator on `device` seeded with `seed`, all of its 64 bits counting. torch's CPU
+    generator keeps only the low 32 (seeds 7 and 7 + 2**40 drew the same tokens), so on CPU
+    the high half, scrambled, is folded into them; a seed in [0, 2**32) seeds as it is."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        seed &= (1 << 64) - 1
+        seed = (seed ^ ((seed >> 32) * 0x9E3779B1)) & 0xFFFFFFFF
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 def skip_draws(generator: torch.Generator, num_tokens: int, vocab_size: int) -> None:
     """Advances a request's own generator past `num_tokens` sampled tokens,
     exactly as sampling them would (one draw each, of the sampler's float32
@@ -285,7 +296,7 @@ def skip_draws(generator: torch.Generator, num_tokens: int, vocab_size: int) -> 
 def advanced_generator_state(seed: int, num_tokens: int, vocab_size: int, device: torch.device) -> torch.Tensor:
     """The state of a request's generator (seeded with `seed`, on `device`) after
     `num_tokens` sampled tokens; for any thread (the draws release the GIL)."""
-    generator = torch.Generator(device=device).manual_seed(seed)
+    generator = seeded_generator(seed, device)
     skip_draws(generator, num_tokens, vocab_size)
     return generator.get_state()
 

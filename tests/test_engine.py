@@ -236,6 +236,18 @@ def test_seed_gives_same_output_in_any_batch(llm):
     assert llm.generate(PROMPT, other_seed)[0].token_ids != alone
 
 
+def test_every_bit_of_a_seed_counts(llm):
+    # torch's CPU generator keeps a seed's low 32 bits: 7 and 7 + 2**40 drew the same tokens, as did
+    # 0, 2**32 and -2**63
+    def draw(seed):
+        params = SamplingParams(temperature=1.0, max_tokens=12, seed=seed, ignore_eos=True)
+        return tuple(llm.generate(PROMPT, params)[0].token_ids)
+    assert len({draw(7), draw(7 + 2**40), draw(0), draw(2**32), draw(-2**63), draw(-1)}) == 6
+    # a seed below 2**32 seeds torch's generator as it is: its tokens are what they were
+    from engine.sampler import seeded_generator
+    assert torch.equal(seeded_generator(7, "cpu").get_state(), torch.Generator().manual_seed(7).get_state())
+
+
 def test_logprobs_match_transformers(llm, reference):
     ref = reference("tiny")
     out = llm.generate(PROMPT, _greedy(max_tokens=5, logprobs=3))[0]
