@@ -167,9 +167,9 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     """The prompts as a list, one per request; ValueError naming the first one (and
     its index) that has none of the prompt forms."""
     if isinstance(prompts, (str, dict)):
-        return [prompts]
+        prompts = [prompts]     # (a dict's ids checked below, as in a list)
     # (a numpy array or a tensor: not taken for a list of prompts; bytes are not token ids)
-    if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
+    elif not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
         raise ValueError(f"prompts must be one prompt or a list of them, each {_PROMPT_FORMS}; "
                          f"got {type(prompts).__name__}")
     prompts = list(prompts)

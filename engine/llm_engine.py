@@ -26,6 +26,7 @@ launched steps by the stream or by the read's own synchronisation.
 from __future__ import annotations
 
 import itertools
+import operator
 import logging
 import pickle
 import secrets
@@ -220,14 +221,14 @@ class LLMEngine:
         if not isinstance(prompt, (list, tuple)):     # bytes would pass for token ids
             raise InvalidRequestError(f"prompt must be text or a list of token ids; got {type(prompt).__name__}",
                                       "prompt")
-        return list(prompt)
+        return [_as_token_id(t, i) for i, t in enumerate(prompt)]
 
     def validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise InvalidRequestError("prompt is empty; send at least one token", "prompt")
         vocab = self.model_config.vocab_size
         for i, t in enumerate(token_ids):
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+            if not 0 <= _as_token_id(t, i) < vocab:
                 raise InvalidRequestError(
                     f"prompt token id {t!r} at position {i} is outside the vocabulary [0, {vocab})", "prompt")
         if len(token_ids) >= self.max_model_len:
@@ -628,3 +629,15 @@ def _step_shape(step) -> tuple[float, int]:
     for seq, n in zip(step.seqs[d:], step.num_new_tokens[d:]):
         attention += n * (seq.num_computed_tokens + (n + 1) / 2)
     return attention, decode_context
+
+
+def _as_token_id(value: object, position: int) -> int:
+    """`value` as a Python int token id (a numpy or torch integer too); InvalidRequestError
+    for anything else (a bool, a float, a character of a string passed as ids)."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise InvalidRequestError(f"prompt token ids must be integers; got {type(value).__name__} {value!r} at "
+                              f"position {position}", "prompt")

@@ -324,6 +324,21 @@ def test_a_prompt_of_no_prompt_form_is_named_with_its_index(llm):
     assert llm.generate([{"prompt": "fine", "prompt_token_ids": None}], _greedy(max_tokens=1))[0].finished
     with pytest.raises(InvalidRequestError, match="prompt must be text or a list of token ids; got bytes"):
         llm.engine.add_request("raw-bytes", b"Hello", _greedy(max_tokens=1))
+    # one dict prompt is checked as one in a list is (it ran its ids unchecked: "token id 'a' ... is
+    # outside the vocabulary")
+    for prompt, says in (({"prompt_token_ids": "abc"}, "prompt 0 must be .* holding str"),
+                         ({"prompt_token_ids": np.array([1, 2])}, "prompt 0 must be .* holding ndarray")):
+        with pytest.raises(ValueError, match=says):
+            llm.generate(prompt, _greedy(max_tokens=1))
+    # the engine takes numpy and torch integers for ids, and names what is not one
+    llm.engine.add_request("np-ids", [np.int64(5), torch.tensor(6), 7], _greedy(max_tokens=1))
+    outs = []
+    while llm.engine.has_unfinished_requests():
+        outs += llm.engine.step()
+    assert outs[-1].prompt_token_ids == [5, 6, 7] and all(type(t) is int for t in outs[-1].prompt_token_ids)
+    for ids, says in (([5.0], "float 5.0 at position 0"), ([1, True], "bool True at position 1")):
+        with pytest.raises(InvalidRequestError, match=f"prompt token ids must be integers; got {says}"):
+            llm.engine.add_request("bad-ids", ids, _greedy(max_tokens=1))
     assert not llm.engine.has_unfinished_requests()
 
 
