@@ -75,7 +75,7 @@ def test_bad_overrides_are_refused_with_the_field_named():
         with_overrides(DeploymentConfig(), {"decode.replicas": 0})
 
 
-def test_flags_supply_what_the_file_lacks_and_ignored_flags_are_refused(tmp_path):
+def test_flags_supply_what_the_file_lacks_and_ignored_flags_are_refused(tmp_path, capsys):
     f = tmp_path / "autoscaled.yaml"
     f.write_text(yaml.safe_dump({"autoscaling": {"enabled": True, "budget": 3}}))
 
@@ -90,8 +90,22 @@ def test_flags_supply_what_the_file_lacks_and_ignored_flags_are_refused(tmp_path
     with pytest.raises(ConfigFileError, match="--prefill-replicas, --decode-tp set a pool that colocated mode "
                                               "does not run"):
         serve("--mode", "colocated", "--prefill-replicas", "3", "--decode-tp", "2")
+    capsys.readouterr()
     with pytest.raises(ConfigFileError, match="--max-replicas is the autoscaler's budget: add --autoscale"):
         serve("--max-replicas", "4")
+    assert "warning" not in capsys.readouterr().err      # (it also warned of autoscaler settings unused)
+
+
+def test_a_failed_join_names_ray_token_authentication_where_this_machine_has_a_token(tmp_path, monkeypatch):
+    from cluster.cli.serve_command import _auth_hint
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    assert _auth_hint() == ""
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("t")
+    assert "set RAY_AUTH_MODE=token here too" in _auth_hint()
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")         # already sent: not the cause
+    assert _auth_hint() == ""
 
 
 def test_hand_off_and_autoscaling_settings_that_do_nothing_are_warned_about(tmp_path, capsys):

@@ -31,6 +31,7 @@ import re
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from cluster.cli.plan_goodput import SloAction, parse_slo
 from cluster.cli.stop_signal import StopSignal
@@ -166,13 +167,13 @@ def config_from_args(args: argparse.Namespace):
     if unused:
         raise ConfigFileError(f"{', '.join(unused)} set a pool that {config.mode.value} mode does not run "
                               f"(its pools: {', '.join(config.pools())}); drop them or change --mode")
-    for problem in config.unused_settings():
-        print(f"pdserve: warning: {problem}", file=sys.stderr)
     if getattr(args, "slo", None) and not config.admission.enabled and not config.autoscaling.enabled:
         raise ConfigFileError("--slo sets the SLOs admission control and the autoscaler serve, and both are off "
                               "here: enable admission (admission.enabled) or add --autoscale, or drop --slo")
     if getattr(args, "max_replicas", None) is not None and not config.autoscaling.enabled:
         raise ConfigFileError("--max-replicas is the autoscaler's budget: add --autoscale (and --slo), or drop it")
+    for problem in config.unused_settings():     # (after the refusals: a refused flag is no unused setting)
+        print(f"pdserve: warning: {problem}", file=sys.stderr)
     return config
 
 
@@ -215,8 +216,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except ConnectionError as exc:
-        hint = "check --address, or leave it out" if args.address else "give --address local"
-        print(f"error: cannot join the Ray cluster ({exc}): {hint} to start a local cluster", file=sys.stderr)
+        hint = "check --address, or give --address local" if args.address else "give --address local"
+        print(f"error: cannot join the Ray cluster ({exc}): {hint} to start a local cluster{_auth_hint()}",
+              file=sys.stderr)
         return 2
     if args.ray_dashboard and not started_ray:
         print("error: --ray-dashboard starts the dashboard with a cluster pdserve starts, and this one joined a "
@@ -342,8 +344,9 @@ def _refuse_a_second_pdserve() -> None:
 
     if APP_NAME in serve.status().applications:
         raise RuntimeError(f"this Ray cluster already runs a pdserve application ({APP_NAME!r}); deploying would "
-                           "replace it: stop that one first (Ctrl-C on its `pdserve serve`, or `serve delete "
-                           f"{APP_NAME}`), or give this one a cluster of its own (--address local)")
+                           "replace it: stop that one first (Ctrl-C on its `pdserve serve`, or "
+                           f"`serve.delete({APP_NAME!r})` from Python on that cluster), or give this one a "
+                           "cluster of its own (--address local)")
 
 
 def _clean_up(started_ray: bool, deployed: bool, started_serve: bool = False,
@@ -514,8 +517,8 @@ def _watch_application(name: str, stop: StopSignal, *, poll_s: float = 5.0, unhe
         if app is None or status in ("DELETING", "NOT_STARTED"):
             gone += 1
             if gone >= 2:     # seen twice in a row, not a status read mid-update
-                return f"the {name!r} application is gone ({status or 'deleted'}: by `serve delete` or " \
-                       "`serve shutdown`?)"
+                return f"the {name!r} application is gone ({status or 'deleted'}: by `serve shutdown`, " \
+                       "`serve.delete()` or a `serve deploy` without it?)"
             continue
         gone = 0
         if status != told:
@@ -595,6 +598,15 @@ def _connect(address: str | None, local_cpus: int, local_env: dict[str, str], da
             raise
         start_local_cluster(local_cpus, local_env, dashboard=dashboard)
         return True
+
+
+def _auth_hint() -> str:
+    """A note for a failed join where this machine has a Ray authentication token: a cluster
+    started with token authentication refuses a client that does not send it."""
+    if os.environ.get("RAY_AUTH_MODE") == "token" or not (Path.home() / ".ray" / "auth_token").is_file():
+        return ""
+    return ("; if that cluster uses Ray's token authentication (a `ray start` where ~/.ray/auth_token exists "
+            "turns it on), set RAY_AUTH_MODE=token here too")
 
 
 class ClusterJoinError(ConnectionError):
