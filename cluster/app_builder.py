@@ -70,7 +70,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     whole = args.pop("config_json", None)      # a whole deployment, as `pdserve serve --autoscale` sends it
     profile = args.pop("autoscaling_profile", None)
     config = with_overrides(DeploymentConfig.model_validate(whole), args) if whole else load_config(path, args)
-    for problem in [] if whole else config.unused_settings():   # (pdserve serve, sending `whole`, said so)
+    given = {key for key, value in args.items() if value is not None}
+    for problem in [] if whole else config.unused_settings(given):   # (pdserve serve, sending `whole`, said so)
         log.warning(problem)
     if ray.is_initialized():   # a Serve config file's application is built in the cluster: check against it
         config = placed_config(config)

@@ -477,10 +477,12 @@ class DeploymentConfig(_Strict):
             return {"prefill": self.prefill, "decode": self.decode}
         return {"colocated": self.colocated}
 
-    def unused_settings(self) -> list[str]:
+    def unused_settings(self, given: frozenset[str] | set[str] = frozenset()) -> list[str]:
         """Settings given that do nothing, each said with what to do instead: the pools this mode
         does not run (e.g. decode's TP degree in a file that `--mode colocated` switched), the
-        hand-off's sections in colocated mode, the autoscaler's settings with autoscaling off."""
+        hand-off's sections in colocated mode, the autoscaler's settings with autoscaling off
+        (unless `given`, the dotted settings the command line gave, turned it off: a file's
+        autoscaler kept for another run)."""
         problems = []
         runs = self.pools()
         unused = [f"{role}: {pool.model_dump(exclude_defaults=True)}"
@@ -496,7 +498,8 @@ class DeploymentConfig(_Strict):
             if handoff:
                 problems.append(f"colocated mode hands no KV cache over: the settings of {' and '.join(handoff)} "
                                 "are not used (drop them, or serve in disaggregated mode)")
-        if not self.autoscaling.enabled and self.autoscaling.model_dump(exclude_defaults=True):
+        if not self.autoscaling.enabled and "autoscaling.enabled" not in given and \
+                self.autoscaling.model_dump(exclude_defaults=True):
             problems.append("autoscaling is off (autoscaling.enabled false): its other settings are not used "
                             "(set autoscaling.enabled: true, or pdserve serve --autoscale, to use them)")
         return problems

@@ -307,7 +307,7 @@ class LLMEngine:
                 (resume.logprobs is None or len(resume.logprobs) != len(resume.token_ids)):
             raise InvalidRequestError("the request asks for logprobs: resume.logprobs must hold one entry per "
                                       f"resumed token ({len(resume.token_ids)})", "resume")
-        seq.token_ids.extend(resume.token_ids)
+        seq.token_ids.extend(_as_token_id(t, i) for i, t in enumerate(resume.token_ids))
         if seq.generator is not None and not seq.params.is_greedy:
             if resume.generator_state is not None:
                 seq.generator.set_state(resume.generator_state)
@@ -634,7 +634,9 @@ def _step_shape(step) -> tuple[float, int]:
 def _as_token_id(value: object, position: int) -> int:
     """`value` as a Python int token id (a numpy or torch integer too); InvalidRequestError
     for anything else (a bool, a float, a character of a string passed as ids)."""
-    if not isinstance(value, bool):
+    # (operator.index takes a bool tensor, and a one-element tensor of any shape, for an integer)
+    tensor = isinstance(value, torch.Tensor)
+    if not isinstance(value, bool) and not (tensor and (value.dtype == torch.bool or value.dim() != 0)):
         try:
             return operator.index(value)
         except TypeError:

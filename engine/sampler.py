@@ -276,12 +276,17 @@ def _own_noise(generator: torch.Generator, vocab_size: int, dtype: torch.dtype,
 
 def seeded_generator(seed: int, device: torch.device | str) -> torch.Generator:
     """A generator on `device` seeded with `seed`, all of its 64 bits counting. torch's CPU
-    generator keeps only the low 32 (seeds 7 and 7 + 2**40 drew the same tokens), so on CPU
-    the high half, scrambled, is folded into them; a seed in [0, 2**32) seeds as it is."""
+    generator keeps only the low 32 (seeds 7 and 7 + 2**40 drew the same tokens), so on CPU a
+    seed outside [0, 2**32) (a negative one as its 64-bit two's complement) is hashed to 32 bits
+    (SplitMix64's finaliser: neighbouring seeds, as a request's choices take, land far apart); a
+    seed in [0, 2**32) seeds as it is."""
     device = torch.device(device)
-    if device.type == "cpu":
-        seed &= (1 << 64) - 1
-        seed = (seed ^ ((seed >> 32) * 0x9E3779B1)) & 0xFFFFFFFF
+    if device.type == "cpu" and not 0 <= seed < 1 << 32:
+        mask = (1 << 64) - 1
+        z = seed & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        seed = (z ^ (z >> 31)) & 0xFFFFFFFF
     return torch.Generator(device=device).manual_seed(seed)
 
 

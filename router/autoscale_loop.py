@@ -353,8 +353,11 @@ class AutoscaleLoop:
             samples = [s for steps in self._fit_steps.values() for s in steps]
         if len(samples) < MIN_FIT_STEPS:
             return None
+        # an eager floor only where the profile it corrects has one (GPU engines): on CPU every step
+        # runs eagerly, and a busy machine's noise alone could pass for a floor
+        floored = getattr(self.profile, "eager_floor_s", 0.0) > 0
         try:
-            return LinearStepModel.fit([s.shape for s in samples], [s.seconds for s in samples])
+            return LinearStepModel.fit([s.shape for s in samples], [s.seconds for s in samples], eager_floor=floored)
         except ValueError:
             return None
 

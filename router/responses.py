@@ -22,12 +22,13 @@ rank and decoded text, for the prompt's token and the best alternatives.
 Token strings in logprobs are each token's text after a fixed one-token context
 (decoded alone, a SentencePiece tokenizer drops a word's leading space, and the
 strings would not spell the completion nor `text_offset` point into it). A
-token that ends part-way through a character (decoded alone it ends in U+FFFD)
-shows, as in vLLM, the text it completes together with the tokens before it
-that hold the character's first bytes, and "" while the character is still
-incomplete: the sampled tokens' strings spell the text, and alternatives that
-complete different characters stay apart. Each choice keeps its place
-(`ChoiceCursor`: its last tokens and text offset) across a stream's chunks.
+token that holds part of a character (decoded alone it shows U+FFFD) shows ""
+while the character is still incomplete, and the token that completes it the
+text the tokens since the last complete character make, as vLLM's incremental
+detokenizer emits it: the sampled tokens' strings spell the text, and
+alternatives that complete different characters stay apart. Each choice
+keeps its place (`ChoiceCursor`: its text offset, its last tokens and those of
+a character not yet complete) across a stream's chunks.
 `bytes` is the string's UTF-8, but for a token that holds part of a character
 the bytes its vocabulary entry stands for, so that a client can join them into
 the character (OpenAI's purpose for it). `text_offset` is the running sum of
@@ -43,7 +44,6 @@ import math
 import os
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,9 +53,11 @@ from engine.sampler import TokenLogprobs
 DONE_EVENT = "data: [DONE]\n\n"
 # JSON has no -inf; vLLM reports impossible tokens with this floor too.
 _LOGPROB_FLOOR = -9999.0
-# A UTF-8 character is at most 4 bytes, so at most 3 tokens before one hold its first bytes;
-# vLLM looks back as far.
-_CHARACTER_CONTEXT = 4
+# Tokens of settled text a token's text is decoded after (a SentencePiece word keeps its space).
+_CONTEXT_TOKENS = 4
+# Tokens held as "" while their text ends in an incomplete character; past this many their text
+# goes out as it decodes, U+FFFD included (bytes that never form a character), as the detokenizer's.
+_MAX_PENDING = 8
 
 
 def sse_event(payload: dict[str, Any]) -> str:
@@ -101,26 +103,13 @@ class TokenTexts:
             self._texts[token_id] = text
         return text
 
-    def after(self, token_id: int, before: Sequence[int]) -> str:
-        """The token's text where it follows `before` (the sequence's tokens before it; the last
-        few are enough): its own text, but for a token that ends part-way through a character the
-        text it completes with the tokens before it that hold the character's first bytes, or ""
-        while the character is still incomplete (vLLM's correction of such strings)."""
-        text = self(token_id)
-        if not text.endswith("\ufffd"):
-            return text
-        for n in range(1, min(len(before), _CHARACTER_CONTEXT) + 1):
-            context = list(before[-n:])
-            whole = self._decode(context + [token_id])
-            if whole.endswith("\ufffd"):
-                continue
-            # the context's last tokens that hold part of a character: their bytes are this token's text
-            clean = n
-            while clean > 0 and self(context[clean - 1]).endswith("\ufffd"):
-                clean -= 1
-            prefix = self._decode(context[:clean]) if clean else ""
-            return whole[len(os.path.commonprefix([prefix, whole])):]
-        return ""
+    def decode(self, ids: list[int]) -> str:
+        return self._decode(ids)
+
+    @property
+    def anchor(self) -> list[int]:
+        """A context token to decode a first token after ([] where there is none)."""
+        return self._anchor
 
     def token_bytes(self, token_id: int) -> list[int]:
         """The token's bytes (chat logprobs' `bytes`, from which a client rebuilds a character split
@@ -154,15 +143,41 @@ _BYTE_OF_CHAR = _byte_level_alphabet()
 
 @dataclass(slots=True)
 class ChoiceCursor:
-    """Where one choice's logprobs stand: the completion-text offset after its tokens so far
-    and its last tokens (the first bytes of a character its next token may complete)."""
+    """Where one choice's logprobs stand: the completion-text offset after its tokens so far,
+    its last tokens whose text is out, and the tokens after them that hold part of a character
+    not yet complete (their strings were "")."""
     text_offset: int = 0
-    recent: list[int] = field(default_factory=list)
+    context: list[int] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)
 
-    def advance(self, token_id: int, text: str) -> None:
-        """Moves past `token_id`, whose string is `text`."""
+    def _text_of(self, token_id: int, texts: TokenTexts) -> tuple[str, bool]:
+        """(the text `token_id` adds here, whether that text is out: False while it ends in an
+        incomplete character, its text "")."""
+        if not self.pending:
+            own = texts(token_id)
+            if "\ufffd" not in own:
+                return own, True
+        context = self.context or texts.anchor
+        before = texts.decode(context)
+        whole = texts.decode(context + self.pending + [token_id])
+        if whole.endswith("\ufffd") and len(self.pending) + 1 < _MAX_PENDING:
+            return "", False
+        return whole[len(os.path.commonprefix([before, whole])):], True
+
+    def label(self, token_id: int, texts: TokenTexts) -> str:
+        """The string of `token_id` were it next (an alternative's); the cursor stays."""
+        return self._text_of(token_id, texts)[0]
+
+    def take(self, token_id: int, texts: TokenTexts) -> str:
+        """The string of `token_id`, next in the sequence; moves past it."""
+        text, out = self._text_of(token_id, texts)
+        if out:
+            self.context = [*self.context, *self.pending, token_id][-_CONTEXT_TOKENS:]
+            self.pending = []
+        else:
+            self.pending.append(token_id)
         self.text_offset += len(text)
-        self.recent = [*self.recent[1 - _CHARACTER_CONTEXT:], token_id]
+        return text
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,9 +208,17 @@ class ResponseBuilder(ABC):
         self.echo = echo
         self.tokens_as_ids = tokens_as_ids
 
-    def token_label(self, token_id: int, before: Sequence[int]) -> str:
-        """How logprobs name the token, which follows the tokens `before`."""
-        return token_id_label(token_id) if self.tokens_as_ids else self.token_text.after(token_id, before)
+    def token_label(self, token_id: int, cursor: ChoiceCursor) -> str:
+        """How logprobs name `token_id` were it next after `cursor` (an alternative's; the cursor stays)."""
+        return token_id_label(token_id) if self.tokens_as_ids else cursor.label(token_id, self.token_text)
+
+    def take_token(self, token_id: int, cursor: ChoiceCursor) -> str:
+        """How logprobs name `token_id`, next after `cursor`; moves the cursor past it."""
+        if not self.tokens_as_ids:
+            return cursor.take(token_id, self.token_text)
+        label = token_id_label(token_id)
+        cursor.text_offset += len(label)
+        return label
 
     def content(self, text: str, out: RequestOutput, cursor: ChoiceCursor,
                 opening: bool) -> tuple[str, dict | None]:
@@ -213,19 +236,20 @@ class ResponseBuilder(ABC):
     def prompt_logprobs(self, prompt_token_ids: list[int],
                         entries: list[TokenLogprobs | None]) -> list[dict[str, Any] | None]:
         """vLLM's `prompt_logprobs`: one per prompt token, None where it has none."""
-        def listed(token_id: int, logprob: float, rank: int, before: list[int]) -> dict[str, Any]:
-            return {"logprob": _finite(logprob), "rank": rank, "decoded_token": self.token_text.after(token_id, before)}
+        cursor = ChoiceCursor()     # through the prompt: a token's text after those before it
+
+        def listed(token_id: int, logprob: float, rank: int) -> dict[str, Any]:
+            return {"logprob": _finite(logprob), "rank": rank, "decoded_token": cursor.label(token_id, self.token_text)}
 
         out: list[dict[str, Any] | None] = []
-        for pos, entry in enumerate(entries):
-            if entry is None:
-                out.append(None)
-                continue
-            before = prompt_token_ids[max(0, pos - _CHARACTER_CONTEXT):pos]
-            scored = {str(entry.token_id): listed(entry.token_id, entry.logprob, entry.rank, before)}
-            for rank, (token_id, logprob) in enumerate(entry.top, start=1):
-                scored.setdefault(str(token_id), listed(token_id, logprob, rank, before))
+        for prompt_token, entry in zip(prompt_token_ids, entries):
+            scored = None
+            if entry is not None:
+                scored = {str(entry.token_id): listed(entry.token_id, entry.logprob, entry.rank)}
+                for rank, (token_id, logprob) in enumerate(entry.top, start=1):
+                    scored.setdefault(str(token_id), listed(token_id, logprob, rank))
             out.append(scored)
+            cursor.take(prompt_token, self.token_text)
         return out
 
     def opening_choices(self, n: int) -> list[dict[str, Any]]:
@@ -286,21 +310,19 @@ class CompletionResponses(ResponseBuilder):
         tokens, token_logprobs, top, offsets = [], [], [], []
         for i, entry in enumerate(entries):
             token_id = entry.token_id if entry is not None else token_ids[i]
-            text = self.token_label(token_id, cursor.recent)
             if entry is None:
                 token_logprobs.append(None)
                 top.append(None)
             else:
                 # the sampled token's own logprob under its text, then the best first: tokens whose texts
                 # coincide (first bytes of characters, all "") keep the better one, not the last one
-                alternatives = {text: _finite(entry.logprob)}
+                alternatives = {self.token_label(token_id, cursor): _finite(entry.logprob)}
                 for t, lp in entry.top:
-                    alternatives.setdefault(self.token_label(t, cursor.recent), _finite(lp))
+                    alternatives.setdefault(self.token_label(t, cursor), _finite(lp))
                 token_logprobs.append(_finite(entry.logprob))
                 top.append(alternatives)
-            tokens.append(text)
             offsets.append(cursor.text_offset)
-            cursor.advance(token_id, text)
+            tokens.append(self.take_token(token_id, cursor))
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
     def content(self, text: str, out: RequestOutput, cursor: ChoiceCursor,
@@ -344,15 +366,14 @@ class ChatResponses(ResponseBuilder):
                 "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
                 **self._output_ids(out.delta_token_ids)}
 
-    def _entry(self, token_id: int, logprob: float, before: Sequence[int]) -> dict[str, Any]:
-        text = self.token_label(token_id, before)
+    def _entry(self, token_id: int, logprob: float, text: str) -> dict[str, Any]:
         raw = list(text.encode("utf-8")) if self.tokens_as_ids else self.token_text.token_bytes(token_id)
         return {"token": text, "logprob": _finite(logprob), "bytes": raw}
 
     def logprobs(self, entries: list[TokenLogprobs], cursor: ChoiceCursor) -> dict:
         content = []
         for e in entries:
-            entry = self._entry(e.token_id, e.logprob, cursor.recent)
-            content.append({**entry, "top_logprobs": [self._entry(t, lp, cursor.recent) for t, lp in e.top]})
-            cursor.advance(e.token_id, entry["token"])
+            top = [self._entry(t, lp, self.token_label(t, cursor)) for t, lp in e.top]
+            token = self.take_token(e.token_id, cursor)
+            content.append({**self._entry(e.token_id, e.logprob, token), "top_logprobs": top})
         return {"content": content}

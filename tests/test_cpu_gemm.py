@@ -63,10 +63,13 @@ def test_the_panel_kernel_equals_f_linear_for_any_shape(rows, out_features, in_f
     weight, x = torch.randn(out_features, in_features), torch.randn(rows, in_features)
     panels = pack_panels(weight)
     assert panels.shape[0] * panels.shape[2] >= out_features > (panels.shape[0] - 1) * panels.shape[2]
-    torch.testing.assert_close(panel_linear(x, panels, out_features), F.linear(x, weight), rtol=1e-5, atol=1e-4)
+    # float32 sums of in_features products in another order than oneDNN's: their difference grows as
+    # sqrt(in_features) (up to 3.4e-4 at 1,408 over 400 draws on an AVX-512 EPYC; 1e-4 failed there)
+    atol = max(1e-4, 3e-5 * in_features ** 0.5)
+    torch.testing.assert_close(panel_linear(x, panels, out_features), F.linear(x, weight), rtol=1e-5, atol=atol)
     strided = torch.randn(in_features, rows).t()                   # a non-contiguous input
     torch.testing.assert_close(panel_linear(strided, panels, out_features), F.linear(strided, weight),
-                               rtol=1e-5, atol=1e-4)
+                               rtol=1e-5, atol=atol)
 
 
 @pytest.mark.parametrize("paths, expected", [

@@ -242,7 +242,9 @@ def test_every_bit_of_a_seed_counts(llm):
     def draw(seed):
         params = SamplingParams(temperature=1.0, max_tokens=12, seed=seed, ignore_eos=True)
         return tuple(llm.generate(PROMPT, params)[0].token_ids)
-    assert len({draw(7), draw(7 + 2**40), draw(0), draw(2**32), draw(-2**63), draw(-1)}) == 6
+    big = 8699380357385945087       # and a request's choices take seed + index: neighbours stay apart
+    assert len({draw(7), draw(7 + 2**40), draw(0), draw(2**32), draw(-2**63), draw(-2), draw(big),
+                draw(big + 1)}) == 8    # (-1 is no seed, as vLLM reads it)
     # a seed below 2**32 seeds torch's generator as it is: its tokens are what they were
     from engine.sampler import seeded_generator
     assert torch.equal(seeded_generator(7, "cpu").get_state(), torch.Generator().manual_seed(7).get_state())
@@ -336,7 +338,9 @@ def test_a_prompt_of_no_prompt_form_is_named_with_its_index(llm):
     while llm.engine.has_unfinished_requests():
         outs += llm.engine.step()
     assert outs[-1].prompt_token_ids == [5, 6, 7] and all(type(t) is int for t in outs[-1].prompt_token_ids)
-    for ids, says in (([5.0], "float 5.0 at position 0"), ([1, True], "bool True at position 1")):
+    for ids, says in (([5.0], "float 5.0 at position 0"), ([1, True], "bool True at position 1"),
+                      ([torch.tensor(True)], "Tensor tensor\\(True\\) at position 0"),
+                      ([torch.tensor([[6]])], "Tensor tensor\\(\\[\\[6\\]\\]\\) at position 0")):
         with pytest.raises(InvalidRequestError, match=f"prompt token ids must be integers; got {says}"):
             llm.engine.add_request("bad-ids", ids, _greedy(max_tokens=1))
     assert not llm.engine.has_unfinished_requests()

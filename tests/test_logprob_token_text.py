@@ -4,6 +4,7 @@ Metaspace), so `text_offset` points into the returned text."""
 
 from __future__ import annotations
 
+import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -111,6 +112,46 @@ def test_tokens_of_a_split_character_spell_the_text_and_its_alternatives_stay_ap
     assert logprobs["top_logprobs"][-1] == {character: -0.5, "丮": -1.5}
     chat = ChatResponses(TokenTexts(tokenizer)).logprobs(scored, ChoiceCursor())
     assert [t["token"] for t in chat["content"][-1]["top_logprobs"]] == [character, "丮"]
+
+
+TEXTS = ["です", "これはです", "こんにちは世界", "a 中 b", "héllo wörld 🙂👍🏽", "日本語のテキスト、です。"]
+
+
+@pytest.fixture(scope="module")
+def wide_vocabulary_tokenizer():
+    """The `bench` preset's tokenizer (8,192 tokens): it has tokens that end one character and
+    start the next, and tokens that hold a character's last bytes and then a whole character."""
+    from engine.tiny_model import _train_tokenizer
+    return _train_tokenizer(8192, 2048, "llama")
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_the_token_strings_of_multibyte_text_spell_it_with_any_vocabulary(text, wide_vocabulary_tokenizer):
+    # before: with this vocabulary "です" gave ["", "�す"] and "こんにちは世界" "�は世界", as only tokens
+    # ending in U+FFFD were corrected, from at most 4 tokens back
+    for tokenizer in (load_tokenizer(ensure_default_model()), wide_vocabulary_tokenizer):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        cursor = ChoiceCursor()
+        logprobs = CompletionResponses(TokenTexts(tokenizer)).logprobs(entries(ids), cursor)
+        assert "".join(logprobs["tokens"]) == text
+        assert [text[o:o + len(t)] for o, t in zip(logprobs["text_offset"], logprobs["tokens"])] == \
+            logprobs["tokens"]
+        assert cursor.text_offset == len(text)
+        prompt = CompletionResponses(TokenTexts(tokenizer)).prompt_logprobs(ids, [None, *entries(ids[1:])])
+        decoded = [entry[str(t)]["decoded_token"] for entry, t in zip(prompt[1:], ids[1:])]
+        first = CompletionResponses(TokenTexts(tokenizer)).logprobs(entries(ids[:1]), ChoiceCursor())["tokens"]
+        assert "".join(first + decoded) == text
+
+
+def test_bytes_that_never_form_a_character_go_out_after_a_bound():
+    # a run of continuation bytes holds "" for at most 8 tokens, then shows what it decodes to
+    tokenizer = load_tokenizer(ensure_default_model())
+    from tests.test_detokenizer import _gpt2_byte_chars
+    continuation = tokenizer.convert_tokens_to_ids(_gpt2_byte_chars()[0x80])     # no lead byte before it
+    cursor, texts = ChoiceCursor(), TokenTexts(tokenizer)
+    strings = [cursor.take(t, texts) for t in [continuation] * 10]
+    assert strings[:7] == [""] * 7 and strings[7] == "\ufffd" * 8
+    assert "".join(strings) == tokenizer.decode([continuation] * 8)
 
 
 def test_a_stream_keeps_each_choices_place_across_chunks():

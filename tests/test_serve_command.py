@@ -122,6 +122,10 @@ def test_hand_off_and_autoscaling_settings_that_do_nothing_are_warned_about(tmp_
     config_from_args(build_parser().parse_args(["serve", "--config", str(path), "--mode", "disaggregated"]))
     err = capsys.readouterr().err
     assert "hands no KV cache over" not in err and "autoscaling is off" in err
+    # the README's way to serve an autoscaling file without its autoscaler: no advice to turn it back on
+    config = config_from_args(build_parser().parse_args(
+        ["serve", "--config", str(REPO / "configs" / "tiny-cpu-autoscale.yaml"), "--no-autoscale"]))
+    assert not config.autoscaling.enabled and "warning" not in capsys.readouterr().err
 
 
 def test_a_file_whose_pools_the_mode_does_not_run_is_warned_about(capsys):

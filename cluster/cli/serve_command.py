@@ -172,7 +172,8 @@ def config_from_args(args: argparse.Namespace):
                               "here: enable admission (admission.enabled) or add --autoscale, or drop --slo")
     if getattr(args, "max_replicas", None) is not None and not config.autoscaling.enabled:
         raise ConfigFileError("--max-replicas is the autoscaler's budget: add --autoscale (and --slo), or drop it")
-    for problem in config.unused_settings():     # (after the refusals: a refused flag is no unused setting)
+    given = {key for key, value in overrides.items() if value is not None}
+    for problem in config.unused_settings(given):     # (after the refusals: a refused flag is no unused setting)
         print(f"pdserve: warning: {problem}", file=sys.stderr)
     return config
 
