@@ -536,7 +536,10 @@ def test_the_backend_reports_the_running_requests_output_so_far(model_dirs):
         seen = []
         try:
             assert backend.mean_running_output_tokens() is None
-            async for out in backend.generate("r", PROMPTS[0], GREEDY):
+            # long enough to outlast a stream interval or two: TOKENS can all come in the one message
+            # that finishes the request (a fast machine, a busy consumer), and leave nothing to check
+            long = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
+            async for out in backend.generate("r", PROMPTS[0], long):
                 if not out.finished:
                     seen.append((out.num_output_tokens, backend.mean_running_output_tokens()))
             return seen, backend.mean_running_output_tokens()
