@@ -453,7 +453,11 @@ def test_streams_survive_a_killed_decode_or_prefill_worker(ray_cluster, model_di
     (the text the client assembled, token for token)."""
     import os
     import signal
-    base = deploy(ray_cluster, model_dirs["tiny"], "mig", decode={"replicas": 2}, resources={"cpus_per_rank": 0.5})
+    # two sequences a step: a replica's streams run a few at a time, so that the kill lands while it
+    # holds some (all at once, the tiny model's 224 tokens could end before it on a fast machine)
+    base = deploy(ray_cluster, model_dirs["tiny"], "mig", decode={"replicas": 2}, resources={"cpus_per_rank": 0.5},
+                  engine={"block_size": 8, "max_num_seqs": 2, "max_num_batched_tokens": 512,
+                          "kv_cache_memory_gib": 0.05})
     try:
         prompts = [tokenizer.encode(f"{PROMPTS[i % len(PROMPTS)]} {i}") for i in range(16)]
         decode_pids = _replica_pids("mig", "DecodeServer")
