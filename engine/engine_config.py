@@ -58,6 +58,9 @@ class EngineConfig:
         for name in ("max_model_len", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
                      "tensor_parallel_size", "cpu_threads", "max_cuda_graph_batch_size"):
             positive(name)
+        if self.max_model_len == 1:
+            raise ValueError("max_model_len must be at least 2: a prompt of one token and one output token; "
+                             "with 1 every request would be refused")
         # (the string "false" is true: a flag read from a file or a command line must arrive as a bool)
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "cpu_weight_prepack", "enforce_eager",
                      "fused_ops", "skinny_gemm"):

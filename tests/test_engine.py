@@ -410,6 +410,8 @@ def test_missing_config_and_bad_options(tmp_path, model_dirs):
         LLM(str(model_dirs["tiny"]), max_model_len=256, num_kv_blocks=3)
     with pytest.raises(ValueError, match="block_size must be a positive integer"):
         EngineConfig(model="x", block_size=0)
+    with pytest.raises(ValueError, match="max_model_len must be at least 2"):   # (it started, then refused all)
+        EngineConfig(model="x", max_model_len=1)
     # values that pass for others: "false" is true, None fails deep in torch (a bare TypeError)
     for bad, says in (({"enable_prefix_caching": "false"}, "enable_prefix_caching must be true or false"),
                       ({"seed": None}, "seed must be an integer within 64 bits"),
