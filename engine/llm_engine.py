@@ -227,8 +227,8 @@ class LLMEngine:
         if not token_ids:
             raise InvalidRequestError("prompt is empty; send at least one token", "prompt")
         vocab = self.model_config.vocab_size
-        for i, t in enumerate(token_ids):
-            if not 0 <= _as_token_id(t, i) < vocab:
+        for i, t in enumerate(token_ids):     # (ints: tokenize and a resume convert them)
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise InvalidRequestError(
                     f"prompt token id {t!r} at position {i} is outside the vocabulary [0, {vocab})", "prompt")
         if len(token_ids) >= self.max_model_len:
@@ -302,12 +302,13 @@ class LLMEngine:
             raise InvalidRequestError(f"the request already has {len(resume.token_ids)} output tokens, its "
                                       f"max_tokens ({seq.params.max_tokens}): nothing is left to generate",
                                       "resume")
-        self.validate_prompt(seq.token_ids + list(resume.token_ids))
+        resumed = [_as_token_id(t, i) for i, t in enumerate(resume.token_ids)]
+        self.validate_prompt(seq.token_ids + resumed)
         if seq.params.logprobs is not None and \
                 (resume.logprobs is None or len(resume.logprobs) != len(resume.token_ids)):
             raise InvalidRequestError("the request asks for logprobs: resume.logprobs must hold one entry per "
                                       f"resumed token ({len(resume.token_ids)})", "resume")
-        seq.token_ids.extend(_as_token_id(t, i) for i, t in enumerate(resume.token_ids))
+        seq.token_ids.extend(resumed)
         if seq.generator is not None and not seq.params.is_greedy:
             if resume.generator_state is not None:
                 seq.generator.set_state(resume.generator_state)

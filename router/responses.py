@@ -87,29 +87,21 @@ class TokenTexts:
         self._texts: dict[int, str] = {}
         self._bytes: dict[int, list[int]] = {}
         anchor = tokenizer.encode("a", add_special_tokens=False)
-        self._anchor = anchor[-1:]                     # a context token, [] where "a" has none
-        self._anchor_text = self._decode(self._anchor)
+        self.anchor = anchor[-1:]          # a first token's context token, [] where "a" has none
+        self._anchor_text = self.decode(self.anchor)
 
-    def _decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int]) -> str:
         # without the clean-up of tokenization spaces, as the streamed text (engine/detokenizer.py)
         return self.tokenizer.decode(ids, clean_up_tokenization_spaces=False)
 
     def __call__(self, token_id: int) -> str:
         text = self._texts.get(token_id)
         if text is None:
-            after = self._decode(self._anchor + [token_id])
+            after = self.decode(self.anchor + [token_id])
             text = after[len(self._anchor_text):] if after.startswith(self._anchor_text) else \
-                self._decode([token_id])
+                self.decode([token_id])
             self._texts[token_id] = text
         return text
-
-    def decode(self, ids: list[int]) -> str:
-        return self._decode(ids)
-
-    @property
-    def anchor(self) -> list[int]:
-        """A context token to decode a first token after ([] where there is none)."""
-        return self._anchor
 
     def token_bytes(self, token_id: int) -> list[int]:
         """The token's bytes (chat logprobs' `bytes`, from which a client rebuilds a character split

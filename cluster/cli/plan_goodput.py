@@ -54,6 +54,15 @@ class SloAction(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+def unused_slo_problem(config, autoscale: bool = False) -> str | None:
+    """Why --slo would do nothing in `config` (`autoscale`: --autoscale given beside it, where
+    it is not in `config` already), or None: admission control and the autoscaler are what serve it."""
+    if config.admission.enabled or autoscale or config.autoscaling.enabled:
+        return None
+    return ("--slo sets the SLOs admission control and the autoscaler serve, and both are off here: enable "
+            "admission (admission.enabled) or add --autoscale, or drop --slo")
+
+
 def load_profile(path: str, flag: str):
     """The step-time profile `flag` names; ValueError naming the flag where it cannot be read."""
     from cluster.perf_model import load_step_model

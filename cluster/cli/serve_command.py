@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from cluster.cli.plan_goodput import SloAction, parse_slo
+from cluster.cli.plan_goodput import SloAction, parse_slo, unused_slo_problem
 from cluster.cli.stop_signal import StopSignal
 from cluster.config import CPU_TOKENS_PER_STEP, CUDA_TOKENS_PER_STEP, LOG_LEVELS
 from router.http_guard import api_key_digest
@@ -167,9 +167,8 @@ def config_from_args(args: argparse.Namespace):
     if unused:
         raise ConfigFileError(f"{', '.join(unused)} set a pool that {config.mode.value} mode does not run "
                               f"(its pools: {', '.join(config.pools())}); drop them or change --mode")
-    if getattr(args, "slo", None) and not config.admission.enabled and not config.autoscaling.enabled:
-        raise ConfigFileError("--slo sets the SLOs admission control and the autoscaler serve, and both are off "
-                              "here: enable admission (admission.enabled) or add --autoscale, or drop --slo")
+    if getattr(args, "slo", None) and (problem := unused_slo_problem(config)):
+        raise ConfigFileError(problem)
     if getattr(args, "max_replicas", None) is not None and not config.autoscaling.enabled:
         raise ConfigFileError("--max-replicas is the autoscaler's budget: add --autoscale (and --slo), or drop it")
     given = {key for key, value in overrides.items() if value is not None}

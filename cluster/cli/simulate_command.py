@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.cli.plan_goodput import SloAction, load_profile, parse_slo
+from cluster.cli.plan_goodput import SloAction, load_profile, parse_slo, unused_slo_problem
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
@@ -130,9 +130,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 def _check_flags_against(args: argparse.Namespace, config) -> None:
     """Flags the deployment in --config would ignore are refused, as `pdserve serve` refuses them."""
-    if args.slo and not config.admission.enabled and not (args.autoscale or config.autoscaling.enabled):
-        raise ValueError(f"--slo sets the SLOs admission control and the autoscaler serve, and both are off in "
-                         f"{args.config}: enable admission (admission.enabled) or add --autoscale, or drop --slo")
+    if args.slo and (problem := unused_slo_problem(config, args.autoscale)):
+        raise ValueError(f"{args.config}: {problem}")
     handoff = [flag for flag, value in (("--kv-bandwidth-gibps", args.kv_bandwidth_gibps),
                                         ("--kv-latency-ms", args.kv_latency_ms)) if value is not None]
     if handoff and config.mode.value == "colocated":
