@@ -465,9 +465,10 @@ def test_streams_survive_a_killed_decode_or_prefill_worker(ray_cluster, model_di
         # the kill must land while the streams run (the tiny model streams 150 tokens in well under a
         # second: so as many as max_model_len allows), on a decode replica that holds streams (the
         # router may have placed every one on the other). The second chunk is the first from a decode
-        # replica; later ones carry 50 ms of tokens each (stream batching), so waiting for more leaves
-        # the kill too little of the stream
-        texts = _texts_with_a_kill(base, prompts, MIGRATION_MAX_TOKENS, lambda: _kill_the_busiest(decode_pids), 2)
+        # replica; killed then, a replica could hold only requests still being handed off to it. Two
+        # sequences a step leave each replica ~1 s of streams, so the fourth chunk (~100 ms of decoding
+        # in) comes when every request is decoding or queued on its replica, with most of it to go
+        texts = _texts_with_a_kill(base, prompts, MIGRATION_MAX_TOKENS, lambda: _kill_the_busiest(decode_pids), 4)
         for prompt, text in zip(prompts, texts):
             ids = reference("tiny").greedy(tuple(prompt), MIGRATION_MAX_TOKENS, ignore_eos=True)
             assert text == tokenizer.decode(ids, skip_special_tokens=True)
