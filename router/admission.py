@@ -11,8 +11,8 @@ each request's time to first token,
 with the per-token cost the workers measure on their own steps (prompts that
 decode replicas prefill, under conditional disaggregation, are priced on their
 wait there and count neither here nor in the overload rule's arrivals), and refuses
-it when that exceeds `slo_factor` x the SLO while anything waits ahead of it
-(alone, it is admitted: its own prefill is the best this server can do).
+it when that exceeds `slo_factor` x the SLO while a prompt waits ahead of it in the
+prefill pool (alone there, it is admitted: its own prefill is the best this server can do).
 When prompts arrive faster than the prefill replicas serve them (over the
 last `overload_window_s` or the last few arrivals, refused ones included),
 queueing more cannot raise throughput, only every admitted request's TTFT: then a request is admitted
@@ -89,6 +89,8 @@ class Admitted:
 # a client told to wait longer on an estimate from a few steps' costs would wait for nothing
 # when load falls; one that retries sooner is told again, for the price of a refusal
 MAX_RETRY_AFTER_S = 60
+# a refusal's retry is taken for one this long after it (the longest Retry-After, and the client's backoff)
+RETRY_MATCH_S = MAX_RETRY_AFTER_S + 15
 
 
 class Overloaded(OpenAIError):
@@ -120,6 +122,7 @@ class AdmissionControl:
         self.clock = clock
         self._arrivals: deque[float] = deque()       # arrival times within overload_window_s, refused ones too
         self._first_arrival: float | None = None
+        self._unretried_refusals: deque[float] = deque()   # refusals within RETRY_MATCH_S no retry followed yet
         self.mean_prompt_tokens: float | None = None  # of the requests checked with their prompt, running mean
         self.waiting_requests = 0
         self.waiting_tokens = 0
@@ -138,9 +141,9 @@ class AdmissionControl:
     # ---- the checks ---------------------------------------------------------------------------
     def check_before_tokenizing(self, counted: bool = True) -> float | None:
         """Counts the request's arrival and returns its time (for `withdraw`; None where
-        not `counted`: a client's retry, counted when first offered, would count a
-        refused request twice or three times as demand); raises Overloaded when the
-        queue alone is past a bound or the SLO."""
+        not `counted`: a client's retry of a refusal (takes_retry), counted when first
+        offered, would count a refused request twice or three times as demand); raises
+        Overloaded when the queue alone is past a bound or the SLO."""
         s = self.settings
         now = self.clock()
         if self._first_arrival is None:
@@ -158,6 +161,21 @@ class AdmissionControl:
         self._check_slo(0, self._prefilled_locally(0))
         self._check_tpot(self._prefill_tokens_per_step(self.mean_prompt_tokens or 0.0, max_tokens=None))
         return now if counted else None
+
+    def takes_retry(self) -> bool:
+        """For a request that says it is a client's retry (a header any client can
+        send): whether a refusal of the last RETRY_MATCH_S, not yet retried, accounts
+        for it; that refusal is then taken. Where none does, the request is new demand,
+        and counts as an arrival whatever it says."""
+        self._forget_old_refusals(self.clock())
+        if not self._unretried_refusals:
+            return False
+        self._unretried_refusals.popleft()
+        return True
+
+    def _forget_old_refusals(self, now: float) -> None:
+        while self._unretried_refusals and self._unretried_refusals[0] < now - RETRY_MATCH_S:
+            self._unretried_refusals.popleft()
 
     def withdraw(self, arrival: float) -> None:
         """The request that arrived at `arrival` (check_before_tokenizing's) turned out
@@ -265,8 +283,19 @@ class AdmissionControl:
             raise self._refuse("queue_requests", f"{self.waiting_requests} requests are waiting for their first "
                                f"token and this one brings {sequences}; this server queues at most {bound}")
 
+    @property
+    def waiting_pool_prompts(self) -> int:
+        """Of the waiting requests, the prompts the prefill pool's queue holds (not
+        n's later choices, not prompts a decode replica prefills)."""
+        return self.waiting_prompts - self.waiting_local_prompts
+
+    @staticmethod
+    def _in_pool(ticket: Admitted) -> bool:
+        """Whether the ticket's prompt waits in the prefill pool's queue."""
+        return ticket.prompt_tokens > 0 and not ticket.local
+
     def _count(self, ticket: Admitted) -> None:
-        if not self.waiting_requests:
+        if self._in_pool(ticket) and not self.waiting_pool_prompts:
             self._head_since = self.clock()
         self.waiting_requests += 1
         self._count_waiting(ticket, +1)
@@ -289,14 +318,17 @@ class AdmissionControl:
         self.running = max(0, self.running - 1)
         self.prefill_tokens_per_step = max(0.0, self.prefill_tokens_per_step - ticket.prefill_tokens_per_step) \
             if self.running else 0.0
-        if not self.waiting_requests:
+        if not self.waiting_pool_prompts:
             self._head_since = None
 
     def first_token(self, ticket: Admitted) -> None:
-        """An admitted request got its first token, or ended without one (once per request)."""
+        """An admitted request got its first token, or ended without one (once per request).
+        Only a prompt of the prefill pool's queue moves its head: a locally prefilled
+        prompt's or a later choice's first token says nothing of the pool's progress."""
         self.waiting_requests = max(0, self.waiting_requests - 1)
         self._count_waiting(ticket, -1)
-        self._head_since = self.clock() if self.waiting_requests else None
+        if self._in_pool(ticket) or not self.waiting_pool_prompts:
+            self._head_since = self.clock() if self.waiting_pool_prompts else None
 
     def finished(self, ticket: Admitted, output_tokens: int | None = None) -> None:
         """An admitted request ended (however; output_tokens when it ran to its end)."""
@@ -339,7 +371,7 @@ class AdmissionControl:
         if not self.s_per_token or not self.waiting_requests:
             return 0.0
         work = (self.waiting_tokens - self.waiting_local_tokens) * self.s_per_token
-        heads = min(self.replicas, self.waiting_prompts - self.waiting_local_prompts)
+        heads = min(self.replicas, self.waiting_pool_prompts)
         per_head = (self.mean_prompt_tokens or 0.0) * self.s_per_token
         done = heads * min(self.clock() - self._head_since, per_head) if self._head_since is not None else 0.0
         return max(0.0, work - done) / self.replicas
@@ -408,10 +440,11 @@ class AdmissionControl:
         if self.s_per_token is None:
             return
         predicted = self.predicted_ttft_s(num_prompt_tokens)
-        # With nothing waiting ahead the prediction is this prompt's own prefill: no later
-        # retry does better, and refusing would also keep the cost estimate from ever
-        # being measured again (one inflated figure would refuse every request for good).
-        if predicted > limit and self.waiting_requests:
+        # With no prompt waiting ahead in the prefill pool the prediction is this prompt's own
+        # prefill: no later retry does better, and refusing would also keep the cost estimate
+        # from ever being measured again (one inflated figure would refuse every request for
+        # good). Prompts a decode replica prefills, and n's later choices, wait elsewhere.
+        if predicted > limit and self.waiting_pool_prompts:
             raise self._refuse("ttft_slo", f"its predicted time to first token is {predicted * 1000:.0f} ms, past "
                                f"the {limit * 1000:.0f} ms this server admits")
         if s.overload_wait_factor is None or not self.overloaded():
@@ -448,6 +481,10 @@ class AdmissionControl:
         return self.mean_output_tokens * step_s / per_replica
 
     def _refuse(self, reason: str, why: str, retry_after_s: float | None = None) -> Overloaded:
+        """The 429 to raise; the refusal is remembered for the client's retry (takes_retry)."""
+        now = self.clock()
+        self._forget_old_refusals(now)
+        self._unretried_refusals.append(now)
         return Overloaded(f"The server is overloaded: {why}. Retry after the Retry-After header's seconds.",
                           reason, self.predicted_wait_s() if retry_after_s is None else retry_after_s)
 

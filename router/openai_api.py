@@ -38,7 +38,6 @@ from typing import Any, TypeVar
 import anyio
 from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
@@ -50,7 +49,7 @@ from engine.sampling_params import SamplingParams, SamplingParamsError
 from router.admission import AdmissionControl, Admitted, Overloaded
 from router.backend import BackendUnavailableError, GenerationBackend
 from router.choices import Choices, Generation, params_of_choice
-from router.cors import CorsSettings
+from router.cors import CorsSettings, OpenAICorsMiddleware
 from router.errors import (
     OpenAIError,
     SpacedLog,
@@ -149,7 +148,7 @@ def build_openai_app(backend: GenerationBackend, tokenizer: Any, metrics: Servin
     if cors is not None:
         # added last, so outermost: preflights are answered before the key check (browsers send no key
         # with them), and the guard's 401 and 413 carry the headers a page needs to read them
-        app.add_middleware(CORSMiddleware, **cors.middleware_options())
+        app.add_middleware(OpenAICorsMiddleware, **cors.middleware_options())
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -291,7 +290,7 @@ class _Server:
         body.check_supported()
         self._check_request_limits(body)
         # a client's retry (of a 429, a timeout) was counted as demand when it was first offered
-        offered = not _is_client_retry(request.headers)
+        offered = not (_is_client_retry(request.headers) and (self.admission is None or self.admission.takes_retry()))
         arrived = self._check_before_tokenizing(offered)
         try:
             batch = [body] if chat else body.prompts()

@@ -154,6 +154,68 @@ def test_a_request_alone_is_admitted_whatever_its_own_prefill_is_predicted_to_ta
     a.admit(280)                                       # alone again
 
 
+def _conditional(clock: _Clock, ttft_slo_s: float) -> AdmissionControl:
+    """Admission control beside a conditional-disaggregation policy (prompts of up to 128
+    tokens on a decode replica), every worker measured at 0.5 ms a prompt token."""
+    from router.disaggregation_policy import DisaggregationPolicy, DisaggregationSettings
+    policy = DisaggregationPolicy(DisaggregationSettings("conditional", local_prefill_max_tokens=128))
+    a = AdmissionControl(AdmissionSettings(ttft_slo_s=ttft_slo_s), clock=clock, local_prefill=policy.local_prefill_s)
+    for observer in (a, policy):
+        for role in ("prefill", "decode"):
+            observer.observe_workers(role, [{"prefill_s_per_token": 5e-4}])
+    return a
+
+
+def test_a_long_prompt_alone_in_the_prefill_pool_is_admitted_beside_prompts_waiting_elsewhere():
+    # a short prompt waiting on a decode replica, or a second choice, is not ahead of it in the
+    # prefill pool: the long prompt is alone there, and no retry would do better
+    a = _conditional(_Clock(), ttft_slo_s=1.0)
+    short = a.admit(50)                                # on a decode replica
+    assert short.local and a.predicted_wait_s() == 0.0
+    a.admit(2400)                                      # 1.2 s predicted, its own prefill only
+    with pytest.raises(Overloaded):                    # behind it, a second long prompt is refused
+        a.admit(2400)
+    choices = _conditional(_Clock(), ttft_slo_s=1.0)
+    choices.admit_choices(100, None, 2)                # the second choice waits for its first token
+    choices.admit(2400)
+
+
+def test_only_the_prefill_pools_own_first_tokens_move_the_head_of_its_queue():
+    # a locally prefilled prompt's first token restarted the pool's head clock: the 3 s prompt at
+    # the head counted as not started, and a request that would make its SLO was refused
+    clock = _Clock()
+    a = _conditional(clock, ttft_slo_s=2.0)
+    head = a.admit(6000)                               # 3 s at the head of the prefill pool
+    clock.now += 0.1
+    local = a.admit(50)
+    clock.now += 2.4
+    assert a.predicted_wait_s() == pytest.approx(0.5)  # 2.5 s of the head's 3 s done
+    a.first_token(local)
+    assert a.predicted_wait_s() == pytest.approx(0.5)
+    a.admit(2000)                                      # 0.5 + 1.0 s, within the 2 s SLO
+    clock.now += 0.5
+    a.first_token(head)                                # the pool's own progress moves its head
+    assert a.predicted_wait_s() == pytest.approx(1.0)
+    clock.now += 0.25
+    assert a.predicted_wait_s() == pytest.approx(0.75)
+
+
+def test_a_retry_header_counts_once_per_refusal_not_as_a_pass_around_the_overload_rule():
+    # X-Stainless-Retry-Count is the client's word: a request that says it is a retry, with no
+    # refusal to be the retry of, is an arrival like any other
+    clock = _Clock()
+    a = AdmissionControl(AdmissionSettings(max_waiting_requests=1), clock=clock)
+    assert not a.takes_retry()                         # nothing was refused
+    a.admit(10, arrival=a.check_before_tokenizing())
+    with pytest.raises(Overloaded):
+        a.check_before_tokenizing()
+    assert a.takes_retry() and not a.takes_retry()     # one refusal, one retry
+    with pytest.raises(Overloaded):
+        a.check_before_tokenizing()
+    clock.now += 80                                    # past the longest Retry-After and a backoff
+    assert not a.takes_retry()
+
+
 def test_the_prefill_cost_is_total_time_over_total_prompt_tokens_of_recent_steps():
     from engine.step_cost import PREFILL_WINDOW, PrefillTokenCost
     cost = PrefillTokenCost()
@@ -590,6 +652,9 @@ def test_a_busy_server_answers_429_at_once_and_serves_what_it_admitted():
         # its second retry is served, as demand counted once (at the first try)
         assert client.post("/v1/completions", json=body, headers={"X-Stainless-Retry-Count": "2"}).status_code == 200
         assert len(admission._arrivals) == arrivals
+        # every refusal retried: a request that says it is a retry now is an arrival (the header is the client's)
+        assert client.post("/v1/completions", json=body, headers={"X-Stainless-Retry-Count": "1"}).status_code == 200
+        assert len(admission._arrivals) == arrivals + 1
         assert [x.status_code for x in results] == [200, 200, 200]
         assert admission.waiting_requests == 0 and admission.waiting_tokens == 0
         # each ended with its 3 tokens: the output length the TPOT bound expects next
@@ -598,7 +663,8 @@ def test_a_busy_server_answers_429_at_once_and_serves_what_it_admitted():
         assert 'pdserve_requests_rejected_total{reason="queue_requests"} 2.0' in text     # every 429
     # the refused request is demand too (refused before tokenizing: no prompt length)
     prompt_len = len(tokenizer("Hi")["input_ids"])
-    assert sorted(offered, key=lambda n: n[0] is None) == [(prompt_len, 3)] * 3 + [(None, None)]
+    # (the three held, the last one, that says it is a retry of nothing)
+    assert sorted(offered, key=lambda n: n[0] is None) == [(prompt_len, 3)] * 4 + [(None, None)]
     assert refused == ["queue_requests"]
 
 

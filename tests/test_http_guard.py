@@ -226,6 +226,9 @@ def test_cors_lets_listed_pages_call_the_api_with_the_key_and_read_its_errors(to
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == PAGE
     r = completion(client, {"Origin": PAGE})       # the page can read why it was refused
     assert r.status_code == 401 and r.headers["access-control-allow-origin"] == PAGE
+    # and the headers past CORS's safelisted ones that it needs: a 429's Retry-After, the request's id
+    exposed = {h.strip().lower() for h in r.headers["access-control-expose-headers"].split(",")}
+    assert {"retry-after", "x-request-id"} <= exposed
     backend.fail_after, backend.failure = 0, RuntimeError("a bug")   # and why it failed
     r = completion(client, {"Origin": PAGE, "Authorization": f"Bearer {KEY}"})
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
@@ -233,6 +236,14 @@ def test_cors_lets_listed_pages_call_the_api_with_the_key_and_read_its_errors(to
     backend.fail_after = None
     other = _preflight(client, "https://evil.example.com")
     assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    # in OpenAI's error format, saying what was refused and where the origins are set
+    error = other.json()["error"]
+    assert error["code"] == "cors_refused" and error["type"] == "invalid_request_error"
+    assert "(origin)" in error["message"] and "allowed_origins" in error["message"]
+    unserved = client.options("/v1/chat/completions", headers={"Origin": PAGE,
+                                                               "Access-Control-Request-Method": "DELETE"})
+    assert unserved.status_code == 400 and "(method)" in unserved.json()["error"]["message"]
+    assert unserved.headers["access-control-allow-origin"] == PAGE     # the page may read why
     # CORS is no access control (the key is): the server answers, the browser keeps it from the page
     r = completion(client, {"Origin": "https://evil.example.com", "Authorization": f"Bearer {KEY}"})
     assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
