@@ -138,17 +138,19 @@ class Generation:
 
     def __init__(self, backend: GenerationBackend, metrics: ServingMetrics, admission: AdmissionControl | None,
                  request_id: str, prompt_ids: list[int], params: SamplingParams, arrival: float,
-                 admitted: Admitted | None, shares_prompt: bool = False, offered: bool = True):
+                 admitted: Admitted | None, shares_prompt: bool = False, offered: bool = True,
+                 max_tokens_asked: int | None = None):
         """`admitted`: admission control's ticket for it (None: admission control is off).
         `shares_prompt`: a later choice of the same prompt, which reads the prompt from the
         prefix cache: an arrival to decode, with no prompt of its own to prefill.
-        `offered`: counted as an arrival (not a client's retry, counted when first offered)."""
+        `offered`: counted as an arrival (not a client's retry, counted when first offered).
+        `max_tokens_asked`: the arrival's output bound (None: only the context's room)."""
         self._backend, self._metrics, self._admission = backend, metrics, admission
         self.request_id = request_id
         self.outputs = backend.generate(request_id, prompt_ids, params)
         self.timings = RequestTimings(arrival_time=arrival, prompt_tokens=len(prompt_ids))
         if offered:
-            metrics.observe_arrival(0 if shares_prompt else len(prompt_ids), params.max_tokens)
+            metrics.observe_arrival(0 if shares_prompt else len(prompt_ids), max_tokens_asked)
         self.last: RequestOutput | None = None
         self._closed = False
         self._admitted = admitted

@@ -214,7 +214,7 @@ class _PlannedPrompt:
     """One prompt of a request, tokenized and checked: its token ids, its output bound,
     each of its choices' sampling parameters, and the builder of its choices' entries."""
     ids: list[int]
-    max_tokens: int | None
+    max_tokens: int | None      # the output bound asked for; None where it is only the context's room
     choice_params: list[SamplingParams]
     fmt: ResponseBuilder
 
@@ -309,7 +309,8 @@ class _Server:
         plan_of = [(plan, j, tickets[p][j]) for p, plan in enumerate(prompts) for j in range(n)]
         choices = Choices([Generation(self.backend, self.metrics, self.admission,
                                       request_id if len(plan_of) == 1 else f"{request_id}-{i}", plan.ids,
-                                      plan.choice_params[j], arrival, ticket, shares_prompt=j > 0, offered=offered)
+                                      plan.choice_params[j], arrival, ticket, shares_prompt=j > 0, offered=offered,
+                                      max_tokens_asked=plan.max_tokens)
                            for i, (plan, j, ticket) in enumerate(plan_of)],
                           prompt_tokens=sum(len(plan.ids) for plan in prompts))
         fmts = [plan.fmt for plan, _, _ in plan_of]
@@ -376,7 +377,10 @@ class _Server:
         as_ids = bool(body.return_tokens_as_token_ids)
         fmt = ChatResponses(self.token_texts, token_ids, echo, as_ids, body.reply_role) if chat else \
             CompletionResponses(self.token_texts, token_ids, echo, as_ids)
-        return _PlannedPrompt(prompt_ids, params.max_tokens, choice_params, fmt)
+        # a chat request without max_tokens may run to the end of the context: no output length asked
+        # for (as the autoscaler's arrivals, it would stand for outputs of thousands of tokens)
+        asked = params.max_tokens if params.max_tokens < self.info.max_model_len - len(prompt_ids) else None
+        return _PlannedPrompt(prompt_ids, asked, choice_params, fmt)
 
     def _echo(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
               cut: bool) -> Echo | None:

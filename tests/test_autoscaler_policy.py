@@ -115,9 +115,12 @@ def test_load_predictors():
             p.observe(rate)
     assert c.predict(3) == 4.0
     assert e.predict(3) == pytest.approx(3.125)               # 1 -> 1.5 -> 2.25 -> 3.125
-    # Holt, alpha = beta = 0.5: level 1 -> 1.5 -> 2.375 -> 3.46875, slope 0 -> 0.25 -> 0.5625 -> 0.828125
-    assert t.predict(0) == pytest.approx(3.46875)
-    assert t.predict(3) == pytest.approx(3.46875 + 3 * 0.828125)   # a rising load is extrapolated
+    # damped Holt, alpha = beta = 0.5, phi = 0.8: level 1 -> 1.5 -> 2.35 -> 3.385, slope 0 -> 0.25 -> 0.525
+    # -> 0.7275 (each slope the newest level step and 0.8 of the slope before, half and half)
+    assert t.predict(0) == pytest.approx(3.385)
+    assert t.predict(3) == pytest.approx(3.385 + (0.8 + 0.64 + 0.512) * 0.7275)   # a rising load is extrapolated
+    # ... over at most phi / (1 - phi) = 4 intervals of its slope, however far ahead
+    assert t.predict(1000) == pytest.approx(3.385 + 4 * 0.7275)
     falling = LoadPredictor("trend", 0.5, 0.5)
     for rate in (4.0, 3.0, 2.0, 1.0):
         falling.observe(rate)
@@ -154,8 +157,9 @@ def test_budget_and_bounds_are_never_exceeded():
         assert d.targets["prefill"] + d.targets["decode"] <= 6, d.describe()
         assert 1 <= d.targets["prefill"] <= 3 and d.targets["decode"] >= 2, d.describe()
         current = d.targets
-    # loads that press each bound (unbounded, the same policy goes to 5 + 1, then 1 + 1)
-    for rate, settled in ((30.0, {"prefill": 3, "decode": 3}), (0.2, {"prefill": 1, "decode": 2})):
+    # loads that press each bound (unbounded, the same policy goes to 5 + 1, then 1 + 1): prefill at its
+    # max_replicas, decode at its min_replicas (the budget's sixth rank would serve no more)
+    for rate, settled in ((30.0, {"prefill": 3, "decode": 2}), (0.2, {"prefill": 1, "decode": 2})):
         for i in range(30):     # prompt-heavy (4,000-token prompts, 1 output token), then nearly idle
             current = p.decide(observe(2000.0 + 10.0 * i + (300.0 if rate < 1 else 0.0), rate, 4000, 1,
                                        current)).targets
@@ -167,6 +171,44 @@ def test_over_budget_the_split_follows_the_bottleneck():
     final, _ = run_steady(policy(budget=8), 8, lambda i: 20.0, 3000, 20, {"prefill": 1, "decode": 1})
     assert final["prefill"] + final["decode"] == 8
     assert final["prefill"] >= 6
+
+
+def test_past_the_budget_more_demand_fills_it_rather_than_holding():
+    # demand past the budget held a replica short of it ("no split serves 20% more"), where a
+    # demand just under the budget filled it: a split that only adds replicas needs no margin
+    p = policy(mode="colocated")
+    p.prompt_tokens, p.output_tokens = 1000, 200
+    each = p._capacities()["colocated"]
+    for replicas_worth in (7.9, 8.5, 10.0):
+        final, _ = run_steady(policy(mode="colocated"), 9, lambda i: replicas_worth * each, 1000, 200,
+                              {"colocated": 7})
+        assert final == {"colocated": 8}, replicas_worth
+    final, _ = run_steady(policy(), 9, lambda i: 16.0, 1000, 200, {"prefill": 2, "decode": 5})
+    assert final == {"prefill": 2, "decode": 6}
+
+
+def test_a_role_at_its_max_replicas_binds_no_budget_and_takes_no_rank():
+    # decode needs 6 but may have 2: prefill still scales to what it needs (held at 1 before, as if
+    # the budget were in use), and no role gives up a rank for decode, which cannot take it
+    final, _ = run_steady(policy(max_replicas={"decode": 2}), 12, lambda i: 8.9, 2250, 150,
+                          {"prefill": 1, "decode": 2})
+    assert final == {"prefill": 3, "decode": 2}
+    final, _ = run_steady(policy(budget=4, max_replicas={"decode": 2}), 15, lambda i: 7.5, 1000, 120,
+                          {"prefill": 2, "decode": 2})
+    assert final == {"prefill": 2, "decode": 2}       # before: 1 + 2, prefill at 90%, a rank idle
+    # uncapped, the same load is a re-split to the role short of replicas
+    final, _ = run_steady(policy(budget=4), 15, lambda i: 7.5, 1000, 120, {"prefill": 2, "decode": 2})
+    assert final == {"prefill": 1, "decode": 3}
+
+
+def test_no_rank_is_given_up_for_a_role_in_its_scale_up_cool_down():
+    p = policy(budget=4, upscale_cooldown_s=300)
+    current = {"prefill": 2, "decode": 1}
+    for i in range(1, 16):      # decode scales up to 2 at once, then its outputs lengthen
+        d = p.decide(observe(10.0 * i, 7.5 if i >= 5 else 3.0, 1000, 90 if i < 5 else 120, current))
+        current = dict(d.targets)
+    assert current == {"prefill": 2, "decode": 2}
+    assert "scale-up cool-down" in d.reasons["decode"]
 
 
 def test_noisy_steady_load_does_not_flap():
@@ -594,6 +636,37 @@ def test_the_live_loop_counts_max_tokens_and_requests_that_ran_to_it():
     assert (obs.mean_max_tokens, obs.finished, obs.finished_by_length) == (128, 3, 2)   # an abort did not finish
     obs = loop._observation(20.0, 10.0, {}, loop._take_counts())
     assert (obs.mean_max_tokens, obs.finished, obs.finished_by_length) == (None, 0, 0)
+
+
+def test_an_arrival_bound_only_by_the_context_brings_no_max_tokens(tokenizer):
+    # a chat request without max_tokens may run to the end of the context: reported as its
+    # output bound, a few such chats made the policy expect outputs of thousands of tokens
+    from fastapi.testclient import TestClient
+
+    from router.metrics import ServingMetrics
+    from router.openai_api import build_openai_app
+    from tests.test_openai_api import MODEL, FakeBackend
+    offered = []
+
+    class Listener:
+        def on_arrival(self, prompt_tokens, max_tokens):
+            offered.append(max_tokens)
+
+        def on_refusal(self, reason):
+            pass
+
+        def on_request(self, timings):
+            pass
+    metrics = ServingMetrics()
+    metrics.add_listener(Listener())
+    with TestClient(build_openai_app(FakeBackend(tokenizer, len(tokenizer)), tokenizer, metrics)) as client:
+        messages = [{"role": "user", "content": "Hi"}]
+        for extra in ({}, {"max_tokens": 5}):
+            r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, **extra})
+            assert r.status_code == 200
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"})    # OpenAI's default 16
+        assert r.status_code == 200
+    assert offered == [None, 5, 16]
 
 
 def test_the_live_loop_reports_the_running_requests_output_so_far():

@@ -287,8 +287,10 @@ class GoodputPolicy:
         each = {r: self._pool_capacity(r, current, capacity, demand) / current[r] if current[r] else capacity[r]
                 for r in s.roles}
         needed = {r: self._replicas_needed(r, current, capacity, demand) for r in s.roles}
-        reasons = {r: f"needs {needed[r]} for {demand[r]:.2f} req/s at {each[r]:.2f} req/s each"
-                   for r in s.roles}
+        reasons = {r: f"needs {needed[r]} for {demand[r]:.2f} req/s at {each[r]:.2f} req/s each" +
+                   (f" (at most {s.max_for(r)})" if needed[r] > s.max_for(r) else "") for r in s.roles}
+        # a role never gets more than its max_replicas: what it cannot take binds no budget
+        needed = {r: min(needed[r], s.max_for(r)) for r in s.roles}
         budget_bound = self._ranks(needed) > s.budget
         if budget_bound:
             needed = self._split_within_budget(obs, current, capacity, demand, reasons)
@@ -454,8 +456,10 @@ class GoodputPolicy:
         best = self._best_split(capacity, demand)
         served, now_served = self._served(best, capacity, demand), self._served(current, capacity, demand)
         short = [r for r in s.roles if best[r] > current[r] and self._seen_short(obs, r)]
+        # a split that only adds replicas, in ranks the budget still has, is no re-split to weigh
+        grows_only = all(best[r] >= current[r] for r in s.roles)
         if served > now_served * (1 + s.split_margin) or self._ranks(current) > s.budget or \
-                (short and served > now_served):
+                ((short or grows_only) and served > now_served):
             for r in s.roles:
                 reasons[r] = f"budget of {s.budget} ranks: best split gives {best[r]}" + \
                     (f" ({self._seen(obs, r)})" if r in short else "")
@@ -602,8 +606,8 @@ class GoodputPolicy:
             want = max(s.min_for(r), min(s.max_for(r), needed[r]))
             if want >= current[r]:
                 continue
-            resplit = self._rank_wanted_elsewhere(r, current, needed)
-            give = self._replicas_to_give(r, targets, current, needed) if resplit else 1
+            resplit = self._rank_wanted_elsewhere(r, obs.now, current, needed)
+            give = self._replicas_to_give(r, obs.now, targets, current, needed) if resplit else 1
             # a re-split's giver need only serve the load at its capacity (which the SLOs already bound),
             # not with the headroom of a plain scale-down: the rank serves the role that is short
             keep = needed[r] if resplit else window_holding[r]
@@ -611,7 +615,7 @@ class GoodputPolicy:
             # fits rest on a few arrivals and steps), but not against a re-split for a role whose finished
             # requests already miss its SLO
             confirmed = resplit and any(self._missing_slo(obs, o) for o in s.roles
-                                        if o != r and needed[o] > current[o])
+                                        if o != r and self._can_grow(o, obs.now, current, needed))
             changed = self.last_change.get(r, -math.inf if confirmed else self.first_seen)
             ro = obs.roles.get(r)
             latency = self._observed_for(obs, r)
@@ -650,20 +654,31 @@ class GoodputPolicy:
             reasons[r] = "scale up: " + reasons[r]
         return targets
 
-    def _replicas_to_give(self, role: str, targets: dict[str, int], current: dict[str, int],
+    def _replicas_to_give(self, role: str, now: float, targets: dict[str, int], current: dict[str, int],
                           needed: dict[str, int]) -> int:
         """How many of `role`'s replicas free the ranks for one more replica of a role
-        that needs one (the one that takes the fewest), beside `targets` as they stand."""
+        that needs one and can take it (the one that takes the fewest), beside `targets`
+        as they stand."""
         s = self.settings
         short = min(self._ranks(targets) + s.tp(o) - s.budget for o in s.roles
-                    if o != role and needed[o] > current[o])
+                    if o != role and self._can_grow(o, now, current, needed))
         return max(1, math.ceil(short / s.tp(role)))
 
-    def _rank_wanted_elsewhere(self, role: str, current: dict[str, int], needed: dict[str, int]) -> bool:
-        """Whether another role needs a replica the budget has no room for unless `role` gives one up."""
+    def _rank_wanted_elsewhere(self, role: str, now: float, current: dict[str, int],
+                               needed: dict[str, int]) -> bool:
+        """Whether another role needs a replica, and can take it this interval, that the
+        budget has no room for unless `role` gives one up."""
         s = self.settings
-        return any(needed[o] > current[o] and self._ranks(current) + s.tp(o) > s.budget
+        return any(self._can_grow(o, now, current, needed) and self._ranks(current) + s.tp(o) > s.budget
                    for o in s.roles if o != role)
+
+    def _can_grow(self, role: str, now: float, current: dict[str, int], needed: dict[str, int]) -> bool:
+        """Whether `role` needs a replica more and may take one now: under its
+        max_replicas and past its scale-up cool-down (a rank given up for a role that
+        cannot take it would serve nobody)."""
+        s = self.settings
+        return min(needed[role], s.max_for(role)) > current[role] and \
+            now - self.last_up.get(role, -math.inf) >= s.upscale_cooldown_s
 
     def _missing_slo(self, obs: Observation, role: str) -> bool:
         """Whether the latency `role` answers for is observed past its SLO (p90)."""
