@@ -6,8 +6,9 @@ router/disaggregation_policy.py, cluster/serving/replica_routing.py):
 - disaggregated, policy "always": every prompt to the prefill replica with the
   fewest queued prompt tokens; after its first token the decode replica with
   the most free blocks reserves blocks for the sequence (or it waits for
-  some), the KV moves (latency + bytes / bandwidth), the prefill side frees its
-  copy and the decode side decodes;
+  some), the KV moves (latency + bytes / bandwidth; a (prefill, decode) pair's
+  transfers one after another, as the transport moves them), the prefill side
+  frees its copy and the decode side decodes;
 - disaggregated, policy "conditional": the router's own class decides
   (router/disaggregation_policy.py): prompts of at most local_prefill_max_tokens
   are prefilled on a decode replica; longer ones too, when the prefill pool's
@@ -239,6 +240,7 @@ class _Simulation:
             if spec.mode == "disaggregated" else None
         self.admission = admission_for(spec.admission, spec.mode, self.policy, clock=lambda: self.now)
         self.prefilling: dict[int, tuple[bool, int]] = {}   # index -> (on a decode replica, prompt tokens)
+        self.link_free_at: dict[tuple[str, str], float] = {}  # (prefill, decode) replica -> its last transfer's end
 
     def _replica(self, name: str, rs: ReplicaSpec, *, borrows: bool) -> SimReplica:
         """`borrows`: a decode (colocated) replica, which may borrow idle cores."""
@@ -442,11 +444,19 @@ class _Simulation:
             if not target.try_admit_prefilled(seq):
                 still.append((seq, source))
                 continue
-            spec = self.spec
-            seconds = spec.kv_latency_s + seq.prompt_len * spec.kv_bytes_per_token / spec.kv_bandwidth_bytes_per_s
-            self.at(self.now + seconds, lambda s=seq, src=source, dst=target: self._transferred(s, src, dst))
-            self.policy.observe_handoff(seconds)     # (the router hears it when the decode side admits it)
+            done = self._transfer_end(seq, source, target)
+            self.at(done, lambda s=seq, src=source, dst=target: self._transferred(s, src, dst))
+            self.policy.observe_handoff(done - self.now)     # (the router hears it when the decode side admits it)
         self.awaiting_decode = still
+
+    def _transfer_end(self, seq: SimSequence, source: SimReplica, target: SimReplica) -> float:
+        """When `seq`'s KV is in on `target`, a transfer that starts now: its bytes move
+        after the latency, once the pair's transfers before it are through."""
+        spec = self.spec
+        pair = (source.name, target.name)
+        start = max(self.now + spec.kv_latency_s, self.link_free_at.get(pair, 0.0))
+        self.link_free_at[pair] = start + seq.prompt_len * spec.kv_bytes_per_token / spec.kv_bandwidth_bytes_per_s
+        return self.link_free_at[pair]
 
     def _transferred(self, seq: SimSequence, source: SimReplica, target: SimReplica) -> None:
         source.release_held(seq)
