@@ -198,13 +198,24 @@ def test_a_faster_decode_pool_wins(tmp_path):
 def test_pdserve_plan_slo_writes_a_valid_deployment(tmp_path, capsys, monkeypatch):
     from cluster.cli.main import main
     from cluster.config import load_config
+    import importlib
+    search = importlib.import_module("cluster.planner.search")
     out = tmp_path / "plans" / "best.yaml"      # its folder made, as profile --output's is
     monkeypatch.chdir(REPO)
+    simulated = []
+    builder = search.roofline_spec_builder
+
+    def recording_builder(*args, **kw):
+        simulated.append(kw.get("admission"))
+        return builder(*args, **kw)
+    monkeypatch.setattr(search, "roofline_spec_builder", recording_builder)
     code = main(["plan", "--model", "configs/models/llama-3-8b", "--slo", "ttft:1000", "tpot:50", "--gpus", "2",
                  "--num-prompts", "60", "--max-prompts", "240", "--random-input-len", "512",
                  "--random-output-len", "32", "--write-config", str(out)])
     assert code == 0
     config = load_config(out)
+    # the candidates ran behind the admission control the written file deploys (its refusals are misses)
+    assert simulated == [config.admission.settings(config.slo)] and simulated[0].ttft_slo_s == 1.0
     used = sum(p.replicas * p.tensor_parallel_size for p in config.pools().values())
     assert config.device == "cuda" and used <= 2
     assert (config.slo.ttft_ms, config.slo.tpot_ms) == (1000, 50)     # the SLOs it was chosen for

@@ -75,6 +75,7 @@ def load_profile(path: str, flag: str):
 
 
 def run_goodput_plan(args: argparse.Namespace, model_dir, model) -> int:
+    from cluster.config import AdmissionSection, SloSection
     from cluster.perf_model.roofline import GPU_SPECS
     from cluster.perf_model.step_shape import profile_model_problem, profile_tp
     from cluster.planner.search import Workload, roofline_spec_builder, search, unbounded
@@ -151,11 +152,14 @@ def run_goodput_plan(args: argparse.Namespace, model_dir, model) -> int:
               f"can exceed the {max_len}-token context: such requests are refused (400) and count as missing "
               "the SLOs", file=sys.stderr)
     slos = dict(args.slo)
+    # every candidate behind the router's admission control at the SLOs, as the deployment file written
+    # for the winner serves it (its slo: section, admission on by default): its refusals count as misses
+    admission = AdmissionSection().settings(SloSection(**{f"{name}_ms": ms for name, ms in slos.items()}))
     build = roofline_spec_builder(model, gpu=gpu, dtype=dtype, max_model_len=max_len,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   gpu_memory_utilization=args.gpu_memory_utilization, policy=args.policy,
                                   models=models, gpu_memory_gib=args.gpu_memory_gib,
-                                  overhead_gib=args.overhead_gib)
+                                  overhead_gib=args.overhead_gib, admission=admission)
     result = search(num_gpus=args.gpus, tps=tps, workload=workload, slos_s={k: v / 1000 for k, v in slos.items()},
                     build_spec=build, target=args.attainment, refine_top=args.refine_top,
                     tolerance=args.rate_tolerance, max_requests=args.max_prompts, jobs=args.jobs,

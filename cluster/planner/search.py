@@ -342,14 +342,15 @@ def roofline_spec_builder(model_config, *, gpu: str, dtype: str, max_model_len: 
                           kv_latency_s: float = NVLINK_KV_LATENCY_S,
                           models: dict[int, StepTimeModel] | None = None, gpu_memory_gib: float | None = None,
                           overhead_gib: float = 1.0, kv_transfer_staging_gib: float = 1.0,
-                          ) -> Callable[[Candidate], tuple[ClusterSpec | None, str]]:
+                          admission=None) -> Callable[[Candidate], tuple[ClusterSpec | None, str]]:
     """Builds ClusterSpecs for candidates: KV capacity from the memory planner
     (GPUs of `gpu_memory_gib`, default the GPU type's; prefill and decode
     replicas leave `kv_transfer_staging_gib` more free for hand-off buffers,
     as the engines do: kv_transfer.staging_mib), step times from
     `models[tp]` when given (a profile), else the roofline; hand-offs over
     NVLink as `pdserve simulate` prices them (simulator.from_config.nvlink_bandwidth);
-    the router's 400 past `max_model_len`."""
+    the router's 400 past `max_model_len`, and its admission control as
+    `admission` (router.admission.AdmissionSettings; None: every request admitted)."""
     from cluster.perf_model.roofline import GPU_SPECS, RooflineStepModel
     from engine.memory_planner import kv_bytes_per_token, plan
 
@@ -384,12 +385,12 @@ def roofline_spec_builder(model_config, *, gpu: str, dtype: str, max_model_len: 
             return None, f"TP {cand.decode_tp}: {why}"
         if cand.mode == "colocated":
             return ClusterSpec("colocated", decode=decode, decode_replicas=cand.decode_replicas,
-                               max_model_len=max_model_len), ""
+                               max_model_len=max_model_len, admission=admission), ""
         prefill, why = replica(cand.prefill_tp, True)
         if prefill is None:
             return None, f"TP {cand.prefill_tp}: {why}"
         return ClusterSpec("disaggregated", prefill=prefill, decode=decode, prefill_replicas=cand.prefill_replicas,
                            decode_replicas=cand.decode_replicas, policy=policy, kv_bytes_per_token=kv_per_token,
                            kv_bandwidth_bytes_per_s=nvlink_bandwidth(gpu, cand.prefill_tp, cand.decode_tp),
-                           kv_latency_s=kv_latency_s, max_model_len=max_model_len), ""
+                           kv_latency_s=kv_latency_s, max_model_len=max_model_len, admission=admission), ""
     return build
