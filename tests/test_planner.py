@@ -225,6 +225,21 @@ def test_pdserve_plan_slo_writes_a_valid_deployment(tmp_path, capsys, monkeypatc
     assert "best colocated" in out_text and "| 60: " in out_text and " -> 120: " in out_text
 
 
+def test_pdserve_plan_says_what_becomes_of_requests_past_the_context(capsys, monkeypatch):
+    # the warning said they were refused (400); the router (and the simulator) cut their outputs to the
+    # room the prompt leaves, and refuse only prompts that fill the context
+    from cluster.cli.main import main
+    monkeypatch.chdir(REPO)
+    base = ["plan", "--model", "configs/models/llama-3-8b", "--slo", "ttft:1000", "tpot:50", "--gpus", "2",
+            "--num-prompts", "20", "--max-prompts", "40", "--jobs", "1", "--random-input-len", "512", "--random-output-len", "32"]
+    assert main([*base, "--max-model-len", "580", "--random-range-ratio", "0.1"]) == 0
+    err = capsys.readouterr().err
+    assert "prompts of up to 563 + outputs of up to 35 tokens" in err and "cut to the room the prompt leaves" in err
+    assert "refused" not in err
+    main([*base, "--max-model-len", "600", "--random-range-ratio", "0.5"])    # (a third refused: no rate meets)
+    assert "prompts of 600 tokens or more are refused (400)" in capsys.readouterr().err
+
+
 def test_the_goodput_search_sizes_gpus_as_the_flags_say():
     # --gpu-memory-gib 16: Llama-3-8B's 15 GiB of bf16 weights do not fit one such GPU at TP 1 when the
     # flag is honoured, where 80 GiB (the H100 default) leaves room
@@ -373,11 +388,28 @@ def test_a_hand_off_between_tensor_parallel_replicas_moves_its_shards_over_a_lin
     from engine.model.model_config import ModelConfig
     model = ModelConfig.from_pretrained("configs/models/llama-3-70b")
     build = roofline_spec_builder(model, gpu="H100-SXM", dtype="bfloat16", max_model_len=8192)
-    link = GPU_SPECS["H100-SXM"].link_bytes_per_s * 0.7
-    for (ptp, dtp), links in {(4, 4): 4, (2, 4): 2, (8, 4): 4}.items():
+    nvlink, network = GPU_SPECS["H100-SXM"].link_bytes_per_s * 0.7, 50e9 * 0.7
+    # a TP-8 replica and a TP-4 one fill more than a node's 8 GPUs: their hand-off crosses the network
+    for (ptp, dtp), rate in {(4, 4): 4 * nvlink, (2, 4): 2 * nvlink, (8, 4): 4 * network}.items():
         spec, why = build(Candidate("disaggregated", 1, ptp, 1, dtp))
         assert spec is not None, why
-        assert spec.kv_bandwidth_bytes_per_s == pytest.approx(links * link), (ptp, dtp)
+        assert spec.kv_bandwidth_bytes_per_s == pytest.approx(rate), (ptp, dtp)
+
+
+def test_a_tp_gang_wider_than_a_node_all_reduces_over_the_network():
+    # TP 16 spans two 8-GPU nodes: its all-reduces were priced at NVLink's rate, a decode step faster than TP 8's
+    from cluster.perf_model.roofline import RooflineStepModel
+    from cluster.perf_model.step_shape import StepShape
+    from engine.model.model_config import ModelConfig
+    model = ModelConfig.from_pretrained("configs/models/llama-3-70b")
+    tp8, tp16 = (RooflineStepModel.for_model(model, gpu="H100-SXM", tp=tp) for tp in (8, 16))
+    batch = StepShape.build([], [1024] * 64)
+    assert tp16.step_time(batch) > tp8.step_time(batch)
+    no_latency = tp16.with_efficiencies(allreduce_latency_s=0.0, link=1.0)
+    free = tp16.with_efficiencies(allreduce_latency_s=0.0, link=1e9)
+    payload = 2 * 15 / 16 * 64 * 8192 * 2          # bytes a rank moves in one all-reduce of 64 rows
+    assert no_latency.step_time(batch) - free.step_time(batch) == pytest.approx(
+        2 * 80 * payload / 50e9, rel=1e-3)
 
 
 def _sigint_handler_name(_: int) -> str:

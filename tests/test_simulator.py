@@ -360,8 +360,28 @@ def test_profiles_that_would_run_the_clock_backwards_or_are_malformed_are_refuse
         load_step_model({**roofline, "efficiencies": {**roofline["efficiencies"], "mfu": -0.5}})
     with pytest.raises(ValueError, match="malformed for a roofline model"):
         load_step_model({**roofline, "cost": {"tp": 1}})
+    # a NaN cost ran the simulation on NaN step times; a TP of a list was a TypeError in plan and simulate
+    with pytest.raises(ValueError, match=r"cost.matmul_params"):
+        load_step_model({**roofline, "cost": {**roofline["cost"], "matmul_params": float("nan")}})
+    with pytest.raises(ValueError, match=r"cost.tp"):
+        load_step_model({**roofline, "cost": {**roofline["cost"], "tp": 0}})
+    with pytest.raises(ValueError, match="meta.tp must be an integer >= 1"):
+        load_step_model({**LinearStepModel((1e-3, 0, 0, 0, 0)).to_json(), "meta": {"tp": [1]}})
     with pytest.raises(ValueError, match="KV latency and the request overhead >= 0"):
         dataclasses.replace(_colocated(), kv_latency_s=-0.001)
+
+
+def test_pdserve_simulate_refuses_a_tp_that_does_not_divide_the_heads(tmp_path, capsys):
+    # the engines refuse it (pdserve serve's preflight); simulated, it sized the KV as if it ran
+    from cluster.cli.main import main
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(LinearStepModel((1e-3, 1e-5, 0.0, 5e-5, 0.0)).to_json()))
+    config = tmp_path / "tp3.yaml"
+    config.write_text(open("configs/tiny-cpu.yaml").read().replace(
+        "decode: {replicas: 1, tensor_parallel_size: 1}", "decode: {replicas: 1, tensor_parallel_size: 3}"))
+    assert main(["simulate", "--config", str(config), "--profile", str(profile), "--num-prompts", "5"]) == 2
+    assert "the decode engines would not start: num_attention_heads (4) is not divisible by " \
+        "tensor_parallel_size (3)" in capsys.readouterr().err
 
 
 def test_pdserve_simulate_refuses_what_it_would_ignore_or_could_not_start(tmp_path, capsys):

@@ -146,11 +146,14 @@ def run_goodput_plan(args: argparse.Namespace, model_dir, model) -> int:
         print(f"error: prompts of {workload.input_len} + outputs of {workload.output_len} tokens exceed the "
               f"{max_len}-token context; lower the lengths or raise --max-model-len", file=sys.stderr)
         return 2
-    if workload.longest > max_len:   # the simulated router answers those 400, as the live one would
-        print(f"warning: prompts of up to {workload.bounds(workload.input_len)[1]} + outputs of up to "
+    if workload.longest > max_len:   # the simulated router treats them as the live one does
+        longest_prompt = workload.bounds(workload.input_len)[1]
+        refused = (f"; prompts of {max_len} tokens or more are refused (400) and count as missing the SLOs"
+                   if longest_prompt >= max_len else "")
+        print(f"warning: prompts of up to {longest_prompt} + outputs of up to "
               f"{workload.bounds(workload.output_len)[1]} tokens (--random-range-ratio {workload.range_ratio:g}) "
-              f"can exceed the {max_len}-token context: such requests are refused (400) and count as missing "
-              "the SLOs", file=sys.stderr)
+              f"can exceed the {max_len}-token context: such outputs are cut to the room the prompt leaves "
+              f"(finish_reason length){refused}", file=sys.stderr)
     slos = dict(args.slo)
     # every candidate behind the router's admission control at the SLOs, as the deployment file written
     # for the winner serves it (its slo: section, admission on by default): its refusals count as misses

@@ -24,6 +24,7 @@ could pass for one).
 
 from __future__ import annotations
 
+import itertools
 import math
 
 from dataclasses import dataclass, field
@@ -131,16 +132,22 @@ def _fit_with_floor(x: np.ndarray, y: np.ndarray, prompted: np.ndarray) -> tuple
 
 
 def _nnls_relative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """argmin_c>=0 || (x c - y) / y ||: least squares with the negative
-    coefficients dropped one by one (an active-set method; five unknowns)."""
+    """argmin_c>=0 || (x c - y) / y ||. The optimum's non-zero coefficients are
+    the unconstrained least-squares solution on their own columns, so with five
+    unknowns every subset of the exercised columns is solved and the best
+    non-negative solution taken (32 small solves: exact, where dropping the most
+    negative coefficient one at a time can drop one the optimum keeps)."""
     xs, ys = x / y[:, None], np.ones_like(y)
-    active = [j for j in range(x.shape[1]) if np.any(x[:, j] != 0)]
-    while True:
-        coef = np.zeros(x.shape[1])
-        if not active:
-            return coef
-        solution, *_ = np.linalg.lstsq(xs[:, active], ys, rcond=None)
-        if (solution >= 0).all():
-            coef[active] = solution
-            return coef
-        del active[int(np.argmin(solution))]
+    exercised = [j for j in range(x.shape[1]) if np.any(x[:, j] != 0)]
+    best, best_residual = np.zeros(x.shape[1]), float(ys @ ys)
+    for size in range(1, len(exercised) + 1):
+        for columns in itertools.combinations(exercised, size):
+            solution, *_ = np.linalg.lstsq(xs[:, columns], ys, rcond=None)
+            if (solution < 0).any():
+                continue
+            residual = xs[:, columns] @ solution - ys
+            if residual @ residual < best_residual - 1e-15:
+                best = np.zeros(x.shape[1])
+                best[list(columns)] = solution
+                best_residual = float(residual @ residual)
+    return best

@@ -13,7 +13,9 @@ The eager floor applies to steps with prompt tokens: they run eagerly (only
 decode-only steps replay CUDA graphs), and the host's launches bound them at
 layers * eager_per_layer however little the device has to do.
 
-Peak rates are datasheet figures. The efficiencies are this project's own
+Peak rates are datasheet figures: bf16/fp16 matmuls on the tensor cores,
+float32 ones at the FP32 rate (torch leaves TF32 off), priced at the same
+efficiencies, which were measured in bf16. The efficiencies are this project's own
 measurements on an H100 (README "GPU engine", bench/results/gpu_engine.json,
 2026-11): prefill matmuls at 72% of a measured 769 TFLOP/s bf16 GEMM rate =
 56% of the 989 TFLOP/s datasheet peak; decode matmuls streaming weights at
@@ -50,18 +52,41 @@ class GpuSpec:
     link_bytes_per_s: float    # NVLink, per direction, datasheet
     memory_gib: float
     source: str
+    fp32_flops: float = 0.0    # datasheet FP32 (no tensor cores: torch leaves TF32 off); 0: not known
+    gpus_per_node: int = 8     # the NVLink domain (an HGX board)
+    network_bytes_per_s: float = 50e9   # between nodes, per GPU (its own NIC), per direction
+
+    def link_rate(self, gpus: int) -> float:
+        """Per-direction bytes/s of a rank's link among `gpus` GPUs working together:
+        NVLink within a node, the network past it."""
+        return self.link_bytes_per_s if gpus <= self.gpus_per_node else self.network_bytes_per_s
+
+    def matmul_flops(self, element_bytes: int) -> float:
+        """The peak that matmuls of `element_bytes`-wide elements run at: bf16/fp16
+        tensor cores for 2 bytes, FP32 for 4."""
+        if element_bytes <= 2:
+            return self.bf16_flops
+        if not self.fp32_flops > 0:
+            raise ValueError(f"the {self.name} spec has no FP32 rate to price float32 with")
+        return self.fp32_flops
 
 
+# Nodes as NVIDIA's HGX reference systems build them: 8 GPUs on one NVLink domain, a network
+# adapter per GPU between nodes (DGX H100/H200: ConnectX-7, 400 Gb/s InfiniBand NDR; DGX A100:
+# ConnectX-6, 200 Gb/s HDR).
 GPU_SPECS: Mapping[str, GpuSpec] = MappingProxyType({
     "H100-SXM": GpuSpec("H100-SXM", 989e12, 3.35e12, 450e9, 80.0,
-                        "NVIDIA H100 Tensor Core GPU datasheet (SXM5: 989 TFLOPS bf16 dense, 3.35 TB/s, "
-                        "NVLink 900 GB/s bidirectional)"),
+                        "NVIDIA H100 Tensor Core GPU datasheet (SXM5: 989 TFLOPS bf16 dense, 67 TFLOPS FP32, "
+                        "3.35 TB/s, NVLink 900 GB/s bidirectional); DGX H100 (8 GPUs, 400 Gb/s a GPU between "
+                        "nodes)", 67e12, 8, 50e9),
     "H200": GpuSpec("H200", 989e12, 4.8e12, 450e9, 141.0,
-                    "NVIDIA H200 Tensor Core GPU datasheet (SXM: 989 TFLOPS bf16 dense, 4.8 TB/s, "
-                    "NVLink 900 GB/s bidirectional)"),
+                    "NVIDIA H200 Tensor Core GPU datasheet (SXM: 989 TFLOPS bf16 dense, 67 TFLOPS FP32, 4.8 TB/s, "
+                    "NVLink 900 GB/s bidirectional); DGX H200 (8 GPUs, 400 Gb/s a GPU between nodes)",
+                    67e12, 8, 50e9),
     "A100-80GB": GpuSpec("A100-80GB", 312e12, 2.039e12, 300e9, 80.0,
-                         "NVIDIA A100 Tensor Core GPU datasheet (SXM 80GB: 312 TFLOPS bf16 dense, 2,039 GB/s, "
-                         "NVLink 600 GB/s bidirectional)"),
+                         "NVIDIA A100 Tensor Core GPU datasheet (SXM 80GB: 312 TFLOPS bf16 dense, 19.5 TFLOPS FP32, "
+                         "2,039 GB/s, NVLink 600 GB/s bidirectional); DGX A100 (8 GPUs, 200 Gb/s a GPU between "
+                         "nodes)", 19.5e12, 8, 25e9),
 })
 
 
@@ -117,7 +142,9 @@ class RooflineStepModel:
                   efficiencies: Efficiencies | None = None) -> "RooflineStepModel":
         if gpu not in GPU_SPECS:
             raise ValueError(f"unknown GPU {gpu!r}; choose one of {', '.join(GPU_SPECS)}")
-        return cls(ModelCost.from_model(model, tp, dtype), GPU_SPECS[gpu], efficiencies or Efficiencies())
+        cost = ModelCost.from_model(model, tp, dtype)
+        GPU_SPECS[gpu].matmul_flops(cost.activation_bytes)      # (raises where the dtype has no rate)
+        return cls(cost, GPU_SPECS[gpu], efficiencies or Efficiencies())
 
     def step_time(self, shape: StepShape) -> float:
         if shape.is_empty:
@@ -129,11 +156,12 @@ class RooflineStepModel:
                  + c.attention_flops_per_pair * (shape.prefill_attention + shape.decode_context))
         moved = c.weight_bytes + c.kv_bytes_per_token * (shape.decode_context + shape.prefill_tokens)
         eager_floor = c.num_layers * e.eager_per_layer_s if shape.prefill_tokens else 0.0
-        device = max(flops / (g.bf16_flops * e.mfu), moved / (g.hbm_bytes_per_s * e.mbu), eager_floor)
+        device = max(flops / (g.matmul_flops(c.activation_bytes) * e.mfu), moved / (g.hbm_bytes_per_s * e.mbu),
+                     eager_floor)
         allreduce = 0.0
         if c.tp > 1:
             payload = 2 * (c.tp - 1) / c.tp * rows * c.hidden_size * c.activation_bytes
-            allreduce = 2 * c.num_layers * (e.allreduce_latency_s + payload / (g.link_bytes_per_s * e.link))
+            allreduce = 2 * c.num_layers * (e.allreduce_latency_s + payload / (g.link_rate(c.tp) * e.link))
         return e.host_fixed_s + e.host_per_seq_s * shape.decode_seqs + device + allreduce
 
     def with_efficiencies(self, **changes: float) -> "RooflineStepModel":
@@ -146,14 +174,25 @@ class RooflineStepModel:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "RooflineStepModel":
         gpu, eff = GpuSpec(**data["gpu"]), Efficiencies(**data["efficiencies"])
+        if not gpu.fp32_flops and gpu.name in GPU_SPECS:    # a profile written before the spec had it
+            gpu = replace(gpu, fp32_flops=GPU_SPECS[gpu.name].fp32_flops)
         rates = {"gpu.bf16_flops": gpu.bf16_flops, "gpu.hbm_bytes_per_s": gpu.hbm_bytes_per_s,
-                 "gpu.link_bytes_per_s": gpu.link_bytes_per_s, "efficiencies.mfu": eff.mfu,
+                 "gpu.link_bytes_per_s": gpu.link_bytes_per_s, "gpu.network_bytes_per_s": gpu.network_bytes_per_s,
+                 "gpu.gpus_per_node": gpu.gpus_per_node, "efficiencies.mfu": eff.mfu,
                  "efficiencies.mbu": eff.mbu, "efficiencies.link": eff.link}
-        costs = {"efficiencies.host_fixed_s": eff.host_fixed_s, "efficiencies.host_per_seq_s": eff.host_per_seq_s,
+        costs = {"gpu.fp32_flops": gpu.fp32_flops, "efficiencies.host_fixed_s": eff.host_fixed_s, "efficiencies.host_per_seq_s": eff.host_per_seq_s,
                  "efficiencies.allreduce_latency_s": eff.allreduce_latency_s,
                  "efficiencies.eager_per_layer_s": eff.eager_per_layer_s}
         bad = [k for k, v in rates.items() if not (math.isfinite(v) and v > 0)] + \
             [k for k, v in costs.items() if not (math.isfinite(v) and v >= 0)]
         if bad:
             raise ValueError(f"profile fields {bad} must be finite and positive (rates) or >= 0 (times)")
-        return cls(ModelCost(**data["cost"]), gpu, eff)
+        cost = ModelCost(**data["cost"])
+        bad = [f"cost.{k}" for k, v in vars(cost).items()
+               if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v >= 0)]
+        bad += [f"cost.{k}" for k in ("num_layers", "hidden_size", "activation_bytes", "tp")
+                if f"cost.{k}" not in bad and not (isinstance(getattr(cost, k), int) and getattr(cost, k) > 0)]
+        if bad:
+            raise ValueError(f"profile fields {bad} must be finite numbers >= 0 (counts: integers >= 1)")
+        gpu.matmul_flops(cost.activation_bytes)      # (raises where the dtype has no rate)
+        return cls(cost, gpu, eff)

@@ -70,10 +70,15 @@ def load_step_model(source: str | Path | dict) -> StepTimeModel:
     if kind not in ("linear", "roofline"):
         raise ValueError(f"unknown step model kind {kind!r} in {where}; expected 'linear' or 'roofline'")
     try:
-        return (LinearStepModel if kind == "linear" else RooflineStepModel).from_json(data)
+        model = (LinearStepModel if kind == "linear" else RooflineStepModel).from_json(data)
     except (KeyError, TypeError, AttributeError) as exc:   # a field missing or of the wrong shape
         raise ValueError(f"{where} is malformed for a {kind} model ({type(exc).__name__}: {exc}); "
                          "write it again with `pdserve profile`") from None
+    tp = (getattr(model, "meta", None) or {}).get("tp")
+    if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
+        raise ValueError(f"{where}: meta.tp must be an integer >= 1 (the TP degree it was measured at), "
+                         f"got {tp!r}; write it again with `pdserve profile`")
+    return model
 
 
 def profile_tp(model: StepTimeModel) -> int | None:

@@ -17,9 +17,10 @@ CPU_KV_LATENCY_S = 8.4e-3
 CPU_KV_BANDWIDTH = 1.0 * GIB
 
 
-# Hand-offs between GPUs, as `pdserve plan` prices them: NVLink at this share of its per-direction
+# Hand-offs between GPUs, as `pdserve plan` prices them: the link at this share of its per-direction
 # rate, one link per rank pair (a TP-t prefill replica's ranks send their shards at once), and a
-# fixed cost per hand-off
+# fixed cost per hand-off. The link is NVLink where a prefill and a decode replica fit one node
+# together, else the network between nodes (GpuSpec.link_rate).
 NVLINK_EFFICIENCY = 0.7
 NVLINK_KV_LATENCY_S = 1e-3
 DEFAULT_GPU_TYPE = "H100-SXM"
@@ -33,11 +34,12 @@ class KVLink:
 
 def nvlink_bandwidth(gpu_type: str, prefill_tp: int, decode_tp: int) -> float:
     """Bytes/s a hand-off from a TP `prefill_tp` to a TP `decode_tp` replica moves
-    over `gpu_type`'s NVLink (a name or alias cluster.perf_model.roofline knows)."""
+    between `gpu_type` GPUs (a name or alias cluster.perf_model.roofline knows):
+    over NVLink where the two replicas fit one node, else over the network."""
     from cluster.perf_model.roofline import GPU_SPECS
     from engine.memory_planner import resolve_gpu_type
     spec = GPU_SPECS[resolve_gpu_type(gpu_type).name]
-    return spec.link_bytes_per_s * NVLINK_EFFICIENCY * min(prefill_tp, decode_tp)
+    return spec.link_rate(prefill_tp + decode_tp) * NVLINK_EFFICIENCY * min(prefill_tp, decode_tp)
 
 
 def default_kv_link(config) -> KVLink:
@@ -66,7 +68,7 @@ def cluster_spec(config, model: StepTimeModel, *, model_config, link: KVLink | N
     borrow idle replicas' cores as the engines do. The router's admission
     control is the config's (its admission: and slo: sections)."""
     from engine.memory_planner import kv_bytes_per_token
-    from engine.preflight import step_budget_problem
+    from engine.preflight import step_budget_problem, tensor_parallel_problem
     e = config.engine
     link = link or default_kv_link(config)
     # the engines' context: the model's default (its RoPE scaling, a sliding window) where none is set
@@ -79,6 +81,9 @@ def cluster_spec(config, model: StepTimeModel, *, model_config, link: KVLink | N
     admission = config.admission.settings(config.slo)
     if problem := step_budget_problem(e, max_len, config.tokens_per_step()):
         raise ValueError(f"the engines would not start: {problem}")
+    for role, pool in config.pools().items():
+        if problem := tensor_parallel_problem(model_config, pool.tensor_parallel_size):
+            raise ValueError(f"the {role} engines would not start: {problem}")
 
     def replica(pool, step_model: StepTimeModel) -> ReplicaSpec:
         one_rank = pool.tensor_parallel_size == 1       # TP gangs keep their threads (engine/core_lending.py)
