@@ -214,7 +214,7 @@ class _PlannedPrompt:
     """One prompt of a request, tokenized and checked: its token ids, its output bound,
     each of its choices' sampling parameters, and the builder of its choices' entries."""
     ids: list[int]
-    max_tokens: int | None      # the output bound asked for; None where it is only the context's room
+    max_tokens_asked: int | None    # the output bound asked for; None where it is only the context's room
     choice_params: list[SamplingParams]
     fmt: ResponseBuilder
 
@@ -310,7 +310,7 @@ class _Server:
         choices = Choices([Generation(self.backend, self.metrics, self.admission,
                                       request_id if len(plan_of) == 1 else f"{request_id}-{i}", plan.ids,
                                       plan.choice_params[j], arrival, ticket, shares_prompt=j > 0, offered=offered,
-                                      max_tokens_asked=plan.max_tokens)
+                                      max_tokens_asked=plan.max_tokens_asked)
                            for i, (plan, j, ticket) in enumerate(plan_of)],
                           prompt_tokens=sum(len(plan.ids) for plan in prompts))
         fmts = [plan.fmt for plan, _, _ in plan_of]
@@ -585,7 +585,7 @@ class _Server:
         offered: whether a refusal counts as demand (not for a client's retry)."""
         if self.admission is None:
             return [[None] * choices for _ in prompts]
-        per_prompt = [(len(plan.ids), plan.max_tokens) for plan in prompts]
+        per_prompt = [(len(plan.ids), plan.max_tokens_asked) for plan in prompts]
         # each choice is a sequence to decode; the prompt is prefilled once (the others read it cached)
         demands = [(tokens if j == 0 else 0, max_tokens) for tokens, max_tokens in per_prompt for j in range(choices)]
         with self._counting_refusals(demands, offered):
@@ -647,7 +647,7 @@ class _Server:
         for plan in prompts:
             params = plan.choice_params[0]
             if params.logprobs is not None and not body.stream:
-                entries += body.choices * (plan.max_tokens or 0) * (params.logprobs + 1)
+                entries += body.choices * params.max_tokens * (params.logprobs + 1)     # the cap sent
             if params.prompt_logprobs is not None:
                 entries += body.choices * len(plan.ids) * (params.prompt_logprobs + 1)
         most = self.limits.max_logprob_entries
