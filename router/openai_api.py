@@ -43,6 +43,7 @@ from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
 from engine.bad_words import bad_word_sequences
+from engine.chat_template import template_traits
 from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams, SamplingParamsError
@@ -549,9 +550,10 @@ class _Server:
                                       "conversation: send the prompt text to /v1/completions instead.")
         try:
             rendered = self.tokenizer.apply_chat_template(
-                body.chat_messages(), add_generation_prompt=body.add_generation_prompt,
+                body.chat_messages(template_traits(self.tokenizer.chat_template)),
+                add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message, tokenize=not body.add_special_tokens,
-                **(body.chat_template_kwargs or {}))
+                **body.template_kwargs())
         except Exception as exc:  # noqa: BLE001 - templates refuse messages by raising anything
             _TEMPLATE_FAILURE_LOG.log("the chat template refused a request's messages (answered 400): %s: %s",
                                       type(exc).__name__, exc)

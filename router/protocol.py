@@ -34,6 +34,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from engine.chat_template import TemplateTraits
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams, SamplingParamsError
 
@@ -96,7 +97,7 @@ def _string_chars(value: object) -> int:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool | None = False       # OpenAI's and vLLM's (0.32) default
-    continuous_usage_stats: StrictBool = False     # vLLM's: with include_usage, usage on every chunk
+    continuous_usage_stats: StrictBool | None = False   # vLLM's: with include_usage, usage on every chunk
 
 
 _UNSUPPORTED_EXTENSIONS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
@@ -263,7 +264,7 @@ class _GenerationRequest(BaseModel):
     @property
     def continuous_usage(self) -> bool:
         """Whether every chunk of a stream carries the usage so far (vLLM's continuous_usage_stats)."""
-        return self.include_usage and self.stream_options.continuous_usage_stats
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -316,7 +317,8 @@ class _GenerationRequest(BaseModel):
             value = getattr(self, name)
             if value is not None and value is not False:    # 0 too: set at all, it asks for the feature
                 raise InvalidRequestError(f"{name} is not supported by this server; remove it.", param=name)
-        if self.stream_options is not None and not self.stream:
+        # ({} sets nothing: taken without a stream, as vLLM takes it)
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true.",
                                       param="stream_options")
         if self.priority:
@@ -452,17 +454,40 @@ class CompletionRequest(_GenerationRequest):
         return bool(self.echo) and self.requested_max_tokens == 0
 
 
+# content part types taken as text, and the field that holds it (an assistant's refusal: vLLM's)
+_TEXT_PARTS = {"text": "text", "refusal": "refusal"}
+
+
+def _part_text(part: object) -> object:
+    """A text or refusal content part's text (anything else: None)."""
+    return part.get(_TEXT_PARTS[part["type"]]) if isinstance(part, dict) and part.get("type") in _TEXT_PARTS else None
+
+
 class ChatMessage(BaseModel):
-    """One chat turn; list-of-parts content is joined into one string (text parts only)."""
+    """One chat turn. List-of-parts content (text parts; an assistant's refusal parts as
+    their text) is joined into one string, its parts kept for templates that loop over
+    them (chat_messages)."""
 
     model_config = ConfigDict(extra="ignore")
 
     # developer: OpenAI's newer name for system; tool / function: refused with a word on tool calling
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | None = None
+    content_parts: list[str] | None = None   # the parts' texts, where content came as a list (set here, never sent)
     name: StrictStr | None = None            # passed to the chat template, which may show it
+    reasoning: StrictStr | None = None       # an assistant turn's reasoning, passed to the template (vLLM's)
     tool_calls: Any = None                   # refused when set (no tool calling)
     function_call: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _keep_parts(cls, data: object) -> object:
+        if isinstance(data, dict):
+            content = data.get("content")
+            parts = [_part_text(p) for p in content] if isinstance(content, list) else None
+            data = {**data, "content_parts": parts if parts is None or all(isinstance(t, str) for t in parts)
+                    else None}      # (a malformed part is refused by the content's own check)
+        return data
 
     @field_validator("role", mode="before")
     @classmethod
@@ -481,17 +506,18 @@ class ChatMessage(BaseModel):
             raise _shape_error("must be a string or a list of text parts")
         texts = []
         for part in value:
-            if not isinstance(part, dict) or part.get("type") != "text":
+            if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise _shape_error(f"only text content parts are supported (got {kind!r}); "
                                    "send {\"type\": \"text\", \"text\": ...}")
-            if not isinstance(part.get("text"), str):
-                raise _shape_error("a text content part needs a string \"text\" field")
-            texts.append(part["text"])
+            if not isinstance(_part_text(part), str):
+                raise _shape_error(f"a {part['type']} content part needs a string \"{_TEXT_PARTS[part['type']]}\" "
+                                   "field")
+            texts.append(_part_text(part))
         # Templates written for plain-string content get the parts joined, as vLLM does.
         return "\n".join(texts)
 
-    @field_validator("content", "name")
+    @field_validator("content", "name", "reasoning")
     @classmethod
     def _message_text(cls, value: object) -> object:
         return _valid_text(value)
@@ -504,6 +530,12 @@ class ChatMessage(BaseModel):
         return self
 
 
+def _message_text(message: dict[str, Any]) -> str:
+    """A chat_messages message's text (its parts joined, where it has parts)."""
+    content = message["content"]
+    return content if isinstance(content, str) else "\n".join(part["text"] for part in content)
+
+
 class _ChatPrompt(BaseModel):
     """A conversation and how the model's chat template renders it into the prompt
     (the chat endpoint's and /tokenize's)."""
@@ -514,6 +546,9 @@ class _ChatPrompt(BaseModel):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False   # vLLM: the reply continues the last (assistant) message
     chat_template_kwargs: dict[str, Any] | None = None   # vLLM: extra variables for the template
+    # vLLM's: passed to the template, which with enable_thinking (set from it, unless chat_template_kwargs
+    # sets it) turns a reasoning model's thinking on or off
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     add_special_tokens: StrictBool = False   # vLLM: BOS etc. on top of what the template adds
     # what vLLM passes to the template and this server does not render: refused (check_rendering), so that
     # /tokenize does not count a prompt without them that the chat endpoint would refuse
@@ -547,7 +582,7 @@ class _ChatPrompt(BaseModel):
     def text_length(self) -> int:
         """The messages' text and every string the template may render besides
         (names, chat_template_kwargs: a template can print any of them)."""
-        return sum(len(m.content or "") + len(m.name or "") for m in self.messages) + \
+        return sum(len(m.content or "") + len(m.name or "") + len(m.reasoning or "") for m in self.messages) + \
             _string_chars(self.chat_template_kwargs)
 
     def check_rendering(self) -> None:
@@ -564,14 +599,9 @@ class _ChatPrompt(BaseModel):
         if self.chat_template is not None:
             raise InvalidRequestError("chat_template is not supported: this server renders every conversation "
                                       "with the model's own template. Remove it.", param="chat_template")
-        if self.continue_final_message:
-            if self.add_generation_prompt:
-                raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true: "
-                                          "set add_generation_prompt to false.", param="continue_final_message")
-            if self.messages[-1].role != "assistant":
-                raise InvalidRequestError("continue_final_message continues the last message, which must be the "
-                                          f"assistant's (it is the {self.messages[-1].role}'s).",
-                                          param="continue_final_message")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true: "
+                                      "set add_generation_prompt to false.", param="continue_final_message")
         clashes = sorted(set(self.chat_template_kwargs or {}) & _TEMPLATE_ARGUMENTS)
         if clashes:
             raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(clashes)}: use the request "
@@ -588,10 +618,39 @@ class _ChatPrompt(BaseModel):
                                               "a conversation with tool calls cannot be continued. Remove them.",
                                               param=f"messages[{i}].{name}")
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        """Messages as chat templates take them (`name` where the message has one)."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.content or "",
-                 **({"name": m.name} if m.name is not None else {})} for m in self.messages]
+    def chat_messages(self, traits: TemplateTraits = TemplateTraits()) -> list[dict[str, Any]]:
+        """Messages as a chat template of `traits` takes them (vLLM's): content as a string,
+        or as a list of text parts for a template that loops over them; `name` where the
+        message has one, an assistant's `reasoning` (also as reasoning_content); developer
+        messages as system ones, merged with the others at the front, unless the template
+        names the developer role."""
+        messages = []
+        for m in self.messages:
+            texts = m.content_parts if m.content_parts is not None else ([] if m.content is None else [m.content])
+            message: dict[str, Any] = {
+                "role": m.role, "content": [{"type": "text", "text": t} for t in texts] if traits.parts
+                else m.content or ""}
+            if m.name is not None:
+                message["name"] = m.name
+            if m.reasoning is not None and m.role == "assistant":
+                message["reasoning"] = message["reasoning_content"] = m.reasoning
+            messages.append(message)
+        if traits.developer or not any(m["role"] == "developer" for m in messages):
+            return messages
+        system = [m for m in messages if m["role"] in ("system", "developer")]
+        texts = [t for t in (_message_text(m) for m in system) if t]
+        merged = {"role": "system", "content": [{"type": "text", "text": "\n\n".join(texts)}] if traits.parts
+                  else "\n\n".join(texts)}
+        return [merged] + [m for m in messages if m["role"] not in ("system", "developer")]
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The template's extra variables: chat_template_kwargs, and reasoning_effort where
+        given, with enable_thinking from it (off for "none") unless chat_template_kwargs sets it."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return kwargs
 
 
 class ChatCompletionRequest(_ChatPrompt, _GenerationRequest):

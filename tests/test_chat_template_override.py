@@ -60,3 +60,24 @@ def tokenizer():
     from engine.tiny_model import ensure_default_model
     from engine.tokenizer import load_tokenizer
     return load_tokenizer(ensure_default_model())
+
+
+@pytest.mark.parametrize("template, parts", [
+    ("{% for m in messages %}{{ m['content'] }}{% endfor %}", False),
+    ("{% for m in messages %}{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endfor %}", True),
+    ("{% for m in messages %}{% for p in m.content | selectattr('type', 'eq', 'text') %}{{ p.text }}"
+     "{% endfor %}{% endfor %}", True),
+    # a name assigned from the messages (Llama 3.2 Vision's loop_messages), content under another name
+    ("{% set loop_messages = messages[1:] %}{% for message in loop_messages %}{% set content = message.content %}"
+     "{% for item in content %}{{ item.text }}{% endfor %}{% endfor %}", True),
+    # a loop over something else's content is no loop over a message's
+    ("{% for m in messages %}{{ m['content'] }}{% endfor %}{% for t in tools %}{% for x in t['content'] %}"
+     "{% endfor %}{% endfor %}", False),
+    ("{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}", False),
+    ("{% for m in messages %", False),          # does not parse: rendering says why
+])
+def test_template_traits_find_a_loop_over_a_messages_content(template, parts):
+    from engine.chat_template import template_traits
+    assert template_traits(template).parts is parts
+    assert template_traits(template).developer is False
+    assert template_traits("{% if m['role'] == 'developer' %}{% endif %}").developer is True

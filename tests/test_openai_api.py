@@ -572,6 +572,78 @@ def test_a_messages_name_reaches_the_chat_template(backend, tokenizer, metrics):
     assert named.decode(backend.calls[-1][1]) == "ada: Hi\n?: Yo\n"
 
 
+def _rendered(backend, tokenizer, metrics, template: str, body: dict) -> str:
+    """The prompt text a chat request renders to with `template` as the tokenizer's."""
+    templated = copy.deepcopy(tokenizer)
+    templated.chat_template = template
+    with TestClient(build_openai_app(backend, templated, metrics)) as templated_client:
+        r = templated_client.post(CHAT, json={"max_tokens": 1, **body})
+        assert r.status_code == 200, r.text
+    return templated.decode(backend.calls[-1][1])
+
+
+# Gemma 3 / Llama 3.2 Vision style: a message's content is looped over as typed parts
+PARTS_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {% for part in message['content'] %}"
+                  "{{ part['text'] }}|{% endfor %}{{ '\\n' }}{% endfor %}")
+
+
+def test_a_template_that_loops_over_content_gets_text_parts(backend, tokenizer, metrics):
+    # given the joined string, such a template looped over its characters (or dropped the text); vLLM detects
+    # the loop and passes each message's content as parts, a string as one part
+    body = {"messages": [{"role": "system", "content": "Answer in French."},
+                         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
+    assert _rendered(backend, tokenizer, metrics, PARTS_TEMPLATE, body) == "system: Answer in French.|\nuser: a|b|\n"
+    # a template written for strings gets the parts joined, as before
+    plain = "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    assert _rendered(backend, tokenizer, metrics, plain, body) == "system: Answer in French.\nuser: a\nb\n"
+    # an assistant's refusal part is its text (vLLM's)
+    refusal = {"messages": USER + [{"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]}] + USER}
+    assert "assistant: no\n" in _rendered(backend, tokenizer, metrics, plain, refusal)
+
+
+def test_developer_messages_render_as_vllm_renders_them(backend, tokenizer, metrics):
+    plain = "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    knows = ("{% for message in messages %}{% if message['role'] == 'developer' %}dev{% else %}{{ message['role'] }}"
+             "{% endif %}: {{ message['content'] }}\n{% endfor %}")
+    body = {"messages": [{"role": "system", "content": "s"}, {"role": "developer", "content": "d"}] + USER}
+    # a template that does not name the role: system, merged with the system messages at the front (a
+    # template that wants its system message first refused the conversation before)
+    assert _rendered(backend, tokenizer, metrics, plain, body) == "system: s\n\nd\nuser: Hi\n"
+    # one that names it gets it as it came
+    assert _rendered(backend, tokenizer, metrics, knows, body) == "system: s\ndev: d\nuser: Hi\n"
+
+
+def test_reasoning_reaches_the_template(backend, tokenizer, metrics):
+    think = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}"
+             "{% if message.reasoning_content %} [{{ message.reasoning_content }}]{% endif %}{{ '\\n' }}{% endfor %}"
+             "{% if enable_thinking is defined %}thinking={{ enable_thinking }} effort={{ reasoning_effort }}"
+             "{% endif %}")
+    turns = USER + [{"role": "assistant", "content": "Hi", "reasoning": "greet back"}] + USER
+    assert _rendered(backend, tokenizer, metrics, think, {"messages": turns}) == \
+        "user: Hi\nassistant: Hi [greet back]\nuser: Hi\n"
+    for effort, thinking in (("none", False), ("high", True)):
+        text = _rendered(backend, tokenizer, metrics, think, {"messages": USER, "reasoning_effort": effort})
+        assert text.endswith(f"thinking={thinking} effort={effort}")
+    kwargs = {"messages": USER, "reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": False}}
+    assert _rendered(backend, tokenizer, metrics, think, kwargs).endswith("thinking=False effort=high")
+
+
+def test_continue_final_message_continues_a_users_message_in_its_role(client, backend, tokenizer):
+    r = client.post(CHAT, json={"messages": USER, "continue_final_message": True, "add_generation_prompt": False,
+                                "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "user"
+    assert tokenizer.decode(backend.calls[-1][1]).endswith("<|user|>\nHi")     # left open
+
+
+def test_empty_or_null_stream_options_are_taken_as_unset(client):
+    for options in ({}, {"include_usage": True, "continuous_usage_stats": None}):
+        stream = bool(options)
+        r = client.post(CHAT, json={"messages": USER, "max_tokens": 2, "stream": stream, "stream_options": options})
+        assert r.status_code == 200, (options, r.text)
+    assert_openai_error(client.post(CHAT, json={"messages": USER, "stream_options": {"include_usage": True}}),
+                        400, "stream_options", "only allowed when stream is true")
+
+
 def test_a_field_the_server_does_not_know_is_logged_once(client, caplog):
     from router import protocol
     with caplog.at_level("WARNING", logger="router.protocol"):
@@ -841,8 +913,6 @@ LONG = list(range(3, 3 + MAX_MODEL_LEN))
     (CHAT, {"messages": [{}] * 50}, 400, "messages[0].role", "; and 40 more errors"),
     (CHAT, {"messages": USER + [{"role": "assistant", "content": "The"}], "continue_final_message": True}, 400,
      "continue_final_message", "set add_generation_prompt to false"),
-    (CHAT, {"messages": USER, "continue_final_message": True, "add_generation_prompt": False}, 400,
-     "continue_final_message", "must be the assistant's (it is the user's)"),
     (CHAT, {"messages": USER, "priority": -3}, 400, "priority", "priority must be 0 (got -3)"),
     (CHAT, {"messages": USER, "structural_tag": "{}"}, 400, "structural_tag", "not supported"),
     (COMPLETIONS, {"prompt": [5] * 10, "max_completion_tokens": 70}, 400, "max_completion_tokens",
