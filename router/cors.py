@@ -45,7 +45,7 @@ class OpenAICorsMiddleware(CORSMiddleware):
         refused = bytes(response.body).decode().removeprefix("Disallowed CORS ")
         origin, method = request_headers["origin"], request_headers["access-control-request-method"]
         error = OpenAIError(
-            400, f"This cross-origin request is not allowed ({refused}): origin {origin!r}, method {method!r}. "
+            400, f"This cross-origin request is not allowed ({refused}): origin {origin!r:.100}, method {method!r:.20}. "
             f"The server lets pages of the origins in http.allowed_origins (pdserve serve --allowed-origins) "
             f"call {', '.join(METHODS)}.", code="cors_refused")
         answer = to_response(error)

@@ -33,7 +33,7 @@ from typing import Callable
 
 from cluster.perf_model.step_shape import StepTimeModel
 from cluster.simulator.cluster_sim import ClusterSpec, ReplicaSpec, simulate
-from cluster.simulator.from_config import NVLINK_KV_LATENCY_S, nvlink_bandwidth
+from cluster.simulator.from_config import NVLINK_KV_LATENCY_S, handoff_bandwidth
 
 
 @dataclass(frozen=True)
@@ -348,7 +348,9 @@ def roofline_spec_builder(model_config, *, gpu: str, dtype: str, max_model_len: 
     replicas leave `kv_transfer_staging_gib` more free for hand-off buffers,
     as the engines do: kv_transfer.staging_mib), step times from
     `models[tp]` when given (a profile), else the roofline; hand-offs over
-    NVLink as `pdserve simulate` prices them (simulator.from_config.nvlink_bandwidth);
+    NVLink (the network between nodes, where a prefill and a decode replica
+    cannot share one) as `pdserve simulate` prices them
+    (simulator.from_config.handoff_bandwidth);
     the router's 400 past `max_model_len`, and its admission control as
     `admission` (router.admission.AdmissionSettings; None: every request admitted)."""
     from cluster.perf_model.roofline import GPU_SPECS, RooflineStepModel
@@ -391,6 +393,6 @@ def roofline_spec_builder(model_config, *, gpu: str, dtype: str, max_model_len: 
             return None, f"TP {cand.prefill_tp}: {why}"
         return ClusterSpec("disaggregated", prefill=prefill, decode=decode, prefill_replicas=cand.prefill_replicas,
                            decode_replicas=cand.decode_replicas, policy=policy, kv_bytes_per_token=kv_per_token,
-                           kv_bandwidth_bytes_per_s=nvlink_bandwidth(gpu, cand.prefill_tp, cand.decode_tp),
+                           kv_bandwidth_bytes_per_s=handoff_bandwidth(gpu, cand.prefill_tp, cand.decode_tp),
                            kv_latency_s=kv_latency_s, max_model_len=max_model_len, admission=admission), ""
     return build

@@ -32,7 +32,7 @@ class KVLink:
     latency_s: float = CPU_KV_LATENCY_S
 
 
-def nvlink_bandwidth(gpu_type: str, prefill_tp: int, decode_tp: int) -> float:
+def handoff_bandwidth(gpu_type: str, prefill_tp: int, decode_tp: int) -> float:
     """Bytes/s a hand-off from a TP `prefill_tp` to a TP `decode_tp` replica moves
     between `gpu_type` GPUs (a name or alias cluster.perf_model.roofline knows):
     over NVLink where the two replicas fit one node, else over the network."""
@@ -48,7 +48,7 @@ def default_kv_link(config) -> KVLink:
     if config.device == "cpu" or config.mode.value != "disaggregated":
         return KVLink()
     pools = config.pools()
-    return KVLink(nvlink_bandwidth(config.resources.gpu_type or DEFAULT_GPU_TYPE,
+    return KVLink(handoff_bandwidth(config.resources.gpu_type or DEFAULT_GPU_TYPE,
                                    pools["prefill"].tensor_parallel_size, pools["decode"].tensor_parallel_size),
                   NVLINK_KV_LATENCY_S)
 
