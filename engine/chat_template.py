@@ -3,9 +3,11 @@ a Jinja file, or the template's own text."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 # what only a Jinja template holds: a string with neither is taken for a file's path
 _JINJA_MARKS = ("{{", "{%")
@@ -108,3 +110,50 @@ def _loops_over_content(tree) -> bool:
                     if isinstance(f.target, nodes.Name) and accessed(f.iter, messages)}
     return any(accessed(f.iter, message_vars, "content") or accessed(f.iter, {"content"})
                for f in tree.find_all(nodes.For))
+
+
+# content part types taken as text, and the field that holds their text (an assistant's refusal: vLLM's)
+TEXT_PARTS = {"text": "text", "refusal": "refusal"}
+
+
+def part_text(part: object) -> object:
+    """A text or refusal content part's text (anything else: None)."""
+    return part.get(TEXT_PARTS[part["type"]]) if isinstance(part, dict) and part.get("type") in TEXT_PARTS else None
+
+
+def template_messages(messages: Sequence[Mapping[str, Any]], traits: TemplateTraits) -> list[dict[str, Any]]:
+    """OpenAI-style messages as a template of `traits` takes them (vLLM's rendering):
+    content (a string, text parts, or none) as one string with the parts joined by
+    newlines, or as a list of {"type": "text"} parts for a template that loops over
+    it; an assistant's `reasoning` also as `reasoning_content`; developer messages
+    as system ones, merged with the system messages at the front, unless the
+    template names the developer role. Other keys pass through. ValueError for
+    content that is not text."""
+    rendered = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if content is None:
+            texts = []
+        elif isinstance(content, str):
+            texts = [content]
+        elif isinstance(content, list) and all(isinstance(part_text(p), str) for p in content):
+            texts = [part_text(p) for p in content]
+        else:
+            raise ValueError(f"message {i}: content must be a string or a list of text parts "
+                             "({\"type\": \"text\", \"text\": ...}); other kinds of content are not supported")
+        one = {**message, "content": [{"type": "text", "text": t} for t in texts] if traits.parts
+               else "\n".join(texts)}
+        if one.get("reasoning") is not None and one.get("role") == "assistant":
+            one["reasoning_content"] = one["reasoning"]
+        rendered.append(one)
+    if traits.developer or not any(m.get("role") == "developer" for m in rendered):
+        return rendered
+    system = [m for m in rendered if m.get("role") in ("system", "developer")]
+    texts = [t for t in (_joined(m["content"]) for m in system) if t]
+    merged = {"role": "system", "content": [{"type": "text", "text": "\n\n".join(texts)}] if traits.parts
+              else "\n\n".join(texts)}
+    return [merged] + [m for m in rendered if m.get("role") not in ("system", "developer")]
+
+
+def _joined(content: str | list[dict[str, str]]) -> str:
+    return content if isinstance(content, str) else "\n".join(part["text"] for part in content)

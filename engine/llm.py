@@ -30,16 +30,35 @@ from engine.sampling_params import SamplingParams
 Prompt = str | list[int] | dict[str, Any]
 
 
+# vLLM LLM(...) arguments that change nothing here at these values (a script ported from vLLM passes them)
+_VLLM_NO_OPS = {"trust_remote_code": (False, True), "revision": (None,), "tokenizer_revision": (None,),
+                "quantization": (None,), "tokenizer_mode": ("auto",), "disable_log_stats": (False, True),
+                "swap_space": None, "cpu_offload_gb": (0, 0.0), "disable_custom_all_reduce": (False, True)}
+
+
 class LLM:
-    def __init__(self, model: str | None = None, **engine_options: Any):
+    def __init__(self, model: str | None = None, *, chat_template: str | None = None, **engine_options: Any):
+        """`model`: a checkpoint directory (default: the built-in tiny model);
+        `chat_template`: a Jinja template, or its file, in place of the tokenizer's;
+        `engine_options`: EngineConfig's fields. vLLM's arguments that change nothing
+        here (trust_remote_code: the architectures are pdserve's own code; revision
+        None; quantization None; ...) are taken and dropped; others raise ValueError."""
         if model is None:
             from engine.tiny_model import ensure_default_model
             model = str(ensure_default_model())
+        engine_options = _engine_options(engine_options)
         self.engine = LLMEngine(EngineConfig(model=str(model), **engine_options))
         self.tokenizer = self.engine.tokenizer
+        if chat_template is not None:
+            from engine.chat_template import read_chat_template
+            self.tokenizer.chat_template = read_chat_template(chat_template)
         self._streams: dict[str, deque[RequestOutput]] = {}   # open streams' outputs not yet yielded
         from engine.model.model_config import generation_sampling_defaults
         self._recommended = generation_sampling_defaults(self.engine.config.model)   # read once
+
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (vLLM's LLM.get_tokenizer)."""
+        return self.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What a call without sampling parameters uses, as vLLM's LLM does: the checkpoint's
@@ -48,10 +67,14 @@ class LLM:
         return SamplingParams(**self._recommended)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool | Any = True, *, lora_request: Any = None, priority: Any = None
                  ) -> list[RequestOutput]:
-        """One finished output per prompt, in prompt order. Every request is
-        validated before any runs, so a bad one raises without running the rest."""
+        """One finished output per prompt, in prompt order (a text prompt's output
+        carries it as `prompt`). Every request is validated before any runs, so a bad
+        one raises without running the rest. `use_tqdm`: vLLM's, taken (no progress
+        bar is shown); `lora_request` and `priority` only at vLLM's defaults."""
+        _check_vllm_defaults(lora_request=lora_request, priority=priority)
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or self.get_default_sampling_params()] * len(prompt_list)
@@ -74,29 +97,48 @@ class LLM:
                 if request_id not in finished:
                     self.engine.abort_request(request_id)
             raise
-        return [finished[i] for i in ids]
+        outputs = [finished[i] for i in ids]
+        for output, prompt in zip(outputs, prompt_list):
+            text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
+            output.prompt = text if isinstance(text, str) else None
+        return outputs
 
     def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool | Any = True, *, lora_request: Any = None, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             tools: Any = None, chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of {"role", "content"} messages) or
-        a list of them, rendered with the model's chat template and generated as
-        generate() does; one finished output per conversation. ValueError when the
-        tokenizer has no chat template or the template refuses a conversation."""
+        a list of them, rendered with the model's chat template (or `chat_template`, a
+        template or its file) as the server renders them (text parts, developer
+        messages: engine.chat_template.template_messages) and generated as generate()
+        does; one finished output per conversation. The explicit arguments win over
+        the same keys in `chat_template_kwargs`. ValueError when there is no chat
+        template, the template refuses a conversation, or content is not text."""
+        from engine.chat_template import read_chat_template, template_messages, template_traits
+        _check_vllm_defaults(lora_request=lora_request, tools=tools)
         if add_generation_prompt and continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message exclude each other: the reply "
                              "either starts a new assistant message or continues the last one")
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError("this model's tokenizer has no chat template: give generate() the prompt text")
+        template = read_chat_template(chat_template) if chat_template is not None else \
+            getattr(self.tokenizer, "chat_template", None)
+        if template is None:
+            raise ValueError("this model's tokenizer has no chat template: give generate() the prompt text, "
+                             "or chat() a chat_template")
         single = isinstance(messages, Sequence) and bool(messages) and isinstance(messages[0], dict)
         conversations = [messages] if single else list(messages)
+        kwargs = {**(chat_template_kwargs or {}), "add_generation_prompt": add_generation_prompt,
+                  "continue_final_message": continue_final_message, "tokenize": True}
+        if chat_template is not None:
+            kwargs["chat_template"] = template
         prompts = []
         for i, conversation in enumerate(conversations):
             try:
-                rendered = self.tokenizer.apply_chat_template(
-                    list(conversation), add_generation_prompt=add_generation_prompt,
-                    continue_final_message=continue_final_message, tokenize=True, **(chat_template_kwargs or {}))
+                turns = template_messages(list(conversation), template_traits(template))
+            except ValueError as exc:
+                raise ValueError(f"conversation {i}: {exc}") from None
+            try:
+                rendered = self.tokenizer.apply_chat_template(turns, **kwargs)
             except Exception as exc:  # noqa: BLE001 - templates refuse conversations by raising anything
                 raise ValueError(f"the chat template cannot render conversation {i}: {exc}") from None
             if isinstance(rendered, Mapping):     # transformers 5: a BatchEncoding
@@ -188,6 +230,36 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
 
 def _is_token_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _engine_options(options: dict[str, Any]) -> dict[str, Any]:
+    """EngineConfig's fields of LLM(...)'s keyword arguments: vLLM's no-op ones dropped
+    (kv_cache_memory_bytes as kv_cache_memory_gib); ValueError for any other."""
+    import dataclasses
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    kept = {}
+    for name, value in options.items():
+        if name in fields:
+            kept[name] = value
+        elif name == "kv_cache_memory_bytes" and "kv_cache_memory_gib" not in options:
+            kept["kv_cache_memory_gib"] = value / (1 << 30)
+        elif name in _VLLM_NO_OPS and (_VLLM_NO_OPS[name] is None or value in _VLLM_NO_OPS[name]):
+            continue
+        elif name in _VLLM_NO_OPS:
+            raise ValueError(f"LLM({name}={value!r}) is not supported here (vLLM's argument; this engine takes "
+                             f"{' or '.join(map(repr, _VLLM_NO_OPS[name]))}, which change nothing)")
+        else:
+            raise ValueError(f"LLM() got an unknown argument {name!r}; it takes model, chat_template and the "
+                             f"engine's settings: {', '.join(sorted(fields - {'model'}))}")
+    return kept
+
+
+def _check_vllm_defaults(**arguments: Any) -> None:
+    """vLLM's call arguments this engine has no use for, taken only at their defaults (None)."""
+    for name, value in arguments.items():
+        if value is not None:
+            raise ValueError(f"{name} is not supported here (no LoRA adapters, priorities or tool calling); "
+                             f"leave it None")
 
 
 def _prompt_value(prompt: Prompt) -> str | list[int]:

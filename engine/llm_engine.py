@@ -170,7 +170,7 @@ class LLMEngine:
         if self._ranks is not None:
             self._ranks.stop()
             self._ranks = None
-            self._broken = self._broken or "the engine was shut down"
+        self._broken = self._broken or "the engine was shut down"
 
     def kill_ranks(self) -> None:
         """Terminates the other ranks at once, from any thread: for a shutdown whose engine

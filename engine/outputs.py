@@ -41,10 +41,16 @@ class RequestOutput:
     finished_time: float | None = None
     # tokens generated so far, whatever the kind (left out: len(token_ids), a cumulative output's count)
     num_output_tokens: int = None   # type: ignore[assignment]
+    prompt: str | None = None         # the text prompt, where LLM.generate was given one
 
     def __post_init__(self) -> None:
         if self.num_output_tokens is None:
             self.num_output_tokens = len(self.token_ids)
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the tokens' logprobs (vLLM's), where logprobs were asked for; None else."""
+        return None if self.logprobs is None else float(sum(lp.logprob for lp in self.logprobs))
 
 
 def aborted_output(request_id: str) -> RequestOutput:

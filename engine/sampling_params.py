@@ -88,6 +88,10 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit
     allowed_token_ids: list[int] | None = None   # only these may be sampled (None: any)
     bad_words: list[str] = field(default_factory=list)   # words the output may not contain (engine/bad_words.py)
+    # vLLM's; either value decodes the same here (the tokenizer joins special tokens as it does), as the
+    # server takes it
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True             # vLLM's; False (token ids without text) is not supported
 
     def __post_init__(self) -> None:
         self.max_tokens = _check_int("max_tokens", self.max_tokens, ">= 1")
@@ -148,6 +152,8 @@ class SamplingParams:
 
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
+            if value is True:       # vLLM's: the sampled (prompt) token's logprob and one alternative
+                value = 1
             if value is not None:
                 logprobs_allowed = f"None or in [0, {MAX_LOGPROBS}]"
                 value = _check_int(name, value, logprobs_allowed)
@@ -156,6 +162,10 @@ class SamplingParams:
                 setattr(self, name, value)
 
         self.skip_special_tokens = _check_bool("skip_special_tokens", self.skip_special_tokens)
+        self.spaces_between_special_tokens = _check_bool("spaces_between_special_tokens",
+                                                         self.spaces_between_special_tokens)
+        if _check_bool("detokenize", self.detokenize) is not True:
+            raise SamplingParamsError("detokenize=False (token ids without text) is not supported; leave it True")
         self.include_stop_str_in_output = _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         self.logit_bias = self._normalise_logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:

@@ -34,7 +34,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from engine.chat_template import TemplateTraits
+from engine.chat_template import TEXT_PARTS, TemplateTraits, part_text, template_messages
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams, SamplingParamsError
 
@@ -454,15 +454,6 @@ class CompletionRequest(_GenerationRequest):
         return bool(self.echo) and self.requested_max_tokens == 0
 
 
-# content part types taken as text, and the field that holds it (an assistant's refusal: vLLM's)
-_TEXT_PARTS = {"text": "text", "refusal": "refusal"}
-
-
-def _part_text(part: object) -> object:
-    """A text or refusal content part's text (anything else: None)."""
-    return part.get(_TEXT_PARTS[part["type"]]) if isinstance(part, dict) and part.get("type") in _TEXT_PARTS else None
-
-
 class ChatMessage(BaseModel):
     """One chat turn. List-of-parts content (text parts; an assistant's refusal parts as
     their text) is joined into one string, its parts kept for templates that loop over
@@ -484,7 +475,7 @@ class ChatMessage(BaseModel):
     def _keep_parts(cls, data: object) -> object:
         if isinstance(data, dict):
             content = data.get("content")
-            parts = [_part_text(p) for p in content] if isinstance(content, list) else None
+            parts = [part_text(p) for p in content] if isinstance(content, list) else None
             data = {**data, "content_parts": parts if parts is None or all(isinstance(t, str) for t in parts)
                     else None}      # (a malformed part is refused by the content's own check)
         return data
@@ -506,14 +497,14 @@ class ChatMessage(BaseModel):
             raise _shape_error("must be a string or a list of text parts")
         texts = []
         for part in value:
-            if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
+            if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise _shape_error(f"only text content parts are supported (got {kind!r}); "
                                    "send {\"type\": \"text\", \"text\": ...}")
-            if not isinstance(_part_text(part), str):
-                raise _shape_error(f"a {part['type']} content part needs a string \"{_TEXT_PARTS[part['type']]}\" "
+            if not isinstance(part_text(part), str):
+                raise _shape_error(f"a {part['type']} content part needs a string \"{TEXT_PARTS[part['type']]}\" "
                                    "field")
-            texts.append(_part_text(part))
+            texts.append(part_text(part))
         # Templates written for plain-string content get the parts joined, as vLLM does.
         return "\n".join(texts)
 
@@ -528,12 +519,6 @@ class ChatMessage(BaseModel):
         if self.content is None and self.role != "assistant":
             raise _shape_error(f"content is required in a {self.role} message")
         return self
-
-
-def _message_text(message: dict[str, Any]) -> str:
-    """A chat_messages message's text (its parts joined, where it has parts)."""
-    content = message["content"]
-    return content if isinstance(content, str) else "\n".join(part["text"] for part in content)
 
 
 class _ChatPrompt(BaseModel):
@@ -619,29 +604,16 @@ class _ChatPrompt(BaseModel):
                                               param=f"messages[{i}].{name}")
 
     def chat_messages(self, traits: TemplateTraits = TemplateTraits()) -> list[dict[str, Any]]:
-        """Messages as a chat template of `traits` takes them (vLLM's): content as a string,
-        or as a list of text parts for a template that loops over them; `name` where the
-        message has one, an assistant's `reasoning` (also as reasoning_content); developer
-        messages as system ones, merged with the others at the front, unless the template
-        names the developer role."""
-        messages = []
-        for m in self.messages:
-            texts = m.content_parts if m.content_parts is not None else ([] if m.content is None else [m.content])
-            message: dict[str, Any] = {
-                "role": m.role, "content": [{"type": "text", "text": t} for t in texts] if traits.parts
-                else m.content or ""}
-            if m.name is not None:
-                message["name"] = m.name
-            if m.reasoning is not None and m.role == "assistant":
-                message["reasoning"] = message["reasoning_content"] = m.reasoning
-            messages.append(message)
-        if traits.developer or not any(m["role"] == "developer" for m in messages):
-            return messages
-        system = [m for m in messages if m["role"] in ("system", "developer")]
-        texts = [t for t in (_message_text(m) for m in system) if t]
-        merged = {"role": "system", "content": [{"type": "text", "text": "\n\n".join(texts)}] if traits.parts
-                  else "\n\n".join(texts)}
-        return [merged] + [m for m in messages if m["role"] not in ("system", "developer")]
+        """Messages as a chat template of `traits` takes them (engine.chat_template's
+        template_messages: vLLM's rendering), with `name` where the message has one and
+        an assistant's `reasoning`."""
+        return template_messages([
+            {"role": m.role,
+             "content": m.content if m.content_parts is None else [{"type": "text", "text": t}
+                                                                   for t in m.content_parts],
+             **({"name": m.name} if m.name is not None else {}),
+             **({"reasoning": m.reasoning} if m.reasoning is not None and m.role == "assistant" else {})}
+            for m in self.messages], traits)
 
     def template_kwargs(self) -> dict[str, Any]:
         """The template's extra variables: chat_template_kwargs, and reasoning_effort where

@@ -77,3 +77,52 @@ def test_calls_without_sampling_parameters_take_the_checkpoints_generation_confi
     assert sum(len(o.delta_token_ids) for o in llm.stream("Hello")) == 3
     plain = LLM(str(model_dirs["tiny"]), max_model_len=256).get_default_sampling_params()
     assert (plain.temperature, plain.max_tokens) == (1.0, 16)
+
+
+def test_messages_are_rendered_as_the_server_renders_them(llm):
+    # text parts joined (they reached the template as a list: a Jinja error), a developer message as the system
+    # one (it rendered as <|developer|>), and the explicit arguments over the same keys in chat_template_kwargs
+    parts = [{"role": "system", "content": "Be brief."},
+             {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}]
+    joined = [HELLO[0], {"role": "user", "content": "Hello\nthere"}]
+    assert llm.chat(parts, GREEDY)[0].prompt_token_ids == _rendered(llm, joined, add_generation_prompt=True)
+    developer = [{"role": "developer", "content": "Be brief."}, HELLO[1]]
+    assert llm.chat(developer, GREEDY)[0].prompt_token_ids == _rendered(llm, HELLO, add_generation_prompt=True)
+    (out,) = llm.chat(HELLO, GREEDY, chat_template_kwargs={"add_generation_prompt": False})
+    assert out.prompt_token_ids == _rendered(llm, HELLO, add_generation_prompt=True)
+    with pytest.raises(ValueError, match="conversation 0: message 1: content must be a string or a list of text"):
+        llm.chat([HELLO[0], {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+
+
+def test_vllms_call_forms_are_taken(llm):
+    # use_tqdm (third, as vLLM's), a template of the call's own, the defaults of what this engine has no use for
+    (out,) = llm.chat(HELLO, GREEDY, False, lora_request=None, tools=None,
+                      chat_template="{% for m in messages %}{{ m['content'] }} {% endfor %}")
+    assert llm.tokenizer.decode(out.prompt_token_ids) == "Be brief. Hello there "
+    (text,) = llm.generate("Hello", GREEDY, use_tqdm=False)
+    assert text.prompt == "Hello" and llm.generate([[5, 6, 7]], GREEDY)[0].prompt is None
+    assert llm.get_tokenizer() is llm.tokenizer
+    with pytest.raises(ValueError, match="lora_request is not supported"):
+        llm.generate("Hello", GREEDY, lora_request=object())
+    with pytest.raises(ValueError, match="tools is not supported"):
+        llm.chat(HELLO, GREEDY, tools=[{"type": "function"}])
+    # cumulative_logprob: the sum of the tokens' logprobs, where they were asked for
+    (scored,) = llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=4, logprobs=1))
+    assert scored.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in scored.logprobs))
+    assert scored.cumulative_logprob < 0 and text.cumulative_logprob is None
+
+
+def test_vllms_constructor_arguments_that_change_nothing_are_taken(model_dirs):
+    from engine import LLM
+    llm = LLM(str(model_dirs["tiny"]), max_model_len=64, trust_remote_code=True, revision=None, swap_space=4,
+              disable_log_stats=True, kv_cache_memory_bytes=1 << 26)
+    try:
+        assert llm.engine.config.kv_cache_memory_gib == pytest.approx(1 / 16)
+    finally:
+        llm.shutdown()
+    with pytest.raises(RuntimeError, match="the engine was shut down"):   # with one rank as with several
+        llm.generate("Hello", GREEDY)
+    with pytest.raises(ValueError, match=r"LLM\(quantization='awq'\) is not supported"):
+        LLM(str(model_dirs["tiny"]), quantization="awq")
+    with pytest.raises(ValueError, match="unknown argument 'max_modle_len'.*max_model_len"):
+        LLM(str(model_dirs["tiny"]), max_modle_len=64)

@@ -68,7 +68,9 @@ def test_out_of_range_names_field_value_and_range(field, value, range_text):
     ("seed", "42"),
     ("seed", True),
     ("min_tokens", 1.0),
-    ("logprobs", True),
+    ("logprobs", False),
+    ("logprobs", "1"),
+    ("spaces_between_special_tokens", 1),
     ("temperature", "1.0"),
     ("temperature", True),
     ("top_p", None),
@@ -203,3 +205,12 @@ def test_every_token_id_a_field_names_must_be_in_the_vocabulary():
     for field, value in (("stop_token_ids", [10]), ("logit_bias", {10: 1.0}), ("allowed_token_ids", [0, 10])):
         with pytest.raises(SamplingParamsError, match=rf"^{field} contains 10, must be in \[0, 10\)"):
             SamplingParams(**{field: value}).validate_against_vocab(10)
+
+
+def test_vllms_convenience_values_are_taken():
+    # logprobs=True is vLLM's 1 (the sampled token and one alternative); its decoding switches are taken at
+    # the values this engine serves, and the one it does not (token ids without text) is refused
+    params = SamplingParams(logprobs=True, prompt_logprobs=True, spaces_between_special_tokens=False, detokenize=True)
+    assert (params.logprobs, params.prompt_logprobs) == (1, 1)
+    with pytest.raises(SamplingParamsError, match="detokenize=False .* is not supported"):
+        SamplingParams(detokenize=False)
