@@ -195,6 +195,7 @@ class AsyncEngine:
             "torch_threads": float(engine.worker.num_threads),
             "cpu_cores_borrowed": float(self._cores.borrowed),
             "cpu_borrowed_steps": float(self._cores.steps_with_borrowed),
+            "num_preemptions": float(engine.scheduler.num_preemptions),
         }
         stats.update(self.costs.stats())
         return stats

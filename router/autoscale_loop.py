@@ -51,7 +51,7 @@ from engine.cpu_count import usable_cpus
 from router.serve_pools import replica_answers
 from router.timings import RequestTimings
 
-log = logging.getLogger("ray.serve")   # shown in the replica log and the driver
+log = logging.getLogger(__name__)   # through Serve's handlers (cluster/serving/replica_logging.py)
 
 FIT_WINDOW = 400          # recent steps a learned model is fitted to, per role
 STEP_SAMPLES_TIMEOUT_S = 5.0    # a replica's answer with its steps, before it counts as slow this interval

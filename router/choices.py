@@ -139,12 +139,14 @@ class Generation:
     def __init__(self, backend: GenerationBackend, metrics: ServingMetrics, admission: AdmissionControl | None,
                  request_id: str, prompt_ids: list[int], params: SamplingParams, arrival: float,
                  admitted: Admitted | None, shares_prompt: bool = False, offered: bool = True,
-                 max_tokens_asked: int | None = None):
+                 max_tokens_asked: int | None = None, output_returned: bool = True):
         """`admitted`: admission control's ticket for it (None: admission control is off).
         `shares_prompt`: a later choice of the same prompt, which reads the prompt from the
         prefix cache: an arrival to decode, with no prompt of its own to prefill.
         `offered`: counted as an arrival (not a client's retry, counted when first offered).
-        `max_tokens_asked`: the arrival's output bound (None: only the context's room)."""
+        `max_tokens_asked`: the arrival's output bound (None: only the context's room).
+        `output_returned` False: the token generated only to score the prompt (echo with
+        max_tokens 0) is not returned, so not counted as generated either."""
         self._backend, self._metrics, self._admission = backend, metrics, admission
         self.request_id = request_id
         self.outputs = backend.generate(request_id, prompt_ids, params)
@@ -155,6 +157,7 @@ class Generation:
         self._closed = False
         self._admitted = admitted
         self._waiting = admitted is not None     # counted by admission control until its first token
+        self._output_returned = output_returned
 
     def _done_waiting(self) -> None:
         if self._waiting:
@@ -211,7 +214,7 @@ class Generation:
         t = self.timings
         if t.finished_time is None:
             t.finished_time = time.monotonic()
-        t.generation_tokens = generated
+        t.generation_tokens = generated if self._output_returned else 0
         t.finish_reason = finish_reason
         phases = self._backend.phase_timings(self.request_id)
         if phases is not None:

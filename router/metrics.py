@@ -56,6 +56,7 @@ WORKER_GAUGES = (
     ("cpu_cores_borrowed", "pdserve_worker_cpu_cores_borrowed",
      "CPU cores a worker borrows from idle engines on its machine for its current step."),
     ("num_held", "pdserve_worker_kv_holds", "Requests whose KV a prefill worker holds for a decode worker."),
+    ("num_receiving", "pdserve_worker_kv_receiving", "Hand-offs whose KV a decode worker is receiving."),
     ("kv_staging_bytes", "pdserve_worker_kv_staging_bytes",
      "Bytes of KV hand-off buffers in flight per rank: receive buffers a decode worker posted, packed copies "
      "a prefill worker sends (kv_transfer.staging_mib)."),
@@ -85,6 +86,9 @@ class ServingMetrics:
         self._prefill = Histogram("pdserve_request_prefill_time_seconds",
                                   "First scheduled to first token sampled, on the prefill side.",
                                   buckets=PREFILL_BUCKETS, registry=r)
+        self._reserve = Histogram("pdserve_kv_reserve_time_seconds",
+                                  "A decode worker's wait for free KV blocks before a hand-off's transfer.",
+                                  buckets=QUEUE_BUCKETS, registry=r)
         self._transfer = Histogram("pdserve_kv_transfer_time_seconds",
                                    "KV cache hand-off from a prefill to a decode worker.",
                                    buckets=TRANSFER_BUCKETS, registry=r)
@@ -93,8 +97,8 @@ class ServingMetrics:
                                          buckets=TRANSFER_BYTES_BUCKETS, registry=r)
         self._requests = Counter("pdserve_requests_total", "Requests that ended, by finish reason.",
                                  ["finish_reason"], registry=r)
-        self._prompt_tokens = Counter("pdserve_prompt_tokens_total", "Prompt tokens processed.",
-                                      registry=r)
+        self._prompt_tokens = Counter("pdserve_prompt_tokens_total", "Prompt tokens of the requests that got "
+                                      "their first token (counted when the request ends).", registry=r)
         self._generation_tokens = Counter("pdserve_generation_tokens_total",
                                           "Output tokens generated.", registry=r)
         self._prefills = Counter("pdserve_prefills_total", "Prompts prefilled, by the role of the worker "
@@ -137,13 +141,14 @@ class ServingMetrics:
     def set_autoscaler(self, targets: Mapping[str, int], current: Mapping[str, int],
                        latency: Mapping[tuple[str, str], float | None]) -> None:
         """The autoscaler's last decision; latency: (metric, source) -> seconds (None,
-        NaN or inf: not known this interval, exported as NaN rather than an old value)."""
+        or NaN: not known this interval, exported as NaN rather than an old value; inf: the
+        targets cannot hold the load, exported as +Inf)."""
         for role, n in targets.items():
             self._autoscaler_target.labels(role=role).set(n)
         for role, n in current.items():
             self._autoscaler_current.labels(role=role).set(n)
         for (metric, source), value in latency.items():
-            known = value is not None and math.isfinite(value)
+            known = value is not None and not math.isnan(value)
             self._autoscaler_latency.labels(metric=metric, source=source).set(value if known else math.nan)
 
     def observe_request(self, timings: RequestTimings) -> None:
@@ -153,7 +158,8 @@ class ServingMetrics:
         for listener in self._listeners:
             listener.on_request(timings)
         self._requests.labels(finish_reason=timings.finish_reason or "error").inc()
-        self._prompt_tokens.inc(timings.prompt_tokens)
+        if timings.first_token_time is not None:     # (a 503, or a client gone while queued: no prompt ran)
+            self._prompt_tokens.inc(timings.prompt_tokens)
         self._generation_tokens.inc(timings.generation_tokens)
         # An aborted or failed request's "end" is when it was cut off, not a latency.
         self._migrations.inc(timings.phases.migrations)
@@ -165,6 +171,7 @@ class ServingMetrics:
             (self._e2e, timings.e2e_latency if completed else None),
             (self._queue, timings.phases.queue_time),
             (self._prefill, timings.phases.prefill_time),
+            (self._reserve, timings.phases.reserve_time),
             (self._transfer, timings.phases.transfer_time),
             (self._transfer_bytes, timings.phases.transfer_bytes),
         ):
@@ -212,6 +219,8 @@ class ServingMetrics:
 # Worker stats key holding a running count since the worker started -> the counter it is
 # exported as (prometheus_client adds "_total").
 WORKER_COUNTERS = (
+    ("num_preemptions", "pdserve_worker_preemptions",
+     "Sequences a worker's engine preempted (to recompute later) for lack of KV blocks, since it started."),
     ("cpu_borrowed_steps", "pdserve_worker_cpu_borrowed_steps",
      "Engine steps a worker has run with cores borrowed from idle engines, since it started."),
 )

@@ -311,7 +311,7 @@ class _Server:
         choices = Choices([Generation(self.backend, self.metrics, self.admission,
                                       request_id if len(plan_of) == 1 else f"{request_id}-{i}", plan.ids,
                                       plan.choice_params[j], arrival, ticket, shares_prompt=j > 0, offered=offered,
-                                      max_tokens_asked=plan.max_tokens_asked)
+                                      max_tokens_asked=plan.max_tokens_asked, output_returned=not body.echo_only)
                            for i, (plan, j, ticket) in enumerate(plan_of)],
                           prompt_tokens=sum(len(plan.ids) for plan in prompts))
         fmts = [plan.fmt for plan, _, _ in plan_of]

@@ -89,13 +89,14 @@ class DecodePool(Protocol):
 class _Phases:
     queue_s: float | None = None      # waiting in the worker's queue before the prompt ran
     prefill_s: float | None = None    # the prompt's forward pass(es) and the first token
+    reserve_s: float | None = None    # the decode worker waiting for free KV blocks
     transfer_s: float | None = None   # receives posted → KV in the decode cache
     transfer_bytes: int | None = None
     prefilled_on: str | None = None   # "prefill" | "decode"
     migrations: int = 0
 
     def freeze(self) -> PhaseTimings:
-        return PhaseTimings(queue_time=self.queue_s, prefill_time=self.prefill_s,
+        return PhaseTimings(queue_time=self.queue_s, prefill_time=self.prefill_s, reserve_time=self.reserve_s,
                             transfer_time=self.transfer_s, transfer_bytes=self.transfer_bytes,
                             prefilled_on=self.prefilled_on, migrations=self.migrations)
 
@@ -261,6 +262,7 @@ class ServingBackend(GenerationBackend):
                 if result.first.prompt_logprobs is not None:    # the client has them: not for the decode side
                     result = dataclasses.replace(result, first=dataclasses.replace(result.first, prompt_logprobs=None))
                 admitted = await self._hand_off(attempt_id, prompt, params, result)
+                phases.reserve_s = admitted.reserve_time_s
                 phases.transfer_s, phases.transfer_bytes = admitted.transfer_time_s, admitted.transfer_bytes
             replica = admitted.replica_id
             self._fanout.bind(attempt_id, replica)

@@ -18,6 +18,7 @@ class PhaseTimings:
 
     queue_time: float | None = None      # waiting on the prefill side until first scheduled
     prefill_time: float | None = None    # first scheduled -> first token sampled
+    reserve_time: float | None = None    # the decode worker waiting for free KV blocks for the hand-off
     transfer_time: float | None = None   # KV hand-off prefill -> decode (None when colocated)
     transfer_bytes: int | None = None    # KV bytes that hand-off moved
     prefilled_on: str | None = None      # "prefill" (a prefill worker) | "decode" (the decode worker itself)

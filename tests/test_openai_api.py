@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import json
 import logging
+import math
 from types import SimpleNamespace
 
 import openai
@@ -770,6 +771,30 @@ def test_metrics_after_requests(client, metrics, tokenizer):
     assert ("pdserve_worker_cpu_borrowed_steps_total", (("worker", "decode-1"),)) not in samples
 
 
+def test_metrics_an_operator_reads_are_the_quantities_they_name(client, metrics):
+    from router.timings import PhaseTimings, RequestTimings
+    # an echo of the prompt alone (lm-eval's scoring) generates a token it does not return: not counted
+    r = client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 0, "echo": True, "logprobs": 1})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 0
+    assert metric_samples(client)[("pdserve_generation_tokens_total", ())] == 0
+    # the decode side's wait for KV blocks, the hand-offs a decode worker receives, its engine's preemptions
+    metrics.observe_request(RequestTimings(arrival_time=0.0, first_token_time=0.1, finished_time=1.0,
+                                           prompt_tokens=5, generation_tokens=3, finish_reason="stop",
+                                           phases=PhaseTimings(reserve_time=0.3, transfer_time=0.01)))
+    metrics.set_worker_stats("decode-0", {"num_receiving": 2, "num_preemptions": 7})
+    # the autoscaler's prediction for targets that cannot hold the load is +Inf (an alert's > SLO holds),
+    # one it has not made is NaN
+    metrics.set_autoscaler({"decode": 1}, {"decode": 1}, {("ttft", "predicted"): math.inf,
+                                                          ("tpot", "predicted"): None})
+    samples = metric_samples(client)
+    assert samples[("pdserve_kv_reserve_time_seconds_sum", ())] == pytest.approx(0.3)
+    assert samples[("pdserve_worker_kv_receiving", (("worker", "decode-0"),))] == 2
+    assert samples[("pdserve_worker_preemptions_total", (("worker", "decode-0"),))] == 7
+    latency = "pdserve_autoscaler_latency_seconds"
+    assert samples[(latency, (("metric", "ttft"), ("source", "predicted")))] == math.inf
+    assert math.isnan(samples[(latency, (("metric", "tpot"), ("source", "predicted")))])
+
+
 def test_metrics_own_their_registry():
     first, second = ServingMetrics(), ServingMetrics()  # the global registry would reject this
     first.observe_error(503)
@@ -1014,6 +1039,8 @@ def test_backend_errors_before_and_during_a_stream(client, backend, metrics, fai
     samples = metric_samples(client)
     assert samples[("pdserve_request_errors_total", (("status", str(status)),))] == 3
     assert samples[("pdserve_requests_total", (("finish_reason", "error"),))] == 3
+    # only the stream that got its first token had its prompt processed
+    assert samples[("pdserve_prompt_tokens_total", ())] == len(backend.calls[-1][1])
 
 
 # --- n choices ------------------------------------------------------------------

@@ -71,3 +71,23 @@ def test_serves_handlers_and_level_changed_in_place_are_followed(serve_logger):
     logging.getLogger("router.ingress").info("below the new level")
     logging.getLogger("router.ingress").warning("after the update")
     assert serve_logger.lines == [] and rebuilt.lines == ["WARNING router.ingress: after the update"]
+
+
+def test_a_level_serve_lowers_in_place_is_followed(serve_logger):
+    # pdserve's loggers stood at WARNING after Serve's had: INFO lines never reached the handler that
+    # would have seen Serve's level go back to INFO, until some warning came
+    serve = logging.getLogger(SERVE_LOGGER)
+    serve.setLevel(logging.WARNING)
+    use_serve_handlers()
+    logging.getLogger("router.ingress").info("under WARNING")
+    serve.setLevel(logging.INFO)
+    logging.getLogger("router.ingress").info("back at INFO")
+    serve.setLevel(logging.DEBUG)
+    logging.getLogger("engine.async_engine").debug("a step, before a line at INFO")
+    logging.getLogger("router.ingress").info("now DEBUG")
+    logging.getLogger("engine.async_engine").debug("a step")
+    assert serve_logger.lines == ["INFO router.ingress: back at INFO", "INFO router.ingress: now DEBUG",
+                                  "DEBUG engine.async_engine: a step"]
+    # the autoscaler's lines are pdserve's too (PDSERVE_LOG_LEVEL sets them): they went to ray.serve directly
+    from router import autoscale_loop
+    assert autoscale_loop.log.name.startswith(PACKAGES)

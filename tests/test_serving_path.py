@@ -42,6 +42,7 @@ def test_the_first_token_reaches_the_client_before_the_kv_moves(model_dirs, refe
     tokens = first + [t for delta in rest for t in delta]
     assert tokens == reference("tiny").greedy(tuple(PROMPTS[0]), 10)   # each token exactly once
     assert phases.prefill_time > 0 and phases.transfer_time >= 0.5
+    assert 0 <= phases.reserve_time < 0.5          # blocks free at once: the decode worker's wait for them
     # the prompt's blocks of K and V, every layer, float32: what pdserve_kv_transfer_bytes reports
     config = json.loads((model_dirs["tiny"] / "config.json").read_text())
     head_dim = config["hidden_size"] // config["num_attention_heads"]

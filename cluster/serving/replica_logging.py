@@ -11,7 +11,11 @@ lines come out as Serve's own do.
 The level is the deployment's Serve logging level (`ray.serve`'s, followed when
 Serve changes it in place), or PDSERVE_LOG_LEVEL where it is set in the
 replicas' environment (a cluster that `pdserve serve` starts inherits the
-variable from it).
+variable from it). Following Serve's, pdserve's loggers let INFO lines through
+to the handler whatever Serve's level (pdserve logs nothing per request or per
+step at INFO), which drops what is under Serve's level: a level Serve lowers to
+INFO shows from the next line, one it lowers to DEBUG from the next line at INFO
+or above (debug calls stay cheap until then).
 """
 
 from __future__ import annotations
@@ -37,8 +41,8 @@ class _ToServe(logging.Handler):
         serve_logger = logging.getLogger(SERVE_LOGGER)
         if self.fixed_level is None:
             level = serve_logger.level or logging.INFO
-            if level != logging.getLogger(PACKAGES[0]).level:   # changed in place: lines under it stop now
-                _set_level(level)
+            if _followed(level) != logging.getLogger(PACKAGES[0]).level:   # changed in place
+                _set_level(_followed(level))
             if record.levelno < level:
                 return
         serve_logger.handle(record)
@@ -58,10 +62,15 @@ def use_serve_handlers() -> None:
         logger = logging.getLogger(name)
         logger.handlers = [handler]
         logger.propagate = False
-    _set_level(fixed if fixed is not None else serve_logger.level or logging.INFO)
+    _set_level(fixed if fixed is not None else _followed(serve_logger.level or logging.INFO))
     if unknown:
         logging.getLogger(__name__).warning("%s=%r is no logging level (DEBUG, INFO, WARNING, ERROR); "
                                             "logging at Serve's", LOG_LEVEL_ENV, wanted)
+
+
+def _followed(serve_level: int) -> int:
+    """pdserve's loggers' level while following Serve's: at most INFO (module doc)."""
+    return min(serve_level, logging.INFO)
 
 
 def _set_level(level: int) -> None:
