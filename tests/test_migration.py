@@ -61,6 +61,19 @@ class TwoWorkerPool:
         what runs there stays unfinished until a kill that follows lands."""
         self.workers[name]._engine.submit(lambda engine: time.sleep(seconds))
 
+    def slow_down(self, name: str, step_s: float) -> None:
+        """Every step of the worker's engine takes `step_s` more (from its next step
+        boundary): a request's tokens come over several of its stream's deltas however
+        fast the machine (the tiny model's 24 tokens otherwise fit one delta)."""
+        def slower_steps(engine) -> None:
+            step = engine.step
+
+            def slower(*args, **kwargs):
+                time.sleep(step_s)
+                return step(*args, **kwargs)
+            engine.step = slower
+        self.workers[name]._engine.submit(slower_steps)
+
     def kill(self, name: str) -> None:
         """The worker's engine stops: its streams fail, as when its process dies."""
         self.dead.add(name)
@@ -641,6 +654,7 @@ def test_a_request_admitted_as_its_replicas_stream_broke_is_aborted_there(model_
 
         try:
             y_streamed = []
+            pool.slow_down("A", 0.02)           # (Y's 24 tokens over ~0.5 s, however fast the machine)
             y = asyncio.create_task(one("Y", PROMPTS[0], y_streamed))     # keeps A's stream open
             await _tokens_streamed(y_streamed, 3)
             pool.gate["X"] = asyncio.Event()
@@ -681,11 +695,11 @@ def test_a_request_sent_while_a_broken_stream_closes_on_its_replica_runs_there(m
 
         try:
             y_streamed = []
+            # A steps slowly (24 tokens: ~0.5 s): Y is unfinished there when its stream breaks, where on a
+            # fast machine A had generated all of Y's tokens by the time its first one was read
+            pool.slow_down("A", 0.02)
             y = asyncio.create_task(one("Y", PROMPTS[0], y_streamed))
-            # at Y's first token, A stops stepping for a second: Y is unfinished there when its stream breaks
-            # (later, one delta of a fast machine could bring all its tokens, and nothing moved)
-            await _tokens_streamed(y_streamed, 1)
-            pool.stall("A", 1.0)
+            await _tokens_streamed(y_streamed, 3)
             pool.break_stream("A")
             await asyncio.sleep(0.05)           # the router has heard; A's generator still runs
             z = asyncio.create_task(one("Z", PROMPTS[1], []))

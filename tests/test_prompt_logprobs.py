@@ -198,7 +198,7 @@ def test_the_prefill_side_of_a_hand_off_scores_and_the_decode_side_does_not(mode
 
 
 def test_out_of_range_and_resumed_requests_are_refused(model_dirs):
-    for bad in (-1, 21, 2.5, True):
+    for bad in (-1, 21, 2.5, False):        # (True is vLLM's 1)
         with pytest.raises(SamplingParamsError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
     engine = LLMEngine(EngineConfig(model=str(model_dirs["tiny"]), max_model_len=128))
