@@ -64,12 +64,25 @@ class TemplateTraits:
     developer: bool = False
 
 
-@lru_cache(maxsize=32)
-def template_traits(template: str | None) -> TemplateTraits:
+def template_traits(template: object) -> TemplateTraits:
     """The traits of `template` (a Jinja text; anything else, or a template Jinja
     cannot parse, renders as plain strings)."""
-    if not isinstance(template, str):
-        return TemplateTraits()
+    return _traits(template) if isinstance(template, str) else TemplateTraits()
+
+
+def tokenizer_template(tokenizer: Any) -> str | None:
+    """The template the tokenizer renders a chat with: its own, or the "default" one
+    of the named templates some checkpoints ship (transformers' choice); None where
+    it has none it would use."""
+    try:
+        return tokenizer.get_chat_template()
+    except Exception:  # noqa: BLE001 - no template, or named ones without a default: rendering says so
+        template = getattr(tokenizer, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+
+@lru_cache(maxsize=32)
+def _traits(template: str) -> TemplateTraits:
     developer = '"developer"' in template or "'developer'" in template
     try:      # parsed as transformers compiles it (its {% generation %} tag, loop controls)
         from transformers.utils.chat_template_utils import _compile_jinja_template
@@ -112,6 +125,24 @@ def _loops_over_content(tree) -> bool:
                for f in tree.find_all(nodes.For))
 
 
+def _template_arguments() -> frozenset[str]:
+    """apply_chat_template's own arguments, not for a request's chat_template_kwargs to set:
+    those this code knows of, and whatever the installed transformers adds (5.x's
+    sanitize_control_tokens switches the tokenizer's shared encoder state)."""
+    import inspect
+
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    known = {"conversation", "conversations", "tools", "documents", "chat_template", "add_generation_prompt",
+             "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation",
+             "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+    parameters = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+    return frozenset(known | {name for name, p in parameters.items()
+                              if name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD})
+
+
+TEMPLATE_ARGUMENTS = _template_arguments()
+
+
 # content part types taken as text, and the field that holds their text (an assistant's refusal: vLLM's)
 TEXT_PARTS = {"text": "text", "refusal": "refusal"}
 
@@ -121,13 +152,15 @@ def part_text(part: object) -> object:
     return part.get(TEXT_PARTS[part["type"]]) if isinstance(part, dict) and part.get("type") in TEXT_PARTS else None
 
 
-def template_messages(messages: Sequence[Mapping[str, Any]], traits: TemplateTraits) -> list[dict[str, Any]]:
+def template_messages(messages: Sequence[Mapping[str, Any]], traits: TemplateTraits, *,
+                      continue_final: bool = False) -> list[dict[str, Any]]:
     """OpenAI-style messages as a template of `traits` takes them (vLLM's rendering):
     content (a string, text parts, or none) as one string with the parts joined by
     newlines, or as a list of {"type": "text"} parts for a template that loops over
     it; an assistant's `reasoning` also as `reasoning_content`; developer messages
     as system ones, merged with the system messages at the front, unless the
-    template names the developer role. Other keys pass through. ValueError for
+    template names the developer role (`continue_final`: the last message, which
+    the reply continues, stays last). Other keys pass through. ValueError for
     content that is not text."""
     rendered = []
     for i, message in enumerate(messages):
@@ -148,11 +181,13 @@ def template_messages(messages: Sequence[Mapping[str, Any]], traits: TemplateTra
         rendered.append(one)
     if traits.developer or not any(m.get("role") == "developer" for m in rendered):
         return rendered
+    last = [{**rendered.pop(), "role": "system"} if rendered[-1].get("role") == "developer" else rendered.pop()] \
+        if continue_final else []
     system = [m for m in rendered if m.get("role") in ("system", "developer")]
     texts = [t for t in (_joined(m["content"]) for m in system) if t]
-    merged = {"role": "system", "content": [{"type": "text", "text": "\n\n".join(texts)}] if traits.parts
-              else "\n\n".join(texts)}
-    return [merged] + [m for m in rendered if m.get("role") not in ("system", "developer")]
+    merged = [{"role": "system", "content": [{"type": "text", "text": "\n\n".join(texts)}] if traits.parts
+               else "\n\n".join(texts)}] if system else []
+    return merged + [m for m in rendered if m.get("role") not in ("system", "developer")] + last
 
 
 def _joined(content: str | list[dict[str, str]]) -> str:

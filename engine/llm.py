@@ -113,15 +113,27 @@ class LLM:
         template or its file) as the server renders them (text parts, developer
         messages: engine.chat_template.template_messages) and generated as generate()
         does; one finished output per conversation. The explicit arguments win over
-        the same keys in `chat_template_kwargs`. ValueError when there is no chat
-        template, the template refuses a conversation, or content is not text."""
-        from engine.chat_template import read_chat_template, template_messages, template_traits
+        the same keys in `chat_template_kwargs`, which may not set apply_chat_template's
+        other arguments (chat_template, tools, ...: the call's own). ValueError when
+        there is no chat template, the template refuses a conversation, or content is
+        not text."""
+        from engine.chat_template import (
+            TEMPLATE_ARGUMENTS,
+            read_chat_template,
+            template_messages,
+            template_traits,
+            tokenizer_template,
+        )
         _check_vllm_defaults(lora_request=lora_request, tools=tools)
+        explicit = {"add_generation_prompt", "continue_final_message"}
+        if clashes := sorted(set(chat_template_kwargs or {}) & (TEMPLATE_ARGUMENTS - explicit)):
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(clashes)}: pass chat_template as "
+                             "chat()'s own argument (tools and documents are not supported)")
         if add_generation_prompt and continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message exclude each other: the reply "
                              "either starts a new assistant message or continues the last one")
         template = read_chat_template(chat_template) if chat_template is not None else \
-            getattr(self.tokenizer, "chat_template", None)
+            tokenizer_template(self.tokenizer)
         if template is None:
             raise ValueError("this model's tokenizer has no chat template: give generate() the prompt text, "
                              "or chat() a chat_template")
@@ -134,7 +146,8 @@ class LLM:
         prompts = []
         for i, conversation in enumerate(conversations):
             try:
-                turns = template_messages(list(conversation), template_traits(template))
+                turns = template_messages(list(conversation), template_traits(template),
+                                          continue_final=continue_final_message)
             except ValueError as exc:
                 raise ValueError(f"conversation {i}: {exc}") from None
             try:

@@ -43,7 +43,7 @@ from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
 from engine.bad_words import bad_word_sequences
-from engine.chat_template import template_traits
+from engine.chat_template import template_traits, tokenizer_template
 from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams, SamplingParamsError
@@ -290,7 +290,9 @@ class _Server:
         self.check_model(body.model)
         body.check_supported()
         self._check_request_limits(body)
-        # a client's retry (of a 429, a timeout) was counted as demand when it was first offered
+        # a client's retry of a 429 was counted as demand when it was first offered (AdmissionControl.takes_retry:
+        # one without a refusal to retry counts again); with admission control off, nothing is refused and the
+        # header is taken at its word
         offered = not (_is_client_retry(request.headers) and (self.admission is None or self.admission.takes_retry()))
         arrived = self._check_before_tokenizing(offered)
         try:
@@ -550,7 +552,7 @@ class _Server:
                                       "conversation: send the prompt text to /v1/completions instead.")
         try:
             rendered = self.tokenizer.apply_chat_template(
-                body.chat_messages(template_traits(self.tokenizer.chat_template)),
+                body.chat_messages(template_traits(tokenizer_template(self.tokenizer))),
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message, tokenize=not body.add_special_tokens,
                 **body.template_kwargs())

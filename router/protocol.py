@@ -14,7 +14,6 @@ Contracts:
 
 from __future__ import annotations
 
-import inspect
 
 import logging
 import re
@@ -34,7 +33,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from engine.chat_template import TEXT_PARTS, TemplateTraits, part_text, template_messages
+from engine.chat_template import TEMPLATE_ARGUMENTS, TEXT_PARTS, TemplateTraits, part_text, template_messages
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams, SamplingParamsError
 
@@ -107,20 +106,6 @@ _UNSUPPORTED_EXTENSIONS = ("guided_json", "guided_regex", "guided_choice", "guid
                            "logprob_token_ids", "repetition_detection")
 
 
-def _template_arguments() -> frozenset[str]:
-    """apply_chat_template's own arguments, not for a request's chat_template_kwargs to set: those
-    this code knows of, and whatever the installed transformers adds (5.x's sanitize_control_tokens
-    switches the tokenizer's shared encoder state)."""
-    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-    known = {"conversation", "conversations", "tools", "documents", "chat_template", "add_generation_prompt",
-             "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation",
-             "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
-    parameters = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
-    return frozenset(known | {name for name, p in parameters.items()
-                              if name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD})
-
-
-_TEMPLATE_ARGUMENTS = _template_arguments()
 
 
 _ignored_fields_logged: set[tuple[str, str]] = set()     # (request model, field)
@@ -587,7 +572,7 @@ class _ChatPrompt(BaseModel):
         if self.continue_final_message and self.add_generation_prompt:
             raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true: "
                                       "set add_generation_prompt to false.", param="continue_final_message")
-        clashes = sorted(set(self.chat_template_kwargs or {}) & _TEMPLATE_ARGUMENTS)
+        clashes = sorted(set(self.chat_template_kwargs or {}) & TEMPLATE_ARGUMENTS)
         if clashes:
             raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(clashes)}: use the request "
                                       "fields for these.", param="chat_template_kwargs")
@@ -613,7 +598,7 @@ class _ChatPrompt(BaseModel):
                                                                    for t in m.content_parts],
              **({"name": m.name} if m.name is not None else {}),
              **({"reasoning": m.reasoning} if m.reasoning is not None and m.role == "assistant" else {})}
-            for m in self.messages], traits)
+            for m in self.messages], traits, continue_final=self.continue_final_message)
 
     def template_kwargs(self) -> dict[str, Any]:
         """The template's extra variables: chat_template_kwargs, and reasoning_effort where

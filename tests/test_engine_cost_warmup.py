@@ -55,3 +55,30 @@ def test_the_first_steps_stay_out_of_the_cost_estimates(model_dirs):
     assert costs[1:4] == [calibrated] * 3  # the warm-up steps change nothing
     # measured from the fourth step on: the 5-token prompts' own steps replace the calibration
     assert costs[4] != calibrated and costs[5] != costs[4]
+
+
+def test_the_engines_preemptions_are_in_its_load_stats(model_dirs):
+    # the scheduler counted them for metrics and nothing exported them (pdserve_worker_preemptions_total)
+    config = EngineConfig(model=str(model_dirs["tiny"]), dtype="float32", device="cpu", max_model_len=48,
+                          cpu_threads=1, block_size=4, num_kv_blocks=12)
+
+    async def run() -> tuple[float, int]:
+        engine = AsyncEngine(lambda: LLMEngine(config), decode=True, name="preemption-test")
+        await engine.ready()
+        assert engine.load_stats()["num_preemptions"] == 0
+        sinks = []
+        for i in range(2):      # two sequences of 4 + 24 tokens: 7 blocks each, 12 in all
+            sink = _Finished(asyncio.get_running_loop())
+            engine.attach(f"r{i}", sink)
+            params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+            engine.submit(lambda e, rid=f"r{i}": e.add_request(rid, [1, 5, 9, 13 + i], params))
+            sinks.append(sink)
+        for sink in sinks:
+            await asyncio.wait_for(sink.done, 60)
+        stats = engine.load_stats()["num_preemptions"]
+        scheduled = await engine.call(lambda e: e.scheduler.num_preemptions)
+        engine.shutdown()
+        return stats, scheduled
+
+    stats, scheduled = asyncio.run(run())
+    assert stats == scheduled >= 1

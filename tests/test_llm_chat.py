@@ -126,3 +126,18 @@ def test_vllms_constructor_arguments_that_change_nothing_are_taken(model_dirs):
         LLM(str(model_dirs["tiny"]), quantization="awq")
     with pytest.raises(ValueError, match="unknown argument 'max_modle_len'.*max_model_len"):
         LLM(str(model_dirs["tiny"]), max_modle_len=64)
+
+
+def test_named_templates_and_template_arguments_in_the_kwargs(llm):
+    own = llm.tokenizer.chat_template
+    llm.tokenizer.chat_template = {"default": own, "tool_use": "{{ 'tools' }}"}     # named templates
+    try:
+        assert llm.chat(HELLO, GREEDY)[0].prompt_token_ids == _rendered(llm, HELLO, add_generation_prompt=True,
+                                                                        chat_template=own)
+    finally:
+        llm.tokenizer.chat_template = own
+    # the template and its traits are the call's own: not set behind them through the kwargs
+    with pytest.raises(ValueError, match="chat_template_kwargs may not set chat_template"):
+        llm.chat(HELLO, GREEDY, chat_template_kwargs={"chat_template": "{{ 'x' }}"})
+    with pytest.raises(ValueError, match="may not set tools"):
+        llm.chat(HELLO, GREEDY, chat_template_kwargs={"tools": [{"type": "function"}]})

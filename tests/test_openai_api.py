@@ -614,6 +614,17 @@ def test_developer_messages_render_as_vllm_renders_them(backend, tokenizer, metr
     assert _rendered(backend, tokenizer, metrics, knows, body) == "system: s\ndev: d\nuser: Hi\n"
 
 
+def test_named_templates_and_a_continued_developer_message(backend, tokenizer, metrics):
+    plain = "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    # a checkpoint with named templates (a dict): the default renders (traits of a dict raised: every chat a 400)
+    assert _rendered(backend, tokenizer, metrics, {"default": plain, "tool_use": "x"},
+                     {"messages": USER}) == "user: Hi\n"
+    # the message a reply continues stays last, though developer messages move to the front as system ones
+    body = {"messages": USER + [{"role": "developer", "content": "Answer starts"}],
+            "continue_final_message": True, "add_generation_prompt": False}
+    assert _rendered(backend, tokenizer, metrics, plain, body) == "user: Hi\nsystem: Answer starts"
+
+
 def test_reasoning_reaches_the_template(backend, tokenizer, metrics):
     think = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}"
              "{% if message.reasoning_content %} [{{ message.reasoning_content }}]{% endif %}{{ '\\n' }}{% endfor %}"

@@ -224,6 +224,18 @@ def test_roofline_prices_float32_matmuls_at_the_fp32_rate():
         load_step_model(old)
 
 
+def test_a_profile_written_before_the_spec_grew_takes_the_named_gpus_figures():
+    # an A100 profile without the network rate took the dataclass default (the H100's): a TP-16 step 25% fast
+    from engine.model.model_config import ModelConfig
+    model = RooflineStepModel.for_model(ModelConfig.from_pretrained("configs/models/llama-3-70b"), gpu="A100-80GB",
+                                        tp=16)
+    old = model.to_json()
+    for key in ("fp32_flops", "gpus_per_node", "network_bytes_per_s"):
+        del old["gpu"][key]
+    batch = StepShape.build([], [1024] * 64)
+    assert load_step_model(old).step_time(batch) == model.step_time(batch)
+
+
 def test_online_correction_follows_a_slower_worker():
     base = LinearStepModel(TRUE)
     online = OnlineCorrection(base, weight=0.2)

@@ -70,16 +70,17 @@ def test_the_hand_off_adds_exactly_its_modelled_time():
 
 
 def test_hand_offs_between_one_pair_move_one_after_another():
-    # four prompts prefilled in one step: the pair's link moves their 100 KB each in turn (the
-    # transport sends a pair's transfers in order), after the latency; each took the whole link before
+    # four prompts prefilled in one step: the pair's link moves their 100 KB each in turn, each with its
+    # latency (the transport sends a pair's transfers in order, each acknowledged before the next); each
+    # took the whole link before
     replica = ReplicaSpec(FIXED, 1000)
     spec = ClusterSpec("disaggregated", prefill=replica, decode=replica, prefill_replicas=1, decode_replicas=1,
                        kv_bytes_per_token=1000.0, kv_bandwidth_bytes_per_s=1e6, kv_latency_s=0.01)
     result = simulate(spec, [(100, 2)] * 4, [0.0] * 4)
     transfer = 100 * 1000.0 / 1e6
-    # the first is in at T + 0.01 + 0.1 and decoded in the next step; each of the others 0.1 s later,
+    # the first is in at T + 0.01 + 0.1 and decoded in the next step; each of the others 0.11 s later,
     # the decode replica's steps of T fitting between them
-    ends = [T + 0.01 + (i + 1) * transfer for i in range(4)]
+    ends = [T + (i + 1) * (0.01 + transfer) for i in range(4)]
     assert sorted(_times(result, i)[1] for i in range(4)) == pytest.approx([e + T for e in ends])
 
 

@@ -173,9 +173,10 @@ class RooflineStepModel:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "RooflineStepModel":
-        gpu, eff = GpuSpec(**data["gpu"]), Efficiencies(**data["efficiencies"])
-        if not gpu.fp32_flops and gpu.name in GPU_SPECS:    # a profile written before the spec had it
-            gpu = replace(gpu, fp32_flops=GPU_SPECS[gpu.name].fp32_flops)
+        given = dict(data["gpu"])
+        if given.get("name") in GPU_SPECS:     # a profile written before the spec had all its fields: the GPU's
+            given = {**asdict(GPU_SPECS[given["name"]]), **given}
+        gpu, eff = GpuSpec(**given), Efficiencies(**data["efficiencies"])
         rates = {"gpu.bf16_flops": gpu.bf16_flops, "gpu.hbm_bytes_per_s": gpu.hbm_bytes_per_s,
                  "gpu.link_bytes_per_s": gpu.link_bytes_per_s, "gpu.network_bytes_per_s": gpu.network_bytes_per_s,
                  "gpu.gpus_per_node": gpu.gpus_per_node, "efficiencies.mfu": eff.mfu,

@@ -7,7 +7,8 @@ router/disaggregation_policy.py, cluster/serving/replica_routing.py):
   fewest queued prompt tokens; after its first token the decode replica with
   the most free blocks reserves blocks for the sequence (or it waits for
   some), the KV moves (latency + bytes / bandwidth; a (prefill, decode) pair's
-  transfers one after another, as the transport moves them), the prefill side
+  transfers one after another, each with its latency, as the transport sends
+  each and waits for its acknowledgement before the next), the prefill side
   frees its copy and the decode side decodes;
 - disaggregated, policy "conditional": the router's own class decides
   (router/disaggregation_policy.py): prompts of at most local_prefill_max_tokens
@@ -450,12 +451,15 @@ class _Simulation:
         self.awaiting_decode = still
 
     def _transfer_end(self, seq: SimSequence, source: SimReplica, target: SimReplica) -> float:
-        """When `seq`'s KV is in on `target`, a transfer that starts now: its bytes move
-        after the latency, once the pair's transfers before it are through."""
+        """When `seq`'s KV is in on `target`, a transfer asked for now: it starts once the
+        pair's transfers before it are through, and takes its latency and its bytes'
+        time (cluster/transport/pair_group_sender.py sends a header, the bytes, and
+        waits for the receiver's acknowledgement, one transfer at a time)."""
         spec = self.spec
         pair = (source.name, target.name)
-        start = max(self.now + spec.kv_latency_s, self.link_free_at.get(pair, 0.0))
-        self.link_free_at[pair] = start + seq.prompt_len * spec.kv_bytes_per_token / spec.kv_bandwidth_bytes_per_s
+        start = max(self.now, self.link_free_at.get(pair, 0.0))
+        self.link_free_at[pair] = start + spec.kv_latency_s + \
+            seq.prompt_len * spec.kv_bytes_per_token / spec.kv_bandwidth_bytes_per_s
         return self.link_free_at[pair]
 
     def _transferred(self, seq: SimSequence, source: SimReplica, target: SimReplica) -> None:
