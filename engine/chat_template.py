@@ -181,8 +181,10 @@ def template_messages(messages: Sequence[Mapping[str, Any]], traits: TemplateTra
         rendered.append(one)
     if traits.developer or not any(m.get("role") == "developer" for m in rendered):
         return rendered
-    last = [{**rendered.pop(), "role": "system"} if rendered[-1].get("role") == "developer" else rendered.pop()] \
-        if continue_final else []
+    last = []
+    if continue_final:
+        final = rendered.pop()
+        last = [{**final, "role": "system"} if final.get("role") == "developer" else final]
     system = [m for m in rendered if m.get("role") in ("system", "developer")]
     texts = [t for t in (_joined(m["content"]) for m in system) if t]
     merged = [{"role": "system", "content": [{"type": "text", "text": "\n\n".join(texts)}] if traits.parts

@@ -99,8 +99,8 @@ class LLM:
             raise
         outputs = [finished[i] for i in ids]
         for output, prompt in zip(outputs, prompt_list):
-            text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
-            output.prompt = text if isinstance(text, str) else None
+            value = _prompt_value(prompt)
+            output.prompt = value if isinstance(value, str) else None
         return outputs
 
     def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],

@@ -14,7 +14,6 @@ Contracts:
 
 from __future__ import annotations
 
-
 import logging
 import re
 from collections.abc import Callable, Mapping
@@ -104,8 +103,6 @@ _UNSUPPORTED_EXTENSIONS = ("guided_json", "guided_regex", "guided_choice", "guid
                            "use_beam_search", "cache_salt", "structural_tag",
                            # vLLM's that change the output (scores of given tokens, an early stop): not ignored
                            "logprob_token_ids", "repetition_detection")
-
-
 
 
 _ignored_fields_logged: set[tuple[str, str]] = set()     # (request model, field)

@@ -131,6 +131,18 @@ class ModelCost:
                    attention_flops_per_pair=float(4 * model.num_layers * heads * d), activation_bytes=size, tp=tp)
 
 
+_COST_COUNTS = ("num_layers", "hidden_size", "activation_bytes", "tp")     # ModelCost's integer fields
+
+
+def _valid_cost_field(name: str, value: object) -> bool:
+    """A ModelCost field as a profile may hold it: a count an integer >= 1, any other a finite number >= 0."""
+    if isinstance(value, bool):
+        return False
+    if name in _COST_COUNTS:
+        return isinstance(value, int) and value >= 1
+    return isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
+
+
 @dataclass(frozen=True)
 class RooflineStepModel:
     cost: ModelCost
@@ -181,7 +193,8 @@ class RooflineStepModel:
                  "gpu.link_bytes_per_s": gpu.link_bytes_per_s, "gpu.network_bytes_per_s": gpu.network_bytes_per_s,
                  "gpu.gpus_per_node": gpu.gpus_per_node, "efficiencies.mfu": eff.mfu,
                  "efficiencies.mbu": eff.mbu, "efficiencies.link": eff.link}
-        costs = {"gpu.fp32_flops": gpu.fp32_flops, "efficiencies.host_fixed_s": eff.host_fixed_s, "efficiencies.host_per_seq_s": eff.host_per_seq_s,
+        costs = {"gpu.fp32_flops": gpu.fp32_flops, "efficiencies.host_fixed_s": eff.host_fixed_s,
+                 "efficiencies.host_per_seq_s": eff.host_per_seq_s,
                  "efficiencies.allreduce_latency_s": eff.allreduce_latency_s,
                  "efficiencies.eager_per_layer_s": eff.eager_per_layer_s}
         bad = [k for k, v in rates.items() if not (math.isfinite(v) and v > 0)] + \
@@ -189,10 +202,7 @@ class RooflineStepModel:
         if bad:
             raise ValueError(f"profile fields {bad} must be finite and positive (rates) or >= 0 (times)")
         cost = ModelCost(**data["cost"])
-        bad = [f"cost.{k}" for k, v in vars(cost).items()
-               if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v >= 0)]
-        bad += [f"cost.{k}" for k in ("num_layers", "hidden_size", "activation_bytes", "tp")
-                if f"cost.{k}" not in bad and not (isinstance(getattr(cost, k), int) and getattr(cost, k) > 0)]
+        bad = [f"cost.{k}" for k, v in vars(cost).items() if not _valid_cost_field(k, v)]
         if bad:
             raise ValueError(f"profile fields {bad} must be finite numbers >= 0 (counts: integers >= 1)")
         gpu.matmul_flops(cost.activation_bytes)      # (raises where the dtype has no rate)
