@@ -196,6 +196,8 @@ class AsyncEngine:
             "cpu_cores_borrowed": float(self._cores.borrowed),
             "cpu_borrowed_steps": float(self._cores.steps_with_borrowed),
             "num_preemptions": float(engine.scheduler.num_preemptions),
+            "prefix_cache_queried_tokens": float(engine.scheduler.prefix_cache_queried_tokens),
+            "prefix_cache_hit_tokens": float(engine.scheduler.prefix_cache_hit_tokens),
         }
         stats.update(self.costs.stats())
         return stats

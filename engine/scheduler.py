@@ -67,6 +67,10 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.reserved: dict[str, Sequence] = {}
         self.num_preemptions = 0   # since start, for metrics
+        # since start, for metrics (vLLM's prefix_cache_queries/hits): the prompt tokens of the
+        # sequences first admitted while prefix caching is on, and of those, the ones read from the cache
+        self.prefix_cache_queried_tokens = 0
+        self.prefix_cache_hit_tokens = 0
 
     # ---- queue changes -----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -227,6 +231,9 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             prefills.append((seq, n))
+            if reads_cache and seq.num_preemptions == 0:
+                self.prefix_cache_queried_tokens += seq.num_prompt_tokens
+                self.prefix_cache_hit_tokens += seq.num_cached_prompt_tokens
             budget -= n
             if in_flight is not None:      # its prompt blocks are being computed from now on
                 in_flight.update(self._uncomputed_prompt_blocks(seq))

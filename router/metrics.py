@@ -27,7 +27,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from router.timings import RequestTimings
@@ -46,6 +46,8 @@ PREFILL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 # A pair-group hand-off of a few MiB takes milliseconds; 1 GiB+ (long 70B prompts) seconds.
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 TRANSFER_BYTES_BUCKETS = tuple(float(4 ** k) for k in range(8, 18))  # 64 KiB .. 16 GiB
+# Tokens per request, 1-2-5 steps (as vLLM's request_prompt_tokens): 1 .. 1M.
+TOKEN_COUNT_BUCKETS = tuple(float(m * 10 ** e) for e in range(7) for m in (1, 2, 5))[:-2]
 
 # Worker stats key (as the workers' stats() report them) -> the gauge it sets.
 WORKER_GAUGES = (
@@ -95,6 +97,10 @@ class ServingMetrics:
         self._transfer_bytes = Histogram("pdserve_kv_transfer_bytes",
                                          "KV cache bytes moved per hand-off.",
                                          buckets=TRANSFER_BYTES_BUCKETS, registry=r)
+        self._prompt_lengths = Histogram("pdserve_request_prompt_tokens", "Prompt tokens per request that got "
+                                         "its first token.", buckets=TOKEN_COUNT_BUCKETS, registry=r)
+        self._output_lengths = Histogram("pdserve_request_generation_tokens", "Output tokens per request that ran "
+                                         "to completion (stop or length).", buckets=TOKEN_COUNT_BUCKETS, registry=r)
         self._requests = Counter("pdserve_requests_total", "Requests that ended, by finish reason.",
                                  ["finish_reason"], registry=r)
         self._prompt_tokens = Counter("pdserve_prompt_tokens_total", "Prompt tokens of the requests that got "
@@ -115,6 +121,8 @@ class ServingMetrics:
                                for key, name, doc in WORKER_GAUGES}
         self._worker_counts = _WorkerCounts()
         r.register(self._worker_counts)
+        self._router_queue = _RouterQueue()
+        r.register(self._router_queue)
         self._autoscaler_target = Gauge("pdserve_autoscaler_target_replicas",
                                         "Replicas the autoscaler asks for, per role.", ["role"], registry=r)
         self._autoscaler_current = Gauge("pdserve_autoscaler_current_replicas",
@@ -132,6 +140,12 @@ class ServingMetrics:
         may be None), `listener.on_refusal(reason)` for every one admission control refuses,
         `listener.on_request(timings)` for every one that ends."""
         self._listeners.append(listener)
+
+    def watch_admission(self, admission) -> None:
+        """Exports the router's own queue from `admission` (router/admission.py's
+        AdmissionControl, read at each scrape); without one (admission control off) the
+        router keeps no queue counts and these series are absent."""
+        self._router_queue.admission = admission
 
     def observe_arrival(self, prompt_tokens: int | None, max_tokens: int | None = None) -> None:
         """A request offered; `max_tokens`: the most it may generate (None: not known)."""
@@ -160,6 +174,7 @@ class ServingMetrics:
         self._requests.labels(finish_reason=timings.finish_reason or "error").inc()
         if timings.first_token_time is not None:     # (a 503, or a client gone while queued: no prompt ran)
             self._prompt_tokens.inc(timings.prompt_tokens)
+            self._prompt_lengths.observe(timings.prompt_tokens)
         self._generation_tokens.inc(timings.generation_tokens)
         # An aborted or failed request's "end" is when it was cut off, not a latency.
         self._migrations.inc(timings.phases.migrations)
@@ -169,6 +184,7 @@ class ServingMetrics:
         for histogram, value in (
             (self._tpot, timings.time_per_output_token if completed else None),
             (self._e2e, timings.e2e_latency if completed else None),
+            (self._output_lengths, timings.generation_tokens if completed else None),
             (self._queue, timings.phases.queue_time),
             (self._prefill, timings.phases.prefill_time),
             (self._reserve, timings.phases.reserve_time),
@@ -223,6 +239,11 @@ WORKER_COUNTERS = (
      "Sequences a worker's engine preempted (to recompute later) for lack of KV blocks, since it started."),
     ("cpu_borrowed_steps", "pdserve_worker_cpu_borrowed_steps",
      "Engine steps a worker has run with cores borrowed from idle engines, since it started."),
+    ("prefix_cache_queried_tokens", "pdserve_worker_prefix_cache_queries",
+     "Prompt tokens a worker looked up in its prefix cache (prompts it prefilled with prefix caching on), "
+     "since it started."),
+    ("prefix_cache_hit_tokens", "pdserve_worker_prefix_cache_hits",
+     "Of the prompt tokens a worker looked up in its prefix cache, those it found there, since it started."),
 )
 
 
@@ -248,3 +269,25 @@ class _WorkerCounts:
             for worker, value in sorted(self._values.get(key, {}).items()):
                 family.add_metric([worker], value)
             yield family
+
+
+# AdmissionControl attribute -> the gauge it is exported as, read at each scrape.
+ROUTER_QUEUE_GAUGES = (
+    ("waiting_requests", "pdserve_router_requests_waiting",
+     "Requests the router admitted that wait for their first token."),
+    ("waiting_tokens", "pdserve_router_prompt_tokens_waiting", "Prompt tokens of the requests waiting."),
+    ("running", "pdserve_router_requests_running", "Requests the router admitted that have not ended."),
+)
+
+
+class _RouterQueue:
+    """The router's admission counts as gauges, while admission control is on."""
+
+    def __init__(self) -> None:
+        self.admission = None
+
+    def collect(self):
+        if self.admission is None:
+            return
+        for attribute, name, doc in ROUTER_QUEUE_GAUGES:
+            yield GaugeMetricFamily(name, doc, value=float(getattr(self.admission, attribute)))

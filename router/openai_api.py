@@ -142,6 +142,8 @@ def build_openai_app(backend: GenerationBackend, tokenizer: Any, metrics: Servin
     With `api_key_sha256`, requests must carry the key (router/http_guard.py). With
     `cors`, pages of its origins may call the API from a browser."""
     server = _Server(backend, tokenizer, metrics, request_id_prefix, limits, admission)
+    if admission is not None:
+        metrics.watch_admission(admission)
     app = FastAPI(title="pdserve", summary="OpenAI-compatible API")
     install_error_handlers(app, on_error=metrics.observe_error)
     app.add_middleware(HttpGuard, api_key_sha256=api_key_sha256, protect_metrics=protect_metrics,

@@ -806,6 +806,39 @@ def test_metrics_an_operator_reads_are_the_quantities_they_name(client, metrics)
     assert math.isnan(samples[(latency, (("metric", "tpot"), ("source", "predicted")))])
 
 
+def test_request_lengths_prefix_cache_and_router_queue_metrics(tokenizer):
+    from router.admission import AdmissionControl, AdmissionSettings
+    from router.timings import RequestTimings
+    metrics = ServingMetrics()
+    for prompt, generated, reason, first in ((5, 3, "stop", 0.1), (300, 64, "length", 0.2),
+                                              (40, 2, "abort", 0.3), (7, 0, "abort", None)):
+        metrics.observe_request(RequestTimings(arrival_time=0.0, first_token_time=first, finished_time=1.0,
+                                               prompt_tokens=prompt, generation_tokens=generated,
+                                               finish_reason=reason))
+    metrics.set_worker_stats("prefill-0", {"prefix_cache_queried_tokens": 900, "prefix_cache_hit_tokens": 640})
+    admission = AdmissionControl(AdmissionSettings())
+    admission.first_token(admission.admit(120))         # running, no longer waiting
+    admission.admit(30)
+    admission.admit(20)
+    app = build_openai_app(FakeBackend(tokenizer, len(tokenizer)), tokenizer, metrics, admission=admission)
+    samples = metric_samples(TestClient(app))
+    prompt_le = lambda le: samples[("pdserve_request_prompt_tokens_bucket", (("le", float(le)),))]  # noqa: E731
+    output_le = lambda le: samples[("pdserve_request_generation_tokens_bucket", (("le", float(le)),))]  # noqa: E731
+    # prompts: of requests that got a first token (an aborted one too); outputs: of completed ones only
+    assert (prompt_le("5.0"), prompt_le("50.0"), prompt_le("500.0")) == (1, 2, 3)
+    assert samples[("pdserve_request_prompt_tokens_sum", ())] == 345
+    assert (output_le("2.0"), output_le("5.0"), output_le("100.0")) == (0, 1, 2)
+    assert samples[("pdserve_request_generation_tokens_sum", ())] == 67
+    assert samples[("pdserve_worker_prefix_cache_queries_total", (("worker", "prefill-0"),))] == 900
+    assert samples[("pdserve_worker_prefix_cache_hits_total", (("worker", "prefill-0"),))] == 640
+    assert samples[("pdserve_router_requests_waiting", ())] == 2
+    assert samples[("pdserve_router_prompt_tokens_waiting", ())] == 50
+    assert samples[("pdserve_router_requests_running", ())] == 3
+    # with admission control off the router keeps no counts: no series rather than zeros
+    bare = metric_samples(TestClient(build_openai_app(FakeBackend(tokenizer, len(tokenizer)), tokenizer, ServingMetrics())))
+    assert not any(name.startswith("pdserve_router_") for name, _ in bare)
+
+
 def test_metrics_own_their_registry():
     first, second = ServingMetrics(), ServingMetrics()  # the global registry would reject this
     first.observe_error(503)

@@ -36,6 +36,9 @@ def test_eight_copies_of_a_prompt_compute_its_blocks_once(model_dirs, reference)
     # 12 full blocks (96 tokens) are shared; the first computes all 100, each other the last 4
     assert computed == 100 + 7 * 4
     assert sorted(out.num_cached_tokens for out in done.values()) == [0] + [96] * 7
+    # /metrics' prefix-cache counters: each prompt looked up once (not again while set aside)
+    assert engine.scheduler.prefix_cache_queried_tokens == 8 * 100
+    assert engine.scheduler.prefix_cache_hit_tokens == 7 * 96
     expected = reference("tiny").greedy(tuple(prompt), 6, ignore_eos=True)
     assert all(out.token_ids == expected for out in done.values())
 
