@@ -69,10 +69,13 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     path = _deployment_file(args.pop("config", None))
     whole = args.pop("config_json", None)      # a whole deployment, as `pdserve serve --autoscale` sends it
     profile = args.pop("autoscaling_profile", None)
-    config = with_overrides(DeploymentConfig.model_validate(whole), args) if whole else load_config(path, args)
+    config = with_overrides(DeploymentConfig.model_validate(whole), args) if whole else \
+        load_config(path, args, overrides_from="in the Serve config's args")
     given = {key for key, value in args.items() if value is not None}
     for problem in [] if whole else config.unused_settings(given):   # (pdserve serve, sending `whole`, said so)
         log.warning(problem)
+    if not whole:     # (`pdserve serve` chose the device of a whole deployment)
+        config = config.with_default_device(_cluster_gpus())
     if ray.is_initialized():   # a Serve config file's application is built in the cluster: check against it
         config = placed_config(config)
     else:
@@ -98,10 +101,21 @@ def _deployment_file(path: str | None) -> str | None:
     return str(shipped) if shipped.exists() else path
 
 
+def _cluster_gpus() -> float:
+    """The GPUs of the connected Ray cluster, or, before any connection, of this machine."""
+    import ray
+    if ray.is_initialized():
+        from cluster.serving.placement import cluster_resources
+        return sum(node.gpus for node in cluster_resources().nodes)
+    import torch
+    return torch.cuda.device_count()
+
+
 class ResolvedModel(NamedTuple):
     path: str                                   # the checkpoint directory
     info: ModelInfo                             # what the router tells clients about it
     autoscaling_profile: dict | None = None     # autoscaling.profile, read and checked
+    tokenizer_path: str | None = None           # the tokenizer's directory (None: `path`)
 
 
 def resolve_model(config: DeploymentConfig, profile: dict | None = None) -> ResolvedModel:
@@ -122,7 +136,8 @@ def resolve_model(config: DeploymentConfig, profile: dict | None = None) -> Reso
     path = checkpoint_dir(config.model.path)
     checkpoint_files(Path(path))
     mc = ModelConfig.from_pretrained(path)
-    load_tokenizer(path)    # the router and every worker load it
+    tokenizer = config.tokenizer_path() or path
+    load_tokenizer(tokenizer)    # the router and every worker load it
     max_len = mc.resolve_context(config.model.max_model_len)
     problems = [f"{role}: {problem}" for role in config.pools()
                 for problem in preflight(config.engine_config(role, path), mc, max_len)]
@@ -131,11 +146,11 @@ def resolve_model(config: DeploymentConfig, profile: dict | None = None) -> Reso
         raise ValueError("the workers' engines would refuse this deployment:\n  " + "\n  ".join(problems))
     profile = _autoscaling_profile(config, mc, profile) \
         if config.autoscaling.enabled and config.autoscaling.profile else None
-    name = config.model.served_model_name or Path(path).name
+    name, *aliases = config.model.served_names(path)
     template = read_chat_template(config.model.chat_template) if config.model.chat_template else None
     return ResolvedModel(path, ModelInfo(served_model_name=name, max_model_len=max_len, vocab_size=mc.vocab_size,
                                          sampling_defaults=generation_sampling_defaults(path),
-                                         chat_template=template), profile)
+                                         chat_template=template, aliases=tuple(aliases)), profile, tokenizer)
 
 
 def _gpu_fit_problems(config: DeploymentConfig, mc, max_len: int) -> list[str]:
@@ -189,7 +204,7 @@ def build_application(config: DeploymentConfig, resolved: ResolvedModel | None =
 
     if config.resources.cpus_per_rank is None:
         raise ValueError("resources.cpus_per_rank is not resolved; call resolve_cpus_per_rank first")
-    model_path, info, profile = resolved or resolve_model(config)
+    model_path, info, profile, tokenizer_path = resolved or resolve_model(config)
     router_args = {}
     if config.mode is Mode.colocated:
         colocated = _worker_options(DecodeServer.options(name="ColocatedServer"), config, "colocated",
@@ -235,7 +250,7 @@ def build_application(config: DeploymentConfig, resolved: ResolvedModel | None =
         running = config.engine_config("decode" if "decode" in config.pools() else "colocated",
                                        model_path).max_running_seqs
         router_args["autoscaling_limits"] = ReplicaLimits(running, block_size=config.engine.block_size)
-    return router.bind(info, model_path, config.mode.value, **workers, **router_args)
+    return router.bind(info, tokenizer_path or model_path, config.mode.value, **workers, **router_args)
 
 
 # Serve's own delays and look-back stay out of the way: the router's policy has its own guards.

@@ -18,7 +18,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from engine.core_lending import AUTO as LEDGER_AUTO
 from engine.engine_config import EngineConfig
@@ -27,6 +27,10 @@ from engine.engine_config import EngineConfig
 class Mode(str, Enum):
     disaggregated = "disaggregated"
     colocated = "colocated"
+
+
+# The worker pools (deployment file sections) each mode runs.
+POOLS_BY_MODE = {Mode.disaggregated: ("prefill", "decode"), Mode.colocated: ("colocated",)}
 
 
 class _Strict(BaseModel):
@@ -44,6 +48,31 @@ def _env_name(value: str | None) -> str | None:
 
 # the name of the environment variable that holds a secret (errors never repeat the value: see _Strict)
 EnvName = Annotated[str | None, AfterValidator(_env_name)]
+
+
+def _bind_host(value: str) -> str:
+    """An address a server can bind: an IP (0.0.0.0 / :: for every interface; IPv6 without
+    brackets) or a host name."""
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        if not re.fullmatch(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?", value):
+            raise ValueError("must be an IP address to listen on (0.0.0.0 for every interface; IPv6 without "
+                             "brackets) or a host name") from None
+    return value
+
+
+# dtype spellings vLLM and torch users write -> the name the deployment keeps
+_DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
+
+
+def _dtype_name(value: Any) -> Any:
+    return _DTYPE_ALIASES.get(value.lower(), value.lower()) if isinstance(value, str) else value
+
+
+def _served_names(value: Any) -> Any:
+    """One name, or several (the first is the one responses carry; every one is accepted): a list."""
+    return [value] if isinstance(value, str) else value
 
 
 def _listen_address(value: str | None) -> str | None:
@@ -65,13 +94,27 @@ def _listen_address(value: str | None) -> str | None:
 
 class ModelSection(_Strict):
     path: str | None = Field(None, description="HuggingFace checkpoint directory; null: the built-in tiny model")
-    served_model_name: str | None = Field(None, min_length=1,
-                                          description="name clients use in requests; default: the directory name")
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    served_model_name: Annotated[list[Annotated[str, Field(min_length=1)]] | None, BeforeValidator(_served_names)] \
+        = Field(None, min_length=1, description="the name clients use in requests, or a list of names (responses "
+                "carry the first; each is accepted); default: the directory name, and `path` as given")
+    tokenizer: str | None = Field(None, min_length=1, description="a directory (or built-in model) whose "
+                                  "tokenizer to use in place of the checkpoint's (vLLM's --tokenizer)")
+    dtype: Annotated[Literal["auto", "float32", "float16", "bfloat16"], BeforeValidator(_dtype_name)] = Field(
+        "auto", description="auto: the checkpoint's torch_dtype on CUDA, float32 on CPU; also half, fp16, bf16, "
+        "float, fp32")
     max_model_len: int | None = Field(None, ge=2)
     chat_template: str | None = Field(
         None, min_length=1, description="a Jinja chat template file (or the template itself) the router renders "
         "chats with, in place of the tokenizer's (vLLM's --chat-template)")
+
+    def served_names(self, checkpoint: str) -> list[str]:
+        """The names clients may ask for, the one responses carry first: served_model_name,
+        else the checkpoint directory's name (`checkpoint`: `path` resolved) and `path`
+        as given (what `vllm serve PATH` serves it as)."""
+        if self.served_model_name:
+            return list(self.served_model_name)
+        names = [Path(checkpoint).name]
+        return names + [self.path] if self.path and self.path not in names else names
 
 
 class WorkerPool(_Strict):
@@ -97,6 +140,7 @@ class EngineSection(_Strict):
         f"{CPU_TOKENS_PER_STEP} on CPU, {CUDA_TOKENS_PER_STEP} on CUDA")
     kv_cache_memory_gib: float = Field(1.0, gt=0)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    seed: int = Field(0, ge=0, lt=2**63, description="seeds the sampling of requests that give no seed")
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     attention_backend: Literal["auto", "torch", "triton", "cpp"] = Field(
@@ -158,7 +202,8 @@ class DisaggregationSection(_Strict):
 
 
 class HttpSection(_Strict):
-    host: str = Field("127.0.0.1", min_length=1)
+    host: Annotated[str, AfterValidator(_bind_host)] = Field(
+        "127.0.0.1", min_length=1, description="the address to listen on; 0.0.0.0 for every interface")
     port: int = Field(8000, ge=1, le=65535)
     api_key_env: EnvName = Field(None, description="name of the environment variable that holds the API "
                                     "key (read where the application is built); never the key itself")
@@ -473,9 +518,7 @@ class DeploymentConfig(_Strict):
 
     def pools(self) -> dict[str, WorkerPool]:
         """The worker pools this mode runs, by role."""
-        if self.mode is Mode.disaggregated:
-            return {"prefill": self.prefill, "decode": self.decode}
-        return {"colocated": self.colocated}
+        return {role: getattr(self, role) for role in POOLS_BY_MODE[self.mode]}
 
     def unused_settings(self, given: frozenset[str] | set[str] = frozenset()) -> list[str]:
         """Settings given that do nothing, each said with what to do instead: the pools this mode
@@ -504,6 +547,18 @@ class DeploymentConfig(_Strict):
                             "(set autoscaling.enabled: true, or pdserve serve --autoscale, to use them)")
         return problems
 
+    def with_default_device(self, gpus: float) -> "DeploymentConfig":
+        """This deployment, on cuda where it names no device (neither in the file nor by a
+        flag) and `gpus` (the machine's or the cluster's) > 0: as vLLM, a GPU where there is one."""
+        if "device" in self.model_fields_set or gpus <= 0:
+            return self
+        return with_overrides(self, {"device": "cuda"})
+
+    def tokenizer_path(self) -> str | None:
+        """model.tokenizer's directory (None: the checkpoint's own tokenizer)."""
+        from engine.tiny_model import tokenizer_dir
+        return tokenizer_dir(self.model.tokenizer) if self.model.tokenizer else None
+
     def tokens_per_step(self) -> int:
         """engine.max_num_batched_tokens, or the default for the device."""
         if self.engine.max_num_batched_tokens is not None:
@@ -517,7 +572,8 @@ class DeploymentConfig(_Strict):
         e = self.engine
         cpus = self.resources.cpus_per_rank
         return EngineConfig(
-            model=model_path, dtype=self.model.dtype, device=self.device,
+            model=model_path, tokenizer=self.tokenizer_path(),
+            seed=e.seed, dtype=self.model.dtype, device=self.device,
             max_model_len=self.model.max_model_len, block_size=e.block_size,
             kv_cache_memory_gib=e.kv_cache_memory_gib, gpu_memory_utilization=e.gpu_memory_utilization,
             max_num_seqs=e.max_num_seqs, max_num_batched_tokens=self.tokens_per_step(),
@@ -536,52 +592,81 @@ class ConfigFileError(ValueError):
     """A deployment file that cannot be read or does not validate."""
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> DeploymentConfig:
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None, *,
+                overrides_from: str = "on the command line") -> DeploymentConfig:
     """The deployment in the YAML file at `path` (None: the defaults) with the
     dotted `overrides` (e.g. {"prefill.replicas": 2}; None values skipped) put
     in before it is validated, so a command-line flag can supply what the file
-    lacks. Raises ConfigFileError."""
-    import yaml
-    data: Any = {}
-    if path is not None:
-        path = Path(path)
-        try:
-            data = yaml.load(path.read_text(), Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigFileError(f"cannot read deployment file {path}: {exc}") from None
-        except UnicodeDecodeError as exc:
-            raise ConfigFileError(f"cannot read deployment file {path}: it is not UTF-8 text ({exc})") from None
-        if data is None:    # empty, or only comments: the defaults
-            data = {}
-        if not isinstance(data, dict):
-            raise ConfigFileError(f"{path} is not a valid pdserve deployment file: it holds a "
-                                  f"{type(data).__name__}, not a mapping of sections")
-        # a section whose settings are all commented out reads as null: its defaults, as if left out
-        data = {key: {} if value is None and _section_model(DeploymentConfig, key) else value
-                for key, value in data.items()}
+    lacks; `overrides_from` says where they were given, in errors. Raises ConfigFileError."""
+    data = read_deployment_file(path) if path is not None else {}
     try:
         return DeploymentConfig.model_validate(_with_dotted(data, overrides or {}))
     except ValidationError as exc:
         what = f"{path}" if path is not None else "the defaults"
         given = {key for key, value in (overrides or {}).items() if value is not None}
-        flags = " with the command-line settings" if given else ""
+        flags = f" with the settings given {overrides_from}" if given else ""
         raise ConfigFileError(f"{what}{flags} is not a valid pdserve deployment:\n"
-                              f"{_described(exc, given)}") from None
+                              f"{_described(exc, given, overrides_from)}") from None
 
 
-def _described(exc: ValidationError, from_command_line: set[str]) -> str:
-    """Each error as the setting it is about (marked where the command line set it) and what
-    is wrong, without pydantic's header, type codes and links."""
+def read_deployment_file(path: str | Path) -> dict[str, Any]:
+    """The sections of the deployment YAML file at `path`, as plain dicts, not yet
+    validated (an empty file, or one of comments only: {}, the defaults). Raises
+    ConfigFileError for a file that cannot be read or is not a mapping of sections."""
+    import yaml
+    path = Path(path)
+    try:
+        data = yaml.load(path.read_text(), Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigFileError(f"cannot read deployment file {path}: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigFileError(f"cannot read deployment file {path}: it is not UTF-8 text ({exc})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigFileError(f"{path} is not a valid pdserve deployment file: it holds a "
+                              f"{type(data).__name__}, not a mapping of sections")
+    if "applications" in data and "applications" not in DeploymentConfig.model_fields:
+        raise ConfigFileError(f"{path} is a Ray Serve config file (it has `applications:`), not a pdserve "
+                              "deployment file: run it with `serve run` / `serve deploy`, or give pdserve the "
+                              "deployment file its application's `args: config:` names")
+    # a section whose settings are all commented out reads as null: its defaults, as if left out
+    return {key: {} if value is None and _section_model(DeploymentConfig, key) else value
+            for key, value in data.items()}
+
+
+def _described(exc: ValidationError, given: set[str], given_by: str) -> str:
+    """Each error as the setting it is about (marked where it was `given_by`), what is
+    wrong, and for an unknown setting the known one its name is closest to; without
+    pydantic's header, type codes and links."""
     lines = []
     for error in exc.errors():
-        where = ".".join(str(part) for part in error["loc"])
+        setting = ".".join(part for part in error["loc"] if isinstance(part, str))
+        # a list's item as setting[i]
+        where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in error["loc"]).lstrip(".")
         message = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "extra_forbidden":
+            message += _closest_setting(error["loc"])
         if where:
-            mark = " (set on the command line)" if where in from_command_line else ""
+            mark = f" (set {given_by})" if setting in given else ""
             lines.append(f"{where}{mark}\n  {message}")
         else:
             lines.append(message)
     return "\n".join(lines)
+
+
+def _closest_setting(loc: tuple) -> str:
+    """"; did you mean X?" for an unknown setting at `loc` whose name is close to a known
+    one of its section, else ""."""
+    import difflib
+    model: type[BaseModel] = DeploymentConfig
+    for part in loc[:-1]:
+        model = _section_model(model, str(part)) if isinstance(part, str) else None
+        if model is None:
+            return ""
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1, cutoff=0.7)
+    return f"; did you mean {'.'.join(str(p) for p in loc[:-1]) + '.' if loc[:-1] else ''}{close[0]}?" \
+        if close else ""
 
 
 @functools.lru_cache(maxsize=1)

@@ -173,7 +173,7 @@ class ModelWorker:
             num = spec.num_blocks_for(max(0, budget - reserve - staging))
         else:
             num = cpu_kv_blocks(config, spec, self.max_model_len)
-        if problem := kv_capacity_problem(num, spec.block_size, self.max_model_len):
+        if problem := kv_capacity_problem(num, spec.block_size, self.max_model_len, self.device.type):
             raise ValueError(problem)
         return num
 

@@ -54,14 +54,18 @@ def cpu_kv_blocks(config: EngineConfig, spec: KVCacheSpec, max_model_len: int) -
                config.max_num_seqs * -(-max_model_len // spec.block_size))
 
 
-def kv_capacity_problem(num_blocks: int, block_size: int, max_model_len: int) -> str | None:
-    """Why a cache of `num_blocks` cannot hold one sequence of max_model_len tokens, or None."""
+def kv_capacity_problem(num_blocks: int, block_size: int, max_model_len: int, device_type: str) -> str | None:
+    """Why a cache of `num_blocks` on `device_type` ("cpu" or "cuda") cannot hold one sequence
+    of max_model_len tokens, or None."""
     needed = -(-max_model_len // block_size)
     if num_blocks >= needed:
         return None
-    return (f"the KV cache holds {num_blocks} blocks of {block_size} tokens, fewer than one sequence of "
-            f"max_model_len={max_model_len} tokens needs ({needed}); lower max_model_len or give the KV cache "
-            "more memory (kv_cache_memory_gib / gpu_memory_utilization / num_kv_blocks)")
+    more = ("kv_cache_memory_gib, the CPU memory each rank's KV cache may take (--kv-cache-memory-gib); to "
+            "serve on GPUs, device cuda (--device cuda)" if device_type == "cpu" else
+            "gpu_memory_utilization, or more GPUs per replica (tensor parallelism)")
+    return (f"the KV cache on {device_type} holds {num_blocks} blocks of {block_size} tokens, fewer than one "
+            f"sequence of max_model_len={max_model_len} tokens needs ({needed}); lower max_model_len or give the "
+            f"KV cache more memory: {more}")
 
 
 def attention_backend_problem(config: EngineConfig, device_type: str, dtype) -> str | None:
@@ -87,5 +91,5 @@ def preflight(config: EngineConfig, mc: ModelConfig, max_model_len: int) -> list
         heads = len(kv_heads_of_rank(mc.num_kv_heads, tp, 0))
         spec = KVCacheSpec(mc.num_layers, heads, mc.head_dim, config.block_size, dtype)
         problems.append(kv_capacity_problem(cpu_kv_blocks(config, spec, max_model_len), config.block_size,
-                                            max_model_len))
+                                            max_model_len, device_type))
     return [p for p in problems if p is not None]

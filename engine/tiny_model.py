@@ -625,6 +625,15 @@ def names_built_in_model(model: str) -> bool:
     return model in PRESETS and not (Path(model) / "config.json").is_file()
 
 
+def tokenizer_dir(tokenizer: str) -> str:
+    """The directory a `tokenizer` setting names, as an absolute path: a built-in
+    model's (built here on first use), or the directory given."""
+    tokenizer = os.path.expanduser(tokenizer)
+    if names_built_in_model(tokenizer) and not (Path(tokenizer) / "tokenizer_config.json").is_file():
+        return str(ensure_preset_model(tokenizer))
+    return os.path.abspath(tokenizer)
+
+
 def checkpoint_dir(model: str | None) -> str:
     """The checkpoint directory a `--model` / `model.path` names, as an absolute
     path (a worker on another node, or in another working directory, reads the

@@ -11,4 +11,6 @@ def load_tokenizer(path: str | Path):
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot load a tokenizer from {path}: {exc}. The model directory needs "
-                         "tokenizer.json / tokenizer_config.json (or pass tokenizer=DIR)") from None
+                         "tokenizer.json / tokenizer_config.json, or name a directory that has them "
+                         "(LLM(tokenizer=DIR), pdserve serve --tokenizer DIR, model.tokenizer in a deployment "
+                         "file)") from None

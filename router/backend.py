@@ -24,6 +24,7 @@ class ModelInfo:
     # the checkpoint's generation_config.json sampling settings, for what a request leaves unset
     sampling_defaults: Mapping[str, float] = field(default_factory=dict)
     chat_template: str | None = None      # the deployment's own, in place of the tokenizer's (its text)
+    aliases: tuple[str, ...] = ()         # other names requests may give for the model
 
 
 class BackendUnavailableError(RuntimeError):

@@ -168,7 +168,7 @@ def build_openai_app(backend: GenerationBackend, tokenizer: Any, metrics: Servin
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> dict[str, Any]:
         server.check_model(model)
-        return server.models()["data"][0]
+        return next(card for card in server.models()["data"] if card["id"] == model)
 
     @app.post("/tokenize")
     async def tokenize(body: dict[str, Any] = Body(...)) -> dict[str, Any]:
@@ -250,14 +250,16 @@ class _Server:
                         "/v1/completions serves prompts as text")
 
     def models(self) -> dict[str, Any]:
-        name = self.info.served_model_name
-        card = {"id": name, "object": "model", "created": self.created, "owned_by": "pdserve",
-                "root": name, "parent": None, "max_model_len": self.info.max_model_len, "permission": []}
-        return {"object": "list", "data": [card]}
+        """A card per name the model is served under (vLLM's), the main name first."""
+        root = self.info.served_model_name
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": self.created, "owned_by": "pdserve", "root": root,
+             "parent": None, "max_model_len": self.info.max_model_len, "permission": []}
+            for name in (root, *self.info.aliases)]}
 
     def check_model(self, name: str | None) -> None:
-        """404 unless `name` is the served model's (None or "": the served model, as vLLM's)."""
-        if name and name != self.info.served_model_name:
+        """404 unless `name` is one the model is served under (None or "": the served model, as vLLM's)."""
+        if name and name != self.info.served_model_name and name not in self.info.aliases:
             shown = name if len(name) <= 80 else name[:80] + "..."
             raise OpenAIError(404, f"The model `{shown}` does not exist; this server serves "
                               f"`{self.info.served_model_name}`.", param="model", code="model_not_found")

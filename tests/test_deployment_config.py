@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from cluster.config import ConfigFileError, DeploymentConfig, EngineSection, Mode, load_config
 from engine.memory_planner import plan
 from engine.model import ModelConfig
+from engine.tiny_model import ensure_preset_model
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 MODELS = {"llama-3-8b": CONFIGS / "models" / "llama-3-8b", "llama-3-70b": CONFIGS / "models" / "llama-3-70b"}
@@ -97,6 +98,56 @@ def test_a_mistake_the_command_line_made_says_so(tmp_path):
         load_config(f, {"http.port": 0})
     assert str(refused.value).splitlines()[1:] == ["http.port (set on the command line)",
                                                   "  Input should be greater than or equal to 1"]
+
+
+def test_mistakes_name_the_setting_meant_and_where_it_was_given(tmp_path):
+    f = tmp_path / "typo.yaml"
+    f.write_text("engine: {max_num_seq: 8}\nhttp: {prot: 9000}\ndecode: {replicas: 1}\n")
+    with pytest.raises(ConfigFileError) as refused:
+        load_config(f)
+    message = str(refused.value)
+    assert "engine.max_num_seq\n  Extra inputs are not permitted; did you mean engine.max_num_seqs?" in message
+    assert "http.prot\n  Extra inputs are not permitted; did you mean http.port?" in message
+    f.write_text("nothing_like_it: 1\n")
+    with pytest.raises(ConfigFileError, match=r"nothing_like_it\n  Extra inputs are not permitted$"):
+        load_config(f)
+    # a Ray Serve config file given where a deployment file belongs
+    with pytest.raises(ConfigFileError, match="is a Ray Serve config file .* run it with `serve run`"):
+        load_config(CONFIGS / "serve" / "tiny-cpu.yaml")
+    # settings from a Serve config file's args say so, not "the command line"
+    with pytest.raises(ConfigFileError, match=r"decode\.replicas \(set in the Serve config's args\)"):
+        load_config(None, {"decode.replicas": "two"}, overrides_from="in the Serve config's args")
+
+
+def test_model_names_tokenizer_dtype_spellings_and_host():
+    model = DeploymentConfig.model_validate({"model": {"path": "models/llama", "dtype": "half"}}).model
+    assert model.dtype == "float16"
+    # unnamed: the directory's name, and the path as given (what `vllm serve PATH` serves it as)
+    assert model.served_names("/abs/models/llama") == ["llama", "models/llama"]
+    assert DeploymentConfig().model.served_names("/cache/tiny") == ["tiny"]
+    named = DeploymentConfig.model_validate({"model": {"served_model_name": "chat"}}).model
+    assert named.served_names("/abs/x") == ["chat"]
+    assert DeploymentConfig.model_validate({"model": {"served_model_name": ["a", "b"]}}).model.served_names("/x") \
+        == ["a", "b"]
+    for bad in ({"served_model_name": []}, {"dtype": "int8"}):
+        with pytest.raises(ValidationError):
+            DeploymentConfig.model_validate({"model": bad})
+    c = DeploymentConfig.model_validate({"model": {"tokenizer": "tiny"}, "engine": {"seed": 5}})
+    e = c.engine_config("prefill", "/m")
+    assert e.tokenizer == str(ensure_preset_model("tiny"))    # a built-in model's name: its directory
+    assert e.seed == 5 and DeploymentConfig().engine_config("prefill", "/m").tokenizer is None
+    for host in ("0.0.0.0", "::", "10.1.2.3", "node-1.example.com"):
+        assert DeploymentConfig.model_validate({"http": {"host": host}}).http.host == host
+    with pytest.raises(ValidationError, match="must be an IP address to listen on"):
+        DeploymentConfig.model_validate({"http": {"host": "not a host"}})
+
+
+def test_a_deployment_naming_no_device_takes_the_gpus_there_are():
+    unnamed = DeploymentConfig.model_validate({"decode": {"replicas": 2}})
+    assert unnamed.with_default_device(0).device == "cpu"
+    on_gpus = unnamed.with_default_device(8)
+    assert on_gpus.device == "cuda" and on_gpus.decode.replicas == 2
+    assert DeploymentConfig.model_validate({"device": "cpu"}).with_default_device(8).device == "cpu"
 
 
 def test_a_gpu_type_is_taken_by_any_of_its_names_and_kept_by_its_own():

@@ -422,6 +422,20 @@ def test_models_lists_the_served_model(client):
     assert_openai_error(client.get("/v1/models/gpt-4"), 404, "model", f"serves `{MODEL}`")
 
 
+def test_a_model_served_under_several_names_answers_to_each(tokenizer):
+    class Aliased(FakeBackend):
+        def model_info(self):
+            return ModelInfo(MODEL, MAX_MODEL_LEN, self.vocab_size, aliases=("/models/tiny",))
+    backend = Aliased(tokenizer, len(tokenizer))
+    with TestClient(build_openai_app(backend, tokenizer, ServingMetrics())) as client:
+        assert [card["id"] for card in client.get("/v1/models").json()["data"]] == [MODEL, "/models/tiny"]
+        assert client.get("/v1/models//models/tiny").json()["root"] == MODEL
+        answer = client.post(COMPLETIONS, json={"model": "/models/tiny", "prompt": "Hi", "max_tokens": 2})
+        assert answer.status_code == 200 and answer.json()["model"] == MODEL      # responses carry the main name
+        assert_openai_error(client.post(COMPLETIONS, json={"model": "/models", "prompt": "Hi"}), 404, "model",
+                            f"serves `{MODEL}`")
+
+
 def test_tokenize_and_detokenize_as_vllms(client, backend, tokenizer):
     prompt = client.post("/tokenize", json={"model": MODEL, "prompt": "Hello world"}).json()
     ids = tokenizer.encode("Hello world")
@@ -835,7 +849,8 @@ def test_request_lengths_prefix_cache_and_router_queue_metrics(tokenizer):
     assert samples[("pdserve_router_prompt_tokens_waiting", ())] == 50
     assert samples[("pdserve_router_requests_running", ())] == 3
     # with admission control off the router keeps no counts: no series rather than zeros
-    bare = metric_samples(TestClient(build_openai_app(FakeBackend(tokenizer, len(tokenizer)), tokenizer, ServingMetrics())))
+    bare_app = build_openai_app(FakeBackend(tokenizer, len(tokenizer)), tokenizer, ServingMetrics())
+    bare = metric_samples(TestClient(bare_app))
     assert not any(name.startswith("pdserve_router_") for name, _ in bare)
 
 

@@ -18,6 +18,7 @@ import yaml
 
 from cluster.app_builder import build_app
 from cluster.cli.main import build_parser
+from cluster.cli import serve_command
 from cluster.cli.serve_command import autoscaled_application, config_from_args
 from cluster.config import ConfigFileError, DeploymentConfig, with_overrides
 from engine.tp_group import free_port
@@ -44,7 +45,8 @@ def test_vllm_serves_flags_set_the_model_the_engine_and_every_pools_tp():
         return config_from_args(build_parser().parse_args(["serve", *flags]))
 
     config = serve("bench", "--max-num-seqs", "8", "--max-num-batched-tokens", "1024", "--block-size", "32",
-                   "--gpu-memory-utilization", "0.8", "--no-enable-prefix-caching", "--enforce-eager", "-tp", "2")
+                   "--gpu-memory-utilization", "0.8", "--no-enable-prefix-caching", "--enforce-eager", "-tp", "2",
+                   "--device", "cuda")
     assert config.model.path == "bench"
     e = config.engine
     assert (e.max_num_seqs, e.max_num_batched_tokens, e.block_size, e.gpu_memory_utilization) == (8, 1024, 32, 0.8)
@@ -58,7 +60,42 @@ def test_vllm_serves_flags_set_the_model_the_engine_and_every_pools_tp():
     with pytest.raises(ConfigFileError, match="the model is given twice, as bench and --model tiny"):
         serve("bench", "--model", "tiny")
     with pytest.raises(ConfigFileError, match=r"engine\.gpu_memory_utilization \(set on the command line\)"):
-        serve("--gpu-memory-utilization", "1.5")
+        serve("--gpu-memory-utilization", "1.5", "--device", "cuda")
+
+
+def test_more_vllm_flags_and_spellings(tmp_path, monkeypatch):
+    def serve(*flags):
+        return config_from_args(build_parser().parse_args(["serve", *flags]))
+
+    config = serve("--dtype", "half", "--max-model-len", "8k", "--seed", "7", "--kv-cache-memory-gib", "0.5",
+                   "--no-enable-chunked-prefill", "--tokenizer", "tiny", "--served-model-name", "a", "b")
+    assert (config.model.dtype, config.model.max_model_len, config.engine.seed) == ("float16", 8000, 7)
+    assert config.engine.kv_cache_memory_gib == 0.5 and config.engine.enable_chunked_prefill is False
+    assert config.model.tokenizer == "tiny" and config.model.served_model_name == ["a", "b"]
+    assert serve("--dtype", "BF16", "--max-model-len", "8K").model.max_model_len == 8192
+    assert serve("--dtype", "BF16").model.dtype == "bfloat16"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-model-len", "8kb"])
+    # -tp counts before the file's budget is checked: TP-4 pools fill a budget of 8 ranks, TP-2 ones do not
+    f = tmp_path / "tp4.yaml"
+    f.write_text(yaml.safe_dump({"prefill": {"tensor_parallel_size": 4}, "decode": {"tensor_parallel_size": 4},
+                                 "slo": {"ttft_ms": 1000, "tpot_ms": 100},
+                                 "autoscaling": {"enabled": True, "budget": 8}}))
+    config = serve("--config", str(f), "-tp", "2")
+    assert (config.prefill.tensor_parallel_size, config.decode.tensor_parallel_size) == (2, 2)
+    # a flag of several values that took the model: refused, saying to give the model first
+    with pytest.raises(ConfigFileError, match=r"--served-model-name took the model .* give the model first"):
+        serve("--served-model-name", "a", str(checkpoint_dir_of("tiny")))
+    # flags only CUDA uses are refused on CPU; a machine with a GPU serves on it unless told otherwise
+    monkeypatch.setattr(serve_command, "visible_gpus", lambda: 0)
+    with pytest.raises(ConfigFileError, match="--enforce-eager set what only a CUDA deployment uses, and this one "
+                                              "serves on cpu"):
+        serve("--enforce-eager")
+    assert serve().device == "cpu"
+    monkeypatch.setattr(serve_command, "visible_gpus", lambda: 2)
+    assert serve().device == "cuda" and serve("--enforce-eager").engine.enforce_eager is True
+    assert serve("--device", "cpu").device == "cpu"
+    assert serve("--config", str(REPO / "configs/tiny-cpu.yaml")).device == "cpu"    # the file says so
 
 
 def test_no_flags_serve_the_tiny_model_disaggregated_on_cpu():
@@ -85,7 +122,8 @@ def test_flags_supply_what_the_file_lacks_and_ignored_flags_are_refused(tmp_path
     config = serve("--config", str(f), "--slo", "ttft:1000", "tpot:100")     # the file alone is not valid
     assert config.autoscaling.enabled and (config.slo.ttft_ms, config.slo.tpot_ms) == (1000, 100)
     assert not serve("--config", str(f), "--no-autoscale").autoscaling.enabled
-    with pytest.raises(ConfigFileError, match="with the command-line settings is not a valid pdserve deployment(.|\n)*needs the SLOs"):
+    with pytest.raises(ConfigFileError, match="with the settings given on the command line is not a valid pdserve "
+                                              "deployment(.|\n)*needs the SLOs"):
         serve("--config", str(f), "--max-replicas", "4")
     with pytest.raises(ConfigFileError, match="--prefill-replicas, --decode-tp set a pool that colocated mode "
                                               "does not run"):
@@ -225,8 +263,11 @@ def test_settings_the_engines_would_refuse_are_found_before_deploying(tmp_path, 
         assert f"{role}: with chunked prefill off, max_num_batched_tokens (256) must be >= max_model_len (1024)" \
             in message
         assert f"{role}: attention_backend 'triton' on CPU runs only under Triton's interpreter" in message
-    assert "decode: the KV cache holds 0 blocks of 16 tokens, fewer than one sequence of max_model_len=1024 " \
-        "tokens needs (64)" in problems(**{"engine.kv_cache_memory_gib": 2e-6})
+    small = problems(**{"engine.kv_cache_memory_gib": 2e-6})
+    assert "decode: the KV cache on cpu holds 0 blocks of 16 tokens, fewer than one sequence of " \
+        "max_model_len=1024 tokens needs (64)" in small
+    assert "kv_cache_memory_gib, the CPU memory each rank's KV cache may take (--kv-cache-memory-gib); to " \
+        "serve on GPUs, device cuda (--device cuda)" in small       # what to change, on the device it runs on
     (tmp_path / "config.json").write_text((Path(checkpoint_dir_of("tiny")) / "config.json").read_text())
     assert f"no *.safetensors files in {tmp_path}" in problems(**{"model.path": str(tmp_path)})
     resolve_model(with_overrides(DeploymentConfig(), {"decode.tensor_parallel_size": 2}))   # fine
@@ -724,7 +765,7 @@ def test_a_checkpoint_without_its_sizes_or_tokenizer_is_refused_before_deploying
 
 
 @pytest.mark.parametrize("flags, says", [(["--host", ""], "http.host"), (["--served-model-name", ""],
-                                         "model.served_model_name")])
+                                         r"model.served_model_name\[0\]")])
 def test_empty_names_are_refused_not_replaced(flags, says):
     with pytest.raises(ValueError, match=rf"{says} \(set on the command line\)\n  String should have at least 1 "
                                          "character"):

@@ -440,7 +440,7 @@ def test_pdserve_simulate_refuses_what_it_would_ignore_or_could_not_start(tmp_pa
     small.write_text(open("configs/tiny-cpu.yaml").read().replace("kv_cache_memory_gib: 0.25",
                                                                   "kv_cache_memory_gib: 0.0001"))
     assert main([*base[:2], str(small), *base[3:]]) == 2
-    assert "would not start: the KV cache holds" in capsys.readouterr().err
+    assert "would not start: the KV cache on cpu holds" in capsys.readouterr().err
     whole_prompts = tmp_path / "whole.yaml"    # no chunking and a step budget under the context
     whole_prompts.write_text(open("configs/tiny-cpu.yaml").read().replace(
         "  max_num_batched_tokens: 512", "  enable_chunked_prefill: false\n  max_num_batched_tokens: 256", 1))

@@ -1,15 +1,19 @@
 """`pdserve serve`: run the serving cluster until Ctrl-C.
 
-    pdserve serve [--config FILE] [--model PATH] [--host H] [--port P]
+    pdserve serve [MODEL] [--config FILE] [--model PATH] [--host H] [--port P]
                   [--mode disaggregated|colocated] [--prefill-replicas N] [--decode-replicas N]
-                  [--prefill-tp N] [--decode-tp N] [--colocated-replicas N] [--colocated-tp N]
-                  [--device cpu|cuda] [--dtype D] [--max-model-len L] [--served-model-name NAME]
+                  [--prefill-tp N] [--decode-tp N] [--colocated-replicas N] [--colocated-tp N] [-tp N]
+                  [--device cpu|cuda] [--dtype D] [--max-model-len L] [--served-model-name NAME ...]
+                  [--tokenizer DIR] [--chat-template T] [--max-num-seqs N] [--max-num-batched-tokens N]
+                  [--gpu-memory-utilization F] [--kv-cache-memory-gib G] [--block-size N]
+                  [--[no-]enable-prefix-caching] [--[no-]enable-chunked-prefill] [--enforce-eager] [--seed N]
                   [--autoscale --slo ttft:MS tpot:MS [--max-replicas N]] [--no-autoscale] [--api-key KEY]
                   [--allowed-origins ORIGIN ... [--allow-credentials]]
                   [--log-level DEBUG|INFO|WARNING|ERROR] [--address RAY_ADDRESS] [--ray-dashboard]
 
 Flags override the config file; with neither, the built-in tiny model is served
-on CPU by 1 prefill + 1 decode worker at http://127.0.0.1:8000. Joins the Ray
+by 1 prefill + 1 decode worker at http://127.0.0.1:8000, on the GPUs where this
+machine has any (as vLLM), else on CPU. Joins the Ray
 cluster at --address (or a running local one); otherwise starts a local
 cluster declaring enough CPUs for every gang, lean on background work
 (cluster/serving/local_cluster.py), whose router answers HTTP on the
@@ -54,7 +58,11 @@ FLAG_SETTINGS = {
     "max_num_seqs": "engine.max_num_seqs", "max_num_batched_tokens": "engine.max_num_batched_tokens",
     "gpu_memory_utilization": "engine.gpu_memory_utilization", "block_size": "engine.block_size",
     "enable_prefix_caching": "engine.enable_prefix_caching", "enforce_eager": "engine.enforce_eager",
+    "kv_cache_memory_gib": "engine.kv_cache_memory_gib", "enable_chunked_prefill": "engine.enable_chunked_prefill",
+    "seed": "engine.seed", "tokenizer": "model.tokenizer",
 }
+# flags of settings a CPU deployment does not use
+CUDA_ONLY_FLAGS = ("gpu_memory_utilization", "enforce_eager")
 _POOLS = ("prefill", "decode", "colocated")
 SERVE_POLICY = "cluster.autoscaler.serve_policy:router_targets"
 API_KEY_ENV = "PDSERVE_API_KEY"
@@ -66,31 +74,40 @@ def add_serve_parser(sub) -> None:
     p.add_argument("model_path", nargs="?", metavar="MODEL", help="the model, as --model (`vllm serve MODEL`)")
     p.add_argument("--model",
                    help="HuggingFace checkpoint directory, or a built-in model: tiny (the default), bench, ...")
-    p.add_argument("--served-model-name")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="the name(s) clients give as `model`; responses carry the first (default: the checkpoint "
+                        "directory's name, and MODEL as given)")
+    p.add_argument("--tokenizer", metavar="DIR", help="a directory whose tokenizer to use in place of the "
+                                                      "checkpoint's")
     p.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template file (or the template itself) to render chats with, in place of "
                         "the tokenizer's")
-    p.add_argument("--host")
-    p.add_argument("--port", type=int)
+    p.add_argument("--host", help="the address to listen on (default 127.0.0.1, this machine only; 0.0.0.0 for "
+                                  "every interface)")
+    p.add_argument("--port", type=int, help="the HTTP port (default 8000)")
     p.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN",
                    help="CORS: origins whose web pages may call the API (e.g. https://chat.example.com), or '*'")
     p.add_argument("--allow-credentials", action="store_true", default=None,
                    help="CORS: browsers may send cookies and HTTP authentication (with origins listed one by one)")
-    p.add_argument("--mode", choices=["disaggregated", "colocated"])
+    p.add_argument("--mode", choices=["disaggregated", "colocated"],
+                   help="disaggregated (default): prefill and decode replicas, the KV cache handed between them; "
+                        "colocated: replicas that run both")
     p.add_argument("--log-level", choices=LOG_LEVELS, type=str.upper,
                    help="what the replicas log, pdserve's lines and Serve's (default INFO)")
-    p.add_argument("--prefill-replicas", type=int)
-    p.add_argument("--decode-replicas", type=int)
-    p.add_argument("--prefill-tp", type=int)
-    p.add_argument("--decode-tp", type=int)
-    p.add_argument("--colocated-replicas", type=int)
-    p.add_argument("--colocated-tp", type=int)
+    for pool in _POOLS:
+        p.add_argument(f"--{pool}-replicas", type=int, metavar="N", help=f"{pool} replicas (default 1)")
+        p.add_argument(f"--{pool}-tp", type=int, metavar="N",
+                       help=f"the tensor-parallel degree of each {pool} replica (default 1)")
     p.add_argument("-tp", "--tensor-parallel-size", type=int,
                    help="the TP degree of every pool the mode runs, where --prefill-tp / --decode-tp / "
                         "--colocated-tp do not set it")
-    p.add_argument("--device", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
-    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--device", choices=["cpu", "cuda"],
+                   help="where the engines run (default: cuda where this machine has a GPU, else cpu)")
+    p.add_argument("--dtype", type=str.lower,
+                   choices=["auto", "float32", "float16", "bfloat16", "half", "fp16", "bf16", "float", "fp32"],
+                   help="weights and KV cache (auto: the checkpoint's on CUDA, float32 on CPU)")
+    p.add_argument("--max-model-len", type=_token_count, metavar="TOKENS",
+                   help="the longest prompt + output (default: the model's); 8k is 8000, 8K 8192")
     engine = p.add_argument_group("engine (every worker's; a deployment file's engine: section)")
     engine.add_argument("--max-num-seqs", type=int, help="sequences a step holds at most (256)")
     engine.add_argument("--max-num-batched-tokens", type=int,
@@ -103,6 +120,11 @@ def add_serve_parser(sub) -> None:
                         help="reuse the KV of prompt prefixes seen before (on)")
     engine.add_argument("--enforce-eager", action="store_true", default=None,
                         help="CUDA: run every step eagerly, without CUDA graphs")
+    engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                        help="split long prompts across steps (on)")
+    engine.add_argument("--kv-cache-memory-gib", type=float, metavar="GIB",
+                        help="CPU: the memory each rank's KV cache may take (1.0)")
+    engine.add_argument("--seed", type=int, help="seeds the sampling of requests that give no seed (0)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: the "
                         "PDSERVE_API_KEY environment variable, if set); only the key's SHA-256 is deployed")
@@ -134,6 +156,7 @@ def config_from_args(args: argparse.Namespace):
             raise ConfigFileError(f"the model is given twice, as {positional} and --model {args.model}: "
                                   "give one")
         args.model = positional
+    _refuse_a_model_taken_as_a_value(args)
     overrides = {key: getattr(args, dest, None) for dest, key in FLAG_SETTINGS.items()}
     for name, ms in getattr(args, "slo", None) or []:
         overrides[f"slo.{name}_ms"] = ms
@@ -144,13 +167,14 @@ def config_from_args(args: argparse.Namespace):
     if key:
         overrides["http.api_key_sha256"] = api_key_digest(key)   # wins over the file's key settings
     from_env = os.environ.get(API_KEY_ENV)
-    config = load_config(args.config, overrides)
     tp = getattr(args, "tensor_parallel_size", None)
     if tp is not None:      # every pool the mode runs, but one its own flag sets
-        for pool in config.pools():
-            overrides.setdefault(f"{pool}.tensor_parallel_size", None)
-            if overrides[f"{pool}.tensor_parallel_size"] is None:
+        for pool in _pools_of_mode(args):
+            if overrides.get(f"{pool}.tensor_parallel_size") is None:
                 overrides[f"{pool}.tensor_parallel_size"] = tp
+    config = load_config(args.config, overrides)
+    if config.with_default_device(visible_gpus()).device != config.device:   # a GPU machine serves on its GPUs
+        overrides["device"] = "cuda"
         config = load_config(args.config, overrides)
     names_own_key = bool(config.http.api_key_env or config.http.api_key_sha256)
     if not key and not names_own_key and from_env is not None and not from_env.strip():
@@ -167,6 +191,10 @@ def config_from_args(args: argparse.Namespace):
     if unused:
         raise ConfigFileError(f"{', '.join(unused)} set a pool that {config.mode.value} mode does not run "
                               f"(its pools: {', '.join(config.pools())}); drop them or change --mode")
+    cuda_only = [f"--{dest.replace('_', '-')}" for dest in CUDA_ONLY_FLAGS if getattr(args, dest, None) is not None]
+    if cuda_only and config.device == "cpu":
+        raise ConfigFileError(f"{', '.join(cuda_only)} set what only a CUDA deployment uses, and this one serves on "
+                              "cpu: drop them, or give --device cuda")
     if getattr(args, "slo", None) and (problem := unused_slo_problem(config)):
         raise ConfigFileError(problem)
     if getattr(args, "max_replicas", None) is not None and not config.autoscaling.enabled:
@@ -175,6 +203,46 @@ def config_from_args(args: argparse.Namespace):
     for problem in config.unused_settings(given):     # (after the refusals: a refused flag is no unused setting)
         print(f"pdserve: warning: {problem}", file=sys.stderr)
     return config
+
+
+def _token_count(text: str) -> int:
+    """A token count as vLLM's flags take it: 4096, 8k (8,000), 8K (8,192), 1m, 1M."""
+    match = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a token count (e.g. 4096, 8k = 8000, 8K = 8192)")
+    number, unit = match.groups()
+    return int(number) * {"": 1, "k": 1000, "K": 1024, "m": 10**6, "M": 2**20}[unit]
+
+
+def _pools_of_mode(args: argparse.Namespace) -> tuple[str, ...]:
+    """The pools the deployment's mode runs (--mode, else the file's, else the default),
+    before it is validated; every pool for a mode that is not one (validation says so)."""
+    from cluster.config import DeploymentConfig, Mode, POOLS_BY_MODE, read_deployment_file
+    mode = args.mode or (read_deployment_file(args.config).get("mode") if args.config else None)
+    try:
+        return POOLS_BY_MODE[Mode(mode or DeploymentConfig.model_fields["mode"].default)]
+    except (ValueError, TypeError):
+        return _POOLS
+
+
+def _refuse_a_model_taken_as_a_value(args: argparse.Namespace) -> None:
+    """A flag of several values takes every word after it: `--served-model-name a MODEL`
+    takes MODEL as a name. Refused when no model was given otherwise and the flag's last
+    value is a checkpoint directory."""
+    from cluster.config import ConfigFileError
+    if args.model is not None or getattr(args, "model_path", None) is not None:
+        return
+    for dest in ("served_model_name", "allowed_origins"):
+        values = getattr(args, dest, None) or []
+        if values and (Path(os.path.expanduser(values[-1])) / "config.json").is_file():
+            raise ConfigFileError(f"--{dest.replace('_', '-')} took the model {values[-1]} as one of its values: "
+                                  f"give the model first (pdserve serve MODEL --{dest.replace('_', '-')} ...)")
+
+
+def visible_gpus() -> int:
+    """The CUDA GPUs torch sees on this machine."""
+    import torch
+    return torch.cuda.device_count()
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -271,7 +339,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if not _wait_running(APP_NAME, stop, notify=lambda m: print(m, flush=True)):
             print("stopped before the deployment was running; cleaning up ...", flush=True)
             return 128 + (stop.signum or 2)
-        print(f"pdserve is serving {config.mode.value} at {base_url(host, port)}/v1 (Ctrl-C stops it)", flush=True)
+        print(f"pdserve is serving {resolved.info.served_model_name} ({config.mode.value}, on {config.device}) at "
+              f"{base_url(host, port)}/v1 (Ctrl-C stops it)", flush=True)
         lost = _watch_application(APP_NAME, stop)
         if lost:
             print(f"error: {lost}; cleaning up ...", file=sys.stderr, flush=True)
@@ -410,8 +479,11 @@ def autoscaled_application(config, profile: dict | None = None) -> dict:
     from engine.chat_template import read_chat_template
     # the template's text, not a path that may mean nothing where the app is built
     template = read_chat_template(config.model.chat_template) if config.model.chat_template else None
-    model = config.model.model_copy(update={"path": _path_for_the_cluster(config.model.path),
-                                            "chat_template": template})
+    checkpoint = _path_for_the_cluster(config.model.path)
+    model = config.model.model_copy(update={
+        "path": checkpoint, "tokenizer": _path_for_the_cluster(config.model.tokenizer), "chat_template": template,
+        # the path as given stays a name clients may use (it is no longer the path)
+        "served_model_name": config.model.served_names(checkpoint or "tiny")})    # (unset: the tiny model)
     kv = config.kv_transfer
     if kv.secret_env:
         config.kv_transfer_secret()     # ValueError: its variable is not set here
@@ -425,11 +497,11 @@ def autoscaled_application(config, profile: dict | None = None) -> dict:
 
 
 def _path_for_the_cluster(model: str | None) -> str | None:
-    """model.path as a process with another working directory must read it: a
-    directory named here as its absolute path; unset, or a built-in model's name
-    (which each node builds in its own cache), as given."""
+    """model.path (or model.tokenizer) as a process with another working directory must
+    read it: a directory named here as its absolute path; unset, or a built-in model's
+    name (which each node builds in its own cache), as given."""
     from engine.tiny_model import names_built_in_model
-    return model if model is None or names_built_in_model(model) else os.path.abspath(model)
+    return model if model is None or names_built_in_model(model) else os.path.abspath(os.path.expanduser(model))
 
 
 # Serve retries a replica that fails to start for ever once another replica of its deployment has
@@ -541,10 +613,7 @@ def _print_with_time(message: str) -> None:
 
 def _machine_gpus(config) -> int:
     """The CUDA GPUs torch sees on this machine (0 for a CPU deployment, whose check needs none)."""
-    if config.device != "cuda":
-        return 0
-    import torch
-    return torch.cuda.device_count()
+    return visible_gpus() if config.device == "cuda" else 0
 
 
 def _connect(address: str | None, local_cpus: int, local_env: dict[str, str], dashboard: bool,

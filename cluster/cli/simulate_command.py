@@ -89,7 +89,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
                       max_concurrency=args.max_concurrency, max_duration=args.max_duration, autoscaler=autoscaler,
                       prompt_token_ids=prompt_token_ids)
     wall = time.perf_counter() - started
-    run_config = RunConfig(base_url=f"simulated:{args.config}", model=config.model.served_model_name or model_dir,
+    run_config = RunConfig(base_url=f"simulated:{args.config}", model=config.model.served_names(model_dir)[0],
                            request_rate=rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
                            max_duration=args.max_duration, seed=args.seed)
     records = result.records()

@@ -131,6 +131,6 @@ def kv_blocks(config, pool, model_config, dtype: str, max_len: int) -> int:
         if not p.fits:
             raise ValueError(f"a TP-{tp} replica does not fit on {spec.name}: {'; '.join(p.problems)}")
         blocks = p.kv_tokens_capacity // e.block_size
-    if problem := kv_capacity_problem(blocks, e.block_size, max_len):
+    if problem := kv_capacity_problem(blocks, e.block_size, max_len, config.device):
         raise ValueError(f"a TP-{tp} replica would not start: {problem}")
     return blocks
