@@ -79,6 +79,9 @@ class LLM:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or self.get_default_sampling_params()] * len(prompt_list)
         else:
+            if isinstance(sampling_params, Mapping):    # (iterating it would give its keys)
+                raise TypeError(f"sampling_params must be a SamplingParams or a list of them, not a "
+                                f"{type(sampling_params).__name__}: pass SamplingParams(**the_dict)")
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"got {len(params_list)} sampling params for {len(prompt_list)} prompts")

@@ -136,10 +136,10 @@ class SamplingParams:
 
         if self.seed == -1 and not isinstance(self.seed, bool):    # vLLM's "no seed"
             self.seed = None
-        if self.seed is not None:   # any 64-bit signed integer, as vLLM takes (torch maps negatives)
-            self.seed = _check_int("seed", self.seed, "in [-2**63, 2**63)")
-            if not -_SEED_LIMIT <= self.seed < _SEED_LIMIT:
-                raise _out_of_range("seed", self.seed, "in [-2**63, 2**63)")
+        if self.seed is not None:   # 64 bits, signed or unsigned, as vLLM takes (torch maps negatives)
+            self.seed = _check_int("seed", self.seed, "in [-2**63, 2**64)")
+            if not -_SEED_LIMIT <= self.seed < 2 * _SEED_LIMIT:
+                raise _out_of_range("seed", self.seed, "in [-2**63, 2**64)")
 
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)

@@ -10,9 +10,8 @@ import dataclasses
 import logging
 import time
 
-from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput, joined
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.sampling_params import SamplingParams
 from router.admission import AdmissionControl, Admitted
 from router.backend import BackendUnavailableError, GenerationBackend
 from router.metrics import ServingMetrics
@@ -23,15 +22,12 @@ log = logging.getLogger(__name__)
 
 def params_of_choice(params: SamplingParams, index: int) -> SamplingParams:
     """Choice `index`'s sampling parameters: a seed moves on by the index (vLLM's), so
-    seeded choices differ from each other and each is reproducible. InvalidRequestError
-    when that seed is out of range."""
+    seeded choices differ from each other and each is reproducible. The seed is taken as
+    64 bits unsigned (the generator's), so it wraps past 2**64 and a choice of seed -2 + 1
+    is seeded (-1 is a request's "no seed", never a choice's)."""
     if index == 0 or params.seed is None:
         return params
-    try:
-        return dataclasses.replace(params, seed=params.seed + index)
-    except SamplingParamsError as exc:
-        raise InvalidRequestError(f"{exc} (choice {index} of n takes seed + {index}): send a smaller seed",
-                                  param="seed") from None
+    return dataclasses.replace(params, seed=(params.seed + index) % 2**64)
 
 
 class Choices:

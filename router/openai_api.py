@@ -648,13 +648,15 @@ class _Server:
     def _check_logprob_entries(self, prompts: list[_PlannedPrompt], body: CompletionRequest | ChatCompletionRequest
                                ) -> None:
         """Refuses a request whose response could carry more logprob entries than the limit: for
-        each prompt, its output's (max_tokens of each of n choices; not for a stream, whose chunks
-        go out as they come) and its prompt's (prompt_logprobs, or echo with logprobs), counted
-        for each choice, which repeats them."""
+        each prompt, its output's (the max_tokens asked for, of each of n choices; not for a
+        stream, whose chunks go out as they come, nor for a chat that asks for no bound, which
+        vLLM and OpenAI serve: its bound is only the context's room) and its prompt's
+        (prompt_logprobs, or echo with logprobs), counted for each choice, which repeats them."""
         entries = 0
         for plan in prompts:
             params = plan.choice_params[0]
-            if params.logprobs is not None and not body.stream:
+            bounded = body.requested_max_tokens is not None or plan.max_tokens_asked is not None
+            if params.logprobs is not None and not body.stream and bounded:
                 entries += body.choices * params.max_tokens * (params.logprobs + 1)     # the cap sent
             if params.prompt_logprobs is not None:
                 entries += body.choices * len(plan.ids) * (params.prompt_logprobs + 1)
@@ -662,8 +664,8 @@ class _Server:
         if entries > most:
             raise InvalidRequestError(
                 f"the response could carry {entries:,} logprob entries (prompts x n x tokens x (logprobs + 1)), "
-                f"more than this server's {most:,}: ask for fewer alternatives, choices, prompts or max_tokens "
-                "(a chat without max_tokens may run to the end of the context), or stream the response.",
+                f"more than this server's {most:,}: ask for fewer alternatives, choices, prompts or max_tokens, "
+                "or stream the response.",
                 param=body.logprobs_param if prompts[0].choice_params[0].logprobs is not None else "prompt_logprobs")
 
     def _check_bad_words_size(self, words: list[str]) -> None:

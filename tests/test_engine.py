@@ -248,6 +248,8 @@ def test_every_bit_of_a_seed_counts(llm):
     # a seed below 2**32 seeds torch's generator as it is: its tokens are what they were
     from engine.sampler import seeded_generator
     assert torch.equal(seeded_generator(7, "cpu").get_state(), torch.Generator().manual_seed(7).get_state())
+    # a seed is its 64 bits, signed or not: -2 and 2**64 - 2 draw alike (a choice's seed wraps so)
+    assert draw(2**64 - 2) == draw(-2) != draw(2**64 - 1)
 
 
 def test_logprobs_match_transformers(llm, reference):

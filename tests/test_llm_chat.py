@@ -106,6 +106,8 @@ def test_vllms_call_forms_are_taken(llm):
         llm.generate("Hello", GREEDY, lora_request=object())
     with pytest.raises(ValueError, match="tools is not supported"):
         llm.chat(HELLO, GREEDY, tools=[{"type": "function"}])
+    with pytest.raises(TypeError, match=r"not a dict: pass SamplingParams\(\*\*the_dict\)"):
+        llm.generate("Hello", {"max_tokens": 3})
     # cumulative_logprob: the sum of the tokens' logprobs, where they were asked for
     (scored,) = llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=4, logprobs=1))
     assert scored.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in scored.logprobs))

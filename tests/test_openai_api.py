@@ -893,7 +893,6 @@ LONG = list(range(3, 3 + MAX_MODEL_LEN))
     (COMPLETIONS, {"prompt": "Hi", "allowed_token_ids": [3] * 1025}, 400, "allowed_token_ids",
      "has 1025 ids; this server allows at most 1024"),
     (CHAT, {"messages": USER, "logit_bias": {str(i): 1 for i in range(1025)}}, 400, "logit_bias", "at most 1024"),
-    (COMPLETIONS, {"prompt": "Hi", "n": 2, "seed": 2**63 - 1}, 400, "seed", "choice 1 of n takes seed + 1"),
     (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, 400,
      "response_format", "not supported"),
     (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
@@ -1117,6 +1116,12 @@ def test_n_choices_each_run_as_a_request_of_their_own_and_come_back_indexed(clie
                              "total_tokens": len(backend.calls[0][1]) + 12}     # the prompt counted once
     client.post(COMPLETIONS, json={"prompt": "Hi", "n": 2, "max_tokens": 1})
     assert [call[2].seed for call in backend.calls[3:]] == [None, None]
+    # a seed as 64 bits: the choice after seed -2 is seeded (-1 as 2**64 - 1, what the generator makes of -1;
+    # -1 itself is a request's "no seed"), and one past 2**63 - 1 is served, not refused
+    client.post(COMPLETIONS, json={"prompt": "Hi", "n": 3, "max_tokens": 1, "seed": -2})
+    assert [call[2].seed for call in backend.calls[5:]] == [-2, 2**64 - 1, 0]
+    assert client.post(COMPLETIONS, json={"prompt": "Hi", "n": 2, "max_tokens": 1, "seed": 2**63 - 1}).status_code \
+        == 200 and backend.calls[-1][2].seed == 2**63
 
 
 def test_n_streamed_choices_interleave_and_each_opens_and_ends(client, backend, tokenizer):
@@ -1221,8 +1226,8 @@ def test_n_choices_are_admitted_together_or_not_at_all(backend, tokenizer, metri
     admission.first_token(occupying)
     admission.finished(occupying)
     assert (admission.waiting_requests, admission.waiting_tokens, admission.running) == (0, 0, 0)
-    too_far = n_client.post(COMPLETIONS, json={"prompt": prompt, "n": 2, "seed": 2**63 - 1, "max_tokens": 1})
-    assert too_far.status_code == 400 and backend.calls == []
+    too_long = n_client.post(COMPLETIONS, json={"prompt": LONG, "n": 2, "max_tokens": 1})
+    assert too_long.status_code == 400 and backend.calls == []
     assert (admission.waiting_requests, admission.waiting_tokens, admission.running) == (0, 0, 0)
     assert n_client.post(COMPLETIONS, json={"prompt": prompt, "n": 2, "max_tokens": 2}).status_code == 200
     assert len(backend.calls) == 2 and (admission.waiting_requests, admission.running) == (0, 0)

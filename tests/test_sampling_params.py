@@ -49,8 +49,8 @@ def test_error_is_a_value_error_with_field_value_and_range():
     ("presence_penalty", -2.01, r"in \[-2, 2\]"),
     ("frequency_penalty", 2.5, r"in \[-2, 2\]"),
     ("frequency_penalty", -3.0, r"in \[-2, 2\]"),
-    ("seed", -2**63 - 1, r"in \[-2\*\*63, 2\*\*63\)"),
-    ("seed", 2**63, r"in \[-2\*\*63, 2\*\*63\)"),
+    ("seed", -2**63 - 1, r"in \[-2\*\*63, 2\*\*64\)"),
+    ("seed", 2**64, r"in \[-2\*\*63, 2\*\*64\)"),
     ("logprobs", -1, r"in \[0, 20\]"),
     ("logprobs", 21, r"in \[0, 20\]"),
 ])
