@@ -103,19 +103,10 @@ class IncrementalDetokenizer:
         # dropped before they reach the window, as the full decode drops them: a long run of them
         # after an unfinished character kept every later token decoding the whole run
         self._dropped_ids, self._vocab_size = _ids_decoded_as_nothing(tokenizer, skip_special_tokens)
-        context = [int(t) for t in prompt_token_ids[-_CONTEXT_TOKENS:]]
-        # The context's decode must end in a character. Where the context starts inside
-        # one, SentencePiece's byte fallback turns the whole run of byte tokens after it
-        # into U+FFFD: drop tokens from the left until the decode ends in a character, so
-        # the first output token still follows text (its leading space depends on it). A
-        # prompt that ends inside a character is left with none: its bytes glued to the
-        # output's first bytes would make a character the output's own decode never has.
-        while context and self._decode(context).endswith(_REPLACEMENT):
-            del context[0]
-        self._ids: list[int] = context
+        self._ids: list[int] = self._context(prompt_token_ids)
         # ids[prefix_offset:read_offset] is context; text up to read_offset is emitted.
         self._prefix_offset = 0
-        self._read_offset = len(context)
+        self._read_offset = len(self._ids)
         # len(decode(ids[prefix_offset:read_offset])); None until needed.
         self._prefix_len: int | None = None
         # Characters past read_offset already emitted (settled text that precedes an
@@ -183,6 +174,32 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self._window_decode(ids, self._skip_special_tokens)
+
+    def _context(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        """The prompt's last few tokens that decode to text (ids the decode drops, e.g. a
+        chat template's closing special tokens, count for nothing), as the first output
+        token's context: a SentencePiece decoder drops the leading space of a token that
+        starts the text. Its decode must end in a character. Where the context starts inside
+        one, SentencePiece's byte fallback turns the whole run of byte tokens after it into
+        U+FFFD: tokens are dropped from the left until the decode ends in a character. Where
+        that leaves none (the prompt ends inside a character, or in a U+FFFD of its own), the
+        context is what comes before that last character: its bytes glued to the output's
+        first bytes would make a character the output's own decode never has."""
+        context: list[int] = []
+        for token in reversed(prompt_token_ids):
+            token = int(token)
+            if token not in self._dropped_ids and (self._vocab_size is None or token < self._vocab_size):
+                context.insert(0, token)
+                if len(context) == _CONTEXT_TOKENS:
+                    break
+        from_the_left = context[:]
+        while from_the_left and self._decode(from_the_left).endswith(_REPLACEMENT):
+            del from_the_left[0]
+        if from_the_left:
+            return from_the_left
+        while context and self._decode(context).endswith(_REPLACEMENT):
+            context.pop()
+        return context
 
     def _window_prefix_len(self) -> int:
         if self._prefix_len is None:

@@ -98,8 +98,11 @@ class RequestTextState:
         past_min = n_out >= params.min_tokens
         eos = not params.ignore_eos and token_id in seq.eos_token_ids
         if past_min and (eos or token_id in params.stop_token_ids):
-            if self.keep_stop:      # as vLLM: the ending token's text too (none for a skipped special token)
+            if self.keep_stop:      # as vLLM: the ending token's text too (none for a skipped special token),
+                prev_len = len(self.text)          # where a stop string ends first, as in any other token's
                 self.text.append(self.detokenizer.add_token(token_id))
+                if n_out > params.min_tokens and self.stop_strings and self._check_stop_strings(prev_len):
+                    return
             # vLLM's: no stop_reason for the model's main EOS; the id of another (generation_config's extra
             # EOS ids, a stop_token_ids entry)
             self._finish("stop", None if eos and token_id == seq.eos_token_ids[0] else token_id)

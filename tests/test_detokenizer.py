@@ -261,6 +261,22 @@ def test_the_first_word_after_a_prompt_ending_in_byte_fallback_characters_keeps_
     assert text == tok.decode(prompt + output, skip_special_tokens=True)[len(before):] == " quick brown"
 
 
+@pytest.mark.parametrize("prompt_text, closing_specials", [("the", 5), ("the", 7), ("the \ufffd", 0),
+                                                            ("the dog \ufffd", 1)])
+def test_a_prompt_ending_in_skipped_specials_or_a_replacement_character_keeps_the_first_words_space(
+        prompt_text, closing_specials):
+    # a chat template's closing special tokens decode to nothing (5 of them were the whole context, and
+    # the first word lost its space); a U+FFFD the prompt holds as text is a whole character, not one
+    # the output's bytes finish (the context was dropped for it)
+    tok = _sentencepiece_style_tokenizer()
+    prompt = tok.encode(prompt_text, add_special_tokens=False) + [tok.eos_token_id] * closing_specials
+    output = tok.encode("quick brown", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=True)
+    text = "".join(detok.add_token(t) for t in output) + detok.flush()
+    before = tok.decode(prompt, skip_special_tokens=True)
+    assert text == tok.decode(prompt + output, skip_special_tokens=True)[len(before):] == " quick brown"
+
+
 class _CleaningTokenizer:
     """A transformers-style tokenizer whose decode cleans up tokenization spaces
     (" ." -> ".", " '" -> "'", ...) unless told not to, as Hub configs with

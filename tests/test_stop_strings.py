@@ -61,6 +61,23 @@ def test_a_stop_token_id_shows_its_text_only_when_the_request_keeps_stops(keep):
     assert text == tokenizer.decode(ids[:4] if keep else ids[:3])
 
 
+def test_a_kept_stop_tokens_text_is_searched_for_stop_strings_too():
+    # as vLLM: with include_stop_str_in_output the ending token's text joins the output, and a stop string
+    # that ends in it (first) ends the request there, its reason the string
+    tokenizer = load_tokenizer(ensure_default_model())
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    stop_id = ids[3]
+    token_text = tokenizer.decode(ids[:4])[len(tokenizer.decode(ids[:3])):]
+    inner = token_text.strip()[:2]
+    text, reason, stop, count = run(tokenizer, ids, stop_token_ids=[stop_id], stop=[inner],
+                                    include_stop_str_in_output=True, max_tokens=len(ids))
+    assert (reason, stop, count) == ("stop", inner, 4)
+    assert text == tokenizer.decode(ids[:3]) + token_text[:token_text.index(inner) + len(inner)]
+    # without it, the stop token's text is not output and the token is the reason
+    text, reason, stop, _ = run(tokenizer, ids, stop_token_ids=[stop_id], stop=[inner], max_tokens=len(ids))
+    assert (text, reason, stop) == (tokenizer.decode(ids[:3]), "stop", stop_id)
+
+
 @pytest.mark.parametrize("keep", [False, True])
 def test_of_two_stops_one_token_completes_the_one_that_ends_first_wins(keep):
     # as vLLM: the stop that completes first in the text, as appending a character at a time
