@@ -60,7 +60,7 @@ def test_dynamic_rope_past_the_original_context_has_transformers_frequencies_at_
     assert not torch.allclose(ours, inverse_frequencies(config, 1024))     # scaled: not the plain frequencies
 
 
-def test_linear_and_dynamic_rope_scalings_reach_past_max_position_embeddings(model_dirs, tmp_path):
+def test_linear_and_dynamic_rope_scalings_reach_past_max_position_embeddings(model_dirs, tmp_path, caplog):
     # how such checkpoints extend their context (vLLM takes max_position_embeddings x factor);
     # they were refused past max_position_embeddings, and the dynamic-NTK code never ran
     from engine.model import ModelConfig
@@ -74,7 +74,11 @@ def test_linear_and_dynamic_rope_scalings_reach_past_max_position_embeddings(mod
     # dynamic: fixed for the engine's context, as vLLM; past 1024 that differs from transformers'
     # frequencies for shorter sequences, so it is asked for, not the default
     assert (dynamic.longest_context, dynamic.default_context) == (2048, 1024)
-    assert resolve_max_model_len(EngineConfig(model=str(dynamic_dir), max_model_len=2048), dynamic) == 2048
+    with caplog.at_level("WARNING", logger="engine.model.model_config"):
+        assert resolve_max_model_len(EngineConfig(model=str(dynamic_dir), max_model_len=1024), dynamic) == 1024
+        assert not caplog.records                              # within max_position_embeddings: transformers'
+        assert resolve_max_model_len(EngineConfig(model=str(dynamic_dir), max_model_len=2048), dynamic) == 2048
+    assert "every output, short prompts' too, differs from transformers'" in caplog.text
     with pytest.raises(ValueError, match=r"\(2048: its max_position_embeddings 1024 times its dynamic RoPE "
                                          r"scaling factor 2\)"):
         resolve_max_model_len(EngineConfig(model=str(dynamic_dir), max_model_len=3000), dynamic)
@@ -178,6 +182,9 @@ def _with_config(src, dst, **changes):
     ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0,
                           "partial_rotary_factor": 0.5}},
      "partial_rotary_factor 0.5 with linear RoPE is not supported"),
+    ({"layer_types": ["full_attention", "chunked_attention"]},
+     "layer_types chunked_attention are not supported: pdserve's layers attend as full_attention or "
+     "sliding_attention"),
 ])
 def test_checkpoints_the_model_would_compute_wrongly_are_refused(model_dirs, tmp_path, changes, says):
     # each of these loaded and gave wrong logits (an fp8 weight cast without its scale, a GELU MLP run as SiLU,
@@ -203,7 +210,7 @@ def test_eos_ids_join_generation_config_jsons_unless_it_is_absent_or_unreadable(
     assert ModelConfig.from_pretrained(d).eos_token_ids == (config_eos,)
 
 
-def test_a_qwen2_config_whose_layers_slide_caps_the_context_at_its_window(model_dirs, tmp_path):
+def test_a_qwen2_config_whose_layers_slide_caps_the_context_at_its_window(model_dirs, tmp_path, caplog):
     # Qwen2 slides only with use_sliding_window, from layer max_window_layers on; sliding-window
     # attention is not implemented, so the context is capped at the window (as for Mistral)
     from engine.model import ModelConfig
@@ -214,8 +221,10 @@ def test_a_qwen2_config_whose_layers_slide_caps_the_context_at_its_window(model_
                        layer_types=None)
     assert ModelConfig.from_pretrained(sliding).sliding_window == 32
     assert ModelConfig.from_pretrained(off).sliding_window is None
-    llm = LLM(str(sliding))
+    with caplog.at_level("INFO", logger="engine.model.model_config"):
+        llm = LLM(str(sliding))
     assert llm.engine.max_model_len == 32
+    assert "max_model_len 32: the model's sliding window" in caplog.text      # said, not silent
 
 
 def test_a_context_past_the_sliding_window_is_refused_naming_the_window(model_dirs, tmp_path):

@@ -23,6 +23,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 # model by model_type, from which transformers' AutoModelForCausalLM picks the class
 ARCHITECTURE_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})   # a config's `layer_types`
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 CONTEXT_SCALING_ROPE_TYPES = ("linear", "dynamic")    # their factor stretches the context past the trained one
 
@@ -102,7 +103,18 @@ class ModelConfig:
         where None; ValueError past longest_context, naming why."""
         limit = self.longest_context
         if max_model_len is None:
+            if self.sliding_window and self.default_context == self.sliding_window:
+                logger.info("max_model_len %d: the model's sliding window, which pdserve's attention does not "
+                            "slide past (its max_position_embeddings is %d)", self.sliding_window,
+                            self.max_position_embeddings)
             return self.default_context
+        if self.rope_type == "dynamic" and self.max_position_embeddings < max_model_len <= limit:
+            logger.warning(
+                "dynamic-NTK RoPE with max_model_len %d past max_position_embeddings %d: its frequencies are "
+                "fixed for %d tokens (as vLLM fixes them), so every output, short prompts' too, differs from "
+                "transformers' (which scales them with each sequence's length); leave max_model_len unset, or "
+                "at most %d, to match it", max_model_len, self.max_position_embeddings, max_model_len,
+                self.max_position_embeddings)
         if max_model_len > limit:
             if self.sliding_window and limit == self.sliding_window:
                 why = (f"its attention slides over a window of {self.sliding_window} tokens, which pdserve does "
@@ -155,6 +167,10 @@ class ModelConfig:
                 getattr(quantization, "quant_method", "?")
             raise ModelConfigError(f"quantized checkpoints (quant_method={method}) are not supported: pdserve "
                                    "loads float16, bfloat16 or float32 weights; use the unquantized checkpoint")
+        unknown = sorted({str(t) for t in getattr(hf, "layer_types", None) or ()} - ATTENTION_LAYER_TYPES)
+        if unknown:
+            raise ModelConfigError(f"layer_types {', '.join(unknown)} are not supported: pdserve's layers attend "
+                                   f"as {' or '.join(sorted(ATTENTION_LAYER_TYPES))}")
         activation = getattr(hf, "hidden_act", "silu")
         if activation not in ("silu", "swish"):
             raise ModelConfigError(f"hidden_act {activation!r} is not supported: the MLP is SiLU-gated "
