@@ -76,6 +76,11 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         log.warning(problem)
     if not whole:     # (`pdserve serve` chose the device of a whole deployment)
         config = config.with_default_device(_cluster_gpus())
+        default = type(config.http)()
+        address = [name for name in ("host", "port") if getattr(config.http, name) != getattr(default, name)]
+        if address:
+            log.warning("the deployment's http.%s is not used here: the Serve config's http_options set the "
+                        "address (http.* is pdserve serve's)", ", http.".join(address))
     if ray.is_initialized():   # a Serve config file's application is built in the cluster: check against it
         config = placed_config(config)
     else:

@@ -843,6 +843,16 @@ def test_serve_run_with_an_import_path_refuses_an_autoscaled_deployment():
     build_app({"config": str(REPO / "configs" / "tiny-cpu.yaml")})      # not autoscaled: built (no error)
 
 
+def test_a_serve_config_file_says_the_deployments_address_is_not_used(caplog):
+    from cluster.app_builder import build_app
+    with caplog.at_level("WARNING", logger="cluster.app_builder"):
+        build_app({"config": str(REPO / "configs" / "tiny-cpu.yaml")})     # its address is the default one
+        assert "http_options" not in caplog.text
+        build_app({"config": str(REPO / "configs" / "tiny-cpu.yaml"), "http.port": 9000})
+    assert "the deployment's http.port is not used here: the Serve config's http_options set the address" \
+        in caplog.text
+
+
 def test_the_log_level_reaches_every_deployment_and_the_workers_keep_no_access_log():
     from cluster.app_builder import build_application
     from cluster.serving.placement import resolve_cpus_per_rank
