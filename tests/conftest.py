@@ -124,6 +124,16 @@ def _live_children() -> list[str]:
     return found
 
 
+@pytest.fixture(autouse=True)
+def deployments_see_no_gpus(monkeypatch):
+    """A deployment that names no device takes the GPUs there are: the tests that build
+    one see none, wherever they run (a test about that default sets its own)."""
+    import sys
+    for module, counter in (("cluster.cli.serve_command", "visible_gpus"), ("cluster.app_builder", "_cluster_gpus")):
+        if module in sys.modules:
+            monkeypatch.setattr(sys.modules[module], counter, lambda: 0)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_process_left_behind():
     """Every engine rank process the tests start must be gone when they end."""

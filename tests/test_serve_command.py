@@ -26,6 +26,7 @@ from engine.tp_group import free_port
 REPO = Path(__file__).resolve().parents[1]
 
 
+
 def test_flags_override_the_config_file():
     args = build_parser().parse_args(["serve", "--config", str(REPO / "configs/tiny-cpu.yaml"), "--port", "9001",
                                       "--decode-replicas", "2", "--prefill-tp", "2", "--mode", "disaggregated",
