@@ -257,7 +257,7 @@ def pdserve_server(system: str, model_dir: str, port: int, log_dir: Path, start_
                    stop_timeout: float):
     """`pdserve serve` for `system` in a subprocess; yields its base URL once healthy; stops it."""
     cmd = [sys.executable, "-m", "cluster.cli.main", "serve", "--model", model_dir, "--port", str(port),
-           "--address", "local", *SERVE_ARGS[system]]
+           "--address", "local", "--device", "cpu", *SERVE_ARGS[system]]
     log = log_dir / f"{system}.log"
     print(f"  starting: {' '.join(cmd[1:])}  (log: {log})", flush=True)
     with log.open("w") as out:
@@ -278,10 +278,11 @@ def pdserve_server(system: str, model_dir: str, port: int, log_dir: Path, start_
 
 @contextmanager
 def served(config_path: Path, port: int, log: Path, timeout_s: float = 240.0):
-    """`pdserve serve --config config_path` on a local cluster in a subprocess, its
-    output in `log`; yields its base URL once healthy; stops it, and what it started."""
+    """`pdserve serve --config config_path` on a local cluster in a subprocess, on CPU
+    (what the benchmarks measure, GPUs or not), its output in `log`; yields its base
+    URL once healthy; stops it, and what it started."""
     cmd = [sys.executable, "-m", "cluster.cli.main", "serve", "--config", str(config_path), "--port", str(port),
-           "--address", "local"]
+           "--address", "local", "--device", "cpu"]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)

@@ -71,8 +71,13 @@ def _dtype_name(value: Any) -> Any:
 
 
 def _served_names(value: Any) -> Any:
-    """One name, or several (the first is the one responses carry; every one is accepted): a list."""
-    return [value] if isinstance(value, str) else value
+    """One name, or several (the first is the one responses carry; every one is accepted): a list,
+    each name once."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(name, str) for name in value):
+        return list(dict.fromkeys(value))
+    return value
 
 
 def _listen_address(value: str | None) -> str | None:
@@ -140,7 +145,7 @@ class EngineSection(_Strict):
         f"{CPU_TOKENS_PER_STEP} on CPU, {CUDA_TOKENS_PER_STEP} on CUDA")
     kv_cache_memory_gib: float = Field(1.0, gt=0)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    seed: int = Field(0, ge=0, lt=2**63, description="seeds the sampling of requests that give no seed")
+    seed: int = Field(0, ge=-2**63, lt=2**64, description="seeds the sampling of requests that give no seed")
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     attention_backend: Literal["auto", "torch", "triton", "cpp"] = Field(
@@ -549,10 +554,16 @@ class DeploymentConfig(_Strict):
 
     def with_default_device(self, gpus: float) -> "DeploymentConfig":
         """This deployment, on cuda where it names no device (neither in the file nor by a
-        flag) and `gpus` (the machine's or the cluster's) > 0: as vLLM, a GPU where there is one."""
-        if "device" in self.model_fields_set or gpus <= 0:
+        flag) and `gpus` (the machine's or the cluster's) hold a GPU for each of its ranks:
+        as vLLM, on the GPUs where there are some (where too few, it stays on CPU, which
+        places any deployment)."""
+        if "device" in self.model_fields_set or gpus < self.ranks():
             return self
         return with_overrides(self, {"device": "cuda"})
+
+    def ranks(self) -> int:
+        """The ranks (on CUDA, GPUs) of the replicas the deployment starts with."""
+        return sum(pool.replicas * pool.tensor_parallel_size for pool in self.pools().values())
 
     def tokenizer_path(self) -> str | None:
         """model.tokenizer's directory (None: the checkpoint's own tokenizer)."""
@@ -626,7 +637,7 @@ def read_deployment_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigFileError(f"{path} is not a valid pdserve deployment file: it holds a "
                               f"{type(data).__name__}, not a mapping of sections")
-    if "applications" in data and "applications" not in DeploymentConfig.model_fields:
+    if "applications" in data:
         raise ConfigFileError(f"{path} is a Ray Serve config file (it has `applications:`), not a pdserve "
                               "deployment file: run it with `serve run` / `serve deploy`, or give pdserve the "
                               "deployment file its application's `args: config:` names")

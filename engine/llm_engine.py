@@ -51,6 +51,7 @@ from engine.sampler import Sampler, TokenLogprobs, seeded_generator, skip_draws
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler
 from engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from engine.tiny_model import ensure_built_in_checkpoint
 from engine.tokenizer import load_tokenizer
 from engine.tp_group import RankProcesses, create_group, host_store, resolve_backend
 
@@ -109,6 +110,8 @@ class LLMEngine:
         self.kv_cache = self.worker.kv_cache
         if problem := step_budget_problem(config, self.max_model_len):
             raise ValueError(problem)
+        if config.tokenizer:
+            ensure_built_in_checkpoint(config.tokenizer)     # a built-in model's, named on another node
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,

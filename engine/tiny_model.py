@@ -625,11 +625,17 @@ def names_built_in_model(model: str) -> bool:
     return model in PRESETS and not (Path(model) / "config.json").is_file()
 
 
+def names_built_in_tokenizer(tokenizer: str) -> bool:
+    """`tokenizer` is the name of a preset, and no directory of that name here holds a tokenizer."""
+    return tokenizer in PRESETS and not any((Path(tokenizer) / name).is_file()
+                                            for name in ("tokenizer.json", "tokenizer_config.json"))
+
+
 def tokenizer_dir(tokenizer: str) -> str:
     """The directory a `tokenizer` setting names, as an absolute path: a built-in
     model's (built here on first use), or the directory given."""
     tokenizer = os.path.expanduser(tokenizer)
-    if names_built_in_model(tokenizer) and not (Path(tokenizer) / "tokenizer_config.json").is_file():
+    if names_built_in_tokenizer(tokenizer):
         return str(ensure_preset_model(tokenizer))
     return os.path.abspath(tokenizer)
 

@@ -303,7 +303,7 @@ class _Server:
             batch = [body] if chat else body.prompts()
             prompts = [await self._planned(one, chat, i if len(batch) > 1 else None) for i, one in enumerate(batch)]
             await self._check_bad_words(prompts[0].choice_params[0])     # the request's, for every prompt
-            self._check_logprob_entries(prompts, body)
+            self._bound_logprob_entries(prompts, body)
         except BaseException:    # a 400 (or a client gone while tokenizing): no demand on the workers
             if arrived is not None:
                 self.admission.withdraw(arrived)
@@ -645,28 +645,37 @@ class _Server:
                                           param=name)
         self._check_bad_words_size(body.bad_words or [])
 
-    def _check_logprob_entries(self, prompts: list[_PlannedPrompt], body: CompletionRequest | ChatCompletionRequest
-                               ) -> None:
+    def _bound_logprob_entries(self, prompts: list[_PlannedPrompt],
+                               body: CompletionRequest | ChatCompletionRequest) -> None:
         """Refuses a request whose response could carry more logprob entries than the limit: for
-        each prompt, its output's (the max_tokens asked for, of each of n choices; not for a
-        stream, whose chunks go out as they come, nor for a chat that asks for no bound, which
-        vLLM and OpenAI serve: its bound is only the context's room) and its prompt's
-        (prompt_logprobs, or echo with logprobs), counted for each choice, which repeats them."""
-        entries = 0
+        each prompt, its output's (max_tokens of each of n choices; not for a stream, whose chunks
+        go out as they come) and its prompt's (prompt_logprobs, or echo with logprobs), counted
+        for each choice, which repeats them. A chat that asks for no output bound (vLLM and OpenAI
+        serve it: its bound is the context's room, which on a long-context model alone would pass
+        the limit) is served with its choices' max_tokens lowered, in place, to what the limit
+        leaves: it ends there with finish_reason length."""
+        entries, unbounded = 0, []
         for plan in prompts:
             params = plan.choice_params[0]
-            bounded = body.requested_max_tokens is not None or plan.max_tokens_asked is not None
-            if params.logprobs is not None and not body.stream and bounded:
-                entries += body.choices * params.max_tokens * (params.logprobs + 1)     # the cap sent
+            if params.logprobs is not None and not body.stream:
+                if body.requested_max_tokens is None and plan.max_tokens_asked is None:
+                    unbounded.append(plan)
+                else:
+                    entries += body.choices * params.max_tokens * (params.logprobs + 1)     # the cap sent
             if params.prompt_logprobs is not None:
                 entries += body.choices * len(plan.ids) * (params.prompt_logprobs + 1)
         most = self.limits.max_logprob_entries
-        if entries > most:
+        per_token = body.choices * len(unbounded) * ((prompts[0].choice_params[0].logprobs or 0) + 1)
+        if entries > most or (unbounded and (most - entries) // per_token < 1):
             raise InvalidRequestError(
                 f"the response could carry {entries:,} logprob entries (prompts x n x tokens x (logprobs + 1)), "
                 f"more than this server's {most:,}: ask for fewer alternatives, choices, prompts or max_tokens, "
                 "or stream the response.",
                 param=body.logprobs_param if prompts[0].choice_params[0].logprobs is not None else "prompt_logprobs")
+        for plan in unbounded:
+            cap = (most - entries) // per_token
+            if plan.choice_params[0].max_tokens > cap:
+                plan.choice_params[:] = [dataclasses.replace(p, max_tokens=cap) for p in plan.choice_params]
 
     def _check_bad_words_size(self, words: list[str]) -> None:
         """Refuses, before tokenizing them, bad_words longer than any output could spell, one by one

@@ -128,10 +128,10 @@ def _live_children() -> list[str]:
 def deployments_see_no_gpus(monkeypatch):
     """A deployment that names no device takes the GPUs there are: the tests that build
     one see none, wherever they run (a test about that default sets its own)."""
-    import sys
-    for module, counter in (("cluster.cli.serve_command", "visible_gpus"), ("cluster.app_builder", "_cluster_gpus")):
-        if module in sys.modules:
-            monkeypatch.setattr(sys.modules[module], counter, lambda: 0)
+    import cluster.app_builder
+    import cluster.cli.serve_command
+    monkeypatch.setattr(cluster.cli.serve_command, "visible_gpus", lambda: 0)
+    monkeypatch.setattr(cluster.app_builder, "_cluster_gpus", lambda: 0)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -178,12 +178,21 @@ def test_logprob_entries_are_limited_in_all_as_they_multiply(tokenizer):
     assert completion(client, prompt=prompt, n=2, max_tokens=10, logprobs=4, stream=True).status_code == 200
     # a max_tokens past the context's room counts the room (64-token context: ~55 tokens x 4 choices x (2 + 1)
     # > 199); a chat that asks for no bound is served, as vLLM and OpenAI serve it (on a long-context model
-    # its room alone would refuse every chat with logprobs)
+    # its room alone would refuse every chat with logprobs), each choice ending where the limit does:
+    # 199 // (4 x 3) = 16 tokens
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "n": 4, "logprobs": True,
             "top_logprobs": 2}
     r = client.post("/v1/chat/completions", json={**chat, "max_tokens": 60})
     assert r.status_code == 400 and "logprob entries" in r.json()["error"]["message"], r.json()
+    calls = len(backend.calls)
     assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    assert [params.max_tokens for _, _, params in backend.calls[calls:]] == [16] * 4
+    assert [params.seed for _, _, params in backend.calls[calls:]] == [None] * 4
+    calls = len(backend.calls)
+    assert client.post("/v1/chat/completions", json={**chat, "n": 1, "stream": True}).status_code == 200
+    assert backend.calls[calls][2].max_tokens > 16       # a stream's entries go out as they come: not bounded
+    r = client.post("/v1/chat/completions", json={**chat, "n": 16, "top_logprobs": 20})  # 16 x 21 > 199 a token
+    assert r.status_code == 400 and "logprob entries" in r.json()["error"]["message"], r.json()
     assert completion(client, prompt=[5, 6, 7, 8], n=4, max_tokens=63, logprobs=2).status_code == 400
     assert completion(client, prompt=[5, 6, 7, 8], n=4, max_tokens=16, logprobs=2).status_code == 200   # 192
 

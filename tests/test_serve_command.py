@@ -64,7 +64,7 @@ def test_vllm_serves_flags_set_the_model_the_engine_and_every_pools_tp():
         serve("--gpu-memory-utilization", "1.5", "--device", "cuda")
 
 
-def test_more_vllm_flags_and_spellings(tmp_path, monkeypatch):
+def test_more_vllm_flags_and_spellings(tmp_path, monkeypatch, capsys):
     def serve(*flags):
         return config_from_args(build_parser().parse_args(["serve", *flags]))
 
@@ -97,6 +97,16 @@ def test_more_vllm_flags_and_spellings(tmp_path, monkeypatch):
     assert serve().device == "cuda" and serve("--enforce-eager").engine.enforce_eager is True
     assert serve("--device", "cpu").device == "cpu"
     assert serve("--config", str(REPO / "configs/tiny-cpu.yaml")).device == "cpu"    # the file says so
+    # too few GPUs for every rank (1 prefill + 1 decode on one GPU): CPU, which places it, and a note why
+    monkeypatch.setattr(serve_command, "visible_gpus", lambda: 1)
+    assert serve().device == "cpu"
+    assert "serving on cpu: this deployment's 2 ranks need as many GPUs and this machine has 1" \
+        in capsys.readouterr().err
+    assert serve("--mode", "colocated").device == "cuda"
+    # a built-in model's name taken as a name, and a name given twice
+    with pytest.raises(ConfigFileError, match="--served-model-name took the model bench as one of its values"):
+        serve("--served-model-name", "a", "bench")
+    assert serve("tiny", "--served-model-name", "a", "a", "b").model.served_model_name == ["a", "b"]
 
 
 def test_no_flags_serve_the_tiny_model_disaggregated_on_cpu():

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
+from pathlib import Path
 
 import pytest
+import yaml
 
 from cluster.perf_model import LinearStepModel
 from cluster.simulator import ClusterSpec, simulate
@@ -446,6 +449,22 @@ def test_pdserve_simulate_refuses_what_it_would_ignore_or_could_not_start(tmp_pa
         "  max_num_batched_tokens: 512", "  enable_chunked_prefill: false\n  max_num_batched_tokens: 256", 1))
     assert main([*base[:2], str(whole_prompts), *base[3:]]) == 2   # before: every request "unfinished (None)"
     assert "would not start: with chunked prefill off, max_num_batched_tokens (256)" in capsys.readouterr().err
+
+
+def test_pdserve_simulate_tokenizes_with_the_deployments_tokenizer(tmp_path, capsys, model_dirs):
+    # a checkpoint without tokenizer files, its tokenizer named by model.tokenizer (as pdserve serve loads it)
+    from cluster.cli.main import main
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(Path(model_dirs["tiny"]) / name, bare / name)
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(LinearStepModel((1e-3, 1e-5, 0.0, 5e-5, 0.0)).to_json()))
+    config = tmp_path / "named.yaml"
+    config.write_text(yaml.safe_dump({**yaml.safe_load(open("configs/tiny-cpu.yaml")),
+                                      "model": {"path": str(bare), "tokenizer": str(model_dirs["tiny"])}}))
+    assert main(["simulate", "--config", str(config), "--profile", str(profile), "--num-prompts", "5"]) == 0, \
+        capsys.readouterr().err
 
 
 def test_the_simulated_context_is_the_engines_default_where_the_config_sets_none():

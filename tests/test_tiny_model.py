@@ -28,7 +28,9 @@ from engine.tiny_model import (
     ensure_built_in_checkpoint,
     ensure_default_model,
     make_tiny_model,
+    tokenizer_dir,
 )
+from engine.tokenizer import load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -309,6 +311,28 @@ def test_a_checkpoint_path_under_the_home_directory_is_found(monkeypatch, tmp_pa
     monkeypatch.setenv("HOME", str(tmp_path))
     shutil.copytree(model_dir("tiny"), tmp_path / "models" / "mine")
     assert checkpoint_dir("~/models/mine") == str(tmp_path / "models" / "mine")
+
+
+def test_a_node_builds_the_built_in_tokenizer_another_node_resolved(monkeypatch, tmp_path, model_dir):
+    # model.tokenizer naming a built-in model reaches the workers as the resolving node's cache path
+    from engine import EngineConfig, LLMEngine
+    monkeypatch.setenv("PDSERVE_HOME", str(tmp_path))
+    engine = LLMEngine(EngineConfig(model=str(model_dir("tiny")), tokenizer=str(tmp_path / "models" / "tiny"),
+                                    max_model_len=64))
+    assert (tmp_path / "models" / "tiny" / "tokenizer.json").is_file()
+    assert engine.tokenizer.encode("hello") == load_tokenizer(model_dir("tiny")).encode("hello")
+
+
+def test_a_tokenizer_setting_names_a_built_in_model_unless_a_directory_here_holds_one(monkeypatch, tmp_path,
+                                                                                     model_dir):
+    from cluster.cli.serve_command import _tokenizer_for_the_cluster
+    monkeypatch.setenv("PDSERVE_HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert tokenizer_dir("tiny") == str(tmp_path / "home" / "models" / "tiny")       # built here
+    assert _tokenizer_for_the_cluster("tiny") == "tiny"                               # each node builds its own
+    (tmp_path / "tiny").mkdir()                      # a directory of that name with a tokenizer, no config.json
+    shutil.copy(Path(model_dir("tiny")) / "tokenizer.json", tmp_path / "tiny")
+    assert tokenizer_dir("tiny") == _tokenizer_for_the_cluster("tiny") == str(tmp_path / "tiny")
 
 
 def test_a_node_builds_a_built_in_model_another_node_resolved(monkeypatch, tmp_path, model_dir):

@@ -173,9 +173,14 @@ def config_from_args(args: argparse.Namespace):
             if overrides.get(f"{pool}.tensor_parallel_size") is None:
                 overrides[f"{pool}.tensor_parallel_size"] = tp
     config = load_config(args.config, overrides)
-    if config.with_default_device(visible_gpus()).device != config.device:   # a GPU machine serves on its GPUs
-        overrides["device"] = "cuda"
-        config = load_config(args.config, overrides)
+    if "device" not in config.model_fields_set and (gpus := visible_gpus()):     # as vLLM: on the GPUs there are
+        if config.with_default_device(gpus).device == "cuda":
+            overrides["device"] = "cuda"
+            config = load_config(args.config, overrides)
+        else:
+            print(f"pdserve: serving on cpu: this deployment's {config.ranks()} ranks need as many GPUs and this "
+                  f"machine has {gpus}; --device cuda with fewer ranks (--mode colocated, say) serves on them",
+                  file=sys.stderr)
     names_own_key = bool(config.http.api_key_env or config.http.api_key_sha256)
     if not key and not names_own_key and from_env is not None and not from_env.strip():
         raise ConfigFileError(f"{API_KEY_ENV} is set but empty (an unset value in an environment file?): give the "
@@ -186,12 +191,12 @@ def config_from_args(args: argparse.Namespace):
         config = load_config(args.config, overrides)
         print(f"pdserve: requiring the API key in {API_KEY_ENV}", file=sys.stderr)
     not_run = set(_POOLS) - set(config.pools())
-    unused = [f"--{dest.replace('_', '-')}" for dest, setting in FLAG_SETTINGS.items()
+    unused = [_flag(dest) for dest, setting in FLAG_SETTINGS.items()
               if getattr(args, dest, None) is not None and setting.split(".")[0] in not_run]
     if unused:
         raise ConfigFileError(f"{', '.join(unused)} set a pool that {config.mode.value} mode does not run "
                               f"(its pools: {', '.join(config.pools())}); drop them or change --mode")
-    cuda_only = [f"--{dest.replace('_', '-')}" for dest in CUDA_ONLY_FLAGS if getattr(args, dest, None) is not None]
+    cuda_only = [_flag(dest) for dest in CUDA_ONLY_FLAGS if getattr(args, dest, None) is not None]
     if cuda_only and config.device == "cpu":
         raise ConfigFileError(f"{', '.join(cuda_only)} set what only a CUDA deployment uses, and this one serves on "
                               "cpu: drop them, or give --device cuda")
@@ -228,15 +233,21 @@ def _pools_of_mode(args: argparse.Namespace) -> tuple[str, ...]:
 def _refuse_a_model_taken_as_a_value(args: argparse.Namespace) -> None:
     """A flag of several values takes every word after it: `--served-model-name a MODEL`
     takes MODEL as a name. Refused when no model was given otherwise and the flag's last
-    value is a checkpoint directory."""
+    value is a checkpoint directory or a built-in model's name."""
     from cluster.config import ConfigFileError
+    from engine.tiny_model import PRESETS
     if args.model is not None or getattr(args, "model_path", None) is not None:
         return
     for dest in ("served_model_name", "allowed_origins"):
         values = getattr(args, dest, None) or []
-        if values and (Path(os.path.expanduser(values[-1])) / "config.json").is_file():
-            raise ConfigFileError(f"--{dest.replace('_', '-')} took the model {values[-1]} as one of its values: "
-                                  f"give the model first (pdserve serve MODEL --{dest.replace('_', '-')} ...)")
+        if values and (values[-1] in PRESETS or (Path(os.path.expanduser(values[-1])) / "config.json").is_file()):
+            raise ConfigFileError(f"{_flag(dest)} took the model {values[-1]} as one of its values: give the model "
+                                  f"first (pdserve serve MODEL {_flag(dest)} ...)")
+
+
+def _flag(dest: str) -> str:
+    """The command-line flag of an argparse dest."""
+    return f"--{dest.replace('_', '-')}"
 
 
 def visible_gpus() -> int:
@@ -481,7 +492,8 @@ def autoscaled_application(config, profile: dict | None = None) -> dict:
     template = read_chat_template(config.model.chat_template) if config.model.chat_template else None
     checkpoint = _path_for_the_cluster(config.model.path)
     model = config.model.model_copy(update={
-        "path": checkpoint, "tokenizer": _path_for_the_cluster(config.model.tokenizer), "chat_template": template,
+        "path": checkpoint, "tokenizer": _tokenizer_for_the_cluster(config.model.tokenizer),
+        "chat_template": template,
         # the path as given stays a name clients may use (it is no longer the path)
         "served_model_name": config.model.served_names(checkpoint or "tiny")})    # (unset: the tiny model)
     kv = config.kv_transfer
@@ -497,11 +509,19 @@ def autoscaled_application(config, profile: dict | None = None) -> dict:
 
 
 def _path_for_the_cluster(model: str | None) -> str | None:
-    """model.path (or model.tokenizer) as a process with another working directory must
-    read it: a directory named here as its absolute path; unset, or a built-in model's
-    name (which each node builds in its own cache), as given."""
+    """model.path as a process with another working directory must read it: a directory
+    named here as its absolute path; unset, or a built-in model's name (which each node
+    builds in its own cache), as given."""
     from engine.tiny_model import names_built_in_model
     return model if model is None or names_built_in_model(model) else os.path.abspath(os.path.expanduser(model))
+
+
+def _tokenizer_for_the_cluster(tokenizer: str | None) -> str | None:
+    """model.tokenizer, as _path_for_the_cluster gives model.path."""
+    from engine.tiny_model import names_built_in_tokenizer
+    if tokenizer is None or names_built_in_tokenizer(tokenizer):
+        return tokenizer
+    return os.path.abspath(os.path.expanduser(tokenizer))
 
 
 # Serve retries a replica that fails to start for ever once another replica of its deployment has

@@ -35,6 +35,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from cluster.simulator import simulate
     from cluster.simulator.from_config import KVLink, cluster_spec, default_kv_link
     from engine.model.model_config import ModelConfig
+    from cluster.cli.serve_command import visible_gpus
     from engine.tiny_model import checkpoint_dir
     from engine.tokenizer import load_tokenizer
 
@@ -43,6 +44,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         _check_flags(args)
         check_result_path(args)      # before the simulation, not after it (its result lost to a traceback)
         config = load_config(args.config, {f"slo.{name}_ms": ms for name, ms in args.slo or []})
+        config = config.with_default_device(visible_gpus())     # the device `pdserve serve` would take here
         _check_flags_against(args, config)
         if args.lend_profile and not config.lends_idle_cores():
             raise ValueError("--lend-profile applies to a CPU deployment whose resources.lend_idle_cores is true; "
@@ -59,7 +61,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         for profile, model in ((args.profile, step_model), (args.lend_profile, wide_model)):
             if model is not None and (problem := profile_model_problem(model, model_config)):
                 raise ValueError(f"{profile}: {problem}")
-        tokenizer = load_tokenizer(args.tokenizer or model_dir)
+        tokenizer = load_tokenizer(args.tokenizer or config.tokenizer_path() or model_dir)
         transport = default_kv_link(config)        # (the flags override it)
         link = KVLink(transport.bandwidth_bytes_per_s if args.kv_bandwidth_gibps is None
                       else args.kv_bandwidth_gibps * (1 << 30),
