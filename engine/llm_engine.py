@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from engine.bad_words import bad_word_sequences
 from engine.block_manager import BlockManager
+from engine.deferred_interrupt import interrupts_deferred
 from engine.engine_config import EngineConfig
 from engine.errors import InvalidRequestError, RequestIdInUse
 from engine.model.model_config import ModelConfig
@@ -47,7 +48,7 @@ from engine.output_processor import RequestTextState, ResumedText
 from engine.outputs import OutputKind, RequestOutput, ResumedOutput
 from engine.preflight import step_budget_problem, tensor_parallel_problem
 from engine.runner import LaunchedStep, ModelRunner
-from engine.sampler import Sampler, TokenLogprobs, seeded_generator, skip_draws
+from engine.sampler import SampleResult, Sampler, TokenLogprobs, seeded_generator, skip_draws
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler
 from engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
@@ -323,13 +324,14 @@ class LLMEngine:
         """Stops a request wherever it is and frees its blocks. False if unknown.
         The caller must first finish or cancel any KV transfer into or out of
         the request's blocks: once freed they can be handed to another request."""
-        state = self._states.pop(request_id, None)
-        if state is None:
-            return self.release_kv(request_id)
-        state.seq.finish_reason = "abort"
-        self.scheduler.finish(state.seq)
-        state.seq.status = SequenceStatus.FINISHED
-        return True
+        with interrupts_deferred():         # not forgotten with its blocks still held
+            state = self._states.pop(request_id, None)
+            if state is None:
+                return self.release_kv(request_id)
+            state.seq.finish_reason = "abort"
+            self.scheduler.finish(state.seq)
+            state.seq.status = SequenceStatus.FINISHED
+            return True
 
     def has_unfinished_requests(self) -> bool:
         """True while a step() call has work: requests to run, or samples to read back."""
@@ -420,6 +422,12 @@ class LLMEngine:
                     span.seq.prompt_logprobs[span.first:span.first + span.count] = entries
         if result is None:
             return
+        with interrupts_deferred():         # each row's token appended once, a finished row's blocks freed
+            self._read_rows(launched, result, now)
+
+    def _read_rows(self, launched: _InFlight, result: SampleResult, now: float) -> None:
+        """_resolve's rows, from `launched.next_row` on: each row's token appended to its
+        sequence, its output made, a finished sequence's blocks freed."""
         rows = launched.run.sampled
         while launched.next_row < len(rows):
             i, seq = launched.next_row, rows[launched.next_row]

@@ -222,6 +222,54 @@ def test_an_interrupted_read_back_leaves_the_engine_able_to_go_on(model, where):
     assert done == expected
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("where", ["detokenizing a row's token", "freeing a finished sequence's blocks"])
+def test_ctrl_c_amid_a_rows_bookkeeping_waits_for_it_to_end(model, where, async_scheduling):
+    """A SIGINT after a row's token joined its sequence but before its text did, or after a
+    finished sequence left the running queue but before its blocks were freed: the token was
+    appended again on the next step (the sequence diverged from what it gives alone), or the
+    blocks were never freed. The interrupt now comes once the row's bookkeeping is whole."""
+    import os
+    import signal
+
+    from engine.block_manager import BlockManager
+    from engine.detokenizer import IncrementalDetokenizer
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    requests = [("a", list(range(3, 13)), params), ("b", list(range(20, 27)), params)]
+    reference = LLMEngine(EngineConfig(model=model, device="cpu", max_model_len=64))
+    for request in requests:
+        reference.add_request(*request)
+    expected = {o.request_id: o.token_ids for o in reference.run_to_completion()}
+
+    engine = LLMEngine(EngineConfig(model=model, device="cpu", max_model_len=64, async_scheduling=async_scheduling))
+    for request in requests:
+        engine.add_request(*request)
+    patched = (IncrementalDetokenizer, "add_token") if where.startswith("detok") else (BlockManager, "free")
+    real, calls = getattr(*patched), []
+
+    def interrupted_once(self, *args):
+        calls.append(1)
+        if len(calls) == (3 if where.startswith("detok") else 1):      # (the first finished sequence's free)
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(self, *args)
+
+    setattr(*patched, interrupted_once)
+    done = {}
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            for _ in range(100):
+                done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        for _ in range(100):
+            if not engine.has_unfinished_requests():
+                break
+            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    finally:
+        setattr(*patched, real)
+    assert done == expected
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 def test_a_call_that_ends_the_engine_thread_answers_its_caller(model):
     # a BaseException (SystemExit, KeyboardInterrupt) in a call stops the engine thread; its
     # caller had waited for ever, the call taken off the queue and never answered
