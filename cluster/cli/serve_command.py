@@ -134,8 +134,10 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--slo", nargs="+", type=parse_slo, action=SloAction, metavar="ttft:MS|tpot:MS",
                    help="the SLOs: admission control refuses what would miss either, the autoscaler "
                         "scales for both, e.g. --slo ttft:1000 tpot:100")
-    p.add_argument("--max-replicas", type=int, help="the autoscaler's budget in ranks (default: the ranks the "
-                                                     "pools start with)")
+    p.add_argument("--max-replicas", type=int, metavar="RANKS",
+                   help="the autoscaler's budget: the ranks (GPUs on CUDA) every role's replicas may use together, "
+                        "a TP-N replica counting N (autoscaling.budget; default: the ranks the pools start with; "
+                        "per-role bounds: autoscaling.max_replicas in the deployment file)")
     p.add_argument("--address", help="Ray cluster to join (default: a running local one, else start one; "
                                       "'local': always start a new one)")
     p.add_argument("--ray-dashboard", action="store_true",
