@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import contextmanager
 from typing import NamedTuple
 
+import grpc
 from ray import exceptions as ray_exceptions
 from ray.serve.exceptions import RayServeException, RequestCancelledError
 
@@ -123,6 +124,12 @@ def unwrapped_errors(what: str):
             raise
         # the deployment is being deleted, or a rolling update failed: not the request's fault
         raise BackendUnavailableError(f"the {what} deployment is unavailable: {exc}") from None
+    except grpc.aio.AioRpcError as exc:
+        # Serve's gRPC transport between deployments (local clusters use it) says UNAVAILABLE as
+        # ActorUnavailableError; any other failure of the call (a stream cut by a dying replica) is
+        # the replica's too
+        raise BackendUnavailableError(f"the call to the {what} worker failed: {exc.code().name} "
+                                      f"{exc.details()}") from None
 
 
 async def _call(response, what: str, on_cancel: Callable[[], None] | None = None):

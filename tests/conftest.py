@@ -66,11 +66,16 @@ class Reference:
 @pytest.fixture(scope="module")
 def ray_cluster():
     """A local Ray cluster no bigger than a 2-core machine (2 CPUs; 4 logical
-    GPUs for the bundle-probe test) with Serve's HTTP on a free port; yields the port."""
+    GPUs for the bundle-probe test) with Serve's HTTP on a free port, its processes
+    in the environment of the local cluster `pdserve serve` starts (gRPC calls between
+    deployments, ...); yields the port."""
     import ray
     from ray import serve
 
+    from cluster.serving.local_cluster import local_cluster_env
     from engine.tp_group import free_port
+    saved = dict(os.environ)
+    os.environ.update(local_cluster_env({}))     # read by the raylet this starts and its workers
     ray.init(address="local", num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     try:       # a failed start must not leave Ray up for every later module's ray.init
@@ -80,6 +85,8 @@ def ray_cluster():
         serve.shutdown()
     finally:
         ray.shutdown()
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,10 @@
 """The local cluster's environment: normal priority, Serve's slower controller
-loop unless the user set one, and the caller's extra variables on top."""
+loop and gRPC calls between deployments unless the user set them, and the
+caller's extra variables on top."""
 
 from cluster.serving.local_cluster import (
     CONTROL_LOOP_ENV,
+    GRPC_CALLS_ENV,
     SERVE_CONTROL_LOOP_INTERVAL_S,
     local_cluster_env,
 )
@@ -19,6 +21,13 @@ def test_defaults_lengthen_the_controller_loop_and_keep_normal_priority(monkeypa
 def test_an_interval_the_user_set_wins(monkeypatch):
     monkeypatch.setenv(CONTROL_LOOP_ENV, "0.05")
     assert CONTROL_LOOP_ENV not in local_cluster_env({})   # os.environ already has it: left alone
+
+
+def test_deployments_call_each_other_over_grpc_unless_the_user_says_otherwise(monkeypatch):
+    monkeypatch.delenv(GRPC_CALLS_ENV, raising=False)
+    assert local_cluster_env({})[GRPC_CALLS_ENV] == "1"
+    monkeypatch.setenv(GRPC_CALLS_ENV, "0")
+    assert GRPC_CALLS_ENV not in local_cluster_env({})
 
 
 def test_extra_variables_are_added_and_override():

@@ -29,6 +29,19 @@ def test_a_worker_whose_engine_stopped_is_unavailable():
             raise _raised_in_replica(EngineStoppedError("the engine is not running: a step failed"))
 
 
+def test_a_grpc_call_that_fails_is_the_worker_unavailable():
+    # local clusters call the workers over Serve's gRPC transport: a stream cut by a dying replica
+    # fails with gRPC's own error (UNAVAILABLE alone comes as Ray's ActorUnavailableError)
+    import grpc
+
+    cut = grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                               details="Received RST_STREAM with error code 2")
+    with pytest.raises(BackendUnavailableError, match="the call to the decode worker failed: INTERNAL Received "
+                                                      "RST_STREAM"):
+        with unwrapped_errors("decode"):
+            raise cut
+
+
 def test_a_call_queued_as_the_engine_stops_is_answered(model_dirs):
     """The engine thread stops (here: shut down from another thread) between a
     call's liveness check and its queueing: the call is still answered, with
