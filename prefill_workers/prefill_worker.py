@@ -85,6 +85,9 @@ class PrefillWorker:
         self._sends_to_note: set[str] = set()  # packed off the engine thread, _note_send not run yet
         self._sends_to_note_lock = threading.Lock()   # with a hold's drop: never both at once
         self._queued_prompt_tokens: dict[str, int] = {}
+        # request id -> when it was aborted (monotonic), for lease_s: a prefill call that arrives after its
+        # abort (the router's broadcast overtook it) is refused, not run to a hold nobody will release
+        self._aborted: dict[str, float] = {}
         self._send_budget = SendBudget(staging_budget_bytes)
         self.sender_names: list[str] = []
         self.num_kv_heads = 0
@@ -104,6 +107,8 @@ class PrefillWorker:
         """Runs the prompt, samples the first token and holds the KV. Raises
         InvalidRequestError for a prompt this model cannot take."""
         arrival = time.monotonic()     # its queue time counts the wait for the engine thread to take it
+        if request_id in self._aborted:
+            raise RequestAbortedError(f"request {request_id} was aborted on {self.name} before it arrived")
         held = asyncio.get_running_loop().create_future()
         self._engine.attach(request_id, _HoldOnFirstToken(self, held))
         self._queued_prompt_tokens[request_id] = len(prompt_token_ids)
@@ -204,7 +209,12 @@ class PrefillWorker:
         return await self._engine.call(self._release, request_id)
 
     async def abort(self, request_id: str) -> None:
-        """Stops the request wherever it is and frees what it holds."""
+        """Stops the request wherever it is and frees what it holds; a prefill call for it
+        that comes later (it was still on its way) is refused."""
+        now = time.monotonic()
+        while self._aborted and now - next(iter(self._aborted.values())) > self.lease_s:   # oldest first
+            del self._aborted[next(iter(self._aborted))]
+        self._aborted[request_id] = now
         await self._engine.call(self._drop, request_id)
 
     def check_health(self) -> None:

@@ -133,20 +133,23 @@ def unwrapped_errors(what: str):
 
 
 async def _call(response, what: str, on_cancel: Callable[[], None] | None = None):
-    """Awaits a Serve call; cancels it on the replica when the caller is
-    cancelled, then runs `on_cancel` (for what the replica may have made
-    before the cancel reached it). A cancel that came from the replica's side
-    (Serve raises one for a call its replica cancelled) is the replica's
-    failure: BackendUnavailableError, which a request survives by moving."""
+    """Awaits a Serve call; cancels it on the replica when the call is cancelled,
+    then runs `on_cancel` (for what the replica may have made before the cancel
+    reached it). Whoever cancelled: the caller, or Serve itself, which cancels the
+    calls of a request whose client left before it cancels the request's own
+    task (the call's reply, a held KV, could be on its way). A cancel that is
+    not the caller's (the replica ended its side, or Serve's own) is the
+    replica's failure: BackendUnavailableError, which a request survives by
+    moving (a request whose client left is cancelled next)."""
     try:
         with unwrapped_errors(what):
             return await response
     except asyncio.CancelledError:
         cancel_call(response)
-        if not _cancelling_this_task():     # (the replica ended its side of the call itself)
-            raise BackendUnavailableError(f"the {what} worker cancelled the call") from None
         if on_cancel is not None:
             on_cancel()
+        if not _cancelling_this_task():
+            raise BackendUnavailableError(f"the {what} worker cancelled the call") from None
         raise
 
 

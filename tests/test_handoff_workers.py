@@ -968,6 +968,26 @@ def test_an_abort_that_lands_before_the_first_token_ends_the_prefill_call(model_
     run(main())
 
 
+def test_a_prefill_call_that_arrives_after_its_abort_is_refused(model_dirs):
+    """The router's broadcast abort can overtake the call it cleans up after (the client left
+    while the call was on its way): the call ran to a hold nobody would release until its
+    lease ran out. It is refused now, holding nothing; other requests are served."""
+    from engine.errors import RequestAbortedError
+
+    async def main():
+        pair = await Pair(model_dirs["tiny"], FakeTransportHub()).start()
+        await pair.prefill.abort("gone")
+        with pytest.raises(RequestAbortedError, match="aborted on .* before it arrived"):
+            await pair.prefill.prefill("gone", PROMPTS[0], GREEDY)
+        assert pair.prefill.stats()["num_held"] == 0
+        assert pair.prefill.stats()["queued_prefill_tokens"] == 0
+        assert (await pair.run("other", PROMPTS[0])).finish_reason == "length"
+        await pair.wait_idle()
+        pair.prefill.shutdown()
+        pair.decode.shutdown()
+    run(main())
+
+
 def test_a_worker_whose_engine_stopped_reports_no_room_to_the_router():
     from cluster.serving.worker_deployment import WorkerDeployment
 
