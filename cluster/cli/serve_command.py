@@ -12,8 +12,8 @@
                   [--log-level DEBUG|INFO|WARNING|ERROR] [--address RAY_ADDRESS] [--ray-dashboard]
 
 Flags override the config file; with neither, the built-in tiny model is served
-by 1 prefill + 1 decode worker at http://127.0.0.1:8000, on the GPUs where this
-machine has any (as vLLM), else on CPU. Joins the Ray
+by 1 prefill + 1 decode worker at http://127.0.0.1:8000, on GPUs where this
+machine has one for each (as vLLM takes the GPU), else on CPU. Joins the Ray
 cluster at --address (or a running local one); otherwise starts a local
 cluster declaring enough CPUs for every gang, lean on background work
 (cluster/serving/local_cluster.py), whose router answers HTTP on the
@@ -102,7 +102,8 @@ def add_serve_parser(sub) -> None:
                    help="the TP degree of every pool the mode runs, where --prefill-tp / --decode-tp / "
                         "--colocated-tp do not set it")
     p.add_argument("--device", choices=["cpu", "cuda"],
-                   help="where the engines run (default: cuda where this machine has a GPU, else cpu)")
+                   help="where the engines run (default: cuda where this machine has a GPU for each rank the "
+                        "deployment starts with, else cpu)")
     p.add_argument("--dtype", type=str.lower,
                    choices=["auto", "float32", "float16", "bfloat16", "half", "fp16", "bf16", "float", "fp32"],
                    help="weights and KV cache (auto: the checkpoint's on CUDA, float32 on CPU)")
