@@ -214,6 +214,7 @@ class PrefillWorker:
         now = time.monotonic()
         while self._aborted and now - next(iter(self._aborted.values())) > self.lease_s:   # oldest first
             del self._aborted[next(iter(self._aborted))]
+        self._aborted.pop(request_id, None)       # (kept in the order of abort times: pruned from the front)
         self._aborted[request_id] = now
         await self._engine.call(self._drop, request_id)
 

@@ -132,23 +132,25 @@ def unwrapped_errors(what: str):
                                       f"{exc.details()}") from None
 
 
-async def _call(response, what: str, on_cancel: Callable[[], None] | None = None):
-    """Awaits a Serve call; cancels it on the replica when the call is cancelled,
-    then runs `on_cancel` (for what the replica may have made before the cancel
-    reached it). Whoever cancelled: the caller, or Serve itself, which cancels the
-    calls of a request whose client left before it cancels the request's own
-    task (the call's reply, a held KV, could be on its way). A cancel that is
-    not the caller's (the replica ended its side, or Serve's own) is the
-    replica's failure: BackendUnavailableError, which a request survives by
-    moving (a request whose client left is cancelled next)."""
+async def _call(response, what: str, on_cancel: Callable[[], None] | None = None,
+                cleanup_on_any_cancel: bool = False):
+    """Awaits a Serve call; cancels it on the replica when the caller is
+    cancelled, then runs `on_cancel` (for what the replica may have made before
+    the cancel reached it). A cancel that is not the caller's (the replica ended
+    its side, or Serve's own: it cancels the calls of a request whose client left
+    before it cancels the request's task) is the replica's failure:
+    BackendUnavailableError, which a request survives by moving; `on_cancel` runs
+    then too only with `cleanup_on_any_cancel`, for calls whose request id no retry
+    reuses (the clean-up would end the retry)."""
     try:
         with unwrapped_errors(what):
             return await response
     except asyncio.CancelledError:
         cancel_call(response)
-        if on_cancel is not None:
+        own = _cancelling_this_task()
+        if on_cancel is not None and (own or cleanup_on_any_cancel):
             on_cancel()
-        if not _cancelling_this_task():
+        if not own:
             raise BackendUnavailableError(f"the {what} worker cancelled the call") from None
         raise
 
@@ -195,8 +197,10 @@ class ServePrefillPool:
         await check_replicas(self._handle, "prefill")
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> PrefillResult:
+        # its reply, KV held, may be on its way when Serve cuts the call off for a client that left:
+        # dropped however the call was cancelled (a prefill is never retried under its id)
         return await _call(self._handle.prefill.remote(request_id, prompt_token_ids, params), "prefill",
-                           on_cancel=self._abort_everywhere(request_id))
+                           on_cancel=self._abort_everywhere(request_id), cleanup_on_any_cancel=True)
 
     def release(self, result: PrefillResult) -> None:
         # fire and forget: the lease frees the KV if this never lands

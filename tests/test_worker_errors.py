@@ -308,14 +308,18 @@ def test_a_call_its_replica_cancelled_is_the_replicas_failure_not_the_callers_ca
     async def main():
         response = _FakeResponse(replica_cancels)
         with pytest.raises(BackendUnavailableError, match="the decode worker cancelled the call"):
-            await _call(response, "decode", on_cancel=lambda: cleanups.append("abort everywhere"))
+            await _call(response, "decode", on_cancel=lambda: cleanups.append("decode: abort everywhere"))
+        # a prefill call is cleaned up all the same: Serve raises the same CancelledError into the calls of a
+        # request whose client left (before it cancels the request's own task), and the call's reply, a held
+        # KV, may be on its way (abandoned streams left prefill holds until their lease ran out)
+        with pytest.raises(BackendUnavailableError, match="the prefill worker cancelled the call"):
+            await _call(_FakeResponse(replica_cancels), "prefill",
+                        on_cancel=lambda: cleanups.append("prefill: abort everywhere"), cleanup_on_any_cancel=True)
         return response.cancelled
 
     assert asyncio.run(main()) is True
-    # cleaned up all the same: Serve raises the same CancelledError into the calls of a request whose client
-    # left (it cancels them before the request's own task), and the call's reply, a held KV, may be on its way
-    # (abandoned streams left prefill holds until their lease ran out)
-    assert cleanups == ["abort everywhere"]
+    # not for the decode call: the hand-off retries under its request id, which a late abort would end
+    assert cleanups == ["prefill: abort everywhere"]
 
 
 def test_a_caller_that_is_cancelled_cancels_the_call_and_cleans_up():
