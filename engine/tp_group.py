@@ -23,6 +23,7 @@ import datetime
 import logging
 import multiprocessing
 import os
+import random
 import socket
 import threading
 import time
@@ -106,11 +107,38 @@ def bound_gloo_group(store: dist.Store, rank: int, size: int, timeout: datetime.
     return dist.ProcessGroupGloo(store, rank, size, opts)
 
 
+# Ports handed to another process to bind come from below the kernel's ephemeral range (where
+# a bind to port 0 takes its ports: a Ray cluster starting meanwhile takes dozens, and took one
+# that had been chosen for the HTTP server) and above Ray's worker ports (10002-19999).
+_CHOSEN_PORTS_FROM = 20000
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` right now."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+    """A TCP port free on `host` right now, outside the range the kernel hands to binds
+    of port 0 where there is room below it (else one of that range)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    below = _ephemeral_range_start()
+    rng = random.Random()
+    for _ in range(64 if below > _CHOSEN_PORTS_FROM else 0):
+        port = rng.randrange(_CHOSEN_PORTS_FROM, below)
+        with socket.socket(family) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(family) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_range_start() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default 32768 where it is not said)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def exit_when_parent_dies(parent_pid: int, poll_s: float = 1.0) -> None:

@@ -338,3 +338,15 @@ def test_a_signal_long_after_the_first_quits_even_where_the_command_never_looked
 def test_the_ready_line_brackets_an_ipv6_host():
     assert serve_command.base_url("::", 8000) == "http://[::]:8000"
     assert serve_command.base_url("127.0.0.1", 8000) == "http://127.0.0.1:8000"
+
+
+def test_a_chosen_port_is_outside_the_range_binds_to_port_0_take(monkeypatch):
+    # a port chosen for another process to bind (the HTTP server of a `pdserve serve` the tests start) was
+    # taken by one of the ports the Ray cluster starting meanwhile bound to port 0
+    from engine import tp_group
+    ports = {tp_group.free_port() for _ in range(20)}
+    start = tp_group._ephemeral_range_start()
+    assert all(20000 <= port < start for port in ports) and len(ports) > 1
+    assert all(can_bind("127.0.0.1", port) for port in ports)
+    monkeypatch.setattr(tp_group, "_ephemeral_range_start", lambda: 20000)     # no room below the range
+    assert 0 < tp_group.free_port() < 65536
