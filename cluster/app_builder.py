@@ -109,11 +109,11 @@ def _deployment_file(path: str | None) -> str | None:
 def _cluster_gpus() -> float:
     """The GPUs of the connected Ray cluster, or, before any connection, of this machine."""
     import ray
+
+    from cluster.serving.placement import cluster_resources, visible_gpus
     if ray.is_initialized():
-        from cluster.serving.placement import cluster_resources
         return sum(node.gpus for node in cluster_resources().nodes)
-    import torch
-    return torch.cuda.device_count()
+    return visible_gpus()
 
 
 class ResolvedModel(NamedTuple):

@@ -168,6 +168,17 @@ def test_a_step_that_fails_to_launch_leaves_the_engine_able_to_go_on(model, asyn
     assert done[0].token_ids == expected
 
 
+def _finished_token_ids(engine: LLMEngine) -> dict[str, list[int]]:
+    """Steps until nothing is left (100 steps at most: a lost step left requests that never
+    finish); {request id: token ids} of the requests that finished meanwhile."""
+    done = {}
+    for _ in range(100):
+        if not engine.has_unfinished_requests():
+            break
+        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    return done
+
+
 @pytest.mark.parametrize("where", ["waiting for the samples", "in the rows", "beside a step read back at once"])
 def test_an_interrupted_read_back_leaves_the_engine_able_to_go_on(model, where):
     """Async scheduling: Ctrl-C while a step reads back the previous step's samples (waiting for
@@ -212,11 +223,7 @@ def test_an_interrupted_read_back_leaves_the_engine_able_to_go_on(model, where):
     try:
         with pytest.raises(KeyboardInterrupt):
             engine.step()
-        done = {}
-        for _ in range(100):                    # (a lost step left requests that never finish)
-            if not engine.has_unfinished_requests():
-                break
-            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        done = _finished_token_ids(engine)
     finally:
         setattr(*patched, real)
     assert done == expected
@@ -260,10 +267,7 @@ def test_ctrl_c_amid_a_rows_bookkeeping_waits_for_it_to_end(model, where, async_
         with pytest.raises(KeyboardInterrupt):
             for _ in range(100):
                 done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
-        for _ in range(100):
-            if not engine.has_unfinished_requests():
-                break
-            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        done.update(_finished_token_ids(engine))
     finally:
         setattr(*patched, real)
     assert done == expected

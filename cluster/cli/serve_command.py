@@ -40,6 +40,7 @@ from pathlib import Path
 from cluster.cli.plan_goodput import SloAction, parse_slo, unused_slo_problem
 from cluster.cli.stop_signal import StopSignal
 from cluster.config import CPU_TOKENS_PER_STEP, CUDA_TOKENS_PER_STEP, LOG_LEVELS
+from cluster.serving.placement import visible_gpus
 from router.http_guard import api_key_digest
 
 APP_NAME = "pdserve"
@@ -177,9 +178,10 @@ def config_from_args(args: argparse.Namespace):
                 overrides[f"{pool}.tensor_parallel_size"] = tp
     config = load_config(args.config, overrides)
     if "device" not in config.model_fields_set and (gpus := visible_gpus()):     # as vLLM: on the GPUs there are
-        if config.with_default_device(gpus).device == "cuda":
-            overrides["device"] = "cuda"
-            config = load_config(args.config, overrides)
+        on_gpus = config.with_default_device(gpus)
+        if on_gpus.device == "cuda":
+            overrides["device"] = "cuda"     # (for the file's reloads below)
+            config = on_gpus
         else:
             print(f"pdserve: serving on cpu: this deployment's {config.ranks()} ranks need as many GPUs and this "
                   f"machine has {gpus}; --device cuda with fewer ranks (--mode colocated, say) serves on them",
@@ -251,12 +253,6 @@ def _refuse_a_model_taken_as_a_value(args: argparse.Namespace) -> None:
 def _flag(dest: str) -> str:
     """The command-line flag of an argparse dest."""
     return f"--{dest.replace('_', '-')}"
-
-
-def visible_gpus() -> int:
-    """The CUDA GPUs torch sees on this machine."""
-    import torch
-    return torch.cuda.device_count()
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -511,20 +507,20 @@ def autoscaled_application(config, profile: dict | None = None) -> dict:
     return application
 
 
-def _path_for_the_cluster(model: str | None) -> str | None:
-    """model.path as a process with another working directory must read it: a directory
-    named here as its absolute path; unset, or a built-in model's name (which each node
-    builds in its own cache), as given."""
+def _path_for_the_cluster(model: str | None, built_in: Callable[[str], bool] | None = None) -> str | None:
+    """model.path (or, with its `built_in` test, model.tokenizer) as a process with another
+    working directory must read it: a directory named here as its absolute path; unset, or a
+    built-in model's name (which each node builds in its own cache), as given."""
     from engine.tiny_model import names_built_in_model
-    return model if model is None or names_built_in_model(model) else os.path.abspath(os.path.expanduser(model))
+    if model is None or (built_in or names_built_in_model)(model):
+        return model
+    return os.path.abspath(os.path.expanduser(model))
 
 
 def _tokenizer_for_the_cluster(tokenizer: str | None) -> str | None:
     """model.tokenizer, as _path_for_the_cluster gives model.path."""
     from engine.tiny_model import names_built_in_tokenizer
-    if tokenizer is None or names_built_in_tokenizer(tokenizer):
-        return tokenizer
-    return os.path.abspath(os.path.expanduser(tokenizer))
+    return _path_for_the_cluster(tokenizer, names_built_in_tokenizer)
 
 
 # Serve retries a replica that fails to start for ever once another replica of its deployment has

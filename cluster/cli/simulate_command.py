@@ -35,7 +35,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from cluster.simulator import simulate
     from cluster.simulator.from_config import KVLink, cluster_spec, default_kv_link
     from engine.model.model_config import ModelConfig
-    from cluster.cli.serve_command import visible_gpus
+    from cluster.cli import serve_command
     from engine.tiny_model import checkpoint_dir
     from engine.tokenizer import load_tokenizer
 
@@ -44,7 +44,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         _check_flags(args)
         check_result_path(args)      # before the simulation, not after it (its result lost to a traceback)
         config = load_config(args.config, {f"slo.{name}_ms": ms for name, ms in args.slo or []})
-        config = config.with_default_device(visible_gpus())     # the device `pdserve serve` would take here
+        config = config.with_default_device(serve_command.visible_gpus())     # the device `pdserve serve` would take here
         _check_flags_against(args, config)
         if args.lend_profile and not config.lends_idle_cores():
             raise ValueError("--lend-profile applies to a CPU deployment whose resources.lend_idle_cores is true; "

@@ -123,6 +123,12 @@ def gang_needs(config: DeploymentConfig) -> list[GangNeed]:
             for role, pool in config.pools().items()]
 
 
+def visible_gpus() -> int:
+    """The CUDA GPUs torch sees on this machine."""
+    import torch
+    return torch.cuda.device_count()
+
+
 def cluster_resources() -> ClusterResources:
     """The alive nodes of the Ray cluster this process is connected to, with
     their total CPUs and GPUs. Call after ray.init."""
