@@ -22,7 +22,8 @@ own, S seconds after the previous one ended, so that every step starts from an
 idle server). Per step, over the requests that arrived in it: goodput
 (requests meeting both SLOs per second of the step), SLO attainment of the
 admitted requests, the share refused (429) and how fast the 429 came (p99),
-and TTFT p50 / p99 / max of the admitted ones. Targets with admission on:
+and TTFT p50 / p99 / max of the admitted ones (the JSON keeps each admitted
+request's send time and TTFT, to place a tail in the step). Targets with admission on:
 goodput at 10x >= 80% of the peak goodput; p99 TTFT of admitted requests <= 2x
 its unloaded value.
 """
@@ -159,7 +160,12 @@ def step_figures(records: list, slos_ms: dict, step_s: float) -> dict:
             "ttft_p50_ms": percentile(ttfts, 50) * 1000 if ttfts else None,
             "ttft_p99_ms": percentile(ttfts, 99) * 1000 if ttfts else None,
             "ttft_max_ms": ttfts[-1] * 1000 if ttfts else None,
-            "ttfts_ms": [round(t * 1000, 1) for t in ttfts]}
+            "ttfts_ms": [round(t * 1000, 1) for t in ttfts],
+            # (scheduled send time s after the run's start, TTFT ms) of each admitted request, in send order:
+            # where in the step a tail came from
+            "admitted_ttfts": [[round(r.scheduled_offset, 3), round(t * 1000, 1)]
+                               for r in sorted(admitted, key=lambda r: r.scheduled_offset)
+                               if (t := ttft(r)) is not None]}
 
 
 def main() -> int:

@@ -53,3 +53,7 @@ def test_an_admitted_request_that_fails_counts_against_the_admitted():
     assert (figures["admitted"], figures["failed_other"], figures["goodput"]) == (3, 1, 2.0)
     assert figures["attainment_admitted"] == 2 / 3 and figures["refused_share"] == 1 / 4
     assert figures["ttft_max_ms"] == 500.0          # the failed one's first token is in the percentiles
+    # admitted requests in send order with their TTFTs (the refused one left out): where a tail came from
+    records[1].scheduled_offset, records[2].scheduled_offset = 0.5, 0.25
+    assert step_figures(records, {"ttft": 1000.0}, step_s=1.0)["admitted_ttfts"] == \
+        [[0.0, 100.0], [0.25, 500.0], [0.5, 100.0]]
