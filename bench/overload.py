@@ -62,10 +62,22 @@ def config_file(config: dict, log_dir: Path, name: str) -> Path:
 
 
 def run(base_url: str, requests, rate: float, tokenizer, *, concurrency: int | None = None,
-        offsets: list[float] | None = None):
+        offsets: list[float] | None = None, limit_s: float = 900.0):
+    """`limit_s`: the run's and each request's time limit (a request past it is unfinished)."""
     cfg = RunConfig(base_url=base_url, model="bench", ignore_eos=True, request_rate=rate, max_concurrency=concurrency,
-                    disable_tqdm=True, max_duration=900)
-    return asyncio.run(run_benchmark(requests, cfg, tokenizer=tokenizer, offsets=offsets))
+                    disable_tqdm=True, max_duration=limit_s, request_timeout=limit_s)
+    res = asyncio.run(run_benchmark(requests, cfg, tokenizer=tokenizer, offsets=offsets))
+    if res.interrupted:
+        unfinished = sum(r.unfinished for r in res.records)
+        print(f"  warning: the run stopped early ({res.interrupted}): {unfinished} requests unfinished, "
+              f"{res.num_requests - len(res.records)} never sent; the steps count them as failures", flush=True)
+    return res
+
+
+def time_limit_s(steps: list[float], step_s: float) -> float:
+    """Long enough for every request of the steps to be served: with nothing refused, the
+    queue drains at the capacity, so by sum(steps) x step_s (their requests over the capacity)."""
+    return max(900.0, 1.5 * sum(steps) * step_s + 120)
 
 
 def measure_capacity(url: str, tokenizer, *, warm: bool = False) -> tuple[float, float, float]:
@@ -107,7 +119,7 @@ def ramp(url: str, steps: list[float], capacity: float, step_s: float, tokenizer
         offsets += [i * step_s + t for t in arrivals]
         step_of += [i] * len(arrivals)
     started = time.monotonic()
-    res = run(url, requests, capacity, tokenizer, offsets=offsets)
+    res = run(url, requests, capacity, tokenizer, offsets=offsets, limit_s=time_limit_s(steps, step_s))
     wall_s = time.monotonic() - started
     by_step: list[list] = [[] for _ in steps]
     for record in res.records:
@@ -115,7 +127,7 @@ def ramp(url: str, steps: list[float], capacity: float, step_s: float, tokenizer
     rows = []
     for i, step in enumerate(steps):
         rows.append({"step": step, "rate": step * capacity, **step_figures(by_step[i], slos_ms, step_s),
-                     "wall_s": wall_s})
+                     "not_sent": step_of.count(i) - len(by_step[i]), "wall_s": wall_s})
         print_row(rows[-1])
     return rows
 
@@ -129,18 +141,21 @@ def steps_from_idle(url: str, steps: list[float], capacity: float, step_s: float
         rate = step * capacity
         reqs, arrivals = step_load(tokenizer, i, rate, step_s)
         started = time.monotonic()
-        res = run(url, reqs, rate, tokenizer, offsets=arrivals)
+        res = run(url, reqs, rate, tokenizer, offsets=arrivals, limit_s=time_limit_s([step], step_s))
         rows.append({"step": step, "rate": rate, **step_figures(res.records, slos_ms, step_s),
-                     "wall_s": time.monotonic() - started})
+                     "not_sent": res.num_requests - len(res.records), "wall_s": time.monotonic() - started})
         print_row(rows[-1])
         time.sleep(drain_s)
     return rows
 
 
 def print_row(row: dict) -> None:
+    cut = (f" ({row['unfinished']} unfinished, {row.get('not_sent', 0)} not sent at the time limit)"
+           if row["unfinished"] or row.get("not_sent") else "")
     print(f"  {row['step']:4g}x ({row['rate']:5.2f} req/s): goodput {row['goodput']:.2f} req/s, admitted met SLOs "
           f"{row['attainment_admitted']:.0%}, refused {row['refused_share']:.0%}, TTFT p50 / p99 "
-          f"{row['ttft_p50_ms'] or 0:.0f} / {row['ttft_p99_ms'] or 0:.0f} ms, other failures {row['failed_other']}, "
+          f"{row['ttft_p50_ms'] or 0:.0f} / {row['ttft_p99_ms'] or 0:.0f} ms, "
+          f"other failures {row['failed_other']}{cut}, "
           f"429 answered in {row['refusal_p99_ms'] or 0:.0f} ms (p99)", flush=True)
 
 
@@ -154,6 +169,7 @@ def step_figures(records: list, slos_ms: dict, step_s: float) -> dict:
     ttfts = sorted(t for r in admitted if (t := ttft(r)) is not None)
     refusal_s = sorted(e2el(r) for r in refused if e2el(r) is not None)
     return {"sent": len(records), "admitted": len(admitted), "refused_share": len(refused) / max(1, len(records)),
+            "unfinished": sum(r.unfinished for r in records),    # still running when the run's time limit came
             "refusal_p99_ms": percentile(refusal_s, 99) * 1000 if refusal_s else None,
             "failed_other": sum(not r.succeeded for r in admitted), "goodput": good / step_s,
             "attainment_admitted": good / max(1, len(admitted)),

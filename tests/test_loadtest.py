@@ -8,8 +8,12 @@ chunk one token, scheduled against the arrival time so delays do not pile up.
 error event mid-stream, `fail=abort` drops the connection mid-stream, `usage=0`
 leaves out the usage chunk, `eos=1` ends the output with EOS (one more step:
 a chunk with no text and finish_reason "stop", counted in the usage),
-`finish=REASON` ends it with that finish_reason, `done=0` leaves out `data: [DONE]`. Other prompts (the CLI's datasets) get the
-defaults. With `api_key` the server answers 401 to requests without that key.
+`finish=REASON` ends it with that finish_reason, `done=0` leaves out `data:
+[DONE]`, `reset=1` cuts the connection after the last output chunk,
+`error_null=1` adds `"error": null` to each output chunk, and
+`eof_cut=usage|output` sends a body that ends at EOF (no chunked encoding)
+inside the usage event or the last output event. Other prompts (the CLI's
+datasets) get the defaults. With `api_key` the server answers 401 to requests without that key.
 The server notes when it wrote each output chunk (`sent`), so timings are
 checked against what it actually did; injected-latency checks leave LATE_S for
 a loaded two-core machine; the metric arithmetic itself is checked exactly on
@@ -151,10 +155,12 @@ class FakeOpenAIServer:
         if fail in ("500", "400", "200"):    # 200: a JSON body where an event stream was asked for
             return web.json_response({"error": {"message": f"injected {fail}", "type": "test", "code": int(fail)}},
                                      status=int(fail))
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
         header = {"id": "cmpl-1", "object": "chat.completion.chunk" if chat else "text_completion",
                   "model": MODEL}
+        if "eof_cut" in script:
+            return self._stream_to_eof(request, header, n, script["eof_cut"])
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
 
         async def send(payload: dict) -> None:
             await resp.write(f"data: {json.dumps(payload)}\n\n".encode())
@@ -183,7 +189,8 @@ class FakeOpenAIServer:
             if i == n // 2 and fail == "abort":
                 request.transport.close()
                 return resp
-            await send_output({**header, "choices": [choice(f" t{i}")]})
+            null_error = {"error": None} if script.get("error_null") == "1" else {}
+            await send_output({**header, "choices": [choice(f" t{i}")], **null_error})
         steps = n
         if script.get("eos") == "1":   # EOS has no text: a last chunk with only the finish reason
             await asyncio.sleep(max(0.0, arrival + ttft_s + n * itl_s - loop.time()))
@@ -201,6 +208,22 @@ class FakeOpenAIServer:
             await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+    @staticmethod
+    def _stream_to_eof(request: web.Request, header: dict, n: int, where: str) -> web.StreamResponse:
+        """A completion stream whose body ends at EOF (no chunked encoding: Connection: close),
+        cut in the middle of the usage event (`where` "usage": after the finish_reason) or of
+        the last output event ("output": before it)."""
+        events = [{**header, "choices": [{"index": 0, "text": f" t{i}"}]} for i in range(n)]
+        events[-1]["choices"][0]["finish_reason"] = "length"
+        events.append({**header, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n}})
+        body = "".join(f"data: {json.dumps(e)}\n\n" for e in events)
+        cut = body.rindex("data:") if where == "usage" else body.rindex("data:", 0, body.rindex("data:"))
+        body = body[:cut + 30]        # 30 characters into the event
+        request.transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"
+                                + body.encode())
+        request.transport.close()
+        return web.StreamResponse()
 
 
 @pytest.fixture()
@@ -460,6 +483,20 @@ def test_a_connection_cut_after_the_finish_reason_is_a_complete_request(server):
     assert not cut.succeeded and cut.error
 
 
+def test_a_body_ending_at_eof_inside_an_event_is_a_cut_stream(server):
+    # without chunked encoding the cut shows only as a last line with no newline
+    result = run([fake(n=3, eof_cut="usage"), fake(n=3, eof_cut="output")], server.base_url)
+    finished, cut = sorted(result.records, key=lambda r: r.index)
+    assert finished.succeeded and finished.error is None and finished.finish_reason == "length"
+    assert len(finished.chunk_times) == 3
+    assert not cut.succeeded and "ended inside a stream event" in cut.error
+
+
+def test_a_chunk_whose_error_field_is_null_is_output(server):
+    (record,) = run([fake(n=3, error_null=1)], server.base_url).records
+    assert record.succeeded and record.error is None and len(record.chunk_times) == 3
+
+
 def test_a_json_body_where_a_stream_was_asked_for_is_reported_as_such(server):
     (record,) = run([fake(fail=200)], server.base_url).records
     assert not record.succeeded
@@ -700,6 +737,22 @@ def test_random_dataset_lengths(tokenizer):
     assert length_range(10, 0.25) == (7, 13)
     with pytest.raises(DatasetError, match="--random-range-ratio"):
         random_dataset(tokenizer, num_prompts=1, input_len=8, output_len=8, range_ratio=1.0)
+
+
+def test_the_context_warning_counts_a_bos_only_where_the_lengths_leave_it_out(tokenizer, capsys):
+    from bench.loadtest.command import _warn_context
+    from bench.loadtest.datasets import num_special_tokens
+    bos = num_special_tokens(tokenizer)
+    assert bos == 1                  # the tiny model's tokenizer adds a BOS
+    random_prompts = random_dataset(tokenizer, num_prompts=3, input_len=40, output_len=24, seed=3)
+    assert {r.prompt_len for r in random_prompts} == {40}          # the BOS counted in
+    _warn_context(random_prompts, max_model_len=64)                # 40 + 24: exactly the context
+    assert capsys.readouterr().err == ""
+    prefix_prompts = prefix_dataset(tokenizer, num_prompts=3, prefix_len=20, suffix_len=20, num_prefixes=1,
+                                    output_len=24, seed=3)
+    assert {r.prompt_len for r in prefix_prompts} == {40}          # prefix + suffix, the BOS left out
+    _warn_context(prefix_prompts, max_model_len=64, uncounted=bos)  # 1 + 40 + 24 > 64
+    assert "3 of 3 requests may not fit the server's 64-token context" in capsys.readouterr().err
 
 
 def test_prefix_dataset_shares_prefixes(tokenizer):

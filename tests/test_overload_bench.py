@@ -53,7 +53,18 @@ def test_an_admitted_request_that_fails_counts_against_the_admitted():
     assert (figures["admitted"], figures["failed_other"], figures["goodput"]) == (3, 1, 2.0)
     assert figures["attainment_admitted"] == 2 / 3 and figures["refused_share"] == 1 / 4
     assert figures["ttft_max_ms"] == 500.0          # the failed one's first token is in the percentiles
+    assert figures["unfinished"] == 0
+    records[2].unfinished = True            # cut at the run's time limit: a failure, and said so
+    assert step_figures(records, {"ttft": 1000.0}, step_s=1.0)["unfinished"] == 1
     # admitted requests in send order with their TTFTs (the refused one left out): where a tail came from
     records[1].scheduled_offset, records[2].scheduled_offset = 0.5, 0.25
     assert step_figures(records, {"ttft": 1000.0}, step_s=1.0)["admitted_ttfts"] == \
         [[0.0, 100.0], [0.25, 500.0], [0.5, 100.0]]
+
+
+def test_the_time_limit_lets_every_step_drain_at_the_capacity():
+    from bench.overload import time_limit_s
+    # the default ramp: 18.5 steps' worth of requests drain at the capacity in 277.5 s
+    assert time_limit_s([0.5, 1, 2, 5, 10], 15.0) == 900.0
+    # 60 s steps: 1,110 s of draining, past the old fixed 900 s limit
+    assert time_limit_s([0.5, 1, 2, 5, 10], 60.0) == 1.5 * 18.5 * 60 + 120

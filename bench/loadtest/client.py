@@ -158,7 +158,7 @@ async def _stream(session: aiohttp.ClientSession, url: str, payload: dict[str, A
             event = json.loads(data)
             if not isinstance(event, dict):
                 raise ValueError(f"expected a JSON object, got {data[:80]!r}")
-            if "error" in event:
+            if event.get("error"):    # (a chunk may carry "error": null)
                 record.error = f"stream error: {_error_message(data)}"
                 return False
             usage = event.get("usage")
@@ -186,8 +186,21 @@ async def _sse_data(resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[float, 
             line = line.strip()
             if line.startswith(b"data:"):
                 yield arrival, line[5:].strip().decode("utf-8", errors="replace")
-    if buffer.strip().startswith(b"data:"):
-        yield time.perf_counter(), buffer.strip()[5:].strip().decode("utf-8", errors="replace")
+    tail = buffer.strip()      # a last line with no newline: the body ended at EOF
+    if tail.startswith(b"data:"):
+        data = tail[5:].strip().decode("utf-8", errors="replace")
+        if data != "[DONE]" and not _is_json(data):
+            # cut inside an event: judged as any cut stream (complete if its output was)
+            raise aiohttp.ClientPayloadError("the response ended inside a stream event")
+        yield time.perf_counter(), data
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _output_choice(event: dict[str, Any], chat: bool) -> dict[str, Any] | None:

@@ -37,6 +37,7 @@ from bench.loadtest.datasets import (
     DatasetError,
     SampleRequest,
     length_range,
+    num_special_tokens,
     prefix_dataset,
     random_dataset,
     sharegpt_dataset,
@@ -96,7 +97,9 @@ def _loadtest(args: argparse.Namespace) -> int:
                     for seed in seeds]
     except DatasetError as exc:
         raise LoadtestError(str(exc)) from None
-    _warn_context(datasets[0], max_model_len)
+    # the prefix dataset's lengths leave out the BOS the server adds (as vLLM's prefix_repetition counts them)
+    _warn_context(datasets[0], max_model_len,
+                  uncounted=num_special_tokens(prompt_tokenizer) if args.dataset_name == "prefix" else 0)
     try:
         config = RunConfig(base_url=args.base_url, model=model, endpoint=args.endpoint,
                            request_rate=math.inf if args.request_rate is None else args.request_rate,
@@ -306,11 +309,11 @@ def _build_dataset(args: argparse.Namespace, tokenizer: Any, max_model_len: int 
                           output_len=args.prefix_repetition_output_len, seed=seed)
 
 
-def _warn_context(requests: list[SampleRequest], max_model_len: int | None) -> None:
+def _warn_context(requests: list[SampleRequest], max_model_len: int | None, *, uncounted: int = 0) -> None:
+    """`uncounted`: the special tokens (a BOS) the server adds that the prompt lengths leave out."""
     if max_model_len is None:
         return
-    # +1: the server may add a BOS token that the prompt lengths do not count.
-    too_long = sum(r.prompt_len + r.expected_output_len + 1 > max_model_len for r in requests)
+    too_long = sum(r.prompt_len + uncounted + r.expected_output_len > max_model_len for r in requests)
     if too_long:
         print(f"warning: {too_long} of {len(requests)} requests may not fit the server's {max_model_len}-token "
               "context and may fail; shorten the prompts or outputs", file=sys.stderr)

@@ -3,8 +3,10 @@
 Every builder returns a list of SampleRequest and needs a HuggingFace-style
 tokenizer (`encode(text, add_special_tokens=False) -> list[int]`, `decode(ids)`,
 `len(tokenizer)`, `all_special_ids`): prompt lengths are counted in tokens, as
-in `vllm bench serve`. Lengths never include the BOS or chat-template tokens
-the server adds. Builders are deterministic for a given seed and draw from a
+in `vllm bench serve`: random and ShareGPT prompts' lengths include the
+special tokens a completions server adds (a BOS), the shared-prefix
+dataset's leave them out (prefix + suffix, as vLLM's prefix_repetition), and
+none include a chat template's tokens. Builders are deterministic for a given seed and draw from a
 private random generator, never the global one.
 
 - random: prompts of random token ids (non-special ones that decode to whole
@@ -102,7 +104,7 @@ def _num_tokens(tokenizer: Any, text: str) -> int:
     return len(tokenizer.encode(text, add_special_tokens=True))
 
 
-def _num_special(tokenizer: Any) -> int:
+def num_special_tokens(tokenizer: Any) -> int:
     """The special tokens the tokenizer adds to a prompt (1 for a BOS)."""
     return len(tokenizer.encode("", add_special_tokens=True))
 
@@ -141,7 +143,7 @@ def random_dataset(tokenizer: Any, *, num_prompts: int, input_len: int, output_l
     lengths = rng if lengths_seed is None else random.Random(lengths_seed)
     allowed = _allowed_ids(tokenizer)
     prefix = random_text(tokenizer, rng, allowed, prefix_len)[0] if prefix_len else ""
-    special = _num_special(tokenizer)
+    special = num_special_tokens(tokenizer)
     requests = []
     for _ in range(num_prompts):
         # the prompt's special tokens (a BOS) count towards its length, as vLLM's RandomDataset counts them

@@ -72,11 +72,12 @@ def e2el(record: RequestRecord) -> float | None:
 
 
 def peaks(records: Sequence[RequestRecord]) -> tuple[float, int]:
-    """(max_output_tokens_per_s, max_concurrent_requests) as `vllm bench serve` counts
-    them over the successful requests: output tokens arrived in each whole second
-    from the first send, the highest; and the most requests in flight at one instant,
-    each from its send to its last output (an end before a start at the same time).
-    vLLM counts a token per chunk, which its server streams; a server that streams
+    """(max_output_tokens_per_s, max_concurrent_requests) over the successful requests,
+    the figures `vllm bench serve` reports under these names, counted otherwise: output
+    tokens arrived in each whole second from the first send, the highest; and the most
+    requests in flight at one instant, each from its send to its last output (an end
+    before a start at the same time; vLLM counts every request active at any time of
+    a 1 s bucket). vLLM counts a token per chunk, which its server streams; a server that streams
     several tokens a chunk (pdserve's stream interval) has each chunk count its
     request's tokens over its chunks, so the peak is in tokens too (counted by
     chunks it read 16 tok/s beside a mean of 114)."""
