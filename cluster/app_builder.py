@@ -240,7 +240,7 @@ def build_application(config: DeploymentConfig, resolved: ResolvedModel | None =
     router_args["limits"] = RequestLimits(lim.max_prompt_tokens, lim.max_tokens, lim.max_logprobs,
                                           lim.max_stop_sequences, lim.max_request_body_bytes, lim.max_stop_token_ids,
                                           lim.max_n, lim.max_logit_bias, lim.max_allowed_token_ids,
-                                          lim.max_prompts, lim.max_logprob_entries)
+                                          lim.max_prompts, lim.max_logprob_entries, lim.max_stop_chars)
     router_args["api_key_sha256"] = config.api_key_sha256()
     router_args["protect_metrics"] = config.http.protect_metrics
     router_args["cors"] = CorsSettings(tuple(config.http.allowed_origins), config.http.allow_credentials) \

@@ -264,6 +264,8 @@ class LimitsSection(_Strict):
     max_tokens: int | None = Field(None, ge=1, description="null: what the context leaves")
     max_logprobs: int = Field(20, ge=0)
     max_stop_sequences: int = Field(16, ge=0)
+    max_stop_chars: int = Field(1024, ge=1, description="characters of one stop string (the engine searches a "
+                                "window that long on every step)")
     max_stop_token_ids: int = Field(256, ge=0)
     max_n: int = Field(16, ge=1, description="choices one request may ask for (n)")
     max_logit_bias: int = Field(1024, ge=0, description="token ids one request's logit_bias may name")
@@ -469,13 +471,14 @@ class DeploymentConfig(_Strict):
     def api_key_sha256(self) -> str | None:
         """The SHA-256 of the API key the router requires, or None for no key.
         Raises ValueError when http.api_key_env names a variable that is not set."""
-        from router.http_guard import api_key_digest
+        from router.http_guard import configured_key_digest
         if self.http.api_key_sha256:
             return self.http.api_key_sha256.lower()
         if self.http.api_key_env:
-            return api_key_digest(_named_variable("http.api_key_env", self.http.api_key_env,
-                                                  "set it to the API key, or give the key with pdserve serve "
-                                                  "--api-key"))
+            return configured_key_digest(_named_variable("http.api_key_env", self.http.api_key_env,
+                                                         "set it to the API key, or give the key with pdserve "
+                                                         "serve --api-key"),
+                                         "the variable http.api_key_env names")
         return None
 
     def kv_transfer_secret(self) -> str:

@@ -149,7 +149,12 @@ TEXT_PARTS = {"text": "text", "refusal": "refusal"}
 
 def part_text(part: object) -> object:
     """A text or refusal content part's text (anything else: None)."""
-    return part.get(TEXT_PARTS[part["type"]]) if isinstance(part, dict) and part.get("type") in TEXT_PARTS else None
+    return part.get(TEXT_PARTS[part["type"]]) if is_text_part(part) else None
+
+
+def is_text_part(part: object) -> bool:
+    """A dict whose "type" names a text part (a list or dict there is no part type)."""
+    return isinstance(part, dict) and isinstance(part.get("type"), str) and part["type"] in TEXT_PARTS
 
 
 def template_messages(messages: Sequence[Mapping[str, Any]], traits: TemplateTraits, *,

@@ -34,6 +34,19 @@ def api_key_digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def configured_key_digest(key: str, source: str) -> str:
+    """api_key_digest of the key a server is started with (`source`: where it came from, for the
+    message); ValueError for a key no client could present: HTTP drops the whitespace around a
+    header's value, and a header carries bytes, not the key's characters as typed."""
+    if key != key.strip():
+        raise ValueError(f"{source}: the API key begins or ends with whitespace (a trailing newline or "
+                         "carriage return from a file?), which no client can send in a header; remove it")
+    if not (key.isascii() and key.isprintable()):
+        raise ValueError(f"{source}: the API key has characters other than printable ASCII, which clients "
+                         "cannot send as typed in a header; use a key of letters, digits and punctuation")
+    return api_key_digest(key)
+
+
 class HttpGuard:
     def __init__(self, app: ASGIApp, *, api_key_sha256: str | None = None, protect_metrics: bool = True,
                  max_body_bytes: int | None = None, on_error: Callable[[int], None] | None = None):
@@ -58,7 +71,7 @@ class HttpGuard:
             await self.app(scope, receive, send)
             return
         length = _header(scope, b"content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
+        if length is not None and length.isascii() and length.isdigit() and int(length) > limit:
             await self._refuse(scope, receive, send, 413, _too_large(limit), "request_too_large")
             return
         # Read the body here (the routes read all of it anyway), so that one sent without a

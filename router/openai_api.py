@@ -131,6 +131,9 @@ class RequestLimits:
     # logprob entries (a token's and its alternatives') a response may carry in all: each alone within its
     # limit, prompts x n x tokens x (alternatives + 1) multiply into what the router builds in memory
     max_logprob_entries: int = 1 << 22
+    # characters of one stop string: the engine searches a window as long as the longest on every
+    # step, and a stream holds back that much text while it could still be a stop string's start
+    max_stop_chars: int = 1024
 
 
 def build_openai_app(backend: GenerationBackend, tokenizer: Any, metrics: ServingMetrics, *,
@@ -168,7 +171,11 @@ def build_openai_app(backend: GenerationBackend, tokenizer: Any, metrics: Servin
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> dict[str, Any]:
         server.check_model(model)
-        return next(card for card in server.models()["data"] if card["id"] == model)
+        card = next((card for card in server.models()["data"] if card["id"] == model), None)
+        if card is None:    # an empty name (a trailing slash) passes check_model as the served model
+            raise OpenAIError(404, f"No model is named `{model}`; this server serves "
+                              f"`{server.info.served_model_name}`.", param="model", code="model_not_found")
+        return card
 
     @app.post("/tokenize")
     async def tokenize(body: dict[str, Any] = Body(...)) -> dict[str, Any]:
@@ -496,9 +503,15 @@ class _Server:
 
     def _check_text_length(self, chars: int, param: str) -> None:
         """Refuses, before tokenizing, text of `chars` characters that cannot fit the
-        context whatever its tokens: far more than the context's tokens could spell."""
+        context, or this server's `max_prompt_tokens`, whatever its tokens: far more than
+        those tokens could spell."""
         limit = self.info.max_model_len
+        cap = self.limits.max_prompt_tokens
         # a margin for normalizers and templates that drop characters before tokens are counted
+        if cap is not None and cap < limit and chars > _TEXT_MARGIN * cap * self.max_token_chars:
+            raise InvalidRequestError(
+                f"Your {param} has {chars} characters, far more than the {cap} tokens this server accepts "
+                f"can hold. Please reduce the length of the {param}.", param=param)
         if chars > _TEXT_MARGIN * limit * self.max_token_chars:
             raise InvalidRequestError(
                 f"This model's maximum context length is {limit} tokens. However, your {param} has "
@@ -637,6 +650,10 @@ class _Server:
         if len(stops) > lim.max_stop_sequences:
             raise InvalidRequestError(f"stop has {len(stops)} sequences; this server allows at most "
                                       f"{lim.max_stop_sequences}.", param="stop")
+        longest = max((len(stop) for stop in stops if isinstance(stop, str)), default=0)
+        if longest > lim.max_stop_chars:
+            raise InvalidRequestError(f"stop has a sequence of {longest} characters; this server allows at most "
+                                      f"{lim.max_stop_chars} characters per stop sequence.", param="stop")
         for name, ids, most in (("stop_token_ids", body.stop_token_ids, lim.max_stop_token_ids),
                                 ("logit_bias", body.logit_bias, lim.max_logit_bias),
                                 ("allowed_token_ids", body.allowed_token_ids, lim.max_allowed_token_ids)):

@@ -32,7 +32,14 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from engine.chat_template import TEMPLATE_ARGUMENTS, TEXT_PARTS, TemplateTraits, part_text, template_messages
+from engine.chat_template import (
+    TEMPLATE_ARGUMENTS,
+    TEXT_PARTS,
+    TemplateTraits,
+    is_text_part,
+    part_text,
+    template_messages,
+)
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams, SamplingParamsError
 
@@ -479,7 +486,7 @@ class ChatMessage(BaseModel):
             raise _shape_error("must be a string or a list of text parts")
         texts = []
         for part in value:
-            if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS:
+            if not is_text_part(part):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise _shape_error(f"only text content parts are supported (got {kind!r}); "
                                    "send {\"type\": \"text\", \"text\": ...}")

@@ -121,6 +121,64 @@ def test_request_limits_give_400s_naming_the_field(tokenizer):
     assert backend.calls[-1][2].max_tokens == 5
 
 
+def test_a_prompt_far_past_max_prompt_tokens_is_refused_before_tokenizing(tokenizer, monkeypatch):
+    client, backend = client_for(tokenizer, limits=RequestLimits(max_prompt_tokens=8))
+    from router import openai_api
+    server_tokenized = []
+    original = openai_api._Server._tokenize_text
+
+    def counting(self, body):
+        server_tokenized.append(1)
+        return original(self, body)
+    monkeypatch.setattr(openai_api._Server, "_tokenize_text", counting)
+    # 8 tokens of the tiny tokenizer spell at most a few hundred characters; the context could take far more
+    r = completion(client, prompt="x" * 100_000)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert "far more than the 8 tokens this server accepts" in r.json()["error"]["message"]
+    assert server_tokenized == [] and backend.calls == []
+    r = completion(client, prompt="one two three four five six seven eight nine ten")   # near it: tokenized
+    assert r.status_code == 400 and "at most 8" in r.json()["error"]["message"] and server_tokenized
+
+
+def test_a_stop_string_past_max_stop_chars_is_a_400(tokenizer):
+    client, backend = client_for(tokenizer, limits=RequestLimits(max_stop_chars=64))
+    r = completion(client, stop=["ok", "y" * 65])
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
+    assert "65 characters" in r.json()["error"]["message"] and "at most 64" in r.json()["error"]["message"]
+    assert completion(client, stop="y" * 64).status_code == 200
+
+
+def test_odd_paths_and_headers_get_4xx_not_500(tokenizer):
+    client, _ = client_for(tokenizer)
+    r = client.get("/v1/models/")           # an empty name passed the served-model check, then no card
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert client.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
+    for kind in (["text"], {"a": 1}):        # unhashable part types (a dict lookup raised TypeError)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": kind, "text": "hi"}]}]}
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400 and "only text content parts" in r.json()["error"]["message"], r.text
+        assert client.post("/tokenize", json=body).status_code == 400
+
+
+def test_a_content_length_of_unicode_digits_is_no_crash():
+    import asyncio
+
+    from router.http_guard import HttpGuard
+    reached = []
+
+    async def app(scope, receive, send):
+        reached.append(scope["path"])
+    guard = HttpGuard(app, max_body_bytes=1 << 20)
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "root_path": "",
+             "headers": [(b"content-length", "²".encode("latin-1"))]}
+    messages = iter([{"type": "http.request", "body": b"{}", "more_body": False}])
+
+    async def receive():
+        return next(messages)
+    asyncio.run(guard(scope, receive, lambda message: asyncio.sleep(0)))
+    assert reached == ["/v1/completions"]       # ("²".isdigit() is true; int("²") raised)
+
+
 def test_a_body_that_stops_arriving_gets_408(monkeypatch):
     import asyncio
 
@@ -211,6 +269,28 @@ def test_the_key_reaches_the_deployment_only_as_its_digest(monkeypatch):
     monkeypatch.setenv("MY_KEY", KEY)
     assert config.api_key_sha256() == api_key_digest(KEY)
     assert DeploymentConfig().api_key_sha256() is None
+
+
+@pytest.mark.parametrize("key", ["sk-abc ", "sk-abc\r", " sk-abc", "ключ-sk", "sk\tabc"])
+def test_a_key_no_client_could_send_is_refused_wherever_it_comes_from(monkeypatch, key):
+    # HTTP drops the whitespace around a header's value and carries bytes: such a key locked every client out
+    from cluster.config import ConfigFileError
+    with pytest.raises(ConfigFileError, match="--api-key: the API key"):
+        config_from_args(build_parser().parse_args(["serve", "--api-key", key]))
+    monkeypatch.setenv("PDSERVE_API_KEY", key)
+    with pytest.raises(ConfigFileError, match="PDSERVE_API_KEY: the API key"):
+        config_from_args(build_parser().parse_args(["serve"]))
+    monkeypatch.delenv("PDSERVE_API_KEY")
+    monkeypatch.setenv("MY_KEY", key)
+    with pytest.raises(ValueError, match="http.api_key_env names: the API key"):
+        DeploymentConfig.model_validate({"http": {"api_key_env": "MY_KEY"}}).api_key_sha256()
+
+
+def test_a_key_with_inner_spaces_and_punctuation_is_served(tokenizer):
+    key = "sk proj_AZaz09-!~"
+    config = config_from_args(build_parser().parse_args(["serve", "--api-key", key]))
+    client, _ = client_for(tokenizer, api_key_sha256=config.http.api_key_sha256)
+    assert completion(client, {"Authorization": f"Bearer {key}"}).status_code == 200
 
 
 def test_the_kv_transfer_secret_comes_from_the_named_variable_or_is_random(monkeypatch):

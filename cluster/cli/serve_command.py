@@ -41,7 +41,7 @@ from cluster.cli.plan_goodput import SloAction, parse_slo, unused_slo_problem
 from cluster.cli.stop_signal import StopSignal
 from cluster.config import CPU_TOKENS_PER_STEP, CUDA_TOKENS_PER_STEP, LOG_LEVELS
 from cluster.serving.placement import visible_gpus
-from router.http_guard import api_key_digest
+from router.http_guard import configured_key_digest
 
 APP_NAME = "pdserve"
 
@@ -169,7 +169,7 @@ def config_from_args(args: argparse.Namespace):
         raise ConfigFileError("--api-key is empty (an unset variable in --api-key \"$KEY\"?): give the key, or "
                               "leave the flag out to serve without one")
     if key:
-        overrides["http.api_key_sha256"] = api_key_digest(key)   # wins over the file's key settings
+        overrides["http.api_key_sha256"] = _key_digest(key, "--api-key")   # wins over the file's key settings
     from_env = os.environ.get(API_KEY_ENV)
     tp = getattr(args, "tensor_parallel_size", None)
     if tp is not None:      # every pool the mode runs, but one its own flag sets
@@ -192,7 +192,7 @@ def config_from_args(args: argparse.Namespace):
                               "key, or unset the variable to serve without one")
     if not key and from_env and not names_own_key:
         # the variable is the default key: a file that names its own key keeps it
-        overrides["http.api_key_sha256"] = api_key_digest(from_env)
+        overrides["http.api_key_sha256"] = _key_digest(from_env, API_KEY_ENV)
         config = load_config(args.config, overrides)
         print(f"pdserve: requiring the API key in {API_KEY_ENV}", file=sys.stderr)
     not_run = set(_POOLS) - set(config.pools())
@@ -233,6 +233,15 @@ def _pools_of_mode(args: argparse.Namespace) -> tuple[str, ...]:
         return POOLS_BY_MODE[Mode(mode or DeploymentConfig.model_fields["mode"].default)]
     except (ValueError, TypeError):
         return _POOLS
+
+
+def _key_digest(key: str, source: str) -> str:
+    """configured_key_digest, its refusal a ConfigFileError (the command's bad-setting exit)."""
+    from cluster.config import ConfigFileError
+    try:
+        return configured_key_digest(key, source)
+    except ValueError as exc:
+        raise ConfigFileError(str(exc)) from None
 
 
 def _refuse_a_model_taken_as_a_value(args: argparse.Namespace) -> None:
