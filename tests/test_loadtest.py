@@ -13,7 +13,8 @@ a chunk with no text and finish_reason "stop", counted in the usage),
 `error_null=1` adds `"error": null` to each output chunk, and
 `eof_cut=usage|output` sends a body that ends at EOF (no chunked encoding)
 inside the usage event or the last output event. Other prompts (the CLI's
-datasets) get the defaults. With `api_key` the server answers 401 to requests without that key.
+datasets) get the defaults. With `api_key` the server answers 401 to
+requests without that key.
 The server notes when it wrote each output chunk (`sent`), so timings are
 checked against what it actually did; injected-latency checks leave LATE_S for
 a loaded two-core machine; the metric arithmetic itself is checked exactly on

@@ -6,8 +6,8 @@ tokenizer (`encode(text, add_special_tokens=False) -> list[int]`, `decode(ids)`,
 in `vllm bench serve`: random and ShareGPT prompts' lengths include the
 special tokens a completions server adds (a BOS), the shared-prefix
 dataset's leave them out (prefix + suffix, as vLLM's prefix_repetition), and
-none include a chat template's tokens. Builders are deterministic for a given seed and draw from a
-private random generator, never the global one.
+none include a chat template's tokens. Builders are deterministic for a
+given seed and draw from a private random generator, never the global one.
 
 - random: prompts of random token ids (non-special ones that decode to whole
   characters), decoded to text and re-encoded until the text is exactly the

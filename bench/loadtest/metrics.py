@@ -77,10 +77,10 @@ def peaks(records: Sequence[RequestRecord]) -> tuple[float, int]:
     tokens arrived in each whole second from the first send, the highest; and the most
     requests in flight at one instant, each from its send to its last output (an end
     before a start at the same time; vLLM counts every request active at any time of
-    a 1 s bucket). vLLM counts a token per chunk, which its server streams; a server that streams
-    several tokens a chunk (pdserve's stream interval) has each chunk count its
-    request's tokens over its chunks, so the peak is in tokens too (counted by
-    chunks it read 16 tok/s beside a mean of 114)."""
+    a 1 s bucket). vLLM counts a token per chunk, which its server streams; a server
+    that streams several tokens a chunk (pdserve's stream interval) has each chunk
+    count its request's tokens over its chunks, so the peak is in tokens too
+    (counted by chunks it read 16 tok/s beside a mean of 114)."""
     done = [r for r in records if r.succeeded and r.send_time is not None and r.end_time is not None]
     if not done:
         return 0.0, 0
