@@ -150,8 +150,8 @@ def steps_from_idle(url: str, steps: list[float], capacity: float, step_s: float
 
 
 def print_row(row: dict) -> None:
-    cut = (f" ({row['unfinished']} unfinished, {row.get('not_sent', 0)} not sent at the time limit)"
-           if row["unfinished"] or row.get("not_sent") else "")
+    cut = (f" ({row['unfinished']} unfinished, {row['not_sent']} not sent at the time limit)"
+           if row["unfinished"] or row["not_sent"] else "")
     print(f"  {row['step']:4g}x ({row['rate']:5.2f} req/s): goodput {row['goodput']:.2f} req/s, admitted met SLOs "
           f"{row['attainment_admitted']:.0%}, refused {row['refused_share']:.0%}, TTFT p50 / p99 "
           f"{row['ttft_p50_ms'] or 0:.0f} / {row['ttft_p99_ms'] or 0:.0f} ms, "
